@@ -1,0 +1,1 @@
+"""Prefect deployment definitions of grpo-flow. Filled in by the main-job issue."""
