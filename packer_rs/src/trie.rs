@@ -341,3 +341,67 @@ fn append_entry(dst: &mut crate::sample::TokenLists, src: Option<&crate::sample:
     }
     dst.offsets.push(dst.ids.len() as u32);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(id: i64, group: i64, ids: &[i32], trained_from: usize) -> Sample {
+        let mask = (0..ids.len()).map(|i| i8::from(i >= trained_from)).collect();
+        Sample {
+            sample_id: id,
+            group_id: group,
+            input_ids: ids.to_vec(),
+            completion_mask: mask,
+            sampler_logprobs: (0..ids.len()).map(|i| -(i as f32) / 10.0).collect(),
+            advantage: id as f32,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn shares_prefixes_across_groups_and_lays_out_depth_first() {
+        let mut row = TreeRow::new();
+        row.add(s(0, 0, &[1, 2, 3, 4, 5], 2), 100).unwrap();
+        row.add(s(1, 0, &[1, 2, 3, 6, 7], 2), 100).unwrap();
+        row.add(s(2, 1, &[9, 2], 1), 100).unwrap();
+        let p = row.pack();
+        assert_eq!(p.input_ids, vec![1, 2, 3, 4, 5, 6, 7, 9, 2]);
+        assert_eq!(p.position_ids, vec![0, 1, 2, 3, 4, 3, 4, 0, 1]);
+        assert_eq!(p.subtree_end, vec![7, 7, 7, 5, 5, 7, 7, 9, 9]);
+        assert_eq!(p.cu_seqlens_q, vec![0, 3, 5, 7, 9]);
+        assert_eq!(p.kv_index, vec![0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8]);
+        assert_eq!(p.cu_seqlens_k, vec![0, 3, 8, 13, 15]);
+        assert_eq!(p.token_index, vec![1, 2, 3, 1, 2, 5, 7]);
+        assert_eq!(p.target_id, vec![3, 4, 5, 3, 6, 7, 2]);
+        assert_eq!(p.sample_index, vec![0, 0, 0, 1, 1, 1, 2]);
+        assert_eq!(p.advantage, vec![0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 2.0]);
+        assert_eq!((p.num_forwarded(), p.num_trained(), p.num_raw), (9, 7, 12));
+        // load: 1+2+3+4+5 for sample 0, 4+5 for sample 1's new tokens, 1+2 for sample 2.
+        assert_eq!(p.load, 15 + 9 + 3);
+    }
+
+    #[test]
+    fn a_sample_that_is_a_prefix_of_another_shares_all_its_tokens() {
+        let mut row = TreeRow::new();
+        row.add(s(0, 0, &[1, 2, 3, 4], 1), 100).unwrap();
+        row.add(s(1, 0, &[1, 2, 3], 1), 100).unwrap();
+        let p = row.pack();
+        assert_eq!(p.input_ids, vec![1, 2, 3, 4]);
+        assert_eq!(p.token_index, vec![0, 1, 2, 0, 1]);
+        assert_eq!(p.cu_seqlens_q, vec![0, 4]);
+    }
+
+    #[test]
+    fn fits_counts_new_tokens_and_trained_tokens() {
+        let mut row = TreeRow::new();
+        row.add(s(0, 0, &[1, 2, 3, 4], 1), 6).unwrap();
+        // 2 new tokens, 3 trained: forwarded 6 <= 6 but trained 6 <= 6 as well.
+        let p = row.fits(&s(1, 0, &[1, 2, 5, 6], 1), 6).unwrap();
+        assert_eq!((p.shared, p.new_tokens, p.added_load), (2, 2, 3 + 4));
+        // 4 trained: 3 + 4 > 6.
+        assert!(row.fits(&s(2, 0, &[1, 2, 3, 4, 5], 1), 6).is_none());
+        let err = row.add(s(3, 0, &[7, 8, 9], 1), 5).unwrap_err();
+        assert!(matches!(err, PackError::DoesNotFit { .. }), "{err}");
+    }
+}
