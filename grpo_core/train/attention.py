@@ -1,0 +1,168 @@
+"""Tree attention: each token of a packed row attends to its trie ancestors and itself.
+
+A packed row (``grpo_core.packing.PackedRow``) carries ``subtree_end``: key ``j``
+is visible to query ``q`` iff ``j <= q < subtree_end[j]``. That one array drives
+both paths, registered as the transformers attention implementation
+``"grpo_tree"``:
+
+* CPU (and CUDA fallback): ``scaled_dot_product_attention`` with a dense
+  boolean ``[N, N]`` mask (FlexAttention has no backward on CPU).
+* CUDA: compiled FlexAttention with a block mask whose ``mask_mod`` reads a
+  persistent ``subtree_end`` buffer of the padded length, so rows of the same
+  length bucket reuse one compiled kernel and never recompile (DESIGN.md §9).
+
+The mask is passed to the model as the ``tree_mask`` keyword of ``forward``;
+transformers forwards it to every attention layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TREE_ATTENTION = "grpo_tree"
+
+
+@dataclass
+class TreeMask:
+    """Visibility of one packed (and possibly padded) row.
+
+    Attributes:
+        subtree_end: ``int32[L]`` on the model's device; ``L`` >= forwarded
+            tokens ``N``; padding positions ``p >= N`` hold ``p + 1`` (they see
+            only themselves and nobody sees them).
+        dense: ``bool[1, 1, L, L]`` visibility for SDPA, or None on the flex path.
+        block_mask: FlexAttention ``BlockMask`` on CUDA, or None.
+    """
+
+    subtree_end: Tensor
+    dense: Tensor | None = None
+    block_mask: object | None = None
+
+    @property
+    def length(self) -> int:
+        """Padded row length ``L``."""
+        return int(self.subtree_end.shape[0])
+
+
+def pad_subtree_end(subtree_end: Tensor, length: int) -> Tensor:
+    """Pad ``subtree_end`` (``int[N]``) to ``length`` with self-only positions.
+
+    Raises:
+        ValueError: ``length`` < ``N``.
+    """
+    n = subtree_end.shape[0]
+    if length < n:
+        raise ValueError(f"pad length {length} is shorter than the row ({n} tokens)")
+    pad = torch.arange(n + 1, length + 1, dtype=subtree_end.dtype, device=subtree_end.device)
+    return torch.cat([subtree_end, pad])
+
+
+def dense_tree_mask(subtree_end: Tensor) -> Tensor:
+    """``bool[1, 1, L, L]``: ``mask[q, j] = j <= q < subtree_end[j]``."""
+    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    q, j = idx[:, None], idx[None, :]
+    return ((j <= q) & (q < subtree_end[None, :])).unsqueeze(0).unsqueeze(0)
+
+
+class FlexTreeMasks:
+    """Block masks for FlexAttention over rows padded to a few length buckets.
+
+    One persistent ``subtree_end`` buffer per bucket; each new row is copied
+    into it in place, so the ``mask_mod`` closure (and the compiled kernel that
+    reads it) is the same object for every row of that bucket.
+    """
+
+    def __init__(self, device: torch.device, block_size: int = 128):
+        self.device = device
+        self.block_size = block_size
+        self._buffers: dict[int, tuple[Tensor, object]] = {}
+
+    def bucket(self, n: int, buckets: tuple[int, ...]) -> int:
+        """The smallest bucket >= ``n`` (``buckets`` sorted ascending).
+
+        Raises:
+            ValueError: ``n`` exceeds the largest bucket.
+        """
+        for b in buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"row of {n} tokens exceeds the largest length bucket {buckets[-1]}; raise token_budget")
+
+    def build(self, subtree_end: Tensor, length: int) -> TreeMask:
+        """A TreeMask for a row padded to ``length`` (a bucket)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        if length not in self._buffers:
+            buf = torch.zeros(length, dtype=torch.int32, device=self.device)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (q_idx < buf[kv_idx])
+
+            self._buffers[length] = (buf, mask_mod)
+        buf, mask_mod = self._buffers[length]
+        buf.copy_(pad_subtree_end(subtree_end.to(self.device, torch.int32), length))
+        block_mask = create_block_mask(
+            mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length, device=self.device, BLOCK_SIZE=self.block_size
+        )
+        return TreeMask(subtree_end=buf, block_mask=block_mask)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def tree_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tree_mask: TreeMask | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """The ``grpo_tree`` attention implementation.
+
+    Args:
+        query: ``[1, H_q, L, D]``. key, value: ``[1, H_kv, L, D]`` (GQA allowed).
+        tree_mask: the row's :class:`TreeMask` (keyword of the model's forward).
+
+    Returns:
+        ``([1, L, H_q, D], None)``, the layout transformers expects.
+
+    Raises:
+        ValueError: no ``tree_mask`` was passed, or its length differs from ``L``.
+    """
+    if tree_mask is None:
+        raise ValueError(f"attn_implementation={TREE_ATTENTION!r} needs the `tree_mask` keyword in forward()")
+    if tree_mask.length != query.shape[2]:
+        raise ValueError(f"tree_mask covers {tree_mask.length} positions but the row has {query.shape[2]}")
+    gqa = query.shape[1] != key.shape[1]
+    if tree_mask.block_mask is not None:
+        out = _compiled_flex_attention()(
+            query, key, value, block_mask=tree_mask.block_mask, scale=scaling, enable_gqa=gqa
+        )
+    else:
+        mask = tree_mask.dense if tree_mask.dense is not None else dense_tree_mask(tree_mask.subtree_end)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_tree_attention() -> None:
+    """Register ``grpo_tree`` with transformers (attention and a no-op mask builder)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(TREE_ATTENTION, tree_attention)
+    AttentionMaskInterface.register(TREE_ATTENTION, lambda *args, **kwargs: None)

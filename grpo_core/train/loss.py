@@ -1,0 +1,105 @@
+"""The GRPO loss over packed loss terms (DESIGN.md §5; seed manual, "computing the loss").
+
+Old policy = the sampler's log-probs μ (vLLM ``processed_logprobs``), so one
+importance ratio ``r = π/μ`` covers both the train/inference mismatch and the
+policy lag. Tokens with ``r`` outside ``[clip_min, clip_max]`` are masked out of
+the loss entirely (masked importance sampling, MIS).
+
+* ``score_centering=True`` (default): per position the gradient is
+  ``A·(f(r_t)∇logπ(o_t) − Σ_v μ(v) f(r_v)∇logπ(v))`` with ``f(r) = r`` inside
+  the clip range and 0 outside, the inner sum over the sampler's top-k ids.
+  Since ``f(r)∇logπ = ∇r`` and ``μ(v) f(r_v)∇logπ(v) = ∇π(v)`` inside the range,
+  the surrogate ``A·(r_t − Σ_v 1[v in range]·π(v))`` has exactly that
+  gradient. A position whose sampled token is masked drops out whole.
+* ``score_centering=False``: the clipped surrogate
+  ``min(r·A, clip(r, 1−ε, 1+ε_high)·A)`` (PPO/GRPO), on the same MIS mask.
+
+The sum over loss terms is divided by ``num_trained_global``: the trained
+tokens of the micro-batch across all ranks, times the gradient-accumulation
+steps, so that accumulating micro-batches averages them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Loss hyper-parameters (names as in the run config).
+
+    Attributes:
+        clip_min, clip_max: MIS range of ``r = π/μ`` (defaults 0.5, 5.0).
+        score_centering: score-centred gradient (True) or clipped surrogate.
+        epsilon: lower trust-region width ε of the clipped surrogate.
+        epsilon_high: upper width (defaults to ``epsilon``).
+    """
+
+    clip_min: float = 0.5
+    clip_max: float = 5.0
+    score_centering: bool = True
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    advantages: Tensor,
+    num_trained_global: float,
+    settings: LossSettings = LossSettings(),
+    topk_logprobs: Tensor | None = None,
+    sampler_topk_logprobs: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Loss of one rank's micro-batch and its per-term statistics.
+
+    Args:
+        logprobs: ``float[M]`` trainer log π of each trained token (differentiable).
+        sampler_logprobs: ``float[M]`` sampler log μ of the same tokens.
+        advantages: ``float[M]``.
+        num_trained_global: normaliser (see module docs), > 0.
+        settings: :class:`LossSettings`.
+        topk_logprobs: ``float[M, k]`` trainer log π at the sampler's top-k ids
+            (``-inf`` = padding); needed with score centering.
+        sampler_topk_logprobs: ``float[M, k]`` sampler log μ at those ids.
+
+    Returns:
+        ``(loss, stats)``: the scalar loss and detached ``float[M]`` tensors
+        ``ratio``, ``masked`` (1 = outside the MIS range), ``logp_diff``
+        (|log π − log μ|), ``clipped_low``, ``clipped_high`` (trust region),
+        and ``sampler_mass`` (``float[M]``, with score centering).
+
+    Raises:
+        ValueError: score centering without top-k log-probs, or a bad normaliser.
+    """
+    if num_trained_global <= 0:
+        raise ValueError(f"num_trained_global must be > 0, got {num_trained_global}")
+    log_ratio = logprobs - sampler_logprobs
+    ratio = log_ratio.exp()
+    r = ratio.detach()
+    keep = (r >= settings.clip_min) & (r <= settings.clip_max)
+    eps_high = settings.epsilon if settings.epsilon_high is None else settings.epsilon_high
+    stats = {
+        "ratio": r,
+        "masked": (~keep).float(),
+        "logp_diff": log_ratio.detach().abs(),
+        "clipped_low": (r < 1 - settings.epsilon).float(),
+        "clipped_high": (r > 1 + eps_high).float(),
+    }
+    if settings.score_centering:
+        if topk_logprobs is None or sampler_topk_logprobs is None:
+            raise ValueError("score_centering needs the sampler's top-k log-probs (num_sampler_logprobs > 0)")
+        pi_v = topk_logprobs.exp()  # 0 at padding (-inf)
+        r_v = (topk_logprobs - sampler_topk_logprobs).detach().exp()
+        in_v = ((r_v >= settings.clip_min) & (r_v <= settings.clip_max)).to(pi_v.dtype)
+        centred = ratio - (in_v * pi_v).sum(-1)
+        per_term = advantages * centred
+        stats["sampler_mass"] = sampler_topk_logprobs.detach().exp().nan_to_num(0.0).sum(-1)
+    else:
+        clipped = ratio.clamp(1 - settings.epsilon, 1 + eps_high)
+        per_term = torch.minimum(ratio * advantages, clipped * advantages)
+    loss = -(per_term * keep.to(per_term.dtype)).sum() / num_trained_global
+    return loss, stats
