@@ -1,0 +1,125 @@
+"""Metric logging windows with the aggregation rules of DESIGN.md §7, and sinks.
+
+Within one window (everything recorded since the last flush):
+
+* a name whose last path part contains ``count`` is summed;
+* a name whose last part contains ``max`` / ``min`` keeps the extreme;
+* a rate (``*_per_s``) is total/total: record it with :meth:`MetricWindow.rate`
+  (numerator and seconds), and the window divides the sums;
+* anything else is the mean of the recorded values.
+
+Sinks receive ``(step, {name: value})``; the JSON-lines sink here has no
+dependency, the MLflow sink lives in ``grpo_core.tracking``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+
+def aggregation(name: str) -> str:
+    """``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` for a metric name (DESIGN.md §7)."""
+    last = name.rsplit("/", 1)[-1]
+    if "count" in last:
+        return "sum"
+    if "max" in last:
+        return "max"
+    if "min" in last:
+        return "min"
+    return "mean"
+
+
+class MetricWindow:
+    """Accumulates metric values until :meth:`flush` (one logging window)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[float]] = defaultdict(list)
+        self._rates: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+
+    def add(self, name: str, value: float) -> None:
+        """Record one value of ``name`` (NaN values are ignored)."""
+        value = float(value)
+        if not math.isnan(value):
+            self._values[name].append(value)
+
+    def update(self, values: Mapping[str, float]) -> None:
+        """Record several values."""
+        for k, v in values.items():
+            self.add(k, v)
+
+    def rate(self, name: str, amount: float, seconds: float) -> None:
+        """Record ``amount`` over ``seconds`` for a rate metric (total/total)."""
+        acc = self._rates[name]
+        acc[0] += float(amount)
+        acc[1] += float(seconds)
+
+    def flush(self) -> dict[str, float]:
+        """The window's aggregated metrics; the window starts empty again."""
+        out: dict[str, float] = {}
+        for name, values in self._values.items():
+            how = aggregation(name)
+            if how == "sum":
+                out[name] = sum(values)
+            elif how == "max":
+                out[name] = max(values)
+            elif how == "min":
+                out[name] = min(values)
+            else:
+                out[name] = sum(values) / len(values)
+        for name, (amount, seconds) in self._rates.items():
+            if seconds > 0:
+                out[name] = amount / seconds
+        self._values.clear()
+        self._rates.clear()
+        return out
+
+
+def merge(windows: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Combine already-aggregated dicts with the same rules (means are averaged)."""
+    w = MetricWindow()
+    for d in windows:
+        w.update(d)
+    return w.flush()
+
+
+class MetricsSink(Protocol):
+    """Where flushed metric windows go (JSON lines, MLflow, …)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record the metrics of optimizer step ``step``."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release resources."""
+        ...
+
+
+class JsonlSink:
+    """Appends one JSON object per logged step to a file: ``{"step": N, ...metrics}``.
+
+    Appending (not truncating) lets a resumed run continue the same file.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Write one line and flush it."""
+        self._f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._f.close()
+
+    @staticmethod
+    def read(path: str | Path) -> list[dict]:
+        """All records of a JSON-lines metrics file."""
+        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
