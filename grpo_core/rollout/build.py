@@ -1,0 +1,83 @@
+"""Assemble a :class:`RolloutLoop` from a job: config objects, tokenizer, dataset, rewards, tools, clients.
+
+Runs inside the rollout process, on its event loop (the HTTP clients belong to it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from grpo_core.config import RolloutConfig
+from grpo_core.errors import ConfigError
+
+from .data import default_rewards, import_object, load_dataset
+from .loop import LoopRuntime, RolloutLoop
+
+logger = logging.getLogger(__name__)
+
+
+def loop_class_and_config(rollout: RolloutConfig, loop_class: Any = None) -> tuple[type[RolloutLoop], RolloutConfig]:
+    """The loop class and its config: ``rollout`` re-validated as the class's ``config_class`` with ``loop_options``.
+
+    Raises:
+        ConfigError: the class is not a ``RolloutLoop`` subclass, or ``loop_options`` do not fit its config.
+    """
+    cls = loop_class or import_object(rollout.loop_class, "rollout.loop_class")
+    if not (isinstance(cls, type) and issubclass(cls, RolloutLoop)):
+        raise ConfigError(f"rollout.loop_class={rollout.loop_class!r} is not a RolloutLoop subclass")
+    config_cls = cls.config_class
+    data = {**rollout.model_dump(), **rollout.loop_options}
+    try:
+        config = config_cls.model_validate(data)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.loop_options do not fit {config_cls.__name__} of {cls.__name__}: {exc}") from exc
+    return cls, config
+
+
+def _environment_factory(rollout: RolloutConfig, passed: Any) -> Any:
+    if passed is not None:
+        return passed
+    spec = rollout.environment_factory
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return import_object(spec, "rollout.environment_factory")
+    return {name: import_object(path, f"rollout.environment_factory[{name!r}]") for name, path in spec.items()}
+
+
+async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
+    """The loop of ``job`` (a ``RolloutJob``), ready for ``drive``."""
+    from transformers import AutoTokenizer
+
+    from grpo_core.models import resolve_model_dir
+    from grpo_core.serving.client import GenerationClient
+
+    run = job.config
+    rollout = run.rollout
+    cls, config = loop_class_and_config(rollout, job.loop_class)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(run.model))
+    dataset = job.dataset if job.dataset is not None else load_dataset(rollout)
+    rewards = [*(import_object(n, "rollout.reward_functions") for n in rollout.reward_functions),
+               *job.reward_functions]
+    if not rewards and job.dataset is None:
+        rewards = default_rewards(rollout)
+    tools = [*(import_object(n, "rollout.tools") for n in rollout.tools), *job.tools]
+    clients = [GenerationClient(url, max_connections=rollout.max_concurrent_rollouts,
+                                timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries)
+               for url in job.server_urls]
+    if not clients:
+        raise ConfigError("the rollout needs at least one generation server URL")
+    try:
+        max_model_len = await clients[0].max_model_len()
+    except (ValueError, KeyError):
+        max_model_len = run.server.max_model_len
+    runtime = LoopRuntime(tokenizer=tokenizer, clients=clients, model_name=run.served_model_name(),
+                          max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
+                          reward_functions=rewards, tools=tools,
+                          environment_factory=_environment_factory(rollout, job.environment_factory),
+                          resume=job.resume, window=window)
+    if not rewards and runtime.environment_factory is None:
+        logger.warning("no reward function and no environment: every group is unscored and dropped; "
+                       "set rollout.reward_functions")
+    return cls(config, runtime)

@@ -1,0 +1,145 @@
+"""Prompt datasets of the rollout loop: HF Dataset / IterableDataset, reasoning-gym, JSON lines.
+
+A prompt dataset yields rows (dicts) with a conversational ``prompt`` column (a list of
+``{"role", "content"}`` messages); other columns reach reward functions and an
+environment's ``reset`` as keyword arguments. With an ``environment_factory`` the ``prompt``
+column may be missing (``reset`` returns the prompt text).
+
+Prompt positions: the rollout numbers prompts across epochs, ``prompt_index = epoch *
+num_rows + row_index``; it is the ``prompt_index`` and ``group_id`` of the samples and
+the position a resume restarts from.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from grpo_core.config import RolloutConfig
+from grpo_core.errors import ConfigError
+
+REASONING_GYM_PREFIX = "reasoning_gym:"
+RG_SYSTEM_PROMPT = ("Solve the problem. Think briefly, then give only the final answer inside "
+                    "<answer></answer> tags.")
+
+
+def import_object(path: str, field: str) -> Any:
+    """Import ``module:attribute`` (attribute may be dotted).
+
+    Raises:
+        ConfigError: the module or attribute does not exist (names ``field``).
+    """
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{field}={path!r} must be 'module:attribute'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{field}={path!r} cannot be imported: {exc}") from exc
+    return obj
+
+
+def reasoning_gym_dataset(task: str, size: int, seed: int) -> Any:
+    """A reasoning-gym task as an HF Dataset: ``prompt`` (system + question), ``answer``, ``rg_task``, ``rg_entry``.
+
+    ``rg_entry`` is the task entry as JSON (for ``score_answer``); score it with
+    :func:`reasoning_gym_reward`.
+    """
+    import datasets
+    import reasoning_gym
+
+    try:
+        source = reasoning_gym.create_dataset(task, size=size, seed=seed)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"rollout.dataset='reasoning_gym:{task}': unknown reasoning-gym task ({exc})") from exc
+    rows = [{
+        "prompt": [{"role": "system", "content": RG_SYSTEM_PROMPT}, {"role": "user", "content": e["question"]}],
+        "answer": str(e["answer"]),
+        "rg_task": task,
+        "rg_entry": json.dumps(e, default=str),
+    } for e in source]
+    return datasets.Dataset.from_list(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _rg_scorer(task: str) -> Any:
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, size=1, seed=0)
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(text: str) -> str:
+    """The last ``<answer>…</answer>`` of a completion, else its last non-empty line."""
+    found = _ANSWER.findall(text)
+    if found:
+        return found[-1].strip()
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def reasoning_gym_reward(completions: list[list[dict[str, Any]]], rg_task: list[str] | None = None,
+                         rg_entry: list[str] | None = None, **_: Any) -> list[float | None]:
+    """Reward of reasoning-gym rows: the task's ``score_answer`` (0-1) on the extracted answer; None elsewhere."""
+    if rg_task is None or rg_entry is None:
+        return [None] * len(completions)
+    out: list[float | None] = []
+    for completion, task, entry in zip(completions, rg_task, rg_entry, strict=True):
+        if not task:
+            out.append(None)
+            continue
+        text = "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant")
+        out.append(float(_rg_scorer(task).score_answer(extract_answer(text), json.loads(entry))))
+    return out
+
+
+def load_dataset(config: RolloutConfig) -> Any:
+    """The prompt dataset named by ``config.dataset``.
+
+    Raises:
+        ConfigError: unset, unknown form, or the callable does not return rows.
+    """
+    spec = config.dataset
+    if spec is None:
+        raise ConfigError("rollout.dataset is unset and no dataset was passed in code; set it to "
+                          "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'")
+    if spec.startswith(REASONING_GYM_PREFIX):
+        return reasoning_gym_dataset(spec[len(REASONING_GYM_PREFIX):], config.dataset_size, config.dataset_seed)
+    if spec.startswith("json:"):
+        import datasets
+
+        return datasets.load_dataset("json", data_files=spec[5:], split="train")
+    factory = import_object(spec, "rollout.dataset")
+    data = factory(**config.dataset_kwargs) if callable(factory) else factory
+    if not isinstance(data, Iterable):
+        raise ConfigError(f"rollout.dataset={spec!r} returned {type(data).__name__}, not a Dataset or rows")
+    return data
+
+
+def default_rewards(config: RolloutConfig) -> list[Callable[..., Any]]:
+    """Reward functions implied by the dataset (reasoning-gym's verifier)."""
+    if config.dataset and config.dataset.startswith(REASONING_GYM_PREFIX):
+        return [reasoning_gym_reward]
+    return []
+
+
+def num_rows(dataset: Any) -> int | None:
+    """Rows of a map-style dataset, None for a streaming one."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def iter_rows(dataset: Any) -> Iterator[dict[str, Any]]:
+    """Rows of any dataset as plain dicts, in order."""
+    for row in dataset:
+        yield dict(row)

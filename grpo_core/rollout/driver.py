@@ -1,0 +1,179 @@
+"""Drives a :class:`RolloutLoop`: prompt order, epochs, resume, token allowance, concurrency polls.
+
+``drive(loop)`` runs until the epochs are done (or forever with ``max_steps``: the trainer
+ends the run). Groups run as tasks of one ``asyncio.TaskGroup``, so a failing group (a
+reward function raising, the server gone past its retries) fails the run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from grpo_core.errors import RolloutError, ServingError
+
+from .data import iter_rows, num_rows
+from .loop import RolloutLoop
+
+logger = logging.getLogger(__name__)
+
+ALLOWANCE_POLL_S = 0.02
+
+
+def prompt_stream(dataset: Any, num_epochs: int | None, start: int = 0) -> Iterator[tuple[int, int, int, dict]]:
+    """``(epoch, row_index, prompt_index, row)`` in order, from prompt position ``start``.
+
+    ``prompt_index = epoch * num_rows + row_index``. Map-style datasets jump straight to
+    ``start``; streaming ones are read from their first row and the rows before ``start``
+    skipped (no request is made for them). ``num_epochs`` None = cycle forever.
+
+    Raises:
+        RolloutError: the dataset has no rows.
+    """
+    n = num_rows(dataset)
+    indexable = n is not None
+    epoch = start // n if n else 0
+    position = epoch * n if n else 0
+    while num_epochs is None or epoch < num_epochs:
+        if indexable:
+            first = max(start - position, 0)
+            rows = ((i, dict(dataset[i])) for i in range(first, n))
+            position += first
+        else:
+            rows = enumerate(iter_rows(dataset))
+        count = 0
+        for row_index, row in rows:
+            count += 1
+            if position >= start:
+                yield epoch, row_index, position, row
+            position += 1
+        if n is None:
+            n = count
+        if n == 0:
+            raise RolloutError("the prompt dataset has no rows; check rollout.dataset")
+        epoch += 1
+
+
+def _may_start(loop: RolloutLoop) -> bool:
+    """Token allowance, and no more groups in flight than the concurrency cap can run (at least one)."""
+    allowance = loop.runtime.allowance
+    busy = allowance.in_flight_groups * loop.config.num_generations >= max(loop.cap.cap, loop.config.num_generations)
+    return not busy and allowance.may_start_group()
+
+
+async def _wait_allowance(loop: RolloutLoop) -> None:
+    if _may_start(loop):
+        return
+    start = time.monotonic()
+    while not _may_start(loop):
+        await asyncio.sleep(ALLOWANCE_POLL_S)
+    loop.window.add("rollout/backpressure_s", time.monotonic() - start)
+
+
+async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:
+    """Walk the prompts: skip trained ones, filter, and start one group task per accepted prompt.
+
+    Raises:
+        RolloutError: ``filter_prompt`` rejected every prompt of an epoch.
+    """
+    cfg, resume = loop.config, loop.runtime.resume
+    start = resume.first_untrained_prompt_index if resume else 0
+    done = set(resume.trained_above) if resume else set()
+    epochs = None if cfg.max_steps is not None else cfg.num_epochs
+    current, offered, accepted = -1, 0, 0
+    for epoch, row_index, prompt_index, row in prompt_stream(loop.runtime.dataset, epochs, start):
+        if epoch != current:
+            _check_epoch(current, offered, accepted)
+            current, offered, accepted = epoch, 0, 0
+        if prompt_index in done:
+            continue
+        offered += 1
+        if not loop.filter_prompt(row_index, row, epoch):
+            loop.runtime.queue.consumed(prompt_index)
+            continue
+        accepted += 1
+        await _wait_allowance(loop)
+        tasks.create_task(loop.run_group(prompt_index, row_index, epoch, row))
+        await asyncio.sleep(0)
+    _check_epoch(current, offered, accepted)
+
+
+def _check_epoch(epoch: int, offered: int, accepted: int) -> None:
+    if offered and not accepted:
+        raise RolloutError(f"filter_prompt rejected all {offered} prompts of epoch {epoch}: no sample can reach the "
+                           "trainer; relax the filter or stop the run")
+
+
+async def poll_concurrency(loop: RolloutLoop, first: bool = False) -> None:
+    """One ``/metrics`` poll of every replica; adjusts the cap and logs the server load."""
+    cap, window, clients = loop.cap, loop.window, loop.runtime.clients
+    try:
+        snaps = [await c.metrics() for c in clients]
+    except ServingError as exc:  # the server is down: keep the cap, the requests retry
+        logger.warning("/metrics poll failed: %s", exc)
+        return
+    if any(s is None for s in snaps):
+        await cap.set_cap(cap.ceiling)
+    else:
+        usage = max(s.kv_cache_usage_frac for s in snaps)
+        waiting = sum(s.num_requests_waiting for s in snaps)
+        if first:
+            kv = sum(s.kv_cache_size_tokens or 0 for s in snaps) or None
+            await cap.set_cap(cap.initial_cap(kv, loop.runtime.max_model_len))
+        else:
+            await cap.update(usage, waiting)
+        window.add("rollout/vllm_kv_cache_usage_frac", usage)
+        window.add("rollout/vllm_running_requests", sum(s.num_requests_running for s in snaps))
+        window.add("rollout/vllm_queued_requests", waiting)
+        preemptions = sum(s.num_preemptions for s in snaps)
+        window.add("rollout/vllm_preemption_count", max(preemptions - getattr(loop, "_preemptions", 0.0), 0.0))
+        loop._preemptions = preemptions
+    window.add("rollout/concurrency_cap", cap.cap)
+    window.add("rollout/concurrency", cap.in_flight)
+
+
+async def _poll_forever(loop: RolloutLoop) -> None:
+    retries = 0
+    while True:
+        await asyncio.sleep(loop.config.concurrency_poll_s)
+        await poll_concurrency(loop)
+        total = sum(c.retry_count for c in loop.runtime.clients)
+        loop.window.add("rollout/vllm_retry_count", total - retries)
+        retries = total
+
+
+async def _heartbeat(loop: RolloutLoop) -> None:
+    while True:
+        loop.runtime.queue.beat()
+        await asyncio.sleep(0.5)
+
+
+async def drive(loop: RolloutLoop) -> None:
+    """Run the loop to the end of its epochs (``setup`` first, ``close`` always)."""
+    await loop.setup()
+    background: list[asyncio.Task] = []
+    try:
+        background = [asyncio.create_task(_heartbeat(loop))]
+        await poll_concurrency(loop, first=True)
+        background.append(asyncio.create_task(_poll_forever(loop)))
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                await produce(loop, tasks)
+        except BaseExceptionGroup as group:
+            raise _first(group) from None
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await loop.close()
+        loop.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

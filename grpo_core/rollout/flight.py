@@ -1,0 +1,174 @@
+"""The rollout side of the transport: the sample queue and an Arrow Flight server over it.
+
+The rollout loop (asyncio thread) pushes finished groups into :class:`SampleQueue`; the
+Flight server (its own gRPC threads) serves them to the trainer:
+
+- ``DoGet`` ticket ``{"policy_version", "min_samples", "wait_s"}`` (JSON): waits up to
+  ``wait_s`` for ``min_samples`` queued samples (or the end), then streams every queued
+  group as one Sample-schema batch (whole groups only). The schema metadata carries
+  ``grpo.consumed`` (JSON list of prompts finished without a sample) and ``grpo.exhausted``.
+- ``DoAction``: ``report`` ``{"policy_version", "tokens_consumed"}`` (token allowance),
+  ``metrics`` (JSON metric window), ``heartbeat`` (seconds since the loop last ticked, the
+  failure traceback if it failed), ``shutdown``.
+
+Nothing but Arrow and JSON crosses the wire (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from grpo_core.packing import Sample, sample_schema, samples_to_arrow
+
+from .pace import TokenAllowance
+from .window import MetricWindow
+
+logger = logging.getLogger(__name__)
+
+META_CONSUMED = b"grpo.consumed"
+META_EXHAUSTED = b"grpo.exhausted"
+
+
+class SampleQueue:
+    """Finished groups waiting for the trainer, and the loop's liveness (thread-safe).
+
+    Args:
+        allowance: told when queued tokens leave.
+        with_topk: whether batches carry the sampler top-k columns.
+    """
+
+    def __init__(self, allowance: TokenAllowance, with_topk: bool) -> None:
+        self.allowance = allowance
+        self.schema = sample_schema(with_topk, False)
+        self._groups: deque[tuple[pa.RecordBatch, int]] = deque()
+        self._consumed: list[int] = []
+        self._num_samples = 0
+        self._cond = threading.Condition()
+        self.finished = False
+        self.failure: str | None = None
+        self.last_beat = time.monotonic()
+
+    def put_group(self, prompt_index: int, samples: list[Sample], tokens: int) -> None:
+        """Queue one group's samples (encoded to Arrow here, in the loop's thread)."""
+        batch = samples_to_arrow(samples)
+        with self._cond:
+            self._groups.append((batch, tokens))
+            self._num_samples += batch.num_rows
+            self._cond.notify_all()
+
+    def consumed(self, prompt_index: int) -> None:
+        """A prompt finished without a trainable sample (rejected, or zero-std group)."""
+        with self._cond:
+            self._consumed.append(prompt_index)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Every prompt was generated; the stream ends once the queue is empty."""
+        with self._cond:
+            self.finished = True
+            self._cond.notify_all()
+
+    def fail(self, traceback_text: str) -> None:
+        """The loop failed; every later pull raises with this traceback."""
+        with self._cond:
+            self.failure = traceback_text
+            self._cond.notify_all()
+
+    def beat(self) -> None:
+        """The loop is alive (called from its event loop)."""
+        self.last_beat = time.monotonic()
+
+    def take(self, min_samples: int, wait_s: float) -> tuple[list[pa.RecordBatch], list[int], bool, int]:
+        """Wait up to ``wait_s`` for ``min_samples`` (or the end), then pop everything queued.
+
+        Returns:
+            ``(batches, consumed prompt indices, exhausted, samples queued before the pop)``.
+        """
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while (self._num_samples < min_samples and not self.finished and self.failure is None
+                   and time.monotonic() < deadline):
+                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            if self.failure is not None:
+                raise flight.FlightServerError(f"rollout loop failed:\n{self.failure}")
+            queued = self._num_samples
+            groups, self._groups = list(self._groups), deque()
+            consumed, self._consumed = self._consumed, []
+            self._num_samples = 0
+            exhausted = self.finished
+        self.allowance.dequeued(sum(t for _, t in groups))
+        return [b for b, _ in groups], consumed, exhausted, queued
+
+
+class RolloutFlightServer(flight.FlightServerBase):
+    """Flight server of the rollout process (see the module docstring for the protocol).
+
+    Args:
+        location: ``grpc://host:port`` to bind (port 0 = a free port).
+        queue: the sample queue.
+        window: the rollout metric window (drained by ``metrics``).
+        generated_tokens: returns the loop's running count of generated tokens.
+        on_shutdown: called when the trainer asks the process to stop.
+    """
+
+    def __init__(self, location: str, queue: SampleQueue, window: MetricWindow,
+                 generated_tokens: Callable[[], int], on_shutdown: Callable[[], None]) -> None:
+        super().__init__(location)
+        self.queue = queue
+        self.window = window
+        self.generated_tokens = generated_tokens
+        self.on_shutdown = on_shutdown
+        self._rate_mark = (time.monotonic(), 0)
+
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
+        request = json.loads(ticket.ticket.decode())
+        batches, consumed, exhausted, queued = self.queue.take(int(request.get("min_samples", 1)),
+                                                              float(request.get("wait_s", 1.0)))
+        self.window.add("rollout/queue_size", queued)
+        metadata = {META_CONSUMED: json.dumps(consumed).encode(), META_EXHAUSTED: b"1" if exhausted else b"0"}
+        schema = self.queue.schema.with_metadata(metadata)
+        table = pa.Table.from_batches([b.cast(self.queue.schema) if b.schema != self.queue.schema else b
+                                       for b in batches], schema=self.queue.schema)
+        return flight.RecordBatchStream(table.replace_schema_metadata(schema.metadata))
+
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
+        return [("report", "trainer feedback: policy version, tokens consumed by the last step"),
+                ("metrics", "rollout metric window as JSON"), ("heartbeat", "liveness of the rollout loop"),
+                ("shutdown", "stop the rollout process")]
+
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action):
+        body = json.loads(action.body.to_pybytes().decode() or "{}") if action.body else {}
+        if action.type == "report":
+            self.queue.allowance.report(int(body["policy_version"]), int(body["tokens_consumed"]))
+            answer: object = {"ok": True}
+        elif action.type == "metrics":
+            answer = self._metrics()
+        elif action.type == "heartbeat":
+            answer = {"age_s": time.monotonic() - self.queue.last_beat, "failure": self.queue.failure,
+                      "finished": self.queue.finished}
+        elif action.type == "shutdown":
+            threading.Thread(target=self.on_shutdown, daemon=True).start()
+            answer = {"ok": True}
+        else:
+            raise flight.FlightServerError(f"unknown action {action.type!r}")
+        return [flight.Result(pa.py_buffer(json.dumps(answer).encode()))]
+
+    def _metrics(self) -> dict[str, float]:
+        out = self.window.drain()
+        now, tokens = time.monotonic(), self.generated_tokens()
+        then, before = self._rate_mark
+        if now > then:
+            out["rollout/generated_tokens_per_s"] = (tokens - before) / (now - then)
+        self._rate_mark = (now, tokens)
+        allowance = self.queue.allowance
+        out["rollout/token_allowance"] = float(allowance.limit)
+        out["rollout/queued_tokens"] = float(allowance.queued_tokens)
+        return out

@@ -1,0 +1,284 @@
+"""The rollout loop and its hooks (seed manual, "customising the rollout loop"; DESIGN.md §3, §5).
+
+Each prompt goes through ``filter_prompt`` → G x ``generate_one`` (which calls
+``generate_one_turn`` per sampling request) → rewards (functions, environment, rollout) →
+``compute_advantages`` → samples, pushed to the sample queue the Flight server serves.
+Users subclass :class:`RolloutLoop`, override hooks, optionally give it a ``config_class``
+(a ``RolloutConfig`` subclass with their own fields, filled from ``rollout.loop_options``)
+and name it in ``rollout.loop_class``. Create clients in ``setup`` (it runs on the loop's
+event loop), not in ``__init__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from grpo_core.config import RolloutConfig
+from grpo_core.errors import RolloutError
+from grpo_core.transport import ResumeState
+
+from .pace import ConcurrencyCap, TokenAllowance
+from .rewards import group_advantages, is_zero_std, log_group_rewards
+from .scoring import group_samples, group_tokens, log_completions, score_group
+from .tools import EnvironmentPool, environment_tools, parse_tool_calls, run_tool_calls, tool_name, tool_schemas
+from .types import Rollout, RolloutGroup, TurnRecord, reconcile_turns
+from .window import MetricWindow
+
+logger = logging.getLogger(__name__)
+
+# (group_id, rollout index in the group, turn counter) of the request being made, for its seed.
+_REQUEST = contextvars.ContextVar("rollout_request", default=(0, 0, [0]))
+
+
+def request_seed(base: int, group_id: int, rollout: int, turn: int) -> int:
+    """A distinct, reproducible sampler seed per request (31-bit; splitmix-style mixing)."""
+    x = (base * 0x9E3779B97F4A7C15 + group_id * 0xBF58476D1CE4E5B9 + rollout * 0x94D049BB133111EB + turn) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    return int(x ^ (x >> 32)) & 0x7FFFFFFF
+
+
+@dataclass
+class LoopRuntime:
+    """What the rollout process hands the loop (built by ``grpo_core.rollout.process``).
+
+    Attributes:
+        tokenizer: HF tokenizer of the policy (chat template, encode/decode).
+        clients: one ``GenerationClient`` per server replica (requests go round robin).
+        model_name: served model name used in requests.
+        max_model_len: the server's prompt + completion limit in tokens.
+        dataset: prompt rows (HF Dataset, IterableDataset, list of dicts).
+        reward_functions, tools: callables; environment_factory: class or name -> class.
+        queue: sink of finished groups (``SampleQueue``).
+        allowance: token allowance shared with the Flight server.
+        resume: prompts to skip (already trained) and where to start.
+    """
+
+    tokenizer: Any
+    clients: list[Any]
+    model_name: str
+    max_model_len: int
+    dataset: Any
+    queue: Any
+    allowance: TokenAllowance
+    reward_functions: list[Any] = field(default_factory=list)
+    tools: list[Any] = field(default_factory=list)
+    environment_factory: Any = None
+    resume: ResumeState | None = None
+    window: MetricWindow = field(default_factory=MetricWindow)
+
+
+class RolloutLoop:
+    """Generates, scores and queues groups. Override the hooks to customise a run."""
+
+    config_class: type[RolloutConfig] = RolloutConfig
+
+    def __init__(self, config: RolloutConfig, runtime: LoopRuntime) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.tokenizer = runtime.tokenizer
+        self.window = runtime.window
+        self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts,
+                                           thread_name_prefix="rollout-tools")
+        self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
+        self.environments = EnvironmentPool(runtime.environment_factory) if runtime.environment_factory else None
+        self._next_client = 0
+        self.generated_tokens = 0
+
+    # ----- hooks ---------------------------------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Create resources the other hooks need (runs on the loop's event loop before the first prompt)."""
+
+    async def close(self) -> None:
+        """Release what ``setup`` created; runs when the loop stops, failures included."""
+
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+        """Whether to generate for a prompt; a rejected prompt counts as consumed for the epoch."""
+        return True
+
+    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Any], group_id: int = 0) -> Rollout:
+        """One rollout: render with the chat template, sample, run tool calls, repeat.
+
+        Stops when a reply calls no tool, hits ``max_completion_length``, the context is
+        full, or after ``max_tool_calling_iterations`` tool rounds.
+        """
+        schemas = tool_schemas(tools) if tools else None
+        by_name = {tool_name(t): t for t in tools}
+        messages, completion = list(prompt), []
+        turns: list[TurnRecord] = []
+        calls = failures = rounds = 0
+        exhausted = False
+        while True:
+            prompt_ids = self.render(messages, schemas)
+            if len(prompt_ids) >= self.runtime.max_model_len - 1:
+                break
+            turn = await self.generate_one_turn(prompt_ids)
+            turns.append(turn)
+            reply = {"role": "assistant", "content": turn.text}
+            messages.append(reply)
+            completion.append(reply)
+            parsed = parse_tool_calls(turn.text) if tools else []
+            if not parsed or turn.finish_reason != "stop":
+                break
+            limit = self.config.max_tool_calling_iterations
+            if limit is not None and rounds >= limit:
+                exhausted = True
+                break
+            rounds += 1
+            tool_messages, failed = await run_tool_calls(parsed, by_name, self.executor, self.window)
+            self.window.add("tools/parallel_calls_mean", len(parsed))
+            calls, failures = calls + len(parsed), failures + failed
+            messages.extend(tool_messages)
+            completion.extend(tool_messages)
+        ids = [t for turn in turns for t in turn.output_ids]
+        return Rollout(completion=completion, completion_ids=ids, turns=turns, tool_call_count=calls,
+                       tool_failure_count=failures, loop_exhausted=exhausted)
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the config's sampling settings and a per-request seed."""
+        cfg = self.config
+        group_id, rollout, counter = _REQUEST.get()
+        seed = request_seed(cfg.seed, group_id, rollout, counter[0])
+        counter[0] += 1
+        client = self.runtime.clients[self._next_client % len(self.runtime.clients)]
+        self._next_client += 1
+        max_tokens = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
+        (out,) = await client.complete(prompt_ids, model=self.runtime.model_name, max_tokens=max_tokens,
+                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                       min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
+        self.generated_tokens += len(out.token_ids)
+        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=out.token_ids, output_log_probs=out.logprobs,
+                          output_sampler_logprobs=out.top_logprobs, finish_reason=out.finish_reason, text=out.text)
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """``float32[G]`` group-normalised advantages; NaN rewards get 0 and are left out (DESIGN.md §5)."""
+        assert group.rewards is not None
+        return group_advantages(group.rewards)
+
+    # ----- helpers hooks may use ----------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, Any]], tool_schemas_: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation through the chat template, with the generation prompt.
+
+        When the template ignores ``tools`` (no ``tools`` in its source), the schemas go into
+        the system message in the ChatML/Qwen form (``<tools>…</tools>`` + ``<tool_call>`` syntax).
+        """
+        template = self.tokenizer.chat_template or ""
+        if tool_schemas_ and "tools" not in template:
+            messages = _with_tool_system_prompt(messages, tool_schemas_)
+            tool_schemas_ = None
+        text = self.tokenizer.apply_chat_template(messages, tools=tool_schemas_, tokenize=False,
+                                                  add_generation_prompt=True, **self.config.chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ----- one group ----------------------------------------------------------------------------
+
+    async def run_group(self, prompt_index: int, row_index: int, epoch: int, row: dict[str, Any]) -> None:
+        """Generate, score and queue the group of one accepted prompt."""
+        allowance = self.runtime.allowance
+        allowance.group_started()
+        started = time.monotonic()
+        version = allowance.policy_version
+        results = await asyncio.gather(*(self._rollout(prompt_index, i, row)
+                                         for i in range(self.config.num_generations)))
+        prompts, rollouts = [p for p, _ in results], [r for _, r in results]
+        sequences = [self._reconcile(r) for r in rollouts]
+        group = RolloutGroup(prompt_index=prompt_index, row_index=row_index, epoch=epoch, row=row, prompts=prompts,
+                             rollouts=rollouts, sequences=sequences, policy_version=version, started_at=started)
+        await score_group(group, self.runtime.reward_functions, self.executor, self.window)
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
+        if advantages.shape != (len(rollouts),):
+            raise RolloutError(f"compute_advantages returned shape {advantages.shape}; expected ({len(rollouts)},)")
+        dropped = is_zero_std(group.rewards)
+        log_group_rewards(self.window, group, dropped)
+        log_completions(group, self.window, with_tools=bool(self.runtime.tools or self.environments))
+        samples = [] if dropped else group_samples(group, advantages, self.config.num_sampler_logprobs > 0)
+        tokens = group_tokens([s.input_ids for s in samples] if samples
+                              else [seq.input_ids for seqs in sequences for seq in seqs])
+        if samples:
+            self.runtime.queue.put_group(prompt_index, samples, tokens)
+        else:
+            self.runtime.queue.consumed(prompt_index)
+        allowance.group_finished(tokens, queued=bool(samples))
+        self.window.add("rollout/queued_tokens_max", allowance.queued_tokens)
+
+    def _reconcile(self, rollout: Rollout) -> list:
+        seqs, stats = reconcile_turns(rollout.turns)
+        if stats.transitions:
+            self.window.add_many("rollout/fork_frac", [1.0] * stats.forks + [0.0] * (stats.transitions - stats.forks))
+            self.window.add_many("rollout/drift_tokens_mean", stats.drift_tokens)
+            self.window.add("rollout/drift_tokens_max", max(stats.drift_tokens))
+        self.window.add("rollout/samples_per_rollout", len(seqs))
+        return seqs
+
+    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any]) -> tuple[list, Rollout]:
+        """One rollout under a concurrency slot, with its environment (reset, tools, get_reward)."""
+        _REQUEST.set((prompt_index, index, [0]))
+        await self.cap.acquire()
+        start = time.monotonic()
+        env_name, env = None, None
+        try:
+            prompt = list(row.get("prompt") or [])
+            tools = list(self.runtime.tools)
+            if self.environments is not None:
+                env_name = self.environments.route(row)
+                env = self.environments.take(env_name)
+                prompt = await self._reset(env, row, prompt)
+                tools += environment_tools(env)
+            rollout = await self.generate_one(prompt, tools, prompt_index)
+            if env is not None and hasattr(env, "get_reward"):
+                rollout.env_reward = (type(env).__name__, await self._env_reward(env))
+            self.window.add("rollout/duration_s", time.monotonic() - start)
+            return prompt, rollout
+        finally:
+            if env is not None:
+                self.environments.give_back(env_name, env)
+            await self.cap.release()
+
+    async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
+        start = time.perf_counter()
+        text = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: env.reset(**kwargs))
+        self.window.add("env/reset_s", time.perf_counter() - start)
+        if text is None:
+            if not prompt:
+                raise RolloutError(f"{type(env).__name__}.reset() returned None and the row has no 'prompt' column; "
+                                   "return the prompt text from reset() or add a 'prompt' column")
+            return prompt
+        if prompt and prompt[-1].get("role") == "user":
+            return [*prompt[:-1], {**prompt[-1], "content": f"{prompt[-1]['content']}\n\n{text}"}]
+        return [*prompt, {"role": "user", "content": str(text)}]
+
+    async def _env_reward(self, env: object) -> float:
+        start = time.perf_counter()
+        get_reward = env.get_reward
+        if asyncio.iscoroutinefunction(get_reward):
+            value = await get_reward()
+        else:
+            value = await asyncio.get_running_loop().run_in_executor(self.executor, get_reward)
+        self.window.add("env/reward_s", time.perf_counter() - start)
+        return float(value)
+
+
+def _with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    import json
+
+    text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            + "\n".join(json.dumps(s) for s in schemas)
+            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+

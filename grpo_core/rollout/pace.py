@@ -1,0 +1,138 @@
+"""Pace of the rollout: token allowance (staleness) and adaptive concurrency (DESIGN.md §5).
+
+- :class:`TokenAllowance`: the trainer reports the tokens it used per step; the rollout may
+  hold at most ``max(max_staleness, 1) x`` that many tokens queued + in flight, and starts a
+  new group only while under it. Before the first report it assumes ``first_step_tokens``
+  (full rows); until the first group completes it starts one group at a time (seed manual,
+  "concurrency").
+- :class:`ConcurrencyCap`: a live limit on rollouts in flight, adjusted from the server's
+  ``/metrics``: start at KV-cache tokens / max_model_len; usage < 60% with nothing waiting
+  -> x1.25 (at most once per cap's worth of finished rollouts); usage > 80% -> x0.7; no
+  ``/metrics`` -> ``max_concurrent_rollouts``; never above ``max_concurrent_rollouts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+
+class TokenAllowance:
+    """Thread-safe token accounting between the loop (asyncio thread) and the Flight server threads.
+
+    Args:
+        max_staleness: steps the rollout may run ahead of the trainer.
+        first_step_tokens: tokens per step assumed before the first report.
+    """
+
+    def __init__(self, max_staleness: int, first_step_tokens: int) -> None:
+        self.factor = max(max_staleness, 1)
+        self.step_tokens = first_step_tokens
+        self.policy_version = 0
+        self.queued_tokens = 0
+        self.in_flight_groups = 0
+        self.completed_groups = 0
+        self._group_tokens_total = 0
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        """Tokens that may be queued + in flight."""
+        return self.factor * self.step_tokens
+
+    def report(self, policy_version: int, tokens_consumed: int) -> None:
+        """The trainer's feedback after a step."""
+        with self._lock:
+            self.policy_version = max(self.policy_version, policy_version)
+            if tokens_consumed > 0:
+                self.step_tokens = tokens_consumed
+
+    def mean_group_tokens(self) -> float:
+        """Mean tokens of a completed group (0 before the first)."""
+        return self._group_tokens_total / self.completed_groups if self.completed_groups else 0.0
+
+    def in_flight_tokens(self) -> float:
+        """Estimated tokens of the groups still generating."""
+        return self.in_flight_groups * self.mean_group_tokens()
+
+    def may_start_group(self) -> bool:
+        """Whether a new group fits: one at a time before the first completes, then within the limit."""
+        with self._lock:
+            if self.completed_groups == 0:
+                return self.in_flight_groups == 0
+            needed = self.queued_tokens + self.in_flight_tokens() + self.mean_group_tokens()
+            return needed <= self.limit or (self.queued_tokens == 0 and self.in_flight_groups == 0)
+
+    def group_started(self) -> None:
+        with self._lock:
+            self.in_flight_groups += 1
+
+    def group_finished(self, tokens: int, queued: bool) -> None:
+        """A group finished generating; ``tokens`` enter the queue when ``queued``."""
+        with self._lock:
+            self.in_flight_groups -= 1
+            self.completed_groups += 1
+            self._group_tokens_total += tokens
+            if queued:
+                self.queued_tokens += tokens
+
+    def dequeued(self, tokens: int) -> None:
+        """The trainer pulled ``tokens``."""
+        with self._lock:
+            self.queued_tokens -= tokens
+
+
+class ConcurrencyCap:
+    """An adjustable semaphore over rollouts in flight.
+
+    Args:
+        max_concurrent_rollouts: the hard ceiling.
+    """
+
+    def __init__(self, max_concurrent_rollouts: int) -> None:
+        self.ceiling = max_concurrent_rollouts
+        self.cap = max_concurrent_rollouts
+        self.in_flight = 0
+        self.finished_since_raise = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        """Wait for a free slot under the current cap."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_flight < self.cap)
+            self.in_flight += 1
+
+    async def release(self) -> None:
+        """Free a slot (a rollout finished)."""
+        async with self._cond:
+            self.in_flight -= 1
+            self.finished_since_raise += 1
+            self._cond.notify_all()
+
+    async def set_cap(self, cap: int) -> None:
+        async with self._cond:
+            self.cap = max(1, min(int(cap), self.ceiling))
+            self._cond.notify_all()
+
+    def initial_cap(self, kv_cache_size_tokens: int | None, max_model_len: int) -> int:
+        """KV-cache tokens / max_model_len (requests that fit at full length), within [1, ceiling]."""
+        if not kv_cache_size_tokens:
+            return self.ceiling
+        return max(1, min(self.ceiling, kv_cache_size_tokens // max(max_model_len, 1)))
+
+    def next_cap(self, kv_usage_frac: float, num_waiting: float) -> int:
+        """The cap after one ``/metrics`` poll (does not apply it)."""
+        if kv_usage_frac > 0.8:
+            return max(1, math.floor(self.cap * 0.7))
+        if kv_usage_frac < 0.6 and num_waiting == 0 and self.finished_since_raise >= self.cap:
+            return min(self.ceiling, max(self.cap + 1, math.ceil(self.cap * 1.25)))
+        return self.cap
+
+    async def update(self, kv_usage_frac: float, num_waiting: float) -> int:
+        """Apply one poll's rule; returns the new cap."""
+        new = self.next_cap(kv_usage_frac, num_waiting)
+        if new > self.cap:
+            self.finished_since_raise = 0
+        await self.set_cap(new)
+        return self.cap

@@ -1,0 +1,162 @@
+"""Rewards and advantages of a group (DESIGN.md §5; seed manual, "custom reward functions").
+
+Reward functions are called once per group with keyword arguments ``prompts``,
+``completions``, ``completion_ids`` (one entry per rollout) and every other dataset column
+(repeated per rollout). Sync functions run in a thread pool, async ones are awaited; all run
+together. A function returns one value per rollout: a number, or None for "does not apply".
+The reward of a rollout is the sum over its sources (functions, the environment's
+``get_reward``, ``Rollout.reward``) that applied; NaN when none did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+from grpo_core.errors import RolloutError
+
+from .types import RolloutGroup
+from .window import MetricWindow
+
+
+def source_name(func: Callable[..., Any]) -> str:
+    """Name a reward source is logged under: ``__name__``, a partial's function, or the class of a callable."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _is_async(func: Callable[..., Any]) -> bool:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+def _check_values(name: str, values: Any, size: int) -> np.ndarray:
+    """``float64[size]`` from a function's answer; None -> NaN. Raises RolloutError naming the function."""
+    if not isinstance(values, Sequence | np.ndarray) or isinstance(values, str):
+        raise RolloutError(f"reward function {name!r} returned {type(values).__name__}; it must return a list "
+                           f"of {size} floats (None where it does not apply)")
+    if len(values) != size:
+        raise RolloutError(f"reward function {name!r} returned {len(values)} rewards for a group of {size} "
+                           "rollouts; return one value per completion")
+    out = np.full(size, np.nan)
+    for i, v in enumerate(values):
+        if v is None:
+            continue
+        try:
+            out[i] = float(v)
+        except (TypeError, ValueError):
+            raise RolloutError(f"reward function {name!r} returned {v!r} at position {i}; "
+                               "rewards must be numbers or None") from None
+    return out
+
+
+async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[str, Any], size: int,
+                                executor: Executor) -> dict[str, np.ndarray]:
+    """Run every reward function on one group, concurrently.
+
+    Args:
+        funcs: sync or async reward functions.
+        kwargs: the keyword arguments (prompts, completions, completion_ids, dataset columns).
+        size: rollouts in the group (G).
+        executor: thread pool for the sync functions.
+
+    Returns:
+        name -> ``float64[size]`` rewards, NaN where the function returned None. A NaN the
+        function returned itself also stays NaN, so that rollout gets no reward.
+
+    Raises:
+        RolloutError: a function raised or returned the wrong type or length (names it).
+    """
+    loop = asyncio.get_running_loop()
+
+    async def one(func: Callable[..., Any]) -> tuple[str, np.ndarray]:
+        name = source_name(func)
+        try:
+            if _is_async(func):
+                values = await func(**kwargs)
+            else:
+                values = await loop.run_in_executor(executor, functools.partial(func, **kwargs))
+        except Exception as exc:  # a user function: report which one failed
+            raise RolloutError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+        return name, _check_values(name, values, size)
+
+    results = await asyncio.gather(*(one(f) for f in funcs))
+    out: dict[str, np.ndarray] = {}
+    for name, values in results:
+        out[name if name not in out else f"{name}_{len(out)}"] = values
+    return out
+
+
+def sum_rewards(sources: dict[str, np.ndarray], size: int) -> np.ndarray:
+    """``float64[size]``: per rollout, the sum of the sources that scored it; NaN if none did.
+
+    A source value that is NaN because the source returned NaN (not None) cannot be told
+    apart from "did not apply" here; both leave that source out of the sum.
+    """
+    total = np.zeros(size)
+    scored = np.zeros(size, dtype=bool)
+    for values in sources.values():
+        ok = ~np.isnan(values)
+        total[ok] += values[ok]
+        scored |= ok
+    total[~scored] = np.nan
+    return total
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """Group-normalised advantages A = (r - mean) / std over the scored rollouts (DESIGN.md §5).
+
+    Args:
+        rewards: ``float64[G]``, NaN = unscored.
+
+    Returns:
+        ``float32[G]``; 0 for unscored rollouts, and for all when fewer than two are scored or
+        their std is 0. std is the population std (ddof=0) of the scored rewards.
+    """
+    adv = np.zeros(len(rewards), dtype=np.float32)
+    ok = ~np.isnan(rewards)
+    if ok.sum() < 2:
+        return adv
+    scored = rewards[ok]
+    std = scored.std()
+    if std == 0 or not math.isfinite(std):
+        return adv
+    adv[ok] = ((scored - scored.mean()) / std).astype(np.float32)
+    return adv
+
+
+def is_zero_std(rewards: np.ndarray) -> bool:
+    """Whether a group carries no signal: fewer than two scored rollouts, or all scored rewards equal."""
+    scored = rewards[~np.isnan(rewards)]
+    return len(scored) < 2 or bool(np.all(scored == scored[0]))
+
+
+def log_group_rewards(window: MetricWindow, group: RolloutGroup, dropped: bool) -> None:
+    """Reward metrics of one scored group (seed manual, "logged metrics"): reward, reward_kept|dropped,
+    reward_group_std, frac_reward_zero_std, rewards/{name}/mean|group_std."""
+    rewards = group.rewards
+    assert rewards is not None
+    scored = rewards[~np.isnan(rewards)]
+    window.add_many("reward", scored.tolist())
+    window.add("frac_reward_zero_std", float(dropped))
+    num_samples = sum(len(s) for s in group.sequences)
+    if dropped:
+        window.add_many("reward_dropped", scored.tolist())
+    else:
+        window.add_many("reward_kept", scored.tolist())
+        # Averaged over trained samples: a group weighs by the samples it contributes.
+        window.add_many("reward_group_std", [float(scored.std())] * num_samples)
+    for name, values in group.source_rewards.items():
+        ok = values[~np.isnan(values)]
+        window.add_many(f"rewards/{name}/mean", ok.tolist())
+        if not dropped and len(ok) > 0:
+            window.add_many(f"rewards/{name}/group_std", [float(ok.std())] * num_samples)

@@ -1,0 +1,135 @@
+"""From generated rollouts to trainable samples: scores, completion metrics, Sample encoding.
+
+Called once per group after its G rollouts finished; the loop's ``compute_advantages`` hook
+sits between :func:`score_group` and :func:`group_samples`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+from grpo_core.packing import Sample, TokenLists
+
+from .rewards import call_reward_functions, sum_rewards
+from .types import RolloutGroup, TrainingSequence
+from .window import MetricWindow
+
+# Sample ids: group_id * SAMPLE_ID_STRIDE + position of the sample in its group.
+SAMPLE_ID_STRIDE = 1 << 16
+
+
+def reward_kwargs(group: RolloutGroup) -> dict[str, Any]:
+    """Keyword arguments of the reward functions: prompts, completions, completion_ids, other columns."""
+    size = len(group.rollouts)
+    kwargs: dict[str, Any] = {k: [v] * size for k, v in group.row.items() if k != "prompt"}
+    kwargs.update(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids)
+    return kwargs
+
+
+async def score_group(group: RolloutGroup, funcs: list[Callable[..., Any]], executor: Executor,
+                      window: MetricWindow) -> None:
+    """Set ``group.source_rewards`` and ``group.rewards`` (sum over sources; NaN = unscored).
+
+    Sources: the reward functions, the environments' ``get_reward`` (named after the
+    environment class) and ``Rollout.reward`` (named ``rollout``).
+
+    Raises:
+        RolloutError: a reward function raised or returned the wrong shape.
+    """
+    size = len(group.rollouts)
+    start = time.perf_counter()
+    sources = await call_reward_functions(funcs, reward_kwargs(group), size, executor) if funcs else {}
+    for i, rollout in enumerate(group.rollouts):
+        if rollout.env_reward is not None:
+            name, value = rollout.env_reward
+            sources.setdefault(name, np.full(size, np.nan))[i] = value
+        if rollout.reward is not None:
+            sources.setdefault("rollout", np.full(size, np.nan))[i] = float(rollout.reward)
+    group.source_rewards = sources
+    group.rewards = sum_rewards(sources, size)
+    window.add("rollout/score_s", time.perf_counter() - start)
+
+
+def log_completions(group: RolloutGroup, window: MetricWindow, with_tools: bool) -> None:
+    """completions/*, rollout/turns_*, tools/call_frequency|failure_frequency|loop_exhausted_frac."""
+    lengths = [len(r.completion_ids) for r in group.rollouts]
+    terminated = [r.turns[-1].finish_reason == "stop" if r.turns else False for r in group.rollouts]
+    window.add_many("completions/mean_length", lengths)
+    window.add("completions/min_length", min(lengths))
+    window.add("completions/max_length", max(lengths))
+    term = [n for n, t in zip(lengths, terminated, strict=True) if t]
+    if term:
+        window.add_many("completions/mean_terminated_length", term)
+        window.add("completions/min_terminated_length", min(term))
+        window.add("completions/max_terminated_length", max(term))
+    window.add_many("completions/clipped_ratio", [float(not t) for t in terminated])
+    seen: set[tuple[int, ...]] = set()
+    for r in group.rollouts:
+        key = tuple(r.completion_ids)
+        window.add("completions/duplicate_frac", float(key in seen))
+        seen.add(key)
+    turns = [len(r.turns) for r in group.rollouts]
+    window.add_many("rollout/turns_mean", turns)
+    window.add("rollout/turns_max", max(turns))
+    if with_tools:
+        calls = sum(r.tool_call_count for r in group.rollouts)
+        window.add_many("tools/call_frequency", [r.tool_call_count for r in group.rollouts])
+        if calls:
+            window.add_rate("tools/failure_frequency", sum(r.tool_failure_count for r in group.rollouts), calls)
+        window.add_many("tools/loop_exhausted_frac", [float(r.loop_exhausted) for r in group.rollouts])
+
+
+def _topk_lists(topk: list[dict[int, float]]) -> TokenLists:
+    offsets = np.zeros(len(topk) + 1, dtype=np.int32)
+    offsets[1:] = np.cumsum([len(t) for t in topk])
+    ids = np.fromiter((k for t in topk for k in t), dtype=np.int32, count=int(offsets[-1]))
+    logprobs = np.fromiter((v for t in topk for v in t.values()), dtype=np.float32, count=int(offsets[-1]))
+    return TokenLists(offsets=offsets, ids=ids, logprobs=logprobs)
+
+
+def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advantage: float,
+            with_topk: bool) -> Sample:
+    sample = Sample.build(seq.input_ids, seq.completion_mask, seq.sampler_logprobs, sample_id=sample_id,
+                          group_id=group.group_id, prompt_index=group.prompt_index, advantage=advantage,
+                          policy_version=group.policy_version)
+    if with_topk:
+        sample.sampler_topk = _topk_lists(seq.topk or [{} for _ in seq.input_ids])
+    return sample
+
+
+def group_samples(group: RolloutGroup, advantages: np.ndarray, with_topk: bool) -> list[Sample]:
+    """The group's samples: every sequence of every scored rollout, with its rollout's advantage.
+
+    Unscored rollouts (NaN reward) have advantage 0 and carry no gradient, so they are left out.
+    """
+    assert group.rewards is not None
+    samples: list[Sample] = []
+    for i, seqs in enumerate(group.sequences):
+        if np.isnan(group.rewards[i]):
+            continue
+        for seq in seqs:
+            samples.append(_sample(seq, sample_id=group.group_id * SAMPLE_ID_STRIDE + len(samples), group=group,
+                                   advantage=float(advantages[i]), with_topk=with_topk))
+    return samples
+
+
+def group_tokens(sequences: list[list[int]] | list[np.ndarray]) -> int:
+    """Tokens a group adds to a packed row: the prefix common to all sequences once, plus each one's rest.
+
+    This is the unit the trainer reports (forwarded tokens of a step).
+    """
+    if not sequences:
+        return 0
+    first = np.asarray(sequences[0])
+    shared = len(first)
+    for seq in sequences[1:]:
+        seq = np.asarray(seq)
+        n = min(shared, len(seq))
+        diff = np.nonzero(first[:n] != seq[:n])[0]
+        shared = int(diff[0]) if len(diff) else n
+    return shared + sum(len(s) - shared for s in sequences)

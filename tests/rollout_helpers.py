@@ -1,0 +1,132 @@
+"""Module-level pieces of the rollout tests (the spawned rollout process imports them by name)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+
+from grpo_core.config import RolloutConfig
+from grpo_core.rollout import RolloutLoop, TurnRecord
+
+
+def length_reward(completion_ids, **_):
+    """Longer completions score higher (token count)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+async def parity_reward(completion_ids, **_):
+    """1 when the first generated token id is even (async)."""
+    await asyncio.sleep(0)
+    return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+
+def none_for_odd_rows(completion_ids, row_id, **_):
+    """Applies only to even ``row_id`` rows."""
+    return [None if r % 2 else 1.0 for r in row_id]
+
+
+def raising_reward(**_):
+    raise RuntimeError("boom in the reward")
+
+
+def wrong_length_reward(completion_ids, **_):
+    return [1.0] * (len(completion_ids) + 1)
+
+
+def nan_first_reward(completion_ids, **_):
+    """NaN for the first rollout of each group, length for the others."""
+    return [math.nan if i == 0 else float(len(ids)) for i, ids in enumerate(completion_ids)]
+
+
+def rows(n: int, with_row_id: bool = True) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"Count to {i}."}], **({"row_id": i} if with_row_id else {})}
+            for i in range(n)]
+
+
+class CurriculumConfig(RolloutConfig):
+    pass_rate_cap: float = 0.5
+    """Skip prompts whose pass rate reached this."""
+
+
+class CurriculumLoop(RolloutLoop):
+    """Skips prompts it already solves (seed manual's curriculum example, written anew)."""
+
+    config_class = CurriculumConfig
+
+    async def setup(self):
+        self.pass_rates = {}
+
+    def filter_prompt(self, row_index, row, epoch):
+        return self.pass_rates.get(row_index, 0.0) < self.config.pass_rate_cap
+
+    def compute_advantages(self, group):
+        scored = group.rewards[~np.isnan(group.rewards)]
+        if len(scored):
+            self.pass_rates[group.row_index] = float(np.mean(scored > 0))
+        return super().compute_advantages(group)
+
+
+class CounterEnv:
+    """Counter environment: reach the target with ``increment`` tool calls."""
+
+    def reset(self, target, **_):
+        self.counter, self.target = 0, target
+        return f"Use the increment tool to bring the counter to {target}."
+
+    def get_reward(self):
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: value to add.
+
+        Returns:
+            The counter after the addition.
+        """
+        self.counter += step
+        return self.counter
+
+
+class GameEnv:
+    """Second environment for routing tests; its only tool is ``move``."""
+
+    def reset(self, **_):
+        self.moves = 0
+        return "Reach the goal."
+
+    def move(self, direction: str) -> str:
+        """Move one tile.
+
+        Args:
+            direction: up, down, left or right.
+        """
+        self.moves += 1
+        return f"moved {direction}"
+
+
+class ScriptedToolLoop(RolloutLoop):
+    """Makes the model's first turn a fixed tool call (a tiny random model never emits one),
+    recording the tools each rollout saw; later turns sample from the server as usual."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        names = sorted(t.__name__ for t in tools)
+        rollout = await super().generate_one(prompt, tools, group_id)
+        rollout.completion.append({"role": "meta", "content": ",".join(names)})
+        return rollout
+
+    async def generate_one_turn(self, prompt_ids):
+        turn = await super().generate_one_turn(prompt_ids)
+        names = self.tokenizer.decode(prompt_ids)
+        if "<|im_start|>tool" in names:  # the tool already answered: a normal sampled turn
+            return turn
+        tool = "increment" if '"increment"' in names else "move"
+        args = '{"step": 2}' if tool == "increment" else '{"direction": "up"}'
+        text = f'<tool_call>\n{{"name": "{tool}", "arguments": {args}}}\n</tool_call>'
+        ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=[-0.5] * len(ids),
+                          output_sampler_logprobs=[{t: -0.5} for t in ids] if turn.output_sampler_logprobs else None,
+                          finish_reason="stop", text=text)
