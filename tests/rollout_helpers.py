@@ -130,3 +130,31 @@ class ScriptedToolLoop(RolloutLoop):
         return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=[-0.5] * len(ids),
                           output_sampler_logprobs=[{t: -0.5} for t in ids] if turn.output_sampler_logprobs else None,
                           finish_reason="stop", text=text)
+
+
+def curriculum_reward(completion_ids, row_id, **_):
+    """Row 0 is always solved; other rows pass half their rollouts (by position)."""
+    if row_id[0] == 0:
+        return [1.0] * len(completion_ids)
+    return [float(i % 2) for i in range(len(completion_ids))]
+
+
+class RejectAllLoop(RolloutLoop):
+    def filter_prompt(self, row_index, row, epoch):
+        return False
+
+
+class RecordingReward:
+    """Parity reward that also appends what it scored to a JSON-lines file (for independent checks)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __call__(self, completion_ids, row_id, **_):
+        import json
+
+        rewards = [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+        with open(self.path, "a") as f:
+            for ids, r, row in zip(completion_ids, rewards, row_id):
+                f.write(json.dumps({"row_id": row, "completion_ids": ids, "reward": r}) + "\n")
+        return rewards

@@ -93,6 +93,7 @@ async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:
         offered += 1
         if not loop.filter_prompt(row_index, row, epoch):
             loop.runtime.queue.consumed(prompt_index)
+            loop.window.add("rollout/filtered_prompt_count", 1)
             continue
         accepted += 1
         await _wait_allowance(loop)

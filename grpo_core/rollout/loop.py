@@ -199,6 +199,7 @@ class RolloutLoop:
         if advantages.shape != (len(rollouts),):
             raise RolloutError(f"compute_advantages returned shape {advantages.shape}; expected ({len(rollouts)},)")
         dropped = is_zero_std(group.rewards)
+        self.window.add("rollout/group_count", 1)
         log_group_rewards(self.window, group, dropped)
         log_completions(group, self.window, with_tools=bool(self.runtime.tools or self.environments))
         samples = [] if dropped else group_samples(group, advantages, self.config.num_sampler_logprobs > 0)

@@ -1,0 +1,183 @@
+"""The rollout engine end to end: a spawned rollout process, the real embedded server, Flight, RolloutSource.
+
+One tiny random Qwen3 server (CPU, 1 thread) is shared by the module; each test spawns its
+own rollout process with a few prompts, small G and short completions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import rollout_helpers as h
+from serving_helpers import TINY, embedded_server
+
+from grpo_core.config import RunConfig
+from grpo_core.errors import TransportError
+from grpo_core.packing import samples_from_arrow
+from grpo_core.rollout import RolloutJob, RolloutSource, start_rollout_process
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with embedded_server(tmp_path_factory.mktemp("rollout-server"), max_model_len=512) as handle:
+        yield handle
+
+
+def _config(**rollout) -> RunConfig:
+    settings = {"num_generations": 3, "max_completion_length": 8, "num_sampler_logprobs": 2,
+                "concurrency_poll_s": 0.5, "rollout_worker_timeout_s": 20, **rollout}
+    return RunConfig(model={"name": TINY}, server={"max_model_len": 512}, rollout=settings)
+
+
+@contextmanager
+def rollout(server, tmp_path, config: RunConfig, **job):
+    error_path = str(tmp_path / "rollout_error.txt")
+    process, location = start_rollout_process(RolloutJob(config, [server.url], error_path=error_path, **job))
+    source = RolloutSource(location, max_staleness=config.rollout.max_staleness,
+                           timeout_s=config.rollout.rollout_worker_timeout_s, process=process, error_path=error_path)
+    try:
+        yield source
+    finally:
+        source.close()
+
+
+def drain(source, policy_version=0, **kw):
+    """Pull until exhausted: (samples, consumed prompt indices, metrics)."""
+    samples, consumed = [], []
+    while True:
+        batch = source.pull(policy_version, timeout_s=60, **kw)
+        samples += samples_from_arrow(batch.samples)
+        consumed += batch.consumed_prompt_indices
+        if batch.exhausted:
+            return samples, consumed, source.metrics()
+
+
+def test_advantages_match_rewards_recomputed_from_the_log(server, tmp_path):
+    log = tmp_path / "rewards.jsonl"
+    with rollout(server, tmp_path, _config(num_generations=4), dataset=h.rows(5),
+                 reward_functions=[h.RecordingReward(log)]) as source:
+        samples, consumed, metrics = drain(source)
+    logged = defaultdict(list)
+    for line in log.read_text().splitlines():
+        entry = json.loads(line)
+        logged[entry["row_id"]].append(entry)
+    assert sorted({s.prompt_index for s in samples} | set(consumed)) == list(range(5)), "every prompt accounted for"
+    for s in samples:
+        group = logged[s.prompt_index]
+        rewards = np.array([e["reward"] for e in group])
+        expected = (rewards - rewards.mean()) / rewards.std()  # written independently of grpo_core
+        trained = s.input_ids[s.completion_mask == 1].tolist()
+        (i,) = [k for k, e in enumerate(group) if e["completion_ids"] == trained]
+        assert s.advantage == pytest.approx(expected[i], abs=1e-5)
+        assert s.sampler_topk is not None and np.all(s.sampler_logprobs[s.completion_mask == 0] == 0)
+    for row_id in set(consumed):
+        assert len(set(e["reward"] for e in logged[row_id])) == 1, "only zero-std groups are dropped"
+    all_rewards = [e["reward"] for g in logged.values() for e in g]
+    assert metrics["reward"] == pytest.approx(np.mean(all_rewards))
+    assert metrics["frac_reward_zero_std"] == pytest.approx(len(set(consumed)) / 5)
+    assert metrics["rollout/generated_tokens_per_s"] > 0 and metrics["rollout/concurrency_cap"] >= 1
+    assert metrics["completions/max_length"] <= 8
+
+
+def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance(server, tmp_path):
+    step_tokens = 120
+    config = _config(max_staleness=1, first_step_tokens=step_tokens)
+    with rollout(server, tmp_path, config, dataset=h.rows(8), reward_functions=[h.parity_reward]) as source:
+        version, seen, consumed, dropped, group_tokens, metrics = 0, [], [], 0, [], {}
+        while True:
+            batch = source.pull(version, timeout_s=60)
+            pulled = samples_from_arrow(batch.samples)
+            assert all(version - s.policy_version <= 1 for s in pulled)
+            seen += pulled
+            consumed += batch.consumed_prompt_indices
+            dropped += batch.dropped_stale_count
+            for metric, value in source.metrics().items():
+                metrics[metric] = max(metrics.get(metric, value), value)
+            if batch.exhausted:
+                break
+            source.report(version, step_tokens)
+            version += 2  # the trainer syncs weights twice per pull: older samples go stale
+            time.sleep(0.3)
+    assert dropped > 0 and metrics["sample/dropped_stale_count"] > 0
+    assert sorted({s.prompt_index for s in seen} | set(consumed)) == list(range(8))
+    largest_group = max(len(s.input_ids) for s in seen) * 3 if seen else 0
+    assert metrics["rollout/queued_tokens_max"] <= max(step_tokens, largest_group)
+    assert metrics["rollout/backpressure_s"] > 0
+
+
+def test_raising_reward_function_fails_the_run_naming_it(server, tmp_path):
+    with rollout(server, tmp_path, _config(), dataset=h.rows(2), reward_functions=[h.raising_reward]) as source:
+        with pytest.raises(TransportError, match="raising_reward' raised RuntimeError: boom"):
+            drain(source)
+    assert "raising_reward" in (tmp_path / "rollout_error.txt").read_text()
+
+
+def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):
+    config = _config(num_generations=4, num_epochs=3, loop_class="rollout_helpers:CurriculumLoop",
+                     loop_options={"pass_rate_cap": 0.6}, reward_functions=["rollout_helpers:curriculum_reward"])
+    with rollout(server, tmp_path, config, dataset=h.rows(3)) as source:
+        samples, consumed, metrics = drain(source)
+    # Row 0 is solved in epoch 0 (zero std, dropped), then filtered in epochs 1 and 2.
+    assert sorted(consumed) == [0, 3, 6]
+    assert metrics["rollout/filtered_prompt_count"] == 2 and metrics["rollout/group_count"] == 7
+    assert sorted({s.prompt_index for s in samples}) == [1, 2, 4, 5, 7, 8]
+
+
+def test_epoch_rejecting_every_prompt_raises(server, tmp_path):
+    with rollout(server, tmp_path, _config(), dataset=h.rows(3), loop_class=h.RejectAllLoop) as source:
+        with pytest.raises(TransportError, match="rejected all 3 prompts of epoch 0"):
+            drain(source)
+
+
+def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "Play."}], "environment": env, "target": target}
+            for env, target in [("counter", 2), ("game", 0), ("counter", 3), ("game", 0)]]
+    config = _config(num_generations=2, max_tool_calling_iterations=1, loop_class="rollout_helpers:ScriptedToolLoop",
+                     environment_factory={"counter": "rollout_helpers:CounterEnv", "game": "rollout_helpers:GameEnv"},
+                     reward_functions=["rollout_helpers:parity_reward"])
+    with rollout(server, tmp_path, config, dataset=rows) as source:
+        samples, consumed, metrics = drain(source)
+    # Each rollout saw only its environment's tool: the scripted first turn calls the tool it was shown.
+    assert metrics["tools/increment/call_count"] == 4 and metrics["tools/move/call_count"] == 4
+    assert "tools/unknown_name_count" not in metrics
+    assert metrics["rewards/CounterEnv/mean"] == pytest.approx(0.5)  # target 2 reached, target 3 not
+    assert metrics["rollout/turns_mean"] == 2 and metrics["env/reset_s"] >= 0 and "env/reward_s" in metrics
+    assert metrics["rollout/samples_per_rollout"] == 1 and metrics["rollout/fork_frac"] == 0
+    from transformers import AutoTokenizer
+
+    from grpo_core.config import ModelConfig
+    from grpo_core.models import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig(name=TINY)))
+    for s in samples:
+        text = tok.decode(s.input_ids)
+        assert "<tool_call>" in text and "<|im_start|>tool" in text
+        tool_answer = text.index("<|im_start|>tool")
+        # The tool's answer is context; the call before it and the reply after it are trained.
+        mask_by_char = tok.decode(s.input_ids[s.completion_mask == 1])
+        assert "<|im_start|>tool" not in mask_by_char and "<tool_call>" in mask_by_char
+        assert s.completion_mask[len(tok.encode(text[:tool_answer], add_special_tokens=False)):].any()
+
+
+def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_path):
+    config = _config(rollout_worker_timeout_s=5)
+    with rollout(server, tmp_path, config, dataset=h.rows(200), reward_functions=[h.parity_reward]) as source:
+        source.pull(0, timeout_s=60)
+        remote = RolloutSource(source.location, max_staleness=4, timeout_s=3)  # a trainer on another host
+        os.kill(source.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="exited with code -9"):
+            source.pull(0, timeout_s=60)
+        with pytest.raises(TransportError, match="no answer for"):
+            remote.pull(0, timeout_s=60)
+        assert time.monotonic() - start < 15
+        remote.close()
