@@ -158,3 +158,14 @@ class RecordingReward:
             for ids, r, row in zip(completion_ids, rewards, row_id):
                 f.write(json.dumps({"row_id": row, "completion_ids": ids, "reward": r}) + "\n")
         return rewards
+
+
+class StallLoop(RolloutLoop):
+    """Blocks its event loop for 8 s on the second prompt (a sync hook gone wrong)."""
+
+    def filter_prompt(self, row_index, row, epoch):
+        if row_index == 1:
+            import time
+
+            time.sleep(8)
+        return True

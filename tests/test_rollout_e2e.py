@@ -9,19 +9,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import rollout_helpers as h
+import yaml
 from serving_helpers import TINY, embedded_server
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
 from grpo_core.packing import samples_from_arrow
-from grpo_core.rollout import RolloutJob, RolloutSource, start_rollout_process
+from grpo_core.rollout import ResumeState, RolloutJob, RolloutSource, start_rollout_process
 
 pytestmark = pytest.mark.slow
 
@@ -181,3 +185,47 @@ def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_pa
             remote.pull(0, timeout_s=60)
         assert time.monotonic() - start < 15
         remote.close()
+
+
+def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
+    resume = ResumeState(policy_version=3, first_untrained_prompt_index=2, trained_above=[3])
+    with rollout(server, tmp_path, _config(num_generations=4), dataset=h.rows(5), resume=resume,
+                 reward_functions=[h.curriculum_reward]) as source:
+        samples, consumed, metrics = drain(source, policy_version=3)
+    assert sorted({s.prompt_index for s in samples} | set(consumed)) == [2, 4]
+    assert metrics["rollout/group_count"] == 2, "no group generated for the trained prompts"
+    assert {s.policy_version for s in samples} == {3}
+
+
+def test_stalled_rollout_loop_fails_the_pull(server, tmp_path):
+    config = _config(rollout_worker_timeout_s=4)
+    with rollout(server, tmp_path, config, dataset=h.rows(4), loop_class=h.StallLoop,
+                 reward_functions=[h.parity_reward]) as source:
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="has not ticked"):
+            drain(source)
+        assert time.monotonic() - start < 10
+
+
+def test_command_line_entry_point_with_a_reasoning_gym_dataset(server, tmp_path):
+    config = {"model": {"name": TINY}, "server": {"max_model_len": 512},
+              "rollout": {"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 3, "num_generations": 2,
+                          "max_completion_length": 8, "num_sampler_logprobs": 2,
+                          "reward_functions": ["rollout_helpers:parity_reward"]}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    location_file = tmp_path / "location"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-m", "grpo_core.rollout", "--config", str(tmp_path / "run.yaml"),
+                                "--server-url", server.url, "--location-file", str(location_file)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not location_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.1)
+        source = RolloutSource(location_file.read_text(), max_staleness=4, timeout_s=30)
+        samples, consumed, metrics = drain(source)
+        source.close()
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+    assert sorted({s.prompt_index for s in samples} | set(consumed)) == [0, 1, 2]
+    assert "rewards/reasoning_gym_reward/mean" in metrics and "rewards/parity_reward/mean" in metrics

@@ -60,8 +60,8 @@ async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
     dataset = job.dataset if job.dataset is not None else load_dataset(rollout)
     rewards = [*(import_object(n, "rollout.reward_functions") for n in rollout.reward_functions),
                *job.reward_functions]
-    if not rewards and job.dataset is None:
-        rewards = default_rewards(rollout)
+    if job.dataset is None:  # the dataset's own verifier (reasoning-gym), unless named already
+        rewards += [f for f in default_rewards(rollout) if f not in rewards]
     tools = [*(import_object(n, "rollout.tools") for n in rollout.tools), *job.tools]
     clients = [GenerationClient(url, max_connections=rollout.max_concurrent_rollouts,
                                 timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries)

@@ -27,14 +27,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from grpo_core.packing import Sample, sample_schema, samples_to_arrow
+from grpo_core.transport_flight import META_CONSUMED, META_EXHAUSTED
 
 from .pace import TokenAllowance
 from .window import MetricWindow
 
 logger = logging.getLogger(__name__)
 
-META_CONSUMED = b"grpo.consumed"
-META_EXHAUSTED = b"grpo.exhausted"
 
 
 class SampleQueue:

@@ -186,6 +186,7 @@ async def _main(job: RolloutJob, queue: Any, window: Any, state: dict[str, Any])
     from .driver import drive
 
     rollout_loop = await build_loop(job, queue, window)
+    queue.beat()  # building (tokenizer, dataset) blocked the event loop: count from here
     state["rollout_loop"] = rollout_loop
     try:
         await drive(rollout_loop)

@@ -1,0 +1,54 @@
+"""``python -m grpo_core.rollout --config FILE --server-url URL``: run the rollout process in this process.
+
+The config is parsed and validated (and the loop class and its ``loop_options`` checked)
+before transformers or the HTTP client are imported, so ``--help`` and config errors are
+instant. The Flight location is logged and, with ``--location-file``, written to a file
+for the trainer (``train.rollout_location``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line arguments."""
+    p = argparse.ArgumentParser(prog="python -m grpo_core.rollout", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, type=Path, help="run config (YAML, JSON or TOML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. rollout.seed=3")
+    p.add_argument("--server-url", action="append", default=[], required=True, help="generation server (repeatable)")
+    p.add_argument("--resume", type=Path, default=None, help="rollout_state.json of the checkpoint to resume from")
+    p.add_argument("--error-path", type=Path, default=None, help="where a failure's traceback is written")
+    p.add_argument("--location-file", type=Path, default=None, help="write the Flight location here once serving")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = parse_args(argv)
+    from grpo_core.config import load_config
+    from grpo_core.transport import ResumeState
+
+    from .build import loop_class_and_config
+
+    cfg = load_config(args.config, args.set)
+    loop_class_and_config(cfg.rollout)  # fail fast on a bad loop class or loop_options
+    resume = None
+    if args.resume:
+        known = {f.name for f in dataclasses.fields(ResumeState)}
+        resume = ResumeState(**{k: v for k, v in json.loads(args.resume.read_text()).items() if k in known})
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .process import RolloutJob, run_rollout
+
+    job = RolloutJob(cfg, args.server_url, resume=resume, error_path=str(args.error_path) if args.error_path else None)
+    on_ready = (lambda loc: args.location_file.write_text(loc)) if args.location_file else None
+    return run_rollout(job, on_ready=on_ready)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

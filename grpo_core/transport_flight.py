@@ -1,0 +1,204 @@
+"""Trainer side of the Flight transport: :class:`FlightSource` (alias ``RolloutSource``) pulls samples.
+
+Implements ``grpo_core.transport.SampleSource`` against the rollout process's Arrow Flight
+server (``grpo_core.rollout.flight``): ``DoGet`` for samples, ``DoAction`` for the token
+allowance report, metrics, heartbeat and shutdown. It lives outside ``grpo_core.rollout`` so
+the trainer uses it without importing the rollout engine (STYLE.md: ``rollout`` and
+``train`` share only the wire types and a transport); it needs pyarrow only.
+
+Failure detection (the heartbeat): every pull first asks for the loop's heartbeat. The pull
+raises ``TransportError`` when the rollout loop failed (with its traceback), when its event
+loop has not ticked for ``timeout_s`` (stalled), when the process (if given) has exited, or
+when the server has not answered for ``timeout_s`` (dead or unreachable host).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.flight as flight
+
+from grpo_core.errors import TransportError
+from grpo_core.transport import PulledBatch
+
+logger = logging.getLogger(__name__)
+
+META_CONSUMED = b"grpo.consumed"
+META_EXHAUSTED = b"grpo.exhausted"
+POLL_S = 1.0
+
+
+class FlightSource:
+    """Pulls scored samples from a rollout process.
+
+    Args:
+        location: the Flight server, ``grpc://host:port``.
+        max_staleness: samples with ``policy_version - sample.policy_version > max_staleness`` are dropped.
+        timeout_s: seconds without a heartbeat (or without an answer) before a pull fails
+            (``rollout.rollout_worker_timeout_s``).
+        process: the local rollout process, if this side started it (checked for exit; joined on close).
+        error_path: file the rollout process writes its traceback to when it fails.
+    """
+
+    def __init__(self, location: str, *, max_staleness: int, timeout_s: float,
+                 process: multiprocessing.process.BaseProcess | None = None, error_path: str | None = None) -> None:
+        self.location = location
+        self.max_staleness = max_staleness
+        self.timeout_s = timeout_s
+        self.process = process
+        self.error_path = error_path
+        self._client = flight.connect(location)
+        self._last_contact = time.monotonic()
+        self._dropped_since_metrics = 0
+        self._closed = False
+
+    # ----- failures ---------------------------------------------------------------------------
+
+    def _traceback(self) -> str:
+        if self.error_path and Path(self.error_path).is_file():
+            return Path(self.error_path).read_text()
+        return ""
+
+    def _fail(self, reason: str) -> TransportError:
+        tb = self._traceback()
+        detail = f"\n--- rollout process traceback ({self.error_path}) ---\n{tb}" if tb else ""
+        return TransportError(f"rollout at {self.location}: {reason}{detail}")
+
+    def _check_process(self) -> None:
+        if self.process is not None and not self.process.is_alive():
+            raise self._fail(f"the rollout process (pid {self.process.pid}) exited with code {self.process.exitcode}")
+
+    def _rpc(self, call, *args):  # noqa: ANN001, ANN202 - thin wrapper over a Flight call
+        """Run a Flight call; connection failures raise TransportError after ``timeout_s`` without contact."""
+        while True:
+            self._check_process()
+            try:
+                result = call(*args)
+                self._last_contact = time.monotonic()
+                return result
+            except flight.FlightServerError as exc:
+                raise self._fail(str(exc).split("\n. Detail:")[0]) from None
+            except (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightInternalError,
+                    OSError) as exc:
+                silent = time.monotonic() - self._last_contact
+                if silent > self.timeout_s:
+                    raise self._fail(f"no answer for {silent:.0f} s ({type(exc).__name__}: {exc})") from None
+                time.sleep(min(0.5, self.timeout_s / 10))
+
+    def _action(self, name: str, body: dict | None = None, timeout_s: float = 30.0) -> dict:
+        options = flight.FlightCallOptions(timeout=timeout_s)
+        action = flight.Action(name, json.dumps(body or {}).encode())
+        results = self._rpc(lambda: list(self._client.do_action(action, options=options)))
+        return json.loads(results[0].body.to_pybytes().decode()) if results else {}
+
+    def _check_heartbeat(self) -> None:
+        beat = self._action("heartbeat", timeout_s=min(30.0, self.timeout_s))
+        if beat.get("failure"):
+            raise TransportError(f"rollout at {self.location}: the rollout loop failed:\n{beat['failure']}")
+        if beat["age_s"] > self.timeout_s:
+            raise self._fail(f"the rollout loop has not ticked for {beat['age_s']:.0f} s "
+                             f"(rollout.rollout_worker_timeout_s={self.timeout_s}); it is stalled")
+
+    # ----- API -------------------------------------------------------------------------------
+
+    def pull(self, policy_version: int, *, min_samples: int = 1, timeout_s: float | None = None) -> PulledBatch:
+        """Block until at least ``min_samples`` fresh samples (or the end of the stream, or ``timeout_s``).
+
+        Args:
+            policy_version: the trainer's current version; older samples beyond ``max_staleness`` are dropped.
+            min_samples: samples to wait for (after the staleness drop).
+            timeout_s: most seconds to wait; None = as long as the rollout is alive. On timeout
+                whatever arrived is returned (possibly nothing).
+
+        Returns:
+            Whole groups only; ``consumed_prompt_indices`` lists prompts finished without a sample
+            since the last pull (rejected, zero-std, or every sample stale).
+
+        Raises:
+            TransportError: the rollout failed, stalled, died or is unreachable (with its traceback).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        tables, consumed, dropped, kept, exhausted = [], [], 0, 0, False
+        while True:
+            self._check_heartbeat()
+            wait_s = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
+            table, more_consumed, exhausted = self._get(policy_version, min_samples - kept, wait_s)
+            table, stale_consumed, num_dropped = self._drop_stale(table, policy_version)
+            tables.append(table)
+            consumed += more_consumed + stale_consumed
+            dropped += num_dropped
+            kept += table.num_rows
+            if kept >= min_samples or exhausted or (deadline is not None and time.monotonic() >= deadline):
+                break
+        self._dropped_since_metrics += dropped
+        merged = pa.concat_tables(tables).combine_chunks()
+        batches = merged.to_batches()
+        samples = batches[0] if len(batches) == 1 else pa.RecordBatch.from_pylist([], schema=merged.schema)
+        return PulledBatch(samples=samples, consumed_prompt_indices=consumed, dropped_stale_count=dropped,
+                           exhausted=exhausted)
+
+    def _get(self, policy_version: int, min_samples: int, wait_s: float) -> tuple[pa.Table, list[int], bool]:
+        ticket = flight.Ticket(json.dumps({"policy_version": policy_version, "min_samples": max(min_samples, 1),
+                                           "wait_s": wait_s}).encode())
+        options = flight.FlightCallOptions(timeout=wait_s + 60.0)
+        table = self._rpc(lambda: self._client.do_get(ticket, options=options).read_all())
+        meta = table.schema.metadata or {}
+        consumed = json.loads(meta.get(META_CONSUMED, b"[]"))
+        return table.replace_schema_metadata(None), consumed, meta.get(META_EXHAUSTED) == b"1"
+
+    def _drop_stale(self, table: pa.Table, policy_version: int) -> tuple[pa.Table, list[int], int]:
+        """Drop samples more than ``max_staleness`` versions old; prompts left with no sample count as consumed."""
+        if table.num_rows == 0:
+            return table, [], 0
+        fresh = pc.less_equal(pc.subtract(pa.scalar(policy_version, pa.int32()), table["policy_version"]),
+                              pa.scalar(self.max_staleness, pa.int32()))
+        kept = table.filter(fresh)
+        dropped = table.num_rows - kept.num_rows
+        if not dropped:
+            return table, [], 0
+        before = set(table["prompt_index"].to_pylist())
+        after = set(kept["prompt_index"].to_pylist())
+        return kept, sorted(before - after), dropped
+
+    def report(self, policy_version: int, tokens_consumed: int) -> None:
+        """Trainer feedback after a step: its policy version and the tokens it consumed (forwarded tokens)."""
+        self._action("report", {"policy_version": policy_version, "tokens_consumed": tokens_consumed})
+
+    def metrics(self) -> dict[str, float]:
+        """The rollout metric window since the last call, plus ``sample/dropped_stale_count``."""
+        out = {k: float(v) for k, v in self._action("metrics").items()}
+        out["sample/dropped_stale_count"] = float(self._dropped_since_metrics)
+        self._dropped_since_metrics = 0
+        return out
+
+    def close(self) -> None:
+        """Ask the rollout process to stop, close the connection, and join the process if it is ours."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.do_action(flight.Action("shutdown", b"{}"), options=flight.FlightCallOptions(timeout=5.0))
+        except (flight.FlightError, OSError) as exc:
+            logger.debug("shutdown action failed (process already gone?): %s", exc)
+        self._client.close()
+        if self.process is not None:
+            self.process.join(timeout=30)
+            if self.process.is_alive():
+                logger.warning("rollout process %s did not stop in 30 s; terminating it", self.process.pid)
+                self.process.terminate()
+                self.process.join(timeout=10)
+
+    def __enter__(self) -> FlightSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+RolloutSource = FlightSource
