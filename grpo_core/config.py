@@ -1,0 +1,411 @@
+"""Typed run config: one pydantic root model, one sub-model per process.
+
+``RunConfig`` is what a YAML/TOML file or the Prefect parameter form parses into. Each
+process receives only its sub-config (``model``, ``server``, ``rollout``; the packing
+sub-model is added beside them). Every model forbids unknown keys so a typo is an error,
+and the cross-field checks name the fields involved and the fix.
+
+Only pydantic and the standard library are imported here (STYLE.md, module boundaries).
+"""
+
+from __future__ import annotations
+
+import logging
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from grpo_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+logger = logging.getLogger(__name__)
+
+# vLLM's accepted ``--max-lora-rank`` values (vllm/config/lora.py, ``MaxLoRARanks``).
+VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def default_cache_dir() -> Path:
+    """Where converted model folders are cached when ``model.cache_dir`` is unset.
+
+    Returns:
+        ``$GRPO_FLOW_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/grpo-flow``, else
+        ``~/.cache/grpo-flow``.
+    """
+    if os.environ.get("GRPO_FLOW_CACHE_DIR"):
+        return Path(os.environ["GRPO_FLOW_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "grpo-flow"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(_Strict):
+    """Which policy model to serve and train, and how to load it."""
+
+    name: str = "smollm2-135m-instruct"
+    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``) or a local HF folder path."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight/compute dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
+    cache_dir: Path | None = None
+    """Folder for converted/generated model folders; None = ``default_cache_dir()``."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the random initialisation of the ``tiny-*`` registry models."""
+
+    def resolved_cache_dir(self) -> Path:
+        """The cache folder actually used (``cache_dir`` or the default)."""
+        return self.cache_dir if self.cache_dir is not None else default_cache_dir()
+
+
+class ServerConfig(_Strict):
+    """The generation server(s): real vLLM on GPUs, or the embedded server."""
+
+    backend: Literal["auto", "vllm", "embedded"] = "auto"
+    """``auto`` = vLLM when importable with a CUDA device, else the embedded server."""
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless the trainer runs on another host."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port of replica 0; replica i uses port + i. 0 = a free port chosen at start."""
+    num_replicas: int = Field(default=1, ge=1)
+    """Number of server replicas (data parallel), each on its own GPUs."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs per replica (vLLM ``--tensor-parallel-size``)."""
+    gpu_ids: list[int] | None = None
+    """CUDA device indices to spread replicas over; None = 0 .. num_replicas*tensor_parallel_size-1."""
+    max_model_len: int = Field(default=4096, ge=16)
+    """Longest prompt + completion a request may hold, in tokens (``--max-model-len``)."""
+    max_num_seqs: int = Field(default=64, ge=1)
+    """Most sequences decoded in one batch (``--max-num-seqs``)."""
+    kv_cache_size_tokens: int | None = Field(default=None, ge=16)
+    """Embedded server only: KV-cache capacity in tokens; None = max_num_seqs * max_model_len."""
+    api_server_count: int = Field(default=1, ge=1)
+    """vLLM API server processes (``--api-server-count``); more helps top-k log-prob serialisation."""
+    max_logprobs: int = Field(default=20, ge=0)
+    """Most log-probs per token a request may ask for (``--max-logprobs``)."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may use (``--gpu-memory-utilization``)."""
+    enforce_eager: bool = False
+    """vLLM ``--enforce-eager`` (no CUDA graphs; faster start, slower decode)."""
+    weight_transfer_backend: Literal["nccl", "ipc"] | None = "nccl"
+    """vLLM ``--weight-transfer-config`` backend for full-weight sync; None = no weight transfer."""
+    enable_lora: bool = False
+    """Serve LoRA adapters loaded at run time (``--enable-lora``)."""
+    lora_rank: int = Field(default=16, ge=1, le=512)
+    """Rank r of the trained adapter; the server's ``--max-lora-rank`` is the next allowed value >= r."""
+    max_loras: int | None = Field(default=None, ge=1)
+    """Adapters resident at once (``--max-loras``); None = rollout.max_staleness + 2."""
+    served_model_name: str | None = None
+    """Name the base model is served under; None = model.name."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds to wait for ``/health`` after launching a replica."""
+    embedded_num_threads: int = Field(default=0, ge=0)
+    """Embedded server only: torch CPU threads per replica; 0 = torch's default (all cores)."""
+    log_dir: Path = Path("runs/servers")
+    """Folder for the replicas' log files."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra ``vllm serve`` arguments, appended verbatim."""
+
+
+class RolloutConfig(_Strict):
+    """Sampling settings and limits of the rollout process that matter to the server."""
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass kept; 1.0 = off. Below 1 needs top_k > 0."""
+    top_k: int = Field(default=0, ge=0)
+    """Candidates kept per step; 0 = off."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Drop tokens below min_p times the top probability; 0 = off."""
+    max_completion_length: int = Field(default=2048, ge=1)
+    """Most tokens generated per turn (the request's ``max_tokens``)."""
+    num_sampler_logprobs: int = Field(default=8, ge=0)
+    """Top log-probs requested per generated token (score centering); 0 = none."""
+    max_staleness: int = Field(default=4, ge=0)
+    """Most policy versions a sample may lag the trainer before it is dropped."""
+    max_concurrent_rollouts: int = Field(default=512, ge=1)
+    """Most rollouts in flight at once (also the HTTP connection pool size)."""
+    server_timeout_s: float = Field(default=1800.0, gt=0)
+    """Seconds a single request to the server may take before it is retried."""
+    max_retries: int = Field(default=5, ge=0)
+    """Retries of a request after connection errors, timeouts and 5xx answers."""
+    num_generations: int = Field(default=8, ge=2)
+    """G: rollouts per prompt (one group); advantages are normalised inside it."""
+    dataset: str | None = None
+    """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` returning a Dataset; None = passed in code."""
+    dataset_size: int = Field(default=1000, ge=1)
+    """Prompts generated by a ``reasoning_gym:`` dataset."""
+    dataset_seed: int = Field(default=0, ge=0)
+    """Seed of a generated (``reasoning_gym:``) dataset."""
+    dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a ``module:callable`` dataset."""
+    reward_functions: list[str] = Field(default_factory=list)
+    """Reward functions as ``module:name``; rewards of all sources are summed."""
+    tools: list[str] = Field(default_factory=list)
+    """Tool functions as ``module:name`` (typed, Google docstrings), shown to the model through the chat template."""
+    environment_factory: str | dict[str, str] | None = None
+    """Environment class ``module:Class``, or environment name -> class routed by the dataset's ``environment`` column."""
+    loop_class: str = "grpo_core.rollout.loop:RolloutLoop"
+    """Rollout loop class ``module:Class`` (a ``RolloutLoop`` subclass with overridden hooks)."""
+    loop_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields of the loop class's own config subclass (its ``config_class``)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of ``tokenizer.apply_chat_template`` (e.g. ``enable_thinking``)."""
+    max_tool_calling_iterations: int | None = Field(default=None, ge=0)
+    """Most tool-calling turns per rollout; None = until the model stops calling tools."""
+    num_epochs: int = Field(default=1, ge=1)
+    """Passes over the prompt dataset (a rejected prompt counts as consumed)."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps of the run; when set the dataset cycles and the trainer stops the run (overrides num_epochs)."""
+    seed: int = Field(default=0, ge=0)
+    """Base of the per-request sampler seeds (each rollout of a group gets its own seed)."""
+    first_step_tokens: int = Field(default=8192, ge=1)
+    """Tokens assumed consumed per step before the trainer's first report (token budget x ranks x accumulation)."""
+    concurrency_poll_s: float = Field(default=5.0, gt=0)
+    """Seconds between ``/metrics`` polls of the adaptive concurrency cap."""
+    rollout_worker_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds without a heartbeat from the rollout process before the trainer fails the run."""
+    flight_host: str = "127.0.0.1"
+    """Interface the rollout process's Arrow Flight server binds; loopback unless the trainer is on another host."""
+    flight_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the Flight server; 0 = a free port, reported at start."""
+
+    @model_validator(mode="after")
+    def _check_rollout_fields(self) -> RolloutConfig:
+        if self.temperature == 0 and self.num_generations > 1:
+            logger.warning("rollout.temperature=0 makes the %d rollouts of a group identical: every group has zero "
+                           "reward std and is dropped; raise rollout.temperature", self.num_generations)
+        if isinstance(self.environment_factory, dict) and not self.environment_factory:
+            raise ConfigError("rollout.environment_factory is an empty dict; name at least one environment or set None")
+        for name in [*self.reward_functions, *self.tools, self.loop_class]:
+            if ":" not in name:
+                raise ConfigError(f"rollout: {name!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")
+        return self
+
+    def uses_candidate_filter(self) -> bool:
+        """Whether top-k/top-p/min-p shrink the sampler's candidate set."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+class PackingConfig(_Strict):
+    """How samples become token-budget rows (DESIGN.md §5, token-budget batcher)."""
+
+    backend: str = "rust"
+    """Packer backend name: ``rust`` (packer_rs), ``python`` (reference) or a ``grpo_core.packers`` entry point."""
+    token_budget: int | None = Field(default=None, ge=16)
+    """Most forwarded (unique) tokens, and trained tokens, per row; None = server.max_model_len."""
+
+
+class LoraConfig(_Strict):
+    """PEFT LoRA adapter trained instead of the full weights."""
+
+    enabled: bool = False
+    """Train a LoRA adapter (and sync only the adapter to the servers)."""
+    r: int = Field(default=16, ge=1, le=512)
+    """Adapter rank."""
+    alpha: float = Field(default=32.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter input."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names to adapt."""
+    name: str = "policy"
+    """Adapter name on the servers; version N is served as ``{name}-v{N}``."""
+
+
+class TrainConfig(_Strict):
+    """The FSDP2 trainer (torchrun, one process per rank)."""
+
+    output_dir: Path = Path("runs/train")
+    """Folder for checkpoints, metrics and synced weights."""
+    num_ranks: int = Field(default=1, ge=1)
+    """Data-parallel ranks (torchrun --nproc-per-node)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto`` = CUDA when available (NCCL), else CPU (gloo)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Master weight dtype."""
+    mixed_precision: bool | None = None
+    """bf16 compute with fp32 gradient reduction (FSDP2 MixedPrecisionPolicy); None = on for CUDA only."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder-layer activations in the backward pass."""
+    learning_rate: float = Field(default=1e-6, gt=0)
+    """Peak AdamW learning rate."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup (to 0 at max_steps for linear/cosine)."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup steps."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = Field(default=1.0, ge=0)
+    """Gradient clipping by global norm; 0 = off."""
+    max_steps: int = Field(default=100, ge=1)
+    """Optimizer steps to train."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step."""
+    clip_min: float = Field(default=0.5, gt=0)
+    """Masked importance sampling: lowest ratio π/μ kept."""
+    clip_max: float = Field(default=5.0, gt=0)
+    """Masked importance sampling: highest ratio π/μ kept."""
+    score_centering: bool = True
+    """Score-centred gradient (needs rollout.num_sampler_logprobs > 0) instead of the clipped surrogate."""
+    epsilon: float = Field(default=0.2, gt=0)
+    """Clipped surrogate: lower trust-region width."""
+    epsilon_high: float | None = Field(default=None, gt=0)
+    """Clipped surrogate: upper width; None = epsilon."""
+    logprob_chunk_size: int = Field(default=1024, ge=1)
+    """Loss terms per chunk of the vocabulary projection."""
+    length_buckets: int = Field(default=4, ge=1)
+    """CUDA: rows are padded to one of this many lengths up to the token budget (static shapes)."""
+    weight_sync_steps: int = Field(default=1, ge=1)
+    """Optimizer steps between weight syncs to the servers (each sync = one policy version)."""
+    save_steps: int = Field(default=50, ge=1)
+    """Optimizer steps between checkpoints."""
+    logging_steps: int = Field(default=1, ge=1)
+    """Optimizer steps per metrics window."""
+    seed: int = 0
+    """Seed of the trainer's RNGs."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA options."""
+    samples_path: Path | None = None
+    """Train from this Sample-schema Arrow IPC file instead of a rollout process (offline runs, tests)."""
+    rollout_location: str | None = None
+    """Arrow Flight location of the rollout process (``grpc://host:port``); set by the flow."""
+
+
+class RunConfig(_Strict):
+    """Root config of one grpo-flow run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """Generation server(s)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout sampling settings and limits."""
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    """Packing of samples into rows."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The trainer."""
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> RunConfig:
+        server, rollout = self.server, self.rollout
+        if rollout.max_completion_length >= server.max_model_len:
+            raise ConfigError(
+                f"rollout.max_completion_length ({rollout.max_completion_length}) must be below "
+                f"server.max_model_len ({server.max_model_len}) to leave room for the prompt; "
+                "raise server.max_model_len or lower rollout.max_completion_length"
+            )
+        if rollout.top_p < 1.0 and rollout.top_k == 0:
+            raise ConfigError(
+                "rollout.top_p < 1 needs rollout.top_k > 0 (vLLM bounds the candidate set by top_k); "
+                "set rollout.top_k, e.g. 512"
+            )
+        if rollout.num_sampler_logprobs > server.max_logprobs:
+            raise ConfigError(
+                f"rollout.num_sampler_logprobs ({rollout.num_sampler_logprobs}) exceeds "
+                f"server.max_logprobs ({server.max_logprobs}); raise server.max_logprobs"
+            )
+        if server.enable_lora and server.max_loras is not None and server.max_loras < rollout.max_staleness + 2:
+            raise ConfigError(
+                f"server.max_loras ({server.max_loras}) must be >= rollout.max_staleness + 2 "
+                f"({rollout.max_staleness + 2}): the trainer keeps max_staleness + 1 versions and loads the "
+                "next before unloading the oldest; raise server.max_loras or leave it unset"
+            )
+        train = self.train
+        if train.clip_min >= train.clip_max:
+            raise ConfigError(
+                f"train.clip_min ({train.clip_min}) must be below train.clip_max ({train.clip_max})"
+            )
+        if train.score_centering and rollout.num_sampler_logprobs == 0:
+            raise ConfigError(
+                "train.score_centering needs the sampler's top log-probs: set rollout.num_sampler_logprobs > 0 "
+                "(e.g. 8) or train.score_centering: false"
+            )
+        if self.packing.token_budget is not None and self.packing.token_budget < server.max_model_len:
+            logger.warning(
+                "packing.token_budget (%d) < server.max_model_len (%d): samples longer than the budget are dropped",
+                self.packing.token_budget, server.max_model_len,
+            )
+        if train.lora.enabled and not server.enable_lora:
+            raise ConfigError("train.lora.enabled needs server.enable_lora: true (the servers serve the adapter)")
+        if train.lora.enabled and train.lora.r > server.lora_rank:
+            raise ConfigError(
+                f"train.lora.r ({train.lora.r}) exceeds server.lora_rank ({server.lora_rank}); raise server.lora_rank"
+            )
+        needed = server.num_replicas * server.tensor_parallel_size
+        if server.gpu_ids is not None and len(set(server.gpu_ids)) < needed:
+            raise ConfigError(
+                f"server.gpu_ids lists {len(set(server.gpu_ids))} distinct GPUs but server.num_replicas * "
+                f"server.tensor_parallel_size = {needed}; list more GPUs or lower num_replicas"
+            )
+        return self
+
+    def token_budget(self) -> int:
+        """Row token budget actually used: ``packing.token_budget`` or ``server.max_model_len``."""
+        return self.packing.token_budget or self.server.max_model_len
+
+    def served_model_name(self) -> str:
+        """Name the base model answers to in ``"model"`` fields."""
+        return self.server.served_model_name or self.model.name
+
+    def max_loras(self) -> int:
+        """Adapters the server keeps resident: ``server.max_loras`` or max_staleness + 2."""
+        return self.server.max_loras or self.rollout.max_staleness + 2
+
+
+def _set_dotted(data: dict, key: str, value: object) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
+
+    Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
+
+    Raises:
+        ConfigError: unreadable file, bad override, or a validation error (naming the field).
+    """
+    import json
+    import tomllib
+
+    import yaml
+    from pydantic import ValidationError
+
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {p}: {e.strerror}; check the --config path") from None
+        if p.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, value = item.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(value))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid run config:\n  " + "\n  ".join(lines)) from None

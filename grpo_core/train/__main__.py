@@ -1,0 +1,37 @@
+"""``python -m grpo_core.train --config FILE`` (also under torchrun): the trainer process.
+
+The config is parsed and validated before torch is imported, so ``--help`` and
+config errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line arguments."""
+    p = argparse.ArgumentParser(prog="python -m grpo_core.train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, type=Path, help="run config (YAML or JSON)")
+    p.add_argument("--server-url", action="append", default=[], help="generation server to sync weights to")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = parse_args(argv)
+    from grpo_core.config import load_config
+
+    cfg = load_config(args.config)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: %(message)s")
+    from .run import run_trainer
+
+    run_trainer(cfg, server_urls=args.server_url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Rank 0's data side: pull samples, plan micro-batches, track prompts.
+
+The planner pulls from a :class:`~grpo_core.transport.SampleSource`, streams
+the samples through the packer's token-budget batcher (one row per rank) and
+hands out whole optimizer steps of micro-batches. It remembers every sample
+pulled but not yet trained, so a checkpoint can store them as pending samples
+and a resumed run can train them without regenerating or repeating a prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from grpo_core.packing import MicroBatch, get_packer, micro_batch_stats
+from grpo_core.transport import SampleSource
+
+from .checkpoint import PromptTracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannedStep:
+    """The micro-batches of one optimizer step and what rank 0 knows about them."""
+
+    micro_batches: list[MicroBatch]
+    rollout_wait_s: float = 0.0
+    dropped_stale_count: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Planner:
+    """See module docs.
+
+    Args:
+        source: where samples come from.
+        num_ranks: rows per micro-batch.
+        token_budget: forwarded (and trained) tokens per row.
+        backend: packer backend name.
+        tracker: prompt bookkeeping (restored from a checkpoint on resume).
+        pending: samples restored from a checkpoint, trained first.
+    """
+
+    def __init__(self, source: SampleSource, num_ranks: int, token_budget: int, backend: str,
+                 tracker: PromptTracker, pending: pa.RecordBatch | None = None):
+        self.source = source
+        self.token_budget = token_budget
+        self.batcher = get_packer(backend).batcher(num_ranks, token_budget)
+        self.tracker = tracker
+        self.ready: list[MicroBatch] = []
+        self.unplanned: list[pa.RecordBatch] = []  # pulled samples not yet in an emitted micro-batch
+        self.emitted: set[int] = set()
+        self.exhausted = False
+        self.dropped_oversize_count = 0
+        if pending is not None and pending.num_rows:
+            self._push(pending)
+
+    def _push(self, batch: pa.RecordBatch) -> None:
+        self.tracker.received(batch.column("prompt_index").to_pylist())
+        oversize = (pc.list_value_length(batch.column("input_ids")).to_numpy() > self.token_budget)
+        if oversize.any():  # dropped here, so that their prompts still count as settled
+            self.dropped_oversize_count += int(oversize.sum())
+            self.tracker.trained_samples(batch.filter(pa.array(oversize)).column("prompt_index").to_pylist())
+            logger.warning("dropped %d samples longer than token_budget=%d; raise packing.token_budget",
+                           int(oversize.sum()), self.token_budget)
+            batch = batch.filter(pa.array(~oversize))
+        if batch.num_rows:
+            self.unplanned.append(batch)
+            self._emit(self.batcher.push(batch))
+
+    def _emit(self, micro_batches: list[MicroBatch]) -> None:
+        for mb in micro_batches:
+            for row in mb:
+                self.emitted.update(row.samples.column("sample_id").to_pylist())
+            self.ready.append(mb)
+
+    def next_step(self, num_micro_batches: int, policy_version: int) -> PlannedStep | None:
+        """Up to ``num_micro_batches`` micro-batches (fewer at the end); None when all is trained."""
+        wait, stale = 0.0, 0
+        while len(self.ready) < num_micro_batches and not self.exhausted:
+            t0 = time.perf_counter()
+            pulled = self.source.pull(policy_version)
+            wait += time.perf_counter() - t0
+            stale += pulled.dropped_stale_count
+            self.tracker.consumed(pulled.consumed_prompt_indices)
+            if pulled.samples.num_rows:
+                self._push(pulled.samples)
+            if pulled.exhausted:
+                self.exhausted = True
+                self._emit(self.batcher.finish())
+        if not self.ready:
+            return None
+        step, self.ready = self.ready[:num_micro_batches], self.ready[num_micro_batches:]
+        return PlannedStep(step, wait, stale, self._stats(step))
+
+    def _stats(self, step: list[MicroBatch]) -> dict[str, float]:
+        per_mb = [micro_batch_stats(mb, self.token_budget) for mb in step]
+        rows = [r for mb in step for r in mb]
+        groups = {g for r in rows for g in r.samples.column("group_id").to_pylist()}
+        forwarded = sum(s["forwarded_tokens"] for s in per_mb)
+        trained = sum(s["trained_tokens"] for s in per_mb)
+        raw = sum(s["raw_tokens"] for s in per_mb)
+        return {
+            "batch/forwarded_tokens_per_step": forwarded,
+            "batch/trained_tokens_per_step": trained,
+            "batch/raw_tokens_per_step": raw,
+            "batch/samples_per_step": sum(r.num_samples for r in rows),
+            "batch/groups_per_step": len(groups),
+            "batch/microbatches_per_step": len(step),
+            "batch/masked_token_frac": 1 - trained / forwarded if forwarded else 0.0,
+            "batch/packing_ratio": raw / forwarded if forwarded else 1.0,
+            "batch/row_fill_frac": sum(s["row_fill_frac"] for s in per_mb) / len(per_mb),
+            "batch/row_imbalance": sum(s["row_imbalance"] for s in per_mb) / len(per_mb),
+            "batch/samples_per_row": sum(s["samples_per_row"] for s in per_mb) / len(per_mb),
+            "batch/row_tokens_mean": sum(s["row_tokens_mean"] for s in per_mb) / len(per_mb),
+            "batch/row_tokens_max": max(s["row_tokens_max"] for s in per_mb),
+        }
+
+    def step_trained(self, step: PlannedStep) -> list[int]:
+        """Mark the step's samples trained; returns their prompt indices (one per sample)."""
+        prompts = [p for mb in step.micro_batches for r in mb for p in r.samples.column("prompt_index").to_pylist()]
+        self.tracker.trained_samples(prompts)
+        self._prune()
+        return prompts
+
+    def _prune(self) -> None:
+        """Forget pulled batches whose samples were all emitted."""
+        keep = []
+        for b in self.unplanned:
+            ids = b.column("sample_id").to_pylist()
+            if not all(i in self.emitted for i in ids):
+                keep.append(b)
+            else:
+                self.emitted.difference_update(ids)
+        self.unplanned = keep
+
+    def pending_samples(self) -> pa.RecordBatch | None:
+        """Samples pulled but not yet trained (in open rows or in planned, untrained micro-batches)."""
+        ready_ids = {i for mb in self.ready for r in mb for i in r.samples.column("sample_id").to_pylist()}
+        parts = []
+        for b in self.unplanned:
+            ids = b.column("sample_id").to_pylist()
+            mask = [i not in self.emitted or i in ready_ids for i in ids]
+            if any(mask):
+                parts.append(b.filter(pa.array(mask)))
+        if not parts:
+            return None
+        return pa.concat_batches(parts)

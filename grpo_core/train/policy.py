@@ -1,0 +1,117 @@
+"""The trained policy: a causal LM behind one FSDP2 root module whose forward
+returns the trained tokens' log-probs of a packed row.
+
+Wrapping (torchtitan's order): gradient checkpointing, then ``fully_shard`` on
+every decoder layer, then on the root. Calling the decoder and the output
+projection inside the root's ``forward`` lets FSDP2 gather the root-level
+parameters (embeddings, final norm, lm_head) around them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from grpo_core.config import LoraConfig, ModelConfig
+
+from .attention import TREE_ATTENTION, TreeMask, dense_tree_mask, register_tree_attention
+from .logprobs import TokenLogProbs, candidate_mask, projected_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class Policy(nn.Module):
+    """Root module: packed row in, :class:`TokenLogProbs` out.
+
+    Args:
+        lm: a transformers causal LM (optionally PEFT-wrapped) using ``grpo_tree`` attention.
+        temperature: sampler temperature applied to the logits.
+        chunk_size: loss terms per chunk of the vocabulary projection.
+    """
+
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.chunk_size = chunk_size
+
+    def base(self) -> nn.Module:
+        """The underlying transformers model (PEFT wrapper removed)."""
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, tree_mask: TreeMask, token_index: Tensor,
+                targets: Tensor, topk_ids: Tensor | None = None,
+                candidates: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
+        """See :func:`grpo_core.train.logprobs.row_logprobs`; shapes in ``RowTensors``.
+
+        Returns a plain tuple ``(logprobs, entropy[, topk_logprobs])`` so FSDP2 sees
+        the output tensors (for its pre-backward hooks); :meth:`logprobs` wraps it.
+        """
+        base = self.base()
+        if tree_mask.dense is None and tree_mask.block_mask is None:
+            tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end))
+        out = base.model(input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask,
+                         use_cache=False)
+        hidden = out.last_hidden_state[0]
+        weight = base.get_output_embeddings().weight
+        dense_candidates = None
+        if candidates is not None:
+            dense_candidates = candidate_mask(candidates[0], candidates[1], weight.shape[0])
+        picked = hidden.index_select(0, token_index)
+        if picked.shape[0] == 0:  # a dummy row: keep every parameter in the graph
+            zero = hidden.sum() * 0.0 + weight.sum() * 0.0
+            empty = zero.reshape(1)[:0]
+            return (empty, empty.detach()) + (() if topk_ids is None else (empty.reshape(0, topk_ids.shape[1]),))
+        out = projected_logprobs(picked, weight, targets, self.temperature, topk_ids, dense_candidates,
+                                 self.chunk_size)
+        return (out.logprobs, out.entropy) + (() if out.topk_logprobs is None else (out.topk_logprobs,))
+
+    def logprobs(self, rt) -> TokenLogProbs:
+        """Forward one :class:`~grpo_core.train.rows.RowTensors` row."""
+        out = self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id, rt.topk_ids,
+                   rt.candidates)
+        return TokenLogProbs(out[0], out[1], out[2] if len(out) > 2 else None)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (transformers' ``GradientCheckpointingLayer`` instances)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                 lora: LoraConfig, gradient_checkpointing: bool, temperature: float, chunk_size: int) -> Policy:
+    """Load the LM with tree attention, optionally add LoRA, and wrap it in :class:`Policy` (unsharded)."""
+    from transformers import AutoModelForCausalLM
+
+    register_tree_attention()
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=TREE_ATTENTION)
+    lm.config.use_cache = False
+    if gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora.enabled:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        lm = get_peft_model(lm, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                               target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+    policy = Policy(lm, temperature, chunk_size).to(device)
+    n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s)", model_cfg.name, n_train / 1e6, dtype,
+                lora.enabled)
+    return policy
+
+
+def shard(policy: Policy, mixed_precision: bool) -> Policy:
+    """Apply FSDP2: each decoder layer, then the root. bf16 compute + fp32 reduce when ``mixed_precision``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for layer in decoder_layers(policy):
+        fully_shard(layer, **kwargs)
+    fully_shard(policy, **kwargs)
+    return policy

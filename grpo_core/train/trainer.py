@@ -1,0 +1,259 @@
+"""The FSDP2 GRPO trainer loop (DESIGN.md §3, §5, §7).
+
+Every rank runs :class:`Trainer`; rank 0 also owns the :class:`Planner` (data),
+the metrics sink, weight-sync traffic and checkpoint metadata. One step:
+``collect_step`` (rank 0 plans, every rank receives its rows) →
+``forward_backward`` per micro-batch → ``optimizer_step`` → ``sync_weights``
+(every ``weight_sync_steps``) → ``log_step`` → ``save`` (every ``save_steps``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_core.config import RunConfig
+from grpo_core.metrics import MetricsSink, MetricWindow
+from grpo_core.models import resolve_model_dir
+from grpo_core.transport import ResumeState, SampleSource
+
+from . import checkpoint
+from .attention import FlexTreeMasks
+from .distributed import ROW, STOP, World, all_reduce, broadcast_header, scatter_rows
+from .loss import LossSettings, grpo_loss
+from .planner import PlannedStep, Planner
+from .policy import build_policy, shard
+from .rows import length_buckets, to_tensors
+from .weight_sync import NoWeightSync, WeightSync
+
+logger = logging.getLogger(__name__)
+
+#: bf16 dense peak FLOP/s per device, for MFU (vendor datasheets).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def lr_lambda(kind: str, warmup: int, total: int):
+    """LR multiplier per step: linear warmup, then constant / linear / cosine decay to 0 at ``total``."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "constant":
+            return 1.0
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 1.0 - frac if kind == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+    return f
+
+
+class Trainer:
+    """See module docs. ``source`` and ``sink`` are used on rank 0 only."""
+
+    def __init__(self, cfg: RunConfig, world: World, source: SampleSource | None = None,
+                 weight_sync: WeightSync | None = None, sink: MetricsSink | None = None):
+        self.cfg, self.world, self.sink = cfg, world, sink
+        tc = cfg.train
+        self.weight_sync = weight_sync or NoWeightSync()
+        self.output_dir = Path(tc.output_dir)
+        torch.manual_seed(tc.seed + world.rank)
+        dtype = getattr(torch, tc.dtype)
+        self.policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=dtype, device=world.device,
+                                   lora=tc.lora, gradient_checkpointing=tc.gradient_checkpointing,
+                                   temperature=cfg.rollout.temperature, chunk_size=tc.logprob_chunk_size)
+        mixed = tc.mixed_precision if tc.mixed_precision is not None else world.device.type == "cuda"
+        shard(self.policy, mixed)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, betas=tc.adam_betas,
+                                           weight_decay=tc.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps))
+        self.loss_settings = LossSettings(tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high)
+        self.token_budget = cfg.token_budget()
+        self.flex = FlexTreeMasks(world.device) if world.device.type == "cuda" else None
+        self.buckets = length_buckets(self.token_budget, tc.length_buckets)
+        self.window = MetricWindow()
+        self.step, self.policy_version = 0, 0
+        tracker, pending = self._resume()
+        self.planner = None
+        if world.is_main:
+            assert source is not None, "rank 0 needs a sample source"
+            self.source = source
+            self.planner = Planner(source, world.world_size, self.token_budget, cfg.packing.backend, tracker, pending)
+
+    # -- resume --------------------------------------------------------------------------
+    def _resume(self) -> tuple[checkpoint.PromptTracker, object]:
+        path = checkpoint.latest_checkpoint(self.output_dir)
+        if path is None:
+            return checkpoint.PromptTracker(), None
+        state, pending = checkpoint.load(path, self.policy, self.optimizer, self.scheduler, self.world.rank)
+        self.step, self.policy_version = state.step, state.policy_version
+        return checkpoint.PromptTracker(state), pending
+
+    def resume_state(self) -> ResumeState:
+        """Where the rollout side should start (rank 0)."""
+        return self.planner.tracker.state(self.step, self.policy_version)
+
+    # -- one step ------------------------------------------------------------------------
+    def collect_step(self) -> tuple[list, PlannedStep | None]:
+        """Rank 0 plans the step; every rank gets its row of each micro-batch ([] = stop)."""
+        planned = None
+        if self.world.is_main:
+            planned = self.planner.next_step(self.cfg.train.gradient_accumulation_steps, self.policy_version)
+        n = broadcast_header(self.world, [ROW if planned else STOP, len(planned.micro_batches) if planned else 0])
+        if n[0] == STOP:
+            return [], None
+        rows = [scatter_rows(self.world, mb if planned else None) for mb in (planned.micro_batches if planned
+                                                                              else [None] * n[1])]
+        return rows, planned
+
+    def _tensors(self, row):
+        if self.flex is None:
+            return to_tensors(row, self.world.device)
+        length = self.flex.bucket(max(row.num_forwarded, 1), self.buckets)
+        rt = to_tensors(row, self.world.device, length)
+        rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
+        return rt
+
+    def forward_backward(self, row, num_micro_batches: int) -> dict[str, float]:
+        """One micro-batch on this rank: log-probs, loss, backward; returns local sums for metrics."""
+        rt = self._tensors(row)
+        n_global = all_reduce([rt.num_terms], self.world)[0]
+        normaliser = max(n_global, 1) * num_micro_batches / self.world.world_size
+        out = self.policy.logprobs(rt)
+        loss, st = grpo_loss(out.logprobs, rt.sampler_logprob, rt.advantage, normaliser, self.loss_settings,
+                             out.topk_logprobs, rt.topk_logprobs)
+        loss.backward()
+        sums = {"loss": loss.item(),
+                "terms": rt.num_terms, "entropy": out.entropy.sum().item(), "ratio": st["ratio"].sum().item(),
+                "logp_diff": st["logp_diff"].sum().item(), "masked": st["masked"].sum().item(),
+                "clipped_low": st["clipped_low"].sum().item(), "clipped_high": st["clipped_high"].sum().item(),
+                "sampler_mass": st["sampler_mass"].sum().item() if "sampler_mass" in st else 0.0}
+        extremes = {"ratio_max": st["ratio"].max().item() if rt.num_terms else 0.0,
+                    "ratio_min_neg": -st["ratio"].min().item() if rt.num_terms else -math.inf,
+                    "logp_diff_max": st["logp_diff"].max().item() if rt.num_terms else 0.0}
+        version = self.policy_version
+        staleness = (version - rt.policy_version).float() if rt.policy_version.numel() else torch.zeros(0)
+        sums["staleness"] = staleness.sum().item()
+        sums["samples"] = float(staleness.numel())
+        extremes["staleness_max"] = staleness.max().item() if staleness.numel() else 0.0
+        return {**sums, **extremes}
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, schedule; returns lr and the pre-clip gradient norm."""
+        tc = self.cfg.train
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm if tc.max_grad_norm > 0 else float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return {"grad_norm": float(norm), "learning_rate": lr}
+
+    def run(self) -> ResumeState | None:
+        """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0)."""
+        tc = self.cfg.train
+        while self.step < tc.max_steps:
+            if not self.train_step():
+                break
+        self.save()
+        return self.resume_state() if self.world.is_main else None
+
+    def train_step(self) -> bool:
+        """One optimizer step; False when there was nothing left to train."""
+        t0 = time.perf_counter()
+        rows, planned = self.collect_step()
+        if not rows:
+            return False
+        t1 = time.perf_counter()
+        local = [self.forward_backward(r, len(rows)) for r in rows]
+        t2 = time.perf_counter()
+        opt = self.optimizer_step()
+        t3 = time.perf_counter()
+        self.step += 1
+        if self.world.is_main:
+            self._record_trained(planned)
+        sync = {}
+        if self.step % self.cfg.train.weight_sync_steps == 0:
+            self.policy_version += 1
+            sync = self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
+            sync["perf/weight_sync_s"] = time.perf_counter() - t3
+        self.log_step(local, planned, opt, sync, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t0)
+        if self.step % self.cfg.train.save_steps == 0:
+            self.save()
+        return True
+
+    def _record_trained(self, planned: PlannedStep) -> None:
+        """Mark the step's samples trained and append the prompts it completed to ``trained_prompts.jsonl``."""
+        before = len(self.planner.tracker.trained)
+        self.planner.step_trained(planned)
+        done = self.planner.tracker.trained[before:]
+        with (self.output_dir / "trained_prompts.jsonl").open("a") as f:
+            f.write(json.dumps({"step": self.step, "prompt_indices": done}) + "\n")
+
+    # -- metrics -------------------------------------------------------------------------
+    def log_step(self, local: list[dict], planned: PlannedStep | None, opt: dict, sync: dict,
+                 collect_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float) -> None:
+        """Reduce per-rank sums, add rank 0's batch stats, and flush a window every ``logging_steps``."""
+        keys = ["loss", "terms", "entropy", "ratio", "logp_diff", "masked", "clipped_low", "clipped_high",
+                "sampler_mass", "staleness", "samples"]
+        sums = dict(zip(keys, all_reduce([sum(d[k] for d in local) for k in keys], self.world)))
+        mkeys = ["ratio_max", "ratio_min_neg", "logp_diff_max", "staleness_max"]
+        maxes = dict(zip(mkeys, all_reduce([max(d[k] for d in local) for k in mkeys], self.world, op="max")))
+        if not self.world.is_main:
+            return
+        n = max(sums["terms"], 1)
+        w = self.window
+        w.update({"loss": sums["loss"] / self.world.world_size, "entropy": sums["entropy"] / n,
+                  "sampling/importance_sampling_ratio/mean": sums["ratio"] / n,
+                  "sampling/importance_sampling_ratio/max": maxes["ratio_max"],
+                  "sampling/importance_sampling_ratio/min": -maxes["ratio_min_neg"],
+                  "sampling/sampling_logp_difference/mean": sums["logp_diff"] / n,
+                  "sampling/sampling_logp_difference/max": maxes["logp_diff_max"],
+                  "sampling/masked_mean": sums["masked"] / n,
+                  "clip_ratio/low_mean": sums["clipped_low"] / n, "clip_ratio/high_mean": sums["clipped_high"] / n,
+                  "clip_ratio/region_mean": (sums["clipped_low"] + sums["clipped_high"]) / n,
+                  "sample/staleness_mean": sums["staleness"] / max(sums["samples"], 1),
+                  "sample/staleness_max": maxes["staleness_max"], "policy_version": self.policy_version,
+                  "perf/step_s": step_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/optimizer_s": optimizer_s,
+                  "perf/rollout_wait_s": planned.rollout_wait_s, **opt, **planned.stats, **sync})
+        if self.cfg.train.score_centering:
+            w.add("sampling/sampler_mass", sums["sampler_mass"] / n)
+        w.add("sample/dropped_stale_count", planned.dropped_stale_count)
+        w.rate("perf/tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], step_s)
+        w.rate("perf/trained_tokens_per_s", planned.stats["batch/trained_tokens_per_step"], step_s)
+        self._mfu(planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
+        self.source.report(self.policy_version, int(planned.stats["batch/raw_tokens_per_step"]))
+        if self.step % self.cfg.train.logging_steps == 0:
+            w.add("batch/dropped_oversize_count", self.planner.dropped_oversize_count)
+            w.update(self.source.metrics())
+            metrics = w.flush()
+            logger.info("step %d: loss %.4f, %.0f tokens/s", self.step, metrics.get("loss", float("nan")),
+                        metrics.get("perf/tokens_per_s", 0.0))
+            if self.sink is not None:
+                self.sink.log(self.step, metrics)
+
+    def _mfu(self, forwarded_tokens: float, fwd_bwd_s: float) -> None:
+        if self.world.device.type != "cuda" or fwd_bwd_s <= 0:
+            return
+        name = torch.cuda.get_device_name(self.world.device)
+        peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        if peak is None:
+            return
+        n_params = sum(p.numel() for p in self.policy.parameters())  # DTensor numel is the global size
+        flops = 6 * n_params * forwarded_tokens  # dense matmuls, forward + backward; attention left out
+        self.window.add("perf/fwd_bwd_mfu", flops / fwd_bwd_s / (peak * self.world.world_size))
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save(self) -> None:
+        """Checkpoint (collective) with the resume state and pending samples."""
+        last = checkpoint.latest_checkpoint(self.output_dir)
+        if last is not None and checkpoint.read_state(last).step == self.step:
+            return
+        state = self.resume_state() if self.world.is_main else None
+        pending = self.planner.pending_samples() if self.world.is_main else None
+        checkpoint.save(checkpoint.checkpoint_dir(self.output_dir, self.step), self.policy, self.optimizer,
+                        self.scheduler, state, pending, self.world.rank)

@@ -1,0 +1,194 @@
+"""Weight sync from the trainer to the generation servers, every ``weight_sync_steps``.
+
+Each sync makes one new policy version. Implementations:
+
+* :class:`DiskFullWeightSync`: full weights as a checkpoint-format folder
+  (safetensors, HF names) read by the embedded server's
+  ``/start_weight_update → /update_weights {"path"} → /finish_weight_update``.
+* :class:`LoraAdapterSync`: a PEFT adapter saved to
+  ``<output_dir>/.vllm_lora/<name>-v{N}`` (atomic rename), loaded on every
+  server with ``/v1/load_lora_adapter``; the newest ``max_staleness + 1``
+  versions stay loaded, older ones are unloaded and deleted. vLLM and the
+  embedded server take the same requests.
+
+Several servers: all or nothing. If one server fails, the new version is
+removed again from the servers that took it (adapters are unloaded; full
+weights are restored from the previous version's folder) and the error is
+raised. Pause/resume brackets every update. ``sync`` is collective: every rank
+calls it (gathering a full state dict needs all ranks); rank 0 talks to servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import save_file
+
+from grpo_core.errors import ServingError
+
+logger = logging.getLogger(__name__)
+
+
+class WeightSync(Protocol):
+    """Pushes the trainer's weights to the servers as policy version ``version``."""
+
+    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+        """Collective; returns ``perf/weight_sync_*`` timings in seconds (rank 0)."""
+        ...
+
+
+class NoWeightSync:
+    """For offline training (no servers)."""
+
+    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+        """Nothing to do."""
+        return {}
+
+
+def full_state_dict(policy) -> dict[str, torch.Tensor]:
+    """The policy's full, unsharded state dict on CPU (collective), HF parameter names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("lm."): v for k, v in sd.items()}
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+class _Servers:
+    """Rank-0 helper running the same async call on every server."""
+
+    def __init__(self, urls: list[str], timeout_s: float = 600.0):
+        self.urls = urls
+        self.timeout_s = timeout_s
+
+    def each(self, call) -> list[BaseException | None]:
+        """Run ``await call(client)`` on every server; one result (None or the error) per server."""
+        from grpo_core.serving.client import GenerationClient
+
+        async def one(url):
+            async with GenerationClient(url, max_connections=2, timeout_s=self.timeout_s, max_retries=2) as c:
+                await call(c)
+
+        async def run_all():
+            return await asyncio.gather(*(one(u) for u in self.urls), return_exceptions=True)
+
+        return list(asyncio.run(run_all()))
+
+
+class DiskFullWeightSync:
+    """Full weights through a shared folder (embedded server). See module docs."""
+
+    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2):
+        self.servers = _Servers(urls)
+        self.root = Path(output_dir) / ".weights"
+        self.keep = max(keep, 2)
+
+    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+        """Gather, write ``v{version}``, then pause → update → resume on every server."""
+        t0 = time.perf_counter()
+        sd = full_state_dict(policy)
+        if rank != 0:
+            return {}
+        t1 = time.perf_counter()
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"v{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({k: v.contiguous() for k, v in sd.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        folder = _publish(tmp, self.root / f"v{version}")
+        t2 = time.perf_counter()
+        errors = self.servers.each(lambda c: self._update(c, str(folder)))
+        if any(errors):
+            previous = self.root / f"v{version - 1}"
+            if previous.exists():
+                self.servers.each(lambda c: self._update(c, str(previous)))
+            raise ServingError(f"weight sync v{version} failed on {_failed(self.servers.urls, errors)}; "
+                               "restored the previous weights where it had been applied")
+        self._prune(version)
+        return {"perf/weight_sync_gather_s": t1 - t0, "perf/weight_sync_write_s": t2 - t1,
+                "perf/weight_sync_load_s": time.perf_counter() - t2}
+
+    @staticmethod
+    async def _update(client, path: str) -> None:
+        await client.pause()
+        try:
+            await client.update_weights_from_path(path)
+        finally:
+            await client.resume()
+
+    def _prune(self, version: int) -> None:
+        for p in self.root.glob("v*"):
+            if p.suffix != ".tmp" and p.name[1:].isdigit() and int(p.name[1:]) <= version - self.keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+class LoraAdapterSync:
+    """PEFT adapter versions on every server. See module docs."""
+
+    def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int):
+        self.servers = _Servers(urls)
+        self.root = Path(output_dir) / ".vllm_lora"
+        self.name = name
+        self.keep = max_staleness + 1
+        self.loaded: list[int] = []
+
+    def adapter_name(self, version: int) -> str:
+        """Served model name of a version: ``{name}-v{version}``."""
+        return f"{self.name}-v{version}"
+
+    def save_adapter(self, policy, version: int) -> Path | None:
+        """Collective gather; rank 0 writes the adapter folder (PEFT format) atomically."""
+        from peft import get_peft_model_state_dict
+
+        sd = full_state_dict(policy)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            lm = policy.lm
+            adapter = get_peft_model_state_dict(lm, state_dict=sd)
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / f"{self.adapter_name(version)}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            save_file({k: v.contiguous() for k, v in adapter.items()}, tmp / "adapter_model.safetensors",
+                      metadata={"format": "pt"})
+            config = lm.peft_config["default"].to_dict()
+            config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
+            (tmp / "adapter_config.json").write_text(json.dumps(config, default=str, indent=1))
+            return _publish(tmp, self.root / self.adapter_name(version))
+        return None
+
+    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+        """Save ``{name}-v{version}``, load it everywhere (all or nothing), retire old versions."""
+        t0 = time.perf_counter()
+        folder = self.save_adapter(policy, version)
+        if rank != 0:
+            return {}
+        t1 = time.perf_counter()
+        name = self.adapter_name(version)
+        errors = self.servers.each(lambda c: c.load_lora_adapter(name, str(folder)))
+        if any(errors):
+            self.servers.each(lambda c: c.unload_lora_adapter(name))
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ServingError(f"LoRA sync {name} failed on {_failed(self.servers.urls, errors)}; "
+                               "unloaded it everywhere")
+        self.loaded.append(version)
+        while len(self.loaded) > self.keep:
+            old = self.adapter_name(self.loaded.pop(0))
+            self.servers.each(lambda c: c.unload_lora_adapter(old))
+            shutil.rmtree(self.root / old, ignore_errors=True)
+        return {"perf/weight_sync_write_s": t1 - t0, "perf/weight_sync_load_s": time.perf_counter() - t1}
+
+
+def _failed(urls: list[str], errors: list[BaseException | None]) -> str:
+    return "; ".join(f"{u}: {e}" for u, e in zip(urls, errors) if e is not None)

@@ -1,0 +1,73 @@
+"""The FSDP2 trainer under torchrun (gloo, CPU): world sizes 1 and 2, and exact resume
+after a hard kill (DESIGN.md §5, resume)."""
+
+import collections
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
+
+NUM_PROMPTS = 14
+
+
+def trained_prompts(out):
+    """Prompt indices completed over the whole run (one entry per completion)."""
+    return [p for r in read_jsonl(out / "trained_prompts.jsonl") for p in r["prompt_indices"]]
+
+
+def run_to_end(tmp_path, nproc, **train):
+    tmp_path.mkdir(exist_ok=True)
+    samples = write_samples(tmp_path / "samples.arrow", NUM_PROMPTS)
+    config = trainer_config(tmp_path, samples, **train)
+    with open(tmp_path / "log", "w") as log:
+        code = torchrun(config, nproc, stdout=log, stderr=subprocess.STDOUT).wait(timeout=600)
+    assert code == 0, (tmp_path / "log").read_text()[-4000:]
+    return tmp_path / "out"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_trains_every_prompt_once_and_logs_metrics(tmp_path, nproc):
+    out = run_to_end(tmp_path, nproc, max_steps=50)
+    assert sorted(trained_prompts(out)) == list(range(NUM_PROMPTS))
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    first = metrics[0]
+    for key in ("loss", "entropy", "grad_norm", "sampling/importance_sampling_ratio/mean", "sampling/masked_mean",
+                "clip_ratio/low_mean", "batch/packing_ratio", "batch/row_imbalance", "batch/samples_per_row",
+                "perf/step_s", "perf/fwd_bwd_s", "perf/tokens_per_s", "sample/staleness_max"):
+        assert key in first, key
+    assert first["batch/packing_ratio"] > 1.0  # prompts are shared inside groups
+    assert sum(m["batch/samples_per_step"] for m in metrics) == 4 * NUM_PROMPTS
+    assert (out / "checkpoints").is_dir()
+
+
+def test_resume_after_hard_kill_neither_skips_nor_repeats(tmp_path):
+    reference = run_to_end(tmp_path / "ref", 2, max_steps=50, save_steps=2)
+    expected = sorted(trained_prompts(reference))
+
+    run = tmp_path / "killed"
+    run.mkdir()
+    samples = write_samples(run / "samples.arrow", NUM_PROMPTS)
+    config = trainer_config(run, samples, max_steps=50, save_steps=2)
+    with open(run / "log1", "w") as log:
+        proc = torchrun(config, 2, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline and len(read_jsonl(run / "out/trained_prompts.jsonl")) < 3:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # hard, mid-run, every rank at once
+        proc.wait()
+    assert 3 <= len(read_jsonl(run / "out/trained_prompts.jsonl"))
+    with open(run / "log2", "w") as log:
+        code = torchrun(config, 2, stdout=log, stderr=subprocess.STDOUT).wait(timeout=600)
+    log2 = (run / "log2").read_text()
+    assert code == 0, log2[-4000:]
+    assert "resumed from" in log2
+    got = trained_prompts(run / "out")
+    assert [p for p, n in collections.Counter(got).items() if n > 1] == []  # no prompt trained twice
+    assert sorted(got) == expected == list(range(NUM_PROMPTS))  # and none skipped
+    steps = [m["step"] for m in read_jsonl(run / "out/metrics.jsonl")]
+    assert steps == sorted(set(steps))  # metrics continue without duplicate steps
