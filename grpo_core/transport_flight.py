@@ -166,6 +166,22 @@ class FlightSource:
         after = set(kept["prompt_index"].to_pylist())
         return kept, sorted(before - after), dropped
 
+    def wait_running(self, timeout_s: float = 300.0) -> None:
+        """Block until the rollout loop is built and generating (tokenizer and dataset loaded).
+
+        Raises:
+            TransportError: it failed or did not start within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            beat = self._action("heartbeat")
+            if beat.get("failure"):
+                raise TransportError(f"rollout at {self.location}: the rollout loop failed:\n{beat['failure']}")
+            if beat.get("running", True):
+                return
+            time.sleep(0.1)
+        raise self._fail(f"the rollout loop did not start within {timeout_s} s")
+
     def report(self, policy_version: int, tokens_consumed: int) -> None:
         """Trainer feedback after a step: its policy version and the tokens it consumed (forwarded tokens)."""
         self._action("report", {"policy_version": policy_version, "tokens_consumed": tokens_consumed})

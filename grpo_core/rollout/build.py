@@ -46,6 +46,12 @@ def _environment_factory(rollout: RolloutConfig, passed: Any) -> Any:
     return {name: import_object(path, f"rollout.environment_factory[{name!r}]") for name, path in spec.items()}
 
 
+def _lora_name(run: Any) -> str | None:
+    """The trainer's adapter name when it syncs LoRA adapters (``train.lora``), else None."""
+    lora = getattr(getattr(run, "train", None), "lora", None)
+    return lora.name if lora is not None and lora.enabled else None
+
+
 async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
     """The loop of ``job`` (a ``RolloutJob``), ready for ``drive``."""
     from transformers import AutoTokenizer
@@ -76,7 +82,7 @@ async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
                           max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
                           reward_functions=rewards, tools=tools,
                           environment_factory=_environment_factory(rollout, job.environment_factory),
-                          resume=job.resume, window=window)
+                          resume=job.resume, window=window, lora_name=_lora_name(run))
     if not rewards and runtime.environment_factory is None:
         logger.warning("no reward function and no environment: every group is unscored and dropped; "
                        "set rollout.reward_functions")

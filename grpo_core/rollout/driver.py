@@ -57,20 +57,25 @@ def prompt_stream(dataset: Any, num_epochs: int | None, start: int = 0) -> Itera
         epoch += 1
 
 
-def _may_start(loop: RolloutLoop) -> bool:
-    """Token allowance, and no more groups in flight than the concurrency cap can run (at least one)."""
-    allowance = loop.runtime.allowance
-    busy = allowance.in_flight_groups * loop.config.num_generations >= max(loop.cap.cap, loop.config.num_generations)
-    return not busy and allowance.may_start_group()
+def _cap_busy(loop: RolloutLoop) -> bool:
+    """No more groups in flight than the concurrency cap can run (at least one)."""
+    g = loop.config.num_generations
+    return loop.runtime.allowance.in_flight_groups * g >= max(loop.cap.cap, g)
 
 
 async def _wait_allowance(loop: RolloutLoop) -> None:
-    if _may_start(loop):
-        return
-    start = time.monotonic()
-    while not _may_start(loop):
+    """Wait until a new group may start; time blocked by the token allowance is ``rollout/backpressure_s``."""
+    allowance, blocked_s = loop.runtime.allowance, None
+    while True:
+        busy, allowed = _cap_busy(loop), allowance.may_start_group()
+        if not busy and allowed:
+            break
+        start = time.monotonic()
         await asyncio.sleep(ALLOWANCE_POLL_S)
-    loop.window.add("rollout/backpressure_s", time.monotonic() - start)
+        if not allowed and allowance.completed_groups:  # ahead of the trainer (not the first-group rule)
+            blocked_s = (blocked_s or 0.0) + time.monotonic() - start
+    if blocked_s is not None:
+        loop.window.add("rollout/backpressure_s", blocked_s)
 
 
 async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:

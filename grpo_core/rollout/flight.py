@@ -53,6 +53,7 @@ class SampleQueue:
         self._cond = threading.Condition()
         self.finished = False
         self.failure: str | None = None
+        self.running = False
         self.last_beat = time.monotonic()
 
     def put_group(self, prompt_index: int, samples: list[Sample], tokens: int) -> None:
@@ -152,7 +153,7 @@ class RolloutFlightServer(flight.FlightServerBase):
             answer = self._metrics()
         elif action.type == "heartbeat":
             answer = {"age_s": time.monotonic() - self.queue.last_beat, "failure": self.queue.failure,
-                      "finished": self.queue.finished}
+                      "finished": self.queue.finished, "running": self.queue.running}
         elif action.type == "shutdown":
             threading.Thread(target=self.on_shutdown, daemon=True).start()
             answer = {"ok": True}

@@ -34,8 +34,9 @@ from .window import MetricWindow
 
 logger = logging.getLogger(__name__)
 
-# (group_id, rollout index in the group, turn counter) of the request being made, for its seed.
-_REQUEST = contextvars.ContextVar("rollout_request", default=(0, 0, [0]))
+# (group_id, rollout index in the group, turn counter, policy version at the group's start) of the
+# request being made: its seed, and the LoRA adapter version it samples from.
+_REQUEST = contextvars.ContextVar("rollout_request", default=(0, 0, [0], 0))
 
 
 def request_seed(base: int, group_id: int, rollout: int, turn: int) -> int:
@@ -60,6 +61,7 @@ class LoopRuntime:
         queue: sink of finished groups (``SampleQueue``).
         allowance: token allowance shared with the Flight server.
         resume: prompts to skip (already trained) and where to start.
+        lora_name: LoRA runs: the trainer's adapter name; policy version v >= 1 is served as ``{name}-v{v}``.
     """
 
     tokenizer: Any
@@ -74,6 +76,7 @@ class LoopRuntime:
     environment_factory: Any = None
     resume: ResumeState | None = None
     window: MetricWindow = field(default_factory=MetricWindow)
+    lora_name: str | None = None
 
 
 class RolloutLoop:
@@ -146,13 +149,13 @@ class RolloutLoop:
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's sampling settings and a per-request seed."""
         cfg = self.config
-        group_id, rollout, counter = _REQUEST.get()
+        group_id, rollout, counter, version = _REQUEST.get()
         seed = request_seed(cfg.seed, group_id, rollout, counter[0])
         counter[0] += 1
         client = self.runtime.clients[self._next_client % len(self.runtime.clients)]
         self._next_client += 1
         max_tokens = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
-        (out,) = await client.complete(prompt_ids, model=self.runtime.model_name, max_tokens=max_tokens,
+        (out,) = await client.complete(prompt_ids, model=self.served_model(version), max_tokens=max_tokens,
                                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                        min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
         self.generated_tokens += len(out.token_ids)
@@ -165,6 +168,16 @@ class RolloutLoop:
         return group_advantages(group.rewards)
 
     # ----- helpers hooks may use ----------------------------------------------------------------
+
+    def served_model(self, policy_version: int) -> str:
+        """Model name to sample policy version ``policy_version`` from (the adapter version in LoRA runs).
+
+        A rollout keeps the version its group started with for all its turns; the trainer keeps
+        max_staleness + 1 adapter versions loaded so it can finish under it (seed manual, LoRA section).
+        """
+        if self.runtime.lora_name and policy_version >= 1:
+            return f"{self.runtime.lora_name}-v{policy_version}"
+        return self.runtime.model_name
 
     def render(self, messages: list[dict[str, Any]], tool_schemas_: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through the chat template, with the generation prompt.
@@ -188,7 +201,7 @@ class RolloutLoop:
         allowance.group_started()
         started = time.monotonic()
         version = allowance.policy_version
-        results = await asyncio.gather(*(self._rollout(prompt_index, i, row)
+        results = await asyncio.gather(*(self._rollout(prompt_index, i, row, version)
                                          for i in range(self.config.num_generations)))
         prompts, rollouts = [p for p, _ in results], [r for _, r in results]
         sequences = [self._reconcile(r) for r in rollouts]
@@ -221,9 +234,9 @@ class RolloutLoop:
         self.window.add("rollout/samples_per_rollout", len(seqs))
         return seqs
 
-    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any]) -> tuple[list, Rollout]:
+    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any], version: int) -> tuple[list, Rollout]:
         """One rollout under a concurrency slot, with its environment (reset, tools, get_reward)."""
-        _REQUEST.set((prompt_index, index, [0]))
+        _REQUEST.set((prompt_index, index, [0], version))
         await self.cap.acquire()
         start = time.monotonic()
         env_name, env = None, None

@@ -187,6 +187,7 @@ async def _main(job: RolloutJob, queue: Any, window: Any, state: dict[str, Any])
 
     rollout_loop = await build_loop(job, queue, window)
     queue.beat()  # building (tokenizer, dataset) blocked the event loop: count from here
+    queue.running = True
     state["rollout_loop"] = rollout_loop
     try:
         await drive(rollout_loop)
