@@ -137,7 +137,7 @@ class FlightSource:
             if kept >= min_samples or exhausted or (deadline is not None and time.monotonic() >= deadline):
                 break
         self._dropped_since_metrics += dropped
-        merged = pa.concat_tables(tables).combine_chunks()
+        merged = pa.concat_tables(tables, promote_options="default").combine_chunks()
         batches = merged.to_batches()
         samples = batches[0] if len(batches) == 1 else pa.RecordBatch.from_pylist([], schema=merged.schema)
         return PulledBatch(samples=samples, consumed_prompt_indices=consumed, dropped_stale_count=dropped,

@@ -304,3 +304,32 @@ def test_pickle_check_names_lambda_and_closure():
     with pytest.raises(TypeError, match="tools.0. .*closure"):
         check_picklable(RolloutJob(cfg, [], tools=[make()]))
     check_picklable(RolloutJob(cfg, [], reward_functions=[functools.partial(h.length_reward)], dataset=h.rows(2)))
+
+
+def test_candidate_sets_and_topk_reach_the_sample_arrow_encoding():
+    from grpo_core.packing import samples_from_arrow, samples_to_arrow
+    from grpo_core.rollout.scoring import group_samples
+    from grpo_core.rollout.types import Rollout, RolloutGroup
+
+    turn = TurnRecord([1, 2], [5, 6], [-0.5, -0.25], output_sampling_mask=[[5, 7], [6]],
+                      output_sampler_logprobs=[{5: -0.5, 7: -1.0}, {6: -0.25}])
+    seqs, _ = reconcile_turns([turn])
+    rollout = Rollout(completion=[], completion_ids=[5, 6], turns=[turn])
+    group = RolloutGroup(prompt_index=7, row_index=7, epoch=0, row={}, prompts=[[]], rollouts=[rollout],
+                         sequences=[seqs], policy_version=2, rewards=np.array([1.0]))
+    (sample,) = samples_from_arrow(samples_to_arrow(group_samples(group, np.array([0.5]), with_topk=True)))
+    assert sample.group_id == sample.prompt_index == 7 and sample.policy_version == 2 and sample.advantage == 0.5
+    ids, _ = sample.sampling_mask.entry(2)
+    assert ids.tolist() == [5, 7] and sample.sampling_mask.entry(0)[0].tolist() == []
+    top_ids, top_lp = sample.sampler_topk.entry(3)
+    assert top_ids.tolist() == [6] and top_lp.tolist() == [-0.25]
+
+
+def test_lora_runs_sample_the_adapter_of_the_group_version():
+    from grpo_core.rollout import LoopRuntime, RolloutLoop
+
+    runtime = LoopRuntime(tokenizer=None, clients=[], model_name="base", max_model_len=64, dataset=[], queue=None,
+                          allowance=TokenAllowance(1, 10), lora_name="policy")
+    loop = RolloutLoop(RunConfig().rollout, runtime)
+    assert loop.served_model(0) == "base" and loop.served_model(3) == "policy-v3"
+    loop.executor.shutdown()

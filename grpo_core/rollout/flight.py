@@ -134,10 +134,11 @@ class RolloutFlightServer(flight.FlightServerBase):
                                                               float(request.get("wait_s", 1.0)))
         self.window.add("rollout/queue_size", queued)
         metadata = {META_CONSUMED: json.dumps(consumed).encode(), META_EXHAUSTED: b"1" if exhausted else b"0"}
-        schema = self.queue.schema.with_metadata(metadata)
-        table = pa.Table.from_batches([b.cast(self.queue.schema) if b.schema != self.queue.schema else b
-                                       for b in batches], schema=self.queue.schema)
-        return flight.RecordBatchStream(table.replace_schema_metadata(schema.metadata))
+        if batches:  # groups may differ in optional columns (sampling masks): missing ones become null
+            table = pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="default")
+        else:
+            table = self.queue.schema.empty_table()
+        return flight.RecordBatchStream(table.replace_schema_metadata(metadata))
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return [("report", "trainer feedback: policy version, tokens consumed by the last step"),

@@ -241,7 +241,8 @@ class RolloutLoop:
         start = time.monotonic()
         env_name, env = None, None
         try:
-            prompt = list(row.get("prompt") or [])
+            prompt = row.get("prompt") or []
+            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             tools = list(self.runtime.tools)
             if self.environments is not None:
                 env_name = self.environments.route(row)

@@ -84,12 +84,15 @@ def log_completions(group: RolloutGroup, window: MetricWindow, with_tools: bool)
         window.add_many("tools/loop_exhausted_frac", [float(r.loop_exhausted) for r in group.rollouts])
 
 
-def _topk_lists(topk: list[dict[int, float]]) -> TokenLists:
-    offsets = np.zeros(len(topk) + 1, dtype=np.int32)
-    offsets[1:] = np.cumsum([len(t) for t in topk])
-    ids = np.fromiter((k for t in topk for k in t), dtype=np.int32, count=int(offsets[-1]))
-    logprobs = np.fromiter((v for t in topk for v in t.values()), dtype=np.float32, count=int(offsets[-1]))
-    return TokenLists(offsets=offsets, ids=ids, logprobs=logprobs)
+def _token_lists(entries: list[dict[int, float]] | list[list[int]]) -> TokenLists:
+    """CSR ``TokenLists`` from one entry per token: ``{id: logprob}`` (top-k) or a list of ids (candidate set)."""
+    offsets = np.zeros(len(entries) + 1, dtype=np.int32)
+    offsets[1:] = np.cumsum([len(e) for e in entries])
+    ids = np.fromiter((k for e in entries for k in e), dtype=np.int32, count=int(offsets[-1]))
+    if entries and isinstance(entries[0], dict):
+        logprobs = np.fromiter((v for e in entries for v in e.values()), dtype=np.float32, count=int(offsets[-1]))
+        return TokenLists(offsets=offsets, ids=ids, logprobs=logprobs)
+    return TokenLists(offsets=offsets, ids=ids)
 
 
 def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advantage: float,
@@ -98,7 +101,9 @@ def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advan
                           group_id=group.group_id, prompt_index=group.prompt_index, advantage=advantage,
                           policy_version=group.policy_version)
     if with_topk:
-        sample.sampler_topk = _topk_lists(seq.topk or [{} for _ in seq.input_ids])
+        sample.sampler_topk = _token_lists(seq.topk or [{} for _ in seq.input_ids])
+    if seq.candidates is not None:
+        sample.sampling_mask = _token_lists(seq.candidates)
     return sample
 
 

@@ -76,12 +76,15 @@ class TrainingSequence:
         completion_mask: ``int8[num_tokens]``, 1 = generated and trained.
         sampler_logprobs: ``float32[num_tokens]``, 0 where not trained.
         topk: per token, ``{token_id: logprob}`` (empty for context tokens); None when not requested.
+        candidates: per token, the sampler's candidate ids (top-k/top-p/min-p; empty for context
+            tokens); None unless every turn carried ``output_sampling_mask``.
     """
 
     input_ids: list[int]
     completion_mask: list[int]
     sampler_logprobs: list[float]
     topk: list[dict[int, float]] | None = None
+    candidates: list[list[int]] | None = None
 
     @property
     def num_trained(self) -> int:
@@ -119,6 +122,7 @@ def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Re
     stats = ReconcileStats()
     sequences: list[TrainingSequence] = []
     with_topk = any(t.output_sampler_logprobs is not None for t in turns)
+    with_mask = bool(turns) and all(t.output_sampling_mask is not None for t in turns)
     current: TrainingSequence | None = None
     for turn in turns:
         if current is not None:
@@ -133,7 +137,7 @@ def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Re
                 sequences.append(current)
                 current = None
         if current is None:
-            current = TrainingSequence([], [], [], [] if with_topk else None)
+            current = TrainingSequence([], [], [], [] if with_topk else None, [] if with_mask else None)
             _append(current, turn.prompt_ids, None, trained=False)
         _append(current, turn.output_ids, turn, trained=True)
     if current is not None:
@@ -149,6 +153,8 @@ def _append(seq: TrainingSequence, ids: list[int], turn: TurnRecord | None, *, t
         seq.sampler_logprobs.extend([0.0] * n)
         if seq.topk is not None:
             seq.topk.extend({} for _ in range(n))
+        if seq.candidates is not None:
+            seq.candidates.extend([] for _ in range(n))
         return
     mask = turn.output_mask if turn.output_mask is not None else [1] * n
     logprobs = turn.output_log_probs or [0.0] * n
@@ -159,6 +165,9 @@ def _append(seq: TrainingSequence, ids: list[int], turn: TurnRecord | None, *, t
     if seq.topk is not None:
         tops = turn.output_sampler_logprobs or [{} for _ in range(n)]
         seq.topk.extend(top if m else {} for top, m in zip(tops, mask, strict=True))
+    if seq.candidates is not None:
+        sets = turn.output_sampling_mask or [[] for _ in range(n)]
+        seq.candidates.extend(list(c) if m else [] for c, m in zip(sets, mask, strict=True))
 
 
 @dataclass
