@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 META_CONSUMED = b"grpo.consumed"
 META_EXHAUSTED = b"grpo.exhausted"
 POLL_S = 1.0
+STARTUP_TIMEOUT_S = 600.0
 
 
 class FlightSource:
@@ -101,7 +102,9 @@ class FlightSource:
         beat = self._action("heartbeat", timeout_s=min(30.0, self.timeout_s))
         if beat.get("failure"):
             raise TransportError(f"rollout at {self.location}: the rollout loop failed:\n{beat['failure']}")
-        if beat["age_s"] > self.timeout_s:
+        # While the loop is being built (tokenizer, dataset) it cannot tick: allow STARTUP_TIMEOUT_S.
+        limit = self.timeout_s if beat.get("running", True) else max(self.timeout_s, STARTUP_TIMEOUT_S)
+        if beat["age_s"] > limit:
             raise self._fail(f"the rollout loop has not ticked for {beat['age_s']:.0f} s "
                              f"(rollout.rollout_worker_timeout_s={self.timeout_s}); it is stalled")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -151,9 +152,15 @@ async def _poll_forever(loop: RolloutLoop) -> None:
         retries = total
 
 
-async def _heartbeat(loop: RolloutLoop) -> None:
+async def _heartbeat(loop: RolloutLoop, main: asyncio.Task | None) -> None:
+    """Tick for the trainer's stall detection; cancel ``main`` when the parent process is gone."""
+    parent = os.getppid()
     while True:
         loop.runtime.queue.beat()
+        if os.getppid() != parent and main is not None:
+            logger.error("the parent process %d is gone; stopping the rollout", parent)
+            main.cancel()
+            return
         await asyncio.sleep(0.5)
 
 
@@ -162,7 +169,7 @@ async def drive(loop: RolloutLoop) -> None:
     await loop.setup()
     background: list[asyncio.Task] = []
     try:
-        background = [asyncio.create_task(_heartbeat(loop))]
+        background = [asyncio.create_task(_heartbeat(loop, asyncio.current_task()))]
         await poll_concurrency(loop, first=True)
         background.append(asyncio.create_task(_poll_forever(loop)))
         try:

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import threading
 import time
 import traceback
@@ -102,7 +103,7 @@ def start_rollout_process(job: RolloutJob, *, startup_timeout_s: float = 300.0) 
     while time.monotonic() < deadline:
         try:
             return process, ready.get(timeout=0.5)
-        except Exception:  # queue.Empty: keep waiting while the child lives
+        except queue.Empty:
             if not process.is_alive():
                 break
     tb = Path(job.error_path).read_text() if job.error_path and Path(job.error_path).is_file() else ""
@@ -116,7 +117,8 @@ def process_main(job: RolloutJob, ready: Any = None) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     code = run_rollout(job, on_ready=ready.put if ready is not None else None)
-    os._exit(code)
+    logging.shutdown()
+    os._exit(code)  # skip interpreter teardown: gRPC and tokenizer threads may still hold locks
 
 
 def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
