@@ -53,7 +53,7 @@ class LoopRuntime:
 
     Attributes:
         tokenizer: HF tokenizer of the policy (chat template, encode/decode).
-        clients: one ``GenerationClient`` per server replica (requests go round robin).
+        clients: one ``GenerationClient`` per server replica (group g uses replica g mod replicas).
         model_name: served model name used in requests.
         max_model_len: the server's prompt + completion limit in tokens.
         dataset: prompt rows (HF Dataset, IterableDataset, list of dicts).
@@ -93,7 +93,6 @@ class RolloutLoop:
                                            thread_name_prefix="rollout-tools")
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
         self.environments = EnvironmentPool(runtime.environment_factory) if runtime.environment_factory else None
-        self._next_client = 0
         self.generated_tokens = 0
 
     # ----- hooks ---------------------------------------------------------------------------------
@@ -152,8 +151,8 @@ class RolloutLoop:
         group_id, rollout, counter, version = _REQUEST.get()
         seed = request_seed(cfg.seed, group_id, rollout, counter[0])
         counter[0] += 1
-        client = self.runtime.clients[self._next_client % len(self.runtime.clients)]
-        self._next_client += 1
+        # All turns of a group go to one replica: its prefix cache holds the shared prompt.
+        client = self.runtime.clients[group_id % len(self.runtime.clients)]
         max_tokens = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
         (out,) = await client.complete(prompt_ids, model=self.served_model(version), max_tokens=max_tokens,
                                        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
