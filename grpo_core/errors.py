@@ -24,3 +24,38 @@ class ServingError(GrpoError):
 
 class TransportError(GrpoError):
     """Samples could not be moved between the rollout and trainer processes."""
+
+
+class ServerRequestError(ServingError, ValueError):
+    """The generation server refused a request (HTTP 4xx): bad input that no retry fixes.
+
+    Attributes:
+        status: the HTTP status code (0 when raised without one).
+        error_type: vLLM's ``error.type`` (e.g. ``BadRequestError``, ``NotFoundError``).
+    """
+
+    def __init__(self, message: str, status: int = 0, error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+
+    @classmethod
+    def from_response(cls, url: str, status: int, body: str) -> "ServerRequestError":
+        """Build from an error answer; reads vLLM's ``{"error": {"message", "type", ...}}`` body."""
+        import json
+
+        message, error_type = body[:500], None
+        try:
+            error = json.loads(body).get("error") or {}
+            message, error_type = error.get("message", message), error.get("type")
+        except (ValueError, AttributeError):
+            pass
+        return cls(f"{url} answered {status}: {message}", status, error_type)
+
+
+class ServerUnavailableError(ServingError):
+    """The generation server did not answer (connection errors, timeouts, 5xx) within the retry budget."""
+
+
+class RolloutError(GrpoError):
+    """The rollout loop cannot go on: a reward function raised or returned the wrong shape, or an epoch rejected every prompt."""

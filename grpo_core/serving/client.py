@@ -1,0 +1,272 @@
+"""Async HTTP client of a generation server: real vLLM or the embedded server, same code.
+
+One ``httpx.AsyncClient`` with a connection pool sized to the rollout's concurrency cap.
+Connection errors, timeouts and 5xx answers are retried with exponential backoff and
+counted in ``retry_count`` (logged as ``rollout/vllm_retry_count``, seed manual, rollout
+metrics); after the retry budget a ``ServerUnavailableError`` names the URL. 4xx answers
+are not retried: they raise ``ServerRequestError`` with vLLM's error message.
+
+Completions always use token ids in and out (``return_token_ids``,
+``return_tokens_as_token_ids``) so no text round trip can change a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from grpo_core.errors import ServerRequestError, ServerUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation.
+
+    Attributes:
+        prompt_ids: the prompt's token ids, as the server saw them.
+        token_ids: generated token ids (EOS/stop token included when it ended the turn).
+        logprobs: per generated token, the sampler's processed log-prob (after temperature
+            and top-k/top-p/min-p; vLLM ``processed_logprobs``), natural log; -9999.0 stands for -inf.
+        top_logprobs: per generated token, ``{token_id: logprob}`` of the sampler's top
+            ``num_logprobs`` tokens plus the sampled one; None when not requested.
+        finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (max_tokens / max_model_len).
+        text: decoded text of ``token_ids`` (special tokens skipped).
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str
+    text: str
+
+
+@dataclass(frozen=True)
+class ServerMetrics:
+    """One ``/metrics`` snapshot, aggregated over the server's engines as the seed manual says.
+
+    Attributes:
+        kv_cache_usage_frac: max over engines of ``vllm:kv_cache_usage_perc`` (a fraction 0-1).
+        num_requests_running: sum of ``vllm:num_requests_running``.
+        num_requests_waiting: sum of ``vllm:num_requests_waiting``.
+        num_preemptions: sum of ``vllm:num_preemptions_total`` (cumulative count).
+        kv_cache_size_tokens: sum of ``vllm:cache_config_info``'s ``kv_cache_size_tokens`` label, or None.
+    """
+
+    kv_cache_usage_frac: float
+    num_requests_running: float
+    num_requests_waiting: float
+    num_preemptions: float
+    kv_cache_size_tokens: int | None
+
+
+def parse_metrics(text: str) -> ServerMetrics:
+    """Parse Prometheus text exposition (vLLM's metric names) into ``ServerMetrics``."""
+    usage, running, waiting, preemptions, kv_tokens = 0.0, 0.0, 0.0, 0.0, None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:kv_cache_usage_perc":
+                usage = max(usage, sample.value)
+            elif sample.name == "vllm:num_requests_running":
+                running += sample.value
+            elif sample.name == "vllm:num_requests_waiting":
+                waiting += sample.value
+            elif sample.name == "vllm:num_preemptions_total":
+                preemptions += sample.value
+            elif sample.name == "vllm:cache_config_info" and "kv_cache_size_tokens" in sample.labels:
+                kv_tokens = (kv_tokens or 0) + int(float(sample.labels["kv_cache_size_tokens"]))
+    return ServerMetrics(usage, running, waiting, preemptions, kv_tokens)
+
+
+def _parse_choice(choice: dict[str, Any], with_top: bool) -> Completion:
+    block = choice.get("logprobs") or {}
+    top = None
+    if with_top:
+        top = [{int(k.removeprefix("token_id:")): float(v) for k, v in (entry or {}).items()}
+               for entry in block.get("top_logprobs") or []]
+    return Completion(
+        prompt_ids=list(choice.get("prompt_token_ids") or []),
+        token_ids=list(choice.get("token_ids") or []),
+        logprobs=[float(x) for x in block.get("token_logprobs") or []],
+        top_logprobs=top,
+        finish_reason=choice.get("finish_reason") or "length",
+        text=choice.get("text") or "",
+    )
+
+
+class GenerationClient:
+    """Async client of one server replica.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000``.
+        max_connections: connection pool size; set it to the rollout concurrency cap.
+        timeout_s: per-request timeout in seconds (a timed-out request is retried).
+        max_retries: retries after connection errors, timeouts and 5xx answers.
+        backoff_s: first retry delay in seconds; doubles per retry up to ``max_backoff_s``.
+        max_backoff_s: largest retry delay in seconds.
+    """
+
+    def __init__(self, base_url: str, *, max_connections: int = 512, timeout_s: float = 1800.0,
+                 max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.retry_count = 0
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s))
+
+    async def __aenter__(self) -> GenerationClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        last: str = ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self._http.request(method, path, json=body)
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 400:
+                    return response
+                if response.status_code < 500:
+                    raise ServerRequestError.from_response(self.base_url + path, response.status_code, response.text)
+                last = f"HTTP {response.status_code}: {response.text[:300]}"
+            if attempt == self.max_retries:
+                break
+            self.retry_count += 1
+            delay = min(self.backoff_s * 2**attempt, self.max_backoff_s)
+            logger.warning("%s %s%s failed (%s); retry %d/%d in %.1f s", method, self.base_url, path, last,
+                           attempt + 1, self.max_retries, delay)
+            await asyncio.sleep(delay)
+        raise ServerUnavailableError(
+            f"{method} {self.base_url}{path} failed after {self.max_retries + 1} attempts; last error: {last}. "
+            "Is the generation server running and reachable?"
+        )
+
+    async def complete(self, prompt_ids: list[int], *, model: str, max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None, n: int = 1,
+                       stop_token_ids: list[int] | None = None, num_logprobs: int = 0,
+                       ignore_eos: bool = False) -> list[Completion]:
+        """Sample ``n`` continuations of one token-id prompt.
+
+        Args:
+            prompt_ids: prompt token ids.
+            model: served model name, or a LoRA adapter name.
+            max_tokens: most generated tokens per continuation.
+            temperature, top_p, top_k, min_p: sampling parameters (top_k 0 = off).
+            seed: sampling seed (choice i uses seed + i); None = server's own randomness.
+            n: number of continuations.
+            stop_token_ids: extra ids ending a continuation (kept in ``token_ids``).
+            num_logprobs: top log-probs per token to return besides the sampled token's; 0 = none.
+            ignore_eos: continue past EOS.
+
+        Returns:
+            ``n`` ``Completion`` objects in choice order.
+        """
+        body: dict[str, Any] = {
+            "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
+            "top_p": top_p, "min_p": min_p, "n": n, "logprobs": num_logprobs, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "ignore_eos": ignore_eos,
+        }
+        if top_k > 0:
+            body["top_k"] = top_k
+        if seed is not None:
+            body["seed"] = seed
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)
+        data = (await self._request("POST", "/v1/completions", body)).json()
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        return [_parse_choice(c, num_logprobs > 0) for c in choices]
+
+    async def health(self) -> bool:
+        """Whether ``/health`` answers 200 now (no retries)."""
+        try:
+            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The ``/v1/models`` cards (base model first, then LoRA adapters)."""
+        return (await self._request("GET", "/v1/models")).json()["data"]
+
+    async def max_model_len(self, model: str | None = None) -> int:
+        """``max_model_len`` of ``model`` (default: the first card, the base model)."""
+        for card in await self.models():
+            if (model is None or card["id"] == model) and card.get("max_model_len"):
+                return int(card["max_model_len"])
+        raise ServerRequestError(f"{self.base_url}/v1/models lists no max_model_len for {model or 'the base model'}")
+
+    async def metrics(self) -> ServerMetrics | None:
+        """A ``/metrics`` snapshot, or None when the server has no metrics endpoint (404)."""
+        try:
+            response = await self._request("GET", "/metrics")
+        except ServerRequestError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return parse_metrics(response.text)
+
+    async def pause(self) -> None:
+        """Pause generation (``POST /pause``); in-flight requests wait until ``resume``."""
+        await self._request("POST", "/pause")
+
+    async def resume(self) -> None:
+        """Resume generation (``POST /resume``)."""
+        await self._request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        """``GET /is_paused``."""
+        return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
+
+    async def server_info(self) -> dict[str, Any]:
+        """``GET /server_info`` (vLLM needs ``VLLM_SERVER_DEV_MODE=1``)."""
+        return (await self._request("GET", "/server_info")).json()
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any] | None = None) -> None:
+        """``POST /init_weight_transfer_engine`` (once, before the first weight update)."""
+        await self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info or {}})
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """``POST /start_weight_update``: must finish before any weights are sent."""
+        await self._request("POST", "/start_weight_update", {"is_checkpoint_format": is_checkpoint_format})
+
+    async def update_weights(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """``POST /update_weights``; the embedded server takes ``{"path": checkpoint folder}``."""
+        return (await self._request("POST", "/update_weights", {"update_info": update_info})).json()
+
+    async def finish_weight_update(self) -> None:
+        """``POST /finish_weight_update``, then ``/reset_prefix_cache`` (stale KV prefixes)."""
+        await self._request("POST", "/finish_weight_update")
+        await self._request("POST", "/reset_prefix_cache")
+
+    async def update_weights_from_path(self, path: str) -> dict[str, Any]:
+        """Full-weight update of the embedded server from a checkpoint-format folder (start → update → finish)."""
+        await self.start_weight_update()
+        try:
+            result = await self.update_weights({"path": path})
+        finally:
+            await self.finish_weight_update()
+        return result
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in ``path`` as model ``name`` (vLLM needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
+        await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter ``name``; requests naming it get 404 afterwards."""
+        await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})

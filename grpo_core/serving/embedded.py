@@ -1,0 +1,121 @@
+"""Entry point of the embedded vLLM-compatible server: ``python -m grpo_core.serving.embedded``.
+
+Arguments are parsed and validated (into ``ModelConfig``/``ServerConfig``) before torch or
+transformers are imported, so ``--help`` and config errors are instant. The server binds
+its socket before loading the model only to learn the port (``--port 0`` picks a free
+one, written to ``--port-file``); ``/health`` answers once the model is loaded.
+
+Example::
+
+    python -m grpo_core.serving.embedded --model smollm2-135m-instruct --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from grpo_core.config import VLLM_LORA_RANKS, ModelConfig, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (names follow ``vllm serve`` where one exists)."""
+    p = argparse.ArgumentParser(prog="python -m grpo_core.serving.embedded",
+                                description="vLLM-compatible generation server on transformers (CPU or CUDA).")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="registry name or local HF folder")
+    p.add_argument("--served-model-name", default=None, help="name clients use in 'model' (default: --model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--cache-dir", type=Path, default=None, help="folder for converted models")
+    p.add_argument("--model-seed", type=int, default=0, help="seed of tiny-* random models")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback by default)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 = a free port")
+    p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
+    p.add_argument("--device", default="auto", help="torch device; auto = cuda if available else cpu")
+    p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch default")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded per batch")
+    p.add_argument("--kv-cache-size-tokens", type=int, default=None, help="KV budget (default max-num-seqs*max-model-len)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="most log-probs per token a request may ask for")
+    p.add_argument("--max-loras", type=int, default=6, help="adapters expected to be resident (reported only)")
+    p.add_argument("--max-lora-rank", type=int, default=64, choices=VLLM_LORA_RANKS, help="largest adapter rank")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerConfig) -> None:
+    """Load the model, start the engine and run uvicorn on an already-bound socket."""
+    sock = _bind(server_cfg.host, server_cfg.port)
+    port = sock.getsockname()[1]
+    if args.port_file:
+        args.port_file.write_text(str(port))
+
+    import torch
+    import uvicorn
+
+    from grpo_core.models import load_model, resolve_model_dir
+    from grpo_core.serving.app import ServerState, create_app
+    from grpo_core.serving.engine import Engine
+    from grpo_core.serving.weights import WeightManager
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(model_cfg, device)
+    eos = {t for t in (tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)) if t is not None}
+    kv_size = server_cfg.kv_cache_size_tokens or server_cfg.max_num_seqs * server_cfg.max_model_len
+    engine = Engine(model, eos_token_ids=eos, max_model_len=server_cfg.max_model_len,
+                    max_num_seqs=server_cfg.max_num_seqs, kv_cache_size_tokens=max(kv_size, server_cfg.max_model_len),
+                    pad_token_id=tokenizer.pad_token_id or 0)
+    engine.start()
+    state = ServerState(engine=engine, tokenizer=tokenizer, weights=WeightManager(engine, args.max_lora_rank),
+                        model_name=server_cfg.served_model_name or model_cfg.name,
+                        model_path=str(resolve_model_dir(model_cfg)), max_logprobs=server_cfg.max_logprobs,
+                        max_loras=args.max_loras)
+    logger.info("embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)", state.model_name,
+                server_cfg.host, port, device, torch.get_num_threads(), sorted(eos))
+    config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=60)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.stop()
+
+
+def _as_list(value: object) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, validate them into the typed config, then serve."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        model_cfg = ModelConfig(name=args.model, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.model_seed)
+        server_cfg = ServerConfig(backend="embedded", host=args.host, port=args.port,
+                                  served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+                                  max_num_seqs=args.max_num_seqs, kv_cache_size_tokens=args.kv_cache_size_tokens,
+                                  max_logprobs=args.max_logprobs)
+    except ValueError as exc:
+        sys.exit(f"invalid argument: {exc}")
+    serve(args, model_cfg, server_cfg)
+
+
+if __name__ == "__main__":
+    main()

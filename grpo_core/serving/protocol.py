@@ -1,0 +1,136 @@
+"""vLLM's OpenAI-compatible wire shapes used by the embedded server (requests, responses, errors).
+
+Field names and error bodies follow what a real vLLM 0.25.1 answered on the H200
+(``shared/vllm-h200/README.md``): token-id prompts, ``return_token_ids``,
+``return_tokens_as_token_ids`` (top log-prob keys ``"token_id:N"``), errors as
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpo_core.serving.engine import Sequence
+
+LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf log-probs to this value in JSON answers
+
+
+class CompletionRequest(BaseModel):
+    """Body of ``POST /v1/completions`` (the subset the rollout uses; unknown keys are ignored like vLLM)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: list[int] | list[list[int]] | str | list[str]
+    max_tokens: int | None = Field(default=16, ge=1)
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0)
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    stream: bool = False
+    echo: bool = False
+
+
+class LoadLoraRequest(BaseModel):
+    """Body of ``POST /v1/load_lora_adapter``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(BaseModel):
+    """Body of ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class StartWeightUpdateRequest(BaseModel):
+    """Body of ``POST /start_weight_update`` (vLLM's shape; only checkpoint format is supported)."""
+
+    is_checkpoint_format: bool = True
+
+
+class UpdateWeightsRequest(BaseModel):
+    """Body of ``POST /update_weights``: ``{"update_info": {"path": DIR}}`` for the embedded server."""
+
+    update_info: dict[str, Any]
+
+
+def error_response(message: str, status: int, *, type_: str | None = None, param: str | None = None) -> JSONResponse:
+    """A vLLM-shaped error answer: ``{"error": {"message", "type", "param", "code"}}``."""
+    default_type = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    body = {"error": {"message": message, "type": type_ or default_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _logprobs_block(seq: Sequence, as_ids: bool, decode: Any) -> dict[str, Any]:
+    def key(token: int) -> str:
+        return f"token_id:{token}" if as_ids else decode(token)
+
+    tokens = [key(t) for t in seq.output_ids]
+    top: list[dict[str, float]] = []
+    for token, logprob, alternatives in zip(seq.output_ids, seq.logprobs, seq.top_logprobs, strict=True):
+        entry = {key(t): max(lp, LOGPROB_FLOOR) for t, lp in alternatives}
+        entry.setdefault(key(token), max(logprob, LOGPROB_FLOOR))
+        top.append(entry)
+    offsets, pos = [], 0
+    for text in tokens:
+        offsets.append(pos)
+        pos += len(text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [max(lp, LOGPROB_FLOOR) for lp in seq.logprobs],
+        "tokens": tokens,
+        "top_logprobs": top,
+    }
+
+
+def completion_response(request: CompletionRequest, model: str, seqs: list[Sequence], decode: Any,
+                        decode_text: Any) -> dict[str, Any]:
+    """Build vLLM's ``text_completion`` answer; ``seqs`` are ordered prompt-major, then by choice.
+
+    Args:
+        request: the parsed request.
+        model: the ``model`` name to echo.
+        seqs: finished sequences, ``n`` per prompt.
+        decode: token id -> token string (for logprob keys when not ``return_tokens_as_token_ids``).
+        decode_text: list of ids -> text (special tokens skipped).
+    """
+    choices = []
+    for index, seq in enumerate(seqs):
+        choices.append({
+            "index": index,
+            "text": decode_text(seq.output_ids),
+            "logprobs": _logprobs_block(seq, request.return_tokens_as_token_ids, decode)
+            if request.logprobs is not None else None,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.output_ids[-1] if seq.finish_reason == "stop" and seq.output_ids
+            and seq.output_ids[-1] in seq.stop_token_ids else None,
+            "token_ids": list(seq.output_ids) if request.return_token_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": list(seq.prompt_ids) if request.return_token_ids else None,
+        })
+    prompt_tokens = sum(len(s.prompt_ids) for s in seqs[:: request.n])
+    completion_tokens = sum(len(s.output_ids) for s in seqs)
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                  "completion_tokens": completion_tokens},
+    }

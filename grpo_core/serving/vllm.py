@@ -1,0 +1,310 @@
+"""Provisioning of generation servers: ``vllm serve`` command lines, launch, health, checks, teardown.
+
+``provision(config)`` starts ``server.num_replicas`` replicas, each on its own GPUs
+(``CUDA_VISIBLE_DEVICES``), in its own process group, logging to a file under
+``server.log_dir``; waits for ``/health``; checks each running server against the
+training config; and returns handles whose ``stop()`` sends SIGTERM, then SIGKILL.
+When ``server.backend`` is ``auto`` and vLLM is not importable or no CUDA device is
+visible, the same call starts the embedded server (``python -m grpo_core.serving.embedded``)
+instead, and says so in the log.
+
+vLLM flags and environment (seed manual, "vLLM server" and LoRA sections; vLLM 0.25.1 on the
+H200, ``shared/vllm-h200/README.md``): ``VLLM_SERVER_DEV_MODE=1`` with
+``--weight-transfer-config`` exposes the weight-sync and pause endpoints;
+``--logprobs-mode processed_logprobs`` returns the sampler's log-probs; LoRA needs
+``--enable-lora``, ``--max-lora-rank`` from vLLM's allowed set (>= r), ``--max-loras`` >=
+max_staleness + 2 and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; top-k/top-p/min-p need
+``--return-sampling-mask --enable-scale-out`` (vLLM >= 0.28, older servers reject them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from grpo_core.config import VLLM_LORA_RANKS, RunConfig
+from grpo_core.errors import ConfigError, ServingError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to start one replica: argv, extra environment, where it will listen and log."""
+
+    argv: list[str]
+    env: dict[str, str]
+    backend: str
+    replica: int
+    host: str
+    port: int
+    log_path: Path
+    port_file: Path | None = None
+
+
+@dataclass
+class ServerHandle:
+    """A launched replica. ``url`` is known once healthy (the embedded server may pick its port)."""
+
+    spec: LaunchSpec
+    process: subprocess.Popen
+    url: str = ""
+    _log: object = field(default=None, repr=False)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the replica's process group, then SIGKILL after ``timeout_s`` seconds."""
+        if self.process.poll() is None:
+            _signal_group(self.process, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("replica %d ignored SIGTERM for %.0f s; sending SIGKILL", self.spec.replica, timeout_s)
+                _signal_group(self.process, signal.SIGKILL)
+                self.process.wait(timeout=timeout_s)
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def max_lora_rank_for(rank: int) -> int:
+    """Smallest rank in vLLM's allowed ``--max-lora-rank`` set that is >= ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(f"server.lora_rank={rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
+
+
+def replica_gpus(config: RunConfig, replica: int) -> list[int]:
+    """CUDA device indices of ``replica``: disjoint slices of ``server.gpu_ids`` (or 0..N-1)."""
+    server = config.server
+    tp = server.tensor_parallel_size
+    gpus = server.gpu_ids if server.gpu_ids is not None else list(range(server.num_replicas * tp))
+    return list(dict.fromkeys(gpus))[replica * tp:(replica + 1) * tp]
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` is importable and a CUDA device is visible."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def choose_backend(config: RunConfig) -> str:
+    """``vllm`` or ``embedded`` for ``server.backend`` (``auto`` falls back to embedded, logged)."""
+    if config.server.backend != "auto":
+        return config.server.backend
+    if vllm_available():
+        return "vllm"
+    logger.warning("vLLM is not importable or no CUDA device is visible: starting the EMBEDDED server "
+                   "(grpo_core.serving.embedded, transformers) instead of vLLM")
+    return "embedded"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -> LaunchSpec:
+    """The ``vllm serve`` command line and environment of one replica.
+
+    Args:
+        config: the run config (``model``, ``server``, ``rollout``).
+        replica: replica index; it gets GPUs ``replica_gpus(config, replica)``.
+        port: port to listen on; default ``server.port + replica``.
+    """
+    from grpo_core.models import resolve_model_dir
+
+    server, rollout = config.server, config.rollout
+    if port is None:
+        port = server.port + replica if server.port else _free_port(server.host)
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve_model_dir(config.model)),
+            "--host", server.host, "--port", str(port), "--served-model-name", config.served_model_name(),
+            "--max-model-len", str(server.max_model_len), "--dtype", config.model.dtype,
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(server.max_logprobs),
+            "--max-num-seqs", str(server.max_num_seqs),
+            "--gpu-memory-utilization", str(server.gpu_memory_utilization),
+            "--api-server-count", str(server.api_server_count)]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, replica_gpus(config, replica)))}
+    if server.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(server.tensor_parallel_size)]
+    if server.enforce_eager:
+        argv.append("--enforce-eager")
+    if server.weight_transfer_backend:
+        argv += ["--weight-transfer-config", json.dumps({"backend": server.weight_transfer_backend})]
+    if server.enable_lora:
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank_for(server.lora_rank)),
+                 "--max-loras", str(config.max_loras())]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if rollout.uses_candidate_filter():
+        argv += ["--return-sampling-mask", "--enable-scale-out"]
+    argv += server.extra_args
+    log_path = server.log_dir / f"vllm-replica{replica}.log"
+    return LaunchSpec(argv, env, "vllm", replica, server.host, port, log_path)
+
+
+def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
+    """The ``python -m grpo_core.serving.embedded`` command line of one replica."""
+    server, model = config.server, config.model
+    port = server.port + replica if server.port else 0
+    port_file = server.log_dir / f"embedded-replica{replica}.port"
+    argv = [sys.executable, "-m", "grpo_core.serving.embedded", "--model", model.name, "--dtype", model.dtype,
+            "--model-seed", str(model.seed), "--host", server.host, "--port", str(port),
+            "--port-file", str(port_file), "--served-model-name", config.served_model_name(),
+            "--max-model-len", str(server.max_model_len), "--max-num-seqs", str(server.max_num_seqs),
+            "--max-logprobs", str(server.max_logprobs), "--max-loras", str(config.max_loras()),
+            "--max-lora-rank", str(max_lora_rank_for(server.lora_rank)),
+            "--num-threads", str(server.embedded_num_threads)]
+    if model.cache_dir is not None:
+        argv += ["--cache-dir", str(model.cache_dir)]
+    if server.kv_cache_size_tokens:
+        argv += ["--kv-cache-size-tokens", str(server.kv_cache_size_tokens)]
+    env = {"HF_HUB_OFFLINE": "1"}
+    if server.gpu_ids is not None or server.num_replicas > 1:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, replica_gpus(config, replica)))
+    log_path = server.log_dir / f"embedded-replica{replica}.log"
+    return LaunchSpec(argv, env, "embedded", replica, server.host, port, log_path, port_file)
+
+
+def launch(spec: LaunchSpec) -> ServerHandle:
+    """Start one replica in its own process group, stdout/stderr to ``spec.log_path``."""
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    if spec.port_file is not None:
+        spec.port_file.unlink(missing_ok=True)
+    log = open(spec.log_path, "ab")  # noqa: SIM115 - closed by ServerHandle.stop
+    logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, " ".join(spec.argv), spec.log_path)
+    process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env={**os.environ, **spec.env}, start_new_session=True)
+    return ServerHandle(spec, process, _log=log)
+
+
+def log_tail(path: Path, num_lines: int = 40) -> str:
+    """Last ``num_lines`` lines of a log file ('' if missing)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+def wait_healthy(handle: ServerHandle, timeout_s: float) -> str:
+    """Wait until the replica answers ``/health`` 200; returns its base URL.
+
+    Raises:
+        ServingError: the process exited, or ``timeout_s`` passed (the replica is stopped);
+            the message holds the log's tail.
+    """
+    spec, deadline = handle.spec, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise ServingError(f"{spec.backend} replica {spec.replica} exited with code {handle.process.returncode}; "
+                               f"log {spec.log_path}:\n{log_tail(spec.log_path)}")
+        port = spec.port
+        if spec.port_file is not None and spec.port_file.is_file() and spec.port_file.read_text().strip():
+            port = int(spec.port_file.read_text())
+        if port:
+            url = f"http://{spec.host}:{port}"
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    handle.url = url
+                    return url
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.5)
+    handle.stop()
+    raise ServingError(f"{spec.backend} replica {spec.replica} not healthy after {timeout_s:.0f} s "
+                       f"(server.startup_timeout_s); log {spec.log_path}:\n{log_tail(spec.log_path)}")
+
+
+async def check_server(url: str, config: RunConfig) -> None:
+    """Check a running server against the config; raise naming the flags to restart it with.
+
+    Checks ``/v1/models`` (served name, ``max_model_len`` >= server.max_model_len) and, with
+    LoRA, the adapter slots and rank reported by ``/server_info`` (vLLM dev mode).
+
+    Raises:
+        ServingError: a mismatch; the message names the ``vllm serve`` flags to restart with.
+    """
+    from grpo_core.serving.client import GenerationClient
+
+    problems: list[str] = []
+    async with GenerationClient(url, max_connections=2, timeout_s=30.0, max_retries=2) as client:
+        cards = {card["id"]: card for card in await client.models()}
+        name = config.served_model_name()
+        card = cards.get(name)
+        if card is None:
+            problems.append(f"it serves {sorted(cards)} but the config asks for {name!r}: --served-model-name {name}")
+        elif (card.get("max_model_len") or 0) < config.server.max_model_len:
+            problems.append(f"max_model_len is {card.get('max_model_len')}: --max-model-len {config.server.max_model_len}")
+        if config.server.enable_lora:
+            problems += _lora_problems(json.dumps(await _server_info(client)), config)
+    if problems:
+        raise ServingError(f"the server at {url} does not match the config; restart it with " + "; ".join(problems))
+
+
+async def _server_info(client: object) -> dict:
+    try:
+        return await client.server_info()  # type: ignore[attr-defined]
+    except ServingError:
+        return {}
+
+
+def _lora_problems(info_text: str, config: RunConfig) -> list[str]:
+    want_rank, want_loras = max_lora_rank_for(config.server.lora_rank), config.max_loras()
+    flags = (f"--enable-lora --max-lora-rank {want_rank} --max-loras {want_loras} "
+             "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    rank = re.search(r"max_lora_rank\W+(\d+)", info_text)
+    loras = re.search(r"max_loras\W+(\d+)", info_text)
+    if rank is None or loras is None:
+        logger.warning("could not read LoRA slots/rank from /server_info; if LoRA sync fails, restart with %s", flags)
+        return []
+    if int(rank.group(1)) < want_rank or int(loras.group(1)) < want_loras:
+        return [f"LoRA rank {rank.group(1)} / slots {loras.group(1)} are too small: {flags}"]
+    return []
+
+
+def provision(config: RunConfig) -> list[ServerHandle]:
+    """Start, health-check and verify ``server.num_replicas`` replicas; returns their handles.
+
+    On any failure the replicas already started are stopped before the error propagates.
+    """
+    backend = choose_backend(config)
+    specs = [vllm_command(config, i) if backend == "vllm" else embedded_command(config, i)
+             for i in range(config.server.num_replicas)]
+    handles = [launch(spec) for spec in specs]
+    try:
+        for handle in handles:
+            wait_healthy(handle, config.server.startup_timeout_s)
+            asyncio.run(check_server(handle.url, config))
+            logger.info("%s replica %d healthy at %s", backend, handle.spec.replica, handle.url)
+    except BaseException:
+        teardown(handles)
+        raise
+    return handles
+
+
+def teardown(handles: list[ServerHandle]) -> None:
+    """Stop every replica (SIGTERM, then SIGKILL)."""
+    for handle in handles:
+        handle.stop()

@@ -1,0 +1,68 @@
+"""Helpers of the serving tests: start real embedded servers, recompute log-probs independently."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from grpo_core.config import ModelConfig, RunConfig
+from grpo_core.serving.vllm import ServerHandle, provision, teardown
+
+TINY = "tiny-qwen3"
+
+
+@contextmanager
+def embedded_server(log_dir: Path, model: str = TINY, **server: object) -> Iterator[ServerHandle]:
+    """Start one embedded replica on 127.0.0.1 (free port, 1 CPU thread) through ``provision``."""
+    settings = {"backend": "embedded", "port": 0, "embedded_num_threads": 1, "max_model_len": 256,
+                "max_num_seqs": 64, "log_dir": log_dir, "startup_timeout_s": 180, **server}
+    config = RunConfig(model=ModelConfig(name=model), server=settings,
+                       rollout={"max_completion_length": 64, "num_sampler_logprobs": 4})
+    handles = provision(config)
+    try:
+        yield handles[0]
+    finally:
+        teardown(handles)
+
+
+def run(coro):  # noqa: ANN001, ANN201 - thin asyncio.run alias for readability
+    """Run a coroutine to completion in a fresh event loop."""
+    return asyncio.run(coro)
+
+
+def reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int], *, temperature: float,
+                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Processed log-probs of ``output`` given ``prompt``, from one unbatched forward pass.
+
+    Written independently of ``grpo_core.serving.sampling``: log-softmax of logits / T
+    renormalised over the candidate set (min-p relative to the top probability, then top-k,
+    then top-p keeping the smallest prefix of descending probabilities whose mass reaches p).
+
+    Returns:
+        ``[len(output)]`` float32 log-probs (``-inf`` if a token fell outside the set).
+    """
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    if temperature == 0:
+        return logits.log_softmax(-1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+    logits = logits / temperature
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        keep &= probs >= min_p * probs.max(-1, keepdim=True).values
+    masked = logits.masked_fill(~keep, float("-inf"))
+    if top_k > 0:
+        keep &= masked >= masked.topk(top_k, -1).values[:, -1:]
+    masked = logits.masked_fill(~keep, float("-inf"))
+    if top_p < 1:
+        probs, order = masked.softmax(-1).sort(-1, descending=True)
+        mass_before = probs.cumsum(-1) - probs
+        keep_sorted = mass_before < top_p
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    masked = logits.masked_fill(~keep, float("-inf"))
+    return masked.log_softmax(-1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)

@@ -1,0 +1,244 @@
+"""The embedded server against its contract, through the real client, on a real subprocess.
+
+One tiny random Qwen3 server (float32, CPU, 1 thread) is shared by the module. Log-probs
+are checked against an independent unbatched forward pass with tolerance 1e-4 (absolute,
+natural log): the server computes in float32 with left-padded batches, the reference
+without padding, so only float32 reduction-order noise (~1e-6) separates them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from serving_helpers import TINY, embedded_server, reference_logprobs, run
+
+from grpo_core.config import ModelConfig
+from grpo_core.errors import ServerRequestError
+from grpo_core.models import load_model, resolve_model_dir
+from grpo_core.serving.client import GenerationClient
+
+ATOL = 1e-4
+PROMPTS = [[5, 17, 42, 99], [1, 9038, 2684, 28, 253, 1046], list(range(300, 340))]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with embedded_server(tmp_path_factory.mktemp("tiny-server")) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return load_model(ModelConfig(name=TINY))[0]
+
+
+def client(server, **kw) -> GenerationClient:
+    return GenerationClient(server.url, max_connections=64, timeout_s=120, **kw)
+
+
+async def _complete(server, prompt, **kw):
+    async with client(server) as c:
+        return await c.complete(prompt, model=TINY, **kw)
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 20},
+    {"temperature": 1.3, "top_k": 50, "top_p": 0.8},
+    {"temperature": 0.9, "min_p": 0.1},
+    {"temperature": 0.0},
+])
+def test_logprobs_match_independent_forward(server, model, sampling):
+    for prompt in PROMPTS[:2]:
+        (out,) = run(_complete(server, prompt, max_tokens=12, seed=11, num_logprobs=3, ignore_eos=True, **sampling))
+        assert out.prompt_ids == prompt and len(out.token_ids) == len(out.logprobs) == 12
+        ref = reference_logprobs(model, prompt, out.token_ids, **sampling)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
+        for chosen, top in zip(out.token_ids, out.top_logprobs, strict=True):
+            assert chosen in top and len(top) in (3, 4)
+            assert max(top.values()) <= 0.0
+
+
+def test_greedy_is_deterministic_and_seed_repeats(server):
+    async def go():
+        async with client(server) as c:
+            greedy = [await c.complete(PROMPTS[1], model=TINY, max_tokens=16, temperature=0, ignore_eos=True)
+                      for _ in range(2)]
+            seeded = await asyncio.gather(*(c.complete(PROMPTS[0], model=TINY, max_tokens=16, seed=123,
+                                                       ignore_eos=True) for _ in range(3)))
+            other = await c.complete(PROMPTS[0], model=TINY, max_tokens=16, seed=124, ignore_eos=True)
+            return greedy, seeded, other
+    greedy, seeded, other = run(go())
+    assert greedy[0][0].token_ids == greedy[1][0].token_ids
+    assert seeded[0][0].token_ids == seeded[1][0].token_ids == seeded[2][0].token_ids
+    assert other[0].token_ids != seeded[0][0].token_ids
+
+
+def test_n_choices_and_stop_token(server):
+    outs = run(_complete(server, PROMPTS[0], max_tokens=8, n=4, seed=5, ignore_eos=True))
+    assert len(outs) == 4 and len({tuple(o.token_ids) for o in outs}) > 1
+    stop = outs[0].token_ids[2]
+    (first,) = run(_complete(server, PROMPTS[0], max_tokens=8, seed=5, stop_token_ids=[stop], ignore_eos=True))
+    assert first.finish_reason == "stop" and first.token_ids[-1] == stop and len(first.token_ids) <= 3
+
+
+def test_32_concurrent_requests_finish_and_metrics_move(server):
+    async def go():
+        async with client(server) as c:
+            before = await c.metrics()
+            tasks = [asyncio.create_task(c.complete(p, model=TINY, max_tokens=48, seed=i, ignore_eos=True))
+                     for i, p in enumerate(PROMPTS * 11)][:32]
+            peak_running, peak_usage = 0.0, 0.0
+            while not all(t.done() for t in tasks):
+                snap = await c.metrics()
+                peak_running = max(peak_running, snap.num_requests_running)
+                peak_usage = max(peak_usage, snap.kv_cache_usage_frac)
+                await asyncio.sleep(0.05)
+            return before, [t.result() for t in tasks], peak_running, peak_usage, await c.metrics()
+    before, results, peak_running, peak_usage, after = run(go())
+    assert all(len(r[0].token_ids) == 48 and r[0].finish_reason == "length" for r in results)
+    assert before.kv_cache_size_tokens == 64 * 256
+    assert peak_running > 1, "requests were not decoded in one batch"
+    assert 0 < peak_usage <= 1 and after.num_requests_running == 0 and after.num_requests_waiting == 0
+    text = httpx.get(server.url + "/metrics").text
+    assert 'vllm:num_preemptions_total{engine="0",model_name="tiny-qwen3"}' in text
+
+
+def test_pause_blocks_until_resume(server):
+    async def go():
+        async with client(server) as c:
+            await c.pause()
+            assert await c.is_paused()
+            task = asyncio.create_task(c.complete(PROMPTS[0], model=TINY, max_tokens=4, ignore_eos=True))
+            await asyncio.sleep(1.5)
+            blocked = not task.done()
+            waiting = (await c.metrics()).num_requests_waiting
+            await c.resume()
+            out = await asyncio.wait_for(task, 30)
+            return blocked, waiting, out, await c.is_paused()
+    blocked, waiting, out, paused_after = run(go())
+    assert blocked and waiting == 1 and len(out[0].token_ids) == 4 and not paused_after
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": TINY, "prompt": list(range(10, 260)), "max_tokens": 16}, 400, None),
+    ({"model": "no-such-model", "prompt": [5], "max_tokens": 4}, 404, "model"),
+    ({"model": TINY, "prompt": [5], "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": TINY, "prompt": [5], "max_tokens": 4, "logprobs": 50}, 400, "logprobs"),
+])
+def test_bad_requests_get_vllm_error_bodies(server, body, status, param):
+    response = httpx.post(server.url + "/v1/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["param"] == param and error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert len(run(_complete(server, [5, 6], max_tokens=2))[0].token_ids) == 2
+
+
+def test_malformed_json_and_client_error(server):
+    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": [5,', headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
+    with pytest.raises(ServerRequestError, match="maximum context length is 256") as info:
+        run(_complete(server, list(range(10, 260)), max_tokens=16))
+    assert info.value.status == 400
+    assert len(run(_complete(server, [5, 6], max_tokens=2))[0].token_ids) == 2
+
+
+def test_models_and_max_model_len(server):
+    async def go():
+        async with client(server) as c:
+            return await c.models(), await c.max_model_len()
+    cards, max_len = run(go())
+    assert cards[0]["id"] == TINY and max_len == 256
+
+
+def test_full_weight_update_changes_logprobs_as_predicted(server, model, tmp_path):
+    folder = resolve_model_dir(ModelConfig(name=TINY))
+    original = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    save_file(perturbed, str(tmp_path / "model.safetensors"))
+    expected_model = load_model(ModelConfig(name=TINY))[0]
+    expected_model.load_state_dict(perturbed, strict=False)
+
+    async def go():
+        async with client(server) as c:
+            before = await c.complete(PROMPTS[1], model=TINY, max_tokens=10, temperature=0, ignore_eos=True)
+            assert (await c.update_weights_from_path(str(tmp_path)))["num_tensors"] == len(original)
+            after = await c.complete(PROMPTS[1], model=TINY, max_tokens=10, temperature=0, ignore_eos=True)
+            await c.update_weights_from_path(str(folder))
+            restored = await c.complete(PROMPTS[1], model=TINY, max_tokens=10, temperature=0, ignore_eos=True)
+            return before[0], after[0], restored[0]
+    before, after, restored = run(go())
+    ref = reference_logprobs(expected_model, PROMPTS[1], after.token_ids, temperature=0)
+    torch.testing.assert_close(torch.tensor(after.logprobs), ref, atol=ATOL, rtol=0)
+    assert after.logprobs != before.logprobs
+    assert restored.token_ids == before.token_ids and restored.logprobs == before.logprobs
+
+
+def test_lora_versions_side_by_side_then_unloaded(server, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = load_model(ModelConfig(name=TINY))[0]
+    expected = {}
+    for version in (1, 2):
+        torch.manual_seed(version)
+        peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                     init_lora_weights=False))
+        peft_model.save_pretrained(tmp_path / f"v{version}")
+        expected[f"pol-v{version}"] = peft_model.merge_and_unload()
+        base = load_model(ModelConfig(name=TINY))[0]
+
+    async def go():
+        async with client(server) as c:
+            for version in (1, 2):
+                await c.load_lora_adapter(f"pol-v{version}", str(tmp_path / f"v{version}"))
+            names = [card["id"] for card in await c.models()]
+            outs = await asyncio.gather(*(c.complete(PROMPTS[0], model=m, max_tokens=8, temperature=0, ignore_eos=True)
+                                          for m in (TINY, "pol-v1", "pol-v2")))
+            await c.unload_lora_adapter("pol-v1")
+            with pytest.raises(ServerRequestError) as gone:
+                await c.complete(PROMPTS[0], model="pol-v1", max_tokens=2)
+            still = await c.complete(PROMPTS[0], model="pol-v2", max_tokens=8, temperature=0, ignore_eos=True)
+            await c.unload_lora_adapter("pol-v2")
+            names_after = [card["id"] for card in await c.models()]
+            await c.load_lora_adapter("pol-v3", str(tmp_path / "v1"))  # reload after the last left
+            again = await c.complete(PROMPTS[0], model="pol-v3", max_tokens=8, temperature=0, ignore_eos=True)
+            await c.unload_lora_adapter("pol-v3")
+            return names, outs, gone.value, still, names_after, again
+    names, (base_out, v1, v2), gone, still, names_after, again = run(go())
+    assert again[0].token_ids == v1[0].token_ids
+    assert names == [TINY, "pol-v1", "pol-v2"] and names_after == [TINY]
+    for name, out in (("pol-v1", v1[0]), ("pol-v2", v2[0])):
+        ref = reference_logprobs(expected[name], PROMPTS[0], out.token_ids, temperature=0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
+    assert len({tuple(base_out[0].logprobs), tuple(v1[0].logprobs), tuple(v2[0].logprobs)}) == 3
+    assert gone.status == 404 and still[0].token_ids == v2[0].token_ids
+    assert len(run(_complete(server, PROMPTS[0], max_tokens=4, temperature=0))[0].token_ids) >= 1
+
+
+def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):
+    with embedded_server(tmp_path) as handle:
+        url = handle.url
+
+        async def go():
+            async with GenerationClient(url, timeout_s=30, max_retries=2, backoff_s=0.2) as c:
+                task = asyncio.create_task(c.complete([5, 6, 7], model=TINY, max_tokens=200, ignore_eos=True))
+                await asyncio.sleep(0.5)
+                os.killpg(handle.process.pid, signal.SIGKILL)  # a crash, not a graceful stop
+                started = time.monotonic()
+                with pytest.raises(Exception) as info:
+                    await task
+                return info.value, c.retry_count, time.monotonic() - started
+        error, retries, elapsed = run(go())
+    assert type(error).__name__ == "ServerUnavailableError" and url in str(error)
+    assert retries == 2 and elapsed < 10

@@ -1,0 +1,122 @@
+"""vLLM provisioning: command lines, environment, replica GPUs, config validation, fallback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from grpo_core.config import RunConfig
+from grpo_core.errors import ConfigError
+from grpo_core.serving.vllm import (
+    _lora_problems,
+    choose_backend,
+    embedded_command,
+    max_lora_rank_for,
+    replica_gpus,
+    vllm_command,
+)
+
+
+def config(**server) -> RunConfig:
+    return RunConfig(model={"name": "tiny-llama"}, server=server, rollout={"max_completion_length": 256})
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_base_command_line_and_env():
+    spec = vllm_command(config(port=8100, max_model_len=1024, api_server_count=4))
+    argv = spec.argv
+    assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and argv[4].endswith("tiny-llama-seed0")
+    assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8100"
+    assert flag(argv, "--max-model-len") == "1024" and flag(argv, "--dtype") == "auto"
+    assert flag(argv, "--logprobs-mode") == "processed_logprobs" and flag(argv, "--api-server-count") == "4"
+    assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "nccl"}
+    assert flag(argv, "--served-model-name") == "tiny-llama"
+    assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    assert "--enable-lora" not in argv and "--return-sampling-mask" not in argv
+
+
+@pytest.mark.parametrize("rank, expected", [(1, 1), (4, 8), (8, 8), (17, 32), (300, 320), (512, 512)])
+def test_lora_rank_is_next_allowed_value(rank, expected):
+    assert max_lora_rank_for(rank) == expected
+
+
+def test_lora_flags_and_env():
+    cfg = RunConfig(server={"enable_lora": True, "lora_rank": 24}, rollout={"max_staleness": 4})
+    spec = vllm_command(cfg)
+    assert flag(spec.argv, "--max-lora-rank") == "32" and flag(spec.argv, "--max-loras") == "6"
+    assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert flag(vllm_command(cfg.model_copy(update={"server": cfg.server.model_copy(update={"max_loras": 9})})).argv,
+                "--max-loras") == "9"
+
+
+def test_candidate_filter_adds_sampling_mask_flags():
+    for rollout in ({"top_k": 50}, {"top_k": 50, "top_p": 0.9}, {"min_p": 0.05}):
+        argv = vllm_command(RunConfig(rollout=rollout)).argv
+        assert "--return-sampling-mask" in argv and "--enable-scale-out" in argv
+
+
+def test_replicas_get_disjoint_gpus_and_ports():
+    cfg = config(num_replicas=2, tensor_parallel_size=2, gpu_ids=[4, 5, 6, 7], port=9000)
+    assert replica_gpus(cfg, 0) == [4, 5] and replica_gpus(cfg, 1) == [6, 7]
+    specs = [vllm_command(cfg, i) for i in range(2)]
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["4,5", "6,7"]
+    assert [s.port for s in specs] == [9000, 9001]
+    assert flag(specs[1].argv, "--tensor-parallel-size") == "2"
+    assert specs[0].log_path != specs[1].log_path
+
+
+@pytest.mark.parametrize("kwargs, fields", [
+    ({"server": {"max_model_len": 512}, "rollout": {"max_completion_length": 512}},
+     ["rollout.max_completion_length", "server.max_model_len"]),
+    ({"rollout": {"top_p": 0.9}}, ["rollout.top_p", "rollout.top_k"]),
+    ({"rollout": {"num_sampler_logprobs": 30}}, ["rollout.num_sampler_logprobs", "server.max_logprobs"]),
+    ({"server": {"enable_lora": True, "max_loras": 3}, "rollout": {"max_staleness": 4}},
+     ["server.max_loras", "rollout.max_staleness"]),
+    ({"server": {"num_replicas": 2, "gpu_ids": [0]}}, ["server.gpu_ids", "server.num_replicas"]),
+])
+def test_cross_field_errors_name_fields(kwargs, fields):
+    with pytest.raises(ValidationError) as info:
+        RunConfig(**kwargs)
+    assert all(f in str(info.value) for f in fields)
+    assert isinstance(info.value, ValueError)
+
+
+def test_unknown_keys_and_bounds_are_errors():
+    with pytest.raises(ValidationError, match="max_model_lenn"):
+        RunConfig(server={"max_model_lenn": 10})
+    with pytest.raises(ValidationError, match="lora_rank"):
+        RunConfig(server={"lora_rank": 1000})
+    with pytest.raises(ConfigError):
+        max_lora_rank_for(513)
+
+
+def test_auto_backend_falls_back_to_embedded_without_vllm(caplog):
+    caplog.set_level("WARNING")
+    assert choose_backend(RunConfig()) == "embedded"
+    assert "EMBEDDED server" in caplog.text
+    spec = embedded_command(config(port=0, embedded_num_threads=1))
+    assert spec.argv[1:3] == ["-m", "grpo_core.serving.embedded"] and flag(spec.argv, "--num-threads") == "1"
+    assert spec.port_file is not None and flag(spec.argv, "--port") == "0"
+
+
+def test_lora_check_names_restart_flags():
+    cfg = RunConfig(server={"enable_lora": True, "lora_rank": 16}, rollout={"max_staleness": 4})
+    assert _lora_problems('{"max_lora_rank": 64, "max_loras": 6}', cfg) == []
+    problem = _lora_problems("LoRAConfig(max_lora_rank=8, max_loras=2)", cfg)[0]
+    assert "--max-lora-rank 16" in problem and "--max-loras 6" in problem
+
+
+def test_embedded_help_is_instant_and_imports_no_torch():
+    code = ("import sys, grpo_core.serving.embedded as e; e.build_parser().format_help(); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+    out = subprocess.run([sys.executable, "-m", "grpo_core.serving.embedded", "--help"], capture_output=True,
+                         text=True, timeout=30, check=True)
+    assert "--max-model-len" in out.stdout
