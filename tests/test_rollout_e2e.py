@@ -113,7 +113,7 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
             time.sleep(0.3)
     assert dropped > 0 and metrics["sample/dropped_stale_count"] > 0
     assert sorted({s.prompt_index for s in seen} | set(consumed)) == list(range(8))
-    largest_group = max(len(s.input_ids) for s in seen) * 3 if seen else 0
+    largest_group = max(len(s.input_ids) for s in seen) * 3 if seen else 0  # raw tokens of one group of 3
     assert metrics["rollout/queued_tokens_max"] <= max(step_tokens, largest_group)
     assert metrics["rollout/backpressure_s"] > 0
 

@@ -103,8 +103,8 @@ def test_reconcile_extends_when_prefix_kept_and_forks_otherwise():
     assert trained == [10, 11, 12, 13], "every generated token is trained exactly once"
 
 
-def test_group_tokens_counts_shared_prefix_once():
-    assert group_tokens([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6, 7]]) == 2 + 2 + 1 + 3
+def test_group_tokens_are_raw_sample_tokens():
+    assert group_tokens([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 6, 7]]) == 12
     assert group_tokens([]) == 0
 
 

@@ -124,17 +124,9 @@ def group_samples(group: RolloutGroup, advantages: np.ndarray, with_topk: bool) 
 
 
 def group_tokens(sequences: list[list[int]] | list[np.ndarray]) -> int:
-    """Tokens a group adds to a packed row: the prefix common to all sequences once, plus each one's rest.
+    """Tokens a group holds in the queue: the sum of its sequence lengths (raw, unpacked tokens).
 
-    This is the unit the trainer reports (forwarded tokens of a step).
+    The trainer reports the raw tokens of the samples each step consumed (``batch/raw_tokens_per_step``),
+    so queue and allowance count the same unit.
     """
-    if not sequences:
-        return 0
-    first = np.asarray(sequences[0])
-    shared = len(first)
-    for seq in sequences[1:]:
-        seq = np.asarray(seq)
-        n = min(shared, len(seq))
-        diff = np.nonzero(first[:n] != seq[:n])[0]
-        shared = int(diff[0]) if len(diff) else n
-    return shared + sum(len(s) - shared for s in sequences)
+    return int(sum(len(s) for s in sequences))
