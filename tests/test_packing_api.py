@@ -31,12 +31,6 @@ RUST, PYTHON = get_packer("rust"), get_packer("python")
 BOTH = [pytest.param(RUST, id="rust"), pytest.param(PYTHON, id="python")]
 
 
-def _python_gap(reason: str) -> list:
-    """Both backends, the python reference marked as a known gap (see the reason)."""
-    gap = pytest.mark.xfail(strict=True, reason=reason)
-    return [pytest.param(RUST, id="rust"), pytest.param(PYTHON, id="python", marks=gap)]
-
-
 def _samples() -> list[Sample]:
     """Three samples, two with top-k / sampling-mask lists; every value exact in the schema's dtypes."""
     a = Sample.build([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0, 0, -0.5, -1.25, -2.0], sample_id=2**40, group_id=7,
@@ -66,7 +60,6 @@ def test_sample_arrow_round_trip_is_exact():
     assert plain.schema == sample_schema() and samples_from_arrow(plain) == samples[2:]
 
 
-@pytest.mark.xfail(strict=True, reason="Sample.build keeps advantage as a Python float; the schema stores float32")
 def test_advantage_round_trips_when_not_float32_exact():
     s = Sample.build([1, 2], [0, 1], advantage=0.1)
     assert samples_from_arrow(samples_to_arrow([s])) == [s]
@@ -165,7 +158,7 @@ def test_bad_budget_and_ranks(backend):
         backend.pack_row(_samples(), 4)
 
 
-@pytest.mark.parametrize("backend", _python_gap("the python reference does not check dtypes"))
+@pytest.mark.parametrize("backend", BOTH)
 @pytest.mark.parametrize("fields, field", [
     (dict(input_ids=np.array([1, 2, 3], np.int64)), "input_ids"),
     (dict(completion_mask=np.array([0, 1, 1], np.float32)), "completion_mask"),
@@ -177,7 +170,7 @@ def test_wrong_dtypes_raise_packing_error(backend, fields, field):
             call()
 
 
-@pytest.mark.parametrize("backend", _python_gap("the python reference does not validate top-k / mask lists"))
+@pytest.mark.parametrize("backend", BOTH)
 @pytest.mark.parametrize("attr, lists", [
     ("sampler_topk", TokenLists(np.array([0, 2, 1, 2], np.int32), np.array([1, 2], np.int32), np.zeros(2, np.float32))),
     ("sampling_mask", TokenLists(np.array([0, 1, 2], np.int32), np.array([1, 2], np.int32))),
@@ -209,7 +202,7 @@ def test_missing_arrow_column_raises_packing_error(backend, column):
         backend.batcher(1, 16).push(GOOD.drop_columns([column]))
 
 
-@pytest.mark.parametrize("backend", _python_gap("the python reference decodes with to_pylist and checks no types"))
+@pytest.mark.parametrize("backend", BOTH)
 @pytest.mark.parametrize("case", MISTYPED)
 def test_mistyped_arrow_column_raises_packing_error(backend, case):
     batch, column = MISTYPED[case]
@@ -247,7 +240,6 @@ def test_a_bad_batch_leaves_the_batcher_unchanged(backend):
     assert sum(r.num_samples for mb in got for r in mb) == 11
 
 
-@pytest.mark.xfail(strict=True, reason="packer_rs casts policy_version with `as i32`: 2**31 wraps to -2**31")
 def test_policy_version_out_of_int32_range_is_rejected():
     with pytest.raises(PackingError, match="policy_version"):
         samples_to_arrow([Sample.build([1, 2], [0, 1], policy_version=2**31)])

@@ -18,15 +18,40 @@ import pyarrow as pa
 
 from ..errors import PackingError
 from .base import ROW_PARTS, MicroBatch, PackedRow
-from .sample import Sample, TokenLists
+from .sample import Sample, TokenLists, sample_schema
 
 _INT_COLUMNS = {"sample_id": pa.int64(), "group_id": pa.int64(), "prompt_index": pa.int64()}
 _FLOAT_COLUMNS = {"sampler_logprob", "advantage"}
 _LIST_COLUMNS = {"sampler_topk_ids": pa.int32(), "sampler_topk_logprobs": pa.float32(), "sampling_mask": pa.int32()}
 
 
+_DTYPES = {"input_ids": np.int32, "completion_mask": np.int8, "sampler_logprobs": np.float32}
+
+
+def _validate_lists(s: Sample, name: str, lists: TokenLists | None, n: int) -> None:
+    if lists is None:
+        return
+    off = np.asarray(lists.offsets)
+    bad = None
+    if len(off) != n + 1:
+        bad = f"has {len(off) - 1} entries but the sample has {n} tokens"
+    elif off[0] != 0 or (np.diff(off) < 0).any():
+        bad = "offsets must start at 0 and never decrease"
+    elif off[-1] != len(lists.ids):
+        bad = "offsets do not end at the number of ids"
+    elif lists.logprobs is not None and len(lists.logprobs) != len(lists.ids):
+        bad = "has a different number of log-probs than token ids"
+    if bad:
+        raise PackingError(f"sample {s.sample_id}: `{name}` {bad}")
+
+
 def validate(s: Sample) -> None:
     """Check one sample; the error names the field (same rules as packer_rs)."""
+    for name, dtype in _DTYPES.items():
+        a = getattr(s, name)
+        if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != dtype:
+            raise PackingError(f"`{name}` must be a 1-D numpy array of {np.dtype(dtype).name}; "
+                               f"convert it with np.asarray(x, dtype=np.{np.dtype(dtype).name})")
     n = len(s.input_ids)
     if n == 0:
         raise PackingError(f"sample {s.sample_id}: `input_ids` is empty; a sample needs at least a prompt token and a trained token")
@@ -43,6 +68,8 @@ def validate(s: Sample) -> None:
         raise PackingError(f"sample {s.sample_id}: `completion_mask[0]` is set, but the first token has no predecessor")
     if not s.completion_mask[1:].any():
         raise PackingError(f"sample {s.sample_id}: `completion_mask` marks no trained token after position 0")
+    _validate_lists(s, "sampler_topk", s.sampler_topk, n)
+    _validate_lists(s, "sampling_mask", s.sampling_mask, n)
 
 
 @dataclass
@@ -258,9 +285,14 @@ def samples_from_pyarrow(batch: pa.RecordBatch) -> list[Sample]:
     """Decode a Sample-schema batch with pyarrow alone (independent of packer_rs)."""
     required = ("sample_id", "group_id", "prompt_index", "input_ids", "completion_mask",
                 "sampler_logprobs", "advantage", "policy_version")
+    expected = pa.schema(sample_schema(with_topk=True, with_mask=True))
     for name in required:
         if name not in batch.schema.names:
             raise PackingError(f"Sample batch: column `{name}` is missing; see the Sample schema (DESIGN.md §6)")
+    for name in batch.schema.names:
+        if name in expected.names and batch.schema.field(name).type != expected.field(name).type:
+            raise PackingError(f"Sample batch: column `{name}` has type {batch.schema.field(name).type}, "
+                               f"expected {expected.field(name).type}")
     rows = batch.to_pylist()
     out = []
     for r in rows:

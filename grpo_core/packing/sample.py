@@ -85,6 +85,10 @@ class Sample:
     sampler_topk: TokenLists | None = field(default=None)
     sampling_mask: TokenLists | None = field(default=None)
 
+    def __post_init__(self) -> None:
+        # The schema stores float32: keep the value it will round-trip to.
+        self.advantage = float(np.float32(self.advantage))
+
     @classmethod
     def build(
         cls,

@@ -4,7 +4,7 @@
 
 use crate::error::{PackError, Result};
 use crate::sample::Sample;
-use crate::trie::TreeRow;
+use crate::trie::{Placement, TreeRow};
 
 /// What the batcher did with one sample.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +60,7 @@ impl TokenBudgetBatcher {
         Ok(Self {
             num_ranks,
             token_budget: token_budget as usize,
-            rows: (0..num_ranks).map(|_| TreeRow::new()).collect(),
+            rows: (0..num_ranks).map(|_| TreeRow::with_capacity((token_budget as usize).min(1 << 16))).collect(),
             dropped_oversize: 0,
         })
     }
@@ -88,18 +88,28 @@ impl TokenBudgetBatcher {
     /// Errors: the sample's validation error; the batcher is unchanged then.
     pub fn push(&mut self, sample: Sample) -> Result<(Outcome, Option<Vec<TreeRow>>)> {
         sample.validate()?;
+        Ok(self.push_validated(sample))
+    }
+
+    /// [`push`](Self::push) for a sample that already passed [`Sample::validate`]
+    /// (e.g. decoded from Arrow, which validates).
+    pub fn push_validated(&mut self, sample: Sample) -> (Outcome, Option<Vec<TreeRow>>) {
         if sample.len() > self.token_budget {
             self.dropped_oversize += 1;
-            return Ok((Outcome::Dropped, None));
+            return (Outcome::Dropped, None);
         }
-        if let Some(rank) = self.choose_row(&sample) {
-            self.rows[rank].push(sample);
-            return Ok((Outcome::Placed { rank }, None));
+        if let Some((rank, placement)) = self.choose_row(&sample) {
+            self.rows[rank].push_placed(sample, placement);
+            return (Outcome::Placed { rank }, None);
         }
-        let fresh = (0..self.num_ranks).map(|_| TreeRow::new()).collect();
+        let fresh = self.fresh_rows();
         let closed = std::mem::replace(&mut self.rows, fresh);
         self.rows[0].push(sample);
-        Ok((Outcome::Closed { rank: 0 }, Some(closed)))
+        (Outcome::Closed { rank: 0 }, Some(closed))
+    }
+
+    fn fresh_rows(&self) -> Vec<TreeRow> {
+        (0..self.num_ranks).map(|_| TreeRow::with_capacity(self.token_budget.min(1 << 16))).collect()
     }
 
     /// Close the stream: the last micro-batch if any row holds a sample.
@@ -107,12 +117,13 @@ impl TokenBudgetBatcher {
         if self.rows.iter().all(TreeRow::is_empty) {
             return None;
         }
-        let fresh = (0..self.num_ranks).map(|_| TreeRow::new()).collect();
+        let fresh = self.fresh_rows();
         Some(std::mem::replace(&mut self.rows, fresh))
     }
 
-    /// The rank the sample goes to, or `None` when the micro-batch must close.
-    fn choose_row(&self, sample: &Sample) -> Option<usize> {
+    /// The rank the sample goes to and its placement there, or `None` when
+    /// the micro-batch must close.
+    fn choose_row(&self, sample: &Sample) -> Option<(usize, Placement)> {
         let budget = self.token_budget;
         // 1. A row of its own group, least loaded first.
         let home = self
@@ -120,21 +131,21 @@ impl TokenBudgetBatcher {
             .iter()
             .enumerate()
             .filter(|(_, r)| r.holds_group(sample.group_id))
-            .filter_map(|(i, r)| r.fits(sample, budget).map(|_| (r.load(), i)))
-            .min();
-        if let Some((_, rank)) = home {
-            return Some(rank);
+            .filter_map(|(i, r)| r.fits(sample, budget).map(|p| ((r.load(), i), p)))
+            .min_by_key(|(key, _)| *key);
+        if let Some(((_, rank), p)) = home {
+            return Some((rank, p));
         }
         // 2. The row whose load stays smallest, under the conditions above.
-        let (new_load, rank) = self
+        let ((new_load, rank), p) = self
             .rows
             .iter()
             .enumerate()
-            .filter_map(|(i, r)| r.fits(sample, budget).map(|p| (r.load() + p.added_load, i)))
-            .min()?;
+            .filter_map(|(i, r)| r.fits(sample, budget).map(|p| ((r.load() + p.added_load, i), p)))
+            .min_by_key(|(key, _)| *key)?;
         let any_empty = self.rows.iter().any(TreeRow::is_empty);
         let max_load = self.rows.iter().map(TreeRow::load).max().unwrap_or(0);
-        (any_empty || new_load <= max_load).then_some(rank)
+        (any_empty || new_load <= max_load).then_some((rank, p))
     }
 }
 

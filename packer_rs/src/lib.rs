@@ -57,8 +57,11 @@ mod bindings {
             return Ok(None);
         }
         let offsets: Vec<i32> = array(&value, "offsets", "int32")?;
+        if offsets.iter().any(|&o| o < 0) {
+            return Err(PackingError::new_err(format!("`{field}.offsets` must not be negative")));
+        }
         Ok(Some(TokenLists {
-            offsets: offsets.into_iter().map(|o| o.max(0) as u32).collect(),
+            offsets: offsets.into_iter().map(|o| o as u32).collect(),
             ids: array(&value, "ids", "int32")?,
             logprobs: if with_logprobs { Some(array(&value, "logprobs", "float32")?) } else { None },
         }))
@@ -82,7 +85,8 @@ mod bindings {
                 .getattr("advantage")?
                 .extract::<f64>()
                 .map_err(|_| PackingError::new_err("`advantage` must be a float"))? as f32,
-            policy_version: int("policy_version")? as i32,
+            policy_version: i32::try_from(int("policy_version")?)
+                .map_err(|_| PackingError::new_err("`policy_version` must fit in int32"))?,
             sampler_topk: token_lists(obj, "sampler_topk", true)?,
             sampling_mask: token_lists(obj, "sampling_mask", false)?,
         };
@@ -270,8 +274,8 @@ mod bindings {
         fn push_all(&mut self, samples: Vec<Sample>) -> Vec<Vec<RowBatches>> {
             let mut out = Vec::new();
             for s in samples {
-                // Validated on the way in, so push cannot fail.
-                if let Ok((_, Some(rows))) = self.0.push(s) {
+                // Validated on the way in (decode / extract_sample).
+                if let (_, Some(rows)) = self.0.push_validated(s) {
                     out.push(rows.iter().map(row_batches).collect());
                 }
             }

@@ -26,6 +26,8 @@ pub struct Placement {
     pub new_tokens: usize,
     /// Attention cost the sample adds: sum over its new tokens of depth + 1.
     pub added_load: u64,
+    /// Node of the last shared token (`u32::MAX` when nothing is shared).
+    pub last_shared_node: u32,
 }
 
 /// One rank's row under construction. See the module docs.
@@ -36,11 +38,15 @@ pub struct TreeRow {
     first_child: Vec<u32>,
     last_child: Vec<u32>,
     next_sibling: Vec<u32>,
+    parent: Vec<u32>,
     roots: Vec<u32>,
+    /// Children of nodes with two or more children (and roots when there are
+    /// several), keyed by (parent or NONE, token). Unary chains never hash: the
+    /// lookup checks the first child first.
     edges: FxHashMap<(u32, i32), u32>,
     samples: Vec<Sample>,
-    /// Trie node of every token of every sample, concatenated in sample order.
-    sample_nodes: Vec<u32>,
+    /// Trie node of each sample's last token; its ancestors are the sample.
+    sample_ends: Vec<u32>,
     groups: FxHashSet<i64>,
     num_trained: usize,
     num_raw: usize,
@@ -103,6 +109,21 @@ impl TreeRow {
         Self::default()
     }
 
+    /// An empty row with room for `num_tokens` forwarded tokens without reallocating.
+    pub fn with_capacity(num_tokens: usize) -> Self {
+        let v = || Vec::<u32>::with_capacity(num_tokens);
+        Self {
+            tokens: Vec::with_capacity(num_tokens),
+            num_children: v(),
+            first_child: v(),
+            last_child: v(),
+            next_sibling: v(),
+            parent: v(),
+            edges: FxHashMap::with_capacity_and_hasher(num_tokens / 4, Default::default()),
+            ..Self::default()
+        }
+    }
+
     /// Forwarded (unique) tokens in the row.
     pub fn num_forwarded(&self) -> usize {
         self.tokens.len()
@@ -133,6 +154,20 @@ impl TreeRow {
     }
 
     fn child(&self, parent: u32, token: i32) -> Option<u32> {
+        let (first, count) = if parent == NONE {
+            (self.roots.first().copied().unwrap_or(NONE), self.roots.len() as u32)
+        } else {
+            (self.first_child[parent as usize], self.num_children[parent as usize])
+        };
+        if first == NONE {
+            return None;
+        }
+        if self.tokens[first as usize] == token {
+            return Some(first);
+        }
+        if count < 2 {
+            return None;
+        }
         self.edges.get(&(parent, token)).copied()
     }
 
@@ -155,6 +190,7 @@ impl TreeRow {
             shared,
             new_tokens: sample.len() - shared,
             added_load: (n * (n + 1) - s * (s + 1)) / 2,
+            last_shared_node: node,
         }
     }
 
@@ -170,15 +206,18 @@ impl TreeRow {
 
     /// Add `sample` (already validated) unconditionally.
     pub fn push(&mut self, sample: Sample) {
-        let mut parent = NONE;
-        for (depth, &token) in sample.input_ids.iter().enumerate() {
-            let node = match self.child(parent, token) {
-                Some(c) => c,
-                None => self.new_node(parent, token, depth),
-            };
-            self.sample_nodes.push(node);
-            parent = node;
+        let p = self.placement(&sample);
+        self.push_placed(sample, p);
+    }
+
+    /// Add `sample` (already validated) at `placement`, computed on this row
+    /// since its last change: the shared prefix is not walked again.
+    pub fn push_placed(&mut self, sample: Sample, placement: Placement) {
+        let mut parent = placement.last_shared_node;
+        for (depth, &token) in sample.input_ids.iter().enumerate().skip(placement.shared) {
+            parent = self.new_node(parent, token, depth);
         }
+        self.sample_ends.push(parent);
         self.num_trained += sample.num_trained();
         self.num_raw += sample.len();
         self.groups.insert(sample.group_id);
@@ -211,7 +250,17 @@ impl TreeRow {
         self.first_child.push(NONE);
         self.last_child.push(NONE);
         self.next_sibling.push(NONE);
-        self.edges.insert((parent, token), id);
+        self.parent.push(parent);
+        // The first child is found without hashing; siblings go to the map,
+        // and the first one joins them when the second arrives.
+        let siblings = if parent == NONE { self.roots.len() } else { self.num_children[parent as usize] as usize };
+        if siblings == 1 {
+            let first = if parent == NONE { self.roots[0] } else { self.first_child[parent as usize] };
+            self.edges.insert((parent, self.tokens[first as usize]), first);
+        }
+        if siblings >= 1 {
+            self.edges.insert((parent, token), id);
+        }
         if parent == NONE {
             self.roots.push(id);
         } else {
@@ -293,10 +342,16 @@ impl TreeRow {
         let mut topk = with_topk.then(|| lists(true));
         let mut mask = with_mask.then(|| lists(false));
         out.token_index.reserve(self.num_trained);
-        let mut start = 0;
-        for (i, s) in self.samples.iter().enumerate() {
-            let nodes = &self.sample_nodes[start..start + s.len()];
-            start += s.len();
+        let mut nodes: Vec<u32> = Vec::new();
+        for (i, (s, &end)) in self.samples.iter().zip(&self.sample_ends).enumerate() {
+            nodes.clear();
+            let mut v = end;
+            while v != NONE {
+                nodes.push(v);
+                v = self.parent[v as usize];
+            }
+            nodes.reverse();
+            debug_assert_eq!(nodes.len(), s.len());
             for t in 1..s.len() {
                 if s.completion_mask[t] == 0 {
                     continue;
