@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -148,7 +149,9 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     server = RolloutFlightServer(f"grpc://{rollout.flight_host}:{rollout.flight_port}", queue, window,
                                  lambda: state["rollout_loop"].generated_tokens if "rollout_loop" in state else 0,
                                  shutdown)
-    location = f"grpc://{rollout.flight_host}:{server.port}"
+    # Bound to every interface: advertise this host's name, which a trainer elsewhere can resolve.
+    host = socket.getfqdn() if rollout.flight_host in ("0.0.0.0", "::", "") else rollout.flight_host
+    location = f"grpc://{host}:{server.port}"
     logger.info("rollout Flight server listening at %s", location)
     code = 0
     try:
