@@ -36,7 +36,8 @@ def run_config(args: argparse.Namespace, log_dir: Path) -> RunConfig:
     """The benchmark's run config (embedded server on loopback, reasoning-gym prompts)."""
     return RunConfig(
         model={"name": args.model},
-        server={"backend": "embedded", "port": 0, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+        server={"backend": "embedded", "port": 0, "max_model_len": args.max_model_len,
+                "max_num_seqs": args.max_num_seqs,
                 "embedded_num_threads": args.threads, "log_dir": log_dir, "startup_timeout_s": 600},
         rollout={"dataset": f"reasoning_gym:{args.task}", "dataset_size": args.num_prompts, "dataset_seed": 0,
                  "num_generations": args.num_generations, "max_completion_length": args.max_completion_length,

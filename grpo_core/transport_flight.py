@@ -186,7 +186,10 @@ class FlightSource:
         raise self._fail(f"the rollout loop did not start within {timeout_s} s")
 
     def report(self, policy_version: int, tokens_consumed: int) -> None:
-        """Trainer feedback after a step: its policy version and the tokens it consumed (raw sample tokens, ``batch/raw_tokens_per_step``)."""
+        """Trainer feedback after a step: its policy version and the raw sample tokens it consumed.
+
+        ``tokens_consumed`` is ``batch/raw_tokens_per_step`` (sum of the samples' lengths, unpacked).
+        """
         self._action("report", {"policy_version": policy_version, "tokens_consumed": tokens_consumed})
 
     def metrics(self) -> dict[str, float]:

@@ -218,7 +218,8 @@ def test_reasoning_gym_adapter_scores_answers():
     assert row["prompt"][-1]["role"] == "user" and row["rg_task"] == "basic_arithmetic"
     right = [{"role": "assistant", "content": f"so <answer>{row['answer']}</answer>"}]
     wrong = [{"role": "assistant", "content": "<answer>abc</answer>"}]
-    assert reasoning_gym_reward([right, wrong], rg_task=[row["rg_task"]] * 2, rg_entry=[row["rg_entry"]] * 2) == [1.0, 0.0]
+    scores = reasoning_gym_reward([right, wrong], rg_task=[row["rg_task"]] * 2, rg_entry=[row["rg_entry"]] * 2)
+    assert scores == [1.0, 0.0]
     assert reasoning_gym_reward([right]) == [None]
     assert extract_answer("a\n 42 \n") == "42"
 
