@@ -169,3 +169,12 @@ class StallLoop(RolloutLoop):
 
             time.sleep(8)
         return True
+
+
+class SelfSampledCounterEnv(CounterEnv):
+    """Owns its data: reset() draws the target and returns the prompt (no dataset)."""
+
+    def reset(self, **_):
+        import random
+
+        return super().reset(target=random.randint(1, 3))

@@ -172,6 +172,16 @@ def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
         assert s.completion_mask[len(tok.encode(text[:tool_answer], add_special_tokens=False)):].any()
 
 
+def test_environment_owns_the_data_without_a_dataset(server, tmp_path):
+    config = _config(num_generations=4, dataset_size=3, max_tool_calling_iterations=1,
+                     loop_class="rollout_helpers:ScriptedToolLoop",
+                     environment_factory="rollout_helpers:SelfSampledCounterEnv")
+    with rollout(server, tmp_path, config) as source:
+        samples, consumed, metrics = drain(source)
+    assert sorted({s.prompt_index for s in samples} | set(consumed)) == [0, 1, 2]
+    assert metrics["tools/increment/call_count"] == 12 and "rewards/SelfSampledCounterEnv/mean" in metrics
+
+
 def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_path):
     config = _config(rollout_worker_timeout_s=5)
     with rollout(server, tmp_path, config, dataset=h.rows(200), reward_functions=[h.parity_reward]) as source:

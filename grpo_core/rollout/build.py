@@ -63,7 +63,13 @@ async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
     rollout = run.rollout
     cls, config = loop_class_and_config(rollout, job.loop_class)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(run.model))
-    dataset = job.dataset if job.dataset is not None else load_dataset(rollout)
+    environment_factory = _environment_factory(rollout, job.environment_factory)
+    dataset = job.dataset
+    if dataset is None and rollout.dataset is None and environment_factory is not None:
+        # The environment owns the data: reset() returns each prompt; an epoch is dataset_size rollouts.
+        dataset = [{} for _ in range(rollout.dataset_size)]
+    elif dataset is None:
+        dataset = load_dataset(rollout)
     rewards = [*(import_object(n, "rollout.reward_functions") for n in rollout.reward_functions),
                *job.reward_functions]
     if job.dataset is None:  # the dataset's own verifier (reasoning-gym), unless named already
@@ -81,7 +87,7 @@ async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
     runtime = LoopRuntime(tokenizer=tokenizer, clients=clients, model_name=run.served_model_name(),
                           max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
                           reward_functions=rewards, tools=tools,
-                          environment_factory=_environment_factory(rollout, job.environment_factory),
+                          environment_factory=environment_factory,
                           resume=job.resume, window=window, lora_name=_lora_name(run))
     if not rewards and runtime.environment_factory is None:
         logger.warning("no reward function and no environment: every group is unscored and dropped; "
