@@ -152,11 +152,13 @@ class RecordingReward:
 
     def __call__(self, completion_ids, row_id, **_):
         import json
+        import os
 
         rewards = [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+        cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
         with open(self.path, "a") as f:
             for ids, r, row in zip(completion_ids, rewards, row_id):
-                f.write(json.dumps({"row_id": row, "completion_ids": ids, "reward": r}) + "\n")
+                f.write(json.dumps({"row_id": row, "completion_ids": ids, "reward": r, "cuda": cuda}) + "\n")
         return rewards
 
 

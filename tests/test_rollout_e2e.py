@@ -75,6 +75,7 @@ def test_advantages_match_rewards_recomputed_from_the_log(server, tmp_path):
         entry = json.loads(line)
         logged[entry["row_id"]].append(entry)
     assert sorted({s.prompt_index for s in samples} | set(consumed)) == list(range(5)), "every prompt accounted for"
+    assert {e["cuda"] for g in logged.values() for e in g} == {""}, "the rollout process sees no GPU"
     for s in samples:
         group = logged[s.prompt_index]
         rewards = np.array([e["reward"] for e in group])
