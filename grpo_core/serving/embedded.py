@@ -88,7 +88,7 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
                         max_loras=args.max_loras)
     logger.info("embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)", state.model_name,
                 server_cfg.host, port, device, torch.get_num_threads(), sorted(eos))
-    config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=60)
+    config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=60, timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
