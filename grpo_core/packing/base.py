@@ -107,8 +107,9 @@ class Batcher(Protocol):
 
     Placement of each sample: a row already holding its group if it fits
     there; else the fitting row whose load stays smallest, if some rank's row
-    is still empty or the largest row load does not rise; else the micro-batch
-    closes. Samples longer than the budget are dropped and counted. Every
+    is still empty or the largest row load rises by at most the sample's added
+    load ÷ ranks (what it would cost in a balanced next micro-batch); else the
+    micro-batch closes. Samples longer than the budget are dropped and counted. Every
     micro-batch closed mid-stream has all rows non-empty; only the last one,
     from :meth:`finish`, may have empty rows (fewer samples than ranks at the
     end of the stream), which the trainer runs as dummy rows with no loss term.

@@ -278,7 +278,9 @@ class PythonBatcher:
         best = min(fitting, key=lambda i: (new_load[i], i))
         any_empty = any(not row.samples for row in self.rows)
         max_load = max(row.load for row in self.rows)
-        return best if any_empty or new_load[best] <= max_load else None
+        # A raise of the largest load up to the sample's share (added ÷ ranks) is allowed.
+        added = new_load[best] - self.rows[best].load
+        return best if any_empty or new_load[best] * self.num_ranks <= max_load * self.num_ranks + added else None
 
 
 def samples_from_pyarrow(batch: pa.RecordBatch) -> list[Sample]:

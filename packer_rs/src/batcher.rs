@@ -24,7 +24,10 @@ pub enum Outcome {
 ///    of those, ties to the lowest rank): its prompt is already forwarded;
 /// 2. else the fitting row whose load would be smallest with it, if some
 ///    rank's row is still empty, or if placing it does not raise the largest
-///    row load, which sets the micro-batch's time;
+///    row load (which sets the micro-batch's time) by more than its share of
+///    the work, `added_load / num_ranks`: the time it would cost in the next
+///    micro-batch if that one is balanced. With one rank this fills the row to
+///    the budget; with many it keeps rows balanced;
 /// 3. else the micro-batch closes and the sample opens the next one in rank 0.
 ///
 /// "Fits" counts only tokens new to the row's trie against the budget, and the
@@ -145,7 +148,10 @@ impl TokenBudgetBatcher {
             .min_by_key(|(key, _)| *key)?;
         let any_empty = self.rows.iter().any(TreeRow::is_empty);
         let max_load = self.rows.iter().map(TreeRow::load).max().unwrap_or(0);
-        (any_empty || new_load <= max_load).then_some((rank, p))
+        // Raising the largest load by its share of the new work (added ÷ ranks)
+        // costs no more than sending it to the next micro-batch would.
+        let ranks = self.num_ranks as u64;
+        (any_empty || new_load * ranks <= max_load * ranks + p.added_load).then_some((rank, p))
     }
 }
 
@@ -211,5 +217,15 @@ mod tests {
         assert_eq!(b.push(s(2, 2, &[9, 9, 9, 9, 9])).unwrap().0, Outcome::Placed { rank: 1 });
         // rank 1 would reach 18 + 21 > 21, rank 0 42 > 21: close.
         assert_eq!(b.push(s(3, 3, &[4, 4, 4, 4, 4, 4])).unwrap().0, Outcome::Closed { rank: 0 });
+    }
+
+    #[test]
+    fn one_rank_fills_its_row_to_the_budget() {
+        let mut b = TokenBudgetBatcher::new(1, 12).unwrap();
+        for g in 0..3 {
+            assert_eq!(b.push(s(g, g, &[g as i32 + 10, 1, 2, 3])).unwrap().0, Outcome::Placed { rank: 0 });
+        }
+        assert_eq!(b.rows()[0].num_forwarded(), 12);
+        assert_eq!(b.push(s(3, 3, &[20, 1])).unwrap().0, Outcome::Closed { rank: 0 });
     }
 }
