@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -178,9 +178,18 @@ def micro_batch_stats(rows: MicroBatch, token_budget: int) -> dict[str, float]:
     }
 
 
+#: Built-in backends (also usable from a source checkout that is not pip-installed).
+BUILTIN_PACKERS = {
+    "rust": "grpo_core.packing.rust_backend:RustPacker",
+    "python": "grpo_core.packing.python_backend:PythonPacker",
+}
+
+
 @functools.cache
 def _entry_points() -> dict[str, object]:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    eps = {name: EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in BUILTIN_PACKERS.items()}
+    eps.update({ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    return eps
 
 
 def available_packers() -> list[str]:
@@ -189,9 +198,8 @@ def available_packers() -> list[str]:
 
 
 def get_packer(name: str = "rust") -> Packer:
-    """The packing backend registered under ``name`` in the ``grpo_core.packers``
-    entry-point group (the built-ins ``rust`` and ``python`` are registered there
-    by grpo-flow's own pyproject.toml).
+    """The packing backend named ``name``: a built-in (``rust``, ``python``) or one
+    registered by another distribution in the ``grpo_core.packers`` entry-point group.
 
     Raises:
         ConfigError: no backend of that name, or it does not follow :class:`Packer`.
