@@ -1,0 +1,259 @@
+"""MLflow tracking of a run: the run itself, params, metrics, checkpoints and resume state.
+
+The only module of grpo-flow that imports ``mlflow`` (STYLE.md, module boundaries). One MLflow
+run per training run, tagged with the Prefect flow run id (``grpo.flow_run_id``) so a retried
+flow run finds and continues it. Artifacts of a run:
+
+* ``config/run_config.json``: the resolved run config;
+* ``checkpoints/step-NNNNNNN/``: each checkpoint folder when it is at most
+  ``tracking.checkpoint_artifact_max_mib``, else only its ``rollout_state.json`` and a
+  ``checkpoint_uri.txt`` naming where the folder lies;
+* ``resume/rollout_state.json``: the latest resume state;
+* ``plots/reward_curve.png`` and ``model/`` at the end.
+
+The trainer logs through :class:`MlflowSink` (a ``grpo_core.metrics.MetricsSink``): metrics and
+checkpoint uploads go to a background thread, so the training loop never waits on MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from grpo_core.config import RunConfig, TrackingConfig
+from grpo_core.metrics import MetricsSink
+
+logger = logging.getLogger(__name__)
+
+FLOW_RUN_TAG = "grpo.flow_run_id"
+DEPLOYMENT_TAG = "grpo.deployment"
+RESUMED_FROM_TAG = "grpo.resumed_from"
+LATEST_STEP_TAG = "grpo.latest_checkpoint_step"
+CHECKPOINT_URI_FILE = "checkpoint_uri.txt"
+_MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
+_PARAM_MAX_CHARS = 6000
+
+
+def client(tc: TrackingConfig) -> MlflowClient:
+    """An MLflow client on the configured tracking URI (the SQLite store is created on first use)."""
+    if tc.tracking_uri is None:
+        tc.dir.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=tc.resolved_tracking_uri())
+
+
+def experiment_id(tc: TrackingConfig, mc: MlflowClient) -> str:
+    """Id of ``tc.experiment_name``, created (with the artifact location) when missing."""
+    exp = mc.get_experiment_by_name(tc.experiment_name)
+    if exp is not None:
+        return exp.experiment_id
+    return mc.create_experiment(tc.experiment_name, artifact_location=tc.resolved_artifact_location())
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config dict -> ``{"train.learning_rate": "1e-06", ...}`` (values as strings, clipped to 6000 chars)."""
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = (json.dumps(value) if isinstance(value, (list, dict)) else str(value))[:_PARAM_MAX_CHARS]
+    return out
+
+
+def find_run(tc: TrackingConfig, flow_run_id: str) -> str | None:
+    """The MLflow run tagged with this Prefect flow run id, or None."""
+    mc = client(tc)
+    runs = mc.search_runs([experiment_id(tc, mc)], filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'",
+                          max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def start_run(cfg: RunConfig, flow_run_id: str | None, deployment: str | None = None,
+              run_name: str | None = None) -> tuple[str, bool]:
+    """Find the run of this flow run (a retry) or create one with tags, params and the config artifact.
+
+    Args:
+        cfg: the resolved run config.
+        flow_run_id: Prefect flow run id (None outside Prefect: always a new run).
+        deployment: ``flow/deployment`` name, tagged when set.
+        run_name: MLflow run name of a new run.
+
+    Returns:
+        ``(run_id, continued)``; ``continued`` is True when an existing run was found and reopened.
+    """
+    tc, mc = cfg.tracking, client(cfg.tracking)
+    existing = find_run(tc, flow_run_id) if flow_run_id else None
+    if existing is not None:
+        mc.update_run(existing, status="RUNNING")
+        logger.info("continuing MLflow run %s of flow run %s", existing, flow_run_id)
+        return existing, True
+    tags = {FLOW_RUN_TAG: flow_run_id or "", DEPLOYMENT_TAG: deployment or "",
+            RESUMED_FROM_TAG: cfg.resume_from or "", "mlflow.runName": run_name or ""}
+    run = mc.create_run(experiment_id(tc, mc), tags={k: v for k, v in tags.items() if v}, run_name=run_name)
+    run_id = run.info.run_id
+    params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    for i in range(0, len(params), 100):
+        mc.log_batch(run_id, params=params[i:i + 100])
+    mc.log_text(run_id, cfg.model_dump_json(indent=1), "config/run_config.json")
+    logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.resolved_tracking_uri())
+    return run_id, False
+
+
+def end_run(tc: TrackingConfig, run_id: str, status: str = "FINISHED") -> None:
+    """Mark the run ``FINISHED``, ``FAILED`` or ``KILLED``."""
+    client(tc).set_terminated(run_id, status=status)
+
+
+def last_logged_step(tc: TrackingConfig, run_id: str) -> int:
+    """Highest step already logged to the run (0 if none); a resumed trainer skips steps up to it."""
+    mc = client(tc)
+    metrics = mc.get_run(run_id).data.metrics
+    if not metrics:
+        return 0
+    key = "loss" if "loss" in metrics else next(iter(metrics))
+    return max((m.step for m in mc.get_metric_history(run_id, key)), default=0)
+
+
+def _dir_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def log_checkpoint(tc: TrackingConfig, run_id: str, path: Path) -> None:
+    """Log a checkpoint folder (or, when large, its URI) and its ``rollout_state.json`` as artifacts."""
+    mc, path = client(tc), Path(path)
+    dest = f"checkpoints/{path.name}"
+    if _dir_mib(path) <= tc.checkpoint_artifact_max_mib:
+        mc.log_artifacts(run_id, str(path), dest)
+    else:
+        mc.log_artifact(run_id, str(path / "rollout_state.json"), dest)
+        mc.log_text(run_id, path.resolve().as_uri(), f"{dest}/{CHECKPOINT_URI_FILE}")
+    mc.log_artifact(run_id, str(path / "rollout_state.json"), "resume")
+    mc.set_tag(run_id, LATEST_STEP_TAG, path.name.removeprefix("step-").lstrip("0") or "0")
+
+
+def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path) -> Path | None:
+    """Bring the run's latest checkpoint into ``<output_dir>/checkpoints/`` (download, or copy from its URI).
+
+    Returns:
+        The local checkpoint folder, or None when the run has no usable checkpoint.
+    """
+    mc = client(tc)
+    names = sorted((a.path.split("/")[-1] for a in mc.list_artifacts(run_id, "checkpoints") if a.is_dir),
+                   reverse=True)
+    for name in names:
+        local = Path(output_dir) / "checkpoints" / name
+        if (local / "rollout_state.json").exists():
+            return local
+        files = {a.path.split("/")[-1] for a in mc.list_artifacts(run_id, f"checkpoints/{name}")}
+        local.parent.mkdir(parents=True, exist_ok=True)
+        if "dcp" in files:
+            tmp = Path(mc.download_artifacts(run_id, f"checkpoints/{name}", str(local.parent / ".download")))
+            shutil.rmtree(local, ignore_errors=True)
+            tmp.rename(local)
+            shutil.rmtree(local.parent / ".download", ignore_errors=True)
+            logger.info("downloaded checkpoint %s of MLflow run %s to %s", name, run_id, local)
+            return local
+        if CHECKPOINT_URI_FILE in files:
+            uri = mc.download_artifacts(run_id, f"checkpoints/{name}/{CHECKPOINT_URI_FILE}")
+            source = Path(Path(uri).read_text().strip().removeprefix("file://"))
+            if (source / "rollout_state.json").exists():
+                shutil.copytree(source, local, dirs_exist_ok=True)
+                logger.info("copied checkpoint %s of MLflow run %s from %s", name, run_id, source)
+                return local
+            logger.warning("checkpoint %s of MLflow run %s lies at %s, which is not reachable here", name, run_id,
+                           source)
+    return None
+
+
+def log_file(tc: TrackingConfig, run_id: str, path: Path, artifact_dir: str) -> None:
+    """Log one file as an artifact under ``artifact_dir``."""
+    client(tc).log_artifact(run_id, str(path), artifact_dir)
+
+
+def log_model(tc: TrackingConfig, run_id: str, model_dir: Path) -> None:
+    """Log the trained model or adapter folder with the transformers flavour (plain files as a fallback)."""
+    try:
+        import mlflow.transformers
+
+        mlflow.set_tracking_uri(tc.resolved_tracking_uri())
+        with mlflow.start_run(run_id=run_id, log_system_metrics=False):
+            mlflow.transformers.log_model(transformers_model=str(model_dir), name="model", task="text-generation")
+    except Exception as exc:  # noqa: BLE001 - the flavour is optional; the files are what matter
+        logger.warning("transformers flavour failed (%s: %s); logging %s as plain artifacts", type(exc).__name__,
+                       exc, model_dir)
+        client(tc).log_artifacts(run_id, str(model_dir), "model")
+
+
+class MlflowSink:
+    """Metrics sink logging to an MLflow run from a background thread (batched, off the hot path).
+
+    Args:
+        tc: tracking settings (URI, checkpoint size limit).
+        run_id: the MLflow run to log into.
+        inner: a sink fed synchronously as well (the JSON-lines file).
+
+    Steps at or below the highest step already in the run are skipped: a resumed trainer
+    replays the steps after its checkpoint, and MLflow keeps no duplicate steps.
+    """
+
+    def __init__(self, tc: TrackingConfig, run_id: str, inner: MetricsSink | None = None):
+        self.tc, self.run_id, self.inner = tc, run_id, inner
+        self.skip_through = last_logged_step(tc, run_id)
+        if self.skip_through:
+            logger.info("MLflow run %s already has steps up to %d; replayed steps are not logged again",
+                        run_id, self.skip_through)
+        self.num_errors = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
+        self._thread.start()
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Feed the inner sink and queue the step for MLflow."""
+        if self.inner is not None:
+            self.inner.log(step, metrics)
+        if step > self.skip_through:
+            self._queue.put(("metrics", step, dict(metrics)))
+
+    def on_checkpoint(self, path: Path, step: int) -> None:
+        """Queue a checkpoint folder for upload (called by the trainer after each save)."""
+        self._queue.put(("checkpoint", step, Path(path)))
+
+    def close(self) -> None:
+        """Wait for queued uploads, then close the inner sink."""
+        self._queue.put(None)
+        self._thread.join()
+        if self.inner is not None:
+            self.inner.close()
+
+    def _work(self) -> None:
+        mc = client(self.tc)
+        while (item := self._queue.get()) is not None:
+            kind, step, payload = item
+            try:
+                if kind == "metrics":
+                    now = int(time.time() * 1000)
+                    ms = [Metric(k, float(v), now, step) for k, v in payload.items() if math.isfinite(float(v))]
+                    for i in range(0, len(ms), _MAX_BATCH):
+                        mc.log_batch(self.run_id, metrics=ms[i:i + _MAX_BATCH])
+                else:
+                    log_checkpoint(self.tc, self.run_id, payload)
+            except Exception as exc:  # noqa: BLE001 - tracking must not stop training; counted and logged
+                self.num_errors += 1
+                logger.warning("MLflow %s upload of step %d failed: %s", kind, step, exc)
+
+
+__all__ = ["MlflowSink", "download_latest_checkpoint", "end_run", "find_run", "flatten", "log_checkpoint",
+           "log_file", "log_model", "start_run"]

@@ -1,0 +1,109 @@
+"""MLflow tracking (real SQLite store in a temp folder), preflight checks, report and CLI config errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_core import preflight, report, tracking
+from grpo_core.config import RunConfig, load_config
+from grpo_core.errors import ConfigError
+from grpo_core.metrics import JsonlSink
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(tmp: Path, **tracking_fields) -> RunConfig:
+    return RunConfig(tracking={"dir": tmp / "mlflow", "experiment_name": "t", **tracking_fields},
+                     rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4})
+
+
+def _checkpoint(root: Path, step: int, payload_bytes: int = 10) -> Path:
+    path = root / "checkpoints" / f"step-{step:07d}"
+    (path / "dcp").mkdir(parents=True)
+    (path / "dcp" / "data").write_bytes(b"x" * payload_bytes)
+    (path / "rollout_state.json").write_text(json.dumps({"step": step, "policy_version": step}))
+    return path
+
+
+def test_run_is_found_by_flow_run_id_and_sink_skips_replayed_steps(tmp_path):
+    cfg = _cfg(tmp_path)
+    run_id, continued = tracking.start_run(cfg, "flow-1", "demo")
+    assert not continued
+    assert tracking.start_run(cfg, "flow-1", "demo") == (run_id, True)
+    sink = tracking.MlflowSink(cfg.tracking, run_id, inner=JsonlSink(tmp_path / "m.jsonl"))
+    for step in (1, 2, 3):
+        sink.log(step, {"loss": float(step), "reward": 0.5, "bad": float("nan")})
+    sink.on_checkpoint(_checkpoint(tmp_path / "out", 2), 2)
+    sink.close()
+    resumed = tracking.MlflowSink(cfg.tracking, run_id)  # a trainer resumed from step 2 replays step 3
+    assert resumed.skip_through == 3
+    for step in (3, 4):
+        resumed.log(step, {"loss": 10.0 * step})
+    resumed.close()
+    mc = tracking.client(cfg.tracking)
+    assert [(m.step, m.value) for m in mc.get_metric_history(run_id, "loss")] == [(1, 1.0), (2, 2.0), (3, 3.0),
+                                                                                   (4, 40.0)]
+    run = mc.get_run(run_id)
+    assert run.data.params["rollout.num_generations"] == "8"
+    assert run.data.tags["grpo.latest_checkpoint_step"] == "2"
+    assert len(JsonlSink.read(tmp_path / "m.jsonl")) == 3
+
+
+def test_checkpoint_download_and_large_checkpoint_as_uri(tmp_path):
+    cfg = _cfg(tmp_path, checkpoint_artifact_max_mib=0.5)
+    run_id, _ = tracking.start_run(cfg, "flow-2")
+    tracking.log_checkpoint(cfg.tracking, run_id, _checkpoint(tmp_path / "a", 2))
+    got = tracking.download_latest_checkpoint(cfg.tracking, run_id, tmp_path / "b")
+    assert got == tmp_path / "b" / "checkpoints" / "step-0000002" and (got / "dcp" / "data").exists()
+    big = _checkpoint(tmp_path / "a", 4, payload_bytes=2**20)
+    tracking.log_checkpoint(cfg.tracking, run_id, big)
+    mc = tracking.client(cfg.tracking)
+    names = {a.path.rsplit("/", 1)[-1] for a in mc.list_artifacts(run_id, "checkpoints/step-0000004")}
+    assert names == {"rollout_state.json", tracking.CHECKPOINT_URI_FILE}
+    got = tracking.download_latest_checkpoint(cfg.tracking, run_id, tmp_path / "c")
+    assert got == tmp_path / "c" / "checkpoints" / "step-0000004" and (got / "dcp" / "data").stat().st_size == 2**20
+
+
+def test_preflight_names_the_missing_column_and_the_bad_model(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match="'prompt' column"):
+        preflight.check_run(RunConfig(rollout={"dataset": f"json:{rows}"}))
+    with pytest.raises(ConfigError, match="model.name"):
+        preflight.check_run(RunConfig(model={"name": "no-such-model"}, rollout={"dataset": f"json:{rows}"}))
+    preflight.check_run(load_config(ROOT / "configs" / "tiny.yaml"))
+
+
+def test_every_config_parses_and_bad_values_name_the_field():
+    for path in (ROOT / "configs").glob("*.yaml"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="rollout.num_generations"):
+        load_config(ROOT / "configs" / "demo.yaml", ["rollout.num_generations=1"])
+
+
+def test_report_summary_and_plot(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(metrics)
+    for step in range(1, 11):
+        sink.log(step, {"reward": step / 10, "perf/step_s": 2.0, "batch/trained_tokens_per_step": 100.0,
+                        "batch/forwarded_tokens_per_step": 300.0, "rollout/generated_tokens_per_s": 50.0})
+    sink.close()
+    summary = report.summarize(metrics)
+    assert summary["steps"] == 10 and summary["reward_first5"] == pytest.approx(0.3)
+    assert summary["reward_last5"] == pytest.approx(0.8) and summary["trained_tokens_per_s"] == pytest.approx(50.0)
+    png = report.plot_reward_curve(metrics, tmp_path / "curve.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_config_error_names_the_field_before_anything_starts():
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                                      "--set", "rollout.num_generations=1"])
+    assert result.exit_code == 2
+    assert "rollout.num_generations" in result.output
