@@ -285,6 +285,37 @@ class TrainConfig(_Strict):
     """Arrow Flight location of the rollout process (``grpc://host:port``); set by the flow."""
 
 
+class TrackingConfig(_Strict):
+    """MLflow tracking of a run (``grpo_core.tracking``): metrics, params, checkpoints, resume state."""
+
+    enabled: bool = True
+    """Log the run to MLflow; off = metrics only in ``metrics.jsonl``."""
+    dir: Path = Path("runs/mlflow")
+    """Folder of the embedded store: ``mlflow.db`` (SQLite) and ``artifacts/``."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (``http://host:5000``, a database URL); None = SQLite file ``<dir>/mlflow.db``."""
+    artifact_location: str | None = None
+    """Artifact root of a new experiment; None = ``<dir>/artifacts`` (the server's default with a tracking server)."""
+    experiment_name: str = "grpo-flow"
+    """MLflow experiment the run is logged under."""
+    run_id: str | None = None
+    """MLflow run to log into; set by the flow for the trainer process (leave unset)."""
+    checkpoint_artifact_max_mib: float = Field(default=256.0, ge=0)
+    """Checkpoints up to this size (MiB) are copied as artifacts; larger ones are logged as a URI (their path)."""
+    log_model: bool = True
+    """At the end, log the trained model (or adapter) with the transformers flavour."""
+
+    def resolved_tracking_uri(self) -> str:
+        """The tracking URI actually used (``tracking_uri`` or the SQLite file under ``dir``)."""
+        return self.tracking_uri or f"sqlite:///{self.dir.resolve() / 'mlflow.db'}"
+
+    def resolved_artifact_location(self) -> str | None:
+        """Artifact root for a new experiment (None = the tracking server decides)."""
+        if self.artifact_location is not None:
+            return self.artifact_location
+        return None if self.tracking_uri else str(self.dir.resolve() / "artifacts")
+
+
 class RunConfig(_Strict):
     """Root config of one grpo-flow run."""
 
@@ -298,6 +329,10 @@ class RunConfig(_Strict):
     """Packing of samples into rows."""
     train: TrainConfig = Field(default_factory=TrainConfig)
     """The trainer."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """MLflow tracking."""
+    resume_from: str | None = None
+    """MLflow run id whose latest checkpoint this run starts from (a new run continuing an old one)."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
