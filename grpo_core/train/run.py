@@ -56,6 +56,10 @@ def run_trainer(cfg: RunConfig, server_urls: list[str] | None = None, sink=None)
         source = make_source(cfg, resume) if world.is_main else None
         if sink is None and world.is_main:
             sink = JsonlSink(cfg.train.output_dir / "metrics.jsonl")
+            if cfg.tracking.enabled and cfg.tracking.run_id:
+                from grpo_core.tracking import MlflowSink  # noqa: PLC0415 - mlflow only when tracking
+
+                sink = MlflowSink(cfg.tracking, cfg.tracking.run_id, inner=sink)
         trainer = Trainer(cfg, world, source, make_weight_sync(cfg, server_urls or []), sink)
         state = trainer.run()
         if source is not None:

@@ -255,5 +255,8 @@ class Trainer:
             return
         state = self.resume_state() if self.world.is_main else None
         pending = self.planner.pending_samples() if self.world.is_main else None
-        checkpoint.save(checkpoint.checkpoint_dir(self.output_dir, self.step), self.policy, self.optimizer,
-                        self.scheduler, state, pending, self.world.rank)
+        path = checkpoint.checkpoint_dir(self.output_dir, self.step)
+        checkpoint.save(path, self.policy, self.optimizer, self.scheduler, state, pending, self.world.rank)
+        on_checkpoint = getattr(self.sink, "on_checkpoint", None)  # e.g. MLflow artifacts (grpo_core.tracking)
+        if self.world.is_main and on_checkpoint is not None:
+            on_checkpoint(path, self.step)
