@@ -34,11 +34,11 @@ def write_samples(path: Path, num_prompts: int, group_size: int = 4, seed: int =
     return path
 
 
-def trainer_config(tmp: Path, samples: Path, **train) -> Path:
+def trainer_config(tmp: Path, samples: Path, server: dict | None = None, **train) -> Path:
     """A YAML run config for an offline trainer run on a tiny model."""
     cfg = {
         "model": {"name": "tiny-qwen3"},
-        "server": {"max_model_len": 128},
+        "server": {"max_model_len": 128, **(server or {})},
         "rollout": {"max_completion_length": 32, "num_sampler_logprobs": 0, "temperature": 1.0},
         "packing": {"token_budget": 96},
         "train": {"output_dir": str(tmp / "out"), "samples_path": str(samples), "score_centering": False,
@@ -49,11 +49,13 @@ def trainer_config(tmp: Path, samples: Path, **train) -> Path:
     return path
 
 
-def torchrun(config: Path, nproc: int, timeout_s: float = 600, **popen) -> subprocess.Popen:
-    """Start ``torchrun --nproc-per-node N -m grpo_core.train --config FILE``."""
+def torchrun(config: Path, nproc: int, server_urls: list[str] = (), **popen) -> subprocess.Popen:
+    """Start ``torchrun --nproc-per-node N -m grpo_core.train --config FILE [--server-url URL …]``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "grpo_core.train", "--config", str(config)]
+    for url in server_urls:
+        cmd += ["--server-url", url]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, **popen)
 
 

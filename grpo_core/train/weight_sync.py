@@ -60,6 +60,18 @@ def full_state_dict(policy) -> dict[str, torch.Tensor]:
     return {k.removeprefix("lm."): v for k, v in sd.items()}
 
 
+def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop later names of tensors sharing storage (tied embeddings): safetensors stores each once,
+    and loaders re-tie them from the model config."""
+    seen, out = set(), {}
+    for k, v in state_dict.items():
+        if v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        out[k] = v.contiguous()
+    return out
+
+
 def _publish(tmp: Path, final: Path) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -106,7 +118,7 @@ class DiskFullWeightSync:
         tmp = self.root / f"v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in sd.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        save_file(untied(sd), tmp / "model.safetensors", metadata={"format": "pt"})
         folder = _publish(tmp, self.root / f"v{version}")
         t2 = time.perf_counter()
         errors = self.servers.each(lambda c: self._update(c, str(folder)))
@@ -160,7 +172,7 @@ class LoraAdapterSync:
             tmp = self.root / f"{self.adapter_name(version)}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            save_file({k: v.contiguous() for k, v in adapter.items()}, tmp / "adapter_model.safetensors",
+            save_file(untied(adapter), tmp / "adapter_model.safetensors",
                       metadata={"format": "pt"})
             config = lm.peft_config["default"].to_dict()
             config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None

@@ -1,0 +1,69 @@
+"""Weight sync to a real embedded server: after the trainer's syncs, the server samples
+from the trained weights (full weights via disk, and LoRA adapter versions)."""
+
+import subprocess
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from grpo_core.config import ModelConfig
+from grpo_core.models import resolve_model_dir
+from grpo_core.serving.client import GenerationClient
+from serving_helpers import embedded_server, run
+from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
+
+PROMPT = [1, 504, 2682, 314, 3060, 28, 198]
+
+
+async def server_logprobs(url, model, n=8):
+    async with GenerationClient(url, max_connections=2) as c:
+        [out] = await c.complete(PROMPT, model=model, max_tokens=n, temperature=1.0, seed=7, ignore_eos=True)
+    return out.token_ids, torch.tensor(out.logprobs)
+
+
+def local_logprobs(model, tokens):
+    ids = torch.tensor([PROMPT + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    t = torch.arange(len(PROMPT), len(PROMPT) + len(tokens))
+    return logp[t - 1, ids[0, t]]
+
+
+def run_trainer(tmp_path, url, server=None, **train):
+    samples = write_samples(tmp_path / "samples.arrow", 6)
+    config = trainer_config(tmp_path, samples, server, max_steps=2, weight_sync_steps=1, learning_rate=5e-2, **train)
+    with open(tmp_path / "log", "w") as log:
+        code = torchrun(config, 1, stdout=log, stderr=subprocess.STDOUT, server_urls=[url]).wait(timeout=600)
+    assert code == 0, (tmp_path / "log").read_text()[-4000:]
+    return tmp_path / "out"
+
+
+def test_full_weight_sync_serves_the_trained_weights(tmp_path):
+    base_dir = resolve_model_dir(ModelConfig(name="tiny-qwen3"))
+    with embedded_server(tmp_path / "server") as server:
+        before_tokens, before = run(server_logprobs(server.url, "tiny-qwen3"))
+        out = run_trainer(tmp_path, server.url)
+        tokens, served = run(server_logprobs(server.url, "tiny-qwen3"))
+    assert [m["policy_version"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    trained = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    trained.load_state_dict(load_file(out / ".weights" / "v2" / "model.safetensors"), strict=False)
+    torch.testing.assert_close(served, local_logprobs(trained, tokens), atol=2e-4, rtol=0)
+    original = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    assert (local_logprobs(original, tokens) - served).abs().max() > 1e-3  # the weights really moved
+
+
+def test_lora_sync_serves_each_adapter_version(tmp_path):
+    from peft import PeftModel
+
+    base_dir = resolve_model_dir(ModelConfig(name="tiny-qwen3"))
+    with embedded_server(tmp_path / "server", enable_lora=True, lora_rank=8) as server:
+        out = run_trainer(tmp_path, server.url, {"enable_lora": True, "lora_rank": 8},
+                          lora={"enabled": True, "r": 8, "alpha": 16})
+        tokens, served = run(server_logprobs(server.url, "policy-v2"))
+    adapter = out / ".vllm_lora" / "policy-v2"
+    assert (adapter / "adapter_model.safetensors").exists() and (out / ".vllm_lora" / "policy-v1").exists()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter)
+    torch.testing.assert_close(served, local_logprobs(model, tokens), atol=2e-4, rtol=0)
+    assert np.isfinite(served.numpy()).all()
