@@ -39,7 +39,7 @@ def make_source(cfg: RunConfig, resume: ResumeState | None):
     from grpo_core.transport_flight import FlightSource  # noqa: PLC0415 - only with a rollout process
 
     return FlightSource(tc.rollout_location, max_staleness=cfg.rollout.max_staleness,
-                        timeout_s=cfg.rollout.server_timeout_s)
+                        timeout_s=cfg.rollout.rollout_worker_timeout_s)
 
 
 def run_trainer(cfg: RunConfig, server_urls: list[str] | None = None, sink=None) -> ResumeState | None:
