@@ -1,0 +1,203 @@
+"""``grpo``: the command line of grpo-flow (typer).
+
+* ``grpo train --config FILE [--set key=value …]`` runs the ``grpo-train`` flow here, on Prefect's
+  embedded API (or the server ``PREFECT_API_URL`` names), with a progress bar, and ends with a
+  summary table;
+* ``grpo deploy`` starts a Prefect server and a process worker on loopback, registers the
+  deployments and prints the UI URL (Ctrl-C stops them all);
+* ``grpo resume RUN_ID`` starts a new run from the latest checkpoint of an MLflow run;
+* ``grpo ui`` prints the Prefect and MLflow UI URLs, and with ``--mlflow`` serves the MLflow UI.
+
+The config is loaded and validated before Prefect is imported, so config errors are instant and
+name the field.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+console = Console(stderr=True)
+
+ENV_DEFAULTS = {
+    "PREFECT_HOME": str(ROOT / "runs" / "prefect"),
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def set_env_defaults() -> None:
+    """Prefect settings of grpo-flow, unless the environment sets them (before prefect is imported)."""
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def _load(config: Path | None, overrides: list[str]):
+    from grpo_core.config import load_config
+    from grpo_core.errors import ConfigError
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as exc:
+        console.print(f"[red]config error[/red]: {exc}")
+        raise typer.Exit(2) from None
+
+
+def _progress(output_dir: Path, max_steps: int, started: float, done: threading.Event) -> None:
+    """Follow the newest ``<output_dir>/*/metrics.jsonl`` written after ``started`` with a rich progress bar."""
+    import json
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = [TextColumn("step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
+               TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[tps]} tok/s"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=False) as bar:
+        job = bar.add_task("train", total=max_steps, reward="-", tps="-")
+        while not done.wait(1.0):
+            files = [p for p in output_dir.glob("*/metrics.jsonl") if p.stat().st_mtime >= started]
+            if not files:
+                continue
+            lines = max(files, key=lambda p: p.stat().st_mtime).read_text().splitlines()
+            if not lines or not lines[-1].strip():
+                continue
+            try:
+                last = json.loads(lines[-1])
+            except ValueError:
+                continue
+            reward = last.get("reward")
+            bar.update(job, completed=last["step"], reward=f"{reward:.3f}" if reward is not None else "-",
+                       tps=f"{last.get('perf/tokens_per_s', 0.0):.0f}")
+
+
+def summary_table(summary: dict) -> Table:
+    """The end-of-run table."""
+    table = Table(title="grpo-flow run", show_header=False)
+    fmt = (lambda v: f"{v:.3f}" if isinstance(v, float) else str(v))
+    rows = [("steps", summary.get("steps")), ("reward, first 5 steps", summary.get("reward_first5")),
+            ("reward, last 5 steps", summary.get("reward_last5")),
+            ("generated tokens/s", summary.get("generated_tokens_per_s")),
+            ("trained tokens/s", summary.get("trained_tokens_per_s")),
+            ("forwarded tokens/s", summary.get("forwarded_tokens_per_s")),
+            ("MLflow run id", summary.get("mlflow_run_id")), ("MLflow tracking URI", summary.get("mlflow_uri")),
+            ("checkpoint", summary.get("checkpoint")), ("reward curve", summary.get("reward_curve"))]
+    for name, value in rows:
+        table.add_row(name, fmt(value))
+    return table
+
+
+def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
+    """Run the flow in this process with a progress bar; returns its summary."""
+    set_env_defaults()
+    from flows.grpo_train import grpo_train
+
+    done, started = threading.Event(), time.time()
+    watcher = threading.Thread(target=_progress, args=(cfg.train.output_dir.resolve(), cfg.train.max_steps,
+                                                       started, done), daemon=True)
+    watcher.start()
+    try:
+        summary = grpo_train(cfg)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    console.print(summary_table(summary))
+    return summary
+
+
+@app.command()
+def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
+          set_: Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=5")] = []) -> None:  # noqa: B006
+    """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary."""
+    run_locally(_load(config, set_))
+
+
+@app.command()
+def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue from")],
+           config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
+           set_: Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=50")] = []) -> None:  # noqa: B006
+    """Start a new run from the latest checkpoint of an MLflow run (resume_from=RUN_ID)."""
+    if config is None:
+        config = _run_config_of(run_id, set_)
+    run_locally(_load(config, [*set_, f"resume_from={run_id}"]))
+
+
+def _run_config_of(run_id: str, overrides: list[str]) -> Path:
+    """Download ``config/run_config.json`` of an MLflow run (tracking settings from the overrides)."""
+    import json
+    import tempfile
+
+    from grpo_core import tracking
+
+    tc = _load(None, overrides).tracking
+    path = Path(tracking.client(tc).download_artifacts(run_id, "config/run_config.json", tempfile.mkdtemp()))
+    data = json.loads(path.read_text())
+    data["tracking"]["run_id"] = None
+    data["resume_from"] = None
+    for key in ("rollout_location",):
+        data["train"][key] = None
+    data["train"]["output_dir"] = str(Path(data["train"]["output_dir"]).parent)
+    data["server"]["log_dir"] = "runs/servers"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@app.command()
+def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.0.1")] = 4200,
+           demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = ROOT / "configs" / "demo.yaml",
+           cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *") -> None:
+    """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
+    set_env_defaults()
+    from flows.serve import PrefectStack
+
+    with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"])) as stack:
+        stack.register(demo_config, cron)
+        console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
+                      "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker)")
+        try:
+            stack.wait()
+        except KeyboardInterrupt:
+            console.print("stopping the Prefect server and worker")
+
+
+@app.command()
+def ui(config: Annotated[Path | None, typer.Option(help="run config (for its tracking settings)")] = None,
+       mlflow: Annotated[bool, typer.Option("--mlflow", help="serve the MLflow UI on --mlflow-port")] = False,
+       mlflow_port: int = 5000, prefect_port: int = 4200) -> None:
+    """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C."""
+    tc = _load(config, []).tracking
+    uri = tc.resolved_tracking_uri()
+    console.print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (started by `grpo deploy` / `make serve`)")
+    console.print(f"MLflow tracking URI: {uri}")
+    console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
+                  f"`.venv/bin/mlflow ui --backend-store-uri {uri} --port {mlflow_port}`)")
+    if mlflow:
+        cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+               "--port", str(mlflow_port)]
+        if tc.resolved_artifact_location():
+            cmd += ["--default-artifact-root", tc.resolved_artifact_location()]
+        try:
+            subprocess.run(cmd, check=False)
+        except KeyboardInterrupt:
+            pass
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The processes of one flow run (servers, rollout, trainer) and their logs in the Prefect run log.
+
+Tasks receive references (the run folder), not process objects: the processes a run starts are
+kept here, in :data:`REGISTRY` keyed by the run folder, so the flow's ``finally`` can stop every
+one of them whatever task failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# uvicorn access-log lines of the generation server: one per request, too many for the run log.
+_NOISE = ('HTTP/1.1"', "httpx: HTTP Request", "Loading weights:")
+
+
+def _skip(line: str) -> bool:
+    return any(marker in line for marker in _NOISE)
+
+
+class LogForwarder(threading.Thread):
+    """Follows a log file from its current end and writes new lines to a logger (a Prefect run logger).
+
+    Args:
+        path: the log file (may not exist yet).
+        log: logger (or ``LoggerAdapter``) receiving each line at INFO.
+        prefix: prepended to each line, e.g. ``"[rollout] "``.
+    """
+
+    def __init__(self, path: Path, log: Any, prefix: str):
+        super().__init__(name=f"log-forward-{Path(path).name}", daemon=True)
+        self.path, self.log, self.prefix = Path(path), log, prefix
+        self.stopped = threading.Event()
+
+    def run(self) -> None:  # noqa: D102 - Thread.run
+        offset, partial = 0, ""
+        while True:
+            final = self.stopped.is_set()
+            try:
+                with self.path.open("r", errors="replace") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                    offset = f.tell()
+            except OSError:
+                chunk = ""
+            lines = (partial + chunk).split("\n")
+            partial = lines.pop()
+            for line in lines:
+                if line.strip() and not _skip(line):
+                    self.log.info("%s%s", self.prefix, line)
+            if final:
+                return
+            self.stopped.wait(0.5)
+
+    def stop(self) -> None:
+        """Forward what is left and end the thread."""
+        self.stopped.set()
+        self.join(timeout=5)
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """SIGTERM the process group of ``process`` (started with ``start_new_session``), SIGKILL after ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=timeout_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@dataclass
+class RunProcesses:
+    """What one flow run started; :meth:`stop_all` ends it all (in reverse start order)."""
+
+    servers: list[Any] = field(default_factory=list)
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    forwarders: list[LogForwarder] = field(default_factory=list)
+
+    def follow(self, path: Path, log: Any, prefix: str) -> None:
+        """Forward a log file to ``log`` until :meth:`stop_all`."""
+        forwarder = LogForwarder(path, log, prefix)
+        forwarder.start()
+        self.forwarders.append(forwarder)
+
+    def stop_all(self) -> None:
+        """Stop the trainer and rollout processes, then the servers, then the log forwarders."""
+        from grpo_core.serving.vllm import teardown
+
+        for process in reversed(self.processes):
+            stop_process(process)
+        teardown(self.servers)
+        for forwarder in self.forwarders:
+            forwarder.stop()
+        self.servers, self.processes, self.forwarders = [], [], []
+
+
+REGISTRY: dict[str, RunProcesses] = collections.defaultdict(RunProcesses)
+
+
+def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file: Path | None = None,
+           register: RunProcesses | None = None, tail_lines: int = 60) -> tuple[int, str]:
+    """Run ``cmd`` in its own session, forwarding each output line to ``log``.
+
+    Returns:
+        ``(exit code, the last tail_lines lines)``.
+    """
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=env, text=True, errors="replace", bufsize=1, start_new_session=True)
+    if register is not None:
+        register.processes.append(process)
+    if pid_file is not None:
+        pid_file.write_text(str(process.pid))
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    assert process.stdout is not None
+    for line in process.stdout:
+        line = line.rstrip("\n")
+        tail.append(line)
+        if line.strip() and not _skip(line):
+            log.info("%s%s", prefix, line)
+    code = process.wait()
+    if register is not None and process in register.processes:
+        register.processes.remove(process)
+    return code, "\n".join(tail)
+
+
+def wait_for_file(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
+    """Wait until ``path`` has content while ``process`` lives; returns the content.
+
+    Raises:
+        RuntimeError: the process exited or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        if process.poll() is not None:
+            raise RuntimeError(f"exited with code {process.returncode} before writing {path}")
+        time.sleep(0.2)
+    raise RuntimeError(f"did not write {path} within {timeout_s:.0f} s")
+
+
+def log_tail(path: Path, num_lines: int = 40) -> str:
+    """Last lines of a log file ('' if missing)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except OSError:
+        return ""
+
+
+def setup_logging() -> None:
+    """grpo_core's INFO records reach the run log (with PREFECT_LOGGING_EXTRA_LOGGERS); httpx's request lines do not."""
+    logging.getLogger("grpo_core").setLevel(logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -1,0 +1,138 @@
+"""A Prefect server and a process worker on loopback, as one object (``grpo deploy``, ``make serve``, tests).
+
+Both run in their own process group (``start_new_session``), so stopping the stack stops the
+server, the worker and the flow-run processes the worker started; their logs go to
+``<home>/server.log`` and ``<home>/worker.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+WORK_POOL = "grpo-process"
+
+
+class PrefectStack:
+    """Start with ``with PrefectStack(port, home) as stack:``; everything stops on exit.
+
+    Args:
+        port: server port on 127.0.0.1 (0 = a free port).
+        home: ``PREFECT_HOME`` of the server (its SQLite database) and of the worker.
+        pool: process work pool the worker serves (created when missing).
+        worker_poll_s: seconds between the worker's polls for scheduled runs.
+        extra_env: environment added for the server, the worker and its flow runs.
+    """
+
+    def __init__(self, port: int = 4200, home: Path = Path("runs/prefect"), pool: str = WORK_POOL,
+                 worker_poll_s: float = 2.0, startup_timeout_s: float = 240.0, extra_env: dict[str, str] | None = None):
+        self.port = port or _free_port()
+        self.home, self.pool = Path(home).resolve(), pool
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        self.ui_url = f"http://127.0.0.1:{self.port}"
+        self.worker_poll_s, self.startup_timeout_s = worker_poll_s, startup_timeout_s
+        self.extra_env = dict(extra_env or {})
+        self.processes: list[subprocess.Popen] = []
+
+    def env(self) -> dict[str, str]:
+        """Environment of the server, the worker and anything that talks to them."""
+        return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url,
+                "PREFECT_WORKER_QUERY_SECONDS": str(self.worker_poll_s),
+                "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        self.home.mkdir(parents=True, exist_ok=True)
+        with (self.home / log_name).open("ab") as log:
+            process = subprocess.Popen([sys.executable, "-m", "prefect", *args], stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=self.env(), start_new_session=True)
+        self.processes.append(process)
+        return process
+
+    def start(self) -> PrefectStack:
+        """Start the server, wait for its API, create the work pool, start the worker.
+
+        Raises:
+            RuntimeError: the server did not answer within ``startup_timeout_s`` (with its log's tail).
+        """
+        server = self._spawn(["server", "start", "--host", "127.0.0.1", "--port", str(self.port)], "server.log")
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                tail = (self.home / "server.log").read_text(errors="replace")[-3000:]
+                self.stop()
+                raise RuntimeError(f"Prefect server did not start on {self.api_url}:\n{tail}")
+            time.sleep(0.5)
+        self.ensure_pool()
+        self._spawn(["worker", "start", "--pool", self.pool, "--type", "process", "--name", f"{self.pool}-worker"],
+                    "worker.log")
+        logger.info("Prefect server at %s, process worker on pool %s", self.ui_url, self.pool)
+        return self
+
+    def ensure_pool(self) -> None:
+        """Create the process work pool through the API (no-op when it exists)."""
+        response = httpx.post(f"{self.api_url}/work_pools/", json={"name": self.pool, "type": "process"}, timeout=30)
+        if response.status_code not in (200, 201, 409):
+            raise RuntimeError(f"creating work pool {self.pool}: {response.status_code} {response.text}")
+
+    def register(self, demo_config: Path, cron: str = "0 2 * * *", overrides: list[str] | None = None) -> None:
+        """Register ``grpo-train/demo`` and ``grpo-train/nightly-retrain`` (in a child process, on this server)."""
+        cmd = [sys.executable, "-m", "deployments.deploy", "--config", str(demo_config), "--cron", cron,
+               "--pool", self.pool]
+        for item in overrides or []:
+            cmd += ["--set", item]
+        done = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"registering deployments failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+
+    def wait(self) -> None:
+        """Block until the server or the worker exits (or Ctrl-C)."""
+        while all(p.poll() is None for p in self.processes):
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        """Stop the worker (and its flow runs), then the server: SIGTERM to each group, SIGKILL after 15 s."""
+        for process in reversed(self.processes):
+            _stop_group(process)
+        self.processes = []
+
+    def __enter__(self) -> PrefectStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _stop_group(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=timeout_s)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,68 @@
+"""Helpers of the flow/deployment tests: a Prefect stack on loopback, the REST API, MLflow look-ups."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def tiny_overrides(tmp: Path) -> list[str]:
+    """``--set`` overrides turning configs/tiny.yaml into the tests' run (own folders, a reward with variance)."""
+    return [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}",
+            "rollout.reward_functions=[rollout_helpers:parity_reward]", "rollout.dataset_size=256"]
+
+
+class Api:
+    """The Prefect REST API of a test server (what the UI calls)."""
+
+    def __init__(self, api_url: str):
+        self.url = api_url
+        self.http = httpx.Client(base_url=api_url, timeout=30)
+
+    def deployment(self, name: str) -> dict:
+        """``grpo-train/<name>``."""
+        response = self.http.get(f"/deployments/name/grpo-train/{name}")
+        response.raise_for_status()
+        return response.json()
+
+    def run_deployment(self, name: str, parameters: dict) -> httpx.Response:
+        """Create a flow run of a deployment with parameters (the UI's Run with custom parameters)."""
+        return self.http.post(f"/deployments/{self.deployment(name)['id']}/create_flow_run",
+                              json={"parameters": parameters})
+
+    def flow_run(self, flow_run_id: str) -> dict:
+        """One flow run."""
+        response = self.http.get(f"/flow_runs/{flow_run_id}")
+        response.raise_for_status()
+        return response.json()
+
+    def wait(self, flow_run_id: str, timeout_s: float = 400.0) -> dict:
+        """Poll until the flow run is in a terminal state; returns it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            run = self.flow_run(flow_run_id)
+            if run["state_type"] in TERMINAL:
+                return run
+            time.sleep(1.0)
+        raise TimeoutError(f"flow run {flow_run_id} not finished after {timeout_s} s: {run['state_type']}")
+
+    def logs(self, flow_run_id: str) -> str:
+        """The flow run's log lines, joined."""
+        response = self.http.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                         "limit": 200, "sort": "TIMESTAMP_DESC"})
+        return "\n".join(r["message"] for r in reversed(response.json()))
+
+
+def with_changes(parameters: dict, **sections: dict) -> dict:
+    """A deep copy of deployment parameters with ``section={key: value}`` changes of ``config``."""
+    import copy
+
+    out = copy.deepcopy(parameters)
+    for section, values in sections.items():
+        out["config"][section].update(values)
+    return out

@@ -1,0 +1,171 @@
+"""End to end: a real Prefect server and process worker on loopback, the real MLflow SQLite store.
+
+One stack per module (the server takes ~30 s to start). The deployments are registered from
+``configs/tiny.yaml`` (a random tiny Qwen3 on the embedded server, a few steps) with a reward that
+varies on a random model (``rollout_helpers:parity_reward``, importable through PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from flow_helpers import ROOT, Api, tiny_overrides, with_changes
+from flows.serve import PrefectStack
+
+pytestmark = pytest.mark.slow
+
+CRON = "0 2 * * *"
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("flow")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp):
+    env = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    with PrefectStack(port=0, home=tmp / "prefect", extra_env=env) as s:
+        s.register(ROOT / "configs" / "tiny.yaml", CRON, overrides=tiny_overrides(tmp))
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(stack) -> Api:
+    return Api(stack.api_url)
+
+
+def _tracking(tmp: Path):
+    from grpo_core.config import TrackingConfig
+
+    return TrackingConfig(dir=tmp / "mlflow", experiment_name="grpo-tiny")
+
+
+def _mlflow_run(tmp: Path, flow_run_id: str):
+    from grpo_core import tracking
+
+    tc = _tracking(tmp)
+    run_id = tracking.find_run(tc, flow_run_id)
+    assert run_id is not None, f"no MLflow run tagged with flow run {flow_run_id}"
+    return tracking.client(tc), run_id
+
+
+def test_nightly_deployment_has_its_schedule(api):
+    deployment = api.deployment("nightly-retrain")
+    crons = [s["schedule"].get("cron") for s in deployment["schedules"]]
+    assert crons == [CRON]
+    assert deployment["work_pool_name"] == "grpo-process"
+    assert deployment["parameters"]["config"]["model"]["name"] == "tiny-qwen3"
+
+
+def test_bad_parameter_is_refused_naming_the_field(api):
+    params = with_changes(api.deployment("demo")["parameters"], rollout={"num_generations": 1})
+    response = api.run_deployment("demo", params)
+    assert response.status_code in (409, 422), response.text
+    assert "num_generations" in response.text
+
+
+def test_missing_dataset_column_fails_fast_without_a_server(api, tmp):
+    rows = tmp / "no_prompt.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    params = with_changes(api.deployment("demo")["parameters"], rollout={"dataset": f"json:{rows}"})
+    start = time.monotonic()
+    run = api.wait(api.run_deployment("demo", params).json()["id"], timeout_s=240)
+    assert run["state_type"] == "FAILED"
+    assert "'prompt' column" in run["state"]["message"] + api.logs(run["id"])
+    run_dir = Path(params["config"]["train"]["output_dir"]) / run["id"]
+    assert not (run_dir / "servers").exists(), "a server was started for an invalid config"
+    assert time.monotonic() - start < 200
+
+
+def test_deployment_run_completes_and_is_tracked(api, tmp):
+    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 3, "save_steps": 2})
+    response = api.run_deployment("demo", params)
+    assert response.status_code in (200, 201), response.text
+    run = api.wait(response.json()["id"])
+    assert run["state_type"] == "COMPLETED", run["state"]["message"] + "\n" + api.logs(run["id"])[-3000:]
+    mc, run_id = _mlflow_run(tmp, run["id"])
+    mlrun = mc.get_run(run_id)
+    assert mlrun.info.status == "FINISHED"
+    assert mlrun.data.params["train.max_steps"] == "3"
+    assert mlrun.data.tags["grpo.deployment"] == "demo"
+    steps = [m.step for m in mc.get_metric_history(run_id, "loss")]
+    assert steps == [1, 2, 3]
+    assert "reward" in mlrun.data.metrics
+    top = {a.path for a in mc.list_artifacts(run_id)}
+    assert {"checkpoints", "resume", "config"} <= top
+    checkpoint = {a.path.rsplit("/", 1)[-1] for a in mc.list_artifacts(run_id, "checkpoints/step-0000002")}
+    assert {"dcp", "rollout_state.json"} <= checkpoint
+    assert [a.path for a in mc.list_artifacts(run_id, "resume")] == ["resume/rollout_state.json"]
+    logs = api.logs(run["id"])
+    assert "[trainer]" in logs and "[rollout]" in logs and "[server 0]" in logs
+
+
+def _wait_for_step(metrics: Path, step: int, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+            if steps and steps[-1] >= step:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{metrics} never reached step {step}")
+
+
+def test_killed_trainer_resumes_on_retry_without_duplicates(api, tmp):
+    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 8, "save_steps": 2})
+    flow_run_id = api.run_deployment("demo", params).json()["id"]
+    run_dir = Path(params["config"]["train"]["output_dir"]) / flow_run_id
+    _wait_for_step(run_dir / "metrics.jsonl", 3)
+    pid = int((run_dir / "trainer.pid").read_text())
+    os.killpg(pid, signal.SIGKILL)  # torchrun and its rank, hard
+    killed_at = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    run = api.wait(flow_run_id)
+    assert run["state_type"] == "COMPLETED", run["state"]["message"] + "\n" + api.logs(flow_run_id)[-3000:]
+    assert run["run_count"] == 2, "the flow run should have been retried once"
+    assert killed_at < 8
+    records = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    trained = [p for r in records for p in r["prompt_indices"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    state = json.loads((run_dir / "checkpoints" / "step-0000008" / "rollout_state.json").read_text())
+    below = [p for p in trained if p < state["first_untrained_prompt_index"]]
+    assert sorted(below) == list(range(state["first_untrained_prompt_index"])), "a prompt was skipped"
+    mc, run_id = _mlflow_run(tmp, flow_run_id)
+    steps = [m.step for m in mc.get_metric_history(run_id, "loss")]
+    assert sorted(steps) == list(range(1, 9)), f"MLflow steps after resume: {steps}"
+    assert mc.get_run(run_id).info.status == "FINISHED"
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it)")
+    return path
+
+
+def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
+    from playwright.sync_api import expect, sync_playwright
+
+    deployment = api.deployment("demo")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(f"{stack.ui_url}/deployments/deployment/{deployment['id']}")
+        expect(page.get_by_text("demo").first).to_be_visible(timeout=60_000)
+        page.get_by_role("button", name="Run").first.click()
+        page.get_by_text("Quick run").first.click()
+        page.wait_for_url("**/runs/flow-run/**", timeout=60_000)
+        flow_run_id = page.url.rstrip("/").split("/")[-1]
+        run = api.wait(flow_run_id)
+        page.reload()
+        expect(page.get_by_text("Completed").first).to_be_visible(timeout=60_000)
+        browser.close()
+    assert run["state_type"] == "COMPLETED"
