@@ -129,7 +129,7 @@ def test_pause_blocks_until_resume(server):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"model": TINY, "prompt": list(range(10, 260)), "max_tokens": 16}, 400, None),
+    ({"model": TINY, "prompt": list(range(10, 260)), "max_tokens": 16}, 400, "input_tokens"),
     ({"model": "no-such-model", "prompt": [5], "max_tokens": 4}, 404, "model"),
     ({"model": TINY, "prompt": [5], "max_tokens": -1}, 400, "max_tokens"),
     ({"model": TINY, "prompt": [5], "max_tokens": 4, "logprobs": 50}, 400, "logprobs"),
@@ -140,6 +140,8 @@ def test_bad_requests_get_vllm_error_bodies(server, body, status, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
     assert error["param"] == param and error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    if param == "max_tokens":
+        assert error["message"].startswith("max_tokens must be at least 1, got -1")
     assert httpx.get(server.url + "/health").status_code == 200
     assert len(run(_complete(server, [5, 6], max_tokens=2))[0].token_ids) == 2
 

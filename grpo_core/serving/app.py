@@ -114,10 +114,11 @@ def _check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> str | 
         return "Prompt cannot be empty"
     if any(t < 0 or t >= vocab for t in ids):
         return f"Token id {next(t for t in ids if t < 0 or t >= vocab)} is out of vocabulary"
-    if len(ids) + max_tokens > max_len:
-        return (f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion.")
+    if len(ids) + max_tokens > max_len:  # vLLM 0.25.1's wording
+        return (f"This model's maximum context length is {max_len} tokens. However, you requested {max_tokens} "
+                f"output tokens and your prompt contains {len(ids)} input tokens, for a total of "
+                f"{len(ids) + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
+                "requested output tokens.")
     return None
 
 
@@ -132,7 +133,7 @@ def _sequences(state: ServerState, request: CompletionRequest, adapter: str | No
         max_tokens = request.max_tokens or max(state.engine.max_model_len - len(ids), 1)
         problem = _check_prompt(state, ids, max_tokens)
         if problem:
-            return error_response(problem, 400)
+            return error_response(problem, 400, param="input_tokens" if "context length" in problem else "prompt")
         for choice in range(request.n):
             seqs.append(Sequence(
                 prompt_ids=ids, max_tokens=max_tokens, temperature=request.temperature,
@@ -252,7 +253,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:] if isinstance(p, str)) or None
-        return error_response(f"{first.get('msg', 'invalid request')} (at {param or 'body'})", 400, param=param)
+        message = f"{first.get('msg', 'invalid request')} (parameter={param or 'body'}, value={first.get('input')!r})"
+        if param == "max_tokens" and isinstance(first.get("input"), int):  # vLLM 0.25.1's wording
+            message = f"max_tokens must be at least 1, got {first['input']}. (parameter=max_tokens, value={first['input']})"
+        return error_response(message, 400, param=param)
 
     @app.exception_handler(AdapterError)
     async def adapter_error(request: Request, exc: AdapterError) -> JSONResponse:
