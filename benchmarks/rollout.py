@@ -3,7 +3,9 @@
 Starts a generation server (the embedded one on CPU, by default SmolLM2-135M-Instruct), then
 the rollout process (spawned, as in a run) on a reasoning-gym task, and pulls every sample
 through ``RolloutSource`` (Arrow Flight) as a trainer that never lags would. Timed: from the
-first pull to the end of the stream; server and rollout start-up are not timed.
+first pull to the end of the stream; server and rollout start-up are not timed. CPU seconds
+of the rollout process and of the server over that window show where the time goes; the
+1-minute load average says how busy the machine was (shared machines skew the figures).
 
 Usage::
 
@@ -22,6 +24,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import psutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -46,8 +50,14 @@ def run_config(args: argparse.Namespace, log_dir: Path) -> RunConfig:
     )
 
 
-def measure(config: RunConfig, server_url: str) -> dict:
-    """Pull every sample of the run; returns the figures."""
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds used so far by a process."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def measure(config: RunConfig, server_url: str, server_pid: int) -> dict:
+    """Pull every sample of the run; returns the figures (CPU seconds of the rollout process and the server too)."""
     process, location = start_rollout_process(RolloutJob(config, [server_url]))
     source = RolloutSource(location, max_staleness=config.rollout.max_staleness, timeout_s=600, process=process)
     samples = trained = 0
@@ -55,6 +65,7 @@ def measure(config: RunConfig, server_url: str) -> dict:
         source.wait_running()
         source.metrics()  # starts the generated-token rate window now
         start = time.perf_counter()
+        cpu_start = _cpu_s(process.pid), _cpu_s(server_pid)
         while True:
             batch = source.pull(0, timeout_s=600)
             for s in samples_from_arrow(batch.samples):
@@ -63,6 +74,7 @@ def measure(config: RunConfig, server_url: str) -> dict:
             if batch.exhausted:
                 break
         wall_s = time.perf_counter() - start
+        rollout_cpu_s, server_cpu_s = (_cpu_s(process.pid) - cpu_start[0], _cpu_s(server_pid) - cpu_start[1])
         metrics = source.metrics()
     finally:
         source.close()
@@ -79,6 +91,9 @@ def measure(config: RunConfig, server_url: str) -> dict:
         "frac_reward_zero_std": round(metrics.get("frac_reward_zero_std", float("nan")), 3),
         "concurrency_cap": metrics.get("rollout/concurrency_cap"),
         "kv_cache_usage_frac": round(metrics.get("rollout/vllm_kv_cache_usage_frac", 0.0), 3),
+        "rollout_process_cpu_s": round(rollout_cpu_s, 2),
+        "server_cpu_s": round(server_cpu_s, 2),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
     }
 
 
@@ -115,13 +130,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--num-sampler-logprobs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads of the embedded server")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads of the embedded server (1 avoids OpenMP spinning on a shared machine)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         config = run_config(args, Path(tmp))
         handles = provision(config)
         try:
-            result = measure(config, handles[0].url)
+            result = measure(config, handles[0].url, handles[0].process.pid)
         finally:
             teardown(handles)
     settings = {k: v for k, v in vars(args).items() if k != "json"}
