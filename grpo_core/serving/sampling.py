@@ -77,10 +77,12 @@ def sample_tokens(logits: torch.Tensor, params: RowSampling) -> tuple[torch.Tens
     tokens = logits.argmax(dim=-1)
     random_rows = (~greedy).nonzero().flatten().tolist()
     if random_rows:
-        probs = logprobs[random_rows].exp()
-        noise = torch.empty_like(probs)
-        for i, row in enumerate(random_rows):
-            noise[i].exponential_(generator=params.generators[row])
-        # Exponential-race sampling: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-        tokens[random_rows] = (probs / noise).argmax(dim=-1)
+        # Inverse-CDF sampling: one uniform draw per row from that row's generator (seeded rows
+        # repeat exactly); token i is drawn when cdf[i-1] <= u < cdf[i], i.e. with probability p_i,
+        # and tokens outside the candidate set (p = 0) never are.
+        cdf = logprobs[random_rows].exp().cumsum(dim=-1)
+        uniform = torch.cat([torch.rand(1, generator=params.generators[row], device=logits.device)
+                             for row in random_rows])
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        tokens[random_rows] = picked.clamp(max=logits.shape[-1] - 1)
     return tokens, logprobs
