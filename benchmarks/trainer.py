@@ -27,7 +27,7 @@ from grpo_core.packing import PackedRow, Sample, get_packer
 from grpo_core.packing.base import ROW_PARTS
 from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, TreeMask, register_tree_attention
 from grpo_core.train.loss import LossSettings, grpo_loss
-from grpo_core.train.policy import Policy
+from grpo_core.train.policy import Policy, compile_layers
 from grpo_core.train.rows import to_tensors
 
 #: Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B).
@@ -152,6 +152,8 @@ def benchmark(args: argparse.Namespace) -> list[dict]:
     """Tree vs plain rows on the Qwen3-0.6B shape (``--tiny``: a small shape for a CPU smoke run)."""
     shape = TINY if args.tiny else QWEN3_06B
     policy = model(shape, torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
+    if args.compile:
+        compile_layers(policy)
     n_params = sum(p.numel() for p in policy.parameters())
     lengths = dict(prompt_len=64, completion_len=(8, 64)) if args.tiny else {}
     samples = workload(args.groups, args.group_size, shape["vocab_size"], **lengths)
@@ -163,7 +165,7 @@ def benchmark(args: argparse.Namespace) -> list[dict]:
         r = run_rows(policy, rows, args.budget, flex)
         s = r["seconds"]
         results.append({
-            "rows": kind, "num_rows": r["rows"], "samples": len(samples), "fwd_bwd_s": s,
+            "rows": kind, "compiled": args.compile, "num_rows": r["rows"], "samples": len(samples), "fwd_bwd_s": s,
             "forwarded_tokens_per_s": r["forwarded"] / s, "raw_tokens_per_s": r["raw"] / s,
             "trained_tokens_per_s": r["trained"] / s, "packing_ratio": r["raw"] / r["forwarded"],
             "mfu": 6 * n_params * r["forwarded"] / s / H200_BF16_PEAK,
@@ -207,6 +209,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=16384)
     p.add_argument("--check", action="store_true", help="run the fp32 equivalence check first")
     p.add_argument("--tiny", action="store_true", help="small model and samples (CPU smoke run)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (as the trainer does on CUDA)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     results = ([equivalence()] if args.check else []) + benchmark(args)

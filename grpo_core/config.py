@@ -143,7 +143,7 @@ class RolloutConfig(_Strict):
     dataset_seed: int = Field(default=0, ge=0)
     """Seed of a generated (``reasoning_gym:``) dataset."""
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of a ``module:callable`` dataset."""
+    """Keyword arguments of a ``module:callable`` dataset, or the task config of a ``reasoning_gym:`` one."""
     reward_functions: list[str] = Field(default_factory=list)
     """Reward functions as ``module:name``; rewards of all sources are summed."""
     tools: list[str] = Field(default_factory=list)
@@ -239,6 +239,8 @@ class TrainConfig(_Strict):
     """bf16 compute with fp32 gradient reduction (FSDP2 MixedPrecisionPolicy); None = on for CUDA only."""
     gradient_checkpointing: bool = False
     """Recompute decoder-layer activations in the backward pass."""
+    compile: bool | None = None
+    """``torch.compile`` each decoder layer (static shapes); None = on for CUDA only."""
     learning_rate: float = Field(default=1e-6, gt=0)
     """Peak AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"

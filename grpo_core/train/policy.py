@@ -105,6 +105,14 @@ def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, 
     return policy
 
 
+def compile_layers(policy: Policy) -> Policy:
+    """``torch.compile`` each decoder layer (regional compilation, static shapes: rows are
+    padded to length buckets); applied after activation checkpointing, before FSDP."""
+    for layer in decoder_layers(policy):
+        layer.compile(dynamic=False)
+    return policy
+
+
 def shard(policy: Policy, mixed_precision: bool) -> Policy:
     """Apply FSDP2: each decoder layer, then the root. bf16 compute + fp32 reduce when ``mixed_precision``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -27,7 +27,7 @@ from .attention import FlexTreeMasks
 from .distributed import ROW, STOP, World, all_reduce, broadcast_header, scatter_rows
 from .loss import LossSettings, grpo_loss
 from .planner import PlannedStep, Planner
-from .policy import build_policy, shard
+from .policy import build_policy, compile_layers, shard
 from .rows import length_buckets, to_tensors
 from .weight_sync import NoWeightSync, WeightSync
 
@@ -63,8 +63,10 @@ class Trainer:
         self.policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=dtype, device=world.device,
                                    lora=tc.lora, gradient_checkpointing=tc.gradient_checkpointing,
                                    temperature=cfg.rollout.temperature, chunk_size=tc.logprob_chunk_size)
-        mixed = tc.mixed_precision if tc.mixed_precision is not None else world.device.type == "cuda"
-        shard(self.policy, mixed)
+        on_cuda = world.device.type == "cuda"
+        if tc.compile if tc.compile is not None else on_cuda:
+            compile_layers(self.policy)
+        shard(self.policy, tc.mixed_precision if tc.mixed_precision is not None else on_cuda)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, betas=tc.adam_betas,
                                            weight_decay=tc.weight_decay)
@@ -222,7 +224,6 @@ class Trainer:
                   "perf/rollout_wait_s": planned.rollout_wait_s, **opt, **planned.stats, **sync})
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", sums["sampler_mass"] / n)
-        w.add("sample/dropped_stale_count", planned.dropped_stale_count)
         w.rate("perf/tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], step_s)
         w.rate("perf/trained_tokens_per_s", planned.stats["batch/trained_tokens_per_step"], step_s)
         self._mfu(planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
