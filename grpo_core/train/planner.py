@@ -30,7 +30,6 @@ class PlannedStep:
 
     micro_batches: list[MicroBatch]
     rollout_wait_s: float = 0.0
-    dropped_stale_count: int = 0
     stats: dict[str, float] = field(default_factory=dict)
 
 
@@ -81,12 +80,11 @@ class Planner:
 
     def next_step(self, num_micro_batches: int, policy_version: int) -> PlannedStep | None:
         """Up to ``num_micro_batches`` micro-batches (fewer at the end); None when all is trained."""
-        wait, stale = 0.0, 0
+        wait = 0.0
         while len(self.ready) < num_micro_batches and not self.exhausted:
             t0 = time.perf_counter()
             pulled = self.source.pull(policy_version)
             wait += time.perf_counter() - t0
-            stale += pulled.dropped_stale_count
             self.tracker.consumed(pulled.consumed_prompt_indices)
             if pulled.samples.num_rows:
                 self._push(pulled.samples)
@@ -96,7 +94,7 @@ class Planner:
         if not self.ready:
             return None
         step, self.ready = self.ready[:num_micro_batches], self.ready[num_micro_batches:]
-        return PlannedStep(step, wait, stale, self._stats(step))
+        return PlannedStep(step, wait, self._stats(step))
 
     def _stats(self, step: list[MicroBatch]) -> dict[str, float]:
         per_mb = [micro_batch_stats(mb, self.token_budget) for mb in step]
