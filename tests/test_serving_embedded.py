@@ -128,6 +128,23 @@ def test_pause_blocks_until_resume(server):
     assert blocked and waiting == 1 and len(out[0].token_ids) == 4 and not paused_after
 
 
+def test_disconnected_client_frees_its_slot(server):
+    async def go():
+        async with client(server) as c:
+            await c.pause()
+            try:
+                body = {"model": TINY, "prompt": [5, 6, 7], "max_tokens": 8}
+                with pytest.raises(httpx.ReadTimeout):
+                    await c._http.post("/v1/completions", json=body, timeout=0.5)
+                queued = (await c.metrics()).num_requests_waiting
+                await asyncio.sleep(2.0)
+                return queued, (await c.metrics()).num_requests_waiting
+            finally:
+                await c.resume()
+    queued, after = run(go())
+    assert queued == 1 and after == 0
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": TINY, "prompt": list(range(10, 260)), "max_tokens": 16}, 400, "input_tokens"),
     ({"model": "no-such-model", "prompt": [5], "max_tokens": 4}, 404, "model"),
@@ -234,6 +251,7 @@ def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):
 
         async def go():
             async with GenerationClient(url, timeout_s=30, max_retries=2, backoff_s=0.2) as c:
+                await c.pause()  # the request is certainly in flight (queued) when the server dies
                 task = asyncio.create_task(c.complete([5, 6, 7], model=TINY, max_tokens=200, ignore_eos=True))
                 await asyncio.sleep(0.5)
                 os.killpg(handle.process.pid, signal.SIGKILL)  # a crash, not a graceful stop

@@ -155,7 +155,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return _model_cards(state)
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest) -> dict[str, Any] | JSONResponse:
+    async def completions(request: CompletionRequest, raw: Request) -> dict[str, Any] | JSONResponse:
         name = request.model or state.model_name
         if name != state.model_name and name not in state.weights.adapters:
             return error_response(f"The model `{name}` does not exist.", 404, param="model")
@@ -163,7 +163,13 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if isinstance(seqs, JSONResponse):
             return seqs
         state.engine.submit(seqs)
-        await asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+        done = asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
+        while not done.done():  # a client that gave up (timeout, retry) frees its slots
+            await asyncio.wait({done}, timeout=1.0)
+            if not done.done() and await raw.is_disconnected():
+                state.engine.abort(seqs)
+                return error_response("client disconnected", 499)
+        await done
         tok = state.tokenizer
         return completion_response(request, name, seqs, tok.convert_ids_to_tokens,
                                    lambda ids: tok.decode(ids, skip_special_tokens=True))

@@ -67,6 +67,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    aborted: bool = False
     generator: torch.Generator | None = field(default=None, repr=False)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future, repr=False)
 
@@ -164,6 +165,15 @@ class Engine:
         with self._cond:
             self._waiting.extend(seqs)
             self._cond.notify_all()
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Drop sequences whose client went away: waiting ones now, running ones after the current step."""
+        with self._cond:
+            for seq in seqs:
+                seq.aborted = True
+            self._waiting = deque(s for s in self._waiting if not s.aborted)
+        for seq in seqs:
+            seq.finish_reason = seq.finish_reason or "abort"
 
     @property
     def paused(self) -> bool:
@@ -318,13 +328,14 @@ class Engine:
         batch = self._batch
         if batch is None:
             return
-        keep = [i for i, seq in enumerate(batch.rows) if seq.finish_reason is None]
-        if len(keep) == len(batch.rows):
+        done = [seq.finish_reason is not None or seq.aborted for seq in batch.rows]
+        if not any(done):
             return
+        keep = [i for i, finished in enumerate(done) if not finished]
         with self._cond:
             self._batch = batch.select(keep) if keep else None
-        for seq in batch.rows:
-            if seq.finish_reason is not None:
+        for seq, finished in zip(batch.rows, done, strict=True):
+            if finished and not seq.future.done():
                 seq.future.set_result(seq)
 
     def _fail_all(self, exc: BaseException) -> None:
