@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,6 +33,8 @@ from grpo_core.config import RunConfig  # noqa: E402
 from grpo_core.packing import samples_from_arrow  # noqa: E402
 from grpo_core.rollout import RolloutJob, RolloutSource, start_rollout_process  # noqa: E402
 from grpo_core.serving.vllm import provision, teardown  # noqa: E402
+
+from common import git_commit  # noqa: E402
 
 
 def run_config(args: argparse.Namespace, log_dir: Path) -> RunConfig:
@@ -97,14 +98,6 @@ def measure(config: RunConfig, server_url: str, server_pid: int) -> dict:
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def print_table(result: dict) -> None:
     """A two-column table of the figures."""
     from rich.console import Console
@@ -141,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         finally:
             teardown(handles)
     settings = {k: v for k, v in vars(args).items() if k != "json"}
-    result = {"hardware": f"cpu x{os.cpu_count()}", "server": "embedded", "commit": _commit(), **settings, **result}
+    result = {"hardware": f"cpu x{os.cpu_count()}", "server": "embedded", "commit": git_commit(), **settings, **result}
     if args.json:
         print(json.dumps(result))
     else:

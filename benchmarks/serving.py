@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,6 +35,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from grpo_core.config import ModelConfig, RunConfig  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
 from grpo_core.serving.vllm import provision, teardown  # noqa: E402
+
+from common import git_commit  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Explain photosynthesis in one paragraph.",
              "Write a short poem about the sea.", "How do I sort a list in Python?",
@@ -103,16 +104,8 @@ def run(args: argparse.Namespace) -> dict:
     for name, row in results.items():
         row["speedup_vs_naive"] = row["tokens_per_s"] / results["naive"]["tokens_per_s"]
     return {"benchmark": "serving", "model": args.model, "max_tokens": args.max_tokens, "threads": args.threads,
-            "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "commit": _commit(),
+            "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "commit": git_commit(),
             "results": results}
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def print_table(report: dict) -> None:
