@@ -12,9 +12,20 @@ TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 def tiny_overrides(tmp: Path) -> list[str]:
-    """``--set`` overrides turning configs/tiny.yaml into the tests' run (own folders, a reward with variance)."""
+    """``--set`` overrides turning configs/tiny.yaml into the tests' run (own folders, a reward with variance).
+
+    The reward is imported by name in the flow and rollout processes: the tests put ``tests/`` on PYTHONPATH.
+    """
     return [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}",
-            "rollout.reward_functions=[rollout_helpers:parity_reward]", "rollout.dataset_size=256"]
+            "rollout.reward_functions=[flow_helpers:varied_reward]", "rollout.dataset_size=256"]
+
+
+def varied_reward(completion_ids, **_):
+    """A reward in [0, 1) that differs between different completions: no group of a random model has zero std,
+    so every prompt is trained (the resume test checks that none is skipped)."""
+    import zlib
+
+    return [zlib.crc32(bytes(str(list(ids)), "ascii")) % 1000 / 1000 for ids in completion_ids]
 
 
 class Api:
@@ -50,6 +61,22 @@ class Api:
                 return run
             time.sleep(1.0)
         raise TimeoutError(f"flow run {flow_run_id} not finished after {timeout_s} s: {run['state_type']}")
+
+    def flow_run_ids(self, deployment_id: str) -> list[str]:
+        """Ids of the deployment's flow runs."""
+        response = self.http.post("/flow_runs/filter", json={"deployments": {"id": {"any_": [deployment_id]}}})
+        response.raise_for_status()
+        return [r["id"] for r in response.json()]
+
+    def new_flow_run(self, deployment_id: str, known: set[str], timeout_s: float = 60.0) -> str:
+        """Wait for a flow run of the deployment that is not in ``known``; returns its id."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            new = set(self.flow_run_ids(deployment_id)) - known
+            if new:
+                return new.pop()
+            time.sleep(0.5)
+        raise TimeoutError(f"no new flow run of deployment {deployment_id} within {timeout_s} s")
 
     def logs(self, flow_run_id: str) -> str:
         """The flow run's log lines, joined."""

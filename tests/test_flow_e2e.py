@@ -2,7 +2,7 @@
 
 One stack per module (the server takes ~30 s to start). The deployments are registered from
 ``configs/tiny.yaml`` (a random tiny Qwen3 on the embedded server, a few steps) with a reward that
-varies on a random model (``rollout_helpers:parity_reward``, importable through PYTHONPATH).
+varies on a random model (``flow_helpers:varied_reward``, importable through PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 from flow_helpers import ROOT, Api, tiny_overrides, with_changes
 from flows.serve import PrefectStack
+from grpo_core.packing import read_samples_ipc
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +121,9 @@ def _wait_for_step(metrics: Path, step: int, timeout_s: float = 300.0) -> None:
 
 
 def test_killed_trainer_resumes_on_retry_without_duplicates(api, tmp):
-    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 8, "save_steps": 2})
+    # max_staleness above the run's length: no sample is dropped as stale, so every prompt gets trained.
+    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 8, "save_steps": 2},
+                          rollout={"max_staleness": 10})
     flow_run_id = api.run_deployment("demo", params).json()["id"]
     run_dir = Path(params["config"]["train"]["output_dir"]) / flow_run_id
     _wait_for_step(run_dir / "metrics.jsonl", 3)
@@ -135,9 +138,16 @@ def test_killed_trainer_resumes_on_retry_without_duplicates(api, tmp):
     assert [r["step"] for r in records] == list(range(1, 9))
     trained = [p for r in records for p in r["prompt_indices"]]
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
-    state = json.loads((run_dir / "checkpoints" / "step-0000008" / "rollout_state.json").read_text())
-    below = [p for p in trained if p < state["first_untrained_prompt_index"]]
-    assert sorted(below) == list(range(state["first_untrained_prompt_index"])), "a prompt was skipped"
+    # The final checkpoint counts prompts with samples still pending (saved in it) as done: trained + pending
+    # must be exactly the prompts below its watermark and those it lists above.
+    final = run_dir / "checkpoints" / "step-0000008"
+    state = json.loads((final / "rollout_state.json").read_text())
+    pending = set()
+    if (final / "pending_samples.arrow").exists():
+        pending = set(read_samples_ipc(final / "pending_samples.arrow").column("prompt_index").to_pylist())
+    assert not pending & set(trained)
+    done = set(range(state["first_untrained_prompt_index"])) | set(state["trained_above"])
+    assert set(trained) | pending == done, "a prompt was skipped"
     mc, run_id = _mlflow_run(tmp, flow_run_id)
     steps = [m.step for m in mc.get_metric_history(run_id, "loss")]
     assert sorted(steps) == list(range(1, 9)), f"MLflow steps after resume: {steps}"
@@ -155,17 +165,20 @@ def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
     from playwright.sync_api import expect, sync_playwright
 
     deployment = api.deployment("demo")
+    before = set(api.flow_run_ids(deployment["id"]))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
-        page = browser.new_page()
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(f"{stack.ui_url}/deployments/deployment/{deployment['id']}")
-        expect(page.get_by_text("demo").first).to_be_visible(timeout=60_000)
-        page.get_by_role("button", name="Run").first.click()
+        page.get_by_role("button", name="Run", exact=True).first.click(timeout=60_000)
         page.get_by_text("Quick run").first.click()
-        page.wait_for_url("**/runs/flow-run/**", timeout=60_000)
-        flow_run_id = page.url.rstrip("/").split("/")[-1]
+        dialog = page.get_by_role("dialog")  # the parameter form, prefilled from the deployment
+        if dialog.count():
+            dialog.get_by_role("button", name="Run", exact=True).click()
+        flow_run_id = api.new_flow_run(deployment["id"], before)
         run = api.wait(flow_run_id)
-        page.reload()
-        expect(page.get_by_text("Completed").first).to_be_visible(timeout=60_000)
+        page.goto(f"{stack.ui_url}/runs/flow-run/{flow_run_id}")
+        expect(page.get_by_text(run["name"]).first).to_be_visible(timeout=60_000)
+        expect(page.get_by_text("Completed", exact=True).first).to_be_visible(timeout=60_000)
         browser.close()
-    assert run["state_type"] == "COMPLETED"
+    assert run["state_type"] == "COMPLETED", run["state"]["message"]
