@@ -45,17 +45,18 @@ def import_object(path: str, field: str) -> Any:
     return obj
 
 
-def reasoning_gym_dataset(task: str, size: int, seed: int) -> Any:
+def reasoning_gym_dataset(task: str, size: int, seed: int, **task_config: Any) -> Any:
     """A reasoning-gym task as an HF Dataset: ``prompt`` (system + question), ``answer``, ``rg_task``, ``rg_entry``.
 
     ``rg_entry`` is the task entry as JSON (for ``score_answer``); score it with
-    :func:`reasoning_gym_reward`.
+    :func:`reasoning_gym_reward`. ``task_config`` (``rollout.dataset_kwargs``) goes to the task's
+    config, e.g. ``min_terms``/``max_digits`` of ``chain_sum``.
     """
     import datasets
     import reasoning_gym
 
     try:
-        source = reasoning_gym.create_dataset(task, size=size, seed=seed)
+        source = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_config)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"rollout.dataset='reasoning_gym:{task}': unknown reasoning-gym task ({exc})") from exc
     rows = [{
@@ -112,7 +113,8 @@ def load_dataset(config: RolloutConfig) -> Any:
         raise ConfigError("rollout.dataset is unset and no dataset was passed in code; set it to "
                           "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'")
     if spec.startswith(REASONING_GYM_PREFIX):
-        return reasoning_gym_dataset(spec[len(REASONING_GYM_PREFIX):], config.dataset_size, config.dataset_seed)
+        return reasoning_gym_dataset(spec[len(REASONING_GYM_PREFIX):], config.dataset_size, config.dataset_seed,
+                                     **config.dataset_kwargs)
     if spec.startswith("json:"):
         import datasets
 

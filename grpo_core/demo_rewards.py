@@ -1,0 +1,47 @@
+"""Reward functions of the demo config: a lenient numeric check and a format term.
+
+Reasoning-gym's verifiers score the text inside ``<answer></answer>`` (or the last line) exactly;
+a 135M model rarely uses the tags at first, so the demo scores the number it ends on instead and
+pays a small bonus for the tag format, which GRPO then teaches quickly.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _text(completion: list[dict[str, Any]]) -> str:
+    return "".join(m.get("content") or "" for m in completion if m.get("role") == "assistant").strip()
+
+
+def final_number(text: str) -> str | None:
+    """The number inside the last ``<answer>`` tags, else the last number of the text (None if none)."""
+    tagged = _ANSWER.findall(text)
+    numbers = _NUMBER.findall(tagged[-1] if tagged else text)
+    return numbers[-1] if numbers else None
+
+
+def numeric_answer_reward(completions: list[list[dict[str, Any]]], answer: list[str], **_: Any) -> list[float]:
+    """1.0 when the completion's final number (see :func:`final_number`) equals the row's ``answer``, else 0."""
+    out = []
+    for completion, expected in zip(completions, answer, strict=True):
+        got = final_number(_text(completion))
+        try:
+            out.append(float(got is not None and float(got) == float(expected)))
+        except ValueError:
+            out.append(0.0)
+    return out
+
+
+def answer_format_reward(completions: list[list[dict[str, Any]]], **_: Any) -> list[float]:
+    """0.2 when the completion ends with its only ``<answer>…</answer>`` (the format the system prompt asks for)."""
+    out = []
+    for completion in completions:
+        text = _text(completion)
+        found = _ANSWER.findall(text)
+        out.append(0.2 if len(found) == 1 and text.endswith("</answer>") and found[0].strip() else 0.0)
+    return out
