@@ -67,3 +67,13 @@ def test_lora_sync_serves_each_adapter_version(tmp_path):
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter)
     torch.testing.assert_close(served, local_logprobs(model, tokens), atol=2e-4, rtol=0)
     assert np.isfinite(served.numpy()).all()
+
+
+def test_vllm_names_gain_base_layer_only_with_lora():
+    from grpo_core.train.vllm_sync import vllm_name
+
+    assert vllm_name("lm.model.layers.0.self_attn.q_proj.weight", False) == "model.layers.0.self_attn.q_proj.weight"
+    assert vllm_name("lm.model.layers.0.self_attn.q_proj.weight", True) == \
+        "model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert vllm_name("lm.model.embed_tokens.weight", True) == "model.embed_tokens.base_layer.weight"
+    assert vllm_name("lm.model.norm.weight", True) == "model.norm.weight"

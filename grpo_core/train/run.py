@@ -19,14 +19,35 @@ from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
 logger = logging.getLogger(__name__)
 
 
+def server_backend(url: str) -> str:
+    """``embedded`` or ``vllm``: the embedded server says so in ``/server_info``."""
+    import httpx
+
+    try:
+        info = httpx.get(url + "/server_info", timeout=30).json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise ConfigError(f"--server-url {url}: /server_info did not answer ({e}); is the server up?") from None
+    return "embedded" if info.get("backend") == "embedded" else "vllm"
+
+
 def make_weight_sync(cfg: RunConfig, server_urls: list[str]):
-    """The weight sync matching the config: LoRA adapters, full weights via disk, or none."""
+    """The weight sync for the servers: LoRA adapters (either server), full weights through a
+    folder (embedded server) or vLLM's weight transfer (``server.weight_transfer_backend``)."""
     if not server_urls:
         return NoWeightSync()
     tc = cfg.train
     if tc.lora.enabled:
         return LoraAdapterSync(server_urls, tc.output_dir, tc.lora.name, cfg.rollout.max_staleness)
-    return DiskFullWeightSync(server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1)
+    kinds = {server_backend(u) for u in server_urls}
+    if kinds == {"embedded"}:
+        return DiskFullWeightSync(server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1)
+    if kinds != {"vllm"}:
+        raise ConfigError("--server-url mixes vLLM and embedded servers; use one kind per run")
+    if cfg.server.weight_transfer_backend is None:
+        raise ConfigError("server.weight_transfer_backend is None: vLLM servers need 'ipc' (same GPU) or 'nccl'")
+    from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
+
+    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=cfg.server.enable_lora)
 
 
 def make_source(cfg: RunConfig, resume: ResumeState | None):
