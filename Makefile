@@ -6,19 +6,31 @@ PIP    := $(PY) -m pip
 STAMPS := .stamps
 RUST_SOURCES := Cargo.toml packer_rs/Cargo.toml $(wildcard packer_rs/src/*.rs)
 
-.PHONY: demo test test-rust test-python bench-packing clean
+.PHONY: demo serve test test-rust test-python bench-packing clean
 
+# The main job: the grpo-train flow on SmolLM2-135M-Instruct (Prefect's embedded API, MLflow on SQLite).
 demo: $(STAMPS)/install
-	@echo "make demo: the Prefect main job does not exist yet; running the packing benchmark (benchmarks/packing.py)."
-	$(PY) benchmarks/packing.py
+	$(VENV)/bin/grpo train --config configs/demo.yaml
+
+# Prefect server + process worker on 127.0.0.1:4200 with the deployments registered; Ctrl-C stops all.
+serve: $(STAMPS)/install
+	$(VENV)/bin/grpo deploy
 
 test: test-rust test-python
 
 test-rust:
 	cargo test --release -p packer_rs
 
-test-python: $(STAMPS)/install
+test-python: $(STAMPS)/install $(STAMPS)/chromium
 	$(PY) -m pytest -q
+
+# Debian's chromium for the browser test of the Prefect UI (as root on a fresh machine; else the test skips).
+$(STAMPS)/chromium:
+	@mkdir -p $(STAMPS)
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+		echo "chromium not installed: the browser test will be skipped"
+	@touch $@
 
 bench-packing: $(STAMPS)/install
 	$(PY) benchmarks/packing.py

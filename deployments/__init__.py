@@ -1,1 +1,1 @@
-"""Prefect deployment definitions of grpo-flow. Filled in by the main-job issue."""
+"""Prefect deployments of grpo-flow: ``python -m deployments.deploy`` registers grpo-train/demo and nightly-retrain."""

@@ -1,1 +1,1 @@
-"""Prefect flows of grpo-flow (thin: they call grpo_core). Filled in by the main-job issue."""
+"""Prefect flows of grpo-flow (thin: they call grpo_core): ``grpo-train``, the ``grpo`` CLI, a local Prefect stack."""

@@ -27,9 +27,11 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
 console = Console(stderr=True)
 
+SetOption = Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=5 (repeatable)")]
 ENV_DEFAULTS = {
     "PREFECT_HOME": str(ROOT / "runs" / "prefect"),
     "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core",
@@ -119,7 +121,7 @@ def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
 
 @app.command()
 def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
-          set_: Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=5")] = []) -> None:  # noqa: B006
+          set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
     """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary."""
     run_locally(_load(config, set_))
 
@@ -127,7 +129,7 @@ def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or T
 @app.command()
 def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue from")],
            config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
-           set_: Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=50")] = []) -> None:  # noqa: B006
+           set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
     """Start a new run from the latest checkpoint of an MLflow run (resume_from=RUN_ID)."""
     if config is None:
         config = _run_config_of(run_id, set_)
@@ -156,7 +158,7 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
 
 @app.command()
 def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.0.1")] = 4200,
-           demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = ROOT / "configs" / "demo.yaml",
+           demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = DEMO_CONFIG,
            cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *") -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
     set_env_defaults()
