@@ -44,23 +44,64 @@ def trainer_logprobs(policy, tokens: list[int]) -> torch.Tensor:
         return policy.logprobs(rt).logprobs.float().cpu()
 
 
+def perturb(policy, scale: float = 0.05, only_lora: bool = False) -> None:
+    """Move the weights as a (large) training step would; LoRA B starts at zero, so it gets noise."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, prm in policy.named_parameters():
+            if only_lora and "lora_" not in name:
+                continue
+            std = prm.detach().float().std()
+            std = float(std.full_tensor() if hasattr(std, "full_tensor") else std)
+            prm.add_(torch.randn_like(prm) * (scale * (std if std > 0 else 0.02)))
+
+
+def lora_checks(args, world) -> dict:
+    """With ``--enable-lora`` on the server: the trainer's adapter versions, and full weights with .base_layer names."""
+    from grpo_core.train.weight_sync import LoraAdapterSync
+
+    lora = LoraConfig(enabled=True, r=8, alpha=16)
+    policy = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
+                          lora=lora, gradient_checkpointing=False, temperature=1.0, chunk_size=1024)
+    shard(policy, mixed_precision=False)
+    perturb(policy, scale=2.0, only_lora=True)
+    sync = LoraAdapterSync([args.url], "/tmp/grpo-sync", "policy", max_staleness=1)
+    out = {}
+    for version in (1, 2, 3):
+        sync.sync(policy, version, world.rank)
+    models = [m["id"] for m in httpx.get(args.url + "/v1/models").json()["data"]]
+    tokens, served = sample_from_vllm(args.url, "policy-v3", 48)
+    diff = (trainer_logprobs(policy, tokens) - torch.tensor(served)).abs()
+    out.update({"lora_served_models": models, "lora_max_abs_logprob_diff": diff.max().item(),
+                "lora_mean_abs_logprob_diff": diff.mean().item()})
+    base = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
+                        lora=LoraConfig(), gradient_checkpointing=False, temperature=1.0, chunk_size=1024)
+    shard(base, mixed_precision=False)
+    perturb(base)
+    VllmWeightTransferSync([args.url], "ipc", lora_names=True).sync(base, 1, world.rank)
+    tokens, served = sample_from_vllm(args.url, args.model, 48)
+    out["base_layer_ipc_max_abs_logprob_diff"] = (trainer_logprobs(base, tokens) - torch.tensor(served)).abs().max().item()
+    return out
+
+
 def main() -> None:
     """CLI."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default="tiny")
     p.add_argument("--model-dir", default="/tmp/tiny-llama")
+    p.add_argument("--lora", action="store_true", help="the server runs --enable-lora: check adapter sync instead")
     args = p.parse_args()
     world = init_world("cuda")
+    if args.lora:
+        print(json.dumps({"check": "vllm_lora_sync", **lora_checks(args, world)}))
+        return
     policy = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
                           lora=LoraConfig(), gradient_checkpointing=False, temperature=1.0, chunk_size=1024)
     shard(policy, mixed_precision=False)
     tokens0, served0 = sample_from_vllm(args.url, args.model, 48)
     before = (trainer_logprobs(policy, tokens0) - torch.tensor(served0)).abs().max().item()
-    torch.manual_seed(0)
-    with torch.no_grad():  # what a (large) training step would do
-        for prm in policy.parameters():
-            prm.add_(0.05 * torch.randn_like(prm) * prm.detach().float().std().to(prm.dtype))
+    perturb(policy)
     stale = (trainer_logprobs(policy, tokens0) - torch.tensor(served0)).abs().max().item()
     out = VllmWeightTransferSync([args.url], "ipc").sync(policy, 1, world.rank)
     tokens1, served1 = sample_from_vllm(args.url, args.model, 48)
