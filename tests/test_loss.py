@@ -143,3 +143,22 @@ def test_advantage_sign_sets_direction_and_masked_tokens_contribute_nothing():
 def test_score_centering_needs_topk():
     with pytest.raises(ValueError, match="top-k"):
         grpo_loss(torch.zeros(2), torch.zeros(2), torch.ones(2), 2.0, LossSettings())
+
+
+def test_logprobs_renormalise_over_the_sampling_mask():
+    from grpo_core.train.logprobs import candidate_mask, projected_logprobs
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    targets = torch.tensor([2, 5, 7])
+    # term 0: candidates {2, 3, 9}; term 1: full vocabulary (empty entry); term 2: {7}
+    offsets, ids = torch.tensor([0, 3, 3, 4]), torch.tensor([2, 3, 9, 7])
+    out = projected_logprobs(hidden, weight, targets, temperature=0.7,
+                             candidates=candidate_mask(offsets, ids, 11), chunk_size=2)
+    logits = hidden @ weight.T / 0.7
+    expected = torch.stack([
+        torch.log_softmax(logits[0, [2, 3, 9]], -1)[0],
+        torch.log_softmax(logits[1], -1)[5],
+        torch.tensor(0.0, dtype=torch.float64),  # the only candidate has probability 1
+    ])
+    torch.testing.assert_close(out.logprobs.double(), expected, atol=1e-6, rtol=0)
