@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from grpo_core.packing import Sample, TokenLists, get_packer
 from grpo_core.train.attention import TREE_ATTENTION, TreeMask, register_tree_attention
-from grpo_core.train.logprobs import row_logprobs
+from grpo_core.train.policy import row_logprobs
 from grpo_core.train.loss import LossSettings, grpo_loss
 
 VOCAB, K = 53, 4

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from grpo_core.packing import Sample, get_packer
 from grpo_core.train.attention import TREE_ATTENTION, TreeMask, pad_subtree_end, register_tree_attention
-from grpo_core.train.logprobs import row_logprobs
+from grpo_core.train.policy import row_logprobs
 
 VOCAB = 97
 

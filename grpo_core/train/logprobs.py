@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .attention import TreeMask, dense_tree_mask
 
 
 @dataclass
@@ -102,34 +101,3 @@ def projected_logprobs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return TokenLogProbs(empty, empty, None if topk_ids is None else hidden.new_zeros(0, topk_ids.shape[1]))
     return TokenLogProbs(cat[0], cat[1], cat[2] if len(cat) > 2 else None)
-
-
-def row_logprobs(
-    model: torch.nn.Module,
-    input_ids: Tensor,
-    position_ids: Tensor,
-    tree_mask: TreeMask,
-    token_index: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    topk_ids: Tensor | None = None,
-    candidates: Tensor | None = None,
-    chunk_size: int = 1024,
-) -> TokenLogProbs:
-    """Forward one packed row and return its loss terms' log-probs.
-
-    Args:
-        model: a transformers causal LM loaded with ``attn_implementation="grpo_tree"``.
-        input_ids, position_ids: ``int64[L]`` (padded row; positions = depth).
-        tree_mask: the row's mask, length ``L``.
-        token_index: ``int64[M]`` packed position predicting each trained token.
-        targets: ``int64[M]``.
-        temperature, topk_ids, candidates, chunk_size: see :func:`projected_logprobs`.
-    """
-    if tree_mask.dense is None and tree_mask.block_mask is None:
-        tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end))
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    out = base(input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask, use_cache=False)
-    hidden = out.last_hidden_state[0].index_select(0, token_index)
-    weight = model.get_output_embeddings().weight
-    return projected_logprobs(hidden, weight, targets, temperature, topk_ids, candidates, chunk_size)

@@ -70,9 +70,32 @@ class Policy(nn.Module):
 
     def logprobs(self, rt) -> TokenLogProbs:
         """Forward one :class:`~grpo_core.train.rows.RowTensors` row."""
-        out = self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id, rt.topk_ids,
-                   rt.candidates)
-        return TokenLogProbs(out[0], out[1], out[2] if len(out) > 2 else None)
+        return _as_logprobs(self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id,
+                                 rt.topk_ids, rt.candidates))
+
+
+def row_logprobs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, tree_mask: TreeMask,
+                 token_index: Tensor, targets: Tensor, temperature: float = 1.0, topk_ids: Tensor | None = None,
+                 candidates: tuple[Tensor, Tensor] | None = None, chunk_size: int = 1024) -> TokenLogProbs:
+    """Forward one packed row through a causal LM exactly as the trainer does (see :class:`Policy`).
+
+    Args:
+        model: a transformers causal LM loaded with ``attn_implementation="grpo_tree"``.
+        input_ids, position_ids: ``int64[L]`` (padded row; positions = depth).
+        tree_mask: the row's mask, length ``L``.
+        token_index: ``int64[M]`` packed position predicting each trained token.
+        targets: ``int64[M]``.
+        temperature: sampler temperature.
+        topk_ids: optional ``int64[M, k]`` sampler top-k ids (``-1`` padding).
+        candidates: optional CSR sampling mask ``(offsets[M+1], ids)``.
+        chunk_size: loss terms per chunk of the vocabulary projection.
+    """
+    return _as_logprobs(Policy(model, temperature, chunk_size)(input_ids, position_ids, tree_mask, token_index,
+                                                               targets, topk_ids, candidates))
+
+
+def _as_logprobs(out: tuple[Tensor, ...]) -> TokenLogProbs:
+    return TokenLogProbs(out[0], out[1], out[2] if len(out) > 2 else None)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
