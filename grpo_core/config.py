@@ -281,6 +281,9 @@ class TrainConfig(_Strict):
     """Seed of the trainer's RNGs."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA options."""
+    flush_partial_after_s: float = Field(default=10.0, gt=0)
+    """Seconds without new samples after which the trainer trains the partly filled micro-batch instead of
+    waiting (a rollout held back by its token allowance cannot fill it)."""
     samples_path: Path | None = None
     """Train from this Sample-schema Arrow IPC file instead of a rollout process (offline runs, tests)."""
     rollout_location: str | None = None

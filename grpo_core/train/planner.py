@@ -43,17 +43,21 @@ class Planner:
         backend: packer backend name.
         tracker: prompt bookkeeping (restored from a checkpoint on resume).
         pending: samples restored from a checkpoint, trained first.
+        flush_after_s: when a pull brings nothing for this long and no micro-batch is
+            ready, the open rows are closed and trained as they are (the rollout side
+            may be waiting for this step's token report before it generates more).
     """
 
     def __init__(self, source: SampleSource, num_ranks: int, token_budget: int, backend: str,
-                 tracker: PromptTracker, pending: pa.RecordBatch | None = None):
+                 tracker: PromptTracker, pending: pa.RecordBatch | None = None, flush_after_s: float = 10.0):
         self.source = source
+        self.flush_after_s = flush_after_s
         self.token_budget = token_budget
         self.batcher = get_packer(backend).batcher(num_ranks, token_budget)
         self.tracker = tracker
         self.ready: list[MicroBatch] = []
-        self.unplanned: list[pa.RecordBatch] = []  # pulled samples not yet in an emitted micro-batch
-        self.emitted: set[int] = set()
+        self.held: list[pa.RecordBatch] = []  # pulled batches with samples not yet trained
+        self.trained: set[int] = set()  # trained sample ids of the held batches
         self.exhausted = False
         self.dropped_oversize_count = 0
         if pending is not None and pending.num_rows:
@@ -69,22 +73,24 @@ class Planner:
                            int(oversize.sum()), self.token_budget)
             batch = batch.filter(pa.array(~oversize))
         if batch.num_rows:
-            self.unplanned.append(batch)
+            self.held.append(batch)
             self._emit(self.batcher.push(batch))
 
     def _emit(self, micro_batches: list[MicroBatch]) -> None:
-        for mb in micro_batches:
-            for row in mb:
-                self.emitted.update(row.samples.column("sample_id").to_pylist())
-            self.ready.append(mb)
+        self.ready.extend(micro_batches)
 
     def next_step(self, num_micro_batches: int, policy_version: int) -> PlannedStep | None:
         """Up to ``num_micro_batches`` micro-batches (fewer at the end); None when all is trained."""
         wait = 0.0
         while len(self.ready) < num_micro_batches and not self.exhausted:
             t0 = time.perf_counter()
-            pulled = self.source.pull(policy_version)
+            pulled = self.source.pull(policy_version, timeout_s=self.flush_after_s)
             wait += time.perf_counter() - t0
+            starved = not (pulled.samples.num_rows or pulled.consumed_prompt_indices or pulled.exhausted)
+            if starved:  # train what there is rather than wait for rows the rollout may never fill
+                self._emit(self.batcher.finish())
+                if self.ready:
+                    break
             self.tracker.consumed(pulled.consumed_prompt_indices)
             if pulled.samples.num_rows:
                 self._push(pulled.samples)
@@ -121,31 +127,29 @@ class Planner:
 
     def step_trained(self, step: PlannedStep) -> list[int]:
         """Mark the step's samples trained; returns their prompt indices (one per sample)."""
-        prompts = [p for mb in step.micro_batches for r in mb for p in r.samples.column("prompt_index").to_pylist()]
+        rows = [r.samples for mb in step.micro_batches for r in mb]
+        prompts = [p for r in rows for p in r.column("prompt_index").to_pylist()]
         self.tracker.trained_samples(prompts)
+        self.trained.update(i for r in rows for i in r.column("sample_id").to_pylist())
         self._prune()
         return prompts
 
     def _prune(self) -> None:
-        """Forget pulled batches whose samples were all emitted."""
+        """Forget held batches whose samples are all trained."""
         keep = []
-        for b in self.unplanned:
+        for b in self.held:
             ids = b.column("sample_id").to_pylist()
-            if not all(i in self.emitted for i in ids):
-                keep.append(b)
+            if all(i in self.trained for i in ids):
+                self.trained.difference_update(ids)
             else:
-                self.emitted.difference_update(ids)
-        self.unplanned = keep
+                keep.append(b)
+        self.held = keep
 
     def pending_samples(self) -> pa.RecordBatch | None:
-        """Samples pulled but not yet trained (in open rows or in planned, untrained micro-batches)."""
-        ready_ids = {i for mb in self.ready for r in mb for i in r.samples.column("sample_id").to_pylist()}
+        """Samples pulled but not yet trained: in open rows, in planned micro-batches, or in a step in progress."""
         parts = []
-        for b in self.unplanned:
-            ids = b.column("sample_id").to_pylist()
-            mask = [i not in self.emitted or i in ready_ids for i in ids]
+        for b in self.held:
+            mask = [i not in self.trained for i in b.column("sample_id").to_pylist()]
             if any(mask):
                 parts.append(b.filter(pa.array(mask)))
-        if not parts:
-            return None
-        return pa.concat_batches(parts)
+        return pa.concat_batches(parts) if parts else None

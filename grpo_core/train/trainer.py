@@ -83,7 +83,8 @@ class Trainer:
         if world.is_main:
             assert source is not None, "rank 0 needs a sample source"
             self.source = source
-            self.planner = Planner(source, world.world_size, self.token_budget, cfg.packing.backend, tracker, pending)
+            self.planner = Planner(source, world.world_size, self.token_budget, cfg.packing.backend, tracker, pending,
+                                   flush_after_s=tc.flush_partial_after_s)
 
     # -- resume --------------------------------------------------------------------------
     def _resume(self) -> tuple[checkpoint.PromptTracker, object]:

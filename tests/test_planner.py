@@ -1,0 +1,78 @@
+"""Rank 0's planner: whole steps of micro-batches, prompt bookkeeping, pending samples,
+and no stall when the rollout side stops short of filling a row."""
+
+import pyarrow as pa
+
+from grpo_core.packing import Sample, samples_to_arrow
+from grpo_core.train.checkpoint import PromptTracker
+from grpo_core.train.planner import Planner
+from grpo_core.transport import PulledBatch
+
+
+class ScriptedSource:
+    """A sample source that answers pulls from a fixed script (then nothing, as a held-back rollout)."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.timeouts = []
+
+    def pull(self, policy_version, *, min_samples=1, timeout_s=None):
+        self.timeouts.append(timeout_s)
+        if self.script:
+            return self.script.pop(0)
+        return PulledBatch(EMPTY)
+
+    def report(self, policy_version, tokens_consumed):
+        pass
+
+    def metrics(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def group(prompt_index, n=2):
+    return samples_to_arrow([Sample.build([100 + prompt_index, 2, 3, 4 + i], [0, 0, 1, 1],
+                                          sample_id=prompt_index * 10 + i, group_id=prompt_index,
+                                          prompt_index=prompt_index) for i in range(n)])
+
+
+EMPTY = group(0).slice(0, 0)
+
+
+def test_a_starved_source_gets_its_partial_micro_batch_trained():
+    source = ScriptedSource([PulledBatch(group(0)), PulledBatch(group(1), consumed_prompt_indices=[2])])
+    planner = Planner(source, num_ranks=1, token_budget=64, backend="rust", tracker=PromptTracker(),
+                      flush_after_s=0.01)
+    step = planner.next_step(1, policy_version=0)
+    assert step is not None and sum(r.num_samples for mb in step.micro_batches for r in mb) == 4
+    assert source.timeouts[-1] == 0.01
+    assert planner.pending_samples() is not None  # pulled, not yet trained
+    planner.step_trained(step)
+    assert planner.pending_samples() is None
+    state = planner.tracker.state(step=1, policy_version=0)
+    assert (state.first_untrained_prompt_index, state.trained_above) == (3, [])
+
+
+def test_pending_samples_count_their_prompts_as_done_for_the_rollout():
+    source = ScriptedSource([PulledBatch(group(1)), PulledBatch(group(0))])
+    planner = Planner(source, num_ranks=1, token_budget=64, backend="rust", tracker=PromptTracker(),
+                      flush_after_s=0.01)
+    planner.next_step(1, policy_version=0)  # pulls both, nothing trained yet
+    pending = planner.pending_samples()
+    assert isinstance(pending, pa.RecordBatch) and pending.num_rows == 4
+    state = planner.tracker.state(step=0, policy_version=0)
+    assert state.first_untrained_prompt_index == 2  # both saved as pending: the rollout skips them
+
+
+def test_micro_batches_planned_beyond_the_step_stay_pending():
+    big = pa.concat_batches([group(p, n=4) for p in range(6)])
+    source = ScriptedSource([PulledBatch(big, exhausted=True)])
+    planner = Planner(source, num_ranks=1, token_budget=12, backend="rust", tracker=PromptTracker())
+    step = planner.next_step(1, policy_version=0)
+    planner.step_trained(step)
+    trained = {i for mb in step.micro_batches for r in mb for i in r.samples.column("sample_id").to_pylist()}
+    assert len(planner.ready) >= 1  # the one push closed more micro-batches than the step took
+    pending = set(planner.pending_samples().column("sample_id").to_pylist())
+    assert pending == set(big.column("sample_id").to_pylist()) - trained
