@@ -88,7 +88,8 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
 def summary_table(summary: dict) -> Table:
     """The end-of-run table."""
     table = Table(title="grpo-flow run", show_header=False)
-    fmt = (lambda v: f"{v:.3f}" if isinstance(v, float) else str(v))
+    fmt = (lambda v: str(int(v)) if isinstance(v, float) and v.is_integer() else
+           f"{v:.3f}" if isinstance(v, float) else str(v))
     rows = [("steps", summary.get("steps")), ("reward, first 5 steps", summary.get("reward_first5")),
             ("reward, last 5 steps", summary.get("reward_last5")),
             ("generated tokens/s", summary.get("generated_tokens_per_s")),

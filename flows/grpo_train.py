@@ -153,7 +153,7 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
             tracking.log_file(cfg.tracking, mlflow_run_id, png, "plots")
         model_dir = _final_model_dir(cfg, root)
         if cfg.tracking.log_model and model_dir is not None:
-            tracking.log_model(cfg.tracking, mlflow_run_id, model_dir)
+            tracking.log_model(cfg.tracking, mlflow_run_id, model_dir, adapter=cfg.train.lora.enabled)
         tracking.end_run(cfg.tracking, mlflow_run_id, "FINISHED")
     get_run_logger().info("summary: %s", summary)
     return summary

@@ -183,8 +183,15 @@ def log_file(tc: TrackingConfig, run_id: str, path: Path, artifact_dir: str) -> 
     client(tc).log_artifact(run_id, str(path), artifact_dir)
 
 
-def log_model(tc: TrackingConfig, run_id: str, model_dir: Path) -> None:
-    """Log the trained model or adapter folder with the transformers flavour (plain files as a fallback)."""
+def log_model(tc: TrackingConfig, run_id: str, model_dir: Path, adapter: bool = False) -> None:
+    """Log the trained model with the transformers flavour (``model/``), or a LoRA adapter folder (``adapter/``).
+
+    A PEFT adapter folder has no base weights for the flavour to load, so it is logged as files. When the
+    flavour fails on a full model, the folder is logged as files under ``model_files/``.
+    """
+    if adapter:
+        client(tc).log_artifacts(run_id, str(model_dir), "adapter")
+        return
     try:
         import mlflow.transformers
 
@@ -192,9 +199,9 @@ def log_model(tc: TrackingConfig, run_id: str, model_dir: Path) -> None:
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
             mlflow.transformers.log_model(transformers_model=str(model_dir), name="model", task="text-generation")
     except Exception as exc:  # noqa: BLE001 - the flavour is optional; the files are what matter
-        logger.warning("transformers flavour failed (%s: %s); logging %s as plain artifacts", type(exc).__name__,
+        logger.warning("transformers flavour failed (%s: %s); logging %s as plain files", type(exc).__name__,
                        exc, model_dir)
-        client(tc).log_artifacts(run_id, str(model_dir), "model")
+        client(tc).log_artifacts(run_id, str(model_dir), "model_files")
 
 
 class MlflowSink:
