@@ -163,8 +163,15 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
            cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *") -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
     set_env_defaults()
+    import signal
+
     from flows.serve import PrefectStack
 
+    def interrupt(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM/SIGINT stop the stack like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"])) as stack:
         stack.register(demo_config, cron)
         console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
