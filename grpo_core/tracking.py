@@ -50,6 +50,8 @@ def client(tc: TrackingConfig) -> MlflowClient:
     """An MLflow client on the configured tracking URI (the SQLite store is created on first use)."""
     if tc.tracking_uri is None:
         tc.dir.mkdir(parents=True, exist_ok=True)
+    # Process-wide too: MLflow's internal clients (artifact repositories) otherwise open ./mlflow.db.
+    mlflow.set_tracking_uri(tc.resolved_tracking_uri())
     return MlflowClient(tracking_uri=tc.resolved_tracking_uri())
 
 
@@ -195,7 +197,7 @@ def log_model(tc: TrackingConfig, run_id: str, model_dir: Path, adapter: bool = 
     try:
         import mlflow.transformers
 
-        mlflow.set_tracking_uri(tc.resolved_tracking_uri())
+        client(tc)
         with mlflow.start_run(run_id=run_id, log_system_metrics=False):
             mlflow.transformers.log_model(transformers_model=str(model_dir), name="model", task="text-generation")
     except Exception as exc:  # noqa: BLE001 - the flavour is optional; the files are what matter
