@@ -77,3 +77,24 @@ def test_vllm_names_gain_base_layer_only_with_lora():
         "model.layers.0.self_attn.q_proj.base_layer.weight"
     assert vllm_name("lm.model.embed_tokens.weight", True) == "model.embed_tokens.base_layer.weight"
     assert vllm_name("lm.model.norm.weight", True) == "model.norm.weight"
+
+
+def test_resumed_lora_run_gives_fresh_servers_its_adapter_first(tmp_path):
+    samples = write_samples(tmp_path / "samples.arrow", 16)
+    server_cfg = {"enable_lora": True, "lora_rank": 8}
+    lora = {"enabled": True, "r": 8, "alpha": 16}
+    for attempt, max_steps in ((1, 2), (2, 3)):  # the second attempt resumes at step 2 on a new server
+        config = trainer_config(tmp_path, samples, server_cfg, max_steps=max_steps, save_steps=2,
+                                weight_sync_steps=1, learning_rate=5e-2, lora=lora)
+        with embedded_server(tmp_path / f"server{attempt}", enable_lora=True, lora_rank=8) as server:
+            with open(tmp_path / f"log{attempt}", "w") as log:
+                code = torchrun(config, 1, stdout=log, stderr=subprocess.STDOUT, server_urls=[server.url]).wait(600)
+            assert code == 0, (tmp_path / f"log{attempt}").read_text()[-3000:]
+            served = run(models(server.url))
+    assert "resumed from" in (tmp_path / "log2").read_text()
+    assert {"policy-v2", "policy-v3"} <= served and "policy-v1" not in served  # v2 re-synced, v3 trained
+
+
+async def models(url):
+    async with GenerationClient(url, max_connections=2) as c:
+        return {m["id"] for m in await c.models()}

@@ -175,6 +175,23 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     return code
 
 
+async def _wait_for_served_version(rollout_loop: Any, queue: Any, timeout_s: float) -> None:
+    """A resumed LoRA run samples from adapter ``{name}-v{N}``, which fresh servers get from the
+    trainer's first sync: wait until every server lists it (heartbeats continue meanwhile)."""
+    name = rollout_loop.served_model(queue.allowance.policy_version)
+    if name == rollout_loop.runtime.model_name:
+        return
+    deadline = time.monotonic() + timeout_s
+    for client in rollout_loop.runtime.clients:
+        while name not in {m.get("id") for m in await client.models()}:
+            if time.monotonic() > deadline:
+                raise TransportError(f"servers never listed adapter {name!r} within {timeout_s:.0f} s; "
+                                     "the trainer syncs it when it resumes")
+            queue.beat()
+            await asyncio.sleep(1.0)
+    logger.info("resuming from adapter %s", name)
+
+
 def _linger(stop: threading.Event, timeout_s: float | None) -> None:
     """Serve until the trainer asks to stop, the timeout passes, or the parent process is gone."""
     parent = os.getppid()
@@ -191,6 +208,7 @@ async def _main(job: RolloutJob, queue: Any, window: Any, state: dict[str, Any])
     from .driver import drive
 
     rollout_loop = await build_loop(job, queue, window)
+    await _wait_for_served_version(rollout_loop, queue, job.config.rollout.rollout_worker_timeout_s)
     queue.beat()  # building (tokenizer, dataset) blocked the event loop: count from here
     queue.running = True
     state["rollout_loop"] = rollout_loop

@@ -159,6 +159,8 @@ class Trainer:
     def run(self) -> ResumeState | None:
         """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0)."""
         tc = self.cfg.train
+        if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
+            self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
         while self.step < tc.max_steps:
             if not self.train_step():
                 break

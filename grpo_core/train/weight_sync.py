@@ -180,6 +180,17 @@ class LoraAdapterSync:
             return _publish(tmp, self.root / self.adapter_name(version))
         return None
 
+    @staticmethod
+    async def _load(client, name: str, folder: str) -> None:
+        """Load, replacing a same-named adapter a server kept from before a trainer restart."""
+        from grpo_core.errors import ServerRequestError
+
+        try:
+            await client.unload_lora_adapter(name)
+        except ServerRequestError:
+            pass  # not loaded: the usual case
+        await client.load_lora_adapter(name, folder)
+
     def sync(self, policy, version: int, rank: int) -> dict[str, float]:
         """Save ``{name}-v{version}``, load it everywhere (all or nothing), retire old versions."""
         t0 = time.perf_counter()
@@ -188,7 +199,7 @@ class LoraAdapterSync:
             return {}
         t1 = time.perf_counter()
         name = self.adapter_name(version)
-        errors = self.servers.each(lambda c: c.load_lora_adapter(name, str(folder)))
+        errors = self.servers.each(lambda c: self._load(c, name, str(folder)))
         if any(errors):
             self.servers.each(lambda c: c.unload_lora_adapter(name))
             shutil.rmtree(folder, ignore_errors=True)
