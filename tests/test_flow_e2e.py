@@ -161,6 +161,25 @@ def _chromium() -> str:
     return path
 
 
+def _submit_run_form(page, api, deployment_id: str, before: set[str], timeout_s: float = 90.0) -> str:
+    """Press Run in the parameter form (prefilled from the deployment) once it shows, until the run exists.
+
+    The form can take a while to render on a loaded machine, and some UI versions start the
+    run straight from Quick run; either way a new flow run of the deployment appears.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        new = set(api.flow_run_ids(deployment_id)) - before
+        if new:
+            return new.pop()
+        button = page.get_by_role("dialog").get_by_role("button", name="Run", exact=True)
+        if button.count() and button.first.is_visible():
+            button.first.click()
+            return api.new_flow_run(deployment_id, before)
+        page.wait_for_timeout(500)
+    raise TimeoutError(f"the Run form of deployment {deployment_id} never started a flow run")
+
+
 def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
     from playwright.sync_api import expect, sync_playwright
 
@@ -171,11 +190,8 @@ def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         page.goto(f"{stack.ui_url}/deployments/deployment/{deployment['id']}")
         page.get_by_role("button", name="Run", exact=True).first.click(timeout=60_000)
-        page.get_by_text("Quick run").first.click()
-        dialog = page.get_by_role("dialog")  # the parameter form, prefilled from the deployment
-        if dialog.count():
-            dialog.get_by_role("button", name="Run", exact=True).click()
-        flow_run_id = api.new_flow_run(deployment["id"], before)
+        page.get_by_text("Quick run").first.click(timeout=60_000)
+        flow_run_id = _submit_run_form(page, api, deployment["id"], before)
         run = api.wait(flow_run_id)
         page.goto(f"{stack.ui_url}/runs/flow-run/{flow_run_id}")
         expect(page.get_by_text(run["name"]).first).to_be_visible(timeout=60_000)
