@@ -8,6 +8,7 @@ object with this shape (an Arrow IPC file source is in ``grpo_core.train.source`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +72,10 @@ class ResumeState:
     trained_above: list[int] = field(default_factory=list)
     epoch: int = 0
 
+    @functools.cached_property
+    def _trained_above(self) -> frozenset[int]:
+        return frozenset(self.trained_above)
+
     def is_done(self, prompt_index: int) -> bool:
         """Whether the prompt needs no generation on resume."""
-        return prompt_index < self.first_untrained_prompt_index or prompt_index in set(self.trained_above)
+        return prompt_index < self.first_untrained_prompt_index or prompt_index in self._trained_above
