@@ -28,12 +28,26 @@ def varied_reward(completion_ids, **_):
     return [zlib.crc32(bytes(str(list(ids)), "ascii")) % 1000 / 1000 for ids in completion_ids]
 
 
+class RetryTransport(httpx.HTTPTransport):
+    """Retries the answers a loaded Prefect server gives for a moment (429/502/503), as Prefect's own
+    client does (PREFECT_CLIENT_MAX_RETRIES); anything else, and the last attempt, is returned as is."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for attempt in range(6):
+            response = super().handle_request(request)
+            if response.status_code not in (429, 502, 503) or attempt == 5:
+                return response
+            response.close()
+            time.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
+
+
 class Api:
     """The Prefect REST API of a test server (what the UI calls)."""
 
     def __init__(self, api_url: str):
         self.url = api_url
-        self.http = httpx.Client(base_url=api_url, timeout=30)
+        self.http = httpx.Client(base_url=api_url, timeout=30, transport=RetryTransport())
 
     def deployment(self, name: str) -> dict:
         """``grpo-train/<name>``."""
