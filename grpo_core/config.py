@@ -11,7 +11,6 @@ Only pydantic and the standard library are imported here (STYLE.md, module bound
 from __future__ import annotations
 
 import logging
-import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -19,8 +18,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpo_core.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 logger = logging.getLogger(__name__)
 
