@@ -25,7 +25,7 @@ import torch
 
 from grpo_core.packing import PackedRow, Sample, get_packer
 from grpo_core.packing.base import ROW_PARTS
-from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, TreeMask, register_tree_attention
+from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
 from grpo_core.train.loss import LossSettings, grpo_loss
 from grpo_core.train.policy import Policy, compile_layers
 from grpo_core.train.rows import to_tensors

@@ -97,7 +97,7 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
     step_tokens = 120
     config = _config(max_staleness=1, first_step_tokens=step_tokens)
     with rollout(server, tmp_path, config, dataset=h.rows(8), reward_functions=[h.parity_reward]) as source:
-        version, seen, consumed, dropped, group_tokens, metrics = 0, [], [], 0, [], {}
+        version, seen, consumed, dropped, metrics = 0, [], [], 0, {}
         while True:
             batch = source.pull(version, timeout_s=60)
             pulled = samples_from_arrow(batch.samples)
