@@ -27,7 +27,8 @@ from grpo_core.packing import PackedRow, Sample, get_packer
 from grpo_core.packing.base import ROW_PARTS
 from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
 from grpo_core.train.loss import LossSettings, grpo_loss
-from grpo_core.train.policy import Policy, compile_layers
+from grpo_core.train.parallelize import apply_layer_wrappers
+from grpo_core.train.policy import Policy
 from grpo_core.train.rows import to_tensors
 
 #: Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B).
@@ -153,7 +154,7 @@ def benchmark(args: argparse.Namespace) -> list[dict]:
     shape = TINY if args.tiny else QWEN3_06B
     policy = model(shape, torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
     if args.compile:
-        compile_layers(policy)
+        apply_layer_wrappers(policy, compile_layers=True)
     n_params = sum(p.numel() for p in policy.parameters())
     lengths = dict(prompt_len=64, completion_len=(8, 64)) if args.tiny else {}
     samples = workload(args.groups, args.group_size, shape["vocab_size"], **lengths)

@@ -19,7 +19,8 @@ from grpo_core.config import LoraConfig, ModelConfig
 from grpo_core.packing import Sample, get_packer
 from grpo_core.train.attention import FlexTreeMasks
 from grpo_core.train.distributed import init_world
-from grpo_core.train.policy import build_policy, shard
+from grpo_core.train.parallelize import shard
+from grpo_core.train.policy import build_policy
 from grpo_core.train.rows import to_tensors
 from grpo_core.train.vllm_sync import VllmWeightTransferSync
 
@@ -62,7 +63,7 @@ def lora_checks(args, world) -> dict:
 
     lora = LoraConfig(enabled=True, r=8, alpha=16)
     policy = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
-                          lora=lora, gradient_checkpointing=False, temperature=1.0, chunk_size=1024)
+                          lora=lora, temperature=1.0, chunk_size=1024)
     shard(policy, mixed_precision=False)
     perturb(policy, scale=2.0, only_lora=True)
     sync = LoraAdapterSync([args.url], "/tmp/grpo-sync", "policy", max_staleness=1)
@@ -75,7 +76,7 @@ def lora_checks(args, world) -> dict:
     out.update({"lora_served_models": models, "lora_max_abs_logprob_diff": diff.max().item(),
                 "lora_mean_abs_logprob_diff": diff.mean().item()})
     base = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
-                        lora=LoraConfig(), gradient_checkpointing=False, temperature=1.0, chunk_size=1024)
+                        lora=LoraConfig(), temperature=1.0, chunk_size=1024)
     shard(base, mixed_precision=False)
     perturb(base)
     VllmWeightTransferSync([args.url], "ipc", lora_names=True).sync(base, 1, world.rank)
@@ -97,7 +98,7 @@ def main() -> None:
         print(json.dumps({"check": "vllm_lora_sync", **lora_checks(args, world)}))
         return
     policy = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
-                          lora=LoraConfig(), gradient_checkpointing=False, temperature=1.0, chunk_size=1024)
+                          lora=LoraConfig(), temperature=1.0, chunk_size=1024)
     shard(policy, mixed_precision=False)
     tokens0, served0 = sample_from_vllm(args.url, args.model, 48)
     before = (trainer_logprobs(policy, tokens0) - torch.tensor(served0)).abs().max().item()

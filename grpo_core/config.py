@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo_core.errors import ConfigError
 
@@ -224,6 +224,18 @@ class LoraConfig(_Strict):
 class TrainConfig(_Strict):
     """The FSDP2 trainer (torchrun, one process per rank)."""
 
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing_bools(cls, v: Any) -> Any:
+        return {True: "full", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @field_validator("selective_checkpointing")
+    @classmethod
+    def _selective_positive(cls, v: Any) -> Any:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"train.selective_checkpointing must be 'op' or an integer >= 1, got {v}")
+        return v
+
     output_dir: Path = Path("runs/train")
     """Folder for checkpoints, metrics and synced weights."""
     num_ranks: int = Field(default=1, ge=1)
@@ -234,8 +246,19 @@ class TrainConfig(_Strict):
     """Master weight dtype."""
     mixed_precision: bool | None = None
     """bf16 compute with fp32 gradient reduction (FSDP2 MixedPrecisionPolicy); None = on for CUDA only."""
-    gradient_checkpointing: bool = False
-    """Recompute decoder-layer activations in the backward pass."""
+    gradient_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Activation checkpointing per decoder layer (torchtitan's policies): ``none`` keeps every activation,
+    ``full`` recomputes each layer in backward, ``selective`` per ``selective_checkpointing``. ``true`` /
+    ``false`` mean ``full`` / ``none``."""
+    selective_checkpointing: Literal["op"] | int = Field(default="op")
+    """With ``gradient_checkpointing: selective``: ``op`` keeps attention and every other matmul output in each
+    layer and recomputes the rest; an integer n fully checkpoints every n-th layer (n >= 1)."""
+    fsdp_reshard_after_forward: Literal["auto", "always", "never"] = "auto"
+    """FSDP2: free each layer's gathered parameters after its forward (``always``) or keep them for backward
+    (``never``: more memory, fewer all-gathers); ``auto`` keeps them on CUDA when a bf16 copy of the model
+    takes under a tenth of the device's memory."""
+    fsdp_prefetch: int = Field(default=1, ge=0)
+    """FSDP2: layers whose parameter all-gather each layer issues ahead, in forward and backward (0 = implicit)."""
     compile: bool | None = None
     """``torch.compile`` each decoder layer (static shapes); None = on for CUDA only."""
     learning_rate: float = Field(default=1e-6, gt=0)
@@ -264,10 +287,12 @@ class TrainConfig(_Strict):
     """Clipped surrogate: lower trust-region width."""
     epsilon_high: float | None = Field(default=None, gt=0)
     """Clipped surrogate: upper width; None = epsilon."""
-    logprob_chunk_size: int = Field(default=1024, ge=1)
-    """Loss terms per chunk of the vocabulary projection."""
+    logprob_chunk_size: int | None = Field(default=None, ge=1)
+    """Loss terms per chunk of the fused log-prob head (extra memory about chunk × vocabulary × 6 bytes);
+    None = 4096 on CUDA, 1024 on CPU."""
     length_buckets: int = Field(default=4, ge=1)
-    """CUDA: rows are padded to one of this many lengths up to the token budget (static shapes)."""
+    """With compiled layers (and on CUDA): rows are padded to one of this many lengths up to the token budget
+    (static shapes); each length is compiled before the first step."""
     weight_sync_steps: int = Field(default=1, ge=1)
     """Optimizer steps between weight syncs to the servers (each sync = one policy version)."""
     save_steps: int = Field(default=50, ge=1)

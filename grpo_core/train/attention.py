@@ -69,12 +69,48 @@ def dense_tree_mask(subtree_end: Tensor) -> Tensor:
     return ((j <= q) & (q < subtree_end[None, :])).unsqueeze(0).unsqueeze(0)
 
 
+def tree_block_masks(subtree_end: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Block-level visibility of a (padded) row, straight from ``subtree_end``.
+
+    For query block ``a`` and key block ``b < a``: some pair is visible iff a key of
+    ``b`` has ``subtree_end > a·B`` (the block's first query), and every pair is
+    visible iff every key of ``b`` has ``subtree_end >= (a+1)·B``; a diagonal block is
+    always partly visible (each token sees itself) and never wholly (keys after
+    queries); blocks above the diagonal see nothing. This is what
+    ``create_block_mask`` finds by evaluating the mask at all ``L²`` pairs, in
+    ``O(L + (L/B)²)`` work.
+
+    Args:
+        subtree_end: ``int32[L]``, ``L`` a multiple of ``block_size``.
+        block_size: ``B``.
+
+    Returns:
+        ``(partial, full)``: ``int8[1, 1, L/B, L/B]`` each, in FlexAttention's layout.
+
+    Raises:
+        ValueError: ``L`` is not a multiple of ``block_size``.
+    """
+    length = subtree_end.shape[0]
+    if length % block_size:
+        raise ValueError(f"row length {length} is not a multiple of the attention block size {block_size}")
+    ends = subtree_end.view(-1, block_size)
+    n = ends.shape[0]
+    first_q = torch.arange(n, device=subtree_end.device) * block_size  # first query of each query block
+    below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=subtree_end.device), diagonal=-1)  # [a, b]: b < a
+    some = below & (ends.amax(1)[None, :] > first_q[:, None])
+    full = below & (ends.amin(1)[None, :] >= first_q[:, None] + block_size)
+    partial = (some & ~full) | torch.eye(n, dtype=torch.bool, device=subtree_end.device)
+    return partial.to(torch.int8)[None, None], full.to(torch.int8)[None, None]
+
+
 class FlexTreeMasks:
     """Block masks for FlexAttention over rows padded to a few length buckets.
 
     One persistent ``subtree_end`` buffer per bucket; each new row is copied
     into it in place, so the ``mask_mod`` closure (and the compiled kernel that
-    reads it) is the same object for every row of that bucket.
+    reads it) is the same object for every row of that bucket. The block
+    structure comes from :func:`tree_block_masks` (no ``L × L`` mask is built and
+    nothing waits for the device).
     """
 
     def __init__(self, device: torch.device, block_size: int = 128):
@@ -82,20 +118,9 @@ class FlexTreeMasks:
         self.block_size = block_size
         self._buffers: dict[int, tuple[Tensor, object]] = {}
 
-    def bucket(self, n: int, buckets: tuple[int, ...]) -> int:
-        """The smallest bucket >= ``n`` (``buckets`` sorted ascending).
-
-        Raises:
-            ValueError: ``n`` exceeds the largest bucket.
-        """
-        for b in buckets:
-            if n <= b:
-                return b
-        raise ValueError(f"row of {n} tokens exceeds the largest length bucket {buckets[-1]}; raise token_budget")
-
     def build(self, subtree_end: Tensor, length: int) -> TreeMask:
-        """A TreeMask for a row padded to ``length`` (a bucket)."""
-        from torch.nn.attention.flex_attention import create_block_mask
+        """A TreeMask for a row padded to ``length`` (a bucket, a multiple of the block size)."""
+        from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
 
         if length not in self._buffers:
             buf = torch.zeros(length, dtype=torch.int32, device=self.device)
@@ -106,9 +131,8 @@ class FlexTreeMasks:
             self._buffers[length] = (buf, mask_mod)
         buf, mask_mod = self._buffers[length]
         buf.copy_(pad_subtree_end(subtree_end.to(self.device, torch.int32), length))
-        block_mask = create_block_mask(
-            mask_mod, B=None, H=None, Q_LEN=length, KV_LEN=length, device=self.device, BLOCK_SIZE=self.block_size
-        )
+        block_mask = _create_sparse_block_from_block_mask(
+            tree_block_masks(buf, self.block_size), mask_mod, (length, length), self.block_size, self.block_size)
         return TreeMask(subtree_end=buf, block_mask=block_mask)
 
 

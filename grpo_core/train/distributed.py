@@ -2,7 +2,10 @@
 
 gloo on CPU, NCCL on CUDA. Rows travel as uint8 tensors of Arrow IPC bytes
 (``grpo_core.train.rows``): a header broadcast says what comes next, then rank 0
-sends each other rank its row point to point.
+sends each other rank its row point to point. This control traffic always runs on
+a CPU (gloo) process group, also beside NCCL: it never touches a device stream, so
+handing off the next step's rows does not wait for the device to finish the
+previous step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
+    control: object | None = None
+    """CPU (gloo) process group for headers and rows; None = the default group (already gloo)."""
 
     @property
     def is_main(self) -> bool:
@@ -65,7 +70,8 @@ def init_world(device: str = "auto", timeout_s: float = 1800.0) -> World:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-    return World(rank, world_size, local_rank, dev)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if use_cuda else None
+    return World(rank, world_size, local_rank, dev, control)
 
 
 def _comm_device(world: World) -> torch.device:
@@ -73,28 +79,27 @@ def _comm_device(world: World) -> torch.device:
 
 
 def broadcast_header(world: World, values: list[int] | None, size: int = 4) -> list[int]:
-    """Rank 0 sends ``values`` (``size`` ints) to all; every rank returns them."""
-    t = torch.zeros(size, dtype=torch.int64, device=_comm_device(world))
+    """Rank 0 sends ``values`` (at most ``size`` ints) to all over the control group; every rank returns them."""
+    t = torch.zeros(size, dtype=torch.int64)
     if world.is_main:
         t[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    dist.broadcast(t, 0)
+    dist.broadcast(t, 0, group=world.control)
     return t.tolist()
 
 
 def scatter_rows(world: World, rows: list[PackedRow] | None) -> PackedRow:
-    """Rank 0 passes one row per rank (its own stays local); each rank returns its row."""
-    dev = _comm_device(world)
+    """Rank 0 passes one row per rank (its own stays local) over the control group; each rank returns its row."""
     if world.is_main:
         for r in range(1, world.world_size):
             data = np.frombuffer(row_to_bytes(rows[r]), dtype=np.uint8)
-            dist.send(torch.tensor([data.size], dtype=torch.int64, device=dev), r)
-            dist.send(torch.from_numpy(data.copy()).to(dev), r)
+            dist.send(torch.tensor([data.size], dtype=torch.int64), r, group=world.control)
+            dist.send(torch.from_numpy(data.copy()), r, group=world.control)
         return rows[0]
-    n = torch.zeros(1, dtype=torch.int64, device=dev)
-    dist.recv(n, 0)
-    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
-    dist.recv(buf, 0)
-    return row_from_bytes(buf.cpu().numpy().tobytes())
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n, 0, group=world.control)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.recv(buf, 0, group=world.control)
+    return row_from_bytes(buf.numpy().tobytes())
 
 
 def all_reduce(values: list[float], world: World, op: str = "sum") -> list[float]:

@@ -1,15 +1,17 @@
 """The trained policy: a causal LM behind one FSDP2 root module whose forward
 returns the trained tokens' log-probs of a packed row.
 
-Wrapping (torchtitan's order): gradient checkpointing, then ``fully_shard`` on
-every decoder layer, then on the root. Calling the decoder and the output
-projection inside the root's ``forward`` lets FSDP2 gather the root-level
-parameters (embeddings, final norm, lm_head) around them.
+Wrapping (torchtitan's order, :mod:`grpo_core.train.parallelize`): activation
+checkpointing, compilation, then ``fully_shard`` on every decoder layer and on the
+root. Calling the decoder and the output projection inside the root's ``forward``
+lets FSDP2 gather the root-level parameters (embeddings, final norm, lm_head)
+around them.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -17,37 +19,61 @@ from torch import Tensor, nn
 from grpo_core.config import LoraConfig, ModelConfig
 
 from .attention import TREE_ATTENTION, TreeMask, dense_tree_mask, register_tree_attention
-from .logprobs import TokenLogProbs, candidate_mask, projected_logprobs
+from .logprobs import HeadLoss, LossTerms, TokenLogProbs, candidate_mask, fused_grpo_loss, projected_logprobs
+from .loss import LossSettings
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class LossInputs:
+    """What the fused head needs besides the row to compute the GRPO loss (see :func:`fused_grpo_loss`).
+
+    Attributes:
+        sampler_logprobs, advantages: ``float32[M]``.
+        sampler_topk_logprobs: ``float32[M, k]`` or None.
+        normaliser: the loss's divisor (trained tokens of the micro-batch across ranks × accumulation steps).
+        settings: :class:`LossSettings`.
+    """
+
+    sampler_logprobs: Tensor
+    advantages: Tensor
+    sampler_topk_logprobs: Tensor | None
+    normaliser: float
+    settings: LossSettings
+
+
 class Policy(nn.Module):
-    """Root module: packed row in, :class:`TokenLogProbs` out.
+    """Root module: packed row in, :class:`TokenLogProbs` (or the fused head's loss) out.
 
     Args:
         lm: a transformers causal LM (optionally PEFT-wrapped) using ``grpo_tree`` attention.
         temperature: sampler temperature applied to the logits.
         chunk_size: loss terms per chunk of the vocabulary projection.
+        compile_head: run the fused head's elementwise stages through ``torch.compile``.
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024):
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024, compile_head: bool = False):
         super().__init__()
         self.lm = lm
         self.temperature = temperature if temperature > 0 else 1.0
         self.chunk_size = chunk_size
+        self.compile_head = compile_head
 
     def base(self) -> nn.Module:
         """The underlying transformers model (PEFT wrapper removed)."""
         return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, tree_mask: TreeMask, token_index: Tensor,
-                targets: Tensor, topk_ids: Tensor | None = None,
-                candidates: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
-        """See :func:`grpo_core.train.logprobs.row_logprobs`; shapes in ``RowTensors``.
+                targets: Tensor, topk_ids: Tensor | None = None, candidates: tuple[Tensor, Tensor] | None = None,
+                loss: LossInputs | None = None) -> tuple[Tensor, ...] | dict[str, Tensor]:
+        """See :func:`row_logprobs`; shapes in ``RowTensors``.
 
-        Returns a plain tuple ``(logprobs, entropy[, topk_logprobs])`` so FSDP2 sees
-        the output tensors (for its pre-backward hooks); :meth:`logprobs` wraps it.
+        Returns plain containers so that FSDP2 sees the output tensors (for its
+        pre-backward hooks): without ``loss`` the tuple ``(logprobs, entropy[, topk_logprobs])``
+        (:meth:`logprobs` wraps it); with ``loss`` the fused head's dict ``loss``,
+        ``logprobs``, ``entropy``, [``topk_logprobs``] and :func:`grpo_loss`'s statistics
+        (:meth:`grpo_loss` wraps it).
         """
         base = self.base()
         if tree_mask.dense is None and tree_mask.block_mask is None:
@@ -56,6 +82,14 @@ class Policy(nn.Module):
                          use_cache=False)
         hidden = out.last_hidden_state[0]
         weight = base.get_output_embeddings().weight
+        if loss is not None:
+            terms = LossTerms(targets, loss.sampler_logprobs, loss.advantages, topk_ids, loss.sampler_topk_logprobs,
+                              candidates)
+            res = fused_grpo_loss(hidden.index_select(0, token_index), weight, terms, loss.normaliser, loss.settings,
+                                  self.temperature, self.chunk_size, self.compile_head)
+            return {"loss": res.loss, "logprobs": res.logprobs.logprobs, "entropy": res.logprobs.entropy,
+                    **({} if res.logprobs.topk_logprobs is None else {"topk_logprobs": res.logprobs.topk_logprobs}),
+                    **res.stats}
         dense_candidates = None
         if candidates is not None:
             dense_candidates = candidate_mask(candidates[0], candidates[1], weight.shape[0])
@@ -72,6 +106,19 @@ class Policy(nn.Module):
         """Forward one :class:`~grpo_core.train.rows.RowTensors` row."""
         return _as_logprobs(self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id,
                                  rt.topk_ids, rt.candidates))
+
+    def grpo_loss(self, rt, settings: LossSettings, normaliser: float) -> HeadLoss:
+        """Forward one row through the fused head: its GRPO loss (backward-ready) and per-term values.
+
+        Args:
+            rt: a :class:`~grpo_core.train.rows.RowTensors` row.
+            settings: the loss settings.
+            normaliser: see :func:`grpo_core.train.loss.grpo_loss`.
+        """
+        out = self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id, rt.topk_ids,
+                   rt.candidates, LossInputs(rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings))
+        token = TokenLogProbs(out.pop("logprobs"), out.pop("entropy"), out.pop("topk_logprobs", None))
+        return HeadLoss(out.pop("loss"), token, out)
 
 
 def row_logprobs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, tree_mask: TreeMask,
@@ -98,23 +145,15 @@ def _as_logprobs(out: tuple[Tensor, ...]) -> TokenLogProbs:
     return TokenLogProbs(out[0], out[1], out[2] if len(out) > 2 else None)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (transformers' ``GradientCheckpointingLayer`` instances)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 lora: LoraConfig, gradient_checkpointing: bool, temperature: float, chunk_size: int) -> Policy:
-    """Load the LM with tree attention, optionally add LoRA, and wrap it in :class:`Policy` (unsharded)."""
+                 lora: LoraConfig, temperature: float, chunk_size: int) -> Policy:
+    """Load the LM with tree attention, optionally add LoRA, and wrap it in :class:`Policy` (unsharded;
+    checkpointing, compilation and sharding come after, :func:`grpo_core.train.parallelize`)."""
     from transformers import AutoModelForCausalLM
 
     register_tree_attention()
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=TREE_ATTENTION)
     lm.config.use_cache = False
-    if gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -125,24 +164,4 @@ def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, 
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s)", model_cfg.name, n_train / 1e6, dtype,
                 lora.enabled)
-    return policy
-
-
-def compile_layers(policy: Policy) -> Policy:
-    """``torch.compile`` each decoder layer (regional compilation, static shapes: rows are
-    padded to length buckets); applied after activation checkpointing, before FSDP."""
-    for layer in decoder_layers(policy):
-        layer.compile(dynamic=False)
-    return policy
-
-
-def shard(policy: Policy, mixed_precision: bool) -> Policy:
-    """Apply FSDP2: each decoder layer, then the root. bf16 compute + fp32 reduce when ``mixed_precision``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    kwargs = {"mp_policy": mp} if mp is not None else {}
-    for layer in decoder_layers(policy):
-        fully_shard(layer, **kwargs)
-    fully_shard(policy, **kwargs)
     return policy

@@ -21,7 +21,7 @@ from torch import Tensor
 from grpo_core.packing import PackedRow
 from grpo_core.packing.base import ROW_PARTS
 
-from .attention import TreeMask, pad_subtree_end
+from .attention import TreeMask
 
 _COUNTS = ("num_forwarded", "num_trained", "num_raw", "num_samples", "load")
 
@@ -57,13 +57,27 @@ def row_from_bytes(data: bytes | memoryview) -> PackedRow:
     return PackedRow(**parts, **dict(zip(_COUNTS, counts)))
 
 
-def _tensor(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
-    with warnings.catch_warnings():  # Arrow buffers are read-only; we never write through them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a).to(device=device, dtype=dtype)
+def _transfer(arrays: dict[str, np.ndarray], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    """Arrays to ``device`` as ``dtype`` tensors of the same shapes.
+
+    On CUDA they travel together: one pinned host buffer, one asynchronous copy,
+    so building a row never waits for the work already queued on the device.
+    """
+    if device.type != "cuda":
+        with warnings.catch_warnings():  # Arrow buffers are read-only; we never write through them
+            warnings.simplefilter("ignore", UserWarning)
+            return {k: torch.from_numpy(a).to(dtype) for k, a in arrays.items()}
+    sizes = [a.size for a in arrays.values()]
+    host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+    flat, pos = host.numpy(), 0
+    for a, n in zip(arrays.values(), sizes):
+        flat[pos:pos + n] = a.reshape(-1)
+        pos += n
+    dev = host.to(device, non_blocking=True)
+    return {k: t.view(a.shape) for (k, a), t in zip(arrays.items(), dev.split(sizes))}
 
 
-def _padded_topk(row: PackedRow, name: str, dtype: torch.dtype, fill: float, device: torch.device) -> Tensor | None:
+def _padded_topk(row: PackedRow, name: str, fill: float) -> np.ndarray | None:
     if name not in row.loss.schema.names:
         return None
     col = row.loss.column(name)
@@ -76,7 +90,7 @@ def _padded_topk(row: PackedRow, name: str, dtype: torch.dtype, fill: float, dev
         rows = np.repeat(np.arange(len(counts)), counts)
         cols = np.arange(len(values)) - np.repeat(offsets[:-1], counts)
         out[rows, cols] = values
-    return _tensor(out, dtype, device)
+    return out
 
 
 @dataclass
@@ -125,32 +139,73 @@ def to_tensors(row: PackedRow, device: torch.device, length: int | None = None) 
     length = length or n
     ids = np.zeros(length, dtype=np.int64)
     pos = np.arange(length, dtype=np.int64)
-    end = np.arange(1, length + 1, dtype=np.int32)
+    end = np.arange(1, length + 1, dtype=np.int64)
     if row.num_forwarded:
         ids[: row.num_forwarded] = row.column("input_ids")
         pos[: row.num_forwarded] = row.column("position_ids")
         pos[row.num_forwarded:] = np.arange(length - row.num_forwarded) + pos[: row.num_forwarded].max() + 1
-        end = pad_subtree_end(torch.from_numpy(row.column("subtree_end").astype(np.int32)), length).numpy()
-    mask = TreeMask(_tensor(end, torch.int32, device))
-    candidates = None
+        end[: row.num_forwarded] = row.column("subtree_end")
+    ints = {"input_ids": ids, "position_ids": pos, "subtree_end": end, "policy_version": row.column("policy_version")}
+    for name in ("token_index", "target_id", "sample_index"):
+        ints[name] = row.column(name)
+    floats = {"sampler_logprob": row.column("sampler_logprob"), "advantage": row.column("advantage")}
+    topk_ids = _padded_topk(row, "sampler_topk_ids", -1)
+    if topk_ids is not None:
+        ints["topk_ids"] = topk_ids
+        floats["topk_logprobs"] = _padded_topk(row, "sampler_topk_logprobs", float("-inf"))
     if "sampling_mask" in row.loss.schema.names:
         col = row.loss.column("sampling_mask")
-        candidates = (_tensor(col.offsets.to_numpy(), torch.int64, device),
-                      _tensor(col.values.to_numpy(zero_copy_only=False), torch.int64, device))
+        ints["mask_offsets"] = col.offsets.to_numpy()
+        ints["mask_ids"] = col.values.to_numpy(zero_copy_only=False)
+    i, f = _transfer(ints, torch.int64, device), _transfer(floats, torch.float32, device)
     return RowTensors(
-        input_ids=_tensor(ids, torch.int64, device),
-        position_ids=_tensor(pos, torch.int64, device),
-        tree_mask=mask,
-        token_index=_tensor(row.column("token_index"), torch.int64, device),
-        target_id=_tensor(row.column("target_id"), torch.int64, device),
-        sampler_logprob=_tensor(row.column("sampler_logprob"), torch.float32, device),
-        advantage=_tensor(row.column("advantage"), torch.float32, device),
-        sample_index=_tensor(row.column("sample_index"), torch.int64, device),
-        topk_ids=_padded_topk(row, "sampler_topk_ids", torch.int64, -1, device),
-        topk_logprobs=_padded_topk(row, "sampler_topk_logprobs", torch.float32, float("-inf"), device),
-        candidates=candidates,
-        policy_version=_tensor(row.column("policy_version"), torch.int32, device),
+        input_ids=i["input_ids"], position_ids=i["position_ids"],
+        tree_mask=TreeMask(i["subtree_end"].to(torch.int32)),
+        token_index=i["token_index"], target_id=i["target_id"],
+        sampler_logprob=f["sampler_logprob"], advantage=f["advantage"], sample_index=i["sample_index"],
+        topk_ids=i.get("topk_ids"), topk_logprobs=f.get("topk_logprobs"),
+        candidates=(i["mask_offsets"], i["mask_ids"]) if "mask_offsets" in i else None,
+        policy_version=i["policy_version"].to(torch.int32),
     )
+
+
+def synthetic_row(length: int, num_terms: int, vocab_size: int, device: torch.device, topk: int = 0,
+                  with_mask: bool = False) -> RowTensors:
+    """A row with the shapes of a real row of a length bucket, to compile ahead of the first step.
+
+    One sequence of ``length`` tokens (each sees all before it), ``num_terms`` loss
+    terms (``< length``) with non-zero advantages, and, as the run's samples will
+    have them, ``topk`` sampler top-k ids and a sampling mask of a few candidates.
+    """
+    ids = (np.arange(length, dtype=np.int64) * 7919 + 1) % vocab_size
+    m = num_terms
+    row = {"input_ids": ids, "position_ids": np.arange(length), "subtree_end": np.full(length, length),
+           "token_index": np.arange(m), "target_id": ids[1:m + 1], "sample_index": np.zeros(m, np.int64),
+           "policy_version": np.zeros(1, np.int64)}
+    floats = {"sampler_logprob": np.full(m, -1.0), "advantage": np.where(np.arange(m) % 2 == 0, 1.0, -1.0)}
+    if topk:
+        row["topk_ids"] = (ids[1:m + 1, None] + np.arange(topk)) % vocab_size
+        floats["topk_logprobs"] = np.full((m, topk), -2.0)
+    if with_mask:
+        row["mask_offsets"] = np.arange(m + 1) * 2
+        row["mask_ids"] = np.stack([ids[1:m + 1], (ids[1:m + 1] + 1) % vocab_size], 1).reshape(-1)
+    i, f = _transfer(row, torch.int64, device), _transfer(floats, torch.float32, device)
+    return RowTensors(i["input_ids"], i["position_ids"], TreeMask(i["subtree_end"].to(torch.int32)),
+                      i["token_index"], i["target_id"], f["sampler_logprob"], f["advantage"], i["sample_index"],
+                      i.get("topk_ids"), f.get("topk_logprobs"),
+                      (i["mask_offsets"], i["mask_ids"]) if with_mask else None, i["policy_version"].to(torch.int32))
+
+
+def bucket_length(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= ``n`` (``buckets`` sorted ascending).
+
+    Raises:
+        ValueError: ``n`` exceeds the largest bucket.
+    """
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"row of {n} tokens exceeds the largest length bucket {buckets[-1]}; raise token_budget")
 
 
 def length_buckets(token_budget: int, num_buckets: int, multiple: int = 128) -> tuple[int, ...]:

@@ -1,10 +1,14 @@
 """The FSDP2 GRPO trainer loop (DESIGN.md §3, §5, §7).
 
 Every rank runs :class:`Trainer`; rank 0 also owns the :class:`Planner` (data),
-the metrics sink, weight-sync traffic and checkpoint metadata. One step:
-``collect_step`` (rank 0 plans, every rank receives its rows) →
-``forward_backward`` per micro-batch → ``optimizer_step`` → ``sync_weights``
-(every ``weight_sync_steps``) → ``log_step`` → ``save`` (every ``save_steps``).
+the metrics sink, weight-sync traffic and checkpoint metadata. Before the first
+step (also after a resume) every length bucket is compiled (:meth:`Trainer.warmup`).
+One step: ``collect_step`` (rank 0 plans, every rank receives its rows over the CPU
+control group) → ``forward_backward`` per micro-batch (the fused log-prob head) →
+``optimizer_step`` → ``sync_weights`` (every ``weight_sync_steps``) → ``save`` (every
+``save_steps``). The step's statistics stay on the device and are logged during the
+next step (:mod:`grpo_core.train.step_stats`), so the device keeps working while the
+host plans, hands off rows and logs.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ from grpo_core.transport import ResumeState, SampleSource
 
 from . import checkpoint
 from .attention import FlexTreeMasks
-from .distributed import ROW, STOP, World, all_reduce, broadcast_header, scatter_rows
-from .loss import LossSettings, grpo_loss
+from .distributed import ROW, STOP, World, broadcast_header, scatter_rows
+from .loss import LossSettings
+from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, shard
 from .planner import PlannedStep, Planner
-from .policy import build_policy, compile_layers, shard
-from .rows import length_buckets, to_tensors
+from .policy import build_policy
+from .rows import bucket_length, length_buckets, synthetic_row, to_tensors
+from .step_stats import Clock, PendingStats, reduce_step
 from .weight_sync import NoWeightSync, WeightSync
 
 logger = logging.getLogger(__name__)
@@ -59,24 +65,24 @@ class Trainer:
         self.weight_sync = weight_sync or NoWeightSync()
         self.output_dir = Path(tc.output_dir)
         torch.manual_seed(tc.seed + world.rank)
-        dtype = getattr(torch, tc.dtype)
-        self.policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=dtype, device=world.device,
-                                   lora=tc.lora, gradient_checkpointing=tc.gradient_checkpointing,
-                                   temperature=cfg.rollout.temperature, chunk_size=tc.logprob_chunk_size)
         on_cuda = world.device.type == "cuda"
-        if tc.compile if tc.compile is not None else on_cuda:
-            compile_layers(self.policy)
-        shard(self.policy, tc.mixed_precision if tc.mixed_precision is not None else on_cuda)
+        self.compiled = tc.compile if tc.compile is not None else on_cuda
+        self.policy = self._build_policy(on_cuda)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, betas=tc.adam_betas,
-                                           weight_decay=tc.weight_decay)
+                                           weight_decay=tc.weight_decay, fused=on_cuda or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps))
         self.loss_settings = LossSettings(tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high)
         self.token_budget = cfg.token_budget()
-        self.flex = FlexTreeMasks(world.device) if world.device.type == "cuda" else None
-        self.buckets = length_buckets(self.token_budget, tc.length_buckets)
+        self.flex = FlexTreeMasks(world.device) if on_cuda else None
+        # static shapes for compiled layers and FlexAttention: rows are padded to a few lengths
+        self.buckets = length_buckets(self.token_budget, tc.length_buckets) if self.compiled or on_cuda else None
+        self.clock = Clock(world.device)
         self.window = MetricWindow()
+        self.pending: tuple | None = None  # (stats, planned, host-side values) of the step not yet logged
+        self.last_end = None  # clock mark at the end of the previous step
+        self.warmup_s: float | None = None
         self.step, self.policy_version = 0, 0
         tracker, pending = self._resume()
         self.planner = None
@@ -85,6 +91,18 @@ class Trainer:
             self.source = source
             self.planner = Planner(source, world.world_size, self.token_budget, cfg.packing.backend, tracker, pending,
                                    flush_after_s=tc.flush_partial_after_s)
+
+    def _build_policy(self, on_cuda: bool):
+        """Load, checkpoint/compile each layer, shard (torchtitan's order; :mod:`grpo_core.train.parallelize`)."""
+        cfg, tc = self.cfg, self.cfg.train
+        policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype),
+                              device=self.world.device, lora=tc.lora, temperature=cfg.rollout.temperature,
+                              chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024))
+        apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled)
+        policy.compile_head = self.compiled and on_cuda  # the head's kernels are only worth compiling on GPUs
+        reshard = resolve_reshard_after_forward(tc.fsdp_reshard_after_forward, policy, self.world.device)
+        return shard(policy, tc.mixed_precision if tc.mixed_precision is not None else on_cuda, reshard,
+                     tc.fsdp_prefetch)
 
     # -- resume --------------------------------------------------------------------------
     def _resume(self) -> tuple[checkpoint.PromptTracker, object]:
@@ -99,53 +117,80 @@ class Trainer:
         """Where the rollout side should start (rank 0)."""
         return self.planner.tracker.state(self.step, self.policy_version)
 
+    # -- warm-up -------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Compile every length bucket before the first step (also after a resume); returns seconds.
+
+        Each bucket gets one forward/backward of a synthetic row of that length
+        (:func:`~grpo_core.train.rows.synthetic_row`) on every rank; the smallest one
+        also with a single loss term (compilers specialise sizes 0 and 1). The gradients
+        are discarded; parameters, optimizer and RNG state are untouched.
+        """
+        if not self.compiled or not self.buckets:
+            return 0.0
+        t0 = time.perf_counter()
+        rollout = self.cfg.rollout
+        vocab = self.policy.base().get_output_embeddings().weight.shape[0]
+        shapes = [(length, length - 1) for length in self.buckets] + [(self.buckets[0], 1)]
+        for length, num_terms in shapes:
+            rt = synthetic_row(length, num_terms, vocab, self.world.device, rollout.num_sampler_logprobs,
+                               rollout.uses_candidate_filter())
+            if self.flex is not None:
+                rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
+            self.policy.grpo_loss(rt, self.loss_settings, float(num_terms)).loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)
+        self.warmup_s = time.perf_counter() - t0
+        logger.info("compiled %d length buckets %s in %.1f s", len(self.buckets), list(self.buckets), self.warmup_s)
+        return self.warmup_s
+
     # -- one step ------------------------------------------------------------------------
-    def collect_step(self) -> tuple[list, PlannedStep | None]:
-        """Rank 0 plans the step; every rank gets its row of each micro-batch ([] = stop)."""
-        planned = None
+    def collect_step(self) -> tuple[list, list[int], PlannedStep | None]:
+        """Rank 0 plans the step; every rank gets its row of each micro-batch ([] = stop) and the
+        micro-batches' loss terms summed over ranks (the loss normalisers)."""
+        planned, gas = None, self.cfg.train.gradient_accumulation_steps
+        header = None
         if self.world.is_main:
-            planned = self.planner.next_step(self.cfg.train.gradient_accumulation_steps, self.policy_version)
-        n = broadcast_header(self.world, [ROW if planned else STOP, len(planned.micro_batches) if planned else 0])
+            planned = self.planner.next_step(gas, self.policy_version)
+            header = [STOP, 0]
+            if planned:
+                terms = [sum(r.num_trained for r in mb) for mb in planned.micro_batches]
+                header = [ROW, len(terms), *terms]
+        n = broadcast_header(self.world, header, size=2 + gas)
         if n[0] == STOP:
-            return [], None
-        rows = [scatter_rows(self.world, mb if planned else None) for mb in (planned.micro_batches if planned
-                                                                              else [None] * n[1])]
-        return rows, planned
+            return [], [], None
+        mbs = planned.micro_batches if planned else [None] * n[1]
+        return [scatter_rows(self.world, mb) for mb in mbs], n[2:2 + n[1]], planned
 
     def _tensors(self, row):
-        if self.flex is None:
+        if self.buckets is None:
             return to_tensors(row, self.world.device)
-        length = self.flex.bucket(max(row.num_forwarded, 1), self.buckets)
+        length = bucket_length(max(row.num_forwarded, 1), self.buckets)
         rt = to_tensors(row, self.world.device, length)
-        rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
+        if self.flex is not None:
+            rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
         return rt
 
-    def forward_backward(self, row, num_micro_batches: int) -> dict[str, float]:
-        """One micro-batch on this rank: log-probs, loss, backward; returns local sums for metrics."""
-        rt = self._tensors(row)
-        n_global = all_reduce([rt.num_terms], self.world)[0]
-        normaliser = max(n_global, 1) * num_micro_batches / self.world.world_size
-        out = self.policy.logprobs(rt)
-        loss, st = grpo_loss(out.logprobs, rt.sampler_logprob, rt.advantage, normaliser, self.loss_settings,
-                             out.topk_logprobs, rt.topk_logprobs)
-        loss.backward()
-        sums = {"loss": loss.item(),
-                "terms": rt.num_terms, "entropy": out.entropy.sum().item(), "ratio": st["ratio"].sum().item(),
-                "logp_diff": st["logp_diff"].sum().item(), "masked": st["masked"].sum().item(),
-                "clipped_low": st["clipped_low"].sum().item(), "clipped_high": st["clipped_high"].sum().item(),
-                "sampler_mass": st["sampler_mass"].sum().item() if "sampler_mass" in st else 0.0}
-        extremes = {"ratio_max": st["ratio"].max().item() if rt.num_terms else 0.0,
-                    "ratio_min_neg": -st["ratio"].min().item() if rt.num_terms else -math.inf,
-                    "logp_diff_max": st["logp_diff"].max().item() if rt.num_terms else 0.0}
-        version = self.policy_version
-        staleness = (version - rt.policy_version).float() if rt.policy_version.numel() else torch.zeros(0)
-        sums["staleness"] = staleness.sum().item()
-        sums["samples"] = float(staleness.numel())
-        extremes["staleness_max"] = staleness.max().item() if staleness.numel() else 0.0
-        return {**sums, **extremes}
+    def forward_backward(self, rt, num_terms_global: int, num_micro_batches: int) -> dict:
+        """One micro-batch on this rank: fused head loss, backward; returns its statistics as device tensors."""
+        normaliser = max(num_terms_global, 1) * num_micro_batches / self.world.world_size
+        res = self.policy.grpo_loss(rt, self.loss_settings, normaliser)
+        res.loss.backward()
+        st, n = res.stats, rt.num_terms
+        staleness = (self.policy_version - rt.policy_version).float()
+        out = {"loss": res.loss, "terms": n, "entropy": res.logprobs.entropy.sum(),
+               "sampler_mass": st["sampler_mass"].sum() if "sampler_mass" in st else 0.0,
+               "staleness": staleness.sum(), "samples": staleness.numel(),
+               "staleness_max": staleness.max() if staleness.numel() else 0.0,
+               "ratio_max": st["ratio"].max() if n else 0.0, "ratio_min_neg": -st["ratio"].min() if n else -math.inf,
+               "logp_diff_max": st["logp_diff"].max() if n else 0.0}
+        for k in ("ratio", "logp_diff", "masked", "clipped_low", "clipped_high"):
+            out[k] = st[k].sum()
+        return out
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, schedule; returns lr and the pre-clip gradient norm."""
+    def optimizer_step(self) -> dict:
+        """Clip, step, schedule; returns lr and the pre-clip gradient norm (a device tensor)."""
         tc = self.cfg.train
         params = [p for p in self.policy.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm if tc.max_grad_norm > 0 else float("inf"))
@@ -154,42 +199,63 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        return {"grad_norm": float(norm), "learning_rate": lr}
+        return {"grad_norm": norm, "learning_rate": lr}
 
     def run(self) -> ResumeState | None:
         """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0)."""
         tc = self.cfg.train
         if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
             self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
+        self.warmup()
         while self.step < tc.max_steps:
             if not self.train_step():
                 break
+        self.flush_log()
         self.save()
         return self.resume_state() if self.world.is_main else None
 
     def train_step(self) -> bool:
         """One optimizer step; False when there was nothing left to train."""
         t0 = time.perf_counter()
-        rows, planned = self.collect_step()
+        start = self.last_end if self.last_end is not None else self.clock.mark()
+        rows, terms, planned = self.collect_step()
         if not rows:
             return False
-        t1 = time.perf_counter()
-        local = [self.forward_backward(r, len(rows)) for r in rows]
-        t2 = time.perf_counter()
+        tensors = [self._tensors(r) for r in rows]
+        collect_s = time.perf_counter() - t0
+        marks = {"start": start, "fb": self.clock.mark()}
+        local = [self.forward_backward(rt, n, len(rows)) for rt, n in zip(tensors, terms)]
+        marks["fb_end"] = self.clock.mark()
+        self.flush_log()  # the previous step's values are ready; this step's work is queued
         opt = self.optimizer_step()
-        t3 = time.perf_counter()
+        marks["end"] = self.last_end = self.clock.mark()
         self.step += 1
         if self.world.is_main:
             self._record_trained(planned)
         sync = {}
         if self.step % self.cfg.train.weight_sync_steps == 0:
+            t3 = time.perf_counter()
             self.policy_version += 1
             sync = self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
             sync["perf/weight_sync_s"] = time.perf_counter() - t3
-        self.log_step(local, planned, opt, sync, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t0)
+        if self.world.is_main:
+            self.source.report(self.policy_version, int(planned.stats["batch/raw_tokens_per_step"]))
+        stats = reduce_step(local, opt.pop("grad_norm"), self.world.device)
+        stats.marks = marks
+        self.pending = (self.step, stats, planned, {**opt, **sync}, collect_s, self._pad_frac(planned))
         if self.step % self.cfg.train.save_steps == 0:
+            self.flush_log()
             self.save()
+            self.last_end = None  # the next step's time starts after the checkpoint
         return True
+
+    def _pad_frac(self, planned: PlannedStep | None) -> float:
+        """Padding added to bring the step's rows to their bucket lengths ÷ padded positions (rank 0)."""
+        if planned is None or self.buckets is None:
+            return 0.0
+        rows = [max(r.num_forwarded, 1) for mb in planned.micro_batches for r in mb]
+        padded = [bucket_length(n, self.buckets) for n in rows]
+        return 1.0 - sum(rows) / sum(padded)
 
     def _record_trained(self, planned: PlannedStep) -> None:
         """Mark the step's samples trained and append the prompts it completed to ``trained_prompts.jsonl``."""
@@ -200,45 +266,55 @@ class Trainer:
             f.write(json.dumps({"step": self.step, "prompt_indices": done}) + "\n")
 
     # -- metrics -------------------------------------------------------------------------
-    def log_step(self, local: list[dict], planned: PlannedStep | None, opt: dict, sync: dict,
-                 collect_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float) -> None:
-        """Reduce per-rank sums, add rank 0's batch stats, and flush a window every ``logging_steps``."""
-        keys = ["loss", "terms", "entropy", "ratio", "logp_diff", "masked", "clipped_low", "clipped_high",
-                "sampler_mass", "staleness", "samples"]
-        sums = dict(zip(keys, all_reduce([sum(d[k] for d in local) for k in keys], self.world)))
-        mkeys = ["ratio_max", "ratio_min_neg", "logp_diff_max", "staleness_max"]
-        maxes = dict(zip(mkeys, all_reduce([max(d[k] for d in local) for k in mkeys], self.world, op="max")))
-        if not self.world.is_main:
+    def flush_log(self) -> None:
+        """Log the step whose statistics are still pending (every rank reads them; rank 0 logs)."""
+        if self.pending is None:
             return
-        n = max(sums["terms"], 1)
+        step, stats, planned, host, collect_s, pad_frac = self.pending
+        self.pending = None
+        values = stats.values()
+        if self.world.is_main:
+            m = stats.marks
+            times = {"perf/step_s": self.clock.seconds(m["start"], m["end"]),
+                     "perf/fwd_bwd_s": self.clock.seconds(m["fb"], m["fb_end"]),
+                     "perf/optimizer_s": self.clock.seconds(m["fb_end"], m["end"]), "perf/collect_s": collect_s}
+            self.log_step(step, values, planned, {**host, **times, "batch/pad_frac": pad_frac})
+
+    def log_step(self, step: int, v: dict[str, float], planned: PlannedStep, extra: dict) -> None:
+        """Add one step's reduced statistics to the window; flush it every ``logging_steps`` (rank 0)."""
+        n = max(v["terms"], 1)
         w = self.window
-        w.update({"loss": sums["loss"] / self.world.world_size, "entropy": sums["entropy"] / n,
-                  "sampling/importance_sampling_ratio/mean": sums["ratio"] / n,
-                  "sampling/importance_sampling_ratio/max": maxes["ratio_max"],
-                  "sampling/importance_sampling_ratio/min": -maxes["ratio_min_neg"],
-                  "sampling/sampling_logp_difference/mean": sums["logp_diff"] / n,
-                  "sampling/sampling_logp_difference/max": maxes["logp_diff_max"],
-                  "sampling/masked_mean": sums["masked"] / n,
-                  "clip_ratio/low_mean": sums["clipped_low"] / n, "clip_ratio/high_mean": sums["clipped_high"] / n,
-                  "clip_ratio/region_mean": (sums["clipped_low"] + sums["clipped_high"]) / n,
-                  "sample/staleness_mean": sums["staleness"] / max(sums["samples"], 1),
-                  "sample/staleness_max": maxes["staleness_max"], "policy_version": self.policy_version,
-                  "perf/step_s": step_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/optimizer_s": optimizer_s,
-                  "perf/rollout_wait_s": planned.rollout_wait_s, **opt, **planned.stats, **sync})
+        w.update({"loss": v["loss"] / self.world.world_size, "entropy": v["entropy"] / n,
+                  "sampling/importance_sampling_ratio/mean": v["ratio"] / n,
+                  "sampling/importance_sampling_ratio/max": v["ratio_max"],
+                  "sampling/importance_sampling_ratio/min": -v["ratio_min_neg"],
+                  "sampling/sampling_logp_difference/mean": v["logp_diff"] / n,
+                  "sampling/sampling_logp_difference/max": v["logp_diff_max"],
+                  "sampling/masked_mean": v["masked"] / n,
+                  "clip_ratio/low_mean": v["clipped_low"] / n, "clip_ratio/high_mean": v["clipped_high"] / n,
+                  "clip_ratio/region_mean": (v["clipped_low"] + v["clipped_high"]) / n,
+                  "sample/staleness_mean": v["staleness"] / max(v["samples"], 1),
+                  "sample/staleness_max": v["staleness_max"], "policy_version": self.policy_version,
+                  "grad_norm": v["grad_norm"], "perf/rollout_wait_s": planned.rollout_wait_s, **planned.stats,
+                  **extra})
+        if self.warmup_s is not None:  # reported once, with the first step after it
+            w.add("perf/compile_warmup_s", self.warmup_s)
+            self.warmup_s = None
         if self.cfg.train.score_centering:
-            w.add("sampling/sampler_mass", sums["sampler_mass"] / n)
+            w.add("sampling/sampler_mass", v["sampler_mass"] / n)
+        step_s, fwd_bwd_s = extra["perf/step_s"], extra["perf/fwd_bwd_s"]
         w.rate("perf/tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], step_s)
         w.rate("perf/trained_tokens_per_s", planned.stats["batch/trained_tokens_per_step"], step_s)
+        w.rate("perf/fwd_bwd_forwarded_tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
         self._mfu(planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
-        self.source.report(self.policy_version, int(planned.stats["batch/raw_tokens_per_step"]))
-        if self.step % self.cfg.train.logging_steps == 0:
+        if step % self.cfg.train.logging_steps == 0:
             w.add("batch/dropped_oversize_count", self.planner.dropped_oversize_count)
             w.update(self.source.metrics())
             metrics = w.flush()
-            logger.info("step %d: loss %.4f, %.0f tokens/s", self.step, metrics.get("loss", float("nan")),
+            logger.info("step %d: loss %.4f, %.0f tokens/s", step, metrics.get("loss", float("nan")),
                         metrics.get("perf/tokens_per_s", 0.0))
             if self.sink is not None:
-                self.sink.log(self.step, metrics)
+                self.sink.log(step, metrics)
 
     def _mfu(self, forwarded_tokens: float, fwd_bwd_s: float) -> None:
         if self.world.device.type != "cuda" or fwd_bwd_s <= 0:
