@@ -1,63 +1,81 @@
-"""Trainer throughput on one GPU: tree rows vs plain padding-free rows from the same samples.
+"""Trainer throughput: tree rows vs plain rows × eager vs compiled × model shapes, and 1 vs 2 GPUs.
 
-A Qwen3-0.6B-shaped random model (bf16) runs forward + backward of the GRPO loss
-over micro-batches of one row each (token budget 16384, rows padded to the budget
-so FlexAttention compiles once). Tree rows come from the packer (prompts shared
-by the G rollouts of a group are forwarded once); plain rows hold the same
-samples back to back with block-diagonal causal attention (nothing shared).
-``--check`` first verifies, in fp32, that every trained token's log-prob from a
-packed row equals the sample run alone (random Qwen3- and Llama-shaped models).
+Two commands, each one configuration of the device and well under ten minutes on H200s:
 
-Usage (GPU)::
+* ``sweep`` (one GPU, one process): random-weight Qwen3 shapes (0.6B, 1.7B, 4B; bf16) run
+  forward + backward of the GRPO loss through the trainer's own policy (fused log-prob
+  head, tree attention) over rows of the same samples: tree rows from the packer (each
+  group's prompt forwarded once) and plain rows (the samples back to back, nothing
+  shared), every row padded to the token budget. Eager first, then with compiled layers
+  and head (the compile of the budget length is the warm-up). Per configuration:
+  forwarded / raw / trained tok/s, MFU (6 × parameters × forwarded tokens ÷ time ÷ bf16
+  peak, as the trainer's ``perf/fwd_bwd_mfu``), peak memory, warm-up seconds, median step
+  and max/median step. A fused-head check on the device comes first (bf16 vs fp32).
+* ``ranks`` (torchrun, 1 and 2 GPUs): the real trainer (``python -m grpo_core.train``:
+  FSDP2, AdamW, checkpoints) on the same samples from an Arrow file, ``--resume-at``
+  steps, a checkpoint, then a resumed run to ``--steps``; from ``metrics.jsonl``: steady
+  trained tok/s, MFU, warm-up seconds at the start and after the resume, steps that
+  compiled anything, max/median step, and the scaling of 2 ranks over 1.
 
-    python benchmarks/trainer.py --json            # tree vs plain, Qwen3-0.6B shape
-    python benchmarks/trainer.py --check --json    # equivalence figure first
+Both print a table and write JSON under ``--out`` (default ``$OUT`` when set).
+
+Usage::
+
+    python benchmarks/trainer.py sweep                       # H200: 0.6b,1.7b,4b × plain/tree × eager/compiled
+    torchrun-free: python benchmarks/trainer.py ranks --nproc 1,2   # 2 × H200
+    python benchmarks/trainer.py sweep --shapes tiny --budget 512 --groups 4 --steps 3   # CPU smoke run
+    python benchmarks/trainer.py ranks --shape tiny --budget 512 --groups 8 --steps 4 --resume-at 3  # CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from grpo_core.packing import PackedRow, Sample, get_packer
+from grpo_core.packing import PackedRow, Sample, TokenLists, get_packer
 from grpo_core.packing.base import ROW_PARTS
-from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
-from grpo_core.train.loss import LossSettings, grpo_loss
-from grpo_core.train.parallelize import apply_layer_wrappers
-from grpo_core.train.policy import Policy
-from grpo_core.train.rows import to_tensors
 
-#: Qwen3-0.6B's shape (config.json of Qwen/Qwen3-0.6B).
-TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                 tie_word_embeddings=True)
+#: Model shapes (config.json of the Qwen/Qwen3-* checkpoints; weights random).
+SHAPES = {
+    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+}
+#: Activation checkpointing per shape in ``auto`` mode: 4B's eager activations at 16k tokens outgrow 141 GB.
+AUTO_CHECKPOINTING = {"4b": "selective"}
 H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (H100/H200 SXM datasheet)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def qwen3_config(shape: str):
+    """A ``Qwen3Config`` of one of :data:`SHAPES` (tied embeddings, as the small Qwen3 checkpoints)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, tie_word_embeddings=True)
+
+
 def sync() -> None:
-    """Wait for queued GPU work (no-op on CPU)."""
+    """Wait for queued device work (no-op on CPU)."""
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
 
 
-def prepare(row: PackedRow, length: int, flex: FlexTreeMasks | None):
-    """A row's tensors padded to ``length``; a FlexAttention block mask on CUDA, a dense mask on CPU."""
-    rt = to_tensors(row, DEVICE, length)
-    if flex is not None:
-        rt.tree_mask = flex.build(rt.tree_mask.subtree_end, length)
-    return rt
-
-
-def workload(num_groups: int, group_size: int, vocab: int, seed: int = 0, prompt_len: int = 1024,
-             completion_len: tuple[int, int] = (128, 1024)) -> list[Sample]:
-    """GRPO groups: ``prompt_len``-token prompts, completions of uniform length in ``completion_len``."""
+def workload(num_groups: int, group_size: int, vocab: int, prompt_len: int = 1024,
+             completion_len: tuple[int, int] = (128, 1024), topk: int = 8, seed: int = 0) -> list[Sample]:
+    """GRPO groups: one ``prompt_len`` prompt per group, completions of uniform length in ``completion_len``,
+    sampler log-probs and (``topk`` > 0) top-k ids and log-probs per completion token."""
     rng = np.random.default_rng(seed)
     out = []
     for g in range(num_groups):
@@ -67,155 +85,126 @@ def workload(num_groups: int, group_size: int, vocab: int, seed: int = 0, prompt
             ids = np.concatenate([prompt, completion]).astype(np.int32)
             mask = np.r_[np.zeros(prompt_len, np.int8), np.ones(len(completion), np.int8)]
             lp = np.where(mask == 1, -rng.exponential(1.0, len(mask)), 0).astype(np.float32)
-            out.append(Sample(sample_id=len(out), group_id=g, prompt_index=g, input_ids=ids, completion_mask=mask,
-                              sampler_logprobs=lp, advantage=float(rng.normal())))
+            s = Sample(sample_id=len(out), group_id=g, prompt_index=g, input_ids=ids, completion_mask=mask,
+                       sampler_logprobs=lp, advantage=float(rng.normal()))
+            if topk:
+                top_ids = rng.integers(0, vocab, (len(ids), topk)).astype(np.int32)
+                top_lp = np.sort(-rng.exponential(2.0, (len(ids), topk)), 1)[:, ::-1].astype(np.float32)
+                s.sampler_topk = TokenLists(np.arange(len(ids) + 1, dtype=np.int32) * topk, top_ids.ravel(),
+                                            top_lp.ravel())
+            out.append(s)
     return out
 
 
-def plain_rows(samples: list[Sample], budget: int) -> list[PackedRow]:
-    """Samples back to back (first fit in order), each attending to itself only."""
-    import pyarrow as pa
-
-    rows, cur = [], []
-    for s in samples:
-        if cur and sum(c.num_tokens for c in cur) + s.num_tokens > budget:
-            rows.append(cur)
-            cur = []
-        cur.append(s)
-    rows.append(cur)
-    packed = []
-    for row in rows:
-        starts = np.cumsum([0] + [s.num_tokens for s in row])
-        ids = np.concatenate([s.input_ids for s in row])
-        pos = np.concatenate([np.arange(s.num_tokens) for s in row]).astype(np.int32)
-        end = np.concatenate([np.full(s.num_tokens, starts[i + 1]) for i, s in enumerate(row)]).astype(np.int32)
-        t = [np.nonzero(s.completion_mask)[0] for s in row]
-        cols = {
-            "input_ids": ids, "position_ids": pos, "subtree_end": end,
-            "cu_seqlens_q": starts.astype(np.int32), "cu_seqlens_k": starts.astype(np.int32),
-            "kv_index": np.arange(len(ids), dtype=np.int32),
-            "token_index": np.concatenate([starts[i] + t[i] - 1 for i in range(len(row))]).astype(np.int32),
-            "target_id": np.concatenate([s.input_ids[t[i]] for i, s in enumerate(row)]),
-            "sampler_logprob": np.concatenate([s.sampler_logprobs[t[i]] for i, s in enumerate(row)]),
-            "advantage": np.concatenate([np.full(len(t[i]), s.advantage, np.float32) for i, s in enumerate(row)]),
-            "sample_index": np.concatenate([np.full(len(t[i]), i, np.int32) for i in range(len(row))]),
-            "sample_id": np.array([s.sample_id for s in row]), "group_id": np.array([s.group_id for s in row]),
-            "prompt_index": np.array([s.prompt_index for s in row]),
-            "policy_version": np.zeros(len(row), np.int32),
-            "num_tokens": np.array([s.num_tokens for s in row], np.int32),
-            "num_trained": np.array([s.num_trained for s in row], np.int32),
-        }
-        parts = {p: pa.record_batch({n: cols[n] for n in names}) for p, names in ROW_PARTS.items()}
-        packed.append(PackedRow(**parts, num_forwarded=len(ids), num_trained=len(cols["token_index"]),
-                                num_raw=len(ids), num_samples=len(row), load=0))
-    return packed
+def packer_name() -> str:
+    """``rust`` when packer_rs imports, else the python reference backend (same rows)."""
+    try:
+        get_packer("rust")
+        return "rust"
+    except Exception:  # noqa: BLE001 - no native extension on this machine: the reference packer is exact too
+        return "python"
 
 
 def tree_rows(samples: list[Sample], budget: int) -> list[PackedRow]:
-    """One-rank micro-batches of the rust packer."""
+    """One-rank micro-batches of the packer: prefix-trie rows."""
+    b = get_packer(packer_name()).batcher(1, budget)
+    return [mb[0] for mb in b.push(_arrow(samples)) + b.finish()]
+
+
+def _arrow(samples):
     from grpo_core.packing import samples_to_arrow
 
-    b = get_packer("rust").batcher(1, budget)
-    return [mb[0] for mb in b.push(samples_to_arrow(samples)) + b.finish()]
+    return samples_to_arrow(samples)
 
 
-def model(shape: dict, dtype: torch.dtype, arch: str = "qwen3") -> Policy:
-    """A random model with tree attention, wrapped as the trainer's Policy."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+def plain_rows(samples: list[Sample], budget: int) -> list[PackedRow]:
+    """Samples back to back (first fit in order), each attending to itself only: each sample packed alone
+    as a one-sample trie, rows concatenated."""
+    packer = get_packer(packer_name())
+    rows, cur, n = [], [], 0
+    for s in samples:
+        if cur and n + s.num_tokens > budget:
+            rows.append(cur)
+            cur, n = [], 0
+        cur.append(s)
+        n += s.num_tokens
+    rows.append(cur)
+    return [_concat([packer.pack_row([s], budget) for s in row]) for row in rows]
 
-    register_tree_attention()
-    cfg = (Qwen3Config if arch == "qwen3" else LlamaConfig)(**shape)
-    torch.manual_seed(0)
-    lm = AutoModelForCausalLM.from_config(cfg, attn_implementation=TREE_ATTENTION, dtype=dtype)
-    return Policy(lm, chunk_size=2048).to(DEVICE)
+
+def _concat(parts: list[PackedRow]) -> PackedRow:
+    """Rows side by side: positions and subtree ends shifted, sample indices renumbered."""
+    import pyarrow as pa
+
+    offsets = np.cumsum([0] + [p.num_forwarded for p in parts])
+    shift = {"subtree_end": "tok", "kv_index": "tok", "token_index": "tok", "sample_index": "sample"}
+    batches = {}
+    for part in ROW_PARTS:
+        cols = {}
+        for name in getattr(parts[0], part).schema.names:
+            arrays = []
+            for i, p in enumerate(parts):
+                col = getattr(p, part).column(name)
+                if name in shift and not pa.types.is_list(col.type):
+                    a = col.to_numpy()
+                    arrays.append(pa.array(a + (offsets[i] if shift[name] == "tok" else i)).cast(col.type))
+                elif name in ("cu_seqlens_q", "cu_seqlens_k"):
+                    a = col.to_numpy()
+                    arrays.append(pa.array((a if i == 0 else a[1:]) + offsets[i]).cast(col.type))
+                else:
+                    arrays.append(col)
+            cols[name] = pa.concat_arrays(arrays)
+        batches[part] = pa.record_batch(cols)
+    return PackedRow(**batches, num_forwarded=int(offsets[-1]), num_trained=sum(p.num_trained for p in parts),
+                     num_raw=sum(p.num_raw for p in parts), num_samples=len(parts), load=sum(p.load for p in parts))
 
 
-def run_rows(policy: Policy, rows: list[PackedRow], budget: int, flex: FlexTreeMasks | None) -> dict:
-    """Forward + backward of every row; times each one (synchronised), mask building excluded."""
-    times, forwarded, trained = [], 0, 0
+def summarise(times: list[float]) -> dict:
+    """Median step and the slowest step over the median."""
+    med = statistics.median(times)
+    return {"median_step_s": med, "max_over_median": max(times) / med}
+
+
+def write_json(out_dir: str | None, name: str, results) -> None:
+    """``results`` as ``<out_dir>/<name>`` (no-op without a folder)."""
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / name).write_text(json.dumps(results, indent=1))
+
+
+def print_table(results: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """A plain text table: ``columns`` = (key, header, format)."""
+    rows = [[("" if r.get(k) is None else (f.format(r[k]) if f else str(r[k]))) for k, _, f in columns]
+            for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (_, h, _) in enumerate(columns)]
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
     for row in rows:
-        rt = prepare(row, budget, flex)
-        sync()
-        t0 = time.perf_counter()
-        out = policy.logprobs(rt)
-        loss, _ = grpo_loss(out.logprobs, rt.sampler_logprob, rt.advantage, float(rt.num_terms),
-                            LossSettings(score_centering=False))
-        loss.backward()
-        sync()
-        times.append(time.perf_counter() - t0)
-        forwarded += row.num_forwarded
-        trained += row.num_trained
-    return {"seconds": sum(times), "forwarded": forwarded, "trained": trained,
-            "raw": sum(r.num_raw for r in rows), "rows": len(rows)}
-
-
-def benchmark(args: argparse.Namespace) -> list[dict]:
-    """Tree vs plain rows on the Qwen3-0.6B shape (``--tiny``: a small shape for a CPU smoke run)."""
-    shape = TINY if args.tiny else QWEN3_06B
-    policy = model(shape, torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
-    if args.compile:
-        apply_layer_wrappers(policy, compile_layers=True)
-    n_params = sum(p.numel() for p in policy.parameters())
-    lengths = dict(prompt_len=64, completion_len=(8, 64)) if args.tiny else {}
-    samples = workload(args.groups, args.group_size, shape["vocab_size"], **lengths)
-    flex = FlexTreeMasks(DEVICE) if DEVICE.type == "cuda" else None
-    results = []
-    for kind, rows in (("plain", plain_rows(samples, args.budget)), ("tree", tree_rows(samples, args.budget))):
-        run_rows(policy, rows[:2], args.budget, flex)  # compile + warm up
-        policy.zero_grad(set_to_none=True)
-        r = run_rows(policy, rows, args.budget, flex)
-        s = r["seconds"]
-        results.append({
-            "rows": kind, "compiled": args.compile, "num_rows": r["rows"], "samples": len(samples), "fwd_bwd_s": s,
-            "forwarded_tokens_per_s": r["forwarded"] / s, "raw_tokens_per_s": r["raw"] / s,
-            "trained_tokens_per_s": r["trained"] / s, "packing_ratio": r["raw"] / r["forwarded"],
-            "mfu": 6 * n_params * r["forwarded"] / s / H200_BF16_PEAK,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None,
-        })
-    return results
-
-
-def equivalence() -> dict:
-    """fp32 max |packed − alone| trained-token log-prob, FlexAttention on CUDA (SDPA mask on CPU)."""
-    out = {}
-    for arch in ("qwen3", "llama"):
-        shape = TINY if arch == "qwen3" else {k: v for k, v in TINY.items() if k != "head_dim"}
-        policy = model(shape, torch.float32, arch)
-        samples = workload(3, 4, shape["vocab_size"], seed=1, prompt_len=64, completion_len=(16, 128))
-        row = get_packer("rust").pack_row(samples, 4096)
-        length = -(-row.num_forwarded // 128) * 128
-        rt = prepare(row, length, FlexTreeMasks(DEVICE) if DEVICE.type == "cuda" else None)
-        base = policy.base()
-        with torch.no_grad():
-            packed = policy.logprobs(rt).logprobs
-            worst = 0.0
-            base.config._attn_implementation = "sdpa"
-            for i, s in enumerate(samples):
-                ids = torch.as_tensor(s.input_ids, dtype=torch.long, device=DEVICE)[None]
-                logp = torch.log_softmax(base(input_ids=ids).logits[0].float(), -1)
-                t = torch.as_tensor(np.nonzero(s.completion_mask)[0], device=DEVICE)
-                alone = logp[t - 1, ids[0, t]]
-                mine = packed[torch.as_tensor(row.column("sample_index") == i, device=DEVICE)]
-                worst = max(worst, (mine - alone).abs().max().item())
-            base.config._attn_implementation = TREE_ATTENTION
-        out[arch] = worst
-    return {"check": "packed_vs_alone_fp32_max_abs_diff", "device": DEVICE.type, **out}
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
 
 
 def main() -> None:
     """CLI."""
+    from trainer_ranks import add_ranks_args, ranks  # noqa: PLC0415 - sibling module of this script
+    from trainer_sweep import add_sweep_args, sweep  # noqa: PLC0415
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--groups", type=int, default=24)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--budget", type=int, default=16384)
-    p.add_argument("--check", action="store_true", help="run the fp32 equivalence check first")
-    p.add_argument("--tiny", action="store_true", help="small model and samples (CPU smoke run)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (as the trainer does on CUDA)")
-    p.add_argument("--json", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, add in (("sweep", add_sweep_args), ("ranks", add_ranks_args)):
+        q = sub.add_parser(name)
+        q.add_argument("--groups", type=int, default=24, help="GRPO groups in the workload")
+        q.add_argument("--group-size", type=int, default=8)
+        q.add_argument("--budget", type=int, default=16384, help="token budget per row")
+        q.add_argument("--topk", type=int, default=8, help="sampler top-k log-probs per token (score centering)")
+        q.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON results")
+        q.add_argument("--json", action="store_true", help="also print the results as JSON lines")
+        add(q)
     args = p.parse_args()
-    results = ([equivalence()] if args.check else []) + benchmark(args)
-    for r in results:
-        print(json.dumps(r) if args.json else r)
+    t0 = time.perf_counter()
+    results = (sweep if args.command == "sweep" else ranks)(args)
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+    print(f"total {time.perf_counter() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -260,7 +260,11 @@ class TrainConfig(_Strict):
     fsdp_prefetch: int = Field(default=1, ge=0)
     """FSDP2: layers whose parameter all-gather each layer issues ahead, in forward and backward (0 = implicit)."""
     compile: bool | None = None
-    """``torch.compile`` each decoder layer (static shapes); None = on for CUDA only."""
+    """``torch.compile`` each decoder layer (static shapes) and, on CUDA, the log-prob head; None = on for CUDA
+    only."""
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend of the decoder layers (``inductor``; ``aot_eager`` compiles without a C++
+    toolchain, for debugging)."""
     learning_rate: float = Field(default=1e-6, gt=0)
     """Peak AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"

@@ -118,6 +118,10 @@ def test_frozen_weight_and_empty_row():
     res0.loss.backward()
     assert res0.loss.item() == 0.0 and torch.count_nonzero(w0.grad) == 0
     assert res0.logprobs.logprobs.shape == (0,) and res0.logprobs.topk_logprobs.shape == (0, K)
+    # a rank's empty row carries no top-k columns at all, with score centering on
+    bare = LossTerms(terms.targets[:0], terms.sampler_logprobs[:0], terms.advantages[:0])
+    res1 = fused_grpo_loss(hidden[:0].clone().requires_grad_(True), weight, bare, 1.0, LossSettings())
+    assert res1.loss.item() == 0.0 and res1.stats["ratio"].shape == (0,)
 
 
 def test_no_grad_gives_the_same_logprobs():

@@ -370,15 +370,14 @@ def fused_grpo_loss(hidden: Tensor, weight: Tensor, terms: LossTerms, normaliser
     Raises:
         ValueError: as :func:`grpo_loss` (score centering without top-k, bad normaliser).
     """
-    if hidden.shape[0] == 0:
-        loss, stats = grpo_loss(hidden.new_zeros(0, dtype=torch.float32), terms.sampler_logprobs, terms.advantages,
-                                normaliser, settings, None if terms.topk_ids is None else
-                                hidden.new_zeros(terms.topk_ids.shape, dtype=torch.float32),
-                                terms.sampler_topk_logprobs)
-        loss = loss + hidden.sum() * 0.0 + weight.sum() * 0.0
+    if hidden.shape[0] == 0:  # a rank without samples (end of the stream): no terms, but every parameter in the graph
+        k = 0 if terms.topk_ids is None else terms.topk_ids.shape[1]
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        topk = None if terms.topk_ids is None else empty.reshape(0, terms.topk_ids.shape[1])
-        return HeadLoss(loss, TokenLogProbs(empty, empty, topk), stats)
+        sampler_topk = terms.sampler_topk_logprobs if terms.sampler_topk_logprobs is not None else empty.reshape(0, k)
+        loss, stats = grpo_loss(empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk)
+        loss = loss + hidden.sum() * 0.0 + weight.sum() * 0.0
+        return HeadLoss(loss, TokenLogProbs(empty, empty, None if terms.topk_ids is None else empty.reshape(0, k)),
+                        stats)
     head = _ChunkedHead(terms, normaliser, settings, temperature, chunk_size, compiled)
     outputs: dict[str, Tensor] = {}
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

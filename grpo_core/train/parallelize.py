@@ -29,9 +29,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 logger = logging.getLogger(__name__)
 
-#: ``torch.compile`` backend of the decoder layers (tests swap in "aot_eager": no C++ toolchain needed).
-COMPILE_BACKEND = "inductor"
-
 _aten = torch.ops.aten
 #: Ops whose outputs op-level selective checkpointing keeps (the compute-bound ones; torchtitan's list).
 _SAVED_OPS = {
@@ -101,11 +98,11 @@ def checkpointed_layers(num_layers: int, mode: str, selective: str | int) -> lis
 
 
 def apply_layer_wrappers(policy: nn.Module, checkpointing: str = "none", selective: str | int = "op",
-                         compile_layers: bool = False) -> list[nn.Module]:
+                         compile_layers: bool = False, backend: str = "inductor") -> list[nn.Module]:
     """Checkpoint and/or compile each decoder layer's forward in place; returns the layers.
 
-    Compilation is static in shape (rows are padded to length buckets) and shared by
-    all layers (one graph per bucket length).
+    Compilation (``torch.compile`` with ``backend``) is static in shape (rows are
+    padded to length buckets) and shared by all layers: one graph per bucket length.
     """
     layers = decoder_layers(policy)
     plan = checkpointed_layers(len(layers), checkpointing, selective)
@@ -114,7 +111,7 @@ def apply_layer_wrappers(policy: nn.Module, checkpointing: str = "none", selecti
         if ac is not None:
             forward = _checkpointed(forward, op_level=ac == "op")
         if compile_layers:
-            forward = torch.compile(forward, backend=COMPILE_BACKEND, dynamic=False)
+            forward = torch.compile(forward, backend=backend, dynamic=False)
         if forward is not layer.forward:
             layer.forward = forward
     if any(plan):

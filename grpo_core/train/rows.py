@@ -209,7 +209,8 @@ def bucket_length(n: int, buckets: tuple[int, ...]) -> int:
 
 
 def length_buckets(token_budget: int, num_buckets: int, multiple: int = 128) -> tuple[int, ...]:
-    """``num_buckets`` padded lengths up to the budget (multiples of ``multiple``), ascending."""
+    """``num_buckets`` padded lengths up to the budget (multiples of ``multiple``: FlexAttention's block
+    size on CUDA), ascending."""
     top = -(-token_budget // multiple) * multiple
     sizes = {max(multiple, -(-top * (i + 1) // num_buckets // multiple) * multiple) for i in range(num_buckets)}
     return tuple(sorted(sizes))

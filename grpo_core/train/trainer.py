@@ -43,6 +43,13 @@ logger = logging.getLogger(__name__)
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
+def compiled_graphs() -> int:
+    """Graphs ``torch.compile`` has compiled in this process so far (a new one after warm-up = a stall)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def lr_lambda(kind: str, warmup: int, total: int):
     """LR multiplier per step: linear warmup, then constant / linear / cosine decay to 0 at ``total``."""
     def f(step: int) -> float:
@@ -77,12 +84,14 @@ class Trainer:
         self.token_budget = cfg.token_budget()
         self.flex = FlexTreeMasks(world.device) if on_cuda else None
         # static shapes for compiled layers and FlexAttention: rows are padded to a few lengths
-        self.buckets = length_buckets(self.token_budget, tc.length_buckets) if self.compiled or on_cuda else None
+        multiple = self.flex.block_size if self.flex is not None else 16
+        self.buckets = length_buckets(self.token_budget, tc.length_buckets, multiple) if self.compiled or on_cuda else None
         self.clock = Clock(world.device)
         self.window = MetricWindow()
         self.pending: tuple | None = None  # (stats, planned, host-side values) of the step not yet logged
         self.last_end = None  # clock mark at the end of the previous step
         self.warmup_s: float | None = None
+        self.graphs = 0  # compiled graphs seen so far (see compiled_graphs)
         self.step, self.policy_version = 0, 0
         tracker, pending = self._resume()
         self.planner = None
@@ -98,9 +107,11 @@ class Trainer:
         policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype),
                               device=self.world.device, lora=tc.lora, temperature=cfg.rollout.temperature,
                               chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024))
-        apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled)
+        apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled,
+                             tc.compile_backend)
         policy.compile_head = self.compiled and on_cuda  # the head's kernels are only worth compiling on GPUs
         reshard = resolve_reshard_after_forward(tc.fsdp_reshard_after_forward, policy, self.world.device)
+        logger.info("FSDP2: reshard_after_forward=%s, prefetch=%d", reshard, tc.fsdp_prefetch)
         return shard(policy, tc.mixed_precision if tc.mixed_precision is not None else on_cuda, reshard,
                      tc.fsdp_prefetch)
 
@@ -142,6 +153,7 @@ class Trainer:
         if self.world.device.type == "cuda":
             torch.cuda.synchronize(self.world.device)
         self.warmup_s = time.perf_counter() - t0
+        self.graphs = compiled_graphs()
         logger.info("compiled %d length buckets %s in %.1f s", len(self.buckets), list(self.buckets), self.warmup_s)
         return self.warmup_s
 
@@ -242,6 +254,9 @@ class Trainer:
             self.source.report(self.policy_version, int(planned.stats["batch/raw_tokens_per_step"]))
         stats = reduce_step(local, opt.pop("grad_norm"), self.world.device)
         stats.marks = marks
+        if self.compiled:  # graphs compiled during this step (0 once every bucket is warm)
+            graphs, self.graphs = self.graphs, compiled_graphs()
+            opt["perf/recompile_count"] = self.graphs - graphs
         self.pending = (self.step, stats, planned, {**opt, **sync}, collect_s, self._pad_frac(planned))
         if self.step % self.cfg.train.save_steps == 0:
             self.flush_log()

@@ -1,0 +1,173 @@
+"""``python benchmarks/trainer.py sweep``: rows × modes × shapes on one device (see trainer.py)."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
+from grpo_core.train.logprobs import LossTerms, fused_grpo_loss, projected_logprobs
+from grpo_core.train.loss import LossSettings, grpo_loss
+from grpo_core.train.parallelize import apply_layer_wrappers, decoder_layers
+from grpo_core.train.policy import Policy
+from grpo_core.train.rows import synthetic_row, to_tensors
+from trainer import (AUTO_CHECKPOINTING, DEVICE, H200_BF16_PEAK, plain_rows, print_table, qwen3_config, summarise,
+                     sync, tree_rows, workload, write_json)
+
+
+def add_sweep_args(q) -> None:
+    """Arguments of ``sweep``."""
+    q.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated: tiny, 0.6b, 1.7b, 4b")
+    q.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
+    q.add_argument("--steps", type=int, default=5, help="measured rows per row kind and mode")
+    q.add_argument("--checkpointing", default="auto", help="none|selective|full, or auto (selective for 4b)")
+    q.add_argument("--compile-backend", default="inductor", help="aot_eager compiles without a C++ toolchain")
+    q.add_argument("--chunk-size", type=int, default=None, help="fused head chunk (default: the trainer's)")
+    q.add_argument("--no-check", action="store_true", help="skip the fused-head check on the device")
+
+
+def head_check(vocab: int, hidden: int, num_terms: int = 2048, topk: int = 8) -> dict:
+    """The fused head in the device's dtype against the fp32 reference on the same (rounded) inputs."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    h = (torch.randn(num_terms, hidden, device=DEVICE, generator=g) * 2).to(dtype)
+    w = (torch.randn(vocab, hidden, device=DEVICE, generator=g) * 0.05).to(dtype)
+    targets = torch.randint(0, vocab, (num_terms,), device=DEVICE, generator=g)
+    topk_ids = torch.randint(0, vocab, (num_terms, topk), device=DEVICE, generator=g)
+    terms = LossTerms(targets, torch.full((num_terms,), -12.0, device=DEVICE), torch.randn(num_terms, device=DEVICE),
+                      topk_ids, torch.full((num_terms, topk), -12.0, device=DEVICE))
+    h32, w32 = h.float().clone().requires_grad_(True), w.float().clone().requires_grad_(True)
+    ref = projected_logprobs(h32, w32, targets, 0.9, topk_ids, chunk_size=1024)
+    loss, _ = grpo_loss(ref.logprobs, terms.sampler_logprobs, terms.advantages, num_terms, LossSettings(),
+                        ref.topk_logprobs, terms.sampler_topk_logprobs)
+    loss.backward()
+    out = {"check": "fused_head_vs_fp32", "dtype": str(dtype).removeprefix("torch.")}
+    for compiled in ((False, True) if DEVICE.type == "cuda" else (False,)):
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        res = fused_grpo_loss(hh, ww, terms, num_terms, LossSettings(), 0.9, 1024, compiled)
+        res.loss.backward()
+        key = "compiled" if compiled else "eager"
+        out[f"{key}_logp_max_abs"] = (res.logprobs.logprobs - ref.logprobs).abs().max().item()
+        out[f"{key}_grad_h_rel"] = ((hh.grad.float() - h32.grad).norm() / h32.grad.norm()).item()
+        out[f"{key}_grad_w_rel"] = ((ww.grad.float() - w32.grad).norm() / w32.grad.norm()).item()
+    return out
+
+
+def build(shape: str, dtype: torch.dtype) -> Policy:
+    """A random model of ``shape`` with tree attention, as the trainer's Policy, on the device."""
+    from transformers import AutoModelForCausalLM
+
+    register_tree_attention()
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        lm = AutoModelForCausalLM.from_config(qwen3_config(shape), attn_implementation=TREE_ATTENTION, dtype=dtype)
+    return Policy(lm)
+
+
+def set_mode(policy: Policy, compiled: bool, checkpointing: str, backend: str, chunk_size: int | None) -> None:
+    """Unwrap the layers, then checkpoint and (optionally) compile them as the trainer does."""
+    for layer in decoder_layers(policy):
+        layer.__dict__.pop("forward", None)
+    torch._dynamo.reset()
+    apply_layer_wrappers(policy, checkpointing, "op", compiled, backend)
+    policy.compile_head = compiled and DEVICE.type == "cuda"
+    policy.chunk_size = chunk_size or (4096 if DEVICE.type == "cuda" else 1024)
+
+
+def step(policy: Policy, rt, settings: LossSettings) -> float:
+    """Forward + backward of one row; seconds (synchronised)."""
+    sync()
+    t0 = time.perf_counter()
+    policy.grpo_loss(rt, settings, float(max(rt.num_terms, 1))).loss.backward()
+    sync()
+    policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def measure(policy: Policy, rows, budget: int, settings: LossSettings, flex) -> dict:
+    """Every row padded to ``budget``, timed alone (row building excluded, as the trainer overlaps it)."""
+    times, fwd, trained, raw = [], 0, 0, 0
+    for row in rows:
+        rt = to_tensors(row, DEVICE, budget)
+        if flex is not None:
+            rt.tree_mask = flex.build(rt.tree_mask.subtree_end, budget)
+        times.append(step(policy, rt, settings))
+        fwd, trained, raw = fwd + row.num_forwarded, trained + row.num_trained, raw + row.num_raw
+    s = sum(times)
+    return {"rows": len(rows), "forwarded_tokens_per_s": fwd / s, "raw_tokens_per_s": raw / s,
+            "trained_tokens_per_s": trained / s, "packing_ratio": raw / fwd, "pad_frac": 1 - fwd / (budget * len(rows)),
+            **summarise(times), "step_times_s": times}
+
+
+def sweep(args) -> list[dict]:
+    """See module docs; returns one dict per (shape, mode, rows)."""
+    shapes, modes = args.shapes.split(","), args.modes.split(",")
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    settings = LossSettings(score_centering=args.topk > 0)
+    flex = FlexTreeMasks(DEVICE) if DEVICE.type == "cuda" else None
+    checks = [] if args.no_check else [head_check(4096 if "tiny" in shapes else 151936, 1024)]
+    for c in checks:
+        print(c)
+    results = []
+    for shape in shapes:
+        policy = build(shape, dtype)
+        n_params = sum(p.numel() for p in policy.parameters())
+        vocab = policy.base().get_output_embeddings().weight.shape[0]
+        lengths = dict(prompt_len=64, completion_len=(8, 64)) if shape == "tiny" else {}
+        samples = workload(args.groups, args.group_size, vocab, topk=args.topk, **lengths)
+        rows = {"plain": plain_rows(samples, args.budget)[:args.steps], "tree": tree_rows(samples, args.budget)[:args.steps]}
+        ac = AUTO_CHECKPOINTING.get(shape, "none") if args.checkpointing == "auto" else args.checkpointing
+        for mode in modes:
+            set_mode(policy, mode == "compiled", ac, args.compile_backend, args.chunk_size)
+            if DEVICE.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            try:
+                rt = synthetic_row(args.budget, args.budget - 1, vocab, DEVICE, args.topk)
+                if flex is not None:
+                    rt.tree_mask = flex.build(rt.tree_mask.subtree_end, args.budget)
+                step(policy, rt, settings)
+            except torch.OutOfMemoryError:
+                results.append({"shape": shape, "mode": mode, "rows": "-", "checkpointing": ac, "error": "oom"})
+                torch.cuda.empty_cache()
+                continue
+            warmup_s = time.perf_counter() - t0
+            for kind in ("plain", "tree"):
+                r = {"shape": shape, "params_b": n_params / 1e9, "mode": mode, "row_kind": kind, "checkpointing": ac,
+                     "warmup_s": warmup_s}
+                try:
+                    r.update(measure(policy, rows[kind], args.budget, settings, flex))
+                except torch.OutOfMemoryError:
+                    r["error"] = "oom"
+                    torch.cuda.empty_cache()
+                if "error" not in r:
+                    r["mfu"] = 6 * n_params * r["forwarded_tokens_per_s"] / H200_BF16_PEAK if DEVICE.type == "cuda" else None
+                    r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None
+                results.append(r)
+            tree_vs_plain(results)
+        del policy
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    print_table(results, COLUMNS)
+    write_json(args.out, "trainer_sweep.json", checks + results)
+    return checks + results
+
+
+def tree_vs_plain(results: list[dict]) -> None:
+    """Tree forwarded tok/s ÷ plain forwarded tok/s of the last shape and mode (= tree raw tok/s ÷ (packing ratio ×
+    plain raw tok/s); the goal is ≥ 0.9)."""
+    if len(results) >= 2 and results[-1].get("row_kind") == "tree" and results[-2].get("row_kind") == "plain":
+        t, p = results[-1], results[-2]
+        if "error" not in t and "error" not in p:
+            t["tree_over_ratio_x_plain"] = t["forwarded_tokens_per_s"] / p["forwarded_tokens_per_s"]
+
+
+COLUMNS = [("shape", "shape", ""), ("mode", "mode", ""), ("row_kind", "rows", ""), ("checkpointing", "ac", ""),
+           ("rows", "n", ""), ("forwarded_tokens_per_s", "fwd tok/s", "{:,.0f}"),
+           ("raw_tokens_per_s", "raw tok/s", "{:,.0f}"), ("trained_tokens_per_s", "trained tok/s", "{:,.0f}"),
+           ("packing_ratio", "pack", "{:.2f}"), ("tree_over_ratio_x_plain", "tree/(ratio·plain)", "{:.2f}"),
+           ("mfu", "MFU", "{:.1%}"), ("peak_mem_gib", "peak GiB", "{:.1f}"), ("warmup_s", "warm-up s", "{:.1f}"),
+           ("median_step_s", "median s", "{:.3f}"), ("max_over_median", "max/med", "{:.2f}"), ("error", "error", "")]
