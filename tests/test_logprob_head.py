@@ -94,14 +94,25 @@ def test_fused_head_equals_chunked_logprobs_plus_loss(settings, with_mask, tempe
         assert 0 < stats_ref["masked"].mean() < 1  # the narrow range really masks some terms
 
 
-def test_masked_terms_contribute_nothing_to_the_head_gradient():
-    """Terms outside the MIS range give exactly zero rows of dL/dhidden, even where they carry NaN inputs."""
+@pytest.mark.parametrize("bad", [-9999.0, float("nan"), float("-inf"), None])
+@pytest.mark.parametrize("score_centering", [True, False])
+def test_masked_terms_contribute_exactly_nothing(bad, score_centering):
+    """Terms outside the MIS range, or with a sampler log-prob at vLLM's -9999 floor, NaN or -inf, give exactly
+    zero rows of dL/dhidden and a finite loss and gradient equal to today's path (select, never multiply)."""
     hidden, weight, terms = case(2, True, False)
-    terms.sampler_logprobs[:5] = terms.sampler_logprobs[:5] + 10.0  # ratio e^-10: masked
-    res, gh, _ = fused(hidden, weight, terms, LossSettings(), 1.0, 10.0)
+    if bad is None:
+        terms.sampler_logprobs[:5] = terms.sampler_logprobs[:5] + 10.0  # ratio e^-10: masked
+    else:
+        terms.sampler_logprobs[:5] = bad
+        terms.sampler_topk_logprobs[5, 0] = bad  # one top-k entry of a kept term
+    settings = LossSettings(score_centering=score_centering)
+    loss_ref, _, _, gh_ref, gw_ref = reference(hidden, weight, terms, settings, 1.0, 10.0)
+    res, gh, gw = fused(hidden, weight, terms, settings, 1.0, 10.0)
+    assert torch.isfinite(res.loss) and torch.isfinite(gh).all() and torch.isfinite(gw).all()
     assert res.stats["masked"][:5].tolist() == [1.0] * 5
-    assert torch.count_nonzero(gh[:5]) == 0
-    assert torch.count_nonzero(gh[5:].abs().sum(1)) > 0
+    assert torch.count_nonzero(gh[:5]) == 0 and torch.count_nonzero(gh[5:].abs().sum(1)) > 0
+    assert res.loss.item() == pytest.approx(loss_ref.item(), rel=1e-5, abs=1e-7)
+    assert rel(gh, gh_ref) <= 1e-5 and rel(gw, gw_ref) <= 1e-5
 
 
 def test_frozen_weight_and_empty_row():

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import RunConfig
+from grpo_core.errors import NothingToTrainError
 from grpo_core.metrics import MetricsSink, MetricWindow
+from grpo_core.report import write_train_end
 from grpo_core.models import resolve_model_dir
 from grpo_core.transport import ResumeState, SampleSource
 
@@ -98,8 +100,13 @@ class Trainer:
         if world.is_main:
             assert source is not None, "rank 0 needs a sample source"
             self.source = source
+            ro = cfg.rollout
+            hints = {"max_staleness": ro.max_staleness, "temperature": ro.temperature,
+                     "num_generations": ro.num_generations, "max_completion_length": ro.max_completion_length}
             self.planner = Planner(source, world.world_size, self.token_budget, cfg.packing.backend, tracker, pending,
-                                   flush_after_s=tc.flush_partial_after_s)
+                                   flush_after_s=tc.flush_partial_after_s,
+                                   max_untrainable_groups=tc.max_untrainable_groups, hints=hints)
+        self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
 
     def _build_policy(self, on_cuda: bool):
         """Load, checkpoint/compile each layer, shard (torchtitan's order; :mod:`grpo_core.train.parallelize`)."""
@@ -201,21 +208,51 @@ class Trainer:
             out[k] = st[k].sum()
         return out
 
-    def optimizer_step(self) -> dict:
-        """Clip, step, schedule; returns lr and the pre-clip gradient norm (a device tensor)."""
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, schedule; returns lr and the pre-clip gradient norm.
+
+        A step whose global gradient norm is NaN or inf changes nothing (no optimizer or scheduler
+        step; the gradients are dropped) and is counted in ``train/skipped_nonfinite_steps``; the
+        norm is the same on every rank (a reduction over all shards), so every rank skips together.
+        The caller neither syncs nor saves after a skipped step.
+
+        Raises:
+            FloatingPointError: ``train.max_nonfinite_steps`` steps in a row were skipped.
+        """
         tc = self.cfg.train
         params = [p for p in self.policy.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm if tc.max_grad_norm > 0 else float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         lr = self.scheduler.get_last_lr()[0]
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_nonfinite_steps += 1
+            self._nonfinite_in_a_row += 1
+            logger.warning("step %d: gradient norm is %s; the update is skipped (no sync, no checkpoint)",
+                           self.step + 1, norm)
+            if self._nonfinite_in_a_row >= tc.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"{self._nonfinite_in_a_row} steps in a row had a non-finite gradient norm "
+                    f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}); the weights were left as they were. "
+                    "Check the rewards and sampler log-probs of the samples, or lower train.learning_rate")
+            return {"grad_norm": norm, "learning_rate": lr, "skipped": 1.0}
+        self._nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return {"grad_norm": norm, "learning_rate": lr}
 
     def run(self) -> ResumeState | None:
-        """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0)."""
-        tc = self.cfg.train
+        """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0).
+
+        Rank 0 writes ``<output_dir>/train_end.json`` (``grpo_core.report.TRAIN_END``): the steps
+        done, ``train.max_steps``, and why it stopped early (None when it did not).
+
+        Raises:
+            NothingToTrainError: (rank 0) the samples ended before this run's first step, or too many
+                groups in a row were untrainable (``Planner``); the message names the counts and keys.
+        """
+        tc, first = self.cfg.train, self.step
         if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
             self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
         self.warmup()
@@ -223,7 +260,21 @@ class Trainer:
             if not self.train_step():
                 break
         self.flush_log()
+        stopped_early = None
+        if self.step < tc.max_steps and self.world.is_main:
+            ro = self.cfg.rollout
+            source = (f"train.samples_path={tc.samples_path}" if tc.samples_path is not None else
+                      f"the prompt dataset, rollout.num_epochs={ro.num_epochs}")
+            stopped_early = self.planner.explain(
+                f"the samples ended after step {self.step} of train.max_steps={tc.max_steps} ({source})",
+                fixes=["set rollout.max_steps to cycle the dataset until the trainer stops, raise "
+                       "rollout.num_epochs, or use a larger dataset (rollout.dataset_size for reasoning_gym)"])
+            if self.step == first:
+                raise NothingToTrainError(stopped_early)
         self.save()
+        if self.world.is_main:
+            write_train_end(self.output_dir, self.step, tc.max_steps, stopped_early,
+                            self.skipped_nonfinite_steps)
         return self.resume_state() if self.world.is_main else None
 
     def train_step(self) -> bool:
@@ -240,12 +291,13 @@ class Trainer:
         marks["fb_end"] = self.clock.mark()
         self.flush_log()  # the previous step's values are ready; this step's work is queued
         opt = self.optimizer_step()
+        skipped = bool(opt.pop("skipped", 0.0))
         marks["end"] = self.last_end = self.clock.mark()
         self.step += 1
         if self.world.is_main:
             self._record_trained(planned)
         sync = {}
-        if self.step % self.cfg.train.weight_sync_steps == 0:
+        if self.step % self.cfg.train.weight_sync_steps == 0 and not skipped:
             t3 = time.perf_counter()
             self.policy_version += 1
             sync = self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
@@ -258,7 +310,7 @@ class Trainer:
             graphs, self.graphs = self.graphs, compiled_graphs()
             opt["perf/recompile_count"] = self.graphs - graphs
         self.pending = (self.step, stats, planned, {**opt, **sync}, collect_s, self._pad_frac(planned))
-        if self.step % self.cfg.train.save_steps == 0:
+        if self.step % self.cfg.train.save_steps == 0 and not skipped:
             self.flush_log()
             self.save()
             self.last_end = None  # the next step's time starts after the checkpoint
@@ -324,6 +376,7 @@ class Trainer:
         self._mfu(planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
         if step % self.cfg.train.logging_steps == 0:
             w.add("batch/dropped_oversize_count", self.planner.dropped_oversize_count)
+            w.add("train/skipped_nonfinite_steps", self.skipped_nonfinite_steps)  # running total of the run
             w.update(self.source.metrics())
             metrics = w.flush()
             logger.info("step %d: loss %.4f, %.0f tokens/s", step, metrics.get("loss", float("nan")),
