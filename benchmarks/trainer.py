@@ -21,8 +21,8 @@ Both print a table and write JSON under ``--out`` (default ``$OUT`` when set).
 
 Usage::
 
-    python benchmarks/trainer.py sweep                       # H200: 0.6b,1.7b,4b × plain/tree × eager/compiled
-    torchrun-free: python benchmarks/trainer.py ranks --nproc 1,2   # 2 × H200
+    python benchmarks/trainer.py sweep                       # one H200: 0.6b,1.7b,4b × plain/tree × eager/compiled
+    python benchmarks/trainer.py ranks --nproc 1,2           # two H200s (it starts torchrun itself)
     python benchmarks/trainer.py sweep --shapes tiny --budget 512 --groups 4 --steps 3   # CPU smoke run
     python benchmarks/trainer.py ranks --shape tiny --budget 512 --groups 8 --steps 4 --resume-at 3  # CPU
 """
@@ -75,8 +75,13 @@ def sync() -> None:
 def workload(num_groups: int, group_size: int, vocab: int, prompt_len: int = 1024,
              completion_len: tuple[int, int] = (128, 1024), topk: int = 8, seed: int = 0) -> list[Sample]:
     """GRPO groups: one ``prompt_len`` prompt per group, completions of uniform length in ``completion_len``,
-    sampler log-probs and (``topk`` > 0) top-k ids and log-probs per completion token."""
+    sampler log-probs and (``topk`` > 0) top-k ids and log-probs per token.
+
+    Sampler log-probs sit near ``-log(vocab)``, where a randomly initialised model's are, so that most
+    importance ratios fall inside the MIS range and the loss and its gradient are not trivially zero.
+    """
     rng = np.random.default_rng(seed)
+    uniform = -float(np.log(vocab))
     out = []
     for g in range(num_groups):
         prompt = rng.integers(0, vocab, prompt_len)
@@ -84,12 +89,12 @@ def workload(num_groups: int, group_size: int, vocab: int, prompt_len: int = 102
             completion = rng.integers(0, vocab, int(rng.integers(completion_len[0], completion_len[1] + 1)))
             ids = np.concatenate([prompt, completion]).astype(np.int32)
             mask = np.r_[np.zeros(prompt_len, np.int8), np.ones(len(completion), np.int8)]
-            lp = np.where(mask == 1, -rng.exponential(1.0, len(mask)), 0).astype(np.float32)
+            lp = np.where(mask == 1, uniform + rng.normal(0.0, 0.3, len(mask)), 0).astype(np.float32)
             s = Sample(sample_id=len(out), group_id=g, prompt_index=g, input_ids=ids, completion_mask=mask,
                        sampler_logprobs=lp, advantage=float(rng.normal()))
             if topk:
                 top_ids = rng.integers(0, vocab, (len(ids), topk)).astype(np.int32)
-                top_lp = np.sort(-rng.exponential(2.0, (len(ids), topk)), 1)[:, ::-1].astype(np.float32)
+                top_lp = np.sort(uniform + rng.normal(0.0, 0.3, (len(ids), topk)), 1)[:, ::-1].astype(np.float32)
                 s.sampler_topk = TokenLists(np.arange(len(ids) + 1, dtype=np.int32) * topk, top_ids.ravel(),
                                             top_lp.ravel())
             out.append(s)

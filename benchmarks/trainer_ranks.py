@@ -27,7 +27,9 @@ def add_ranks_args(q) -> None:
     q.add_argument("--shape", default="0.6b", help="tiny, 0.6b, 1.7b or 4b")
     q.add_argument("--nproc", default="1,2", help="comma-separated rank counts, each a run of its own")
     q.add_argument("--steps", type=int, default=10, help="optimizer steps per run, resume included")
-    q.add_argument("--resume-at", type=int, default=8, help="checkpoint here, stop, and resume (0 = no resume)")
+    q.add_argument("--resume-at", type=int, default=8,
+                   help="the largest rank count checkpoints here, stops and resumes (0 = no resume)")
+    q.add_argument("--resume-all", action="store_true", help="every rank count stops and resumes")
     q.add_argument("--length-buckets", type=int, default=4)
     q.add_argument("--workdir", default=None, help="model, samples and run folders (default: a temporary one)")
     q.add_argument("--timeout-s", type=float, default=270.0, help="limit of each torchrun")
@@ -111,20 +113,21 @@ def ranks(args) -> list[dict]:
     vocab = qwen3_config(args.shape).vocab_size
     lengths = dict(prompt_len=64, completion_len=(8, 64)) if args.shape == "tiny" else {}
     write_samples_ipc(work / "samples.arrow", workload(args.groups, args.group_size, vocab, topk=args.topk, **lengths))
-    results = []
-    for n in (int(x) for x in args.nproc.split(",")):
+    results, counts = [], [int(x) for x in args.nproc.split(",")]
+    for n in counts:
+        resume_at = args.resume_at if (args.resume_all or n == max(counts)) else 0
         out = work / f"ranks-{n}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         log = work / f"ranks-{n}.log"
         log.unlink(missing_ok=True)
-        if args.resume_at:
-            torchrun(run_config(args, work, model, out / "run", args.resume_at, args.resume_at), n, log, args.timeout_s)
+        if resume_at:
+            torchrun(run_config(args, work, model, out / "run", resume_at, resume_at), n, log, args.timeout_s)
         torchrun(run_config(args, work, model, out / "run", args.steps, args.steps), n, log, args.timeout_s)
-        if args.resume_at and "resumed from" not in log.read_text():
+        if resume_at and "resumed from" not in log.read_text():
             raise RuntimeError(f"the {n}-rank run did not resume; see {log}")
         metrics = JsonlSink.read(out / "run" / "metrics.jsonl")
-        results.append(summary(metrics, n, args.resume_at))
+        results.append(summary(metrics, n, resume_at))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             shutil.copy(log, Path(args.out) / log.name)

@@ -21,7 +21,9 @@ def add_sweep_args(q) -> None:
     """Arguments of ``sweep``."""
     q.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated: tiny, 0.6b, 1.7b, 4b")
     q.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
-    q.add_argument("--steps", type=int, default=5, help="measured rows per row kind and mode")
+    q.add_argument("--steps", type=int, default=4, help="measured rows per row kind and mode")
+    q.add_argument("--time-budget-s", type=float, default=300.0,
+                   help="configurations that would start later are skipped (compiled ones run first)")
     q.add_argument("--checkpointing", default="auto", help="none|selective|full, or auto (selective for 4b)")
     q.add_argument("--compile-backend", default="inductor", help="aot_eager compiles without a C++ toolchain")
     q.add_argument("--chunk-size", type=int, default=None, help="fused head chunk (default: the trainer's)")
@@ -102,58 +104,73 @@ def measure(policy: Policy, rows, budget: int, settings: LossSettings, flex) -> 
 
 
 def sweep(args) -> list[dict]:
-    """See module docs; returns one dict per (shape, mode, rows)."""
+    """See module docs; returns one dict per (shape, mode, rows).
+
+    Every shape runs compiled first, then eager (the reference), and a configuration
+    that would start after ``--time-budget-s`` is reported as skipped, so the command
+    ends in bounded time with the most wanted figures.
+    """
     shapes, modes = args.shapes.split(","), args.modes.split(",")
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     settings = LossSettings(score_centering=args.topk > 0)
     flex = FlexTreeMasks(DEVICE) if DEVICE.type == "cuda" else None
+    t_start = time.perf_counter()
     checks = [] if args.no_check else [head_check(4096 if "tiny" in shapes else 151936, 1024)]
     for c in checks:
-        print(c)
-    results = []
-    for shape in shapes:
-        policy = build(shape, dtype)
-        n_params = sum(p.numel() for p in policy.parameters())
-        vocab = policy.base().get_output_embeddings().weight.shape[0]
-        lengths = dict(prompt_len=64, completion_len=(8, 64)) if shape == "tiny" else {}
-        samples = workload(args.groups, args.group_size, vocab, topk=args.topk, **lengths)
-        rows = {"plain": plain_rows(samples, args.budget)[:args.steps], "tree": tree_rows(samples, args.budget)[:args.steps]}
-        ac = AUTO_CHECKPOINTING.get(shape, "none") if args.checkpointing == "auto" else args.checkpointing
-        for mode in modes:
-            set_mode(policy, mode == "compiled", ac, args.compile_backend, args.chunk_size)
-            if DEVICE.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            try:
-                rt = synthetic_row(args.budget, args.budget - 1, vocab, DEVICE, args.topk)
-                if flex is not None:
-                    rt.tree_mask = flex.build(rt.tree_mask.subtree_end, args.budget)
-                step(policy, rt, settings)
-            except torch.OutOfMemoryError:
-                results.append({"shape": shape, "mode": mode, "rows": "-", "checkpointing": ac, "error": "oom"})
-                torch.cuda.empty_cache()
+        print(c, flush=True)
+    results, policies = [], {}
+    for mode in sorted(modes, key=lambda m: m != "compiled"):
+        for shape in shapes:
+            if time.perf_counter() - t_start > args.time_budget_s:
+                results.append({"shape": shape, "mode": mode, "error": "skipped (--time-budget-s)"})
                 continue
-            warmup_s = time.perf_counter() - t0
-            for kind in ("plain", "tree"):
-                r = {"shape": shape, "params_b": n_params / 1e9, "mode": mode, "row_kind": kind, "checkpointing": ac,
-                     "warmup_s": warmup_s}
-                try:
-                    r.update(measure(policy, rows[kind], args.budget, settings, flex))
-                except torch.OutOfMemoryError:
-                    r["error"] = "oom"
-                    torch.cuda.empty_cache()
-                if "error" not in r:
-                    r["mfu"] = 6 * n_params * r["forwarded_tokens_per_s"] / H200_BF16_PEAK if DEVICE.type == "cuda" else None
-                    r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None
-                results.append(r)
-            tree_vs_plain(results)
-        del policy
-        gc.collect()
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
+            if shape not in policies:
+                policies[shape] = build(shape, dtype)
+            results.extend(run_shape(args, shape, mode, policies[shape], settings, flex))
+            print_table(results[-2:], COLUMNS)
+    policies.clear()
+    gc.collect()
     print_table(results, COLUMNS)
     write_json(args.out, "trainer_sweep.json", checks + results)
     return checks + results
+
+
+def run_shape(args, shape: str, mode: str, policy: Policy, settings: LossSettings, flex) -> list[dict]:
+    """Warm-up (compiles in compiled mode), then plain and tree rows of the workload, for one shape and mode."""
+    n_params = sum(p.numel() for p in policy.parameters())
+    vocab = policy.base().get_output_embeddings().weight.shape[0]
+    lengths = dict(prompt_len=64, completion_len=(8, 64)) if shape == "tiny" else {}
+    samples = workload(args.groups, args.group_size, vocab, topk=args.topk, **lengths)
+    rows = {"plain": plain_rows(samples, args.budget)[:args.steps], "tree": tree_rows(samples, args.budget)[:args.steps]}
+    ac = AUTO_CHECKPOINTING.get(shape, "none") if args.checkpointing == "auto" else args.checkpointing
+    set_mode(policy, mode == "compiled", ac, args.compile_backend, args.chunk_size)
+    base = {"shape": shape, "params_b": n_params / 1e9, "mode": mode, "checkpointing": ac}
+    t0 = time.perf_counter()
+    try:
+        rt = synthetic_row(args.budget, args.budget - 1, vocab, DEVICE, args.topk)
+        if flex is not None:
+            rt.tree_mask = flex.build(rt.tree_mask.subtree_end, args.budget)
+        step(policy, rt, settings)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return [{**base, "error": "oom in warm-up"}]
+    base["warmup_s"] = time.perf_counter() - t0  # one warm-up (compile) serves both row kinds
+    out = []
+    for kind in ("plain", "tree"):
+        r = {**base, "row_kind": kind}
+        if DEVICE.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            r.update(measure(policy, rows[kind], args.budget, settings, flex))
+        except torch.OutOfMemoryError:
+            r["error"] = "oom"
+            torch.cuda.empty_cache()
+        if "error" not in r and DEVICE.type == "cuda":
+            r["mfu"] = 6 * n_params * r["forwarded_tokens_per_s"] / H200_BF16_PEAK
+            r["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out.append(r)
+    tree_vs_plain(out)
+    return out
 
 
 def tree_vs_plain(results: list[dict]) -> None:

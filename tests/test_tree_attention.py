@@ -96,3 +96,45 @@ def test_missing_tree_mask_is_a_clear_error():
     model = tiny(LlamaConfig)
     with pytest.raises(ValueError, match="tree_mask"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_masks_from_subtree_end_equal_create_block_mask(seed):
+    """FlexAttention's block structure computed from the trie (O(L + (L/B)^2)) is exactly what
+    create_block_mask finds by evaluating the mask at every (query, key) pair, padding included."""
+    compare_block_masks(seed)
+
+
+def test_block_masks_cover_whole_blocks():
+    """The random rows of the test above do have wholly visible blocks (prompt keys every later query sees)."""
+    assert sum(compare_block_masks(s) for s in range(6)) > 0
+
+
+def compare_block_masks(seed: int) -> int:
+    """Asserts equality for one random row; returns the number of wholly visible blocks."""
+    from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask, create_block_mask
+
+    from grpo_core.train.attention import tree_block_masks
+
+    rng = np.random.default_rng(seed)
+    block = int(rng.choice([16, 32]))
+    samples = []
+    for g in range(int(rng.integers(1, 5))):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 100)))
+        for _ in range(int(rng.integers(1, 5))):
+            ids = np.concatenate([prompt, rng.integers(0, VOCAB, int(rng.integers(1, 100)))])
+            samples.append(Sample.build(ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
+                                        sample_id=len(samples), group_id=g, prompt_index=g, advantage=1.0))
+    row = get_packer("python").pack_row(samples, 4096)
+    length = -(-row.num_forwarded // block) * block + block * int(rng.integers(0, 3))
+    end = pad_subtree_end(torch.from_numpy(row.column("subtree_end").astype(np.int32)), length)
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (q < end[kv])
+
+    ref = create_block_mask(mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=block)
+    mine = _create_sparse_block_from_block_mask(tree_block_masks(end, block), mask_mod, (length, length), block, block)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(mine, name), getattr(ref, name)), name
+    return int(ref.full_kv_num_blocks.sum())

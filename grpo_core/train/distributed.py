@@ -74,10 +74,6 @@ def init_world(device: str = "auto", timeout_s: float = 1800.0) -> World:
     return World(rank, world_size, local_rank, dev, control)
 
 
-def _comm_device(world: World) -> torch.device:
-    return world.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def broadcast_header(world: World, values: list[int] | None, size: int = 4) -> list[int]:
     """Rank 0 sends ``values`` (at most ``size`` ints) to all over the control group; every rank returns them."""
     t = torch.zeros(size, dtype=torch.int64)
@@ -101,9 +97,3 @@ def scatter_rows(world: World, rows: list[PackedRow] | None) -> PackedRow:
     dist.recv(buf, 0, group=world.control)
     return row_from_bytes(buf.numpy().tobytes())
 
-
-def all_reduce(values: list[float], world: World, op: str = "sum") -> list[float]:
-    """Sum / max of a few floats across ranks."""
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device(world))
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-    return t.tolist()

@@ -1,0 +1,31 @@
+"""benchmarks/trainer.py in its CPU form: the sweep's rows are the workload's samples (plain rows hold
+them back to back, tree rows forward each group's prompt once) and it reports every figure."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from trainer_helpers import ROOT
+
+
+def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):
+    cmd = [sys.executable, "benchmarks/trainer.py", "sweep", "--shapes", "tiny", "--modes", "eager", "--budget", "384",
+           "--groups", "3", "--group-size", "4", "--steps", "2", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fwd tok/s" in done.stdout and "tree/(ratio·plain)" in done.stdout  # the table
+    check, plain, tree = json.loads((tmp_path / "trainer_sweep.json").read_text())
+    assert check["eager_logp_max_abs"] <= 1e-5 and check["eager_grad_w_rel"] <= 1e-5  # fp32 on CPU
+    assert (plain["row_kind"], tree["row_kind"]) == ("plain", "tree")
+    # The workload: 3 groups of 4 samples, a 64-token prompt each, completions of 8-64 tokens.
+    assert plain["packing_ratio"] == 1.0
+    assert 1.0 < tree["packing_ratio"] < 4.0
+    for r in (plain, tree):
+        assert r["rows"] == 2 and len(r["step_times_s"]) == 2 and r["max_over_median"] >= 1.0
+        assert np.isclose(r["raw_tokens_per_s"], r["forwarded_tokens_per_s"] * r["packing_ratio"])
+        assert 0.0 <= r["pad_frac"] < 1.0 and r["warmup_s"] > 0
+    assert np.isclose(tree["tree_over_ratio_x_plain"], tree["forwarded_tokens_per_s"] / plain["forwarded_tokens_per_s"])
