@@ -94,12 +94,12 @@ def tree_block_masks(subtree_end: Tensor, block_size: int) -> tuple[Tensor, Tens
     if length % block_size:
         raise ValueError(f"row length {length} is not a multiple of the attention block size {block_size}")
     ends = subtree_end.view(-1, block_size)
-    n = ends.shape[0]
-    first_q = torch.arange(n, device=subtree_end.device) * block_size  # first query of each query block
-    below = torch.tril(torch.ones(n, n, dtype=torch.bool, device=subtree_end.device), diagonal=-1)  # [a, b]: b < a
+    idx = torch.arange(ends.shape[0], device=subtree_end.device)
+    first_q = idx * block_size  # first query of each query block
+    below = idx[None, :] < idx[:, None]  # [a, b]: key block b before query block a
     some = below & (ends.amax(1)[None, :] > first_q[:, None])
     full = below & (ends.amin(1)[None, :] >= first_q[:, None] + block_size)
-    partial = (some & ~full) | torch.eye(n, dtype=torch.bool, device=subtree_end.device)
+    partial = (some & ~full) | (idx[None, :] == idx[:, None])
     return partial.to(torch.int8)[None, None], full.to(torch.int8)[None, None]
 
 

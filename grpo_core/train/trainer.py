@@ -79,7 +79,7 @@ class Trainer:
         self.policy = self._build_policy(on_cuda)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, betas=tc.adam_betas,
-                                           weight_decay=tc.weight_decay, fused=on_cuda or None)
+                                           weight_decay=tc.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps))
         self.loss_settings = LossSettings(tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high)
