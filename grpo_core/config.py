@@ -131,6 +131,10 @@ class RolloutConfig(_Strict):
     """Seconds a single request to the server may take before it is retried."""
     max_retries: int = Field(default=5, ge=0)
     """Retries of a request after connection errors, timeouts and 5xx answers."""
+    max_abort_retries: int = Field(default=3, ge=0)
+    """Times a turn the server cut short (``finish_reason: abort``) is resubmitted as its continuation before
+    its group is dropped (counted in ``rollout/aborted_group_count``); aborted tokens are never trained as a
+    finished turn."""
     num_generations: int = Field(default=8, ge=2)
     """G: rollouts per prompt (one group); advantages are normalised inside it."""
     dataset: str | None = None
