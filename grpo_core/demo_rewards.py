@@ -45,3 +45,13 @@ def answer_format_reward(completions: list[list[dict[str, Any]]], **_: Any) -> l
         found = _ANSWER.findall(text)
         out.append(0.2 if len(found) == 1 and text.endswith("</answer>") and found[0].strip() else 0.0)
     return out
+
+
+def token_parity_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
+    """1.0 when the first generated token id is even, else 0 — for throughput runs of random-weight models only.
+
+    A random model answers nothing right, so every group would score the same and be dropped
+    (zero reward std); this reward varies within a group, so samples reach the trainer. It
+    teaches nothing meaningful.
+    """
+    return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]

@@ -305,12 +305,42 @@ def _lora_problems(info_text: str, config: RunConfig) -> list[str]:
     return []
 
 
+def check_gpu_layout(config: RunConfig) -> None:
+    """Check where vLLM and the trainer sit against the full-weight transfer backend.
+
+    NCCL refuses two ranks on one device, so ``nccl`` needs the trainer's GPUs disjoint from
+    every replica's; vLLM's IPC engine looks up the handle of its own GPU, so ``ipc`` needs each
+    replica's GPUs among the trainer's. LoRA runs sync adapters through files and need neither.
+
+    Raises:
+        ConfigError: the layout cannot work; the message names the fields and the fix.
+    """
+    server, train = config.server, config.train
+    if train.lora.enabled or server.weight_transfer_backend is None:
+        return
+    trainer = set(train.gpu_ids[:train.num_ranks] if train.gpu_ids is not None else range(train.num_ranks))
+    replicas = {g for r in range(server.num_replicas) for g in replica_gpus(config, r)}
+    if server.weight_transfer_backend == "nccl" and trainer & replicas:
+        raise ConfigError(f"server.weight_transfer_backend 'nccl' needs the trainer and vLLM on different GPUs, but "
+                          f"train.gpu_ids {sorted(trainer)} and server.gpu_ids {sorted(replicas)} share "
+                          f"{sorted(trainer & replicas)}: use 'ipc' to share one GPU, or disjoint gpu_ids")
+    if server.weight_transfer_backend == "ipc" and not replicas <= trainer:
+        raise ConfigError(f"server.weight_transfer_backend 'ipc' needs every vLLM GPU among the trainer's, but "
+                          f"server.gpu_ids {sorted(replicas)} are not all in train.gpu_ids {sorted(trainer)}: use "
+                          "'nccl' for separate GPUs, or put vLLM on the trainer's GPU")
+
+
 def provision(config: RunConfig) -> list[ServerHandle]:
     """Start, health-check and verify ``server.num_replicas`` replicas; returns their handles.
 
     On any failure the replicas already started are stopped before the error propagates.
+
+    Raises:
+        ConfigError: vLLM's GPUs and the trainer's do not suit the weight transfer (``check_gpu_layout``).
     """
     backend = choose_backend(config)
+    if backend == "vllm":
+        check_gpu_layout(config)
     specs = [vllm_command(config, i) if backend == "vllm" else embedded_command(config, i)
              for i in range(config.server.num_replicas)]
     handles = [launch(spec) for spec in specs]
