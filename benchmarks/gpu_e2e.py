@@ -162,12 +162,19 @@ def plot(result: dict, path: Path) -> None:
     steps = [p for p in result.get("per_step", []) if p.get("reward") is not None]
     a.plot([p["step"] for p in steps], [p["reward"] for p in steps], marker=".")
     a.set(xlabel="step", ylabel="mean reward", title=f"{result['run']}: reward")
-    series = result["vllm_series"]
-    t = [p["t_s"] for p in series]
-    b.plot(t, [p.get("kv_usage", float("nan")) for p in series], label="KV-cache usage (frac)")
+    series = [p for p in result["vllm_series"] if "kv_usage" in p]
+    if series:  # sampled once a second from vLLM's /metrics
+        t, xlabel = [p["t_s"] for p in series], "wall time (s)"
+        kv, running = [p["kv_usage"] for p in series], [p["running"] for p in series]
+    else:  # the rollout's own /metrics polls, one value per logged step
+        rows = [p for p in result.get("per_step", []) if p.get("rollout/vllm_kv_cache_usage_frac") is not None]
+        t, xlabel = [p["step"] for p in rows], "step"
+        kv = [p["rollout/vllm_kv_cache_usage_frac"] for p in rows]
+        running = [p.get("rollout/vllm_running_requests") for p in rows]
+    b.plot(t, kv, label="KV-cache usage (frac)")
     b2 = b.twinx()
-    b2.plot(t, [p.get("running", float("nan")) for p in series], color="tab:orange", label="running requests")
-    b.set(xlabel="wall time (s)", ylabel="KV usage", title="vLLM load")
+    b2.plot(t, running, color="tab:orange", label="running requests")
+    b.set(xlabel=xlabel, ylabel="KV usage", title="generation server load")
     b2.set_ylabel("running requests")
     fig.legend(loc="lower right")
     fig.tight_layout()

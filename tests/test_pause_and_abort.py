@@ -183,3 +183,22 @@ def test_group_that_keeps_being_aborted_is_dropped_and_counted():
     assert metrics["rollout/aborted_group_count"] == 1
     assert metrics["rollout/aborted_turn_count"] == 2 * 3 + 3  # 3 attempts per rollout, two rollouts, then one turn
     assert server.calls == 2 * 3 + 3 and loop.runtime.allowance.in_flight_groups == 0
+
+
+def test_long_generation_survives_a_full_weight_sync_intact(server):
+    from grpo_core.config import ModelConfig
+    from grpo_core.models import resolve_model_dir
+    from grpo_core.train.weight_sync import DiskFullWeightSync
+
+    folder = str(resolve_model_dir(ModelConfig(name=TINY)))  # the served weights: a real update, same values
+
+    async def go():
+        async with GenerationClient(server.url, timeout_s=120) as c:
+            start = generated_tokens(server.url)
+            task = asyncio.create_task(c.complete(PROMPT, model=TINY, max_tokens=LONG, seed=3, ignore_eos=True))
+            while generated_tokens(server.url) <= start:
+                await asyncio.sleep(0.01)
+            await DiskFullWeightSync._update(c, folder)  # what every sync does: pause, update, resume
+            return (await task)[0]
+    out = run(go())
+    assert out.finish_reason == "length" and len(out.token_ids) == LONG
