@@ -45,7 +45,7 @@ CPU_SMOKE = ["model.name=tiny-qwen3", "model.dtype=auto", "server.backend=embedd
              "server.port=0", "server.max_model_len=256", "server.max_num_seqs=32", "server.embedded_num_threads=1",
              "train.device=cpu", "train.gpu_ids=null", "rollout.max_completion_length=24", "rollout.dataset_size=64",
              "rollout.first_step_tokens=1024", "packing.token_budget=512", "train.gradient_accumulation_steps=1",
-             "rollout.reward_functions=[grpo_core.demo_rewards:token_parity_reward]"]
+             "rollout.reward_functions=[grpo_core.demo_rewards:even_token_reward]"]
 
 
 class Sampler(threading.Thread):

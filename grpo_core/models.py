@@ -177,16 +177,14 @@ def resolve_model_dir(config: ModelConfig) -> Path:
         ConfigError: the name is neither a registry name nor an existing HF folder.
     """
     cache = config.resolved_cache_dir() / "models"
-    if config.name in (SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES):
-        tokenizer_dir = _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
     if config.name == SMOLLM2_NAME:
-        return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir))
+        return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir(config)))
     if config.name in TINY_ARCHITECTURES:
-        build = _make_random(TINY_ARCHITECTURES[config.name], _TINY_COMMON, config.seed, tokenizer_dir)
+        build = _make_random(TINY_ARCHITECTURES[config.name], _TINY_COMMON, config.seed, tokenizer_dir(config))
         return _build_once(cache / f"{config.name}-seed{config.seed}", build)
     if config.name in RANDOM_SHAPES:
         arch, shape = RANDOM_SHAPES[config.name]
-        build = _make_random(arch, shape, config.seed, tokenizer_dir, save_dtype="bfloat16")
+        build = _make_random(arch, shape, config.seed, tokenizer_dir(config), save_dtype="bfloat16")
         return _build_once(cache / f"{config.name}-seed{config.seed}", build)
     path = Path(config.name).expanduser()
     if (path / "config.json").is_file():
@@ -195,6 +193,21 @@ def resolve_model_dir(config: ModelConfig) -> Path:
         f"model.name={config.name!r} is neither a registry name ({', '.join(registry_names())}) "
         "nor a local folder with a config.json; fix model.name"
     )
+
+
+def tokenizer_dir(config: ModelConfig) -> Path:
+    """The folder with the model's tokenizer files, without building its weights.
+
+    The registry models share SmolLM2's tokenizer (converted from the GGUF once, in seconds);
+    a local folder holds its own.
+
+    Raises:
+        ConfigError: as :func:`resolve_model_dir`.
+    """
+    if config.name in (SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES):
+        cache = config.resolved_cache_dir() / "models"
+        return _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
+    return resolve_model_dir(config)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
