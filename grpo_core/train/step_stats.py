@@ -21,7 +21,7 @@ from torch import Tensor
 
 #: Per-rank sums reduced with SUM (``terms`` and ``samples`` are counts).
 SUM_KEYS = ("loss", "terms", "entropy", "ratio", "logp_diff", "masked", "clipped_low", "clipped_high",
-            "sampler_mass", "staleness", "samples")
+            "sampler_mass", "staleness", "samples", "ratio_fresh", "terms_fresh")
 #: Per-rank extremes reduced with MAX (minima travel negated); ``grad_norm`` is already global.
 MAX_KEYS = ("ratio_max", "ratio_min_neg", "logp_diff_max", "staleness_max", "grad_norm")
 

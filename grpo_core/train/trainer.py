@@ -206,6 +206,11 @@ class Trainer:
                "logp_diff_max": st["logp_diff"].max() if n else 0.0}
         for k in ("ratio", "logp_diff", "masked", "clipped_low", "clipped_high"):
             out[k] = st[k].sum()
+        # Tokens sampled by the weights being trained (staleness 0): their mean ratio measures the
+        # trainer/sampler mismatch alone (seed manual: 1 +- 0.001 when both compute the same policy).
+        fresh = staleness[rt.sample_index] == 0 if n else None
+        out["ratio_fresh"] = torch.where(fresh, st["ratio"], 0.0).sum() if n else 0.0
+        out["terms_fresh"] = fresh.sum() if n else 0.0
         return out
 
     def optimizer_step(self) -> dict[str, float]:
@@ -367,6 +372,8 @@ class Trainer:
         if self.warmup_s is not None:  # reported once, with the first step after it
             w.add("perf/compile_warmup_s", self.warmup_s)
             self.warmup_s = None
+        if v["terms_fresh"] > 0:
+            w.add("sampling/importance_sampling_ratio/staleness0_mean", v["ratio_fresh"] / v["terms_fresh"])
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", v["sampler_mass"] / n)
         step_s, fwd_bwd_s = extra["perf/step_s"], extra["perf/fwd_bwd_s"]
