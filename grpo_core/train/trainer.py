@@ -197,10 +197,10 @@ class Trainer:
         done, ``train.max_steps``, and why it stopped early (None when it did not).
 
         Raises:
-            NothingToTrainError: (rank 0) the samples ended before this run's first step, or too many
+            NothingToTrainError: (rank 0) the samples ended before the run's first step, or too many
                 groups in a row were untrainable (``Planner``); the message names the counts and keys.
         """
-        tc, first = self.cfg.train, self.step
+        tc = self.cfg.train
         if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
             self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
         while self.step < tc.max_steps:
@@ -215,7 +215,7 @@ class Trainer:
                 f"the samples ended after step {self.step} of train.max_steps={tc.max_steps} ({source})",
                 fixes=["set rollout.max_steps to cycle the dataset until the trainer stops, raise "
                        "rollout.num_epochs, or use a larger dataset (rollout.dataset_size for reasoning_gym)"])
-            if self.step == first:
+            if self.step == 0:  # a resumed run whose samples are all trained ends like any short run
                 raise NothingToTrainError(stopped_early)
         self.save()
         if self.world.is_main:
