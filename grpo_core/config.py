@@ -46,7 +46,10 @@ class ModelConfig(_Strict):
     """Which policy model to serve and train, and how to load it."""
 
     name: str = "smollm2-135m-instruct"
-    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``) or a local HF folder path."""
+    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5``), a local
+    HF folder path, or a Hugging Face Hub id (``Qwen/Qwen3.5-2B``; downloaded into the Hub cache)."""
+    revision: str | None = None
+    """Hub ids only: branch, tag or commit to download (None = ``main``)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight/compute dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
     cache_dir: Path | None = None

@@ -1,7 +1,8 @@
 """Checks of a run config that need imports or data but no server (fail fast before anything starts).
 
 ``RunConfig`` validation catches field and cross-field errors; :func:`check_run` adds what only
-importing the named code or reading the dataset can tell: the model name resolves, the loop class,
+importing the named code or reading the dataset can tell: the model name resolves (a Hub id is
+downloaded here, once, before any server starts) and its layers can be packed, the loop class,
 reward functions and tools import, and the dataset has the columns the rollout needs.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from pathlib import Path
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
@@ -22,14 +22,16 @@ _REWARD_BUILTINS = {"prompts", "completions", "completion_ids", "trainer_state",
 
 
 def check_model(cfg: RunConfig) -> None:
-    """Raise ``ConfigError`` when ``model.name`` is neither a registry name nor a folder with a config.json."""
-    from grpo_core.models import registry_names
+    """Resolve ``model.name`` (build a registry model, find a folder or download a Hub id) and check
+    that every layer of it can run on packed tree rows (built on the meta device, no weights read).
 
-    name = cfg.model.name
-    if name in registry_names() or (Path(name).expanduser() / "config.json").is_file():
-        return
-    raise ConfigError(f"model.name={name!r} is neither a registry name ({', '.join(registry_names())}) "
-                      "nor a local folder with a config.json; fix model.name")
+    Raises:
+        ConfigError: the name does not resolve, or a layer cannot be packed (the layer type named).
+    """
+    from grpo_core.models import resolve_model_dir
+    from grpo_core.train.packable import check_model_folder
+
+    check_model_folder(resolve_model_dir(cfg.model), cfg.model.name, cfg.token_budget())
 
 
 def check_dataset(cfg: RunConfig) -> None:

@@ -34,13 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _causal_lm_class(config: PretrainedConfig):
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
-
-
 def is_vision_language(config: PretrainedConfig) -> bool:
     """Whether ``config`` describes a vision-language model (it has a ``vision_config``)."""
     return getattr(config, "vision_config", None) is not None
@@ -53,6 +46,23 @@ def drop_non_language_parts(model: nn.Module) -> list[str]:
     for name in dropped:
         setattr(inner, name, None)
     return dropped
+
+
+def text_model_class(config: PretrainedConfig, where: str | Path):
+    """The transformers auto class that loads ``config``'s language model (see module docs).
+
+    Raises:
+        ConfigError: the architecture has no causal-LM or image-text-to-text class.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    if is_vision_language(config):
+        return AutoModelForImageTextToText
+    raise ConfigError(f"model at {where} (model_type {config.model_type!r}) has no causal-LM or "
+                      "image-text-to-text class in transformers; use a text-generation model")
 
 
 def load_text_model(path: str | Path, *, dtype: torch.dtype, attn_implementation: str = "sdpa") -> PreTrainedModel:
@@ -73,13 +83,7 @@ def load_text_model(path: str | Path, *, dtype: torch.dtype, attn_implementation
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path)
-    cls = _causal_lm_class(config)
-    if cls is None and is_vision_language(config):
-        cls = AutoModelForImageTextToText
-    if cls is None:
-        raise ConfigError(f"model at {path} (model_type {config.model_type!r}) has no causal-LM or "
-                          "image-text-to-text class in transformers; use a text-generation model")
+    cls = text_model_class(AutoConfig.from_pretrained(path), path)
     model, info = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                       output_loading_info=True)
     if info["missing_keys"]:

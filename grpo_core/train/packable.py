@@ -16,7 +16,9 @@ compatibility list: attention sinks are refused; Gated DeltaNet is the only non-
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+import torch
 from torch import nn
 
 from grpo_core.errors import ConfigError
@@ -75,3 +77,22 @@ def check_packable(model: nn.Module, model_name: str, max_len: int) -> None:
     if linear != supported or (getattr(model, "_is_stateful", False) and not supported):
         raise _refuse(model_name, f"{linear} linear-attention layers of which {supported} are Gated DeltaNet "
                                   f"layers of a supported kind ({', '.join(SUPPORTED_RECURRENT)})")
+
+
+def check_model_folder(path: str | Path, model_name: str, max_len: int) -> None:
+    """:func:`check_packable` on the model of a folder, built on the meta device (no weights read).
+
+    Raises:
+        ConfigError: as :func:`check_packable`, or the folder holds no text-generation model.
+    """
+    from transformers import AutoConfig
+
+    from grpo_core.text_model import drop_non_language_parts, is_vision_language, text_model_class
+
+    config = AutoConfig.from_pretrained(path)
+    cls = text_model_class(config, path)
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    if is_vision_language(model.config) and hasattr(model.model, "language_model"):
+        drop_non_language_parts(model)
+    check_packable(model, model_name, max_len)
