@@ -218,8 +218,10 @@ class LoraConfig(_Strict):
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter input."""
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names to adapt."""
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names to adapt, or ``all-linear`` (every linear layer of the language model but the output
+    projection; a VLM's vision tower is never loaded by the trainer, so never adapted)."""
     name: str = "policy"
     """Adapter name on the servers; version N is served as ``{name}-v{N}``."""
 

@@ -157,3 +157,43 @@ def rename_module_key(key: str, name_map: dict[str, str]) -> str:
         if mapped is not None and mapped.endswith(suffix):
             return mapped[: -len(suffix)] + sep + rest
     return key
+
+
+def write_trained_checkpoint(original: str | Path, trained: str | Path, out: str | Path) -> Path:
+    """A loadable model folder: ``original``'s files with its tensors replaced by the trained ones.
+
+    Tensors the trainer never held (a VLM's vision tower) keep the original's values, so the result
+    loads with the original's class (e.g. ``Qwen3_5ForConditionalGeneration``).
+
+    Args:
+        original: the model folder training started from.
+        trained: a safetensors file with checkpoint-named tensors (a full weight sync's ``model.safetensors``).
+        out: folder to write (replaced); gets one ``model.safetensors`` and the original's other files.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ConfigError: a trained tensor's name or shape matches nothing in the original checkpoint.
+    """
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    original, out = Path(original), Path(out)
+    tensors = load_file(str(trained))
+    shapes = {}
+    for file in sorted(original.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+                if key not in tensors:
+                    tensors[key] = f.get_tensor(key)
+    unknown = [k for k, v in tensors.items() if k not in shapes or tuple(v.shape) != shapes[k]]
+    if shapes and unknown:
+        raise ConfigError(f"{len(unknown)} trained tensors match no tensor of {original} (e.g. {unknown[:3]})")
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(original, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "*.bin"))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (names follow ``vllm serve`` where one exists)."""
     p = argparse.ArgumentParser(prog="python -m grpo_core.serving.embedded",
                                 description="vLLM-compatible generation server on transformers (CPU or CUDA).")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="registry name or local HF folder")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="registry name, local HF folder or Hub id")
+    p.add_argument("--revision", default=None, help="Hub ids: branch, tag or commit (from the Hub cache)")
     p.add_argument("--served-model-name", default=None, help="name clients use in 'model' (default: --model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--cache-dir", type=Path, default=None, help="folder for converted models")
@@ -82,9 +83,11 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
                     max_num_seqs=server_cfg.max_num_seqs, kv_cache_size_tokens=max(kv_size, server_cfg.max_model_len),
                     pad_token_id=tokenizer.pad_token_id or 0)
     engine.start()
-    state = ServerState(engine=engine, tokenizer=tokenizer, weights=WeightManager(engine, args.max_lora_rank),
+    model_path = resolve_model_dir(model_cfg)
+    state = ServerState(engine=engine, tokenizer=tokenizer,
+                        weights=WeightManager(engine, args.max_lora_rank, model_path),
                         model_name=server_cfg.served_model_name or model_cfg.name,
-                        model_path=str(resolve_model_dir(model_cfg)), max_logprobs=server_cfg.max_logprobs,
+                        model_path=str(model_path), max_logprobs=server_cfg.max_logprobs,
                         max_loras=args.max_loras)
     logger.info("embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)", state.model_name,
                 server_cfg.host, port, device, torch.get_num_threads(), sorted(eos))
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        model_cfg = ModelConfig(name=args.model, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.model_seed)
+        model_cfg = ModelConfig(name=args.model, revision=args.revision, dtype=args.dtype, cache_dir=args.cache_dir,
+                                seed=args.model_seed)
         server_cfg = ServerConfig(backend="embedded", host=args.host, port=args.port,
                                   served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, kv_cache_size_tokens=args.kv_cache_size_tokens,

@@ -24,6 +24,7 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import torch
@@ -35,27 +36,34 @@ logger = logging.getLogger(__name__)
 _LORA_WRAPPED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)\.(weight|bias)$")
 
 
-def vllm_name(name: str, lora_names: bool) -> str:
-    """The trainer's parameter name as vLLM's loader expects it."""
+def vllm_name(name: str, lora_names: bool, name_map: dict[str, str] | None = None) -> str:
+    """The trainer's parameter name as vLLM's loader expects it: the name in the served checkpoint
+    (``name_map``, from :func:`grpo_core.text_model.checkpoint_name_map`; e.g. Qwen3.5's
+    ``model.language_model.…``), with ``.base_layer`` where vLLM wraps a layer for LoRA."""
     name = name.removeprefix("lm.")
+    name = name_map.get(name, name) if name_map else name
     return _LORA_WRAPPED.sub(r".\1.base_layer.\2", name) if lora_names else name
 
 
-def full_tensors(policy, lora_names: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def full_tensors(policy, lora_names: bool, name_map: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(vLLM name, full tensor on this rank's GPU)``, one parameter at a time (collective)."""
     for name, p in policy.named_parameters():
         t = p.detach()
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        yield vllm_name(name, lora_names), t
+        yield vllm_name(name, lora_names, name_map), t
 
 
 class VllmWeightTransferSync:
-    """See module docs. ``urls``: the vLLM servers; ``backend``: ``ipc`` or ``nccl``."""
+    """See module docs. ``urls``: the vLLM servers; ``backend``: ``ipc`` or ``nccl``; ``model_dir``: the
+    checkpoint the servers loaded, whose tensor names the sync sends (None = the trainer's names)."""
 
-    def __init__(self, urls: list[str], backend: str = "ipc", lora_names: bool = False, timeout_s: float = 600.0):
+    def __init__(self, urls: list[str], backend: str = "ipc", lora_names: bool = False, timeout_s: float = 600.0,
+                 model_dir: str | Path | None = None):
         if backend not in ("ipc", "nccl"):
             raise ValueError(f"server.weight_transfer_backend must be 'ipc' or 'nccl', got {backend!r}")
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
+        self.model_dir = model_dir
+        self.name_map: dict[str, str] | None = None
         self.http = httpx.Client(timeout=timeout_s)
         self.groups: list = []
         self.initialised = False
@@ -83,6 +91,10 @@ class VllmWeightTransferSync:
     def sync(self, policy, version: int, rank: int) -> dict[str, float]:
         """Push the policy's weights to every server as version ``version`` (collective)."""
         t0 = time.perf_counter()
+        if self.name_map is None and self.model_dir is not None:
+            from grpo_core.text_model import checkpoint_name_map
+
+            self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
         if rank == 0 and not self.initialised:
             if self.backend == "ipc":
                 for url in self.urls:
@@ -113,12 +125,12 @@ class VllmWeightTransferSync:
         if self.backend == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-            IPCWeightTransferEngine.trainer_send_weights(full_tensors(policy, self.lora_names),
+            IPCWeightTransferEngine.trainer_send_weights(full_tensors(policy, self.lora_names, self.name_map),
                                                          {"send_mode": "http", "url": url})
             return
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-        tensors = list(full_tensors(policy, self.lora_names))  # full_tensor is collective: every rank gathers
+        tensors = list(full_tensors(policy, self.lora_names, self.name_map))  # collective: every rank gathers
         if rank != 0:
             return
         info = {"names": [n for n, _ in tensors], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
