@@ -118,11 +118,13 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
     """
+    from grpo_core.report import TRAINER_ERROR, read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
     log, root = get_run_logger(), Path(run_dir)
     cfg = _config(run_dir)
     cfg.train.rollout_location = rollout_location
+    (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
     config_path.write_text(cfg.model_dump_json(indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -131,7 +133,9 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     code, tail = stream(cmd, log, "[trainer] ", _child_env(), pid_file=root / "trainer.pid",
                         register=REGISTRY[run_dir])
     if code != 0:
-        raise TrainerError(f"trainer exited with code {code}; last output:\n{tail}")
+        cause = read_trainer_error(root)
+        raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")
+                           + f"\nlast output:\n{tail}")
     return str(latest_checkpoint(root))
 
 
@@ -156,6 +160,9 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
             tracking.log_model(cfg.tracking, mlflow_run_id, model_dir, adapter=cfg.train.lora.enabled)
         tracking.end_run(cfg.tracking, mlflow_run_id, "FINISHED")
     get_run_logger().info("summary: %s", summary)
+    if summary.get("stopped_early"):
+        get_run_logger().warning("trained %s of %s steps: %s", summary["steps"], summary["steps_requested"],
+                                 summary["stopped_early"])
     return summary
 
 

@@ -245,13 +245,12 @@ def resolve_model_dir(config: ModelConfig) -> Path:
                           f"{config.name!r} is a {'registry name' if config.name in registry_names() else 'folder'}; "
                           "unset model.revision")
     cache = config.resolved_cache_dir() / "models"
-    if config.name == SMOLLM2_NAME or config.name in TINY_ARCHITECTURES:
-        tokenizer_dir = _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
     if config.name == SMOLLM2_NAME:
-        return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir))
+        return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir(config)))
     if config.name in TINY_ARCHITECTURES:
         arch = TINY_ARCHITECTURES[config.name]
-        return _build_once(cache / f"{config.name}-seed{config.seed}", _make_tiny(arch, config.seed, tokenizer_dir))
+        return _build_once(cache / f"{config.name}-seed{config.seed}",
+                           _make_tiny(arch, config.seed, tokenizer_dir(config)))
     if local:
         return path
     if is_hub_id(config.name):
@@ -260,6 +259,21 @@ def resolve_model_dir(config: ModelConfig) -> Path:
         f"model.name={config.name!r} is neither a registry name ({', '.join(registry_names())}), "
         "a local folder with a config.json, nor a Hub id (owner/name); fix model.name"
     )
+
+
+def tokenizer_dir(config: ModelConfig) -> Path:
+    """The folder with the model's tokenizer files, without building its weights.
+
+    The registry models share SmolLM2's tokenizer (converted from the GGUF once, in seconds);
+    a local folder holds its own.
+
+    Raises:
+        ConfigError: as :func:`resolve_model_dir`.
+    """
+    if config.name == SMOLLM2_NAME or config.name in TINY_ARCHITECTURES:
+        cache = config.resolved_cache_dir() / "models"
+        return _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
+    return resolve_model_dir(config)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

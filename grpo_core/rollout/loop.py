@@ -199,14 +199,21 @@ class RolloutLoop:
         allowance = self.runtime.allowance
         allowance.group_started()
         started = time.monotonic()
-        version = allowance.policy_version
+        version, trainer_step = allowance.policy_version, allowance.trainer_step
         results = await asyncio.gather(*(self._rollout(prompt_index, i, row, version)
                                          for i in range(self.config.num_generations)))
-        prompts, rollouts = [p for p, _ in results], [r for _, r in results]
-        sequences = [self._reconcile(r) for r in rollouts]
-        group = RolloutGroup(prompt_index=prompt_index, row_index=row_index, epoch=epoch, row=row, prompts=prompts,
-                             rollouts=rollouts, sequences=sequences, policy_version=version, started_at=started)
-        await score_group(group, self.runtime.reward_functions, self.executor, self.window)
+        prompts, rollouts, envs = [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
+        try:
+            sequences = [self._reconcile(r) for r in rollouts]
+            group = RolloutGroup(prompt_index=prompt_index, row_index=row_index, epoch=epoch, row=row,
+                                 prompts=prompts, rollouts=rollouts, sequences=sequences, policy_version=version,
+                                 started_at=started, trainer_step=trainer_step,
+                                 environments=[env for _, env in envs])
+            await score_group(group, self.runtime.reward_functions, self.executor, self.window)
+        finally:  # the reward functions have read the environments' state: hand them back
+            for env_name, env in envs:
+                if env is not None:
+                    self.environments.give_back(env_name, env)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
         if advantages.shape != (len(rollouts),):
             raise RolloutError(f"compute_advantages returned shape {advantages.shape}; expected ({len(rollouts)},)")
@@ -233,8 +240,14 @@ class RolloutLoop:
         self.window.add("rollout/samples_per_rollout", len(seqs))
         return seqs
 
-    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any], version: int) -> tuple[list, Rollout]:
-        """One rollout under a concurrency slot, with its environment (reset, tools, get_reward)."""
+    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any],
+                       version: int) -> tuple[list, Rollout, tuple[Any, Any]]:
+        """One rollout under a concurrency slot, with its environment (reset, tools, get_reward).
+
+        Returns:
+            ``(prompt, rollout, (environment name, environment))``; the environment (None without
+            ``environment_factory``) stays taken until the caller gives it back after scoring.
+        """
         _REQUEST.set((prompt_index, index, [0], version))
         await self.cap.acquire()
         start = time.monotonic()
@@ -252,10 +265,12 @@ class RolloutLoop:
             if env is not None and hasattr(env, "get_reward"):
                 rollout.env_reward = (type(env).__name__, await self._env_reward(env))
             self.window.add("rollout/duration_s", time.monotonic() - start)
-            return prompt, rollout
-        finally:
+            return prompt, rollout, (env_name, env)
+        except BaseException:
             if env is not None:
                 self.environments.give_back(env_name, env)
+            raise
+        finally:
             await self.cap.release()
 
     async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -272,7 +287,7 @@ class RolloutLoop:
             return [*prompt[:-1], {**prompt[-1], "content": f"{prompt[-1]['content']}\n\n{text}"}]
         return [*prompt, {"role": "user", "content": str(text)}]
 
-    async def _env_reward(self, env: object) -> float:
+    async def _env_reward(self, env: object) -> Any:
         start = time.perf_counter()
         get_reward = env.get_reward
         if asyncio.iscoroutinefunction(get_reward):
@@ -280,7 +295,7 @@ class RolloutLoop:
         else:
             value = await asyncio.get_running_loop().run_in_executor(self.executor, get_reward)
         self.window.add("env/reward_s", time.perf_counter() - start)
-        return float(value)
+        return value  # checked (None/NaN = does not apply, ±inf = error) with the other sources when scored
 
 
 def _with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -192,10 +192,14 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
 
 def launch(spec: LaunchSpec) -> ServerHandle:
     """Start one replica in its own process group, stdout/stderr to ``spec.log_path``."""
-    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-    if spec.port_file is not None:
-        spec.port_file.unlink(missing_ok=True)
-    log = open(spec.log_path, "ab")  # noqa: SIM115 - closed by ServerHandle.stop
+    try:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if spec.port_file is not None:
+            spec.port_file.unlink(missing_ok=True)
+        log = open(spec.log_path, "ab")  # noqa: SIM115 - closed by ServerHandle.stop
+    except OSError as exc:
+        raise ServingError(f"{spec.backend} replica {spec.replica}: cannot write its log {spec.log_path} "
+                           f"(server.log_dir): {exc.strerror or exc}") from None
     logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, " ".join(spec.argv), spec.log_path)
     process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**os.environ, **spec.env}, start_new_session=True)
