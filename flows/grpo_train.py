@@ -130,7 +130,10 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
-    code, tail = stream(cmd, log, "[trainer] ", _child_env(), pid_file=root / "trainer.pid",
+    env = _child_env()
+    if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
+    code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / "trainer.pid",
                         register=REGISTRY[run_dir])
     if code != 0:
         cause = read_trainer_error(root)

@@ -47,8 +47,9 @@ class ModelConfig(_Strict):
     """Which policy model to serve and train, and how to load it."""
 
     name: str = "smollm2-135m-instruct"
-    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5``), a local
-    HF folder path, or a Hugging Face Hub id (``Qwen/Qwen3.5-2B``; downloaded into the Hub cache)."""
+    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5``,
+    ``random-qwen3-0.6b``), a local HF folder path, or a Hugging Face Hub id (``Qwen/Qwen3.5-2B``;
+    downloaded into the Hub cache)."""
     revision: str | None = None
     """Hub ids only: branch, tag or commit to download (None = ``main``)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -135,6 +136,10 @@ class RolloutConfig(_Strict):
     """Seconds a single request to the server may take before it is retried."""
     max_retries: int = Field(default=5, ge=0)
     """Retries of a request after connection errors, timeouts and 5xx answers."""
+    max_abort_retries: int = Field(default=3, ge=0)
+    """Times a turn the server cut short (``finish_reason: abort``) is resubmitted as its continuation before
+    its group is dropped (counted in ``rollout/aborted_group_count``); aborted tokens are never trained as a
+    finished turn."""
     num_generations: int = Field(default=8, ge=2)
     """G: rollouts per prompt (one group); advantages are normalised inside it."""
     dataset: str | None = None
@@ -246,6 +251,9 @@ class TrainConfig(_Strict):
     """Data-parallel ranks (torchrun --nproc-per-node)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` = CUDA when available (NCCL), else CPU (gloo)."""
+    gpu_ids: list[int] | None = None
+    """CUDA device indices of the trainer's ranks (rank r on gpu_ids[r], set as ``CUDA_VISIBLE_DEVICES``);
+    None = the first num_ranks visible devices. Disjoint from server.gpu_ids for NCCL weight transfer."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weight dtype."""
     mixed_precision: bool | None = None
@@ -402,6 +410,11 @@ class RunConfig(_Strict):
         if train.lora.enabled and train.lora.r > server.lora_rank:
             raise ConfigError(
                 f"train.lora.r ({train.lora.r}) exceeds server.lora_rank ({server.lora_rank}); raise server.lora_rank"
+            )
+        if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
+            raise ConfigError(
+                f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "
+                f"{train.num_ranks}; list one GPU per rank or lower train.num_ranks"
             )
         needed = server.num_replicas * server.tensor_parallel_size
         if server.gpu_ids is not None and len(set(server.gpu_ids)) < needed:

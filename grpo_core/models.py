@@ -10,6 +10,8 @@ tokenizer files) that transformers, PEFT and vLLM can all load:
   the SmolLM2 tokenizer, for fast tests and throughput work; not "real input".
 - ``tiny-qwen3.5``: the same for Qwen3.5, saved as the vision-language checkpoint Qwen3.5 ships
   (a Gated DeltaNet + attention hybrid language model and a small vision tower).
+- ``random-qwen3-0.6b``: Qwen3-0.6B's shape (SmolLM2 vocabulary), random bf16 weights, for
+  GPU throughput runs only.
 - an existing local HF folder path.
 - a Hugging Face Hub id (``owner/name``, optional ``model.revision``): downloaded by
   ``huggingface_hub`` into its cache (``HF_HUB_CACHE``); offline (``HF_HUB_OFFLINE=1`` or no
@@ -69,14 +71,24 @@ _TINY_QWEN3_5_TEXT: dict[str, Any] = {
 _TINY_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                 "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
                                 "temporal_patch_size": 1, "num_position_embeddings": 16}
+# Full-size shapes with random weights, for throughput work (bf16 folders). Qwen3-0.6B's config.json,
+# except the vocabulary: the SmolLM2 tokenizer's 49152 ids instead of 151936 (no Qwen tokenizer ships offline).
+RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "random-qwen3-0.6b": ("qwen3", {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                                    "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+}
 #: Files of a Hub model repository that loading and serving read (not ``.bin``/``.gguf`` duplicates, no code).
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
+
+
 def registry_names() -> list[str]:
     """Names ``ModelConfig.name`` accepts besides local folder paths and Hub ids."""
-    return [SMOLLM2_NAME, *TINY_ARCHITECTURES]
+    return [SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES]
 
 
 def smollm2_gguf_path() -> Path:
@@ -150,28 +162,29 @@ def _convert_smollm2(tokenizer_dir: Path) -> Callable[[Path], None]:
     return build
 
 
-def _tiny_config(arch: str, tokenizer):
+def _random_config(arch: str, shape: dict[str, Any], tokenizer):
     from transformers import AutoConfig
 
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}
     if arch != "qwen3_5":
-        return AutoConfig.for_model(arch, vocab_size=len(tokenizer), **ids, **_TINY_COMMON)
-    text = {**_TINY_QWEN3_5_TEXT, "vocab_size": len(tokenizer), **ids}
+        return AutoConfig.for_model(arch, vocab_size=len(tokenizer), **ids, **shape)
+    text = {**shape, "vocab_size": len(tokenizer), **ids}
     return AutoConfig.for_model(arch, text_config=text, vision_config=_TINY_VISION, tie_word_embeddings=True, **ids)
 
 
-def _make_tiny(arch: str, seed: int, tokenizer_dir: Path) -> Callable[[Path], None]:
+def _make_random(arch: str, shape: dict[str, Any], seed: int, tokenizer_dir: Path,
+                 save_dtype: str = "float32") -> Callable[[Path], None]:
     def build(out_dir: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        config = _tiny_config(arch, tokenizer)
+        config = _random_config(arch, shape, tokenizer)
         torch.manual_seed(seed)
         cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
         model = cls.from_config(config, dtype=torch.float32)
-        model.save_pretrained(out_dir)
+        model.to(getattr(torch, save_dtype)).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
 
     return build
@@ -249,8 +262,13 @@ def resolve_model_dir(config: ModelConfig) -> Path:
         return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir(config)))
     if config.name in TINY_ARCHITECTURES:
         arch = TINY_ARCHITECTURES[config.name]
-        return _build_once(cache / f"{config.name}-seed{config.seed}",
-                           _make_tiny(arch, config.seed, tokenizer_dir(config)))
+        shape = _TINY_QWEN3_5_TEXT if arch == "qwen3_5" else _TINY_COMMON
+        build = _make_random(arch, shape, config.seed, tokenizer_dir(config))
+        return _build_once(cache / f"{config.name}-seed{config.seed}", build)
+    if config.name in RANDOM_SHAPES:
+        arch, shape = RANDOM_SHAPES[config.name]
+        build = _make_random(arch, shape, config.seed, tokenizer_dir(config), save_dtype="bfloat16")
+        return _build_once(cache / f"{config.name}-seed{config.seed}", build)
     if local:
         return path
     if is_hub_id(config.name):
@@ -270,7 +288,7 @@ def tokenizer_dir(config: ModelConfig) -> Path:
     Raises:
         ConfigError: as :func:`resolve_model_dir`.
     """
-    if config.name == SMOLLM2_NAME or config.name in TINY_ARCHITECTURES:
+    if config.name in (SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES):
         cache = config.resolved_cache_dir() / "models"
         return _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
     return resolve_model_dir(config)

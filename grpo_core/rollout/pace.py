@@ -79,6 +79,11 @@ class TokenAllowance:
             if queued:
                 self.queued_tokens += tokens
 
+    def group_abandoned(self) -> None:
+        """A started group ended without a result (dropped); it leaves the in-flight count only."""
+        with self._lock:
+            self.in_flight_groups -= 1
+
     def dequeued(self, tokens: int) -> None:
         """The trainer pulled ``tokens``."""
         with self._lock:

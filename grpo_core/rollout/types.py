@@ -26,7 +26,7 @@ class TurnRecord:
         output_mask: ``[len(output_ids)]`` 1 = train the token, 0 = context only; None = all trained.
         output_sampling_mask: per output token, the candidate ids of top-k/top-p/min-p; None = full vocabulary.
         output_sampler_logprobs: per output token, ``{token_id: logprob}`` of the sampler's top tokens.
-        finish_reason: ``"stop"`` or ``"length"``.
+        finish_reason: ``"stop"`` or ``"length"`` (a turn the server aborted is resubmitted, never recorded).
         text: decoded output (special tokens skipped).
     """
 

@@ -147,6 +147,11 @@ class Trainer:
                     "logp_diff_max": st["logp_diff"].max().item() if rt.num_terms else 0.0}
         version = self.policy_version
         staleness = (version - rt.policy_version).float() if rt.policy_version.numel() else torch.zeros(0)
+        # Tokens sampled by the weights being trained (staleness 0): their mean ratio measures the
+        # trainer/sampler mismatch alone (seed manual: 1 +- 0.001 when both compute the same policy).
+        fresh = staleness.to(rt.sample_index.device)[rt.sample_index] == 0 if rt.num_terms else torch.zeros(0, dtype=torch.bool)
+        sums["ratio_fresh"] = st["ratio"][fresh].sum().item() if rt.num_terms else 0.0
+        sums["terms_fresh"] = float(fresh.sum().item()) if rt.num_terms else 0.0
         sums["staleness"] = staleness.sum().item()
         sums["samples"] = float(staleness.numel())
         extremes["staleness_max"] = staleness.max().item() if staleness.numel() else 0.0
@@ -257,7 +262,7 @@ class Trainer:
                  collect_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float) -> None:
         """Reduce per-rank sums, add rank 0's batch stats, and flush a window every ``logging_steps``."""
         keys = ["loss", "terms", "entropy", "ratio", "logp_diff", "masked", "clipped_low", "clipped_high",
-                "sampler_mass", "staleness", "samples"]
+                "sampler_mass", "staleness", "samples", "ratio_fresh", "terms_fresh"]
         sums = dict(zip(keys, all_reduce([sum(d[k] for d in local) for k in keys], self.world)))
         mkeys = ["ratio_max", "ratio_min_neg", "logp_diff_max", "staleness_max"]
         maxes = dict(zip(mkeys, all_reduce([max(d[k] for d in local) for k in mkeys], self.world, op="max")))
@@ -278,6 +283,8 @@ class Trainer:
                   "sample/staleness_max": maxes["staleness_max"], "policy_version": self.policy_version,
                   "perf/step_s": step_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/optimizer_s": optimizer_s,
                   "perf/rollout_wait_s": planned.rollout_wait_s, **opt, **planned.stats, **sync})
+        if sums["terms_fresh"] > 0:
+            w.add("sampling/importance_sampling_ratio/staleness0_mean", sums["ratio_fresh"] / sums["terms_fresh"])
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", sums["sampler_mass"] / n)
         w.rate("perf/tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], step_s)
