@@ -10,7 +10,7 @@
 #   long           benchmarks/long_generation_sync.py: a 1500-token generation across a weight sync (real vLLM)
 #   e2e=RUNS       benchmarks/gpu_e2e.py --runs RUNS (comma-separated: 1xh200,1xh200-lora,2xh200,qwen3-0.6b-random)
 #   trl[=GPUS]     benchmarks/trl_async_grpo.py on the gpu-1xh200 config (GPUS 1 or 2) against e2e's summary
-# STEPS (default 30) sets the steps of every run. Results accumulate in /tmp/grpo-results across the calls
+# STEPS (default 30) sets the steps of every run; E2E_ARGS adds gpu_e2e.py arguments (e.g. "--set train.compile=false"). Results accumulate in /tmp/grpo-results across the calls
 # of one warm machine ($OUT is emptied before each call) and are copied to OUT (at most 8 files) at the end.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; STEPS=${STEPS:-30}; PY=${PYTHON:-python3}; RES=/tmp/grpo-results
@@ -56,7 +56,8 @@ for step in "$@"; do
         collect) collect ;;
         setup) setup || { rc=$?; echo "setup failed ($rc)"; exit $rc; } ;;
         long) timeout 300 "$PY" benchmarks/long_generation_sync.py --config configs/gpu-1xh200.yaml --out "$RES" || rc=1 ;;
-        e2e=*) timeout 560 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" || rc=1 ;;
+        e2e=*) timeout 560 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" \
+                   ${E2E_ARGS:-} || rc=1 ;;
         trl|trl=*) g=${step#trl}; g=${g#=}; timeout 560 "$PY" benchmarks/trl_async_grpo.py --gpus "${g:-1}" \
                        --steps "$STEPS" --out "$RES" --compare "$RES/summary.json" || rc=1 ;;
         *) echo "unknown step $step"; exit 2 ;;

@@ -76,7 +76,11 @@ def test_keep_and_wait_modes_finish_the_request_intact(server, mode):
             while generated_tokens(server.url) <= start:
                 await asyncio.sleep(0.01)
             await c.pause(mode)  # wait: returns once the request has finished
-            finished_during_pause = task.done()
+            try:  # still paused: a waited request's answer arrives, a kept one stays frozen
+                await asyncio.wait_for(asyncio.shield(task), 5)
+                finished_during_pause = True
+            except TimeoutError:
+                finished_during_pause = False
             queued = asyncio.create_task(c.complete(PROMPT, model=TINY, max_tokens=4, ignore_eos=True))
             await asyncio.sleep(0.5)
             held = not queued.done()

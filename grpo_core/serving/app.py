@@ -228,6 +228,10 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": engine.paused}
 
+
+def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
+    engine = state.engine
+
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine() -> dict[str, str]:
         return {"status": "ok"}
@@ -255,6 +259,10 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
             state.paused_by_weight_update = False
             engine.resume()
         return {"status": "ok"}
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    engine = state.engine
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
@@ -315,6 +323,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="grpo-flow embedded generation server")
     _add_generation_routes(app, state)
     _add_control_routes(app, state)
+    _add_weight_routes(app, state)
+    _add_info_routes(app, state)
     _add_lora_routes(app, state)
     _add_error_handlers(app)
     return app
