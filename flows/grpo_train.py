@@ -171,9 +171,8 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
 
 def _final_model_dir(cfg: RunConfig, root: Path) -> Path | None:
     """A loadable HF folder of the last synced weights (or the last LoRA adapter); None if none was synced."""
-    import shutil
-
     from grpo_core.models import resolve_model_dir
+    from grpo_core.text_model import write_trained_checkpoint
 
     if cfg.train.lora.enabled:
         adapters = sorted((root / ".vllm_lora").glob(f"{cfg.train.lora.name}-v*"),
@@ -183,11 +182,8 @@ def _final_model_dir(cfg: RunConfig, root: Path) -> Path | None:
                       key=lambda p: int(p.name[1:]))
     if not versions:
         return None
-    out = root / "final_model"
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(resolve_model_dir(cfg.model), out, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    shutil.copy2(versions[-1] / "model.safetensors", out / "model.safetensors")
-    return out
+    return write_trained_checkpoint(resolve_model_dir(cfg.model), versions[-1] / "model.safetensors",
+                                    root / "final_model")
 
 
 @contextlib.contextmanager

@@ -47,8 +47,11 @@ class ModelConfig(_Strict):
     """Which policy model to serve and train, and how to load it."""
 
     name: str = "smollm2-135m-instruct"
-    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``random-qwen3-0.6b``) or a local
-    HF folder path."""
+    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5``,
+    ``random-qwen3-0.6b``), a local HF folder path, or a Hugging Face Hub id (``Qwen/Qwen3.5-2B``;
+    downloaded into the Hub cache)."""
+    revision: str | None = None
+    """Hub ids only: branch, tag or commit to download (None = ``main``)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight/compute dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
     cache_dir: Path | None = None
@@ -221,8 +224,10 @@ class LoraConfig(_Strict):
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter input."""
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names to adapt."""
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names to adapt, or ``all-linear`` (every linear layer of the language model but the output
+    projection; a VLM's vision tower is never loaded by the trainer, so never adapted)."""
     name: str = Field(default="policy", min_length=1, max_length=64)
     """Adapter name on the servers; version N is served as ``{name}-v{N}`` (also a folder name:
     letters, digits, ``.``, ``_`` and ``-``, starting with a letter or digit)."""

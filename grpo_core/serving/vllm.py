@@ -186,6 +186,8 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
             "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm"]
     if model.cache_dir is not None:
         argv += ["--cache-dir", str(model.cache_dir)]
+    if model.revision is not None:
+        argv += ["--revision", model.revision]
     if server.kv_cache_size_tokens:
         argv += ["--kv-cache-size-tokens", str(server.kv_cache_size_tokens)]
     env = {"HF_HUB_OFFLINE": "1"}

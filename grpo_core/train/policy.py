@@ -15,9 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.config import LoraConfig, ModelConfig
+from grpo_core.text_model import load_text_model, text_decoder
 
 from .attention import TREE_ATTENTION, TreeMask, dense_tree_mask, register_tree_attention
 from .logprobs import TokenLogProbs, candidate_mask, projected_logprobs
+from .packable import check_packable
+from .recurrent import install_tree_recurrence
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +54,10 @@ class Policy(nn.Module):
         """
         base = self.base()
         if tree_mask.dense is None and tree_mask.block_mask is None:
-            tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end))
-        out = base.model(input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask,
-                         use_cache=False)
+            tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end),
+                                 recurrence=tree_mask.recurrence)
+        out = text_decoder(base)(input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask,
+                                 use_cache=False)
         hidden = out.last_hidden_state[0]
         weight = base.get_output_embeddings().weight
         dense_candidates = None
@@ -106,12 +110,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 lora: LoraConfig, gradient_checkpointing: bool, temperature: float, chunk_size: int) -> Policy:
-    """Load the LM with tree attention, optionally add LoRA, and wrap it in :class:`Policy` (unsharded)."""
-    from transformers import AutoModelForCausalLM
+                 lora: LoraConfig, gradient_checkpointing: bool, temperature: float, chunk_size: int,
+                 max_len: int | None = None) -> Policy:
+    """Load the LM (a VLM's language model, ``grpo_core.text_model``) with tree attention and tree
+    recurrence, optionally add LoRA, and wrap it in :class:`Policy` (unsharded).
 
+    Args:
+        max_len: longest sequence of a packed row in tokens (for the packability check of windowed
+            attention); None = the model's ``max_position_embeddings``.
+
+    Raises:
+        ConfigError: a layer of the model cannot run on packed tree rows (``grpo_core.train.packable``).
+    """
     register_tree_attention()
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=TREE_ATTENTION)
+    lm = load_text_model(model_dir, dtype=dtype, attn_implementation=TREE_ATTENTION)
+    text_cfg = lm.config.get_text_config()
+    check_packable(lm, model_cfg.name, max_len or getattr(text_cfg, "max_position_embeddings", 1 << 20))
+    num_recurrent = install_tree_recurrence(lm)
     lm.config.use_cache = False
     if gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -123,8 +138,8 @@ def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, 
                                                target_modules=lora.target_modules, task_type="CAUSAL_LM"))
     policy = Policy(lm, temperature, chunk_size).to(device)
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s)", model_cfg.name, n_train / 1e6, dtype,
-                lora.enabled)
+    logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s, %d Gated DeltaNet layers on tree rows)",
+                model_cfg.name, n_train / 1e6, dtype, lora.enabled, num_recurrent)
     return policy
 
 

@@ -64,7 +64,8 @@ class Trainer:
         dtype = getattr(torch, tc.dtype)
         self.policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=dtype, device=world.device,
                                    lora=tc.lora, gradient_checkpointing=tc.gradient_checkpointing,
-                                   temperature=cfg.rollout.temperature, chunk_size=tc.logprob_chunk_size)
+                                   temperature=cfg.rollout.temperature, chunk_size=tc.logprob_chunk_size,
+                                   max_len=cfg.token_budget())
         on_cuda = world.device.type == "cuda"
         if tc.compile if tc.compile is not None else on_cuda:
             compile_layers(self.policy)

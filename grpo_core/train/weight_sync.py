@@ -3,13 +3,14 @@
 Each sync makes one new policy version. Implementations:
 
 * :class:`DiskFullWeightSync`: full weights as a checkpoint-format folder
-  (safetensors, HF names) read by the embedded server's
+  (safetensors, the served checkpoint's tensor names) read by the embedded server's
   ``/start_weight_update → /update_weights {"path"} → /finish_weight_update``.
 * :class:`LoraAdapterSync`: a PEFT adapter saved to
   ``<output_dir>/.vllm_lora/<name>-v{N}`` (atomic rename), loaded on every
   server with ``/v1/load_lora_adapter``; the newest ``max_staleness + 1``
   versions stay loaded, older ones are unloaded and deleted. vLLM and the
-  embedded server take the same requests.
+  embedded server take the same requests. Adapter keys use the served
+  checkpoint's module names (see :meth:`LoraAdapterSync.checkpoint_keys`).
 
 Several servers: all or nothing. If one server fails, the new version is
 removed again from the servers that took it (adapters are unloaded; full
@@ -102,10 +103,12 @@ class _Servers:
 class DiskFullWeightSync:
     """Full weights through a shared folder (embedded server). See module docs."""
 
-    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2):
+    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None):
         self.servers = _Servers(urls)
         self.root = Path(output_dir) / ".weights"
         self.keep = max(keep, 2)
+        self.model_dir = model_dir
+        self.name_map: dict[str, str] | None = None
 
     def sync(self, policy, version: int, rank: int) -> dict[str, float]:
         """Gather, write ``v{version}``, then pause → update → resume on every server."""
@@ -118,6 +121,11 @@ class DiskFullWeightSync:
         tmp = self.root / f"v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        if self.model_dir is not None and self.name_map is None:
+            from grpo_core.text_model import checkpoint_name_map
+
+            self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
+        sd = {self.name_map.get(k, k): v for k, v in sd.items()} if self.name_map else sd
         save_file(untied(sd), tmp / "model.safetensors", metadata={"format": "pt"})
         folder = _publish(tmp, self.root / f"v{version}")
         t2 = time.perf_counter()
@@ -149,12 +157,28 @@ class DiskFullWeightSync:
 class LoraAdapterSync:
     """PEFT adapter versions on every server. See module docs."""
 
-    def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int):
+    def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int,
+                 model_dir: str | Path | None = None):
         self.servers = _Servers(urls)
         self.root = Path(output_dir) / ".vllm_lora"
         self.name = name
         self.keep = max_staleness + 1
         self.loaded: list[int] = []
+        self.model_dir = model_dir
+        self.name_map: dict[str, str] | None = None
+
+    def checkpoint_keys(self, lm, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Adapter keys under the served checkpoint's module names (Qwen3.5: ``model.language_model.…``),
+        which vLLM's LoRA loader maps like the checkpoint, and PEFT maps back when it loads the adapter
+        into transformers' renamed model (the embedded server)."""
+        if self.model_dir is None:
+            return adapter
+        from grpo_core.text_model import checkpoint_name_map, rename_module_key
+
+        if self.name_map is None:
+            self.name_map = checkpoint_name_map(lm.get_base_model(), self.model_dir)
+        prefix = "base_model.model."
+        return {prefix + rename_module_key(k.removeprefix(prefix), self.name_map): v for k, v in adapter.items()}
 
     def adapter_name(self, version: int) -> str:
         """Served model name of a version: ``{name}-v{version}``."""
@@ -167,7 +191,7 @@ class LoraAdapterSync:
         sd = full_state_dict(policy)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             lm = policy.lm
-            adapter = get_peft_model_state_dict(lm, state_dict=sd)
+            adapter = self.checkpoint_keys(lm, get_peft_model_state_dict(lm, state_dict=sd))
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / f"{self.adapter_name(version)}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
