@@ -232,7 +232,10 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
 @app.command()
 def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.0.1")] = 4200,
            demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = DEMO_CONFIG,
-           cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *") -> None:
+           cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *",
+           gpu_slots: Annotated[int | None, typer.Option(
+               help="slots of the global concurrency limit 'gpu' (default: the GPUs visible here, at least 1)")] = None,
+           ) -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
     set_env_defaults()
     import signal
@@ -244,7 +247,7 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
-    with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"])) as stack:
+    with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots) as stack:
         stack.register(demo_config, cron)
         console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
                       "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker)")
@@ -266,14 +269,34 @@ def ui(config: Annotated[Path | None, typer.Option(help="run config (for its tra
     console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
                   f"`.venv/bin/mlflow ui --backend-store-uri {uri} --port {mlflow_port}`)")
     if mlflow:
-        cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-               "--port", str(mlflow_port)]
-        if tc.resolved_artifact_location():
-            cmd += ["--default-artifact-root", tc.resolved_artifact_location()]
-        try:
-            subprocess.run(cmd, check=False)
-        except KeyboardInterrupt:
-            pass
+        serve_mlflow_ui(uri, tc.resolved_artifact_location(), mlflow_port)
+
+
+def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
+    """Run ``mlflow ui`` on 127.0.0.1 until it exits, Ctrl-C or SIGTERM; then stop it and every process it
+    started (its uvicorn workers and job-runner consumers), so nothing is left behind. Returns its exit code."""
+    import signal
+
+    from flows.processes import stop_tree
+
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]
+    if artifact_root:
+        cmd += ["--default-artifact-root", artifact_root]
+
+    def interrupt(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM stops the UI like Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        console.print("stopping the MLflow UI")
+        return 0
+    finally:
+        stop_tree(process)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main() -> None:

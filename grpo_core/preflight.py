@@ -2,7 +2,8 @@
 
 ``RunConfig`` validation catches field and cross-field errors; :func:`check_run` adds what only
 importing the named code or reading the dataset can tell: the model name resolves, the loop class,
-reward functions and tools import, and the dataset has the columns the rollout needs.
+reward functions and tools import, the dataset has the columns the rollout needs, and a Hub push
+(``export.push_to_hub``) has a repository id and a token.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.hub import check_push
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +76,17 @@ def check_run(cfg: RunConfig) -> None:
     """
     from grpo_core.rollout.build import loop_class_and_config
     from grpo_core.rollout.data import import_object
+    from grpo_core.rollout.tools import resolve_response_template
 
     check_model(cfg)
+    if cfg.server.backend == "vllm":
+        from grpo_core.serving.vllm import choose_backend
+
+        choose_backend(cfg)  # vLLM must be installed
     loop_class_and_config(cfg.rollout)
     for name in cfg.rollout.tools:
         import_object(name, "rollout.tools")
+    resolve_response_template(cfg.rollout.response_template)
     check_dataset(cfg)
+    check_push(cfg)
     logger.info("run config checked: model %s, dataset %s", cfg.model.name, cfg.rollout.dataset)
