@@ -32,7 +32,7 @@ def _exported(tmp: Path, shift: float) -> tuple[Path, dict[str, torch.Tensor]]:
     base = resolve_model_dir(ModelConfig(name=TINY))
     sd = {k: v + shift for k, v in AutoModelForCausalLM.from_pretrained(base).state_dict().items()}
     out = tmp / f"export{shift}"
-    save_full_model(base, sd, out, max_shard_size="200KB")
+    save_full_model(base, dict(sd), out, max_shard_size="200KB")
     save_tokenizer(base, out)
     return out, sd
 

@@ -75,7 +75,8 @@ def save_full_model(base_dir: Path, state_dict: dict[str, torch.Tensor], out: Pa
     """``save_pretrained`` of the base architecture holding ``state_dict`` (no second copy of the weights).
 
     The model is built on the meta device and the (CPU) tensors are assigned into it, cast to the base
-    checkpoint's dtype; tied weights are re-tied from the config.
+    checkpoint's dtype in place (``state_dict``'s entries are replaced, so peak memory stays near one copy);
+    tied weights are re-tied from the config.
 
     Args:
         base_dir: the base model folder (config, generation config).
@@ -89,8 +90,9 @@ def save_full_model(base_dir: Path, state_dict: dict[str, torch.Tensor], out: Pa
     dtype = _base_dtype(base_dir, next(iter(state_dict.values())).dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    casted = {k: v.to(dtype) for k, v in state_dict.items()}
-    missing, unexpected = model.load_state_dict(casted, strict=False, assign=True)
+    for name in list(state_dict):  # cast entry by entry: the full-precision tensors are freed as we go
+        state_dict[name] = state_dict[name].to(dtype)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     if unexpected or set(missing) - tied:
         raise ValueError(f"trained weights do not match {base_dir}: missing {sorted(set(missing) - tied)[:3]}, "
