@@ -55,13 +55,30 @@ _MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 _PARAM_MAX_CHARS = 6000
 
 
+_READY_STORES: set[str] = set()
+
+
 def client(tc: TrackingConfig) -> MlflowClient:
-    """An MLflow client on the configured tracking URI (the SQLite store is created on first use)."""
-    if tc.tracking_uri is None:
-        tc.dir.mkdir(parents=True, exist_ok=True)
+    """An MLflow client on the configured tracking URI.
+
+    The embedded SQLite store is created (or migrated) on first use under a file lock beside it:
+    two runs starting at once on a fresh store (the nightly run and a UI run) would otherwise both
+    run MLflow's schema migrations and one would fail.
+    """
+    uri = tc.resolved_tracking_uri()
     # Process-wide too: MLflow's internal clients (artifact repositories) otherwise open ./mlflow.db.
-    mlflow.set_tracking_uri(tc.resolved_tracking_uri())
-    return MlflowClient(tracking_uri=tc.resolved_tracking_uri())
+    mlflow.set_tracking_uri(uri)
+    if tc.tracking_uri is not None or uri in _READY_STORES:
+        return MlflowClient(tracking_uri=uri)
+    from filelock import FileLock
+
+    tc.dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(tc.dir / "mlflow.db.lock")):
+        mc = MlflowClient(tracking_uri=uri)
+        mc.search_experiments(max_results=1)  # opens the tracking store: creates and migrates its tables
+        mc.search_registered_models(max_results=1)  # and the model registry's store on the same database
+        _READY_STORES.add(uri)
+    return mc
 
 
 def experiment_id(tc: TrackingConfig, mc: MlflowClient) -> str:

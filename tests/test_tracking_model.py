@@ -155,3 +155,22 @@ def test_push_without_token_or_repo_fails_before_anything_starts(tmp_path, monke
     with pytest.raises(ConfigError, match="export.hub_model_id"):
         preflight.check_run(bad)
     hub.check_push(cfg)  # a token and a well-formed id: nothing to object to before training
+
+
+def _open_run(args) -> str:
+    tmp, i, barrier = args
+    barrier.wait()  # every process opens the fresh store at the same moment
+    return tracking.start_run(_cfg(Path(tmp)), f"flow-{i}")[0]
+
+
+def test_runs_starting_together_on_a_fresh_store_all_open(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(4)
+        with ctx.Pool(4) as pool:
+            run_ids = pool.map(_open_run, [(str(tmp_path), i, barrier) for i in range(4)])
+    assert len(set(run_ids)) == 4
+    mc = tracking.client(_cfg(tmp_path).tracking)
+    assert {mc.get_run(r).info.run_id for r in run_ids} == set(run_ids)
