@@ -55,8 +55,9 @@ def _wait(api: httpx.Client, flow_run_id: str, timeout_s: float = 1200.0) -> dic
     raise TimeoutError(f"flow run {flow_run_id} did not finish")
 
 
-def _shoot(page, url: str, out: Path, wait_text: str | None = None, settle_ms: int = 4000) -> None:
-    page.goto(url, timeout=120_000)
+def _shoot(page, url: str | None, out: Path, wait_text: str | None = None, settle_ms: int = 4000) -> None:
+    if url is not None:
+        page.goto(url, timeout=120_000)
     if wait_text:
         page.get_by_text(wait_text).first.wait_for(timeout=120_000)
     page.wait_for_timeout(settle_ms)
@@ -76,7 +77,9 @@ def _shrink(png: Path) -> None:
 def prefect_shots(page, ui: str, flow_run_id: str, out: Path) -> None:
     """Run graph and artifacts tab of a finished run."""
     _shoot(page, f"{ui}/runs/flow-run/{flow_run_id}", out / "prefect-run-graph.png", "rollout", 8000)
-    _shoot(page, f"{ui}/runs/flow-run/{flow_run_id}?tab=Artifacts", out / "prefect-artifacts.png", "grpo-summary")
+    page.goto(f"{ui}/runs/flow-run/{flow_run_id}", timeout=120_000)
+    page.get_by_role("tab", name="Artifacts").first.click(timeout=120_000)
+    _shoot(page, None, out / "prefect-artifacts.png", "grpo-summary")
 
 
 def mlflow_shots(page, ui: str, experiment: str, run_id: str, model: str, out: Path) -> None:
@@ -93,6 +96,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
+    p.add_argument("--reuse", type=Path, help="folder of an earlier invocation: screenshot its runs, start none")
     args = p.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -102,7 +106,7 @@ def main() -> int:
     from grpo_core.config import TrackingConfig
 
     args.out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="grpo-shots-"))
+    tmp = args.reuse or Path(tempfile.mkdtemp(prefix="grpo-shots-"))
     model = "grpo-tiny"
     overrides = [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}", "tracking.log_completions=true",
                  f"tracking.registered_model_name={model}", "tracking.system_metrics_interval_s=2",
@@ -110,12 +114,16 @@ def main() -> int:
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with PrefectStack(port=0, home=tmp / "prefect", extra_env=env) as stack, \
             sync_playwright() as pw, httpx.Client(base_url=stack.api_url, timeout=30) as api:
-        stack.register(ROOT / "configs" / "tiny.yaml", overrides=overrides)
-        first, second = _run_deployment(api, "demo"), _run_deployment(api, "demo")
         browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport=VIEWPORT)
-        time.sleep(60)  # both runs started: one holds the gpu slot, the other waits for it
-        _shoot(page, f"{stack.ui_url}/concurrency-limits?tab=Global", args.out / "prefect-concurrency.png", "gpu")
+        if args.reuse:
+            done = api.post("/flow_runs/filter", json={"sort": "START_TIME_ASC"}).json()
+            first, second = [r["id"] for r in done if r["state_type"] == "COMPLETED"][-2:]
+        else:
+            stack.register(ROOT / "configs" / "tiny.yaml", overrides=overrides)
+            first, second = _run_deployment(api, "demo"), _run_deployment(api, "demo")
+            _wait_slot_held(api)  # one run holds the gpu slot, the other waits for it
+            _shoot(page, f"{stack.ui_url}/concurrency-limits?tab=Global", args.out / "prefect-concurrency.png", "gpu")
         runs = [_wait(api, first), _wait(api, second)]
         assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"]["message"] for r in runs]
         prefect_shots(page, stack.ui_url, second, args.out)
@@ -135,6 +143,12 @@ def main() -> int:
             stop_tree(ui)
         browser.close()
     return 0
+
+
+def _wait_slot_held(api: httpx.Client, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and api.get("/v2/concurrency_limits/gpu").json()["active_slots"] < 1:
+        time.sleep(2.0)
 
 
 def _tracking_config(tmp: Path) -> Path:
