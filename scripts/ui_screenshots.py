@@ -78,7 +78,7 @@ def prefect_shots(page, ui: str, flow_run_id: str, out: Path) -> None:
     """Run graph and artifacts tab of a finished run."""
     _shoot(page, f"{ui}/runs/flow-run/{flow_run_id}", out / "prefect-run-graph.png", "rollout", 8000)
     page.goto(f"{ui}/runs/flow-run/{flow_run_id}", timeout=120_000)
-    page.get_by_role("tab", name="Artifacts").first.click(timeout=120_000)
+    page.get_by_text("Artifacts", exact=True).first.click(timeout=120_000)
     _shoot(page, None, out / "prefect-artifacts.png", "grpo-summary")
 
 
