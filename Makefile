@@ -6,11 +6,17 @@ PIP    := $(PY) -m pip
 STAMPS := .stamps
 RUST_SOURCES := Cargo.toml packer_rs/Cargo.toml $(wildcard packer_rs/src/*.rs)
 
-.PHONY: demo serve test test-rust test-python bench-packing clean
+.PHONY: demo demo-smoke serve test test-rust test-python bench-packing wheelhouse-h200 clean
 
 # The main job: the grpo-train flow on SmolLM2-135M-Instruct (Prefect's embedded API, MLflow on SQLite).
+# `make demo STEPS=2` trains that many optimizer steps instead of the config's train.max_steps.
+STEPS ?=
 demo: $(STAMPS)/install
-	$(VENV)/bin/grpo train --config configs/demo.yaml
+	$(VENV)/bin/grpo train --config configs/demo.yaml $(if $(STEPS),--set train.max_steps=$(STEPS))
+
+# The short form of `make demo` (2 steps) that .ci/run runs on the clean checkout; it fails unless both steps train.
+demo-smoke: $(STAMPS)/install
+	$(MAKE) demo STEPS=2
 
 # Prefect server + process worker on 127.0.0.1:4200 with the deployments registered; Ctrl-C stops all.
 serve: $(STAMPS)/install
@@ -34,6 +40,13 @@ $(STAMPS)/chromium:
 
 bench-packing: $(STAMPS)/install
 	$(PY) benchmarks/packing.py
+
+# Offline GPU hosts: wheels of every dependency the H200 image lacks (CPython 3.12, manylinux x86_64, glibc 2.39)
+# plus this project's own abi3 wheel, in parts of at most 56 MiB under .gpu/wheelhouse/partN/.
+# On the host: bash scripts/install_wheelhouse.sh <parts> <site folder> (pip --no-index); see README.
+wheelhouse-h200: $(STAMPS)/deps
+	$(PY) scripts/wheelhouse.py --python-version 3.12 --glibc 2.39 --have scripts/hosts/h200-image.txt \
+		--without playwright --out .gpu/wheelhouse
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

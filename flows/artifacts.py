@@ -108,7 +108,8 @@ class TrainingProgress(threading.Thread):
             logger.warning("progress artifact update failed: %s", exc)
 
 
-SUMMARY_ROWS = (("steps", "optimizer steps"), ("reward_first5", "reward, first 5 steps"),
+SUMMARY_ROWS = (("steps", "optimizer steps"), ("steps_requested", "steps asked (train.max_steps)"),
+                ("stopped_early", "stopped early because"), ("reward_first5", "reward, first 5 steps"),
                 ("reward_last5", "reward, last 5 steps"), ("generated_tokens_per_s", "generated tokens/s"),
                 ("trained_tokens_per_s", "trained tokens/s"), ("forwarded_tokens_per_s", "forwarded tokens/s"),
                 ("mlflow_run_id", "MLflow run id"), ("mlflow_uri", "MLflow tracking URI"),

@@ -47,10 +47,26 @@ ENV_DEFAULTS = {
 }
 
 
+# Exit codes of `grpo train` / `grpo resume` besides 0 (every step asked for was trained).
+EXIT_FAILED, EXIT_CONFIG, EXIT_FEWER_STEPS = 1, 2, 3
+
+
 def set_env_defaults() -> None:
     """Prefect settings of grpo-flow, unless the environment sets them (before prefect is imported)."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def _start_prefect_api() -> None:
+    """Prefect's home folder, database and API ready before the flow starts; a failure exits at once."""
+    from flows.local_api import PrefectApiError, start_local_api
+    from grpo_core.errors import ConfigError
+
+    try:
+        start_local_api()
+    except (ConfigError, PrefectApiError) as exc:
+        console.print(f"[red]Prefect API not available[/red]: {exc}")
+        raise typer.Exit(EXIT_FAILED) from None
 
 
 def _load(config: Path | None, overrides: list[str]):
@@ -61,7 +77,7 @@ def _load(config: Path | None, overrides: list[str]):
         return load_config(config, overrides)
     except ConfigError as exc:
         console.print(f"[red]config error[/red]: {exc}")
-        raise typer.Exit(2) from None
+        raise typer.Exit(EXIT_CONFIG) from None
 
 
 def version_text() -> str:
@@ -127,7 +143,10 @@ def summary_table(summary: dict) -> Table:
     table = Table(title="grpo-flow run", show_header=False)
     fmt = (lambda v: str(int(v)) if isinstance(v, float) and v.is_integer() else
            f"{v:.3f}" if isinstance(v, float) else str(v))
-    rows = [("steps", summary.get("steps")), ("reward, first 5 steps", summary.get("reward_first5")),
+    steps = summary.get("steps")
+    if summary.get("steps_requested") is not None and steps != summary["steps_requested"]:
+        steps = f"{fmt(steps)} of {fmt(summary['steps_requested'])} asked: {summary.get('stopped_early')}"
+    rows = [("steps", steps), ("reward, first 5 steps", summary.get("reward_first5")),
             ("reward, last 5 steps", summary.get("reward_last5")),
             ("generated tokens/s", summary.get("generated_tokens_per_s")),
             ("trained tokens/s", summary.get("trained_tokens_per_s")),
@@ -140,8 +159,14 @@ def summary_table(summary: dict) -> Table:
 
 
 def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
-    """Run the flow in this process with a progress bar; returns its summary."""
+    """Run the flow in this process with a progress bar; returns its summary.
+
+    Raises:
+        typer.Exit: Prefect's API cannot start (code 1), or the run trained fewer steps than
+            ``train.max_steps`` (code 3, after the summary table).
+    """
     set_env_defaults()
+    _start_prefect_api()
     from flows.grpo_train import grpo_train
 
     done, started = threading.Event(), time.time()
@@ -154,6 +179,10 @@ def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
         done.set()
         watcher.join(timeout=5)
     console.print(summary_table(summary))
+    if summary.get("stopped_early"):
+        console.print(f"[red]trained {summary.get('steps', 0):.0f} of {summary.get('steps_requested')} steps[/red]: "
+                      f"{summary['stopped_early']}")
+        raise typer.Exit(EXIT_FEWER_STEPS)
     return summary
 
 
@@ -247,6 +276,14 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
+    from flows.local_api import prepare_home
+    from grpo_core.errors import ConfigError
+
+    try:
+        prepare_home(Path(os.environ["PREFECT_HOME"]))
+    except ConfigError as exc:
+        console.print(f"[red]Prefect server cannot start[/red]: {exc}")
+        raise typer.Exit(EXIT_FAILED) from None
     with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots) as stack:
         stack.register(demo_config, cron)
         console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "

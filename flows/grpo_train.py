@@ -180,25 +180,32 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
     """
+    from grpo_core.report import TRAINER_ERROR, read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
     log, root = get_run_logger(), Path(run_dir)
     cfg = _config(run_dir)
     cfg.train.rollout_location = rollout_location
+    (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
     config_path.write_text(cfg.model_dump_json(indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
+    env = _child_env()
+    if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
     progress.start()
     try:
-        code, tail = stream(cmd, log, "[trainer] ", _child_env(), pid_file=root / "trainer.pid",
+        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / "trainer.pid",
                             register=REGISTRY[run_dir])
     finally:
         progress.stop()
     if code != 0:
-        raise TrainerError(f"trainer exited with code {code}; last output:\n{tail}")
+        cause = read_trainer_error(root)
+        raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")
+                           + f"\nlast output:\n{tail}")
     return str(latest_checkpoint(root))
 
 
@@ -236,6 +243,9 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
     artifacts.publish_summary(summary)
     artifacts.publish_reward_curve(png, summary)
     log.info("summary: %s", summary)
+    if summary.get("stopped_early"):
+        log.warning("trained %s of %s steps: %s", summary["steps"], summary["steps_requested"],
+                    summary["stopped_early"])
     return summary
 
 
@@ -312,14 +322,17 @@ def grpo_train(config: RunConfig) -> dict:
 
 
 def run_slots(config: RunConfig) -> int:
-    """Slots of ``flow.concurrency_limit`` a run holds: ``flow.concurrency_slots``, else the GPUs it uses."""
+    """Slots of ``flow.concurrency_limit`` a run holds: ``flow.concurrency_slots``, else the GPUs it uses (the
+    servers' and the trainer's, counted once)."""
     if config.flow.concurrency_slots is not None:
         return config.flow.concurrency_slots
-    from grpo_core.serving.vllm import choose_backend
+    from grpo_core.serving.vllm import choose_backend, replica_gpus
 
     if choose_backend(config) != "vllm":
         return 1
-    return config.server.num_replicas * config.server.tensor_parallel_size + config.train.num_ranks
+    servers = {g for replica in range(config.server.num_replicas) for g in replica_gpus(config, replica)}
+    ranks = config.train.gpu_ids[:config.train.num_ranks] if config.train.gpu_ids else range(config.train.num_ranks)
+    return len(servers | set(ranks))
 
 
 @contextlib.contextmanager

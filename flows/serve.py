@@ -75,8 +75,12 @@ class PrefectStack:
         """Start the server, wait for its API, create the work pool, start the worker.
 
         Raises:
+            ConfigError: the home folder or its database cannot be created or opened (path and cause).
             RuntimeError: the server did not answer within ``startup_timeout_s`` (with its log's tail).
         """
+        from flows.local_api import prepare_home
+
+        prepare_home(self.home, self.env())
         server = self._spawn(["server", "start", "--host", "127.0.0.1", "--port", str(self.port)], "server.log")
         deadline = time.monotonic() + self.startup_timeout_s
         while True:

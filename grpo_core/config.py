@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from grpo_core.errors import ConfigError
 
@@ -46,7 +47,8 @@ class ModelConfig(_Strict):
     """Which policy model to serve and train, and how to load it."""
 
     name: str = "smollm2-135m-instruct"
-    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``) or a local HF folder path."""
+    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``random-qwen3-0.6b``) or a local
+    HF folder path."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight/compute dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
     cache_dir: Path | None = None
@@ -134,6 +136,10 @@ class RolloutConfig(_Strict):
     """Seconds a single request to the server may take before it is retried."""
     max_retries: int = Field(default=5, ge=0)
     """Retries of a request after connection errors, timeouts and 5xx answers."""
+    max_abort_retries: int = Field(default=3, ge=0)
+    """Times a turn the server cut short (``finish_reason: abort``) is resubmitted as its continuation before
+    its group is dropped (counted in ``rollout/aborted_group_count``); aborted tokens are never trained as a
+    finished turn."""
     num_generations: int = Field(default=8, ge=2)
     """G: rollouts per prompt (one group); advantages are normalised inside it."""
     dataset: str | None = None
@@ -224,8 +230,18 @@ class LoraConfig(_Strict):
     """Dropout on the adapter input."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module names to adapt."""
-    name: str = "policy"
-    """Adapter name on the servers; version N is served as ``{name}-v{N}``."""
+    name: str = Field(default="policy", min_length=1, max_length=64)
+    """Adapter name on the servers; version N is served as ``{name}-v{N}`` (also a folder name:
+    letters, digits, ``.``, ``_`` and ``-``, starting with a letter or digit)."""
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or ".." in name:
+            raise ValueError(f"train.lora.name={name!r} must be a plain name (letters, digits, '.', '_', '-', "
+                             "starting with a letter or digit; no path separator, no '..'): it names the adapter "
+                             "folders under train.output_dir; e.g. 'policy'")
+        return name
 
 
 class TrainConfig(_Strict):
@@ -237,6 +253,9 @@ class TrainConfig(_Strict):
     """Data-parallel ranks (torchrun --nproc-per-node)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` = CUDA when available (NCCL), else CPU (gloo)."""
+    gpu_ids: list[int] | None = None
+    """CUDA device indices of the trainer's ranks (rank r on gpu_ids[r], set as ``CUDA_VISIBLE_DEVICES``);
+    None = the first num_ranks visible devices. Disjoint from server.gpu_ids for NCCL weight transfer."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weight dtype."""
     mixed_precision: bool | None = None
@@ -257,6 +276,11 @@ class TrainConfig(_Strict):
     """AdamW betas."""
     max_grad_norm: float = Field(default=1.0, ge=0)
     """Gradient clipping by global norm; 0 = off."""
+    max_nonfinite_steps: int = Field(default=10, ge=1)
+    """Steps in a row whose gradient norm is NaN/inf (each skipped: no update, sync or save) after which the run fails."""
+    max_untrainable_groups: int = Field(default=256, ge=1)
+    """Groups in a row without a trainable sample (all rewards equal, stale, longer than the token budget)
+    after which the run fails, naming the cause."""
     max_steps: int = Field(default=100, ge=1)
     """Optimizer steps to train."""
     gradient_accumulation_steps: int = Field(default=1, ge=1)
@@ -387,8 +411,8 @@ class FlowConfig(_Strict):
     """Prefect global concurrency limit the run holds slots of from provisioning to the end of training (``grpo
     deploy`` creates ``gpu`` with one slot per GPU); a limit missing on the server is not waited for; None = none."""
     concurrency_slots: int | None = Field(default=None, ge=1)
-    """Slots the run holds; None = the GPUs it uses (server.num_replicas x server.tensor_parallel_size +
-    train.num_ranks with vLLM), or 1 on the embedded server."""
+    """Slots the run holds; None = the GPUs it uses with vLLM (the servers' and the trainer's, counted once), or 1
+    on the embedded server."""
 
 
 class RunConfig(_Strict):
@@ -459,6 +483,11 @@ class RunConfig(_Strict):
             raise ConfigError(
                 f"train.lora.r ({train.lora.r}) exceeds server.lora_rank ({server.lora_rank}); raise server.lora_rank"
             )
+        if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
+            raise ConfigError(
+                f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "
+                f"{train.num_ranks}; list one GPU per rank or lower train.num_ranks"
+            )
         needed = server.num_replicas * server.tensor_parallel_size
         if server.gpu_ids is not None and len(set(server.gpu_ids)) < needed:
             raise ConfigError(
@@ -490,17 +519,46 @@ def _set_dotted(data: dict, key: str, value: object) -> None:
     node[parts[-1]] = value
 
 
+def _yaml_where(e: Exception) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
+def _parse(path: Path, text: str) -> Any:
+    """The data of a config file by its suffix (``.toml``, ``.json``, else YAML).
+
+    Raises:
+        ConfigError: the text does not parse (names the file, the format, line and column).
+    """
+    import json
+    import tomllib
+
+    import yaml
+
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text)
+        if path.suffix == ".json":
+            return json.loads(text)
+        return yaml.safe_load(text) or {}
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_where(e)}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
 
     Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
 
     Raises:
-        ConfigError: unreadable file, bad override, or a validation error (naming the field).
+        ConfigError: unreadable or unparsable file (names the line), bad override, or a validation
+            error (naming the field).
     """
-    import json
-    import tomllib
-
     import yaml
     from pydantic import ValidationError
 
@@ -508,22 +566,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         try:
-            text = p.read_text()
+            text = p.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"config file {p}: {e.strerror}; check the --config path") from None
-        if p.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif p.suffix == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        data = _parse(p, text)
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, value = item.split("=", 1)
-        _set_dotted(data, key.strip(), yaml.safe_load(value))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
+                              "quote it, e.g. key='text: with colon'") from None
+        _set_dotted(data, key.strip(), parsed)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

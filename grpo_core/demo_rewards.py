@@ -1,4 +1,4 @@
-"""Reward functions of the demo config: a lenient numeric check and a format term.
+"""Reward functions of the ready configs: a lenient numeric check and a format term (demo), a smoke-run reward (tiny).
 
 Reasoning-gym's verifiers score the text inside ``<answer></answer>`` (or the last line) exactly;
 a 135M model rarely uses the tags at first, so the demo scores the number it ends on instead and
@@ -45,3 +45,13 @@ def answer_format_reward(completions: list[list[dict[str, Any]]], **_: Any) -> l
         found = _ANSWER.findall(text)
         out.append(0.2 if len(found) == 1 and text.endswith("</answer>") and found[0].strip() else 0.0)
     return out
+
+
+def even_token_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
+    """Fraction of a completion's token ids that are even (0 for an empty completion).
+
+    A smoke-run reward (``configs/tiny.yaml``): it varies between the rollouts of a group even for a
+    randomly initialised model (about Binomial(n, 1/2)/n for n tokens), so every group carries signal,
+    and a policy can learn it by moving probability to even ids.
+    """
+    return [sum(1 for t in ids if t % 2 == 0) / len(ids) if len(ids) else 0.0 for ids in completion_ids]

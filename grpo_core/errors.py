@@ -66,5 +66,13 @@ class ServerUnavailableError(ServingError):
     """The generation server did not answer (connection errors, timeouts, 5xx) within the retry budget."""
 
 
+class NothingToTrainError(GrpoError, ValueError):
+    """The run cannot form an optimizer step: every group came back untrainable, or the samples ran out.
+
+    Bad input for the run as configured (no retry fixes it); the message gives the counts by cause and
+    the config keys to change.
+    """
+
+
 class RolloutError(GrpoError):
     """The rollout loop cannot go on: a reward function raised or returned the wrong shape, or an epoch rejected every prompt."""

@@ -8,6 +8,8 @@ tokenizer files) that transformers, PEFT and vLLM can all load:
   and saved as a bf16 folder under the cache directory.
 - ``tiny-llama`` / ``tiny-qwen3``: randomly initialised (seeded) real architectures with
   the SmolLM2 tokenizer, for fast tests and throughput work; not "real input".
+- ``random-qwen3-0.6b``: Qwen3-0.6B's shape (SmolLM2 vocabulary), random bf16 weights, for
+  GPU throughput runs only.
 - any other name is taken as a local HF folder path.
 
 Folders are built in a temporary directory and renamed into place under a file lock, so
@@ -53,11 +55,19 @@ _TINY_COMMON: dict[str, Any] = {
     "initializer_range": 0.2,
 }
 TINY_ARCHITECTURES: dict[str, str] = {"tiny-llama": "llama", "tiny-qwen3": "qwen3"}
+# Full-size shapes with random weights, for throughput work (bf16 folders). Qwen3-0.6B's config.json,
+# except the vocabulary: the SmolLM2 tokenizer's 49152 ids instead of 151936 (no Qwen tokenizer ships offline).
+RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "random-qwen3-0.6b": ("qwen3", {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                                    "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+                                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+}
 
 
 def registry_names() -> list[str]:
     """Names ``ModelConfig.name`` accepts besides local folder paths."""
-    return [SMOLLM2_NAME, *TINY_ARCHITECTURES]
+    return [SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES]
 
 
 def smollm2_gguf_path() -> Path:
@@ -134,7 +144,8 @@ def _convert_smollm2(tokenizer_dir: Path) -> Callable[[Path], None]:
     return build
 
 
-def _make_tiny(arch: str, seed: int, tokenizer_dir: Path) -> Callable[[Path], None]:
+def _make_random(arch: str, shape: dict[str, Any], seed: int, tokenizer_dir: Path,
+                 save_dtype: str = "float32") -> Callable[[Path], None]:
     def build(out_dir: Path) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -146,11 +157,11 @@ def _make_tiny(arch: str, seed: int, tokenizer_dir: Path) -> Callable[[Path], No
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            **_TINY_COMMON,
+            **shape,
         )
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(out_dir)
+        model.to(getattr(torch, save_dtype)).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
 
     return build
@@ -169,13 +180,15 @@ def resolve_model_dir(config: ModelConfig) -> Path:
         ConfigError: the name is neither a registry name nor an existing HF folder.
     """
     cache = config.resolved_cache_dir() / "models"
-    if config.name == SMOLLM2_NAME or config.name in TINY_ARCHITECTURES:
-        tokenizer_dir = _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
     if config.name == SMOLLM2_NAME:
-        return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir))
+        return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir(config)))
     if config.name in TINY_ARCHITECTURES:
-        arch = TINY_ARCHITECTURES[config.name]
-        return _build_once(cache / f"{config.name}-seed{config.seed}", _make_tiny(arch, config.seed, tokenizer_dir))
+        build = _make_random(TINY_ARCHITECTURES[config.name], _TINY_COMMON, config.seed, tokenizer_dir(config))
+        return _build_once(cache / f"{config.name}-seed{config.seed}", build)
+    if config.name in RANDOM_SHAPES:
+        arch, shape = RANDOM_SHAPES[config.name]
+        build = _make_random(arch, shape, config.seed, tokenizer_dir(config), save_dtype="bfloat16")
+        return _build_once(cache / f"{config.name}-seed{config.seed}", build)
     path = Path(config.name).expanduser()
     if (path / "config.json").is_file():
         return path
@@ -183,6 +196,21 @@ def resolve_model_dir(config: ModelConfig) -> Path:
         f"model.name={config.name!r} is neither a registry name ({', '.join(registry_names())}) "
         "nor a local folder with a config.json; fix model.name"
     )
+
+
+def tokenizer_dir(config: ModelConfig) -> Path:
+    """The folder with the model's tokenizer files, without building its weights.
+
+    The registry models share SmolLM2's tokenizer (converted from the GGUF once, in seconds);
+    a local folder holds its own.
+
+    Raises:
+        ConfigError: as :func:`resolve_model_dir`.
+    """
+    if config.name in (SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES):
+        cache = config.resolved_cache_dir() / "models"
+        return _build_once(cache / f"{SMOLLM2_NAME}-tokenizer", _convert_smollm2_tokenizer)
+    return resolve_model_dir(config)
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

@@ -1,15 +1,19 @@
-"""Checks of a run config that need imports or data but no server (fail fast before anything starts).
+"""Checks of a run config that need imports, data or the disk but no server (fail fast before anything starts).
 
 ``RunConfig`` validation catches field and cross-field errors; :func:`check_run` adds what only
-importing the named code or reading the dataset can tell: the model name resolves, the loop class,
-reward functions and tools import, the dataset has the columns the rollout needs, and a Hub push
-(``export.push_to_hub``) has a repository id and a token.
+importing the named code, reading the dataset or touching the disk can tell: the model name
+resolves, the loop class, reward functions and tools import, the dataset has the columns the
+rollout needs, the folders and SQLite files the run writes can be created and opened, and a Hub
+push (``export.push_to_hub``) has a repository id and a token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
+import sqlite3
 from pathlib import Path
 
 from grpo_core.config import RunConfig
@@ -18,9 +22,81 @@ from grpo_core.hub import check_push
 
 logger = logging.getLogger(__name__)
 
-# Keyword arguments the rollout passes to every reward function besides the dataset's columns.
-_REWARD_BUILTINS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
-                    "environments"}
+def ensure_dir(path: Path, what: str) -> Path:
+    """Create ``path`` with its parents and check that files can be written in it.
+
+    Args:
+        path: the folder.
+        what: what the folder is for and which setting names it, e.g. ``"tracking.dir (the MLflow store)"``.
+
+    Returns:
+        ``path``, resolved.
+
+    Raises:
+        ConfigError: the folder cannot be created or written (names ``what``, the path and the cause).
+    """
+    path = Path(path).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot create the folder {path}: {exc.strerror or exc}; "
+                          "point the setting at a writable folder") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: the folder {path} is not writable; point the setting at a writable folder")
+    return path
+
+
+def check_sqlite(path: Path, what: str) -> None:
+    """Create ``path``'s folder and open (or create) the SQLite database there once.
+
+    Raises:
+        ConfigError: the folder or the database cannot be opened (names ``what``, the path and the cause).
+    """
+    path = Path(path).expanduser()
+    ensure_dir(path.parent, what)
+    try:
+        with contextlib.closing(sqlite3.connect(path, timeout=10)) as db:
+            db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as exc:
+        raise ConfigError(f"{what}: cannot open the SQLite database {path.resolve()}: {exc}") from None
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLAlchemy SQLite URL (``sqlite:///x.db``, ``sqlite+aiosqlite:////abs.db``); None otherwise."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.split("+")[0] == "sqlite" or not rest.startswith("/"):
+        return None
+    file = rest[1:].split("?")[0]
+    return Path(file) if file and file != ":memory:" else None
+
+
+def check_tracking(cfg: RunConfig) -> None:
+    """The MLflow store can be used: its SQLite file and artifact folder (local), or its server answers.
+
+    Raises:
+        ConfigError: a folder or database that cannot be created or opened, or a tracking server that
+            does not answer ``/health`` within 10 s (names the path or URL and the cause).
+    """
+    tc = cfg.tracking
+    if not tc.enabled:
+        return
+    uri = tc.resolved_tracking_uri()
+    db = sqlite_path(uri)
+    if db is not None:
+        check_sqlite(db, "tracking.dir / tracking.tracking_uri (the MLflow store)")
+    elif uri.startswith(("http://", "https://")):
+        import httpx
+
+        try:
+            httpx.get(uri.rstrip("/") + "/health", timeout=10.0).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ConfigError(f"tracking.tracking_uri={uri}: the MLflow server does not answer /health "
+                              f"({type(exc).__name__}: {exc}); start it or fix the URI") from None
+    artifacts = tc.resolved_artifact_location()
+    if artifacts and "://" not in artifacts:
+        ensure_dir(Path(artifacts), "tracking.artifact_location (MLflow artifacts)")
+    elif artifacts and artifacts.startswith("file://"):
+        ensure_dir(Path(artifacts.removeprefix("file://")), "tracking.artifact_location (MLflow artifacts)")
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -34,38 +110,128 @@ def check_model(cfg: RunConfig) -> None:
                       "nor a local folder with a config.json; fix model.name")
 
 
-def check_dataset(cfg: RunConfig) -> None:
-    """Load the dataset's first row and check the columns the rollout and the reward functions need.
+#: Rows of a prompt dataset checked before the run (all of a smaller one; the scan says when it stopped short).
+MAX_CHECKED_ROWS = 100_000
+
+
+def _prompt_problem(prompt: object) -> str | None:
+    """Why a row's ``prompt`` cannot be rendered (None when it can): a non-empty string, or a non-empty
+    list of ``{"role": str, "content": ...}`` messages with some content."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "an empty string"
+    if not isinstance(prompt, list | tuple) or not prompt:
+        return "missing" if prompt is None else f"{type(prompt).__name__} {prompt!r}"[:120]
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            return f"message {j} ({message!r})"[:160] + " is not a {'role', 'content'} message"
+    if not any(str(m.get("content") or "").strip() for m in prompt):
+        return "messages without any content"
+    return None
+
+
+def _reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:
+    from grpo_core.rollout.data import default_rewards, import_object
+
+    funcs = [(name, import_object(name, "rollout.reward_functions")) for name in cfg.rollout.reward_functions]
+    return funcs + [(f.__name__, f) for f in default_rewards(cfg.rollout)]
+
+
+def required_reward_columns(cfg: RunConfig) -> dict[str, str]:
+    """Dataset columns the reward functions need: parameter name -> function name.
 
     Raises:
-        ConfigError: no dataset, an empty one, a missing ``prompt`` column (without an environment),
-            or a reward function argument that is no column of the dataset.
+        ConfigError: a function needs an argument grpo-flow cannot supply (``UNSUPPORTED_REWARD_ARGUMENTS``).
     """
-    from grpo_core.rollout.data import default_rewards, import_object, iter_rows, load_dataset
+    from grpo_core.rollout.scoring import REWARD_ARGUMENTS, UNSUPPORTED_REWARD_ARGUMENTS
 
-    rollout = cfg.rollout
-    if rollout.dataset is None:
-        if rollout.environment_factory is None:
-            raise ConfigError("rollout.dataset is unset and there is no rollout.environment_factory: set "
-                              "rollout.dataset to 'reasoning_gym:TASK', 'json:PATH' or 'module:callable'")
-        return
-    first = next(iter_rows(load_dataset(rollout)), None)
-    if first is None:
-        raise ConfigError(f"rollout.dataset={rollout.dataset!r} has no rows")
-    columns = sorted(first)
-    if "prompt" not in first and rollout.environment_factory is None:
-        raise ConfigError(f"rollout.dataset={rollout.dataset!r} has no 'prompt' column (columns: {columns}); "
-                          "add a 'prompt' column (a list of {'role', 'content'} messages) or set "
-                          "rollout.environment_factory")
-    funcs = [(name, import_object(name, "rollout.reward_functions")) for name in rollout.reward_functions]
-    funcs += [(f.__name__, f) for f in default_rewards(rollout)]
-    for name, func in funcs:
+    needed: dict[str, str] = {}
+    for name, func in _reward_functions(cfg):
         for param in inspect.signature(func).parameters.values():
             required = param.default is inspect.Parameter.empty and param.kind in (
                 inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-            if required and param.name not in _REWARD_BUILTINS and param.name not in first:
-                raise ConfigError(f"rollout.reward_functions: {name} needs the dataset column {param.name!r}, "
-                                  f"which rollout.dataset={rollout.dataset!r} lacks (columns: {columns})")
+            if not required or param.name in REWARD_ARGUMENTS:
+                continue
+            if param.name in UNSUPPORTED_REWARD_ARGUMENTS:
+                raise ConfigError(f"rollout.reward_functions: {name} needs {param.name!r}, which grpo-flow does not "
+                                  f"supply: {UNSUPPORTED_REWARD_ARGUMENTS[param.name]}. Give it a default or remove "
+                                  f"it (supplied: {', '.join(REWARD_ARGUMENTS)} and the dataset's columns)")
+            needed[param.name] = name
+    return needed
+
+
+def check_dataset(cfg: RunConfig) -> None:
+    """Check the dataset's rows: each has a usable ``prompt`` and every column the reward functions need.
+
+    Every row is read, up to :data:`MAX_CHECKED_ROWS` (a warning says so when the dataset is longer).
+
+    Raises:
+        ConfigError: no dataset, an empty one, a row without a usable ``prompt`` (without an environment),
+            a reward function argument that is no column of a row, or one grpo-flow cannot supply;
+            the message names the row.
+    """
+    from grpo_core.rollout.data import iter_rows, load_dataset
+
+    rollout, spec = cfg.rollout, cfg.rollout.dataset
+    needed = required_reward_columns(cfg)
+    if spec is None:
+        if rollout.environment_factory is None:
+            raise ConfigError("rollout.dataset is unset and there is no rollout.environment_factory: set "
+                              "rollout.dataset to 'reasoning_gym:TASK', 'json:PATH' or 'module:callable'")
+        if needed:  # the environment makes the prompts: there are no columns
+            column, name = next(iter(needed.items()))
+            raise ConfigError(f"rollout.reward_functions: {name} needs the dataset column {column!r}, but "
+                              "rollout.dataset is unset (the environment makes the prompts)")
+        return
+    count = 0
+    for count, row in enumerate(iter_rows(load_dataset(rollout)), start=1):
+        if count > MAX_CHECKED_ROWS:
+            logger.warning("rollout.dataset=%r: checked its first %d rows only", spec, MAX_CHECKED_ROWS)
+            break
+        _check_row(cfg, count - 1, row, needed)
+    if count == 0:
+        raise ConfigError(f"rollout.dataset={spec!r} has no rows")
+
+
+def _check_row(cfg: RunConfig, index: int, row: dict, needed: dict[str, str]) -> None:
+    spec = cfg.rollout.dataset
+    if cfg.rollout.environment_factory is None:
+        if "prompt" not in row:
+            raise ConfigError(f"rollout.dataset={spec!r} row {index} has no 'prompt' column (columns: {sorted(row)}); "
+                              "add a 'prompt' column (a list of {'role', 'content'} messages) or set "
+                              "rollout.environment_factory")
+        problem = _prompt_problem(row["prompt"])
+        if problem is not None:
+            raise ConfigError(f"rollout.dataset={spec!r} row {index}: its 'prompt' is {problem}; every row needs a "
+                              "prompt (a non-empty list of {'role', 'content'} messages, or a string): fix or drop "
+                              "the row")
+    for column, name in needed.items():
+        if column not in row:
+            raise ConfigError(f"rollout.reward_functions: {name} needs the dataset column {column!r}, which "
+                              f"rollout.dataset={spec!r} lacks in row {index} (columns: {sorted(row)})")
+
+
+def check_chat_template(cfg: RunConfig) -> None:
+    """The model's tokenizer has a chat template, unless the loop class renders prompts itself.
+
+    The rollout renders every prompt with ``tokenizer.apply_chat_template`` (``RolloutLoop.render``).
+
+    Raises:
+        ConfigError: no chat template and ``render`` not overridden (names ``model.name`` and the fixes).
+    """
+    from transformers import AutoTokenizer
+
+    from grpo_core.models import tokenizer_dir
+    from grpo_core.rollout.build import loop_class_and_config
+    from grpo_core.rollout.loop import RolloutLoop
+
+    cls, _ = loop_class_and_config(cfg.rollout)
+    if cls.render is not RolloutLoop.render:
+        return
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.model))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model.name={cfg.model.name!r}: its tokenizer has no chat template, which the rollout "
+                          "needs to render the conversational prompts; use a chat (instruct) model, add a "
+                          "chat_template to its tokenizer files, or override render() in rollout.loop_class")
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -78,6 +244,8 @@ def check_run(cfg: RunConfig) -> None:
     from grpo_core.rollout.data import import_object
     from grpo_core.rollout.tools import resolve_response_template
 
+    ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
+    check_tracking(cfg)
     check_model(cfg)
     if cfg.server.backend == "vllm":
         from grpo_core.serving.vllm import choose_backend
@@ -88,5 +256,6 @@ def check_run(cfg: RunConfig) -> None:
         import_object(name, "rollout.tools")
     resolve_response_template(cfg.rollout.response_template)
     check_dataset(cfg)
+    check_chat_template(cfg)
     check_push(cfg)
     logger.info("run config checked: model %s, dataset %s", cfg.model.name, cfg.rollout.dataset)

@@ -7,6 +7,7 @@ throughputs are the rate metrics of the trainer (``perf/tokens_per_s``,
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -16,6 +17,45 @@ from grpo_core.metrics import JsonlSink
 logger = logging.getLogger(__name__)
 
 REWARD = "reward"
+TRAIN_END = "train_end.json"  # written by the trainer's rank 0 in its output folder when it stops
+TRAINER_ERROR = "trainer_error.txt"  # the error that ended a trainer run, one line per rank that failed
+
+
+def write_train_end(output_dir: Path, steps: int, max_steps: int, stopped_early: str | None,
+                    skipped_nonfinite_steps: int = 0) -> Path:
+    """Record how a trainer run ended: ``{"steps", "max_steps", "stopped_early", "skipped_nonfinite_steps"}``.
+
+    Args:
+        output_dir: the trainer's ``train.output_dir``.
+        steps: optimizer steps done (resumed ones included).
+        max_steps: ``train.max_steps``.
+        stopped_early: why it stopped before ``max_steps`` (None = it did not).
+        skipped_nonfinite_steps: steps of this process whose update was skipped (non-finite gradient norm).
+    """
+    path = Path(output_dir) / TRAIN_END
+    path.write_text(json.dumps({"steps": steps, "max_steps": max_steps, "stopped_early": stopped_early,
+                                "skipped_nonfinite_steps": skipped_nonfinite_steps}))
+    return path
+
+
+def write_trainer_error(output_dir: Path, rank: int, exc: BaseException) -> None:
+    """Append ``rank R: Type: message`` for an exception that ends a trainer process (read by the flow)."""
+    path = Path(output_dir) / TRAINER_ERROR
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(f"rank {rank}: {type(exc).__name__}: {exc}\n")
+
+
+def read_trainer_error(output_dir: Path) -> str:
+    """What :func:`write_trainer_error` recorded ('' if nothing)."""
+    path = Path(output_dir) / TRAINER_ERROR
+    return path.read_text().strip() if path.is_file() else ""
+
+
+def read_train_end(output_dir: Path) -> dict | None:
+    """What :func:`write_train_end` wrote, or None (no trainer run ended there)."""
+    path = Path(output_dir) / TRAIN_END
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _mean(values: list[float]) -> float:
@@ -23,17 +63,20 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, float]:
+def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, float | str | None]:
     """Numbers of the summary table.
 
     Args:
-        metrics_path: the run's ``metrics.jsonl``.
+        metrics_path: the run's ``metrics.jsonl`` (the trainer's ``train_end.json`` beside it is read too).
         wall_s: seconds the training took (for generated tokens/s); None = sum of ``perf/step_s``.
 
     Returns:
-        ``steps``, ``reward_first5`` / ``reward_last5`` (mean reward of the first and last five logged
-        steps), ``trained_tokens_per_s``, ``forwarded_tokens_per_s``, ``generated_tokens_per_s``
-        (tokens/s; NaN when unknown).
+        ``steps`` (steps trained, from ``train_end.json`` when present, else the last logged step),
+        ``steps_requested`` (``train.max_steps``; None when unknown), ``stopped_early`` (why the run
+        trained fewer steps than asked; None when it did not), ``skipped_nonfinite_steps``,
+        ``reward_first5`` / ``reward_last5`` (mean reward of the first and last five logged steps),
+        ``trained_tokens_per_s``, ``forwarded_tokens_per_s``, ``generated_tokens_per_s`` (tokens/s;
+        NaN when unknown).
     """
     records = JsonlSink.read(metrics_path) if Path(metrics_path).exists() else []
     rewards = [r[REWARD] for r in records if REWARD in r]
@@ -43,7 +86,10 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
     forwarded = sum(r.get("batch/forwarded_tokens_per_step", 0.0) for r in records)
     generated = _mean([r["rollout/generated_tokens_per_s"] for r in records if "rollout/generated_tokens_per_s" in r])
     rate = (lambda n: n / seconds if seconds else float("nan"))
-    return {"steps": float(records[-1]["step"]) if records else 0.0,
+    end = read_train_end(Path(metrics_path).parent) or {}
+    return {"steps": float(end.get("steps", records[-1]["step"] if records else 0.0)),
+            "steps_requested": end.get("max_steps"), "stopped_early": end.get("stopped_early"),
+            "skipped_nonfinite_steps": end.get("skipped_nonfinite_steps", 0),
             "reward_first5": _mean(rewards[:5]), "reward_last5": _mean(rewards[-5:]),
             "trained_tokens_per_s": rate(trained), "forwarded_tokens_per_s": rate(forwarded),
             "generated_tokens_per_s": generated}

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import queue
+import re
 import shutil
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import Any
 
 import mlflow
 from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from grpo_core.config import RunConfig, TrackingConfig
@@ -146,13 +148,57 @@ def end_run(tc: TrackingConfig, run_id: str, status: str = "FINISHED") -> None:
 
 
 def last_logged_step(tc: TrackingConfig, run_id: str) -> int:
-    """Highest step already logged to the run (0 if none); a resumed trainer skips steps up to it."""
-    mc = client(tc)
-    metrics = mc.get_run(run_id).data.metrics
-    if not metrics:
-        return 0
-    key = "loss" if "loss" in metrics else next(iter(metrics))
-    return max((m.step for m in mc.get_metric_history(run_id, key)), default=0)
+    """Highest step of any metric already logged to the run (0 if none); a resumed trainer skips steps up to it.
+
+    Read from the run's latest value of each metric (MLflow keeps the one with the highest step), so a
+    metric missing from the last steps (refused, or not logged every step) cannot make it too low.
+    """
+    latest = client(tc).get_run(run_id).data.to_proto().metrics
+    return max((int(m.step) for m in latest), default=0)
+
+
+# What MLflow accepts in a metric name (mlflow.utils.validation): letters, digits, "_", "-", ".", " ", "/"
+# (":" too, except on Windows servers: replaced here as well), no empty, "." or ".." path segment, no leading
+# or trailing "/", at most 250 characters.
+_UNSAFE_CHARS = re.compile(r"[^\w.\- /]")
+_MAX_METRIC_NAME = 250
+
+
+def mlflow_safe_name(name: str) -> str:
+    """``name`` as MLflow accepts it: unsafe characters become ``_``, bad path segments are dropped or replaced.
+
+    ``rewards/<lambda>/mean`` -> ``rewards/_lambda_/mean``; ``a//b/`` -> ``a/b``; ``x/../y`` -> ``x/_/y``.
+    A name MLflow accepts is returned unchanged.
+    """
+    safe = _UNSAFE_CHARS.sub("_", name)
+    segments = ["_" if part in (".", "..") else part for part in safe.split("/") if part]
+    return ("/".join(segments) or "_")[:_MAX_METRIC_NAME]
+
+
+class MetricNames:
+    """The one place metric names become MLflow names: :func:`mlflow_safe_name`, kept distinct, warned once.
+
+    Two names that map to the same safe name get suffixes ``_2``, ``_3`` … in the order they are first seen.
+    """
+
+    def __init__(self) -> None:
+        self._safe: dict[str, str] = {}
+        self._taken: set[str] = set()
+
+    def __call__(self, name: str) -> str:
+        """The MLflow name of ``name`` (warns the first time a name is renamed)."""
+        if name in self._safe:
+            return self._safe[name]
+        safe = base = mlflow_safe_name(name)
+        number = 1
+        while safe in self._taken:
+            number += 1
+            safe = f"{base[:_MAX_METRIC_NAME - len(str(number)) - 1]}_{number}"
+        self._safe[name] = safe
+        self._taken.add(safe)
+        if safe != name:
+            logger.warning("metric %r is logged to MLflow as %r (MLflow refuses the name as it is)", name, safe)
+        return safe
 
 
 def _dir_mib(path: Path) -> float:
@@ -295,6 +341,8 @@ class MlflowSink:
             logger.info("MLflow run %s already has steps up to %d; replayed steps are not logged again",
                         run_id, self.skip_through)
         self.num_errors = 0
+        self.names = MetricNames()
+        self._refused: set[str] = set()
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
         self._thread.start()
@@ -341,10 +389,7 @@ class MlflowSink:
             kind, step, payload = item
             try:
                 if kind == "metrics":
-                    now = int(time.time() * 1000)
-                    ms = [Metric(k, float(v), now, step) for k, v in payload.items() if math.isfinite(float(v))]
-                    for i in range(0, len(ms), _MAX_BATCH):
-                        mc.log_batch(self.run_id, metrics=ms[i:i + _MAX_BATCH])
+                    self._log_metrics(mc, step, payload)
                 elif kind == "completions":
                     table = completions_table(payload, self.tc.completion_max_chars)
                     mc.log_table(self.run_id, data=table, artifact_file=f"completions/step_{step:07d}.json")
@@ -354,6 +399,29 @@ class MlflowSink:
                 self.num_errors += 1
                 logger.warning("MLflow %s upload of step %d failed: %s", kind, step, exc)
 
+    def _log_metrics(self, mc: MlflowClient, step: int, payload: Mapping[str, float]) -> None:
+        """Log one step's finite metrics under MLflow-safe names, in batches.
 
-__all__ = ["MlflowSink", "completions_table", "download_latest_checkpoint", "end_run", "find_run", "flatten",
-           "log_checkpoint", "log_file", "log_model", "register_model", "run_url", "start_run"]
+        A batch MLflow refuses (a name or value it rejects) is retried one metric at a time, so only
+        the refused metrics are lost; each refused name is warned about once.
+        """
+        now = int(time.time() * 1000)
+        ms = [Metric(self.names(k), float(v), now, step) for k, v in payload.items() if math.isfinite(float(v))]
+        for i in range(0, len(ms), _MAX_BATCH):
+            try:
+                mc.log_batch(self.run_id, metrics=ms[i:i + _MAX_BATCH])
+            except MlflowException:
+                for metric in ms[i:i + _MAX_BATCH]:
+                    try:
+                        mc.log_batch(self.run_id, metrics=[metric])
+                    except MlflowException as exc:
+                        self.num_errors += 1
+                        if metric.key not in self._refused:
+                            self._refused.add(metric.key)
+                            logger.warning("MLflow refuses metric %r (%s); it is not logged, the others are",
+                                           metric.key, str(exc).splitlines()[0])
+
+
+__all__ = ["MetricNames", "MlflowSink", "completions_table", "download_latest_checkpoint", "end_run", "find_run",
+           "flatten", "log_checkpoint", "log_file", "log_model", "mlflow_safe_name", "register_model", "run_url",
+           "start_run"]

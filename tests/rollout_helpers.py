@@ -180,3 +180,36 @@ class SelfSampledCounterEnv(CounterEnv):
         import random
 
         return super().reset(target=random.randint(1, 3))
+
+
+def state_reward(completion_ids, trainer_state, log_metric, environments, target, **_):
+    """Reads what the rollout supplies besides columns: the environments' state after the rollout
+    (the counter), and reports ``trainer_state`` through ``log_metric``."""
+    log_metric("trainer_state/step", trainer_state.step)
+    log_metric("trainer_state/policy_version", trainer_state.policy_version)
+    log_metric("trainer_state/epoch", trainer_state.epoch)
+    log_metric("state_reward/group_count", 1)
+    return [float(env.counter == t) for env, t in zip(environments, target, strict=True)]
+
+
+def needs_every_supplied_argument(prompts, completions, completion_ids, trainer_state, log_metric, environments,
+                                  answer):
+    """Requires every argument of ``REWARD_ARGUMENTS`` and one column."""
+    return [0.0] * len(completions)
+
+
+def needs_log_extra(completions, log_extra):
+    """Requires TRL's ``log_extra``, which grpo-flow does not supply."""
+    return [0.0] * len(completions)
+
+
+def rows_of(rows):
+    """A ``module:callable`` dataset: the given rows as a list."""
+    return list(rows)
+
+
+class PlainRenderLoop(RolloutLoop):
+    """Renders prompts without a chat template (plain text of the messages)."""
+
+    def render(self, messages, tool_schemas_=None):
+        return self.tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)

@@ -162,3 +162,62 @@ def test_logprobs_renormalise_over_the_sampling_mask():
         torch.tensor(0.0, dtype=torch.float64),  # the only candidate has probability 1
     ])
     torch.testing.assert_close(out.logprobs.double(), expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("score_centering", [True, False])
+@pytest.mark.parametrize("bad", [-9999.0, float("nan"), float("-inf")])
+def test_sampler_logprob_floor_or_nan_gives_finite_loss_and_gradient_equal_to_dropping_the_term(score_centering, bad):
+    # vLLM reports -9999 for a token outside its candidate set: log π − log μ ≈ 9999 overflows exp().
+    # Expected: exactly the loss and gradient of the same batch without that term (same normaliser).
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    targets, topk_ids = torch.tensor([1, 2, 3, 4]), torch.tensor([[1, 0, 5], [2, 1, 0], [3, 2, 1], [4, 0, 2]])
+    mu = torch.log_softmax(torch.randn(4, 6, dtype=torch.float64), -1)
+    adv = torch.tensor([1.0, -0.5, 2.0, -1.0], dtype=torch.float64)
+    # Wide ranges: every unpoisoned term is kept and moves the weights (ratios here are far from 1).
+    settings = LossSettings(score_centering=score_centering, clip_min=0.01, clip_max=100.0, epsilon=0.99,
+                            epsilon_high=100.0)
+
+    def loss_and_grad(rows, poison):
+        logits.grad = None
+        logp = torch.log_softmax(logits, -1)
+        sampler = mu.gather(1, targets[:, None])[:, 0].clone()
+        sampler_topk = mu.gather(1, topk_ids).clone()
+        if poison:
+            sampler[2] = bad  # the sampled token of term 2
+            sampler_topk[0, 2] = bad  # one top-k entry of term 0 (its own term stays)
+        rows = torch.as_tensor(rows)
+        loss, _ = grpo_loss(logp.gather(1, targets[:, None])[:, 0][rows], sampler[rows], adv[rows], 4.0, settings,
+                            logp.gather(1, topk_ids)[rows] if score_centering else None,
+                            sampler_topk[rows] if score_centering else None)
+        loss.backward()
+        return loss.detach(), logits.grad.clone()
+
+    loss, grad = loss_and_grad([0, 1, 2, 3], poison=True)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    # Term 2 drops out whole; term 0 keeps its sampled token and loses only the poisoned top-k entry.
+    ref_loss, ref_grad = _reference_without_poison(logits, mu, targets, topk_ids, adv, settings, score_centering)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
+    assert grad[2].abs().sum() == 0 and (grad[[0, 1, 3]].abs().sum(-1) > 1e-6).all()
+
+
+def _reference_without_poison(logits, mu, targets, topk_ids, adv, settings, score_centering):
+    """The same loss written out per term with the poisoned pieces left out by hand (no masking code)."""
+    logits.grad = None
+    logp = torch.log_softmax(logits, -1)
+    total = 0.0
+    for t in (0, 1, 3):  # term 2 dropped
+        lp, m = logp[t, targets[t]], mu[t, targets[t]]
+        ratio = torch.exp(lp - m)
+        if score_centering:
+            ids = [v for j, v in enumerate(topk_ids[t].tolist()) if not (t == 0 and j == 2)]
+            centre = sum(torch.exp(logp[t, v]) for v in ids
+                         if settings.clip_min <= float(torch.exp(logp[t, v] - mu[t, v]).detach()) <= settings.clip_max)
+            total = total + adv[t] * (ratio - centre)
+        else:
+            eh = settings.epsilon_high or settings.epsilon
+            total = total + torch.minimum(ratio * adv[t], ratio.clamp(1 - settings.epsilon, 1 + eh) * adv[t])
+    loss = -total / 4.0
+    loss.backward()
+    return loss.detach(), logits.grad.clone()

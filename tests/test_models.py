@@ -16,7 +16,17 @@ from grpo_core.models import load_model, load_tokenizer, registry_names, resolve
 
 
 def test_registry_names():
-    assert registry_names() == ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen3"]
+    assert registry_names() == ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen3", "random-qwen3-0.6b"]
+
+
+def test_random_qwen3_shape_is_qwen3_0_6b_with_the_smollm2_vocabulary():
+    """Checked against Qwen/Qwen3-0.6B's config.json (no weights are built here: 0.5B parameters)."""
+    from grpo_core.models import RANDOM_SHAPES
+
+    arch, shape = RANDOM_SHAPES["random-qwen3-0.6b"]
+    assert arch == "qwen3" and (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"],
+                                shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"],
+                                shape["tie_word_embeddings"]) == (1024, 3072, 28, 16, 8, 128, True)
 
 
 def test_smollm2_gguf_comes_from_the_wheel():

@@ -173,6 +173,23 @@ def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
         assert s.completion_mask[len(tok.encode(text[:tool_answer], add_special_tokens=False)):].any()
 
 
+def test_reward_functions_get_trainer_state_log_metric_and_the_environments(server, tmp_path):
+    # Before: preflight accepted these arguments but scoring never passed them: the first group failed the run.
+    rows = [{"prompt": [{"role": "user", "content": "Count."}], "target": target} for target in (2, 3, 2)]
+    config = _config(num_generations=2, max_tool_calling_iterations=1, loop_class="rollout_helpers:ScriptedToolLoop",
+                     environment_factory="rollout_helpers:CounterEnv", reward_functions=["rollout_helpers:state_reward"])
+    resume = ResumeState(policy_version=3, step=7)
+    with rollout(server, tmp_path, config, dataset=rows, resume=resume) as source:
+        samples, consumed, metrics = drain(source, policy_version=3)
+    assert metrics["state_reward/group_count"] == 3
+    assert metrics["trainer_state/step"] == 7 and metrics["trainer_state/policy_version"] == 3
+    assert metrics["trainer_state/epoch"] == 0
+    # The scripted first turn calls increment(step=2): the counter of every environment ends at 2, so the
+    # reward read from the environments is 1 exactly for the rows whose target is 2 (rows 0 and 2).
+    assert metrics["rewards/state_reward/mean"] == pytest.approx(2 / 3)
+    assert metrics["rewards/CounterEnv/mean"] == pytest.approx(2 / 3)
+
+
 def test_environment_owns_the_data_without_a_dataset(server, tmp_path):
     config = _config(num_generations=4, dataset_size=3, max_tool_calling_iterations=1,
                      loop_class="rollout_helpers:ScriptedToolLoop",

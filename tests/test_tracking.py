@@ -77,9 +77,36 @@ def test_preflight_names_the_missing_column_and_the_bad_model(tmp_path):
     preflight.check_run(load_config(ROOT / "configs" / "tiny.yaml"))
 
 
-def test_every_config_parses_and_bad_values_name_the_field():
-    for path in (ROOT / "configs").glob("*.yaml"):
-        load_config(path)
+def _leaves(data: dict, prefix: tuple = ()):
+    """(path, value) of every leaf of a nested YAML mapping."""
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
+def test_every_config_file_loads_each_value_it_sets():
+    import yaml
+
+    files = sorted((ROOT / "configs").glob("*.yaml"))
+    assert {p.name for p in files} >= {"demo.yaml", "tiny.yaml"}
+    for path in files:
+        cfg, count = load_config(path), 0
+        for keys, value in _leaves(yaml.safe_load(path.read_text())):
+            loaded = cfg
+            for key in keys:
+                loaded = loaded[key] if isinstance(loaded, dict) else getattr(loaded, key)
+            if isinstance(loaded, Path):
+                value = Path(value)
+            elif isinstance(loaded, tuple):
+                loaded = list(loaded)
+            assert loaded == value, f"{path.name}: {'.'.join(keys)} = {value!r} in the file, {loaded!r} loaded"
+            count += 1
+        assert count >= 10, f"{path.name}: only {count} values checked"
+
+
+def test_bad_values_name_the_field():
     with pytest.raises(ConfigError, match="rollout.num_generations"):
         load_config(ROOT / "configs" / "demo.yaml", ["rollout.num_generations=1"])
 
@@ -107,3 +134,47 @@ def test_cli_config_error_names_the_field_before_anything_starts():
                                       "--set", "rollout.num_generations=1"])
     assert result.exit_code == 2
     assert "rollout.num_generations" in result.output
+
+
+UNSAFE = {"loss": 1.0, "rewards/<lambda>/mean": 0.5, "a//b/": 2.0, "/lead": 3.0, "x/../y": 4.0, "colon:name": 5.0,
+          "ünï cödé": 6.0, "n" * 300: 7.0, "a<b": 8.0, "a>b": 9.0}
+# What each becomes, written out by hand from MLflow's rules (letters, digits, _ - . space /; no empty, "."
+# or ".." segment; at most 250 characters); two names that collide are told apart by a suffix.
+SAFE = {"loss": 1.0, "rewards/_lambda_/mean": 0.5, "a/b": 2.0, "lead": 3.0, "x/_/y": 4.0, "colon_name": 5.0,
+        "ünï cödé": 6.0, "n" * 250: 7.0, "a_b": 8.0, "a_b_2": 9.0}
+
+
+def test_metric_names_mlflow_refuses_are_renamed_once_and_no_metric_is_lost(tmp_path, caplog):
+    # Before: one refused name (a lambda reward's) made MLflow refuse the batch, and the step kept no metric.
+    cfg = _cfg(tmp_path)
+    run_id, _ = tracking.start_run(cfg, "flow-names")
+    sink = tracking.MlflowSink(cfg.tracking, run_id)
+    with caplog.at_level("WARNING", logger="grpo_core.tracking"):
+        sink.log(1, UNSAFE)
+        sink.log(2, UNSAFE)
+        sink.close()
+    mc = tracking.client(cfg.tracking)
+    assert mc.get_run(run_id).data.metrics == SAFE
+    assert [m.step for m in mc.get_metric_history(run_id, "rewards/_lambda_/mean")] == [1, 2]
+    renamed = [r for r in caplog.records if "is logged to MLflow as" in r.getMessage()]
+    assert len(renamed) == len(UNSAFE) - 2  # once per renamed name ("loss" and "ünï cödé" are fine)
+    assert tracking.last_logged_step(cfg.tracking, run_id) == 2 and sink.num_errors == 0
+
+
+def test_a_refused_batch_keeps_the_other_metrics_and_the_resume_step(tmp_path, caplog, monkeypatch):
+    # A name that reaches MLflow unchanged and is refused there: only that metric is lost.
+    monkeypatch.setattr(tracking, "mlflow_safe_name", lambda name: name)
+    cfg = _cfg(tmp_path)
+    run_id, _ = tracking.start_run(cfg, "flow-refused")
+    sink = tracking.MlflowSink(cfg.tracking, run_id)
+    with caplog.at_level("WARNING", logger="grpo_core.tracking"):
+        for step in (1, 2, 3):
+            sink.log(step, {"rewards/<lambda>/mean": 0.5, "reward": 0.25 * step} | ({"loss": 1.0} if step < 3 else {}))
+        sink.close()
+    mc = tracking.client(cfg.tracking)
+    assert mc.get_run(run_id).data.metrics == {"reward": 0.75, "loss": 1.0}
+    assert [m.step for m in mc.get_metric_history(run_id, "reward")] == [1, 2, 3]
+    assert sum("MLflow refuses metric 'rewards/<lambda>/mean'" in r.getMessage() for r in caplog.records) == 1
+    assert sink.num_errors == 3
+    # Step 3 logged no "loss": the resume point is still step 3 (before: read from "loss", so 2).
+    assert tracking.last_logged_step(cfg.tracking, run_id) == 3

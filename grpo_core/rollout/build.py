@@ -53,6 +53,15 @@ def _lora_name(run: Any) -> str | None:
     return lora.name if lora is not None and lora.enabled else None
 
 
+def config_rewards(rollout: RolloutConfig, passed: list[Any] = (), with_dataset_verifier: bool = True) -> list[Any]:
+    """The reward functions of a run: those named in config, those passed in code, and the dataset's own
+    verifier (reasoning-gym) unless already named."""
+    rewards = [*(import_object(n, "rollout.reward_functions") for n in rollout.reward_functions), *passed]
+    if with_dataset_verifier:
+        rewards += [f for f in default_rewards(rollout) if f not in rewards]
+    return rewards
+
+
 async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None) -> RolloutLoop:
     """The loop of ``job`` (a ``RolloutJob``), ready for ``drive``; ``completions`` = the table sample or None."""
     from transformers import AutoTokenizer
@@ -74,10 +83,7 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
         dataset = [{} for _ in range(rollout.dataset_size)]
     elif dataset is None:
         dataset = load_dataset(rollout)
-    rewards = [*(import_object(n, "rollout.reward_functions") for n in rollout.reward_functions),
-               *job.reward_functions]
-    if job.dataset is None:  # the dataset's own verifier (reasoning-gym), unless named already
-        rewards += [f for f in default_rewards(rollout) if f not in rewards]
+    rewards = config_rewards(rollout, job.reward_functions, with_dataset_verifier=job.dataset is None)
     tools = [*(import_object(n, "rollout.tools") for n in rollout.tools), *job.tools]
     clients = [GenerationClient(url, max_connections=rollout.max_concurrent_rollouts,
                                 timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries)

@@ -34,6 +34,14 @@ from .window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
 
+#: Finish reasons of a turn the sampler ended itself; any other ("abort", "error", none) means the server cut it short.
+COMPLETE_FINISHES = frozenset({"stop", "length"})
+
+
+class TurnAborted(RolloutError):
+    """The server kept aborting a turn (``finish_reason`` not stop/length); its group is dropped, never trained."""
+
+
 # (group_id, rollout index in the group, turn counter, policy version at the group's start) of the
 # request being made: its seed, and the LoRA adapter version it samples from.
 _REQUEST = contextvars.ContextVar("rollout_request", default=(0, 0, [0], 0))
@@ -148,20 +156,48 @@ class RolloutLoop:
                        tool_failure_count=failures, loop_exhausted=exhausted)
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
-        """One sampling request with the config's sampling settings and a per-request seed."""
+        """One sampling turn with the config's sampling settings and a per-request seed.
+
+        A reply the server cut short (``finish_reason`` ``"abort"``, or anything but ``"stop"``/``"length"``:
+        e.g. a ``/pause`` without keep mode) is never returned as a finished turn: its tokens and
+        log-probs are kept and the continuation (prompt + tokens so far, the remaining token budget) is
+        resubmitted, under the newest policy version, up to ``rollout.max_abort_retries`` times; then
+        :class:`TurnAborted` is raised and :meth:`run_group` drops the group.
+
+        Raises:
+            TurnAborted: the server aborted the turn ``max_abort_retries + 1`` times.
+        """
         cfg = self.config
         group_id, rollout, counter, version = _REQUEST.get()
-        seed = request_seed(cfg.seed, group_id, rollout, counter[0])
-        counter[0] += 1
         # All turns of a group go to one replica: its prefix cache holds the shared prompt.
         client = self.runtime.clients[group_id % len(self.runtime.clients)]
-        max_tokens = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
-        (out,) = await client.complete(prompt_ids, model=self.served_model(version), max_tokens=max_tokens,
-                                       temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                       min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
-        self.generated_tokens += len(out.token_ids)
-        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=out.token_ids, output_log_probs=out.logprobs,
-                          output_sampler_logprobs=out.top_logprobs, finish_reason=out.finish_reason, text=out.text)
+        budget = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
+        ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[dict[int, float]] | None = [] if cfg.num_sampler_logprobs > 0 else None
+        for attempt in range(cfg.max_abort_retries + 1):
+            seed = request_seed(cfg.seed, group_id, rollout, counter[0])
+            counter[0] += 1
+            model = self.served_model(version if attempt == 0 else self.runtime.allowance.policy_version)
+            (out,) = await client.complete(list(prompt_ids) + ids, model=model, max_tokens=budget - len(ids),
+                                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                           min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
+            self.generated_tokens += len(out.token_ids)
+            ids, logprobs = ids + out.token_ids, logprobs + out.logprobs
+            if tops is not None:
+                tops += out.top_logprobs or [{} for _ in out.token_ids]
+            finish = out.finish_reason if out.finish_reason in COMPLETE_FINISHES or len(ids) < budget else "length"
+            if finish in COMPLETE_FINISHES:
+                text = out.text if attempt == 0 else self.tokenizer.decode(ids, skip_special_tokens=True)
+                return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=logprobs,
+                                  output_sampler_logprobs=tops, finish_reason=finish, text=text)
+            self.window.add("rollout/aborted_turn_count", 1)
+            logger.warning("group %d rollout %d: the server ended a turn with finish_reason=%r after %d of %d tokens; "
+                           "resubmitting the continuation (%d/%d)", group_id, rollout, out.finish_reason, len(ids),
+                           budget, attempt + 1, cfg.max_abort_retries)
+        raise TurnAborted(f"group {group_id}: the server aborted a turn {cfg.max_abort_retries + 1} times "
+                          f"(finish_reason={out.finish_reason!r}); raise rollout.max_abort_retries or find what "
+                          "aborts requests (a /pause without mode=keep, a restarting server)")
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """``float32[G]`` group-normalised advantages; NaN rewards get 0 and are left out (DESIGN.md §5)."""
@@ -201,14 +237,24 @@ class RolloutLoop:
         allowance = self.runtime.allowance
         allowance.group_started()
         started = time.monotonic()
-        version = allowance.policy_version
+        version, trainer_step = allowance.policy_version, allowance.trainer_step
         results = await asyncio.gather(*(self._rollout(prompt_index, i, row, version)
-                                         for i in range(self.config.num_generations)))
-        prompts, rollouts = [p for p, _ in results], [r for _, r in results]
-        sequences = [self._reconcile(r) for r in rollouts]
-        group = RolloutGroup(prompt_index=prompt_index, row_index=row_index, epoch=epoch, row=row, prompts=prompts,
-                             rollouts=rollouts, sequences=sequences, policy_version=version, started_at=started)
-        await score_group(group, self.runtime.reward_functions, self.executor, self.window)
+                                         for i in range(self.config.num_generations)), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            self._give_back([r[2] for r in results if not isinstance(r, BaseException)])
+            self._drop_failed_group(prompt_index, failures)
+            return
+        prompts, rollouts, envs = [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
+        try:
+            sequences = [self._reconcile(r) for r in rollouts]
+            group = RolloutGroup(prompt_index=prompt_index, row_index=row_index, epoch=epoch, row=row,
+                                 prompts=prompts, rollouts=rollouts, sequences=sequences, policy_version=version,
+                                 started_at=started, trainer_step=trainer_step,
+                                 environments=[env for _, env in envs])
+            await score_group(group, self.runtime.reward_functions, self.executor, self.window)
+        finally:  # the reward functions have read the environments' state: hand them back
+            self._give_back(envs)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
         if advantages.shape != (len(rollouts),):
             raise RolloutError(f"compute_advantages returned shape {advantages.shape}; expected ({len(rollouts)},)")
@@ -229,6 +275,22 @@ class RolloutLoop:
         allowance.group_finished(tokens, queued=bool(samples))
         self.window.add("rollout/queued_tokens_max", allowance.queued_tokens)
 
+    def _give_back(self, envs: list[tuple[Any, Any]]) -> None:
+        """Return taken environments ``(name, environment)`` to their pool (None entries: no environment)."""
+        for env_name, env in envs:
+            if env is not None:
+                self.environments.give_back(env_name, env)
+
+    def _drop_failed_group(self, prompt_index: int, failures: list[BaseException]) -> None:
+        """Drop a group whose turns the server kept aborting (counted); re-raise any other failure."""
+        other = next((f for f in failures if not isinstance(f, TurnAborted)), None)
+        self.runtime.allowance.group_abandoned()
+        if other is not None:
+            raise other
+        logger.warning("dropping group %d: %s", prompt_index, failures[0])
+        self.window.add("rollout/aborted_group_count", 1)
+        self.runtime.queue.consumed(prompt_index)
+
     def _reconcile(self, rollout: Rollout) -> list:
         seqs, stats = reconcile_turns(rollout.turns)
         if stats.transitions:
@@ -238,8 +300,14 @@ class RolloutLoop:
         self.window.add("rollout/samples_per_rollout", len(seqs))
         return seqs
 
-    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any], version: int) -> tuple[list, Rollout]:
-        """One rollout under a concurrency slot, with its environment (reset, tools, get_reward)."""
+    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any],
+                       version: int) -> tuple[list, Rollout, tuple[Any, Any]]:
+        """One rollout under a concurrency slot, with its environment (reset, tools, get_reward).
+
+        Returns:
+            ``(prompt, rollout, (environment name, environment))``; the environment (None without
+            ``environment_factory``) stays taken until the caller gives it back after scoring.
+        """
         _REQUEST.set((prompt_index, index, [0], version))
         await self.cap.acquire()
         start = time.monotonic()
@@ -257,10 +325,12 @@ class RolloutLoop:
             if env is not None and hasattr(env, "get_reward"):
                 rollout.env_reward = (type(env).__name__, await self._env_reward(env))
             self.window.add("rollout/duration_s", time.monotonic() - start)
-            return prompt, rollout
-        finally:
+            return prompt, rollout, (env_name, env)
+        except BaseException:
             if env is not None:
                 self.environments.give_back(env_name, env)
+            raise
+        finally:
             await self.cap.release()
 
     async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -277,7 +347,7 @@ class RolloutLoop:
             return [*prompt[:-1], {**prompt[-1], "content": f"{prompt[-1]['content']}\n\n{text}"}]
         return [*prompt, {"role": "user", "content": str(text)}]
 
-    async def _env_reward(self, env: object) -> float:
+    async def _env_reward(self, env: object) -> Any:
         start = time.perf_counter()
         get_reward = env.get_reward
         if asyncio.iscoroutinefunction(get_reward):
@@ -285,7 +355,7 @@ class RolloutLoop:
         else:
             value = await asyncio.get_running_loop().run_in_executor(self.executor, get_reward)
         self.window.add("env/reward_s", time.perf_counter() - start)
-        return float(value)
+        return value  # checked (None/NaN = does not apply, ±inf = error) with the other sources when scored
 
 
 def _with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ class TokenAllowance:
         self.factor = max(max_staleness, 1)
         self.step_tokens = first_step_tokens
         self.policy_version = 0
+        self.trainer_step = 0  # optimizer steps done: one report per step (set from the resume state)
         self.queued_tokens = 0
         self.in_flight_groups = 0
         self.completed_groups = 0
@@ -42,8 +43,9 @@ class TokenAllowance:
         return self.factor * self.step_tokens
 
     def report(self, policy_version: int, tokens_consumed: int) -> None:
-        """The trainer's feedback after a step."""
+        """The trainer's feedback after each optimizer step (so reports also count the steps)."""
         with self._lock:
+            self.trainer_step += 1
             self.policy_version = max(self.policy_version, policy_version)
             if tokens_consumed > 0:
                 self.step_tokens = tokens_consumed
@@ -76,6 +78,11 @@ class TokenAllowance:
             self._group_tokens_total += tokens
             if queued:
                 self.queued_tokens += tokens
+
+    def group_abandoned(self) -> None:
+        """A started group ended without a result (dropped); it leaves the in-flight count only."""
+        with self._lock:
+            self.in_flight_groups -= 1
 
     def dequeued(self, tokens: int) -> None:
         """The trainer pulled ``tokens``."""

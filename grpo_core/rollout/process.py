@@ -135,6 +135,7 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     allowance = TokenAllowance(rollout.max_staleness, rollout.first_step_tokens)
     if job.resume is not None:
         allowance.policy_version = job.resume.policy_version
+        allowance.trainer_step = job.resume.step
     queue = SampleQueue(allowance, with_topk=rollout.num_sampler_logprobs > 0)
     window = MetricWindow()
     completions = CompletionSample(tracking.num_completions_to_print, rollout.seed) if tracking.log_completions else None

@@ -3,9 +3,10 @@
 Reward functions are called once per group with keyword arguments ``prompts``,
 ``completions``, ``completion_ids`` (one entry per rollout) and every other dataset column
 (repeated per rollout). Sync functions run in a thread pool, async ones are awaited; all run
-together. A function returns one value per rollout: a number, or None for "does not apply".
-The reward of a rollout is the sum over its sources (functions, the environment's
-``get_reward``, ``Rollout.reward``) that applied; NaN when none did.
+together. A function returns one value per rollout: a number, or None (or NaN) for "does not apply";
+±inf is an error naming the function (DESIGN.md §5). The reward of a rollout is the sum over
+its sources (functions, the environment's ``get_reward``, ``Rollout.reward``) that applied;
+NaN when none did.
 """
 
 from __future__ import annotations
@@ -51,12 +52,30 @@ def _check_values(name: str, values: Any, size: int) -> np.ndarray:
     for i, v in enumerate(values):
         if v is None:
             continue
-        try:
-            out[i] = float(v)
-        except (TypeError, ValueError):
-            raise RolloutError(f"reward function {name!r} returned {v!r} at position {i}; "
-                               "rewards must be numbers or None") from None
+        out[i] = checked_reward(f"reward function {name!r}", v, i)
     return out
+
+
+def checked_reward(source: str, value: Any, position: int) -> float:
+    """One reward as a float: NaN means "does not apply" (as None); ±inf or a non-number is an error.
+
+    Args:
+        source: the reward source as the error should name it, e.g. ``"reward function 'accuracy'"``.
+        value: what the source returned for one rollout.
+        position: the rollout's index in its group.
+
+    Raises:
+        RolloutError: ``value`` is ±inf or not a number (names ``source`` and ``position``).
+    """
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        raise RolloutError(f"{source} returned {value!r} at position {position}; "
+                           "rewards must be numbers or None") from None
+    if math.isinf(reward):
+        raise RolloutError(f"{source} returned {reward} at position {position}; rewards must be finite: return "
+                           "None (or NaN) where the reward does not apply, or a large finite penalty")
+    return reward
 
 
 async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[str, Any], size: int,
@@ -112,32 +131,50 @@ def sum_rewards(sources: dict[str, np.ndarray], size: int) -> np.ndarray:
     return total
 
 
-def group_advantages(rewards: np.ndarray) -> np.ndarray:
-    """Group-normalised advantages A = (r - mean) / std over the scored rollouts (DESIGN.md §5).
-
-    Args:
-        rewards: ``float64[G]``, NaN = unscored.
-
-    Returns:
-        ``float32[G]``; 0 for unscored rollouts, and for all when fewer than two are scored or
-        their std is 0. std is the population std (ddof=0) of the scored rewards.
-    """
-    adv = np.zeros(len(rewards), dtype=np.float32)
-    ok = ~np.isnan(rewards)
-    if ok.sum() < 2:
-        return adv
-    scored = rewards[ok]
-    std = scored.std()
-    if std == 0 or not math.isfinite(std):
-        return adv
-    adv[ok] = ((scored - scored.mean()) / std).astype(np.float32)
-    return adv
+#: Rewards of a group closer together than this fraction of the group's reward scale (the largest
+#: |reward|) count as equal: rounding (``(0.1+0.2)+0.3 != 0.1+(0.2+0.3)``) or float32 noise is not a
+#: signal, and normalising it by its tiny std would turn it into advantages of ±1.
+ZERO_STD_RTOL = 1e-6
 
 
 def is_zero_std(rewards: np.ndarray) -> bool:
-    """Whether a group carries no signal: fewer than two scored rollouts, or all scored rewards equal."""
+    """Whether a group carries no signal: fewer than two scored rollouts, or all scored rewards equal.
+
+    Args:
+        rewards: ``float64[G]``, NaN = unscored; the scored ones finite.
+
+    Returns:
+        True when fewer than two rewards are scored or their range is at most ``ZERO_STD_RTOL``
+        times the largest |reward| (so an all-zero group is zero-std, and a group whose rewards
+        differ only by rounding is too).
+    """
     scored = rewards[~np.isnan(rewards)]
-    return len(scored) < 2 or bool(np.all(scored == scored[0]))
+    return len(scored) < 2 or bool(np.ptp(scored) <= ZERO_STD_RTOL * np.max(np.abs(scored)))
+
+
+def group_advantages(rewards: np.ndarray) -> np.ndarray:
+    """Group-normalised advantages A = (r - mean) / std over the scored rollouts (DESIGN.md §5).
+
+    Computed on rewards divided by the group's largest |reward| (so squares cannot overflow) with a
+    second centring pass (so the advantages of a kept group sum to 0 up to float32 rounding,
+    about ``G * 1e-7``); both leave A unchanged in exact arithmetic.
+
+    Args:
+        rewards: ``float64[G]``, NaN = unscored; the scored ones finite.
+
+    Returns:
+        ``float32[G]``; 0 for unscored rollouts, and for all when :func:`is_zero_std`. std is the
+        population std (ddof=0) of the scored rewards.
+    """
+    adv = np.zeros(len(rewards), dtype=np.float32)
+    if is_zero_std(rewards):
+        return adv
+    ok = ~np.isnan(rewards)
+    scored = rewards[ok] / np.max(np.abs(rewards[ok]))
+    centred = scored - scored.mean()
+    centred -= centred.mean()
+    adv[ok] = (centred / np.sqrt(np.mean(centred * centred))).astype(np.float32)
+    return adv
 
 
 def log_group_rewards(window: MetricWindow, group: RolloutGroup, dropped: bool) -> None:

@@ -15,19 +15,41 @@ import numpy as np
 
 from grpo_core.packing import Sample, TokenLists
 
-from .rewards import call_reward_functions, sum_rewards
+from .rewards import call_reward_functions, checked_reward, sum_rewards
 from .types import RolloutGroup, TrainingSequence
 from .window import MetricWindow
 
 # Sample ids: group_id * SAMPLE_ID_STRIDE + position of the sample in its group.
 SAMPLE_ID_STRIDE = 1 << 16
 
+#: The keyword arguments every reward function receives besides the dataset's columns (each column
+#: as a list with its row's value repeated G times). The one list: :func:`reward_kwargs` passes
+#: exactly these, and ``grpo_core.preflight`` accepts exactly these as always supplied.
+REWARD_ARGUMENTS: dict[str, str] = {
+    "prompts": "list of G prompts (each a list of {'role', 'content'} messages)",
+    "completions": "list of G completions (the messages each rollout generated, tool replies included)",
+    "completion_ids": "list of G lists of generated token ids",
+    "trainer_state": "TrainerState(step, policy_version, epoch) of when the group started",
+    "log_metric": "log_metric(name, value): add a number to the rollout's metric window (mean per logging step)",
+    "environments": "list of G environment instances, after the rollout (None entries without environment_factory)",
+}
+#: Arguments other GRPO trainers pass that grpo-flow cannot; preflight refuses a function that needs one.
+UNSUPPORTED_REWARD_ARGUMENTS: dict[str, str] = {
+    "log_extra": "grpo-flow keeps no completions table to add columns to; record numbers with log_metric instead",
+}
 
-def reward_kwargs(group: RolloutGroup) -> dict[str, Any]:
-    """Keyword arguments of the reward functions: prompts, completions, completion_ids, other columns."""
+
+def reward_kwargs(group: RolloutGroup, window: MetricWindow) -> dict[str, Any]:
+    """Keyword arguments of the reward functions: the dataset's columns and :data:`REWARD_ARGUMENTS`."""
     size = len(group.rollouts)
     kwargs: dict[str, Any] = {k: [v] * size for k, v in group.row.items() if k != "prompt"}
-    kwargs.update(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids)
+
+    def log_metric(name: str, value: float) -> None:
+        window.add(str(name), float(value))
+
+    kwargs.update(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids,
+                  trainer_state=group.trainer_state, log_metric=log_metric,
+                  environments=list(group.environments) or [None] * size)
     return kwargs
 
 
@@ -43,13 +65,13 @@ async def score_group(group: RolloutGroup, funcs: list[Callable[..., Any]], exec
     """
     size = len(group.rollouts)
     start = time.perf_counter()
-    sources = await call_reward_functions(funcs, reward_kwargs(group), size, executor) if funcs else {}
+    sources = await call_reward_functions(funcs, reward_kwargs(group, window), size, executor) if funcs else {}
     for i, rollout in enumerate(group.rollouts):
-        if rollout.env_reward is not None:
+        if rollout.env_reward is not None and rollout.env_reward[1] is not None:
             name, value = rollout.env_reward
-            sources.setdefault(name, np.full(size, np.nan))[i] = value
+            sources.setdefault(name, np.full(size, np.nan))[i] = checked_reward(f"{name}.get_reward()", value, i)
         if rollout.reward is not None:
-            sources.setdefault("rollout", np.full(size, np.nan))[i] = float(rollout.reward)
+            sources.setdefault("rollout", np.full(size, np.nan))[i] = checked_reward("Rollout.reward", rollout.reward, i)
     group.source_rewards = sources
     group.rewards = sum_rewards(sources, size)
     window.add("rollout/score_s", time.perf_counter() - start)

@@ -26,7 +26,7 @@ class TurnRecord:
         output_mask: ``[len(output_ids)]`` 1 = train the token, 0 = context only; None = all trained.
         output_sampling_mask: per output token, the candidate ids of top-k/top-p/min-p; None = full vocabulary.
         output_sampler_logprobs: per output token, ``{token_id: logprob}`` of the sampler's top tokens.
-        finish_reason: ``"stop"`` or ``"length"``.
+        finish_reason: ``"stop"`` or ``"length"`` (a turn the server aborted is resubmitted, never recorded).
         text: decoded output (special tokens skipped).
     """
 
@@ -52,7 +52,8 @@ class Rollout:
         tool_failure_count: tool calls that failed (unknown name, bad arguments, raised).
         reward: a rollout-level reward (e.g. a judge inside ``generate_one``); None = no such source.
         loop_exhausted: stopped at ``max_tool_calling_iterations`` while still calling tools.
-        env_reward: ``(environment class name, reward)`` when the environment scored it, else None.
+        env_reward: ``(environment class name, what get_reward() returned)`` when the environment has
+            ``get_reward``, else None (a returned None or NaN: the environment does not score this rollout).
         rollout_id: random hex id, for debugging.
     """
 
@@ -63,7 +64,7 @@ class Rollout:
     tool_failure_count: int = 0
     reward: float | None = None
     loop_exhausted: bool = False
-    env_reward: tuple[str, float] | None = None
+    env_reward: tuple[str, Any] | None = None
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -170,6 +171,26 @@ def _append(seq: TrainingSequence, ids: list[int], turn: TurnRecord | None, *, t
         seq.candidates.extend(list(c) if m else [] for c, m in zip(sets, mask, strict=True))
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What reward functions receive as ``trainer_state``: where training stood when their group started.
+
+    Attributes:
+        step: optimizer steps the trainer had completed (resumed steps included).
+        policy_version: policy version the group was sampled with (weight syncs done).
+        epoch: pass over the prompt dataset the group's prompt belongs to (0-based).
+    """
+
+    step: int
+    policy_version: int
+    epoch: int
+
+    @property
+    def global_step(self) -> int:
+        """``step``, under the name transformers' ``TrainerState`` uses (TRL reward functions read it)."""
+        return self.step
+
+
 @dataclass
 class RolloutGroup:
     """The G rollouts of one prompt, scored together (one entry per rollout in every list).
@@ -187,6 +208,9 @@ class RolloutGroup:
         rewards: ``float64[G]`` summed rewards; NaN = no source scored the rollout. Set before
             ``compute_advantages``.
         started_at: ``time.monotonic()`` when the group started.
+        trainer_step: optimizer steps the trainer had reported when the group started.
+        environments: the environment instance of each rollout (None entries without an environment),
+            held until the group is scored so reward functions can read their state.
     """
 
     prompt_index: int
@@ -200,6 +224,13 @@ class RolloutGroup:
     source_rewards: dict[str, np.ndarray] = field(default_factory=dict)
     rewards: np.ndarray | None = None
     started_at: float = 0.0
+    trainer_step: int = 0
+    environments: list[Any] = field(default_factory=list)
+
+    @property
+    def trainer_state(self) -> TrainerState:
+        """The ``trainer_state`` reward functions receive."""
+        return TrainerState(step=self.trainer_step, policy_version=self.policy_version, epoch=self.epoch)
 
     @property
     def group_id(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from grpo_core.errors import ServingError
-from grpo_core.serving.engine import Engine, Sequence
+from grpo_core.serving.engine import Engine, PauseMode, Sequence
 from grpo_core.serving.protocol import (
     CompletionRequest,
     LoadLoraRequest,
@@ -36,6 +36,7 @@ from grpo_core.serving.protocol import (
     completion_response,
     error_response,
 )
+from grpo_core.serving.sampling_defaults import NEUTRAL
 from grpo_core.serving.weights import AdapterError, WeightManager
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerState:
-    """Everything the routes need: engine, tokenizer, weight manager and static facts."""
+    """Everything the routes need: engine, tokenizer, weight manager and static facts.
+
+    ``default_sampling`` holds the values used for sampling fields a request leaves out (vLLM's
+    default sampling parameters: ``{}`` with ``--generation-config vllm``, the model's
+    ``generation_config.json`` with ``auto``).
+    """
 
     engine: Engine
     tokenizer: Any
@@ -52,6 +58,8 @@ class ServerState:
     model_path: str
     max_logprobs: int
     max_loras: int
+    generation_config: str = "vllm"
+    default_sampling: dict[str, Any] = field(default_factory=dict)
     paused_by_weight_update: bool = False
 
 
@@ -122,22 +130,40 @@ def _check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> str | 
     return None
 
 
+def _sampling(state: ServerState, request: CompletionRequest) -> dict[str, Any] | JSONResponse:
+    """The request's sampling fields, each from the request or else the server's defaults (as vLLM fills them)."""
+    values = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        given = getattr(request, name)
+        values[name] = given if given is not None else state.default_sampling.get(name, NEUTRAL[name])
+    values["presence_penalty"], values["frequency_penalty"] = request.presence_penalty, request.frequency_penalty
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if values[name] != NEUTRAL[name]:
+            return error_response(f"{name}={values[name]} is not supported by the embedded server (only "
+                                  f"{NEUTRAL[name]}); the trainer's log-probs assume no penalty", 400, param=name)
+    return values
+
+
 def _sequences(state: ServerState, request: CompletionRequest, adapter: str | None) -> list[Sequence] | JSONResponse:
     if request.stream or request.echo:
         return error_response("stream and echo are not supported by the embedded server", 400)
     if request.logprobs is not None and request.logprobs > state.max_logprobs:
         return error_response(f"Requested sample logprobs of {request.logprobs}, which is greater than max "
                               f"allowed: {state.max_logprobs}", 400, param="logprobs")
+    sampling = _sampling(state, request)
+    if isinstance(sampling, JSONResponse):
+        return sampling
     seqs = []
     for ids in _prompts(request, state.tokenizer):
-        max_tokens = request.max_tokens or max(state.engine.max_model_len - len(ids), 1)
+        max_tokens = request.max_tokens or state.default_sampling.get("max_tokens") \
+            or max(state.engine.max_model_len - len(ids), 1)
         problem = _check_prompt(state, ids, max_tokens)
         if problem:
             return error_response(problem, 400, param="input_tokens" if "context length" in problem else "prompt")
         for choice in range(request.n):
             seqs.append(Sequence(
-                prompt_ids=ids, max_tokens=max_tokens, temperature=request.temperature,
-                top_k=max(request.top_k or 0, 0), top_p=request.top_p, min_p=request.min_p,
+                prompt_ids=ids, max_tokens=max_tokens, temperature=sampling["temperature"],
+                top_k=max(sampling["top_k"], 0), top_p=sampling["top_p"], min_p=sampling["min_p"],
                 seed=None if request.seed is None else request.seed + choice,
                 stop_token_ids=frozenset(request.stop_token_ids or ()),
                 ignore_eos=request.ignore_eos, num_logprobs=request.logprobs, adapter=adapter,
@@ -188,8 +214,11 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
     @app.post("/pause")
-    async def pause() -> dict[str, str]:
-        await asyncio.to_thread(engine.pause)
+    async def pause(mode: PauseMode = "abort", wait_for_inflight_requests: bool = False,
+                    clear_cache: bool = True) -> dict[str, str]:
+        # vLLM 0.25.1's query parameters: no mode aborts every in-flight request (finish_reason "abort");
+        # the deprecated wait_for_inflight_requests means mode=wait; clear_cache has no cache to clear here.
+        await asyncio.to_thread(engine.pause, "wait" if wait_for_inflight_requests else mode)
         return {"status": "paused"}
 
     @app.post("/resume")
@@ -210,7 +239,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         if body is not None and not body.is_checkpoint_format:
             raise ServingError("the embedded server only takes checkpoint-format weights")
         if not engine.paused:
-            await asyncio.to_thread(engine.pause)
+            await asyncio.to_thread(engine.pause, "keep")
             state.paused_by_weight_update = True
         return {"status": "ok"}
 
@@ -230,7 +259,9 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         return {"status": "ok"}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
+        # No prefix cache is shared between sequences here; each keeps its own KV (computed by the weights
+        # that were current when its tokens were decoded, as vLLM's kept requests without a reset).
         return Response(status_code=200)
 
     @app.get("/get_world_size")
@@ -240,6 +271,7 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
         return {"backend": "embedded", "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
+                "generation_config": state.generation_config, "default_sampling_params": state.default_sampling,
                 "kv_cache_size_tokens": engine.kv_cache_size_tokens, "enable_lora": True,
                 "max_loras": state.max_loras, "max_lora_rank": state.weights.max_lora_rank}
 

@@ -23,6 +23,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_core.errors import ServerRequestError, ServerUnavailableError
+from grpo_core.serving.sampling_defaults import request_sampling_fields
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ class Completion:
             and top-k/top-p/min-p; vLLM ``processed_logprobs``), natural log; -9999.0 stands for -inf.
         top_logprobs: per generated token, ``{token_id: logprob}`` of the sampler's top
             ``num_logprobs`` tokens plus the sampled one; None when not requested.
-        finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (max_tokens / max_model_len).
+        finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (max_tokens / max_model_len), or
+            ``"abort"`` when the server cut the request short (e.g. ``/pause`` in abort mode); the tokens
+            generated until then are kept. A missing finish reason reads as ``"abort"``.
         text: decoded text of ``token_ids`` (special tokens skipped).
     """
 
@@ -115,7 +118,7 @@ def _parse_choice(choice: dict[str, Any], with_top: bool) -> Completion:
         token_ids=list(choice.get("token_ids") or []),
         logprobs=[float(x) for x in block.get("token_logprobs") or []],
         top_logprobs=top,
-        finish_reason=choice.get("finish_reason") or "length",
+        finish_reason=choice.get("finish_reason") or "abort",
         text=choice.get("text") or "",
     )
 
@@ -153,11 +156,12 @@ class GenerationClient:
         """Close the connection pool."""
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                       params: dict[str, Any] | None = None) -> httpx.Response:
         last: str = ""
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self._http.request(method, path, json=body)
+                response = await self._http.request(method, path, json=body, params=params)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
@@ -184,6 +188,11 @@ class GenerationClient:
                        ignore_eos: bool = False) -> list[Completion]:
         """Sample ``n`` continuations of one token-id prompt.
 
+        Every sampling field is sent explicitly (top-k "off" as ``-1``, penalties at their neutral
+        values), so no server-side default — a model's ``generation_config.json`` under vLLM's
+        ``--generation-config auto`` — can change the distribution the trainer assumes
+        (``grpo_core.serving.sampling_defaults``).
+
         Args:
             prompt_ids: prompt token ids.
             model: served model name, or a LoRA adapter name.
@@ -196,19 +205,15 @@ class GenerationClient:
             ignore_eos: continue past EOS.
 
         Returns:
-            ``n`` ``Completion`` objects in choice order.
+            ``n`` ``Completion`` objects in choice order; ``finish_reason`` ``"abort"`` (or another value
+            than ``"stop"``/``"length"``) marks a continuation the server cut short.
         """
         body: dict[str, Any] = {
-            "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p, "min_p": min_p, "n": n, "logprobs": num_logprobs, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, "ignore_eos": ignore_eos,
+            "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "n": n, "seed": seed,
+            **request_sampling_fields(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p),
+            "logprobs": num_logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "ignore_eos": ignore_eos, "stop_token_ids": list(stop_token_ids or ()),
         }
-        if top_k > 0:
-            body["top_k"] = top_k
-        if seed is not None:
-            body["seed"] = seed
-        if stop_token_ids:
-            body["stop_token_ids"] = list(stop_token_ids)
         data = (await self._request("POST", "/v1/completions", body)).json()
         choices = sorted(data["choices"], key=lambda c: c["index"])
         return [_parse_choice(c, num_logprobs > 0) for c in choices]
@@ -241,9 +246,15 @@ class GenerationClient:
             raise
         return parse_metrics(response.text)
 
-    async def pause(self) -> None:
-        """Pause generation (``POST /pause``); in-flight requests wait until ``resume``."""
-        await self._request("POST", "/pause")
+    async def pause(self, mode: str = "keep") -> None:
+        """Pause generation (``POST /pause?mode=...``).
+
+        Args:
+            mode: ``"keep"`` (default) freezes in-flight requests until ``resume``; ``"wait"`` lets them
+                finish first; ``"abort"`` — vLLM's default when no mode is sent — ends them with
+                ``finish_reason: "abort"``. Weight syncs always keep.
+        """
+        await self._request("POST", "/pause", params={"mode": mode})
 
     async def resume(self) -> None:
         """Resume generation (``POST /resume``)."""
@@ -253,9 +264,10 @@ class GenerationClient:
         """``GET /is_paused``."""
         return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
 
-    async def server_info(self) -> dict[str, Any]:
-        """``GET /server_info`` (vLLM needs ``VLLM_SERVER_DEV_MODE=1``)."""
-        return (await self._request("GET", "/server_info")).json()
+    async def server_info(self, config_format: str = "text") -> dict[str, Any]:
+        """``GET /server_info`` (vLLM needs ``VLLM_SERVER_DEV_MODE=1``); ``config_format="json"`` gives vLLM's
+        resolved config as a JSON tree instead of a string."""
+        return (await self._request("GET", "/server_info", params={"config_format": config_format})).json()
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any] | None = None) -> None:
         """``POST /init_weight_transfer_engine`` (once, before the first weight update)."""
@@ -270,9 +282,10 @@ class GenerationClient:
         return (await self._request("POST", "/update_weights", {"update_info": update_info})).json()
 
     async def finish_weight_update(self) -> None:
-        """``POST /finish_weight_update``, then ``/reset_prefix_cache`` (stale KV prefixes)."""
+        """``POST /finish_weight_update``, then ``/reset_prefix_cache?reset_running_requests=true``: no KV
+        computed by the old weights survives (requests kept by the pause are recomputed on resume)."""
         await self._request("POST", "/finish_weight_update")
-        await self._request("POST", "/reset_prefix_cache")
+        await self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
 
     async def update_weights_from_path(self, path: str) -> dict[str, Any]:
         """Full-weight update of the embedded server from a checkpoint-format folder (start → update → finish)."""

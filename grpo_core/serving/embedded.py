@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=20, help="most log-probs per token a request may ask for")
     p.add_argument("--max-loras", type=int, default=6, help="adapters expected to be resident (reported only)")
     p.add_argument("--max-lora-rank", type=int, default=64, choices=VLLM_LORA_RANKS, help="largest adapter rank")
+    p.add_argument("--generation-config", default="auto",
+                   help="defaults of sampling fields a request omits: 'auto' = the model's generation_config.json "
+                        "(vLLM's default), 'vllm' = neutral values, or a folder holding a generation_config.json")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -70,6 +73,7 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
     from grpo_core.models import load_model, resolve_model_dir
     from grpo_core.serving.app import ServerState, create_app
     from grpo_core.serving.engine import Engine
+    from grpo_core.serving.sampling_defaults import generation_config_defaults
     from grpo_core.serving.weights import WeightManager
 
     if args.num_threads:
@@ -82,10 +86,17 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
                     max_num_seqs=server_cfg.max_num_seqs, kv_cache_size_tokens=max(kv_size, server_cfg.max_model_len),
                     pad_token_id=tokenizer.pad_token_id or 0)
     engine.start()
+    model_dir = resolve_model_dir(model_cfg)
+    defaults = {} if args.generation_config == "vllm" else generation_config_defaults(
+        model_dir if args.generation_config == "auto" else args.generation_config)
+    if defaults:
+        logger.warning("default sampling parameters overridden by the generation config (%s): %s; requests that "
+                       "omit these fields use them (--generation-config vllm for neutral defaults)",
+                       args.generation_config, defaults)
     state = ServerState(engine=engine, tokenizer=tokenizer, weights=WeightManager(engine, args.max_lora_rank),
                         model_name=server_cfg.served_model_name or model_cfg.name,
-                        model_path=str(resolve_model_dir(model_cfg)), max_logprobs=server_cfg.max_logprobs,
-                        max_loras=args.max_loras)
+                        model_path=str(model_dir), max_logprobs=server_cfg.max_logprobs,
+                        max_loras=args.max_loras, generation_config=args.generation_config, default_sampling=defaults)
     logger.info("embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)", state.model_name,
                 server_cfg.host, port, device, torch.get_num_threads(), sorted(eos))
     config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=60, timeout_graceful_shutdown=5)

@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
@@ -31,6 +31,8 @@ from grpo_core.serving.sampling import RowSampling, sample_tokens
 logger = logging.getLogger(__name__)
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")  # vLLM's ``PauseMode`` (vllm/v1/engine/__init__.py)
 
 
 @dataclass
@@ -49,7 +51,8 @@ class Sequence:
         output_ids: generated ids (filled by the engine).
         logprobs: processed log-prob of each generated token, float (filled by the engine).
         top_logprobs: per generated token, ``[(token_id, logprob), ...]`` best first.
-        finish_reason: ``"stop"`` or ``"length"`` once done.
+        finish_reason: ``"stop"`` or ``"length"`` once done; ``"abort"`` when a pause in abort mode or a
+            client that went away ended it early (its tokens so far are kept).
     """
 
     prompt_ids: list[int]
@@ -143,6 +146,7 @@ class Engine:
         self._waiting: deque[Sequence] = deque()
         self._batch: _Batch | None = None
         self._paused = False
+        self._draining = False  # pause(mode="wait") in progress: admit nothing, finish the running batch
         self._stopping = False
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()
@@ -180,17 +184,52 @@ class Engine:
         """Whether decoding is paused (requests are accepted and wait)."""
         return self._paused
 
-    def pause(self) -> None:
-        """Stop scheduling steps; returns once the step in progress (if any) has finished."""
+    def pause(self, mode: PauseMode = "abort") -> int:
+        """Stop scheduling steps, handling in-flight sequences as vLLM's ``pause_generation(mode)`` does.
+
+        Args:
+            mode: ``"abort"`` ends every waiting and running sequence now with ``finish_reason``
+                ``"abort"`` and the tokens generated so far (vLLM's default); ``"wait"`` admits
+                nothing new and returns once the running batch has finished; ``"keep"`` freezes
+                running and waiting sequences where they are until :meth:`resume`.
+
+        Returns:
+            Number of sequences aborted (0 for ``wait`` and ``keep``).
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if mode == "wait":
+            with self._cond:
+                self._draining = True
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._batch is None or self._stopping)
         with self._cond:
-            self._paused = True
-        with self._step_lock:
-            pass
+            self._paused, self._draining = True, False
+        with self._step_lock:  # the step in progress (if any) has finished
+            return self._abort_all() if mode == "abort" else 0
+
+    def _abort_all(self) -> int:
+        """End every waiting and running sequence with ``finish_reason="abort"`` (caller holds the step lock)."""
+        with self._cond:
+            seqs = list(self._waiting) + (list(self._batch.rows) if self._batch else [])
+            self._waiting.clear()
+            self._batch = None
+        for seq in seqs:
+            seq.aborted = True
+            seq.finish_reason = seq.finish_reason or "abort"
+            if not seq.future.done():
+                seq.future.set_result(seq)
+        if seqs:
+            logger.info("pause: aborted %d in-flight sequences", len(seqs))
+        return len(seqs)
 
     def resume(self) -> None:
         """Continue decoding: waiting and frozen sequences proceed."""
         with self._cond:
-            self._paused = False
+            self._paused = self._draining = False
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -211,7 +250,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self._paused or not (self._waiting or self._batch)):
+                while not self._stopping and not self._has_work():
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -224,6 +263,12 @@ class Engine:
                     logger.exception("decode step failed; failing %d running sequences", self._num_rows())
                     self._fail_all(exc)
 
+    def _has_work(self) -> bool:
+        """Whether a step should run now (caller holds ``_cond``)."""
+        if self._paused:
+            return False
+        return self._batch is not None or (bool(self._waiting) and not self._draining)
+
     def _num_rows(self) -> int:
         return len(self._batch.rows) if self._batch else 0
 
@@ -231,7 +276,7 @@ class Engine:
         reserved = sum(len(s.prompt_ids) + s.max_tokens for s in (self._batch.rows if self._batch else []))
         admitted: list[Sequence] = []
         with self._cond:
-            while self._waiting and self._num_rows() + len(admitted) < self.max_num_seqs:
+            while self._waiting and not self._draining and self._num_rows() + len(admitted) < self.max_num_seqs:
                 need = len(self._waiting[0].prompt_ids) + self._waiting[0].max_tokens
                 if reserved + need > self.kv_cache_size_tokens and (admitted or self._batch):
                     break
@@ -334,6 +379,7 @@ class Engine:
         keep = [i for i, finished in enumerate(done) if not finished]
         with self._cond:
             self._batch = batch.select(keep) if keep else None
+            self._cond.notify_all()  # pause(mode="wait") waits for an empty batch
         for seq, finished in zip(batch.rows, done, strict=True):
             if finished and not seq.future.done():
                 seq.future.set_result(seq)
@@ -342,6 +388,7 @@ class Engine:
         with self._cond:
             rows = self._batch.rows if self._batch else []
             self._batch = None
+            self._cond.notify_all()
         for seq in rows:
             if not seq.future.done():
                 seq.future.set_exception(exc)

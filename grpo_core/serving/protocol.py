@@ -29,10 +29,15 @@ class CompletionRequest(BaseModel):
     prompt: list[int] | list[list[int]] | str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)
     n: int = Field(default=1, ge=1, le=128)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # None = the server's default sampling parameter (vLLM: its neutral value with --generation-config vllm,
+    # the model's generation_config.json with auto); top_k -1 and 0 both mean "off".
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

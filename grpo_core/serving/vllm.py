@@ -11,7 +11,10 @@ instead, and says so in the log.
 vLLM flags and environment (seed manual, "vLLM server" and LoRA sections; vLLM 0.25.1 on the
 H200, ``shared/vllm-h200/README.md``): ``VLLM_SERVER_DEV_MODE=1`` with
 ``--weight-transfer-config`` exposes the weight-sync and pause endpoints;
-``--logprobs-mode processed_logprobs`` returns the sampler's log-probs; LoRA needs
+``--logprobs-mode processed_logprobs`` returns the sampler's log-probs; ``--generation-config vllm``
+keeps the model's ``generation_config.json`` from changing sampling fields (requests send every
+field anyway, and ``check_server`` verifies what the server samples); the IPC weight-transfer
+backend needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickled CUDA IPC handles); LoRA needs
 ``--enable-lora``, ``--max-lora-rank`` from vLLM's allowed set (>= r), ``--max-loras`` >=
 max_staleness + 2 and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; top-k/top-p/min-p need
 ``--return-sampling-mask --enable-scale-out`` (vLLM >= 0.28, older servers reject them).
@@ -37,6 +40,7 @@ import httpx
 
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, ServerStartError, ServingError
+from grpo_core.serving.sampling_defaults import sampling_problems
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +155,7 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
             "--host", server.host, "--port", str(port), "--served-model-name", config.served_model_name(),
             "--max-model-len", str(server.max_model_len), "--dtype", config.model.dtype,
             "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(server.max_logprobs),
+            "--generation-config", "vllm",
             "--max-num-seqs", str(server.max_num_seqs),
             "--gpu-memory-utilization", str(server.gpu_memory_utilization),
             "--api-server-count", str(server.api_server_count)]
@@ -161,6 +166,8 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         argv.append("--enforce-eager")
     if server.weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": server.weight_transfer_backend})]
+        if server.weight_transfer_backend == "ipc":  # the IPC engine posts pickled CUDA IPC handles
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if server.enable_lora:
         argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank_for(server.lora_rank)),
                  "--max-loras", str(config.max_loras())]
@@ -183,7 +190,7 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
             "--max-model-len", str(server.max_model_len), "--max-num-seqs", str(server.max_num_seqs),
             "--max-logprobs", str(server.max_logprobs), "--max-loras", str(config.max_loras()),
             "--max-lora-rank", str(max_lora_rank_for(server.lora_rank)),
-            "--num-threads", str(server.embedded_num_threads)]
+            "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm"]
     if model.cache_dir is not None:
         argv += ["--cache-dir", str(model.cache_dir)]
     if server.kv_cache_size_tokens:
@@ -197,10 +204,14 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
 
 def launch(spec: LaunchSpec) -> ServerHandle:
     """Start one replica in its own process group, stdout/stderr to ``spec.log_path``."""
-    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-    if spec.port_file is not None:
-        spec.port_file.unlink(missing_ok=True)
-    log = open(spec.log_path, "ab")  # noqa: SIM115 - closed by ServerHandle.stop
+    try:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if spec.port_file is not None:
+            spec.port_file.unlink(missing_ok=True)
+        log = open(spec.log_path, "ab")  # noqa: SIM115 - closed by ServerHandle.stop
+    except OSError as exc:
+        raise ServingError(f"{spec.backend} replica {spec.replica}: cannot write its log {spec.log_path} "
+                           f"(server.log_dir): {exc.strerror or exc}") from None
     logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, " ".join(spec.argv), spec.log_path)
     process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**os.environ, **spec.env}, start_new_session=True)
@@ -247,8 +258,10 @@ def wait_healthy(handle: ServerHandle, timeout_s: float) -> str:
 async def check_server(url: str, config: RunConfig) -> None:
     """Check a running server against the config; raise naming the flags to restart it with.
 
-    Checks ``/v1/models`` (served name, ``max_model_len`` >= server.max_model_len) and, with
-    LoRA, the adapter slots and rank reported by ``/server_info`` (vLLM dev mode).
+    Checks ``/v1/models`` (served name, ``max_model_len`` >= server.max_model_len), that the server
+    samples what ``rollout`` says (its default sampling parameters and a probe,
+    ``grpo_core.serving.sampling_defaults.sampling_problems``) and, with LoRA, the adapter slots and
+    rank reported by ``/server_info`` (vLLM dev mode).
 
     Raises:
         ServingError: a mismatch; the message names the ``vllm serve`` flags to restart with.
@@ -264,10 +277,22 @@ async def check_server(url: str, config: RunConfig) -> None:
             problems.append(f"it serves {sorted(cards)} but the config asks for {name!r}: --served-model-name {name}")
         elif (card.get("max_model_len") or 0) < config.server.max_model_len:
             problems.append(f"max_model_len is {card.get('max_model_len')}: --max-model-len {config.server.max_model_len}")
+        if card is not None:
+            problems += await sampling_problems(client, name, config.rollout, _model_dir(config),
+                                                config.server.max_logprobs)
         if config.server.enable_lora:
             problems += _lora_problems(json.dumps(await _server_info(client)), config)
     if problems:
         raise ServingError(f"the server at {url} does not match the config; restart it with " + "; ".join(problems))
+
+
+def _model_dir(config: RunConfig) -> Path | None:
+    from grpo_core.models import resolve_model_dir
+
+    try:
+        return resolve_model_dir(config.model)
+    except ConfigError:  # a remote server's model that is not on this host
+        return None
 
 
 async def _server_info(client: object) -> dict:
@@ -291,12 +316,42 @@ def _lora_problems(info_text: str, config: RunConfig) -> list[str]:
     return []
 
 
+def check_gpu_layout(config: RunConfig) -> None:
+    """Check where vLLM and the trainer sit against the full-weight transfer backend.
+
+    NCCL refuses two ranks on one device, so ``nccl`` needs the trainer's GPUs disjoint from
+    every replica's; vLLM's IPC engine looks up the handle of its own GPU, so ``ipc`` needs each
+    replica's GPUs among the trainer's. LoRA runs sync adapters through files and need neither.
+
+    Raises:
+        ConfigError: the layout cannot work; the message names the fields and the fix.
+    """
+    server, train = config.server, config.train
+    if train.lora.enabled or server.weight_transfer_backend is None:
+        return
+    trainer = set(train.gpu_ids[:train.num_ranks] if train.gpu_ids is not None else range(train.num_ranks))
+    replicas = {g for r in range(server.num_replicas) for g in replica_gpus(config, r)}
+    if server.weight_transfer_backend == "nccl" and trainer & replicas:
+        raise ConfigError(f"server.weight_transfer_backend 'nccl' needs the trainer and vLLM on different GPUs, but "
+                          f"train.gpu_ids {sorted(trainer)} and server.gpu_ids {sorted(replicas)} share "
+                          f"{sorted(trainer & replicas)}: use 'ipc' to share one GPU, or disjoint gpu_ids")
+    if server.weight_transfer_backend == "ipc" and not replicas <= trainer:
+        raise ConfigError(f"server.weight_transfer_backend 'ipc' needs every vLLM GPU among the trainer's, but "
+                          f"server.gpu_ids {sorted(replicas)} are not all in train.gpu_ids {sorted(trainer)}: use "
+                          "'nccl' for separate GPUs, or put vLLM on the trainer's GPU")
+
+
 def provision(config: RunConfig) -> list[ServerHandle]:
     """Start, health-check and verify ``server.num_replicas`` replicas; returns their handles.
 
     On any failure the replicas already started are stopped before the error propagates.
+
+    Raises:
+        ConfigError: vLLM's GPUs and the trainer's do not suit the weight transfer (``check_gpu_layout``).
     """
     backend = choose_backend(config)
+    if backend == "vllm":
+        check_gpu_layout(config)
     specs = [vllm_command(config, i) if backend == "vllm" else embedded_command(config, i)
              for i in range(config.server.num_replicas)]
     handles = [launch(spec) for spec in specs]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: %(message)s")
     from .run import run_trainer
 
-    run_trainer(cfg, server_urls=args.server_url)
+    try:
+        run_trainer(cfg, server_urls=args.server_url)
+    except Exception as exc:
+        # The flow quotes this file as the cause; torchrun's own report only says a rank failed.
+        from grpo_core.report import write_trainer_error
+
+        write_trainer_error(cfg.train.output_dir, int(os.environ.get("RANK", "0")), exc)
+        raise
     return 0
 
 

@@ -17,10 +17,22 @@ the loss entirely (masked importance sampling, MIS).
 The sum over loss terms is divided by ``num_trained_global``: the trained
 tokens of the micro-batch across all ranks, times the gradient-accumulation
 steps, so that accumulating micro-batches averages them.
+
+Masking semantics (keep them in any fused or chunked rewrite): a term is kept
+when its log-ratio ``log π − log μ`` is finite and ``r`` lies in
+``[clip_min, clip_max]``; a dropped term contributes exactly 0 to the loss and
+to every gradient. Masking is done by selection before any ``exp`` (the
+log-ratio of a dropped term is replaced by 0, and a top-k id outside the range
+by ``-inf``), never by multiplying by a 0/1 mask: a sampler log-prob at vLLM's
+−9999 floor makes ``exp(log π − log μ)`` overflow to inf, and ``inf · 0`` is
+NaN in the loss and in the gradient. An inf/NaN in a kept term's advantage is
+not masked: it surfaces as a non-finite gradient norm, and the trainer skips
+that step (``train/skipped_nonfinite_steps``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +90,11 @@ def grpo_loss(
     if num_trained_global <= 0:
         raise ValueError(f"num_trained_global must be > 0, got {num_trained_global}")
     log_ratio = logprobs - sampler_logprobs
-    ratio = log_ratio.exp()
-    r = ratio.detach()
-    keep = (r >= settings.clip_min) & (r <= settings.clip_max)
+    keep = in_clip_range(log_ratio.detach(), settings)
+    # Select before exp: a dropped term's ratio is exp(0) = 1 with no path to logprobs, so neither an
+    # overflowing exp nor a NaN can reach the loss or the gradient (see "masking semantics" above).
+    ratio = torch.where(keep, log_ratio, torch.zeros_like(log_ratio)).exp()
+    r = log_ratio.detach().exp()
     eps_high = settings.epsilon if settings.epsilon_high is None else settings.epsilon_high
     stats = {
         "ratio": r,
@@ -92,14 +106,20 @@ def grpo_loss(
     if settings.score_centering:
         if topk_logprobs is None or sampler_topk_logprobs is None:
             raise ValueError("score_centering needs the sampler's top-k log-probs (num_sampler_logprobs > 0)")
-        pi_v = topk_logprobs.exp()  # 0 at padding (-inf)
-        r_v = (topk_logprobs - sampler_topk_logprobs).detach().exp()
-        in_v = ((r_v >= settings.clip_min) & (r_v <= settings.clip_max)).to(pi_v.dtype)
-        centred = ratio - (in_v * pi_v).sum(-1)
-        per_term = advantages * centred
+        in_v = in_clip_range((topk_logprobs - sampler_topk_logprobs).detach(), settings)  # padding (-inf): out
+        pi_v = torch.where(in_v, topk_logprobs, torch.full_like(topk_logprobs, float("-inf"))).exp()
+        per_term = advantages * (ratio - pi_v.sum(-1))
         stats["sampler_mass"] = sampler_topk_logprobs.detach().exp().nan_to_num(0.0).sum(-1)
     else:
         clipped = ratio.clamp(1 - settings.epsilon, 1 + eps_high)
         per_term = torch.minimum(ratio * advantages, clipped * advantages)
-    loss = -(per_term * keep.to(per_term.dtype)).sum() / num_trained_global
+    loss = -torch.where(keep, per_term, torch.zeros_like(per_term)).sum() / num_trained_global
     return loss, stats
+
+
+def in_clip_range(log_ratio: Tensor, settings: LossSettings) -> Tensor:
+    """``bool[...]``: terms kept by masked importance sampling, ``clip_min <= exp(log_ratio) <= clip_max``.
+
+    Compared in log space, so no ``exp`` can overflow; NaN and ±inf log-ratios are never kept.
+    """
+    return (log_ratio >= math.log(settings.clip_min)) & (log_ratio <= math.log(settings.clip_max))

@@ -16,12 +16,44 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from grpo_core.errors import NothingToTrainError
 from grpo_core.packing import MicroBatch, get_packer, micro_batch_stats
 from grpo_core.transport import SampleSource
 
 from .checkpoint import PromptTracker
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class UntrainableCounts:
+    """What came back from the rollout side without a trainable sample (since a reset).
+
+    Attributes:
+        dropped_groups: prompts the rollout side finished without a sample: every reward of the
+            group equal (or fewer than two scored), a prompt ``filter_prompt`` rejected, or every
+            sample older than ``rollout.max_staleness``.
+        oversize_groups: groups whose every sample was longer than the token budget.
+        stale_samples: samples dropped as older than ``rollout.max_staleness``.
+        oversize_samples: samples dropped as longer than the token budget.
+    """
+
+    dropped_groups: int = 0
+    oversize_groups: int = 0
+    stale_samples: int = 0
+    oversize_samples: int = 0
+
+    @property
+    def groups(self) -> int:
+        """Groups without a trainable sample, whatever the cause."""
+        return self.dropped_groups + self.oversize_groups
+
+    def add(self, other: UntrainableCounts) -> None:
+        """Add another count."""
+        self.dropped_groups += other.dropped_groups
+        self.oversize_groups += other.oversize_groups
+        self.stale_samples += other.stale_samples
+        self.oversize_samples += other.oversize_samples
 
 
 @dataclass
@@ -46,12 +78,21 @@ class Planner:
         flush_after_s: when a pull brings nothing for this long and no micro-batch is
             ready, the open rows are closed and trained as they are (the rollout side
             may be waiting for this step's token report before it generates more).
+        max_untrainable_groups: consecutive groups without a trainable sample after which
+            :meth:`next_step` raises ``NothingToTrainError`` (``train.max_untrainable_groups``).
+        hints: config values quoted in that error (``packing.token_budget``, ``rollout.max_staleness`` …).
     """
 
     def __init__(self, source: SampleSource, num_ranks: int, token_budget: int, backend: str,
-                 tracker: PromptTracker, pending: pa.RecordBatch | None = None, flush_after_s: float = 10.0):
+                 tracker: PromptTracker, pending: pa.RecordBatch | None = None, flush_after_s: float = 10.0,
+                 max_untrainable_groups: int = 256, hints: dict[str, object] | None = None):
         self.source = source
         self.flush_after_s = flush_after_s
+        self.max_untrainable_groups = max_untrainable_groups
+        self.hints = dict(hints or {})
+        self.streak = UntrainableCounts()  # consecutive, reset by any trainable sample
+        self.total = UntrainableCounts()  # over the whole run
+        self.num_trainable_samples = 0
         self.token_budget = token_budget
         self.batcher = get_packer(backend).batcher(num_ranks, token_budget)
         self.tracker = tracker
@@ -63,9 +104,11 @@ class Planner:
         if pending is not None and pending.num_rows:
             self._push(pending)
 
-    def _push(self, batch: pa.RecordBatch) -> None:
+    def _push(self, batch: pa.RecordBatch) -> UntrainableCounts:
+        """Hand a pulled batch to the batcher, less the samples over the budget; returns what those were."""
         self.tracker.received(batch.column("prompt_index").to_pylist())
         oversize = (pc.list_value_length(batch.column("input_ids")).to_numpy() > self.token_budget)
+        groups_before = set(batch.column("group_id").to_pylist())
         if oversize.any():  # dropped here, so that their prompts still count as settled
             self.dropped_oversize_count += int(oversize.sum())
             self.tracker.trained_samples(batch.filter(pa.array(oversize)).column("prompt_index").to_pylist())
@@ -75,6 +118,53 @@ class Planner:
         if batch.num_rows:
             self.held.append(batch)
             self._emit(self.batcher.push(batch))
+        self.num_trainable_samples += batch.num_rows
+        return UntrainableCounts(oversize_groups=len(groups_before - set(batch.column("group_id").to_pylist())),
+                                 oversize_samples=int(oversize.sum()))
+
+    def _count_untrainable(self, counts: UntrainableCounts, trainable: bool) -> None:
+        """Count a pull's groups without a trainable sample; raise after too many in a row."""
+        self.total.add(counts)
+        if trainable:
+            self.streak = UntrainableCounts()
+            return
+        self.streak.add(counts)
+        if self.streak.groups >= self.max_untrainable_groups:
+            raise NothingToTrainError(self.explain(
+                f"the last {self.streak.groups} groups in a row brought no trainable sample "
+                f"(train.max_untrainable_groups={self.max_untrainable_groups})", self.streak))
+
+    def explain(self, what: str, counts: UntrainableCounts | None = None, fixes: list[str] | None = None) -> str:
+        """A ``NothingToTrainError`` message: what happened, the counts by cause, the config keys to change.
+
+        Args:
+            what: what happened (first sentence).
+            counts: the counts to quote (default: the whole run's).
+            fixes: further changes to propose after those the counts call for.
+        """
+        c, hint = counts or self.total, self.hints
+        parts = [what, f"Samples dropped before training: {c.dropped_groups} groups by the rollout (every reward "
+                       f"of the group equal, a filtered prompt, or every sample stale); {c.stale_samples} samples "
+                       f"older than rollout.max_staleness={hint.get('max_staleness')}; {c.oversize_samples} "
+                       f"samples ({c.oversize_groups} whole groups) longer than packing.token_budget="
+                       f"{self.token_budget}"]
+        rollout = {k: v for k, v in self.source.metrics().items() if k in
+                   ("frac_reward_zero_std", "reward", "completions/mean_length", "rollout/filtered_prompt_count")}
+        if rollout:
+            parts.append("Rollout metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(rollout.items())))
+        todo = []
+        if c.dropped_groups:
+            todo.append("make the rewards of a group differ: a reward that varies (rollout.reward_functions), more "
+                        f"exploration (rollout.temperature={hint.get('temperature')}) or more rollouts per group "
+                        f"(rollout.num_generations={hint.get('num_generations')}); or a filter_prompt that accepts "
+                        "prompts")
+        if c.oversize_samples:
+            todo.append("raise packing.token_budget or lower rollout.max_completion_length "
+                        f"(now {hint.get('max_completion_length')}) so samples fit a row")
+        if c.stale_samples:
+            todo.append("raise rollout.max_staleness")
+        todo += fixes or []
+        return ". ".join(parts) + (". To change: " + "; ".join(todo) if todo else "")
 
     def _emit(self, micro_batches: list[MicroBatch]) -> None:
         self.ready.extend(micro_batches)
@@ -92,8 +182,12 @@ class Planner:
                 if self.ready:
                     break
             self.tracker.consumed(pulled.consumed_prompt_indices)
+            before, counts = self.num_trainable_samples, UntrainableCounts()
             if pulled.samples.num_rows:
-                self._push(pulled.samples)
+                counts = self._push(pulled.samples)
+            counts.dropped_groups = len(set(pulled.consumed_prompt_indices))
+            counts.stale_samples = pulled.dropped_stale_count
+            self._count_untrainable(counts, trainable=self.num_trainable_samples > before)
             if pulled.exhausted:
                 self.exhausted = True
                 self._emit(self.batcher.finish())

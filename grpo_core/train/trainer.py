@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import RunConfig
+from grpo_core.errors import NothingToTrainError
 from grpo_core.metrics import MetricsSink, MetricWindow
+from grpo_core.report import write_train_end
 from grpo_core.models import resolve_model_dir
 from grpo_core.transport import ResumeState, SampleSource
 
@@ -85,8 +87,13 @@ class Trainer:
         if world.is_main:
             assert source is not None, "rank 0 needs a sample source"
             self.source = source
+            ro = cfg.rollout
+            hints = {"max_staleness": ro.max_staleness, "temperature": ro.temperature,
+                     "num_generations": ro.num_generations, "max_completion_length": ro.max_completion_length}
             self.planner = Planner(source, world.world_size, self.token_budget, cfg.packing.backend, tracker, pending,
-                                   flush_after_s=tc.flush_partial_after_s)
+                                   flush_after_s=tc.flush_partial_after_s,
+                                   max_untrainable_groups=tc.max_untrainable_groups, hints=hints)
+        self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
 
     # -- resume --------------------------------------------------------------------------
     def _resume(self) -> tuple[checkpoint.PromptTracker, object]:
@@ -141,33 +148,82 @@ class Trainer:
                     "logp_diff_max": st["logp_diff"].max().item() if rt.num_terms else 0.0}
         version = self.policy_version
         staleness = (version - rt.policy_version).float() if rt.policy_version.numel() else torch.zeros(0)
+        # Tokens sampled by the weights being trained (staleness 0): their mean ratio measures the
+        # trainer/sampler mismatch alone (seed manual: 1 +- 0.001 when both compute the same policy).
+        fresh = staleness.to(rt.sample_index.device)[rt.sample_index] == 0 if rt.num_terms else torch.zeros(0, dtype=torch.bool)
+        sums["ratio_fresh"] = st["ratio"][fresh].sum().item() if rt.num_terms else 0.0
+        sums["terms_fresh"] = float(fresh.sum().item()) if rt.num_terms else 0.0
         sums["staleness"] = staleness.sum().item()
         sums["samples"] = float(staleness.numel())
         extremes["staleness_max"] = staleness.max().item() if staleness.numel() else 0.0
         return {**sums, **extremes}
 
     def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, schedule; returns lr and the pre-clip gradient norm."""
+        """Clip, step, schedule; returns lr and the pre-clip gradient norm.
+
+        A step whose global gradient norm is NaN or inf changes nothing (no optimizer or scheduler
+        step; the gradients are dropped) and is counted in ``train/skipped_nonfinite_steps``; the
+        norm is the same on every rank (a reduction over all shards), so every rank skips together.
+        The caller neither syncs nor saves after a skipped step.
+
+        Raises:
+            FloatingPointError: ``train.max_nonfinite_steps`` steps in a row were skipped.
+        """
         tc = self.cfg.train
         params = [p for p in self.policy.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm if tc.max_grad_norm > 0 else float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         lr = self.scheduler.get_last_lr()[0]
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_nonfinite_steps += 1
+            self._nonfinite_in_a_row += 1
+            logger.warning("step %d: gradient norm is %s; the update is skipped (no sync, no checkpoint)",
+                           self.step + 1, norm)
+            if self._nonfinite_in_a_row >= tc.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"{self._nonfinite_in_a_row} steps in a row had a non-finite gradient norm "
+                    f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}); the weights were left as they were. "
+                    "Check the rewards and sampler log-probs of the samples, or lower train.learning_rate")
+            return {"grad_norm": norm, "learning_rate": lr, "skipped": 1.0}
+        self._nonfinite_in_a_row = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        return {"grad_norm": float(norm), "learning_rate": lr}
+        return {"grad_norm": norm, "learning_rate": lr}
 
     def run(self) -> ResumeState | None:
-        """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0)."""
-        tc = self.cfg.train
+        """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0).
+
+        Rank 0 writes ``<output_dir>/train_end.json`` (``grpo_core.report.TRAIN_END``): the steps
+        done, ``train.max_steps``, and why it stopped early (None when it did not).
+
+        Raises:
+            NothingToTrainError: (rank 0) the samples ended before this run's first step, or too many
+                groups in a row were untrainable (``Planner``); the message names the counts and keys.
+        """
+        tc, first = self.cfg.train, self.step
         if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
             self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
         while self.step < tc.max_steps:
             if not self.train_step():
                 break
+        stopped_early = None
+        if self.step < tc.max_steps and self.world.is_main:
+            ro = self.cfg.rollout
+            source = (f"train.samples_path={tc.samples_path}" if tc.samples_path is not None else
+                      f"the prompt dataset, rollout.num_epochs={ro.num_epochs}")
+            stopped_early = self.planner.explain(
+                f"the samples ended after step {self.step} of train.max_steps={tc.max_steps} ({source})",
+                fixes=["set rollout.max_steps to cycle the dataset until the trainer stops, raise "
+                       "rollout.num_epochs, or use a larger dataset (rollout.dataset_size for reasoning_gym)"])
+            if self.step == first:
+                raise NothingToTrainError(stopped_early)
         self.save()
         self.export()
+        if self.world.is_main:
+            write_train_end(self.output_dir, self.step, tc.max_steps, stopped_early,
+                            self.skipped_nonfinite_steps)
         return self.resume_state() if self.world.is_main else None
 
     def export(self) -> Path | None:
@@ -186,17 +242,18 @@ class Trainer:
         local = [self.forward_backward(r, len(rows)) for r in rows]
         t2 = time.perf_counter()
         opt = self.optimizer_step()
+        skipped = bool(opt.pop("skipped", 0.0))
         t3 = time.perf_counter()
         self.step += 1
         if self.world.is_main:
             self._record_trained(planned)
         sync = {}
-        if self.step % self.cfg.train.weight_sync_steps == 0:
+        if self.step % self.cfg.train.weight_sync_steps == 0 and not skipped:
             self.policy_version += 1
             sync = self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
             sync["perf/weight_sync_s"] = time.perf_counter() - t3
         self.log_step(local, planned, opt, sync, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t0)
-        if self.step % self.cfg.train.save_steps == 0:
+        if self.step % self.cfg.train.save_steps == 0 and not skipped:
             self.save()
         return True
 
@@ -213,7 +270,7 @@ class Trainer:
                  collect_s: float, fwd_bwd_s: float, optimizer_s: float, step_s: float) -> None:
         """Reduce per-rank sums, add rank 0's batch stats, and flush a window every ``logging_steps``."""
         keys = ["loss", "terms", "entropy", "ratio", "logp_diff", "masked", "clipped_low", "clipped_high",
-                "sampler_mass", "staleness", "samples"]
+                "sampler_mass", "staleness", "samples", "ratio_fresh", "terms_fresh"]
         sums = dict(zip(keys, all_reduce([sum(d[k] for d in local) for k in keys], self.world)))
         mkeys = ["ratio_max", "ratio_min_neg", "logp_diff_max", "staleness_max"]
         maxes = dict(zip(mkeys, all_reduce([max(d[k] for d in local) for k in mkeys], self.world, op="max")))
@@ -234,6 +291,8 @@ class Trainer:
                   "sample/staleness_max": maxes["staleness_max"], "policy_version": self.policy_version,
                   "perf/step_s": step_s, "perf/fwd_bwd_s": fwd_bwd_s, "perf/optimizer_s": optimizer_s,
                   "perf/rollout_wait_s": planned.rollout_wait_s, **opt, **planned.stats, **sync})
+        if sums["terms_fresh"] > 0:
+            w.add("sampling/importance_sampling_ratio/staleness0_mean", sums["ratio_fresh"] / sums["terms_fresh"])
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", sums["sampler_mass"] / n)
         w.rate("perf/tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], step_s)
@@ -242,6 +301,7 @@ class Trainer:
         self.source.report(self.policy_version, int(planned.stats["batch/raw_tokens_per_step"]))
         if self.step % self.cfg.train.logging_steps == 0:
             w.add("batch/dropped_oversize_count", self.planner.dropped_oversize_count)
+            w.add("train/skipped_nonfinite_steps", self.skipped_nonfinite_steps)  # running total of the run
             w.update(self.source.metrics())
             metrics = w.flush()
             logger.info("step %d: loss %.4f, %.0f tokens/s", self.step, metrics.get("loss", float("nan")),

@@ -1,15 +1,22 @@
 """Full-weight sync to vLLM through its weight-transfer protocol (vLLM 0.25.1 API).
 
 Sequence per server (``VLLM_SERVER_DEV_MODE=1``): ``/init_weight_transfer_engine``
-once; per sync ``/pause`` → ``/start_weight_update`` → the tensors →
-``/finish_weight_update`` → ``/reset_prefix_cache`` → ``/resume``.
+once; per sync ``/pause?mode=keep`` → ``/start_weight_update`` → the tensors
+(``/update_weights``) → ``/finish_weight_update`` →
+``/reset_prefix_cache?reset_running_requests=true`` → ``/resume``.
 
+* Pause in keep mode: ``/pause`` without a mode **aborts** every in-flight request
+  (``finish_reason: "abort"``, seen on vLLM 0.25.1); keep freezes them and they continue on the
+  new weights after ``/resume`` (vLLM recomputes their KV, so no cache of the old weights is
+  reused). Whatever fails, every server that was paused gets finish and resume.
 * ``ipc`` (trainer and server on the same GPU): every rank calls vLLM's
-  ``IPCWeightTransferEngine.trainer_send_weights`` with full tensors on its own
-  GPU; rank 0 posts the CUDA IPC handles to ``/update_weights``.
-* ``nccl`` (different GPUs): rank 0 joins each server's weight-transfer NCCL
-  group as rank 0 (``trainer_init``) and broadcasts every tensor while the
-  server's ``/update_weights`` (names, dtypes, shapes) receives them.
+  ``IPCWeightTransferEngine.trainer_send_weights`` with full tensors on its own GPU and a
+  send callable; rank 0 frames the update as vLLM's HTTP transport does
+  (:func:`ipc_update_body`: names, dtypes, shapes and the base64 pickled CUDA IPC handles) and
+  posts it to every server, so one gather serves all of them.
+* ``nccl`` (different GPUs): rank 0 joins each server's weight-transfer NCCL group as rank 0
+  (``trainer_init``) and broadcasts every tensor while the server's ``/update_weights``
+  (names, dtypes, shapes) receives them.
 
 With ``--enable-lora`` vLLM's linear and embedding layers gain a ``.base_layer``
 segment; ``lora_names=True`` maps the trainer's names accordingly (a wrong name
@@ -18,12 +25,16 @@ fails the update with a 500).
 
 from __future__ import annotations
 
+import base64
 import logging
+import pickle
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import torch
@@ -33,6 +44,10 @@ from grpo_core.errors import ServingError
 logger = logging.getLogger(__name__)
 
 _LORA_WRAPPED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)\.(weight|bias)$")
+#: Query of the pause that keeps in-flight requests (vLLM's default mode, ``abort``, ends them).
+PAUSE_KEEP = {"mode": "keep"}
+#: Query of the prefix-cache reset after new weights: running (kept) requests are recomputed too.
+RESET_ALL = {"reset_running_requests": "true"}
 
 
 def vllm_name(name: str, lora_names: bool) -> str:
@@ -49,6 +64,27 @@ def full_tensors(policy, lora_names: bool) -> Iterator[tuple[str, torch.Tensor]]
         yield vllm_name(name, lora_names), t
 
 
+def ipc_update_body(update_info: Any) -> dict[str, Any]:
+    """The ``/update_weights`` body of an IPC update, framed as vLLM's HTTP transport frames it.
+
+    Args:
+        update_info: vLLM's ``IPCWeightTransferUpdateInfo`` (``names``, ``dtype_names``, ``shapes``,
+            ``ipc_handles``: per parameter ``{GPU UUID: rebuild_cuda_tensor args}``, ``packed``,
+            optional ``tensor_sizes``).
+
+    Returns:
+        ``{"update_info": {names, dtype_names, shapes, packed, [tensor_sizes,] ipc_handles_pickled}}``
+        where ``ipc_handles_pickled`` is the base64 text of the pickled handles; the server needs
+        ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to unpickle it (vLLM 0.25.1 ``ipc_engine.py``).
+    """
+    fields: dict[str, Any] = {"names": list(update_info.names), "dtype_names": list(update_info.dtype_names),
+                              "shapes": [list(s) for s in update_info.shapes], "packed": bool(update_info.packed)}
+    if getattr(update_info, "tensor_sizes", None) is not None:
+        fields["tensor_sizes"] = list(update_info.tensor_sizes)
+    fields["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info.ipc_handles)).decode("ascii")
+    return {"update_info": fields}
+
+
 class VllmWeightTransferSync:
     """See module docs. ``urls``: the vLLM servers; ``backend``: ``ipc`` or ``nccl``."""
 
@@ -60,8 +96,8 @@ class VllmWeightTransferSync:
         self.groups: list = []
         self.initialised = False
 
-    def _post(self, url: str, path: str, body: dict | None = None) -> dict:
-        r = self.http.post(url + path, json=body)
+    def _post(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
+        r = self.http.post(url + path, json=body, params=params)
         if r.status_code >= 400:
             raise ServingError(f"POST {url}{path} answered {r.status_code}: {r.text[:300]}")
         return r.json() if r.content else {}
@@ -80,50 +116,106 @@ class VllmWeightTransferSync:
                 self.groups.append(trainer_init(info))
                 server.result()
 
-    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
-        """Push the policy's weights to every server as version ``version`` (collective)."""
-        t0 = time.perf_counter()
-        if rank == 0 and not self.initialised:
-            if self.backend == "ipc":
-                for url in self.urls:
-                    self._post(url, "/init_weight_transfer_engine", {"init_info": {}})
-            else:
-                self._init_nccl()
-            self.initialised = True
-        if rank == 0:
+    def _initialise(self) -> None:
+        if self.backend == "ipc":
             for url in self.urls:
-                self._post(url, "/pause")
-                self._post(url, "/start_weight_update", {"is_checkpoint_format": True})
+                self._post(url, "/init_weight_transfer_engine", {"init_info": {}})
+        else:
+            self._init_nccl()
+        self.initialised = True
+
+    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+        """Push the policy's weights to every server as version ``version`` (collective).
+
+        Raises:
+            ServingError: a server refused a step (its answer is in the message); every paused server
+                was still sent finish, prefix-cache reset and resume.
+        """
+        t0 = time.perf_counter()
+        paused: list[str] = []
+        error: BaseException | None = None
+        try:
+            if rank == 0:
+                if not self.initialised:
+                    self._initialise()
+                for url in self.urls:
+                    paused.append(url)  # from here on it gets finish and resume, whatever happens
+                    self._post(url, "/pause", params=PAUSE_KEEP)
+                    self._post(url, "/start_weight_update", {"is_checkpoint_format": True})
+        except BaseException as exc:  # the other ranks still meet us at the barrier and in the gather
+            error = exc
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         try:
-            for i, url in enumerate(self.urls):
-                self._send(policy, rank, i, url)
+            # Gathering full tensors is collective, so every rank takes part even when rank 0 already failed.
+            self._send(policy, rank, skip_post=error is not None)
+        except BaseException as exc:
+            error = error or exc
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
             if rank == 0:
-                for url in self.urls:
-                    self._post(url, "/finish_weight_update")
-                    self._post(url, "/reset_prefix_cache")
-                    self._post(url, "/resume")
+                error = self._finish(paused, error)
+        if error is not None:
+            raise error
         return {"perf/weight_sync_transfer_s": time.perf_counter() - t0} if rank == 0 else {}
 
-    def _send(self, policy, rank: int, index: int, url: str) -> None:
+    def _finish(self, paused: list[str], error: BaseException | None) -> BaseException | None:
+        """Finish, reset and resume every paused server, even after a failure; returns the first error."""
+        for url in paused:
+            for path, params in (("/finish_weight_update", None), ("/reset_prefix_cache", RESET_ALL),
+                                 ("/resume", None)):
+                try:
+                    self._post(url, path, params=params)
+                except (ServingError, httpx.HTTPError) as exc:
+                    logger.error("weight sync clean-up %s%s failed: %s", url, path, exc)
+                    error = error or exc
+        return error
+
+    def _send(self, policy, rank: int, skip_post: bool = False) -> None:
         if self.backend == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-            IPCWeightTransferEngine.trainer_send_weights(full_tensors(policy, self.lora_names),
-                                                         {"send_mode": "http", "url": url})
+            post = (lambda info: None) if skip_post else self._post_ipc_update
+            IPCWeightTransferEngine.trainer_send_weights(full_tensors(policy, self.lora_names), {"send_mode": post})
             return
+        tensors = list(full_tensors(policy, self.lora_names))  # full_tensor is collective: every rank gathers
+        if rank != 0 or skip_post:
+            return
+        for index, url in enumerate(self.urls):
+            self._send_nccl(tensors, index, url)
+
+    def _post_ipc_update(self, update_info: Any) -> None:
+        """Rank 0's send callable: the same framed update to every server (all are tried; first error raised)."""
+        body = ipc_update_body(update_info)
+        errors = []
+        for url in self.urls:
+            try:
+                self._post(url, "/update_weights", body)
+            except ServingError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _send_nccl(self, tensors: list[tuple[str, torch.Tensor]], index: int, url: str) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-        tensors = list(full_tensors(policy, self.lora_names))  # full_tensor is collective: every rank gathers
-        if rank != 0:
-            return
         info = {"names": [n for n, _ in tensors], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
                 "shapes": [list(t.shape) for _, t in tensors], "packed": False}
-        with ThreadPoolExecutor(1) as pool:  # the server receives while we broadcast
-            server = pool.submit(self._post, url, "/update_weights", {"update_info": info})
-            NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), {"group": self.groups[index]})
-            server.result()
+        failed: list[BaseException] = []
+
+        def broadcast() -> None:
+            try:
+                NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), {"group": self.groups[index]})
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                failed.append(exc)
+
+        # NCCL has no timeout: the broadcast runs on a daemon thread while the HTTP request that drives the
+        # server's receive stays here, so a server that refuses the update raises instead of hanging the trainer.
+        sender = threading.Thread(target=broadcast, name="nccl-weight-broadcast", daemon=True)
+        sender.start()
+        self._post(url, "/update_weights", {"update_info": info})
+        sender.join()
+        if failed:
+            raise failed[0]
+

@@ -1,0 +1,225 @@
+"""TRL's AsyncGRPOTrainer (trl 1.16.0) on the same GPU, model, task, reward, G, lengths, token budget and steps.
+
+Reads a grpo-flow run config (``configs/gpu-1xh200.yaml`` by default) and gives TRL the same
+model folder, prompts (the same reasoning-gym rows), reward functions, G, completion length,
+sampling settings, learning rate, token budget and step count, against a real vLLM started with
+grpo-flow's own flags (``provision``; served under the model folder's path, the name TRL asks
+for). Prints and writes ``trl_summary.json``: wall-clock of the steps and trained tokens/s, and,
+with ``--compare summary.json``, grpo-flow's figures of the same config beside them.
+
+What TRL 1.16.0 needs that an offline host lacks (read from its source,
+``trl/experimental/async_grpo``), and what this script does about it:
+
+1. **Attention kernel from the Hub.** Its tree attention (``packing.py``, ``_flash_attn``)
+   calls ``kernels.get_kernel("kernels-community/flash-attn3", version=1)``: the ``kernels``
+   package downloads a compiled FlashAttention-3 from the Hugging Face Hub at the first forward.
+   No Hub is reachable from the GPU host (nor from the machine that builds the wheelhouse), so
+   TRL as shipped stops there. ``--attention torch-varlen`` (default) substitutes PyTorch's own
+   variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``, FA2 built into
+   torch 2.11) behind the same ``flash_attn_varlen_func`` call; ``--attention hub`` keeps TRL's.
+2. **NCCL-only weight sync.** ``WeightTransferClient`` streams weights over NCCL, which refuses
+   two ranks on one GPU. On one GPU this script passes ``weight_transfer=`` (TRL's documented
+   ``WeightTransferProtocol``) an IPC implementation: vLLM's ``IPCWeightTransferEngine`` framed
+   by grpo-flow's ``ipc_update_body``, pause in keep mode. With ``--gpus 2`` TRL's own NCCL client
+   is used (vLLM on GPU 0, TRL on GPU 1).
+
+    python benchmarks/trl_async_grpo.py --config configs/gpu-1xh200.yaml --steps 30 --out $OUT --compare $OUT/summary.json
+    python benchmarks/trl_async_grpo.py --dry-run            # CPU: builds everything but the trainer; lists blockers
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from grpo_core.config import RunConfig, load_config  # noqa: E402
+from grpo_core.models import load_tokenizer, resolve_model_dir  # noqa: E402
+
+
+def dataset_and_rewards(cfg: RunConfig):
+    """The run's prompt rows (HF Dataset with ``prompt`` messages and the reward columns) and reward callables."""
+    from datasets import Dataset
+
+    from grpo_core.rollout.build import config_rewards
+    from grpo_core.rollout.data import iter_rows, load_dataset
+
+    rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str) else r["prompt"]}
+            for r in iter_rows(load_dataset(cfg.rollout))]
+    return Dataset.from_list(rows), config_rewards(cfg.rollout)
+
+
+class IpcWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` over vLLM's CUDA IPC engine (one GPU), pausing in keep mode."""
+
+    def __init__(self, url: str):
+        import httpx
+
+        self.url, self.http = url, httpx.Client(timeout=600)
+
+    def _post(self, path: str, body: dict | None = None, params: dict | None = None) -> None:
+        r = self.http.post(self.url + path, json=body, params=params)
+        r.raise_for_status()
+
+    def init_weight_transfer(self) -> None:
+        """Once: the IPC engine needs no group."""
+        self._post("/init_weight_transfer_engine", {"init_info": {}})
+
+    def pause(self) -> None:
+        """Freeze in-flight requests (keep mode)."""
+        self._post("/pause", params={"mode": "keep"})
+
+    def send_weights(self, iterator) -> None:
+        """start → IPC handles posted to /update_weights → finish → prefix-cache reset."""
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+        from grpo_core.train.vllm_sync import ipc_update_body
+
+        self._post("/start_weight_update", {"is_checkpoint_format": True})
+        try:
+            IPCWeightTransferEngine.trainer_send_weights(
+                ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in iterator),
+                {"send_mode": lambda info: self._post("/update_weights", ipc_update_body(info))})
+        finally:
+            self._post("/finish_weight_update")
+            self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+
+    def resume(self) -> None:
+        """Continue generation."""
+        self._post("/resume")
+
+    def destroy(self) -> None:
+        """Nothing to release."""
+
+
+def torch_varlen_attention():
+    """An object with FlashAttention's ``flash_attn_varlen_func`` signature, on PyTorch's built-in varlen kernel."""
+    import types
+
+    import torch
+    from torch.nn.attention.varlen import varlen_attn
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), **_):
+        left = window_size[0]
+        window = (left, 0) if causal else (left, window_size[1])
+        return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k),
+                           scale=softmax_scale, window_size=window)
+
+    return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
+
+
+def trl_args(cfg: RunConfig, url: str, steps: int, out: Path):
+    """``AsyncGRPOConfig`` with the grpo-flow run's settings."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    r, t = cfg.rollout, cfg.train
+    return AsyncGRPOConfig(
+        output_dir=str(out / "trl"), max_steps=steps, learning_rate=t.learning_rate, num_generations=r.num_generations,
+        max_completion_length=r.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        min_p=r.min_p or None, token_budget=cfg.token_budget(), max_staleness=r.max_staleness,
+        weight_sync_steps=t.weight_sync_steps, gradient_accumulation_steps=t.gradient_accumulation_steps,
+        vllm_server_base_url=url, logging_steps=1, report_to="none", save_strategy="no", bf16=torch_cuda(),
+        use_cpu=not torch_cuda(),
+        gradient_checkpointing=t.gradient_checkpointing, max_grad_norm=t.max_grad_norm, seed=t.seed)
+
+
+def torch_cuda() -> bool:
+    """Whether a CUDA device is visible (bf16 mixed precision as grpo-flow's trainer uses on CUDA)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def blockers(gpus: int, attention: str) -> list[str]:
+    """What stops TRL 1.16.0 here, as found in its source (see the module docstring)."""
+    found = ["tree attention fetches kernels-community/flash-attn3 from the Hugging Face Hub at the first forward "
+             "(trl/experimental/async_grpo/packing.py:_flash_attn -> kernels.get_kernel): no Hub is reachable"
+             + ("" if importlib.util.find_spec("kernels") else "; the 'kernels' package is not installed either")
+             + ("" if attention == "hub" else "; replaced by torch.nn.attention.varlen.varlen_attn (FA2 in torch)")]
+    if gpus == 1:
+        found.append("default weight sync is NCCL (weight_transfer.py:WeightTransferClient), which refuses vLLM and "
+                     "the trainer on one GPU: replaced by IpcWeightTransfer (WeightTransferProtocol)")
+    if importlib.util.find_spec("vllm") is None:
+        found.append("vllm is not importable: TRL's weight transfer and this script's IPC sync need it (the vLLM bundle)")
+    return found
+
+
+def summarize(history: list[dict], wall_s: float, steps: int) -> dict:
+    """Wall-clock and trained tokens/s of TRL's steps, from its own log history."""
+    logs = [h for h in history if "perf/step_s" in h]
+    trained = sum(h.get("batch/trained_tokens_per_step", 0.0) for h in logs)
+    return {"steps": steps, "wall_s": round(wall_s, 1), "trained_tokens_per_s_wall": trained / wall_s if wall_s else 0,
+            "step_s_median": statistics.median([h["perf/step_s"] for h in logs]) if logs else None,
+            "trl_trained_tok_s_wall_clock": statistics.fmean([h["perf/trained_tok_s_wall_clock"] for h in logs
+                                                              if "perf/trained_tok_s_wall_clock" in h] or [0.0]),
+            "reward": [h.get("reward") for h in logs]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; see the module docstring."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(ROOT / "configs" / "gpu-1xh200.yaml"))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--gpus", type=int, choices=[1, 2], default=1)
+    p.add_argument("--attention", choices=["torch-varlen", "hub"], default="torch-varlen")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/trl")))
+    p.add_argument("--compare", type=Path, default=None, help="grpo-flow's summary.json (benchmarks/gpu_e2e.py)")
+    p.add_argument("--dry-run", action="store_true", help="CPU: build data, rewards and TRL's config; list blockers")
+    args = p.parse_args(argv)
+    overrides = ["server.port=0", f"server.log_dir={ROOT / 'runs' / 'trl' / 'servers'}"]
+    if args.gpus == 2:
+        overrides += ["server.gpu_ids=[0]", "train.gpu_ids=[1]", "server.weight_transfer_backend=nccl"]
+    cfg = load_config(args.config, overrides)
+    model_dir = resolve_model_dir(cfg.model)
+    cfg.server.served_model_name = str(model_dir)  # TRL's rollout worker asks for the model by its path
+    dataset, rewards = dataset_and_rewards(cfg)
+    found = blockers(args.gpus, args.attention)
+    report = {"trl": __import__("trl").__version__, "blockers": found, "prompts": len(dataset),
+              "rewards": [f.__name__ for f in rewards], "config": args.config}
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        report["trl_config"] = {k: v for k, v in vars(trl_args(cfg, "http://127.0.0.1:8000", args.steps, args.out)).items()
+                                if k in ("num_generations", "max_completion_length", "temperature", "top_k",
+                                         "token_budget", "max_steps", "learning_rate", "max_staleness")}
+        report["tokenizer_eos"] = load_tokenizer(cfg.model).eos_token
+        print(json.dumps(report, indent=1))
+        return 0
+    if args.gpus == 2:
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # TRL's process; vLLM gets GPU 0 through its own environment
+    from grpo_core.serving.vllm import provision, teardown
+
+    handles = provision(cfg)
+    try:
+        from trl.experimental.async_grpo import AsyncGRPOTrainer, packing
+
+        if args.attention == "torch-varlen":
+            packing._flash_attn = torch_varlen_attention
+        trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=rewards, train_dataset=dataset,
+                                   args=trl_args(cfg, handles[0].url, args.steps, args.out),
+                                   weight_transfer=IpcWeightTransfer(handles[0].url) if args.gpus == 1 else None)
+        start = time.monotonic()
+        trainer.train()
+        report.update(summarize(trainer.state.log_history, time.monotonic() - start, args.steps))
+    finally:
+        teardown(handles)
+    if args.compare and args.compare.exists():
+        ours = next(iter(json.loads(args.compare.read_text()).values()))
+        report["grpo_flow"] = {k: ours.get(k) for k in ("run", "wall_s", "trained_tokens_per_s", "step_s_median")}
+        report["speedup_trained_tokens_per_s"] = (ours.get("trained_tokens_per_s") or 0) / max(
+            report["trained_tokens_per_s_wall"], 1e-9)
+    (args.out / "trl_summary.json").write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({k: v for k, v in report.items() if k != "reward"}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Prefect's local API for ``grpo train`` and ``grpo deploy``: its home folder and database, checked first.
+
+Left to itself, Prefect creates ``PREFECT_HOME`` without its parents (only a warning when that
+fails), and its temporary API server then retries an unopenable SQLite database every few seconds
+until its start-up timeout. Here the home folder is created with its parents and the database is
+opened once before Prefect starts anything, and the temporary server is started up front and
+watched, so any failure ends the command within seconds with an error naming the path and the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+from grpo_core.errors import ConfigError, GrpoError
+from grpo_core.preflight import check_sqlite, ensure_dir, sqlite_path
+
+logger = logging.getLogger(__name__)
+
+# Settings that name Prefect's database (the server's own name first; the API_ alias is older).
+DATABASE_SETTINGS = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+
+
+class PrefectApiError(GrpoError):
+    """Prefect's API could not be started or reached (the message names the server, path and cause)."""
+
+
+def database_path(home: Path, env: Mapping[str, str]) -> Path | None:
+    """The SQLite file Prefect's server will open: the configured URL's file, else ``<home>/prefect.db``.
+
+    Returns None when the configured database is not SQLite (a PostgreSQL server is not checked here).
+    """
+    for key in DATABASE_SETTINGS:
+        if env.get(key):
+            return sqlite_path(env[key])
+    return Path(home) / "prefect.db"
+
+
+def prepare_home(home: Path, env: Mapping[str, str] | None = None) -> Path:
+    """Create Prefect's home folder (with parents) and open its SQLite database once.
+
+    Args:
+        home: the ``PREFECT_HOME`` folder.
+        env: environment the server will see (default: this process's).
+
+    Returns:
+        ``home``, resolved.
+
+    Raises:
+        ConfigError: the folder or the database cannot be created or opened (path and cause named).
+    """
+    env = os.environ if env is None else env
+    home = ensure_dir(Path(home), "PREFECT_HOME (Prefect's home folder)")
+    db = database_path(home, env)
+    if db is not None:
+        check_sqlite(db, "Prefect's database (PREFECT_HOME/prefect.db or PREFECT_SERVER_DATABASE_CONNECTION_URL)")
+    else:
+        _check_database_server(next(env[k] for k in DATABASE_SETTINGS if env.get(k)))
+    return home
+
+
+def _check_database_server(url: str, timeout_s: float = 5.0) -> None:
+    """A database server URL (PostgreSQL) must at least accept a TCP connection."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host, port = parts.hostname or "localhost", parts.port or 5432
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"Prefect's database server {host}:{port} (PREFECT_SERVER_DATABASE_CONNECTION_URL) does not "
+                          f"accept connections: {exc.strerror or exc}; start it or fix the URL") from None
+
+
+def check_api_url(url: str, timeout_s: float = 10.0) -> None:
+    """Raise ``PrefectApiError`` unless the Prefect server at ``url`` (``PREFECT_API_URL``) answers ``/health``."""
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise PrefectApiError(f"PREFECT_API_URL={url}: the Prefect server does not answer /health "
+                              f"({type(exc).__name__}: {exc}); start it (grpo deploy) or unset PREFECT_API_URL "
+                              "to use a temporary local server") from None
+
+
+def start_local_api() -> str:
+    """Make Prefect's API ready for a flow run in this process; returns its URL.
+
+    With ``PREFECT_API_URL`` set, that server must answer. Otherwise Prefect's temporary server is
+    started now (Prefect would start it lazily inside the flow call) in a thread while this one
+    watches its process, so a server that exits fails the command at once instead of after
+    ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``.
+
+    Raises:
+        ConfigError: the home folder or database cannot be used.
+        PrefectApiError: the configured server does not answer, or the temporary one exited or timed out.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        check_api_url(os.environ["PREFECT_API_URL"])
+        return os.environ["PREFECT_API_URL"]
+    home = prepare_home(Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser())
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=start, name="prefect-api-start", daemon=True)
+    thread.start()
+    where = f"PREFECT_HOME={home}, database {database_path(home, os.environ)}"
+    while thread.is_alive():
+        thread.join(0.25)
+        process = server.server_process
+        code = process.poll() if process is not None else None
+        if code is not None and code != 3:  # 3 = port taken: Prefect retries on another port itself
+            raise PrefectApiError(f"Prefect's temporary API server exited with code {code} while starting "
+                                  f"({where}); its output is above")
+    if failure:
+        raise PrefectApiError(f"Prefect's temporary API server did not start ({where}): {failure[0]}")
+    logger.info("Prefect's temporary API server at %s (%s)", server.api_url, where)
+    return server.api_url
+

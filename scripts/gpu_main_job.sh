@@ -1,0 +1,67 @@
+#!/bin/bash
+# The main job on an offline GPU host (this workplace's H200s), from the repository root:
+#   bash scripts/gpu_main_job.sh STEP [STEP ...]
+# Steps, in the order a device session needs them:
+#   collect        copy the parts carried by this call (.vllm/partN/*, .gpu/wheelhouse/partN/*) to /tmp/parts;
+#                  every call that carries a part starts with it (the machine keeps /tmp while it stays warm)
+#   setup          reassemble and verify the vLLM 0.25.1 bundle (shared/vllm-h200/stage_vllm.sh) into /tmp/site
+#                  and the wheelhouse (scripts/wheelhouse.py) into /tmp/grpo-site, link packer_rs's extension
+#                  into the checkout, convert SmolLM2 once, and check that everything imports
+#   long           benchmarks/long_generation_sync.py: a 1500-token generation across a weight sync (real vLLM)
+#   e2e=RUNS       benchmarks/gpu_e2e.py --runs RUNS (comma-separated: 1xh200,1xh200-lora,2xh200,qwen3-0.6b-random)
+#   trl[=GPUS]     benchmarks/trl_async_grpo.py on the gpu-1xh200 config (GPUS 1 or 2) against e2e's summary
+# STEPS (default 30) sets the steps of every run. Results accumulate in /tmp/grpo-results across the calls
+# of one warm machine ($OUT is emptied before each call) and are copied to OUT (at most 8 files) at the end.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; STEPS=${STEPS:-30}; PY=${PYTHON:-python3}; RES=/tmp/grpo-results
+mkdir -p "$OUT" /tmp/parts "$RES"
+export PYTHONPATH=$PWD:/tmp/grpo-site:/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+       VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
+       GRPO_FLOW_CACHE_DIR=/tmp/grpo-cache TRL_EXPERIMENTAL_SILENCE=1 TOKENIZERS_PARALLELISM=false
+
+collect() {
+    local n=0
+    for f in .vllm/part*/* .gpu/wheelhouse/part*/*; do [ -f "$f" ] && cp "$f" /tmp/parts/ && n=$((n + 1)); done
+    echo "collect: $n files; /tmp/parts now holds:"; ls -l /tmp/parts
+}
+
+setup() {
+    if [ ! -d /tmp/site/vllm ]; then
+        cat /tmp/parts/bundle.tar.xz.* > /tmp/bundle.tar.xz
+        (cd /tmp && sed 's#/tmp/bundle.tar.xz#bundle.tar.xz#' /tmp/parts/bundle.sha256 | sha256sum -c --quiet) \
+            || { echo "vLLM bundle incomplete (a .vllm part is missing)"; return 3; }
+        rm -rf /tmp/site && "$PY" -c "import tarfile; tarfile.open('/tmp/bundle.tar.xz').extractall('/tmp/site', filter='data')" || return 4
+    fi
+    [ -d /tmp/grpo-site/prefect ] || bash scripts/install_wheelhouse.sh /tmp/parts /tmp/grpo-site || return 5
+    ln -sf /tmp/grpo-site/packer_rs/_native.abi3.so packer_rs/_native.abi3.so
+    "$PY" - <<'PYEOF' || return 6
+import importlib, torch
+for m in ("vllm", "prefect", "mlflow", "reasoning_gym", "packer_rs", "grpo_core.train", "flows.grpo_train", "trl"):
+    try:
+        importlib.import_module(m)
+    except Exception as e:  # report every missing piece at once
+        print("IMPORT FAILED", m, repr(e)[:300])
+from grpo_core.config import ModelConfig
+from grpo_core.models import resolve_model_dir
+print("GPUs:", torch.cuda.device_count(), "model:", resolve_model_dir(ModelConfig()))
+PYEOF
+    "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|pyarrow|peft|accelerate|numpy|pydantic|fastapi|vllm|prefect|mlflow) " \
+        | tee "$RES/versions.txt"
+}
+
+rc=0
+for step in "$@"; do
+    echo "=== $step ($(date +%T))"
+    case $step in
+        collect) collect ;;
+        setup) setup || { rc=$?; echo "setup failed ($rc)"; exit $rc; } ;;
+        long) timeout 300 "$PY" benchmarks/long_generation_sync.py --config configs/gpu-1xh200.yaml --out "$RES" || rc=1 ;;
+        e2e=*) timeout 560 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" || rc=1 ;;
+        trl|trl=*) g=${step#trl}; g=${g#=}; timeout 560 "$PY" benchmarks/trl_async_grpo.py --gpus "${g:-1}" \
+                       --steps "$STEPS" --out "$RES" --compare "$RES/summary.json" || rc=1 ;;
+        *) echo "unknown step $step"; exit 2 ;;
+    esac
+done
+cp "$RES"/*.json "$RES"/*.png "$RES"/*.txt "$OUT"/ 2>/dev/null
+ls -l "$OUT"
+exit $rc
