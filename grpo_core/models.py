@@ -140,6 +140,9 @@ def _convert_smollm2_tokenizer(out_dir: Path) -> None:
     # The GGUF metadata names <|im_start|> as EOS; SmolLM2-Instruct ends turns with <|im_end|>
     # (its generation_config.eos_token_id), as the original HF tokenizer does.
     tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    # A byte-level BPE tokenizer must not run WordPiece's space clean-up when decoding (it drops spaces
+    # before punctuation; transformers warns and skips it); the original SmolLM2 tokenizer sets it off too.
+    tokenizer.clean_up_tokenization_spaces = False
     tokenizer.save_pretrained(out_dir)
     (out_dir / "config.json").write_text("{}")  # marks the folder complete for _build_once
 

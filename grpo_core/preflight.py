@@ -4,7 +4,8 @@
 importing the named code, reading the dataset or touching the disk can tell: the model name
 resolves (a Hub id is downloaded here, once, before any server starts) and its layers can be
 packed, the loop class, reward functions and tools import, the dataset has the columns the
-rollout needs, and the folders and SQLite files the run writes can be created and opened.
+rollout needs, the folders and SQLite files the run writes can be created and opened, and a Hub
+push (``export.push_to_hub``) has a repository id and a token.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.hub import check_push
 
 logger = logging.getLogger(__name__)
 
@@ -245,13 +247,20 @@ def check_run(cfg: RunConfig) -> None:
     """
     from grpo_core.rollout.build import loop_class_and_config
     from grpo_core.rollout.data import import_object
+    from grpo_core.rollout.tools import resolve_response_template
 
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_model(cfg)
+    if cfg.server.backend == "vllm":
+        from grpo_core.serving.vllm import choose_backend
+
+        choose_backend(cfg)  # vLLM must be installed
     loop_class_and_config(cfg.rollout)
     for name in cfg.rollout.tools:
         import_object(name, "rollout.tools")
+    resolve_response_template(cfg.rollout.response_template)
     check_dataset(cfg)
     check_chat_template(cfg)
+    check_push(cfg)
     logger.info("run config checked: model %s, dataset %s", cfg.model.name, cfg.rollout.dataset)

@@ -159,7 +159,8 @@ def rename_module_key(key: str, name_map: dict[str, str]) -> str:
     return key
 
 
-def write_trained_checkpoint(original: str | Path, trained: str | Path, out: str | Path) -> Path:
+def write_trained_checkpoint(original: str | Path, trained: str | Path | dict[str, torch.Tensor], out: str | Path,
+                             max_shard_size: str = "5GB") -> Path:
     """A loadable model folder: ``original``'s files with its tensors replaced by the trained ones.
 
     Tensors the trainer never held (a VLM's vision tower) keep the original's values, so the result
@@ -167,8 +168,12 @@ def write_trained_checkpoint(original: str | Path, trained: str | Path, out: str
 
     Args:
         original: the model folder training started from.
-        trained: a safetensors file with checkpoint-named tensors (a full weight sync's ``model.safetensors``).
-        out: folder to write (replaced); gets one ``model.safetensors`` and the original's other files.
+        trained: checkpoint-named tensors: a safetensors file (a full weight sync's ``model.safetensors``) or
+            a state dict (CPU tensors).
+        out: folder to write (replaced); gets the tensors as safetensors shards of at most ``max_shard_size``
+            (with ``model.safetensors.index.json`` when there are several; ``huggingface_hub``'s writer) and
+            the original's other files.
+        max_shard_size: largest shard, e.g. ``"5GB"``.
 
     Returns:
         ``out``.
@@ -178,11 +183,12 @@ def write_trained_checkpoint(original: str | Path, trained: str | Path, out: str
     """
     import shutil
 
+    from huggingface_hub import save_torch_state_dict
     from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     original, out = Path(original), Path(out)
-    tensors = load_file(str(trained))
+    tensors = dict(trained) if isinstance(trained, dict) else load_file(str(trained))
     shapes = {}
     for file in sorted(original.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -195,5 +201,5 @@ def write_trained_checkpoint(original: str | Path, trained: str | Path, out: str
         raise ConfigError(f"{len(unknown)} trained tensors match no tensor of {original} (e.g. {unknown[:3]})")
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(original, out, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "*.bin"))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_torch_state_dict(tensors, str(out), max_shard_size=max_shard_size, metadata={"format": "pt"})
     return out

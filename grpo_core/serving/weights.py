@@ -161,6 +161,11 @@ class WeightManager:
         if name not in self.adapters:
             raise AdapterError(f"The lora adapter '{name}' cannot be found.", 404)
         with self.engine.exclusive():
+            remaining = [a for a in self.adapters if a != name]
+            if remaining and name in self.peft.active_adapters:
+                # Requests name their adapter, so which one is "active" does not matter here; but PEFT
+                # warns when the active adapter is deleted: hand the role to the newest one first.
+                self.peft.set_adapter(remaining[-1])
             self.peft.delete_adapter(name)
             del self.adapters[name]
             if not self.adapters:

@@ -4,7 +4,8 @@ Every rank runs :class:`Trainer`; rank 0 also owns the :class:`Planner` (data),
 the metrics sink, weight-sync traffic and checkpoint metadata. One step:
 ``collect_step`` (rank 0 plans, every rank receives its rows) →
 ``forward_backward`` per micro-batch → ``optimizer_step`` → ``sync_weights``
-(every ``weight_sync_steps``) → ``log_step`` → ``save`` (every ``save_steps``).
+(every ``weight_sync_steps``) → ``log_step`` → ``save`` (every ``save_steps``); at the end a
+last ``save`` and ``export`` (the Hugging Face folder ``final_model/``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from .loss import LossSettings, grpo_loss
 from .planner import PlannedStep, Planner
 from .policy import build_policy, compile_layers, shard
 from .rows import length_buckets, to_tensors
-from .weight_sync import NoWeightSync, WeightSync
+from .export import export_final_model
+from .weight_sync import NoWeightSync, WeightSync, full_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -219,10 +221,17 @@ class Trainer:
             if self.step == 0:  # a resumed run whose samples are all trained ends like any short run
                 raise NothingToTrainError(stopped_early)
         self.save()
+        self.export()
         if self.world.is_main:
             write_train_end(self.output_dir, self.step, tc.max_steps, stopped_early,
                             self.skipped_nonfinite_steps)
         return self.resume_state() if self.world.is_main else None
+
+    def export(self) -> Path | None:
+        """Write the trained model (or LoRA adapter) to ``<output_dir>/final_model`` with ``save_pretrained``
+        (collective: every rank gathers, rank 0 writes); returns the folder on rank 0."""
+        state_dict = full_state_dict(self.policy)
+        return export_final_model(self.policy, self.cfg, state_dict if self.world.is_main else None)
 
     def train_step(self) -> bool:
         """One optimizer step; False when there was nothing left to train."""
@@ -300,6 +309,14 @@ class Trainer:
                         metrics.get("perf/tokens_per_s", 0.0))
             if self.sink is not None:
                 self.sink.log(self.step, metrics)
+            self._log_completions()
+
+    def _log_completions(self) -> None:
+        """Hand the window's completion sample (from the rollout) to the sink's table (``tracking.log_completions``)."""
+        log_table = getattr(self.sink, "log_completions", None)
+        pull = getattr(self.source, "completions", None)
+        if self.cfg.tracking.log_completions and log_table is not None and pull is not None:
+            log_table(self.step, pull())
 
     def _mfu(self, forwarded_tokens: float, fwd_bwd_s: float) -> None:
         if self.world.device.type != "cuda" or fwd_bwd_s <= 0:

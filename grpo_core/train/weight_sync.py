@@ -5,7 +5,7 @@ Each sync makes one new policy version. Implementations:
 * :class:`DiskFullWeightSync`: full weights as a checkpoint-format folder
   (safetensors, the served checkpoint's tensor names) read by the embedded server's
   ``/start_weight_update → /update_weights {"path"} → /finish_weight_update``.
-* :class:`LoraAdapterSync`: a PEFT adapter saved to
+* :class:`LoraAdapterSync`: a PEFT adapter saved with ``PeftModel.save_pretrained`` to
   ``<output_dir>/.vllm_lora/<name>-v{N}`` (atomic rename), loaded on every
   server with ``/v1/load_lora_adapter``; the newest ``max_staleness + 1``
   versions stay loaded, older ones are unloaded and deleted. vLLM and the
@@ -22,7 +22,6 @@ calls it (gathering a full state dict needs all ranks); rank 0 talks to servers.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import time
@@ -33,6 +32,8 @@ import torch
 from safetensors.torch import save_file
 
 from grpo_core.errors import ServingError
+
+from .export import publish, save_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,6 @@ def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(v.data_ptr())
         out[k] = v.contiguous()
     return out
-
-
-def _publish(tmp: Path, final: Path) -> Path:
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
 
 
 class _Servers:
@@ -127,7 +122,7 @@ class DiskFullWeightSync:
             self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
         sd = {self.name_map.get(k, k): v for k, v in sd.items()} if self.name_map else sd
         save_file(untied(sd), tmp / "model.safetensors", metadata={"format": "pt"})
-        folder = _publish(tmp, self.root / f"v{version}")
+        folder = publish(tmp, self.root / f"v{version}")
         t2 = time.perf_counter()
         errors = self.servers.each(lambda c: self._update(c, str(folder)))
         if any(errors):
@@ -185,23 +180,11 @@ class LoraAdapterSync:
         return f"{self.name}-v{version}"
 
     def save_adapter(self, policy, version: int) -> Path | None:
-        """Collective gather; rank 0 writes the adapter folder (PEFT format) atomically."""
-        from peft import get_peft_model_state_dict
-
+        """Collective gather; rank 0 writes the adapter folder with PEFT's ``save_pretrained``, atomically."""
         sd = full_state_dict(policy)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            lm = policy.lm
-            adapter = self.checkpoint_keys(lm, get_peft_model_state_dict(lm, state_dict=sd))
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / f"{self.adapter_name(version)}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            save_file(untied(adapter), tmp / "adapter_model.safetensors",
-                      metadata={"format": "pt"})
-            config = lm.peft_config["default"].to_dict()
-            config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
-            (tmp / "adapter_config.json").write_text(json.dumps(config, default=str, indent=1))
-            return _publish(tmp, self.root / self.adapter_name(version))
+            lm = policy.lm  # PEFT keeps only the lora_ entries of the (renamed) full state dict
+            return save_adapter(lm, self.checkpoint_keys(lm, sd), self.root / self.adapter_name(version))
         return None
 
     @staticmethod
