@@ -41,6 +41,8 @@ import torch
 
 from grpo_core.packing import PackedRow, Sample, TokenLists, get_packer
 from grpo_core.packing.base import ROW_PARTS
+from grpo_core.train.loss import LossSettings
+from grpo_core.train.rows import to_tensors
 
 #: Model shapes (config.json of the Qwen/Qwen3-* checkpoints; weights random).
 SHAPES = {
@@ -162,6 +164,36 @@ def _concat(parts: list[PackedRow]) -> PackedRow:
         batches[part] = pa.record_batch(cols)
     return PackedRow(**batches, num_forwarded=int(offsets[-1]), num_trained=sum(p.num_trained for p in parts),
                      num_raw=sum(p.num_raw for p in parts), num_samples=len(parts), load=sum(p.load for p in parts))
+
+
+def prepare(row: PackedRow, length: int, flex):
+    """A row's tensors on the device padded to ``length``; a FlexAttention block mask on CUDA (``flex``)."""
+    rt = to_tensors(row, DEVICE, length)
+    if flex is not None:
+        rt.tree_mask = flex.build(rt.tree_mask.subtree_end, length)
+    return rt
+
+
+def step(policy, rt, settings: LossSettings) -> float:
+    """Forward + backward of one row through the policy's fused head; seconds (synchronised)."""
+    sync()
+    t0 = time.perf_counter()
+    policy.grpo_loss(rt, settings, float(max(rt.num_terms, 1))).loss.backward()
+    sync()
+    policy.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def run_rows(policy, rows: list[PackedRow], budget: int, flex,
+             settings: LossSettings = LossSettings(score_centering=False)) -> dict:
+    """Every row padded to ``budget`` and timed alone (row building excluded: the trainer overlaps it).
+
+    Returns:
+        ``seconds`` (sum), ``step_times_s``, token totals ``forwarded`` / ``trained`` / ``raw``, ``rows``.
+    """
+    times = [step(policy, prepare(row, budget, flex), settings) for row in rows]
+    return {"seconds": sum(times), "step_times_s": times, "forwarded": sum(r.num_forwarded for r in rows),
+            "trained": sum(r.num_trained for r in rows), "raw": sum(r.num_raw for r in rows), "rows": len(rows)}
 
 
 def summarise(times: list[float]) -> dict:

@@ -12,9 +12,9 @@ from grpo_core.train.logprobs import LossTerms, fused_grpo_loss, projected_logpr
 from grpo_core.train.loss import LossSettings, grpo_loss
 from grpo_core.train.parallelize import apply_layer_wrappers, decoder_layers
 from grpo_core.train.policy import Policy
-from grpo_core.train.rows import synthetic_row, to_tensors
-from trainer import (AUTO_CHECKPOINTING, DEVICE, H200_BF16_PEAK, plain_rows, print_table, qwen3_config, summarise,
-                     sync, tree_rows, workload, write_json)
+from grpo_core.train.rows import synthetic_row
+from trainer import (AUTO_CHECKPOINTING, DEVICE, H200_BF16_PEAK, plain_rows, print_table, qwen3_config, run_rows,
+                     step, summarise, tree_rows, workload, write_json)
 
 
 def add_sweep_args(q) -> None:
@@ -78,29 +78,14 @@ def set_mode(policy: Policy, compiled: bool, checkpointing: str, backend: str, c
     policy.chunk_size = chunk_size or (4096 if DEVICE.type == "cuda" else 1024)
 
 
-def step(policy: Policy, rt, settings: LossSettings) -> float:
-    """Forward + backward of one row; seconds (synchronised)."""
-    sync()
-    t0 = time.perf_counter()
-    policy.grpo_loss(rt, settings, float(max(rt.num_terms, 1))).loss.backward()
-    sync()
-    policy.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
-
-
 def measure(policy: Policy, rows, budget: int, settings: LossSettings, flex) -> dict:
-    """Every row padded to ``budget``, timed alone (row building excluded, as the trainer overlaps it)."""
-    times, fwd, trained, raw = [], 0, 0, 0
-    for row in rows:
-        rt = to_tensors(row, DEVICE, budget)
-        if flex is not None:
-            rt.tree_mask = flex.build(rt.tree_mask.subtree_end, budget)
-        times.append(step(policy, rt, settings))
-        fwd, trained, raw = fwd + row.num_forwarded, trained + row.num_trained, raw + row.num_raw
-    s = sum(times)
-    return {"rows": len(rows), "forwarded_tokens_per_s": fwd / s, "raw_tokens_per_s": raw / s,
-            "trained_tokens_per_s": trained / s, "packing_ratio": raw / fwd, "pad_frac": 1 - fwd / (budget * len(rows)),
-            **summarise(times), "step_times_s": times}
+    """Rates and step-time spread of :func:`trainer.run_rows` over ``rows``."""
+    r = run_rows(policy, rows, budget, flex, settings)
+    s = r["seconds"]
+    return {"rows": r["rows"], "forwarded_tokens_per_s": r["forwarded"] / s, "raw_tokens_per_s": r["raw"] / s,
+            "trained_tokens_per_s": r["trained"] / s, "packing_ratio": r["raw"] / r["forwarded"],
+            "pad_frac": 1 - r["forwarded"] / (budget * r["rows"]), **summarise(r["step_times_s"]),
+            "step_times_s": r["step_times_s"]}
 
 
 def sweep(args) -> list[dict]:

@@ -129,7 +129,7 @@ def trl_args(cfg: RunConfig, url: str, steps: int, out: Path):
         weight_sync_steps=t.weight_sync_steps, gradient_accumulation_steps=t.gradient_accumulation_steps,
         vllm_server_base_url=url, logging_steps=1, report_to="none", save_strategy="no", bf16=torch_cuda(),
         use_cpu=not torch_cuda(),
-        gradient_checkpointing=t.gradient_checkpointing, max_grad_norm=t.max_grad_norm, seed=t.seed)
+        gradient_checkpointing=t.gradient_checkpointing != "none", max_grad_norm=t.max_grad_norm, seed=t.seed)
 
 
 def torch_cuda() -> bool:

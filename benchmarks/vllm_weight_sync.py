@@ -4,7 +4,8 @@ Expects a vLLM server (``--weight-transfer-config '{"backend":"ipc"}'``,
 ``VLLM_SERVER_DEV_MODE=1``) on ``--url`` serving ``--model-dir`` on the same GPU.
 The trainer perturbs its weights (as a training step would), syncs them, asks
 vLLM for a sampled continuation with log-probs, and compares them with the
-trainer's own log-probs of the same tokens at staleness 0. Prints JSON.
+trainer's own log-probs of the same tokens at staleness 0. Tensors travel under the served
+checkpoint's names (a Qwen3.5 VLM: ``model.language_model.…``). Prints JSON.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def lora_checks(args, world) -> dict:
                           lora=lora, temperature=1.0, chunk_size=1024)
     shard(policy, mixed_precision=False)
     perturb(policy, scale=2.0, only_lora=True)
-    sync = LoraAdapterSync([args.url], "/tmp/grpo-sync", "policy", max_staleness=1)
+    sync = LoraAdapterSync([args.url], "/tmp/grpo-sync", "policy", max_staleness=1, model_dir=args.model_dir)
     out = {}
     for version in (1, 2, 3):
         sync.sync(policy, version, world.rank)
@@ -79,7 +80,7 @@ def lora_checks(args, world) -> dict:
                         lora=LoraConfig(), temperature=1.0, chunk_size=1024)
     shard(base, mixed_precision=False)
     perturb(base)
-    VllmWeightTransferSync([args.url], "ipc", lora_names=True).sync(base, 1, world.rank)
+    VllmWeightTransferSync([args.url], "ipc", lora_names=True, model_dir=args.model_dir).sync(base, 1, world.rank)
     tokens, served = sample_from_vllm(args.url, args.model, 48)
     out["base_layer_ipc_max_abs_logprob_diff"] = (trainer_logprobs(base, tokens) - torch.tensor(served)).abs().max().item()
     return out
@@ -104,7 +105,7 @@ def main() -> None:
     before = (trainer_logprobs(policy, tokens0) - torch.tensor(served0)).abs().max().item()
     perturb(policy)
     stale = (trainer_logprobs(policy, tokens0) - torch.tensor(served0)).abs().max().item()
-    out = VllmWeightTransferSync([args.url], "ipc").sync(policy, 1, world.rank)
+    out = VllmWeightTransferSync([args.url], "ipc", model_dir=args.model_dir).sync(policy, 1, world.rank)
     tokens1, served1 = sample_from_vllm(args.url, args.model, 48)
     after = (trainer_logprobs(policy, tokens1) - torch.tensor(served1)).abs()
     print(json.dumps({"check": "vllm_ipc_weight_sync", "max_abs_logprob_diff_before_sync": before,

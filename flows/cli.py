@@ -6,7 +6,9 @@
 * ``grpo deploy`` starts a Prefect server and a process worker on loopback, registers the
   deployments and prints the UI URL (Ctrl-C stops them all);
 * ``grpo resume RUN_ID`` starts a new run from the latest checkpoint of an MLflow run;
-* ``grpo ui`` prints the Prefect and MLflow UI URLs, and with ``--mlflow`` serves the MLflow UI.
+* ``grpo ui`` prints the Prefect and MLflow UI URLs, and with ``--mlflow`` serves the MLflow UI;
+* ``grpo validate --config FILE`` runs every check of the flow's ``prepare`` task without starting
+  anything; ``grpo config schema`` prints the JSON schema of the run config; ``grpo --version``.
 
 The config is loaded and validated before Prefect is imported, so config errors are instant and
 name the field.
@@ -29,7 +31,11 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect the run config.")
+app.add_typer(config_app, name="config")
 console = Console(stderr=True)
+#: Libraries whose versions ``grpo --version`` reports (read from package metadata, nothing imported).
+VERSIONED = ("torch", "transformers", "peft", "prefect", "mlflow", "vllm")
 
 SetOption = Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=5 (repeatable)")]
 ENV_DEFAULTS = {
@@ -72,6 +78,37 @@ def _load(config: Path | None, overrides: list[str]):
     except ConfigError as exc:
         console.print(f"[red]config error[/red]: {exc}")
         raise typer.Exit(EXIT_CONFIG) from None
+
+
+def version_text() -> str:
+    """``grpo-flow X (torch …, transformers …, …)``: this package's and its main libraries' versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import grpo_core
+
+    try:
+        own = version("grpo-flow")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        own = grpo_core.__version__
+    libs = []
+    for name in VERSIONED:
+        try:
+            libs.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            continue
+    return f"grpo-flow {own} ({', '.join(libs)})"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                                help="print the versions and exit")] = False) -> None:
+    """grpo-flow: asynchronous GRPO as a Prefect workflow."""
 
 
 def _progress(output_dir: Path, max_steps: int, started: float, done: threading.Event) -> None:
@@ -157,6 +194,41 @@ def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or T
 
 
 @app.command()
+def validate(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
+             set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
+    """Run every check of the flow's ``prepare`` task (config, model, dataset columns, reward functions,
+    tools, export options) without starting a server, a process or an MLflow run."""
+    from grpo_core import preflight
+    from grpo_core.errors import ConfigError
+
+    cfg = _load(config, set_)
+    try:
+        preflight.check_run(cfg)
+    except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
+        console.print(f"[red]config error[/red]: {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.dataset}, "
+                  f"{cfg.train.max_steps} steps)")
+
+
+@config_app.command("schema")
+def config_schema() -> None:
+    """Print the JSON schema of the run config (``grpo_core.config.RunConfig``), e.g. for an editor."""
+    import json
+
+    from grpo_core.config import RunConfig
+
+    typer.echo(json.dumps(RunConfig.model_json_schema(), indent=1))
+
+
+@config_app.command("show")
+def config_show(config: Annotated[Path | None, typer.Option(help="run config (YAML, JSON or TOML)")] = None,
+                set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
+    """Print the resolved run config (file + overrides + defaults) as JSON."""
+    typer.echo(_load(config, set_).model_dump_json(indent=1))
+
+
+@app.command()
 def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue from")],
            config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
            set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
@@ -189,7 +261,10 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
 @app.command()
 def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.0.1")] = 4200,
            demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = DEMO_CONFIG,
-           cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *") -> None:
+           cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *",
+           gpu_slots: Annotated[int | None, typer.Option(
+               help="slots of the global concurrency limit 'gpu' (default: the GPUs visible here, at least 1)")] = None,
+           ) -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
     set_env_defaults()
     import signal
@@ -209,7 +284,7 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
     except ConfigError as exc:
         console.print(f"[red]Prefect server cannot start[/red]: {exc}")
         raise typer.Exit(EXIT_FAILED) from None
-    with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"])) as stack:
+    with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots) as stack:
         stack.register(demo_config, cron)
         console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
                       "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker)")
@@ -231,14 +306,34 @@ def ui(config: Annotated[Path | None, typer.Option(help="run config (for its tra
     console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
                   f"`.venv/bin/mlflow ui --backend-store-uri {uri} --port {mlflow_port}`)")
     if mlflow:
-        cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-               "--port", str(mlflow_port)]
-        if tc.resolved_artifact_location():
-            cmd += ["--default-artifact-root", tc.resolved_artifact_location()]
-        try:
-            subprocess.run(cmd, check=False)
-        except KeyboardInterrupt:
-            pass
+        serve_mlflow_ui(uri, tc.resolved_artifact_location(), mlflow_port)
+
+
+def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
+    """Run ``mlflow ui`` on 127.0.0.1 until it exits, Ctrl-C or SIGTERM; then stop it and every process it
+    started (its uvicorn workers and job-runner consumers), so nothing is left behind. Returns its exit code."""
+    import signal
+
+    from flows.processes import stop_tree
+
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]
+    if artifact_root:
+        cmd += ["--default-artifact-root", artifact_root]
+
+    def interrupt(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM stops the UI like Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        console.print("stopping the MLflow UI")
+        return 0
+    finally:
+        stop_tree(process)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main() -> None:

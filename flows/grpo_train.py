@@ -1,9 +1,17 @@
-"""The ``grpo-train`` flow: provision servers → rollout process → trainer (torchrun), torn down in ``finally``.
+"""The ``grpo-train`` flow: provision servers → rollout process beside the trainer (torchrun) → finalize.
 
 Thin by design: every step calls ``grpo_core``; tasks get references (the run folder, URLs, the
 MLflow run id), never payloads, and no task caches (the config is not hashed). Each flow run
 works in ``<train.output_dir>/<flow run id>/``; a retry of the same flow run (flow retries, or
 Retry in the UI) finds that folder, or the checkpoint in its MLflow run, and resumes.
+
+The ``rollout`` task lives as long as the rollout process: it is submitted to the flow's task
+runner and stays Running beside ``train`` (the run graph shows both side by side), Completed when
+the process exits 0 after the trainer shut it down, Failed when it exits otherwise, Cancelled when
+the flow stopped it (training failed, or the run was cancelled). The GPU part of the run holds the
+slots of the Prefect global concurrency limit ``flow.concurrency_limit`` (``gpu``), so a scheduled
+run and a UI run wait for each other instead of sharing GPUs and ports. Prefect artifacts (a link
+to the MLflow run, training progress, the summary table, the reward curve) are in ``flows.artifacts``.
 """
 
 from __future__ import annotations
@@ -17,15 +25,22 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Cancelled
 
+from flows import artifacts
 from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
 from grpo_core.config import RunConfig
 
 RESOLVED_CONFIG = "run_config.json"
+LOCATION_FILE = "rollout.location"
 
 
 class TrainerError(RuntimeError):
     """The trainer process failed; the message holds the tail of its output."""
+
+
+class RolloutProcessError(RuntimeError):
+    """The rollout process failed to start or exited with an error; the message holds its log's tail."""
 
 
 def _config(run_dir: str) -> RunConfig:
@@ -38,7 +53,8 @@ def _child_env() -> dict[str, str]:
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
 def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict:
-    """Check the config (imports, dataset columns), lay out the run folder, open the MLflow run, fetch a checkpoint.
+    """Check the config (imports, dataset columns, Hub push), lay out the run folder, open the MLflow run (and
+    publish the link artifact to it), fetch a checkpoint.
 
     Returns:
         ``{"run_dir", "mlflow_run_id", "resume_state"}`` (paths as strings; resume_state None = fresh start).
@@ -63,6 +79,10 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
         if latest_checkpoint(run_dir) is None and source:
             tracking.download_latest_checkpoint(cfg.tracking, source, run_dir)
     (run_dir / RESOLVED_CONFIG).write_text(cfg.model_dump_json(indent=1))
+    if mlflow_run_id:
+        from grpo_core import tracking
+
+        artifacts.publish_mlflow_link(tracking.run_url(cfg.tracking, mlflow_run_id), mlflow_run_id)
     latest = latest_checkpoint(run_dir)
     if latest is not None:
         log.info("resuming from checkpoint %s", latest)
@@ -71,9 +91,21 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
             "resume_state": str(latest / STATE_FILE) if latest is not None else None}
 
 
-@task(name="provision_servers", cache_policy=NO_CACHE, persist_result=False)
+def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 - Prefect's retry_condition_fn
+    """Retry ``provision_servers`` only when a replica failed to start (``ServerStartError``: exited during
+    start-up, or not healthy in time); config errors, missing files and server/config mismatches fail at once."""
+    from grpo_core.errors import ServerStartError
+
+    return isinstance(state.result(raise_on_failure=False), ServerStartError)
+
+
+@task(name="provision_servers", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
+      retry_condition_fn=server_start_failed)
 def provision_servers(run_dir: str) -> list[str]:
-    """Start the generation server replicas (vLLM on GPUs, else embedded); returns their URLs."""
+    """Start the generation server replicas (vLLM on GPUs, else embedded); returns their URLs.
+
+    Retried (``server.start_retries`` times, see :func:`server_start_failed`) when a replica fails to start.
+    """
     from grpo_core.serving.vllm import choose_backend, provision
 
     log, procs, cfg = get_run_logger(), REGISTRY[run_dir], _config(run_dir)
@@ -86,13 +118,22 @@ def provision_servers(run_dir: str) -> list[str]:
 
 
 @task(name="rollout", cache_policy=NO_CACHE, persist_result=False)
-def start_rollout(run_dir: str, server_urls: list[str], resume_state: str | None) -> str:
-    """Start the long-running rollout process; returns its Arrow Flight location once it serves."""
+def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # noqa: ANN201 - str or a State
+    """Run the rollout process for the whole run; the task's state follows the process.
+
+    Writes the process's Arrow Flight location to ``<run_dir>/rollout.location`` once it serves (the
+    flow starts ``train`` then), and returns it when the process exits 0 (the trainer shut it down).
+
+    Returns:
+        The location (Completed), or a Cancelled state when the flow stopped the process.
+
+    Raises:
+        RolloutProcessError: the process exited before serving or with a non-zero code (with its log's tail).
+    """
     import subprocess
 
     log, procs, root = get_run_logger(), REGISTRY[run_dir], Path(run_dir)
-    location_file, error_file, log_file = root / "rollout.location", root / "rollout_error.txt", root / "rollout.log"
-    location_file.unlink(missing_ok=True)
+    location_file, error_file, log_file = root / LOCATION_FILE, root / "rollout_error.txt", root / "rollout.log"
     cmd = [sys.executable, "-m", "grpo_core.rollout", "--config", str(root / RESOLVED_CONFIG),
            "--location-file", str(location_file), "--error-path", str(error_file)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
@@ -106,14 +147,35 @@ def start_rollout(run_dir: str, server_urls: list[str], resume_state: str | None
     try:
         location = wait_for_file(location_file, process, timeout_s=600)
     except RuntimeError as exc:
-        raise RuntimeError(f"rollout process {exc}; log {log_file}:\n{log_tail(log_file)}") from None
+        if procs.stopping:
+            return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
+        raise RolloutProcessError(f"rollout process {exc}; log {log_file}:\n{log_tail(log_file)}") from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
+    code = process.wait()
+    if procs.stopping:
+        return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
+    if code != 0:
+        raise RolloutProcessError(f"rollout process exited with code {code}; log {log_file}:\n{log_tail(log_file)}")
+    log.info("rollout process %d finished", process.pid)
     return location
+
+
+def _await_location(run_dir: str, rollout_run) -> str:  # noqa: ANN001 - a PrefectFuture
+    """The rollout process's Flight location once it serves; raises the rollout task's error if it ended first."""
+    location_file = Path(run_dir) / LOCATION_FILE
+    while True:
+        if location_file.is_file() and location_file.read_text().strip():
+            return location_file.read_text().strip()
+        if rollout_run.wrapped_future.done():
+            rollout_run.result()  # raises the task's failure
+            raise RolloutProcessError("the rollout task ended before the rollout process served")
+        time.sleep(0.2)
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
 def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
-    """Run the trainer under torchrun until ``train.max_steps``; returns the latest checkpoint folder.
+    """Run the trainer under torchrun until ``train.max_steps`` (a progress artifact follows its steps);
+    returns the latest checkpoint folder.
 
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
@@ -133,8 +195,13 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     env = _child_env()
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
-    code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / "trainer.pid",
-                        register=REGISTRY[run_dir])
+    progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
+    progress.start()
+    try:
+        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / "trainer.pid",
+                            register=REGISTRY[run_dir])
+    finally:
+        progress.stop()
     if code != 0:
         cause = read_trainer_error(root)
         raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")
@@ -144,49 +211,58 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
 
 @task(name="finalize", cache_policy=NO_CACHE, persist_result=False)
 def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
-    """Reward curve, summary, final model to MLflow; returns the summary (JSON-able)."""
-    from grpo_core import report
+    """Reward curve, summary, model card; the exported model to MLflow (a registered version with the alias)
+    and to the Hub (``export.push_to_hub``); summary and reward-curve artifacts. Returns the summary (JSON-able).
+    """
+    from grpo_core import hub, report
     from grpo_core.train.checkpoint import latest_checkpoint
+    from grpo_core.train.export import FINAL_MODEL_DIR
 
-    cfg, root = _config(run_dir), Path(run_dir)
+    cfg, root, log = _config(run_dir), Path(run_dir), get_run_logger()
     png = report.plot_reward_curve(root / "metrics.jsonl", root / "reward_curve.png")
     summary = {**report.summarize(root / "metrics.jsonl", wall_s), "run_dir": run_dir,
                "checkpoint": str(latest_checkpoint(root)), "reward_curve": str(png) if png else None,
                "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.resolved_tracking_uri()}
-    if mlflow_run_id:
-        from grpo_core import tracking
+    model_dir = root / FINAL_MODEL_DIR
+    adapter = cfg.train.lora.enabled
+    if model_dir.is_dir():
+        hub.write_model_card(cfg, model_dir, summary, png, adapter=adapter)
+        summary["model"] = str(model_dir)
+    status = "FAILED"
+    try:
+        if mlflow_run_id:
+            summary.update(_track_final(cfg, mlflow_run_id, png, model_dir if model_dir.is_dir() else None, summary))
+        if cfg.export.push_to_hub and model_dir.is_dir():
+            summary["hub_commit"] = hub.push_to_hub(cfg, model_dir)
+        status = "FINISHED"
+    finally:
+        if mlflow_run_id:
+            from grpo_core import tracking
 
-        if png is not None:
-            tracking.log_file(cfg.tracking, mlflow_run_id, png, "plots")
-        model_dir = _final_model_dir(cfg, root)
-        if cfg.tracking.log_model and model_dir is not None:
-            tracking.log_model(cfg.tracking, mlflow_run_id, model_dir, adapter=cfg.train.lora.enabled)
-        tracking.end_run(cfg.tracking, mlflow_run_id, "FINISHED")
-    get_run_logger().info("summary: %s", summary)
+            tracking.end_run(cfg.tracking, mlflow_run_id, status)
+    artifacts.publish_summary(summary)
+    artifacts.publish_reward_curve(png, summary)
+    log.info("summary: %s", summary)
     if summary.get("stopped_early"):
-        get_run_logger().warning("trained %s of %s steps: %s", summary["steps"], summary["steps_requested"],
-                                 summary["stopped_early"])
+        log.warning("trained %s of %s steps: %s", summary["steps"], summary["steps_requested"],
+                    summary["stopped_early"])
     return summary
 
 
-def _final_model_dir(cfg: RunConfig, root: Path) -> Path | None:
-    """A loadable HF folder of the last synced weights (or the last LoRA adapter); None if none was synced."""
-    import shutil
+def _track_final(cfg: RunConfig, run_id: str, png: Path | None, model_dir: Path | None, summary: dict) -> dict:
+    """Reward curve and exported model to the MLflow run; a registered version when configured."""
+    from grpo_core import tracking
 
-    from grpo_core.models import resolve_model_dir
-
-    if cfg.train.lora.enabled:
-        adapters = sorted((root / ".vllm_lora").glob(f"{cfg.train.lora.name}-v*"),
-                          key=lambda p: int(p.name.rsplit("v", 1)[1]))
-        return adapters[-1] if adapters else None
-    versions = sorted((p for p in (root / ".weights").glob("v*") if p.name[1:].isdigit()),
-                      key=lambda p: int(p.name[1:]))
-    if not versions:
-        return None
-    out = root / "final_model"
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(resolve_model_dir(cfg.model), out, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    shutil.copy2(versions[-1] / "model.safetensors", out / "model.safetensors")
+    tc, out = cfg.tracking, {}
+    if png is not None:
+        tracking.log_file(tc, run_id, png, "plots")
+    if tc.log_model and model_dir is not None:
+        source = tracking.log_model(tc, run_id, model_dir, adapter=cfg.train.lora.enabled)
+        if tc.registered_model_name:
+            version = tracking.register_model(
+                tc, run_id, source, description=f"{summary.get('steps', 0):.0f} steps; reward of the last five steps "
+                                                f"{summary.get('reward_last5', float('nan')):.4f}")
+            out["registered_model"] = f"{tc.registered_model_name} v{version.version} @{tc.registered_model_alias}"
     return out
 
 
@@ -224,12 +300,14 @@ def grpo_train(config: RunConfig) -> dict:
     deployment = runtime.deployment.name
     run = prepare(config, flow_run_id, deployment)
     run_dir, mlflow_run_id = run["run_dir"], run["mlflow_run_id"]
-    start = time.monotonic()
+    start, rollout_run = time.monotonic(), None
     try:
-        with _sigterm_raises():
-            urls = provision_servers(run_dir)
-            location = start_rollout(run_dir, urls, run["resume_state"])
-            train(run_dir, urls, location)
+        with _sigterm_raises(), gpu_slots(config):
+            urls = provision_servers.with_options(retries=config.server.start_retries)(run_dir)
+            (Path(run_dir) / LOCATION_FILE).unlink(missing_ok=True)  # a retried flow run's old location
+            rollout_run = rollout.submit(run_dir, urls, run["resume_state"])
+            train(run_dir, urls, _await_location(run_dir, rollout_run))
+            rollout_run.result()  # the trainer shut the rollout down: its exit decides the task's state
     except BaseException:
         if mlflow_run_id:
             from grpo_core import tracking
@@ -238,7 +316,61 @@ def grpo_train(config: RunConfig) -> dict:
         raise
     finally:
         _stop(run_dir)
+        if rollout_run is not None:
+            rollout_run.wait(timeout=60)  # its state turns final (Cancelled when stopped here)
     return finalize(run_dir, mlflow_run_id, time.monotonic() - start)
+
+
+def run_slots(config: RunConfig) -> int:
+    """Slots of ``flow.concurrency_limit`` a run holds: ``flow.concurrency_slots``, else the GPUs it uses (the
+    servers' and the trainer's, counted once)."""
+    if config.flow.concurrency_slots is not None:
+        return config.flow.concurrency_slots
+    from grpo_core.serving.vllm import choose_backend, replica_gpus
+
+    if choose_backend(config) != "vllm":
+        return 1
+    servers = {g for replica in range(config.server.num_replicas) for g in replica_gpus(config, replica)}
+    ranks = config.train.gpu_ids[:config.train.num_ranks] if config.train.gpu_ids else range(config.train.num_ranks)
+    return len(servers | set(ranks))
+
+
+@contextlib.contextmanager
+def gpu_slots(config: RunConfig):
+    """Hold ``run_slots(config)`` slots of the global concurrency limit ``flow.concurrency_limit`` (waiting for
+    them); a limit the server does not have is not waited for (e.g. ``grpo train`` on the embedded API).
+
+    Raises:
+        ConfigError: the run needs more slots than the limit has (it would wait forever).
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    from grpo_core.errors import ConfigError
+
+    name, log = config.flow.concurrency_limit, get_run_logger()
+    if name is None:
+        yield
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        log.info("no global concurrency limit %r on this Prefect server: not waiting for slots", name)
+        yield
+        return
+    slots = run_slots(config)
+    if slots > limit.limit:
+        raise ConfigError(f"the run needs {slots} slots of the global concurrency limit {name!r}, which has "
+                          f"{limit.limit}; raise it (`prefect gcl update {name} --limit {slots}`) or set "
+                          "flow.concurrency_slots")
+    if limit.active_slots + slots > limit.limit:
+        log.info("waiting for %d slot(s) of the global concurrency limit %r (%d of %d in use)", slots, name,
+                 limit.active_slots, limit.limit)
+    with concurrency(name, occupy=slots, strict=True, raise_on_lease_renewal_failure=False):
+        log.info("holding %d slot(s) of the global concurrency limit %r", slots, name)
+        yield
 
 
 def _stop(run_dir: str) -> None:

@@ -82,6 +82,35 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
             continue
 
 
+def stop_tree(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """Stop ``process`` (started with ``start_new_session``) and every process descended from it.
+
+    Descendants are collected first (psutil), so those that left the process group (their own session)
+    are stopped too: SIGTERM to the group and to each of them, SIGKILL to whatever still lives after
+    ``timeout_s``; returns once all of them are gone.
+    """
+    import psutil
+
+    try:
+        procs = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=timeout_s)
+        if not procs:
+            break
+    process.poll()
+
+
 @dataclass
 class RunProcesses:
     """What one flow run started; :meth:`stop_all` ends it all (in reverse start order)."""
@@ -89,9 +118,13 @@ class RunProcesses:
     servers: list[Any] = field(default_factory=list)
     processes: list[subprocess.Popen] = field(default_factory=list)
     forwarders: list[LogForwarder] = field(default_factory=list)
+    stopping: bool = False
+    """Set by :meth:`stop_all`: a process that exits from now on was stopped by the flow."""
 
     def follow(self, path: Path, log: Any, prefix: str) -> None:
-        """Forward a log file to ``log`` until :meth:`stop_all`."""
+        """Forward a log file to ``log`` until :meth:`stop_all` (once per file: a retried task may ask again)."""
+        if any(f.path == Path(path) and f.is_alive() for f in self.forwarders):
+            return
         forwarder = LogForwarder(path, log, prefix)
         forwarder.start()
         self.forwarders.append(forwarder)
@@ -100,6 +133,7 @@ class RunProcesses:
         """Stop the trainer and rollout processes, then the servers, then the log forwarders."""
         from grpo_core.serving.vllm import teardown
 
+        self.stopping = True
         for process in reversed(self.processes):
             stop_process(process)
         teardown(self.servers)

@@ -2,7 +2,9 @@
 
 Both run in their own process group (``start_new_session``), so stopping the stack stops the
 server, the worker and the flow-run processes the worker started; their logs go to
-``<home>/server.log`` and ``<home>/worker.log``.
+``<home>/server.log`` and ``<home>/worker.log``. The work pool and the global concurrency limit
+``gpu`` (one slot per GPU of this host, 1 without GPUs; every ``grpo-train`` run holds the slots
+of the GPUs it uses) are created through Prefect's client.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ import httpx
 logger = logging.getLogger(__name__)
 
 WORK_POOL = "grpo-process"
+GPU_LIMIT = "gpu"
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices visible here (0 without a GPU or without a CUDA build of torch)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 class PrefectStack:
@@ -31,16 +41,19 @@ class PrefectStack:
         pool: process work pool the worker serves (created when missing).
         worker_poll_s: seconds between the worker's polls for scheduled runs.
         extra_env: environment added for the server, the worker and its flow runs.
+        gpu_slots: slots of the global concurrency limit ``gpu``; None = the GPUs visible here (at least 1).
     """
 
     def __init__(self, port: int = 4200, home: Path = Path("runs/prefect"), pool: str = WORK_POOL,
-                 worker_poll_s: float = 2.0, startup_timeout_s: float = 240.0, extra_env: dict[str, str] | None = None):
+                 worker_poll_s: float = 2.0, startup_timeout_s: float = 240.0, extra_env: dict[str, str] | None = None,
+                 gpu_slots: int | None = None):
         self.port = port or _free_port()
         self.home, self.pool = Path(home).resolve(), pool
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.ui_url = f"http://127.0.0.1:{self.port}"
         self.worker_poll_s, self.startup_timeout_s = worker_poll_s, startup_timeout_s
         self.extra_env = dict(extra_env or {})
+        self.gpu_slots = gpu_slots
         self.processes: list[subprocess.Popen] = []
 
     def env(self) -> dict[str, str]:
@@ -82,16 +95,41 @@ class PrefectStack:
                 raise RuntimeError(f"Prefect server did not start on {self.api_url}:\n{tail}")
             time.sleep(0.5)
         self.ensure_pool()
+        self.ensure_gpu_limit()
         self._spawn(["worker", "start", "--pool", self.pool, "--type", "process", "--name", f"{self.pool}-worker"],
                     "worker.log")
         logger.info("Prefect server at %s, process worker on pool %s", self.ui_url, self.pool)
         return self
 
+    def client(self):  # noqa: ANN201 - prefect's SyncPrefectClient, imported lazily
+        """A synchronous Prefect client on this stack's API (whatever ``PREFECT_API_URL`` this process has)."""
+        from prefect.client.orchestration import SyncPrefectClient
+
+        return SyncPrefectClient(self.api_url)
+
     def ensure_pool(self) -> None:
-        """Create the process work pool through the API (no-op when it exists)."""
-        response = httpx.post(f"{self.api_url}/work_pools/", json={"name": self.pool, "type": "process"}, timeout=30)
-        if response.status_code not in (200, 201, 409):
-            raise RuntimeError(f"creating work pool {self.pool}: {response.status_code} {response.text}")
+        """Create the process work pool with Prefect's client (kept as it is when it exists)."""
+        from prefect.client.schemas.actions import WorkPoolCreate
+        from prefect.exceptions import ObjectAlreadyExists
+
+        with self.client() as client:
+            try:
+                client.create_work_pool(WorkPoolCreate(name=self.pool, type="process"))
+            except ObjectAlreadyExists:
+                logger.info("work pool %s exists", self.pool)
+
+    def ensure_gpu_limit(self) -> None:
+        """Create (or resize) the global concurrency limit ``gpu`` with ``gpu_slots`` slots.
+
+        Every ``grpo-train`` flow run holds the slots of the GPUs it uses (``flow.concurrency_slots``)
+        from provisioning to the end of training, so a scheduled run and a UI run never share GPUs or
+        ports: the later one waits. Raise it with ``prefect gcl update gpu --limit N`` (or in the UI:
+        Concurrency → Global).
+        """
+        slots = self.gpu_slots if self.gpu_slots is not None else max(visible_gpu_count(), 1)
+        with self.client() as client:
+            client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, slots)
+        logger.info("global concurrency limit %r: %d slot(s)", GPU_LIMIT, slots)
 
     def register(self, demo_config: Path, cron: str = "0 2 * * *", overrides: list[str] | None = None) -> None:
         """Register ``grpo-train/demo`` and ``grpo-train/nightly-retrain`` (in a child process, on this server)."""

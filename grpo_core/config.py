@@ -47,8 +47,11 @@ class ModelConfig(_Strict):
     """Which policy model to serve and train, and how to load it."""
 
     name: str = "smollm2-135m-instruct"
-    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``random-qwen3-0.6b``) or a local
-    HF folder path."""
+    """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5``,
+    ``random-qwen3-0.6b``), a local HF folder path, or a Hugging Face Hub id (``Qwen/Qwen3.5-2B``;
+    downloaded into the Hub cache)."""
+    revision: str | None = None
+    """Hub ids only: branch, tag or commit to download (None = ``main``)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight/compute dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA."""
     cache_dir: Path | None = None
@@ -102,6 +105,9 @@ class ServerConfig(_Strict):
     """Name the base model is served under; None = model.name."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for ``/health`` after launching a replica."""
+    start_retries: int = Field(default=1, ge=0)
+    """Retries of the flow's ``provision_servers`` task after a replica exited during start-up or missed
+    ``startup_timeout_s`` (config errors are never retried)."""
     embedded_num_threads: int = Field(default=0, ge=0)
     """Embedded server only: torch CPU threads per replica; 0 = torch's default (all cores)."""
     log_dir: Path = Path("runs/servers")
@@ -159,6 +165,10 @@ class RolloutConfig(_Strict):
     """Extra fields of the loop class's own config subclass (its ``config_class``)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments of ``tokenizer.apply_chat_template`` (e.g. ``enable_thinking``)."""
+    response_template: str | dict[str, Any] | None = None
+    """How tool calls are read from a reply (transformers' ``parse_response``): a built-in name (``hermes``,
+    ``mistral``, ``llama3``) or a response-template dict; None = the tokenizer's own ``response_template``, else
+    the Hermes ``<tool_call>`` regex."""
     max_tool_calling_iterations: int | None = Field(default=None, ge=0)
     """Most tool-calling turns per rollout; None = until the model stops calling tools."""
     num_epochs: int = Field(default=1, ge=1)
@@ -221,8 +231,10 @@ class LoraConfig(_Strict):
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter input."""
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names to adapt."""
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names to adapt, or ``all-linear`` (every linear layer of the language model but the output
+    projection; a VLM's vision tower is never loaded by the trainer, so never adapted)."""
     name: str = Field(default="policy", min_length=1, max_length=64)
     """Adapter name on the servers; version N is served as ``{name}-v{N}`` (also a folder name:
     letters, digits, ``.``, ``_`` and ``-``, starting with a letter or digit)."""
@@ -340,6 +352,30 @@ class TrainConfig(_Strict):
     """Arrow Flight location of the rollout process (``grpc://host:port``); set by the flow."""
 
 
+class ExportConfig(_Strict):
+    """The trained model at the end of a run: a ``from_pretrained`` folder, its model card, and a Hub push."""
+
+    max_shard_size: str = "5GB"
+    """Largest safetensors shard of the exported model (``save_pretrained(max_shard_size=…)``); larger models get
+    several shards and a ``model.safetensors.index.json``."""
+    push_to_hub: bool = False
+    """Upload the exported folder and its model card to the Hugging Face Hub at the end of the run
+    (needs ``export.hub_model_id`` and a token: ``HF_TOKEN`` or ``hf auth login``)."""
+    hub_model_id: str | None = None
+    """Hub repository to push to, ``user-or-org/name`` (created when missing)."""
+    hub_private_repo: bool | None = None
+    """Create the Hub repository private; None = the Hub's default (public unless the org says otherwise)."""
+    hub_revision: str | None = None
+    """Branch of the Hub repository to commit to; None = ``main``."""
+
+    @model_validator(mode="after")
+    def _check_hub(self) -> ExportConfig:
+        if self.push_to_hub and not self.hub_model_id:
+            raise ConfigError("export.push_to_hub needs export.hub_model_id ('user-or-org/name'); set it or "
+                              "set export.push_to_hub: false")
+        return self
+
+
 class TrackingConfig(_Strict):
     """MLflow tracking of a run (``grpo_core.tracking``): metrics, params, checkpoints, resume state."""
 
@@ -358,17 +394,59 @@ class TrackingConfig(_Strict):
     checkpoint_artifact_max_mib: float = Field(default=256.0, ge=0)
     """Checkpoints up to this size (MiB) are copied as artifacts; larger ones are logged as a URI (their path)."""
     log_model: bool = True
-    """At the end, log the trained model (or adapter) with the transformers flavour."""
+    """At the end, log the exported model (or LoRA adapter) folder as the run's ``model`` artifact
+    (``from_pretrained`` on the downloaded folder loads it)."""
+    registered_model_name: str | None = None
+    """Model registry name the final model (or adapter) is registered under as a new version; None = not
+    registered."""
+    registered_model_alias: str = "candidate"
+    """Alias moved to each newly registered version (promote a version by moving another alias, e.g.
+    ``champion``, to it)."""
+    log_system_metrics: bool = True
+    """Log the trainer's system metrics (CPU, memory, disk, network; GPU utilisation and memory when an NVIDIA
+    GPU is visible) as ``system/*`` metrics of the run."""
+    system_metrics_interval_s: float = Field(default=10.0, ge=1.0)
+    """Seconds between system metric samples."""
+    log_completions: bool = False
+    """Log a sample of prompts, completions, rewards and advantages of each logging window as an MLflow table
+    (``completions/step_NNNNNNN.json``)."""
+    num_completions_to_print: int | None = Field(default=16, ge=1)
+    """Rows of each window's completion table (a uniform sample of the window's scored completions);
+    None = every completion of the window."""
+    completion_max_chars: int = Field(default=2000, ge=16)
+    """Longest prompt or completion text kept in a table cell (longer ones are cut, marked with ``…``)."""
+    ui_url: str | None = None
+    """Base URL of the MLflow UI that links point to; None = ``tracking_uri`` when it is an http(s) server, else
+    ``http://127.0.0.1:5000`` (what ``grpo ui --mlflow`` serves)."""
 
     def resolved_tracking_uri(self) -> str:
         """The tracking URI actually used (``tracking_uri`` or the SQLite file under ``dir``)."""
         return self.tracking_uri or f"sqlite:///{self.dir.resolve() / 'mlflow.db'}"
+
+    def resolved_ui_url(self) -> str:
+        """Base URL of the MLflow UI (``ui_url``, the http tracking server, or the local ``grpo ui --mlflow``)."""
+        if self.ui_url:
+            return self.ui_url.rstrip("/")
+        if self.tracking_uri and self.tracking_uri.startswith(("http://", "https://")):
+            return self.tracking_uri.rstrip("/")
+        return "http://127.0.0.1:5000"
 
     def resolved_artifact_location(self) -> str | None:
         """Artifact root for a new experiment (None = the tracking server decides)."""
         if self.artifact_location is not None:
             return self.artifact_location
         return None if self.tracking_uri else str(self.dir.resolve() / "artifacts")
+
+
+class FlowConfig(_Strict):
+    """Scheduling of a run by the Prefect flow ``grpo-train``."""
+
+    concurrency_limit: str | None = "gpu"
+    """Prefect global concurrency limit the run holds slots of from provisioning to the end of training (``grpo
+    deploy`` creates ``gpu`` with one slot per GPU); a limit missing on the server is not waited for; None = none."""
+    concurrency_slots: int | None = Field(default=None, ge=1)
+    """Slots the run holds; None = the GPUs it uses with vLLM (the servers' and the trainer's, counted once), or 1
+    on the embedded server."""
 
 
 class RunConfig(_Strict):
@@ -386,6 +464,10 @@ class RunConfig(_Strict):
     """The trainer."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow tracking."""
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    """The exported model (Hugging Face folder, model card, Hub push)."""
+    flow: FlowConfig = Field(default_factory=FlowConfig)
+    """How the Prefect flow schedules the run."""
     resume_from: str | None = None
     """MLflow run id whose latest checkpoint this run starts from (a new run continuing an old one)."""
 

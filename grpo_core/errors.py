@@ -22,6 +22,15 @@ class ServingError(GrpoError):
     """A generation server could not be started, reached or used."""
 
 
+class ServerStartError(ServingError):
+    """A server replica exited during start-up or did not answer ``/health`` in time.
+
+    Often transient (a port still held by a process that is exiting, a slow model download,
+    a GPU not yet released): the flow's ``provision_servers`` task retries on this error only
+    (``server.start_retries``), never on config errors.
+    """
+
+
 class TransportError(GrpoError):
     """Samples could not be moved between the rollout and trainer processes."""
 

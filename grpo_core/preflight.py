@@ -2,8 +2,10 @@
 
 ``RunConfig`` validation catches field and cross-field errors; :func:`check_run` adds what only
 importing the named code, reading the dataset or touching the disk can tell: the model name
-resolves, the loop class, reward functions and tools import, the dataset has the columns the
-rollout needs, and the folders and SQLite files the run writes can be created and opened.
+resolves (a Hub id is downloaded here, once, before any server starts) and its layers can be
+packed, the loop class, reward functions and tools import, the dataset has the columns the
+rollout needs, the folders and SQLite files the run writes can be created and opened, and a Hub
+push (``export.push_to_hub``) has a repository id and a token.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.hub import check_push
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +101,18 @@ def check_tracking(cfg: RunConfig) -> None:
 
 
 def check_model(cfg: RunConfig) -> None:
-    """Raise ``ConfigError`` when ``model.name`` is neither a registry name nor a folder with a config.json."""
-    from grpo_core.models import registry_names
+    """Resolve ``model.name`` (find a folder or download a Hub id; registry names need nothing) and
+    check that every layer of it can run on packed tree rows (built on the meta device, no weights read).
 
-    name = cfg.model.name
-    if name in registry_names() or (Path(name).expanduser() / "config.json").is_file():
-        return
-    raise ConfigError(f"model.name={name!r} is neither a registry name ({', '.join(registry_names())}) "
-                      "nor a local folder with a config.json; fix model.name")
+    Raises:
+        ConfigError: the name does not resolve, or a layer cannot be packed (the layer type named).
+    """
+    from grpo_core.models import registry_names, resolve_model_dir
+    from grpo_core.train.packable import check_model_folder
+
+    if cfg.model.name in registry_names() and cfg.model.revision is None:
+        return  # packable architectures, built (seconds to a minute) by the first process that needs them
+    check_model_folder(resolve_model_dir(cfg.model), cfg.model.name, cfg.token_budget())
 
 
 #: Rows of a prompt dataset checked before the run (all of a smaller one; the scan says when it stopped short).
@@ -240,13 +247,20 @@ def check_run(cfg: RunConfig) -> None:
     """
     from grpo_core.rollout.build import loop_class_and_config
     from grpo_core.rollout.data import import_object
+    from grpo_core.rollout.tools import resolve_response_template
 
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_model(cfg)
+    if cfg.server.backend == "vllm":
+        from grpo_core.serving.vllm import choose_backend
+
+        choose_backend(cfg)  # vLLM must be installed
     loop_class_and_config(cfg.rollout)
     for name in cfg.rollout.tools:
         import_object(name, "rollout.tools")
+    resolve_response_template(cfg.rollout.response_template)
     check_dataset(cfg)
     check_chat_template(cfg)
+    check_push(cfg)
     logger.info("run config checked: model %s, dataset %s", cfg.model.name, cfg.rollout.dataset)

@@ -9,7 +9,14 @@ flow run finds and continues it. Artifacts of a run:
   ``tracking.checkpoint_artifact_max_mib``, else only its ``rollout_state.json`` and a
   ``checkpoint_uri.txt`` naming where the folder lies;
 * ``resume/rollout_state.json``: the latest resume state;
-* ``plots/reward_curve.png`` and ``model/`` at the end.
+* ``completions/step_NNNNNNN.json`` (with ``tracking.log_completions``): one bounded table per
+  logging window (``mlflow.log_table``: prompt, completion, reward, advantage, ...);
+* ``plots/reward_curve.png`` and ``model/`` at the end: the exported Hugging Face folder
+  (``from_pretrained`` on the downloaded folder loads it), registered as a new version of
+  ``tracking.registered_model_name`` with the alias ``tracking.registered_model_alias``.
+
+System metrics of the trainer (``system/*``: CPU, memory, disk, network, and GPU when NVML sees
+one) are sampled by MLflow's ``SystemMetricsMonitor`` while the sink is open.
 
 The trainer logs through :class:`MlflowSink` (a ``grpo_core.metrics.MetricsSink``): metrics and
 checkpoint uploads go to a background thread, so the training loop never waits on MLflow.
@@ -43,18 +50,37 @@ FLOW_RUN_TAG = "grpo.flow_run_id"
 DEPLOYMENT_TAG = "grpo.deployment"
 RESUMED_FROM_TAG = "grpo.resumed_from"
 LATEST_STEP_TAG = "grpo.latest_checkpoint_step"
+MODEL_KIND_TAG = "grpo.model_kind"
+MODEL_ARTIFACT = "model"
 CHECKPOINT_URI_FILE = "checkpoint_uri.txt"
 _MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 _PARAM_MAX_CHARS = 6000
 
 
+_READY_STORES: set[str] = set()
+
+
 def client(tc: TrackingConfig) -> MlflowClient:
-    """An MLflow client on the configured tracking URI (the SQLite store is created on first use)."""
-    if tc.tracking_uri is None:
-        tc.dir.mkdir(parents=True, exist_ok=True)
+    """An MLflow client on the configured tracking URI.
+
+    The embedded SQLite store is created (or migrated) on first use under a file lock beside it:
+    two runs starting at once on a fresh store (the nightly run and a UI run) would otherwise both
+    run MLflow's schema migrations and one would fail.
+    """
+    uri = tc.resolved_tracking_uri()
     # Process-wide too: MLflow's internal clients (artifact repositories) otherwise open ./mlflow.db.
-    mlflow.set_tracking_uri(tc.resolved_tracking_uri())
-    return MlflowClient(tracking_uri=tc.resolved_tracking_uri())
+    mlflow.set_tracking_uri(uri)
+    if tc.tracking_uri is not None or uri in _READY_STORES:
+        return MlflowClient(tracking_uri=uri)
+    from filelock import FileLock
+
+    tc.dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(tc.dir / "mlflow.db.lock")):
+        mc = MlflowClient(tracking_uri=uri)
+        mc.search_experiments(max_results=1)  # opens the tracking store: creates and migrates its tables
+        mc.search_registered_models(max_results=1)  # and the model registry's store on the same database
+        _READY_STORES.add(uri)
+    return mc
 
 
 def experiment_id(tc: TrackingConfig, mc: MlflowClient) -> str:
@@ -231,25 +257,69 @@ def log_file(tc: TrackingConfig, run_id: str, path: Path, artifact_dir: str) -> 
     client(tc).log_artifact(run_id, str(path), artifact_dir)
 
 
-def log_model(tc: TrackingConfig, run_id: str, model_dir: Path, adapter: bool = False) -> None:
-    """Log the trained model with the transformers flavour (``model/``), or a LoRA adapter folder (``adapter/``).
+def log_model(tc: TrackingConfig, run_id: str, model_dir: Path, adapter: bool = False) -> str:
+    """Log the exported Hugging Face folder as the run's ``model/`` artifact.
 
-    A PEFT adapter folder has no base weights for the flavour to load, so it is logged as files. When the
-    flavour fails on a full model, the folder is logged as files under ``model_files/``.
+    ``transformers.AutoModelForCausalLM.from_pretrained`` (or, for a LoRA adapter,
+    ``peft.AutoPeftModelForCausalLM.from_pretrained``) on the downloaded folder loads it; the tag
+    ``grpo.model_kind`` says which (``full`` or ``lora_adapter``).
+
+    Returns:
+        The artifact URI of the folder (the source of a registered model version).
     """
-    if adapter:
-        client(tc).log_artifacts(run_id, str(model_dir), "adapter")
-        return
-    try:
-        import mlflow.transformers
+    mc = client(tc)
+    mc.log_artifacts(run_id, str(model_dir), MODEL_ARTIFACT)
+    mc.set_tag(run_id, MODEL_KIND_TAG, "lora_adapter" if adapter else "full")
+    return f"{mc.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL_ARTIFACT}"
 
-        client(tc)
-        with mlflow.start_run(run_id=run_id, log_system_metrics=False):
-            mlflow.transformers.log_model(transformers_model=str(model_dir), name="model", task="text-generation")
-    except Exception as exc:  # noqa: BLE001 - the flavour is optional; the files are what matter
-        logger.warning("transformers flavour failed (%s: %s); logging %s as plain files", type(exc).__name__,
-                       exc, model_dir)
-        client(tc).log_artifacts(run_id, str(model_dir), "model_files")
+
+def register_model(tc: TrackingConfig, run_id: str, source: str, description: str = ""):  # noqa: ANN201 - ModelVersion
+    """Register ``source`` as a new version of ``tc.registered_model_name`` and move ``tc.registered_model_alias`` to it.
+
+    Args:
+        tc: tracking settings (registry name and alias).
+        run_id: the run that produced the model (linked from the version).
+        source: artifact URI of the model folder (:func:`log_model`'s return value).
+        description: the version's description (e.g. the run's rewards).
+
+    Returns:
+        The new ``mlflow.entities.model_registry.ModelVersion``; ``models:/NAME@ALIAS`` now resolves to it.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+
+    mc, name = client(tc), tc.registered_model_name
+    try:
+        mc.create_registered_model(name, description="GRPO-trained policies (grpo-flow)")
+    except MlflowException as exc:
+        if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+    version = mc.create_model_version(name, source=source, run_id=run_id, description=description,
+                                      tags={MODEL_KIND_TAG: mc.get_run(run_id).data.tags.get(MODEL_KIND_TAG, "")})
+    mc.set_registered_model_alias(name, tc.registered_model_alias, version.version)
+    logger.info("registered %s version %s (alias %r)", name, version.version, tc.registered_model_alias)
+    return version
+
+
+def run_url(tc: TrackingConfig, run_id: str) -> str:
+    """The run's page in the MLflow UI (``tc.resolved_ui_url()``)."""
+    experiment = client(tc).get_run(run_id).info.experiment_id
+    return f"{tc.resolved_ui_url()}/#/experiments/{experiment}/runs/{run_id}"
+
+
+def completions_table(rows: list[dict[str, Any]], max_chars: int) -> dict[str, list[Any]]:
+    """Rows (dicts) as the columns ``mlflow.log_table`` takes; text cells cut to ``max_chars`` (marked ``…``)."""
+    columns: dict[str, list[Any]] = {}
+    for row in rows:
+        for key in row:
+            columns.setdefault(key, [])
+    for row in rows:
+        for key, values in columns.items():
+            value = row.get(key)
+            if isinstance(value, str) and len(value) > max_chars:
+                value = value[:max_chars - 1] + "…"
+            values.append(value)
+    return columns
 
 
 class MlflowSink:
@@ -276,6 +346,17 @@ class MlflowSink:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
         self._thread.start()
+        self._monitor = self._start_system_metrics() if tc.log_system_metrics else None
+
+    def _start_system_metrics(self):  # noqa: ANN202 - mlflow's SystemMetricsMonitor
+        """MLflow's sampler of ``system/*`` metrics (steps continue those already in the run)."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        client(self.tc)
+        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.tc.system_metrics_interval_s,
+                                       resume_logging=True, tracking_uri=self.tc.resolved_tracking_uri())
+        monitor.start()
+        return monitor
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Feed the inner sink and queue the step for MLflow."""
@@ -288,8 +369,15 @@ class MlflowSink:
         """Queue a checkpoint folder for upload (called by the trainer after each save)."""
         self._queue.put(("checkpoint", step, Path(path)))
 
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Queue one logging window's completion sample as the table ``completions/step_NNNNNNN.json``."""
+        if rows and step > self.skip_through:
+            self._queue.put(("completions", step, rows))
+
     def close(self) -> None:
-        """Wait for queued uploads, then close the inner sink."""
+        """Stop the system metrics sampler, wait for queued uploads, then close the inner sink."""
+        if self._monitor is not None:
+            self._monitor.finish()
         self._queue.put(None)
         self._thread.join()
         if self.inner is not None:
@@ -302,6 +390,9 @@ class MlflowSink:
             try:
                 if kind == "metrics":
                     self._log_metrics(mc, step, payload)
+                elif kind == "completions":
+                    table = completions_table(payload, self.tc.completion_max_chars)
+                    mc.log_table(self.run_id, data=table, artifact_file=f"completions/step_{step:07d}.json")
                 else:
                     log_checkpoint(self.tc, self.run_id, payload)
             except Exception as exc:  # noqa: BLE001 - tracking must not stop training; counted and logged
@@ -331,5 +422,6 @@ class MlflowSink:
                                            metric.key, str(exc).splitlines()[0])
 
 
-__all__ = ["MetricNames", "MlflowSink", "download_latest_checkpoint", "end_run", "find_run", "flatten",
-           "log_checkpoint", "log_file", "log_model", "mlflow_safe_name", "start_run"]
+__all__ = ["MetricNames", "MlflowSink", "completions_table", "download_latest_checkpoint", "end_run", "find_run",
+           "flatten", "log_checkpoint", "log_file", "log_model", "mlflow_safe_name", "register_model", "run_url",
+           "start_run"]

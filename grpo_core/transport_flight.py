@@ -199,6 +199,11 @@ class FlightSource:
         self._dropped_since_metrics = 0
         return out
 
+    def completions(self) -> list[dict]:
+        """The rollout's sampled completion rows since the last call (``tracking.log_completions``)."""
+        rows = self._action("completions")
+        return rows if isinstance(rows, list) else []
+
     def close(self) -> None:
         """Ask the rollout process to stop, close the connection, and join the process if it is ours."""
         if self._closed:

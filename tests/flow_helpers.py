@@ -7,6 +7,8 @@ from pathlib import Path
 
 import httpx
 
+from grpo_core.serving.client import backoff_delay
+
 ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -30,7 +32,7 @@ def varied_reward(completion_ids, **_):
 
 class RetryTransport(httpx.HTTPTransport):
     """Retries the answers a loaded Prefect server gives for a moment (429/502/503), as Prefect's own
-    client does (PREFECT_CLIENT_MAX_RETRIES); anything else, and the last attempt, is returned as is."""
+    client does (PREFECT_CLIENT_MAX_RETRIES, with jittered backoff); anything else, and the last attempt, is returned as is."""
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         for attempt in range(6):
@@ -38,7 +40,7 @@ class RetryTransport(httpx.HTTPTransport):
             if response.status_code not in (429, 502, 503) or attempt == 5:
                 return response
             response.close()
-            time.sleep(0.5 * 2**attempt)
+            time.sleep(backoff_delay(attempt, 0.5, 8.0))
         raise AssertionError("unreachable")
 
 

@@ -198,3 +198,157 @@ def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
         expect(page.get_by_text("Completed", exact=True).first).to_be_visible(timeout=60_000)
         browser.close()
     assert run["state_type"] == "COMPLETED", run["state"]["message"]
+
+
+def test_work_pool_and_gpu_limit_are_created_through_the_client(api, stack):
+    pool = api.http.get("/work_pools/grpo-process").json()
+    assert pool["type"] == "process"
+    limit = api.http.get("/v2/concurrency_limits/gpu").json()
+    assert limit["limit"] == 1 and limit["active"]  # no GPU here: one slot
+    stack.ensure_pool()  # idempotent: the second call keeps the pool
+    assert api.http.get("/work_pools/grpo-process").json()["id"] == pool["id"]
+
+
+def _task_runs(api: Api, flow_run_id: str) -> dict[str, dict]:
+    response = api.http.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    response.raise_for_status()
+    return {t["name"].rsplit("-", 1)[0]: t for t in response.json()}
+
+
+def _parse_time(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.fixture(scope="module")
+def two_runs(api, tmp):
+    """Two runs of grpo-train/demo started at once (as the nightly schedule and a UI run would), registering
+    their models and logging completion tables."""
+    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 4, "save_steps": 2},
+                          tracking={"registered_model_name": "grpo-tiny", "log_completions": True,
+                                    "num_completions_to_print": 3, "system_metrics_interval_s": 2})
+    ids = [api.run_deployment("demo", params).json()["id"] for _ in range(2)]
+    runs = [api.wait(i, timeout_s=900) for i in ids]
+    for run in runs:
+        assert run["state_type"] == "COMPLETED", run["state"]["message"] + "\n" + api.logs(run["id"])[-3000:]
+    return runs
+
+
+def test_gpu_limit_serialises_two_simultaneous_runs(api, two_runs):
+    spans = []
+    for run in two_runs:
+        tasks = _task_runs(api, run["id"])
+        spans.append((_parse_time(tasks["provision_servers"]["start_time"]), _parse_time(tasks["train"]["end_time"])))
+    (first_start, first_end), (second_start, second_end) = sorted(spans)
+    assert second_start >= first_end, f"the runs held GPUs at the same time: {spans}"
+    logs = "\n".join(api.logs(run["id"]) for run in two_runs)
+    assert "waiting for 1 slot(s) of the global concurrency limit 'gpu'" in logs
+
+
+def test_rollout_task_runs_beside_train_for_the_whole_run(api, two_runs):
+    run = two_runs[0]
+    tasks = _task_runs(api, run["id"])
+    rollout, train = tasks["rollout"], tasks["train"]
+    assert rollout["state_type"] == "COMPLETED" and train["state_type"] == "COMPLETED"
+    assert _parse_time(rollout["start_time"]) <= _parse_time(train["start_time"])
+    # The rollout process lives until the trainer, done training, shuts it down just before exiting.
+    metrics = Path(run["parameters"]["config"]["train"]["output_dir"]) / run["id"] / "metrics.jsonl"
+    assert _parse_time(rollout["end_time"]) >= metrics.stat().st_mtime, "the rollout task ended before training did"
+    assert _parse_time(rollout["end_time"]) <= _parse_time(train["end_time"]) + 5
+
+
+def test_flow_run_publishes_artifacts(api, two_runs, tmp):
+    run = two_runs[1]
+    response = api.http.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    response.raise_for_status()
+    by_key = {a["key"]: a for a in response.json()}
+    assert {"grpo-mlflow-run", "grpo-progress", "grpo-summary", "grpo-reward-curve"} <= set(by_key)
+    _, mlflow_run_id = _mlflow_run(tmp, run["id"])
+    assert by_key["grpo-mlflow-run"]["type"] == "markdown" and mlflow_run_id in by_key["grpo-mlflow-run"]["data"]
+    assert by_key["grpo-progress"]["type"] == "progress" and by_key["grpo-progress"]["data"] == 100.0
+    summary = {row["quantity"]: row["value"] for row in json.loads(by_key["grpo-summary"]["data"])}
+    assert summary["optimizer steps"] == "4" and summary["MLflow run id"] == mlflow_run_id
+    assert "data:image/png;base64," in by_key["grpo-reward-curve"]["data"]
+
+
+def test_runs_register_model_versions_and_log_tables_and_system_metrics(two_runs, tmp):
+    from transformers import AutoModelForCausalLM
+
+    mc, first = _mlflow_run(tmp, two_runs[0]["id"])
+    _, second = _mlflow_run(tmp, two_runs[1]["id"])
+    versions = {v.run_id: int(v.version) for v in mc.search_model_versions("name='grpo-tiny'")}
+    assert set(versions) == {first, second}
+    newest = max(versions, key=versions.get)
+    assert mc.get_model_version_by_alias("grpo-tiny", "candidate").run_id == newest
+    tables = [a.path for a in mc.list_artifacts(second, "completions")]
+    assert tables and all(t.endswith(".json") for t in tables)
+    table = mc.load_table(mc.get_run(second).info.experiment_id, tables[0], run_ids=[second])
+    assert 1 <= len(table) <= 3 and {"prompt", "completion", "reward", "advantage"} <= set(table.columns)
+    assert "system/cpu_utilization_percentage" in mc.get_run(second).data.metrics
+    import mlflow
+
+    path = mlflow.artifacts.download_artifacts("models:/grpo-tiny@candidate", dst_path=str(tmp / "candidate"))
+    assert AutoModelForCausalLM.from_pretrained(path).config.model_type == "qwen3"
+    assert (Path(path) / "README.md").read_text().count("grpo") >= 1
+
+
+def test_provision_retries_only_server_start_failures(stack, tmp):
+    import socket
+    import threading
+
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.grpo_train import RESOLVED_CONFIG, _stop, provision_servers
+    from grpo_core.config import load_config
+
+    def run_dir_for(name: str, overrides: list[str]) -> str:
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
+        root = tmp / name
+        root.mkdir()
+        cfg.train.output_dir, cfg.server.log_dir = root, root / "servers"
+        (root / RESOLVED_CONFIG).write_text(cfg.model_dump_json())
+        return str(root)
+
+    @flow(name="provision-only")
+    def provision_only(run_dir: str) -> list[str]:
+        return provision_servers.with_options(retries=1, retry_delay_seconds=1)(run_dir)
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    busy = run_dir_for("busy-port", [f"server.port={port}"])
+    log = Path(busy) / "servers" / "embedded-replica0.log"
+
+    def free_port_after_first_failure() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "already in use" not in (log.read_text() if log.exists() else "").lower():
+            time.sleep(0.2)
+        holder.close()
+
+    freer = threading.Thread(target=free_port_after_first_failure, daemon=True)
+    freer.start()
+    with temporary_settings({PREFECT_API_URL: stack.api_url}):
+        try:
+            urls = provision_only(busy)
+        finally:
+            _stop(busy)
+        bad = run_dir_for("no-vllm", ["server.backend=vllm"])
+        state = provision_only(bad, return_state=True)
+    freer.join(timeout=5)
+    assert urls == [f"http://127.0.0.1:{port}"]
+    assert state.is_failed() and "vllm is not installed" in str(state.result(raise_on_failure=False))
+    api, deadline = Api(stack.api_url), time.monotonic() + 120
+    while True:  # task-run states reach the API as events, a moment after the flow returned
+        counts = {}
+        for run in api.http.post("/flow_runs/filter", json={"flows": {"name": {"any_": ["provision-only"]}}}).json():
+            for task_run in api.http.post("/task_runs/filter",
+                                          json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json():
+                if task_run["state_type"] in ("COMPLETED", "FAILED"):
+                    counts[run["parameters"]["run_dir"]] = task_run["run_count"]
+        if counts == {busy: 2, bad: 1} or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert counts == {busy: 2, bad: 1}, counts  # retried after the start failure only

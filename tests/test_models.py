@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +18,11 @@ from grpo_core.config import ModelConfig
 from grpo_core.errors import ConfigError
 from grpo_core.models import load_model, load_tokenizer, registry_names, resolve_model_dir, smollm2_gguf_path
 
+from hub_helpers import FakeHub
+
 
 def test_registry_names():
-    assert registry_names() == ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen3", "random-qwen3-0.6b"]
+    assert registry_names() == ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen3", "tiny-qwen3.5", "random-qwen3-0.6b"]
 
 
 def test_random_qwen3_shape_is_qwen3_0_6b_with_the_smollm2_vocabulary():
@@ -55,7 +61,8 @@ def test_smollm2_loads_and_answers_sensibly():
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
 
 
-@pytest.mark.parametrize("name, model_type", [("tiny-llama", "llama"), ("tiny-qwen3", "qwen3")])
+@pytest.mark.parametrize("name, model_type", [("tiny-llama", "llama"), ("tiny-qwen3", "qwen3"),
+                                              ("tiny-qwen3.5", "qwen3_5_text")])
 def test_tiny_models_are_seeded_real_architectures(name, model_type):
     folder = resolve_model_dir(ModelConfig(name=name, seed=3))
     model, tokenizer = load_model(ModelConfig(name=name, seed=3))
@@ -103,3 +110,66 @@ def test_cache_dir_default_is_overridable(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert ModelConfig().resolved_cache_dir() == tmp_path / "xdg" / "grpo-flow"
     assert ModelConfig(cache_dir=tmp_path / "x").resolved_cache_dir() == tmp_path / "x"
+
+
+REPO = "grpo-test/tiny-qwen3.5"
+
+
+@pytest.fixture
+def hub(tmp_path):
+    """Two revisions of a tiny Qwen3.5 served as a Hub repository, and an empty Hub cache folder."""
+    revisions = {"main": resolve_model_dir(ModelConfig(name="tiny-qwen3.5")),
+                 "v2": resolve_model_dir(ModelConfig(name="tiny-qwen3.5", seed=1))}
+    with FakeHub({REPO: revisions}) as server:
+        yield server, revisions, tmp_path / "hf"
+
+
+def _resolve(name: str, cache, endpoint: str, offline: bool = False, revision: str | None = None):
+    """``resolve_model_dir`` in a fresh process (huggingface_hub reads HF_* at import, as in a real run)."""
+    code = ("from grpo_core.config import ModelConfig; from grpo_core.models import resolve_model_dir; "
+            f"print(resolve_model_dir(ModelConfig(name={name!r}, revision={revision!r})))")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "1" if offline else "0",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_hub_id_downloads_into_the_hub_cache_and_resolves_offline_from_it(hub, monkeypatch):
+    from huggingface_hub import constants
+
+    server, revisions, cache = hub
+    main, v2 = (_resolve(REPO, cache, server.url, revision=r) for r in (None, "v2"))
+    assert main.returncode == 0 and v2.returncode == 0, main.stderr[-2000:] + v2.stderr[-2000:]
+    main, v2 = Path(main.stdout.strip()), Path(v2.stdout.strip())
+    # huggingface_hub's own cache layout: models--owner--name/snapshots/<commit>/, refs/<revision>
+    repo_cache = cache / "models--grpo-test--tiny-qwen3.5"
+    assert main == repo_cache / "snapshots" / FakeHub.commit(REPO, "main")
+    assert v2 == repo_cache / "snapshots" / FakeHub.commit(REPO, "v2")
+    assert (repo_cache / "refs" / "v2").read_text() == FakeHub.commit(REPO, "v2")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (main / name).read_bytes() == (revisions["main"] / name).read_bytes()
+    served = server.requests
+    server.stop()  # no Hub any more: offline (HF_HUB_OFFLINE=1), and online with the Hub unreachable
+    for offline in (True, False):
+        again = _resolve(REPO, cache, server.url, offline=offline, revision="v2")
+        assert again.returncode == 0 and Path(again.stdout.strip()) == v2, again.stderr[-2000:]
+    assert server.requests == served
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    model, tokenizer = load_model(ModelConfig(name=REPO, revision="v2"))
+    reference, _ = load_model(ModelConfig(name="tiny-qwen3.5", seed=1))
+    assert type(model).__name__ == "Qwen3_5ForCausalLM" and len(tokenizer) == 49152
+    assert torch.equal(model.get_input_embeddings().weight, reference.get_input_embeddings().weight)
+
+
+def test_hub_id_errors_name_the_field_and_the_fix(hub):
+    server, _, cache = hub
+    nope = _resolve("grpo-test/nope", cache, server.url)
+    assert nope.returncode != 0 and "model.name='grpo-test/nope'" in nope.stderr and "no such model" in nope.stderr
+    bad = _resolve(REPO, cache, server.url, revision="v9")
+    assert "model.revision='v9'" in bad.stderr and "no such revision; fix model.revision" in bad.stderr
+    server.stop()
+    for offline, why in ((False, "could not be reached"), (True, "HF_HUB_OFFLINE is set")):
+        missing = _resolve(REPO, cache, server.url, offline=offline)  # neither the Hub nor the cache has it
+        assert missing.returncode != 0 and why in missing.stderr and "hf download grpo-test/tiny-qwen3.5" in missing.stderr
+    with pytest.raises(ConfigError, match="model.revision='v2' applies to Hub ids only"):
+        resolve_model_dir(ModelConfig(name="tiny-qwen3.5", revision="v2"))

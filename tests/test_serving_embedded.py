@@ -243,6 +243,11 @@ def test_lora_versions_side_by_side_then_unloaded(server, tmp_path):
     assert len({tuple(base_out[0].logprobs), tuple(v1[0].logprobs), tuple(v2[0].logprobs)}) == 3
     assert gone.status == 404 and still[0].token_ids == v2[0].token_ids
     assert len(run(_complete(server, PROMPTS[0], max_tokens=4, temperature=0))[0].token_ids) >= 1
+    # Unloading the active adapter (pol-v1, loaded first) and decoding with the byte-level BPE tokenizer
+    # must not warn: the server hands the active role over first and never asks for WordPiece clean-up.
+    log = server.spec.log_path.read_text(errors="replace")
+    assert "was active which is now deleted" not in log
+    assert "clean_up_tokenization_spaces" not in log
 
 
 def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):

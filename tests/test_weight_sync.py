@@ -1,6 +1,7 @@
 """Weight sync to a real embedded server: after the trainer's syncs, the server samples
 from the trained weights (full weights via disk, and LoRA adapter versions)."""
 
+import json
 import subprocess
 
 import numpy as np
@@ -67,6 +68,17 @@ def test_lora_sync_serves_each_adapter_version(tmp_path):
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), adapter)
     torch.testing.assert_close(served, local_logprobs(model, tokens), atol=2e-4, rtol=0)
     assert np.isfinite(served.numpy()).all()
+    # Written by PEFT's save_pretrained: its own config fields and model card, not a hand-made JSON.
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["base_model_name_or_path"]
+    assert (adapter / "README.md").is_file() and "peft" in (adapter / "README.md").read_text().lower()
+    # The exported adapter at the end is the last synced version, with the tokenizer beside it.
+    final = out / "final_model"
+    exported = load_file(final / "adapter_model.safetensors")
+    assert exported.keys() == load_file(adapter / "adapter_model.safetensors").keys()
+    for name, tensor in load_file(adapter / "adapter_model.safetensors").items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)
+    assert (final / "tokenizer_config.json").is_file()
 
 
 def test_vllm_names_gain_base_layer_only_with_lora():

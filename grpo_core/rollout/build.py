@@ -13,6 +13,7 @@ from grpo_core.errors import ConfigError
 
 from .data import default_rewards, import_object, load_dataset
 from .loop import LoopRuntime, RolloutLoop
+from .tools import resolve_response_template
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,8 @@ def config_rewards(rollout: RolloutConfig, passed: list[Any] = (), with_dataset_
     return rewards
 
 
-async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
-    """The loop of ``job`` (a ``RolloutJob``), ready for ``drive``."""
+async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None) -> RolloutLoop:
+    """The loop of ``job`` (a ``RolloutJob``), ready for ``drive``; ``completions`` = the table sample or None."""
     from transformers import AutoTokenizer
 
     from grpo_core.models import resolve_model_dir
@@ -72,6 +73,9 @@ async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
     rollout = run.rollout
     cls, config = loop_class_and_config(rollout, job.loop_class)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(run.model))
+    template = resolve_response_template(rollout.response_template)
+    if template is not None:
+        tokenizer.response_template = template
     environment_factory = _environment_factory(rollout, job.environment_factory)
     dataset = job.dataset
     if dataset is None and rollout.dataset is None and environment_factory is not None:
@@ -94,7 +98,7 @@ async def build_loop(job: Any, queue: Any, window: Any) -> RolloutLoop:
                           max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
                           reward_functions=rewards, tools=tools,
                           environment_factory=environment_factory,
-                          resume=job.resume, window=window, lora_name=_lora_name(run))
+                          resume=job.resume, window=window, lora_name=_lora_name(run), completions=completions)
     if not rewards and runtime.environment_factory is None:
         logger.warning("no reward function and no environment: every group is unscored and dropped; "
                        "set rollout.reward_functions")

@@ -8,8 +8,9 @@ Flight server (its own gRPC threads) serves them to the trainer:
   group as one Sample-schema batch (whole groups only). The schema metadata carries
   ``grpo.consumed`` (JSON list of prompts finished without a sample) and ``grpo.exhausted``.
 - ``DoAction``: ``report`` ``{"policy_version", "tokens_consumed"}`` (token allowance),
-  ``metrics`` (JSON metric window), ``heartbeat`` (seconds since the loop last ticked, the
-  failure traceback if it failed), ``shutdown``.
+  ``metrics`` (JSON metric window), ``completions`` (JSON list of the window's sampled
+  completion rows; empty unless ``tracking.log_completions``), ``heartbeat`` (seconds since the
+  loop last ticked, the failure traceback if it failed), ``shutdown``.
 
 Nothing but Arrow and JSON crosses the wire (DESIGN.md §3).
 """
@@ -30,7 +31,7 @@ from grpo_core.packing import Sample, sample_schema, samples_to_arrow
 from grpo_core.transport_flight import META_CONSUMED, META_EXHAUSTED
 
 from .pace import TokenAllowance
-from .window import MetricWindow
+from .window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
 
@@ -117,13 +118,16 @@ class RolloutFlightServer(flight.FlightServerBase):
         window: the rollout metric window (drained by ``metrics``).
         generated_tokens: returns the loop's running count of generated tokens.
         on_shutdown: called when the trainer asks the process to stop.
+        completions: the completion-table sample (drained by ``completions``), or None.
     """
 
     def __init__(self, location: str, queue: SampleQueue, window: MetricWindow,
-                 generated_tokens: Callable[[], int], on_shutdown: Callable[[], None]) -> None:
+                 generated_tokens: Callable[[], int], on_shutdown: Callable[[], None],
+                 completions: CompletionSample | None = None) -> None:
         super().__init__(location)
         self.queue = queue
         self.window = window
+        self.completions = completions
         self.generated_tokens = generated_tokens
         self.on_shutdown = on_shutdown
         self._rate_mark = (time.monotonic(), 0)
@@ -142,7 +146,9 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return [("report", "trainer feedback: policy version, tokens consumed by the last step"),
-                ("metrics", "rollout metric window as JSON"), ("heartbeat", "liveness of the rollout loop"),
+                ("metrics", "rollout metric window as JSON"),
+                ("completions", "the window's sampled completion rows as JSON"),
+                ("heartbeat", "liveness of the rollout loop"),
                 ("shutdown", "stop the rollout process")]
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action):
@@ -152,6 +158,8 @@ class RolloutFlightServer(flight.FlightServerBase):
             answer: object = {"ok": True}
         elif action.type == "metrics":
             answer = self._metrics()
+        elif action.type == "completions":
+            answer = self.completions.drain() if self.completions is not None else []
         elif action.type == "heartbeat":
             answer = {"age_s": time.monotonic() - self.queue.last_beat, "failure": self.queue.failure,
                       "finished": self.queue.finished, "running": self.queue.running}

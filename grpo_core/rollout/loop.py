@@ -27,10 +27,10 @@ from grpo_core.transport import ResumeState
 
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards
-from .scoring import group_samples, group_tokens, log_completions, score_group
+from .scoring import completion_rows, group_samples, group_tokens, log_completions, score_group
 from .tools import EnvironmentPool, environment_tools, parse_tool_calls, run_tool_calls, tool_name, tool_schemas
 from .types import Rollout, RolloutGroup, TurnRecord, reconcile_turns
-from .window import MetricWindow
+from .window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ class LoopRuntime:
         allowance: token allowance shared with the Flight server.
         resume: prompts to skip (already trained) and where to start.
         lora_name: LoRA runs: the trainer's adapter name; policy version v >= 1 is served as ``{name}-v{v}``.
+        completions: the logging window's completion sample (``tracking.log_completions``), or None.
     """
 
     tokenizer: Any
@@ -85,6 +86,7 @@ class LoopRuntime:
     resume: ResumeState | None = None
     window: MetricWindow = field(default_factory=MetricWindow)
     lora_name: str | None = None
+    completions: CompletionSample | None = None
 
 
 class RolloutLoop:
@@ -136,7 +138,7 @@ class RolloutLoop:
             reply = {"role": "assistant", "content": turn.text}
             messages.append(reply)
             completion.append(reply)
-            parsed = parse_tool_calls(turn.text) if tools else []
+            parsed = parse_tool_calls(turn.text, self.tokenizer, turn.output_ids, turn.prompt_ids) if tools else []
             if not parsed or turn.finish_reason != "stop":
                 break
             limit = self.config.max_tool_calling_iterations
@@ -260,6 +262,9 @@ class RolloutLoop:
         self.window.add("rollout/group_count", 1)
         log_group_rewards(self.window, group, dropped)
         log_completions(group, self.window, with_tools=bool(self.runtime.tools or self.environments))
+        if self.runtime.completions is not None:
+            for row in completion_rows(group, advantages):
+                self.runtime.completions.offer(row)
         samples = [] if dropped else group_samples(group, advantages, self.config.num_sampler_logprobs > 0)
         tokens = group_tokens([s.input_ids for s in samples] if samples
                               else [seq.input_ids for seqs in sequences for seq in seqs])

@@ -129,15 +129,16 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     """
     from .flight import RolloutFlightServer, SampleQueue
     from .pace import TokenAllowance
-    from .window import MetricWindow
+    from .window import CompletionSample, MetricWindow
 
-    rollout = job.config.rollout
+    rollout, tracking = job.config.rollout, job.config.tracking
     allowance = TokenAllowance(rollout.max_staleness, rollout.first_step_tokens)
     if job.resume is not None:
         allowance.policy_version = job.resume.policy_version
         allowance.trainer_step = job.resume.step
     queue = SampleQueue(allowance, with_topk=rollout.num_sampler_logprobs > 0)
     window = MetricWindow()
+    completions = CompletionSample(tracking.num_completions_to_print, rollout.seed) if tracking.log_completions else None
     stop = threading.Event()
     state: dict[str, Any] = {}
 
@@ -149,7 +150,7 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
 
     server = RolloutFlightServer(f"grpc://{rollout.flight_host}:{rollout.flight_port}", queue, window,
                                  lambda: state["rollout_loop"].generated_tokens if "rollout_loop" in state else 0,
-                                 shutdown)
+                                 shutdown, completions)
     # Bound to every interface: advertise this host's name, which a trainer elsewhere can resolve.
     host = socket.getfqdn() if rollout.flight_host in ("0.0.0.0", "::", "") else rollout.flight_host
     location = f"grpc://{host}:{server.port}"
@@ -158,7 +159,7 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     try:
         if on_ready is not None:
             on_ready(location)
-        asyncio.run(_main(job, queue, window, state))
+        asyncio.run(_main(job, queue, window, state, completions))
         queue.finish()
         logger.info("rollout loop finished every prompt; serving the rest until shutdown")
     except asyncio.CancelledError:
@@ -202,13 +203,13 @@ def _linger(stop: threading.Event, timeout_s: float | None) -> None:
             return
 
 
-async def _main(job: RolloutJob, queue: Any, window: Any, state: dict[str, Any]) -> None:
+async def _main(job: RolloutJob, queue: Any, window: Any, state: dict[str, Any], completions: Any = None) -> None:
     from .build import build_loop
 
     state["loop"] = asyncio.get_running_loop()
     from .driver import drive
 
-    rollout_loop = await build_loop(job, queue, window)
+    rollout_loop = await build_loop(job, queue, window, completions)
     await _wait_for_served_version(rollout_loop, queue, job.config.rollout.rollout_worker_timeout_s)
     queue.beat()  # building (tokenizer, dataset) blocked the event loop: count from here
     queue.running = True

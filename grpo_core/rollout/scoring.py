@@ -106,6 +106,34 @@ def log_completions(group: RolloutGroup, window: MetricWindow, with_tools: bool)
         window.add_many("tools/loop_exhausted_frac", [float(r.loop_exhausted) for r in group.rollouts])
 
 
+def _message_text(messages: list[dict[str, Any]]) -> str:
+    """A conversation as text: one message's content alone, several as ``role: content`` lines."""
+    if len(messages) == 1:
+        return str(messages[0].get("content", ""))
+    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
+
+
+def completion_rows(group: RolloutGroup, advantages: np.ndarray) -> list[dict[str, Any]]:
+    """One table row per rollout of a scored group (seed manual, ``log_completions``).
+
+    Columns: ``prompt_index``, ``policy_version``, ``prompt`` and ``completion`` (text), ``reward``
+    (NaN = unscored), ``advantage``, ``completion_tokens``, ``finish_reason``, and ``reward/<source>``
+    per reward source.
+    """
+    assert group.rewards is not None
+    rows = []
+    for i, rollout in enumerate(group.rollouts):
+        row: dict[str, Any] = {"prompt_index": group.prompt_index, "policy_version": group.policy_version,
+                               "prompt": _message_text(group.prompts[i]),
+                               "completion": _message_text(rollout.completion),
+                               "reward": float(group.rewards[i]), "advantage": float(advantages[i]),
+                               "completion_tokens": len(rollout.completion_ids),
+                               "finish_reason": rollout.turns[-1].finish_reason if rollout.turns else ""}
+        row.update({f"reward/{name}": float(values[i]) for name, values in group.source_rewards.items()})
+        rows.append(row)
+    return rows
+
+
 def _token_lists(entries: list[dict[int, float]] | list[list[int]]) -> TokenLists:
     """CSR ``TokenLists`` from one entry per token: ``{id: logprob}`` (top-k) or a list of ids (candidate set)."""
     offsets = np.zeros(len(entries) + 1, dtype=np.int32)

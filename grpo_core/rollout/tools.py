@@ -2,7 +2,11 @@
 
 - A tool is a sync or async function with type hints and a Google-style docstring;
   transformers builds its JSON schema (``get_json_schema``) and the chat template shows it.
-- The model calls tools in the ChatML/Qwen form ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``.
+- A reply's tool calls are read with transformers' response parsing (``tokenizer.parse_response``)
+  when the tokenizer has a ``response_template`` (its own, or ``rollout.response_template``: a
+  template dict or a built-in name of :data:`RESPONSE_TEMPLATES`: ``hermes`` for Qwen/Hermes
+  ``<tool_call>{…}</tool_call>``, ``mistral`` for ``[TOOL_CALLS][{…}]``, ``llama3`` for
+  ``<|python_tag|>{"name", "parameters"}``); otherwise with a regex for the Hermes form.
 - An environment class has ``reset(**row) -> str | None``, optional ``get_reward()`` (sync or
   async) and public methods, which become its tools. Instances are pooled: one per rollout
   in flight, reused after ``reset``.
@@ -35,8 +39,110 @@ class ToolCall:
     error: str | None = None
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Tool calls in a model's reply, in the order it made them."""
+def _function_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+#: Response templates (transformers' ``response_template`` format, version 1) of common tool-call formats,
+#: for tokenizers that ship none; ``rollout.response_template`` names one.
+RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
+    "hermes": {  # Qwen2.5/Qwen3, Hermes, SmolLM3: <tool_call>{"name", "arguments"}</tool_call>, optional <think>
+        "start_anchor": "<|im_start|>assistant\n", "defaults": {"role": "assistant"},
+        "fields": {
+            "content": {"content": "text", "close": "<|im_end|>"},
+            "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+            "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                           "transform": _function_call("{content.name}", "{content.arguments}")},
+        },
+    },
+    "mistral": {  # Mistral/Mixtral instruct: [TOOL_CALLS][{"name", "arguments"}, ...] to the end of the reply
+        "start_anchor": "[/INST]", "defaults": {"role": "assistant"},
+        "fields": {
+            "content": {"content": "text", "close_pattern": r"</s>"},
+            "tool_calls": {"open": "[TOOL_CALLS]", "close_pattern": r"</s>|\Z", "content": "json",
+                           "transform_each": True, "transform": _function_call("{name}", "{arguments}")},
+        },
+    },
+    "llama3": {  # Llama 3.1-3.3 JSON tool calling: <|python_tag|>{"name", "parameters"} up to <|eom_id|>/<|eot_id|>
+        "start_anchor": "<|start_header_id|>assistant<|end_header_id|>", "defaults": {"role": "assistant"},
+        "fields": {
+            "content": {"content": "text", "close_pattern": r"<\|eot_id\|>"},
+            "tool_calls": {"open": "<|python_tag|>", "close_pattern": r"<\|eom_id\|>|<\|eot_id\|>|\Z",
+                           "content": "json", "repeats": True,
+                           "transform": _function_call("{content.name}", "{content.parameters}")},
+        },
+    },
+}
+
+
+def resolve_response_template(spec: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """``rollout.response_template`` as a template dict (a built-in name, or a dict checked by transformers).
+
+    Raises:
+        ConfigError: an unknown name, or a dict transformers rejects (its message says what is wrong).
+    """
+    from grpo_core.errors import ConfigError
+
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec not in RESPONSE_TEMPLATES:
+            raise ConfigError(f"rollout.response_template={spec!r} is not a built-in template "
+                              f"({', '.join(RESPONSE_TEMPLATES)}); name one or give a template dict")
+        return RESPONSE_TEMPLATES[spec]
+    from transformers.utils.chat_parsing.response_templates import load_response_template
+
+    try:
+        load_response_template(spec)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.response_template is not a valid transformers response template: {exc}") from None
+    return spec
+
+
+def parse_tool_calls(text: str, tokenizer: Any = None, output_ids: list[int] | None = None,
+                     prompt_ids: list[int] | None = None) -> list[ToolCall]:
+    """Tool calls in a model's reply, in the order it made them.
+
+    With a tokenizer that has a ``response_template``, the reply is parsed by ``tokenizer.parse_response``
+    (from ``output_ids`` when given, so special tokens such as ``[TOOL_CALLS]`` are seen, with the prompt
+    as prefix); otherwise the Hermes ``<tool_call>{json}</tool_call>`` form is read from ``text``.
+
+    Args:
+        text: the decoded reply (special tokens skipped).
+        tokenizer: the policy's tokenizer (None = the regex).
+        output_ids: the reply's token ids.
+        prompt_ids: the prompt's token ids (the parser's prefix: templates may pre-write part of the reply).
+
+    Returns:
+        One :class:`ToolCall` per call; a call that cannot be read has ``error`` set (reported to the model).
+    """
+    if getattr(tokenizer, "response_template", None) is not None:
+        return _parse_with_template(tokenizer, text if output_ids is None else output_ids, prompt_ids)
+    return _parse_hermes(text)
+
+
+def _parse_with_template(tokenizer: Any, response: str | list[int], prompt_ids: list[int] | None) -> list[ToolCall]:
+    try:
+        message = tokenizer.parse_response(response, prefix=prompt_ids if prompt_ids is not None else "")
+    except (ValueError, KeyError, TypeError) as exc:  # a region that is not valid JSON, a missing key
+        return [ToolCall("", {}, error=f"invalid tool call: {exc}"[:400])]
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        name, args = function.get("name"), function.get("arguments", {})
+        try:
+            if isinstance(args, str):
+                args = json.loads(args) if args.strip() else {}
+            if not isinstance(name, str) or not isinstance(args, dict):
+                raise TypeError("name must be a string and arguments an object")
+            calls.append(ToolCall(name, args))
+        except (ValueError, TypeError) as exc:
+            calls.append(ToolCall("", {}, error=f"invalid tool call {str(call)[:200]}: {exc}"))
+    return calls
+
+
+def _parse_hermes(text: str) -> list[ToolCall]:
+    """The regex fallback: ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` blocks."""
     calls = []
     for body in _TOOL_CALL.findall(text):
         try:

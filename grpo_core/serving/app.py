@@ -198,7 +198,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         await done
         tok = state.tokenizer
         return completion_response(request, name, seqs, tok.convert_ids_to_tokens,
-                                   lambda ids: tok.decode(ids, skip_special_tokens=True))
+                                   # vLLM's detokenizer never runs WordPiece space clean-up; neither do we.
+                                   lambda ids: tok.decode(ids, skip_special_tokens=True,
+                                                          clean_up_tokenization_spaces=False))
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(state))

@@ -1,7 +1,8 @@
 """Async HTTP client of a generation server: real vLLM or the embedded server, same code.
 
 One ``httpx.AsyncClient`` with a connection pool sized to the rollout's concurrency cap.
-Connection errors, timeouts and 5xx answers are retried with exponential backoff and
+Connection errors, timeouts and 5xx answers are retried with exponential backoff and full
+jitter (:func:`backoff_delay`, so many rollouts failing together do not retry in lockstep) and
 counted in ``retry_count`` (logged as ``rollout/vllm_retry_count``, seed manual, rollout
 metrics); after the retry budget a ``ServerUnavailableError`` names the URL. 4xx answers
 are not retried: they raise ``ServerRequestError`` with vLLM's error message.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,23 @@ from grpo_core.errors import ServerRequestError, ServerUnavailableError
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
 logger = logging.getLogger(__name__)
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): exponential backoff with full jitter.
+
+    A uniform draw in ``[0, min(cap_s, base_s * 2**attempt)]`` ("full jitter", M. Brooker,
+    "Exponential Backoff And Jitter", AWS Architecture Blog, 2015): clients that failed together
+    spread their retries over the whole window instead of hitting a recovering server at once.
+
+    Args:
+        attempt: retries already made (0 for the first retry).
+        base_s: upper bound of the first delay, in seconds.
+        cap_s: largest upper bound, in seconds.
+        rng: source of randomness (default: the ``random`` module's).
+    """
+    bound = min(cap_s, base_s * 2**attempt)
+    return (rng or random).uniform(0.0, bound)
 
 
 @dataclass(frozen=True)
@@ -112,8 +131,9 @@ class GenerationClient:
         max_connections: connection pool size; set it to the rollout concurrency cap.
         timeout_s: per-request timeout in seconds (a timed-out request is retried).
         max_retries: retries after connection errors, timeouts and 5xx answers.
-        backoff_s: first retry delay in seconds; doubles per retry up to ``max_backoff_s``.
-        max_backoff_s: largest retry delay in seconds.
+        backoff_s: upper bound of the first retry delay in seconds; doubles per retry up to
+            ``max_backoff_s``; each delay is drawn uniformly below its bound (:func:`backoff_delay`).
+        max_backoff_s: largest bound of a retry delay in seconds.
     """
 
     def __init__(self, base_url: str, *, max_connections: int = 512, timeout_s: float = 1800.0,
@@ -153,7 +173,7 @@ class GenerationClient:
             if attempt == self.max_retries:
                 break
             self.retry_count += 1
-            delay = min(self.backoff_s * 2**attempt, self.max_backoff_s)
+            delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s)
             logger.warning("%s %s%s failed (%s); retry %d/%d in %.1f s", method, self.base_url, path, last,
                            attempt + 1, self.max_retries, delay)
             await asyncio.sleep(delay)

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (names follow ``vllm serve`` where one exists)."""
     p = argparse.ArgumentParser(prog="python -m grpo_core.serving.embedded",
                                 description="vLLM-compatible generation server on transformers (CPU or CUDA).")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="registry name or local HF folder")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="registry name, local HF folder or Hub id")
+    p.add_argument("--revision", default=None, help="Hub ids: branch, tag or commit (from the Hub cache)")
     p.add_argument("--served-model-name", default=None, help="name clients use in 'model' (default: --model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--cache-dir", type=Path, default=None, help="folder for converted models")
@@ -93,7 +94,7 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
         logger.warning("default sampling parameters overridden by the generation config (%s): %s; requests that "
                        "omit these fields use them (--generation-config vllm for neutral defaults)",
                        args.generation_config, defaults)
-    state = ServerState(engine=engine, tokenizer=tokenizer, weights=WeightManager(engine, args.max_lora_rank),
+    state = ServerState(engine=engine, tokenizer=tokenizer, weights=WeightManager(engine, args.max_lora_rank, model_dir),
                         model_name=server_cfg.served_model_name or model_cfg.name,
                         model_path=str(model_dir), max_logprobs=server_cfg.max_logprobs,
                         max_loras=args.max_loras, generation_config=args.generation_config, default_sampling=defaults)
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        model_cfg = ModelConfig(name=args.model, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.model_seed)
+        model_cfg = ModelConfig(name=args.model, revision=args.revision, dtype=args.dtype, cache_dir=args.cache_dir,
+                                seed=args.model_seed)
         server_cfg = ServerConfig(backend="embedded", host=args.host, port=args.port,
                                   served_model_name=args.served_model_name, max_model_len=args.max_model_len,
                                   max_num_seqs=args.max_num_seqs, kv_cache_size_tokens=args.kv_cache_size_tokens,

@@ -1,4 +1,5 @@
-"""Batched decode engine of the embedded server: continuous batching over a padded KV cache.
+"""Batched decode engine of the embedded server: continuous batching over a padded KV cache
+(and per-sequence convolution + recurrent states for the linear-attention layers of hybrids).
 
 One background thread owns the model. Each step it either admits waiting sequences and
 prefills them together (left-padded), merging their KV cache into the running batch, or
@@ -24,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from transformers import DynamicCache
 
+from grpo_core.serving.cache import BatchCache, left_pad, new_cache
 from grpo_core.serving.sampling import RowSampling, sample_tokens
 
 logger = logging.getLogger(__name__)
@@ -80,42 +81,27 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
-def _left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    pad = length - t.shape[dim]
-    if pad <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = pad
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
 @dataclass
 class _Batch:
-    """The running batch: B rows, KV cache ``[B, H_kv, T, D]`` per layer, mask ``[B, T]`` (1 = real token)."""
+    """The running batch: B rows, their decode state (:class:`BatchCache`), mask ``[B, T]`` (1 = real token)."""
 
     rows: list[Sequence]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    kv: BatchCache
     mask: torch.Tensor
     next_ids: torch.Tensor  # [B] int64: last sampled token, not yet in the cache
 
     def merge(self, other: _Batch) -> _Batch:
-        """Join two batches, left-padding the shorter cache to the longer one."""
+        """Join two batches, left-padding the shorter attention cache and mask to the longer one."""
         length = max(self.mask.shape[1], other.mask.shape[1])
-        kv = [
-            (torch.cat([_left_pad(k1, length, 2), _left_pad(k2, length, 2)]),
-             torch.cat([_left_pad(v1, length, 2), _left_pad(v2, length, 2)]))
-            for (k1, v1), (k2, v2) in zip(self.kv, other.kv, strict=True)
-        ]
-        mask = torch.cat([_left_pad(self.mask, length, 1), _left_pad(other.mask, length, 1)])
-        return _Batch(self.rows + other.rows, kv, mask, torch.cat([self.next_ids, other.next_ids]))
+        mask = torch.cat([left_pad(self.mask, length, 1), left_pad(other.mask, length, 1)])
+        return _Batch(self.rows + other.rows, self.kv.merge(other.kv), mask, torch.cat([self.next_ids, other.next_ids]))
 
     def select(self, keep: list[int]) -> _Batch:
         """Keep rows ``keep`` and drop leading cache columns that are padding in every row."""
         index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         mask = self.mask[index]
         start = int(mask.any(dim=0).long().argmax()) if mask.numel() else 0
-        kv = [(k[index, :, start:], v[index, :, start:]) for k, v in self.kv]
-        return _Batch([self.rows[i] for i in keep], kv, mask[:, start:], self.next_ids[index])
+        return _Batch([self.rows[i] for i in keep], self.kv.select(index, start), mask[:, start:], self.next_ids[index])
 
 
 class Engine:
@@ -301,15 +287,14 @@ class Engine:
         self._retire_finished()
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 kv: list[tuple[torch.Tensor, torch.Tensor]] | None, rows: list[Sequence]) -> tuple[torch.Tensor, list]:
-        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache()
+                 kv: BatchCache | None, rows: list[Sequence]) -> tuple[torch.Tensor, BatchCache]:
+        cache = kv.to_dynamic_cache(self.model.config) if kv else new_cache(self.model.config)
         kwargs: dict[str, Any] = {}
         if self.use_adapters:
             kwargs["adapter_names"] = [seq.adapter or BASE_ADAPTER for seq in rows]
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
-        new_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return out.logits[:, -1], new_kv
+        return out.logits[:, -1], BatchCache.from_dynamic_cache(out.past_key_values)
 
     def _prefill(self, seqs: list[Sequence]) -> _Batch:
         length = max(len(s.prompt_ids) for s in seqs)

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
-from grpo_core.errors import ConfigError, ServingError
+from grpo_core.errors import ConfigError, ServerStartError, ServingError
 from grpo_core.serving.sampling_defaults import sampling_problems
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,14 @@ def vllm_available() -> bool:
 
 
 def choose_backend(config: RunConfig) -> str:
-    """``vllm`` or ``embedded`` for ``server.backend`` (``auto`` falls back to embedded, logged)."""
+    """``vllm`` or ``embedded`` for ``server.backend`` (``auto`` falls back to embedded, logged).
+
+    Raises:
+        ConfigError: ``server.backend`` is ``vllm`` but vLLM is not installed (no retry could fix that).
+    """
+    if config.server.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("server.backend is 'vllm' but vllm is not installed here; install it "
+                          "(pip install vllm) or set server.backend to 'auto' or 'embedded'")
     if config.server.backend != "auto":
         return config.server.backend
     if vllm_available():
@@ -186,6 +193,8 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
             "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm"]
     if model.cache_dir is not None:
         argv += ["--cache-dir", str(model.cache_dir)]
+    if model.revision is not None:
+        argv += ["--revision", model.revision]
     if server.kv_cache_size_tokens:
         argv += ["--kv-cache-size-tokens", str(server.kv_cache_size_tokens)]
     env = {"HF_HUB_OFFLINE": "1"}
@@ -223,13 +232,13 @@ def wait_healthy(handle: ServerHandle, timeout_s: float) -> str:
     """Wait until the replica answers ``/health`` 200; returns its base URL.
 
     Raises:
-        ServingError: the process exited, or ``timeout_s`` passed (the replica is stopped);
+        ServerStartError: the process exited, or ``timeout_s`` passed (the replica is stopped);
             the message holds the log's tail.
     """
     spec, deadline = handle.spec, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if handle.process.poll() is not None:
-            raise ServingError(f"{spec.backend} replica {spec.replica} exited with code {handle.process.returncode}; "
+            raise ServerStartError(f"{spec.backend} replica {spec.replica} exited with code {handle.process.returncode}; "
                                f"log {spec.log_path}:\n{log_tail(spec.log_path)}")
         port = spec.port
         if spec.port_file is not None and spec.port_file.is_file() and spec.port_file.read_text().strip():
@@ -244,7 +253,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float) -> str:
                 pass
         time.sleep(0.5)
     handle.stop()
-    raise ServingError(f"{spec.backend} replica {spec.replica} not healthy after {timeout_s:.0f} s "
+    raise ServerStartError(f"{spec.backend} replica {spec.replica} not healthy after {timeout_s:.0f} s "
                        f"(server.startup_timeout_s); log {spec.log_path}:\n{log_tail(spec.log_path)}")
 
 

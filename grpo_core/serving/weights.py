@@ -4,13 +4,19 @@ Both run between decode steps (``Engine.exclusive``). Full-weight updates read a
 checkpoint-format folder (``*.safetensors`` as written by ``save_pretrained``, one file or
 shards) and copy each tensor into the live parameter of the same name, so running
 sequences continue on the new weights, as on vLLM. Names may carry PEFT's ``.base_layer``
-segment or ``base_model.model.`` prefix (vLLM with ``--enable-lora`` needs the same mapping);
-they are mapped back to the base model's names.
+segment or ``base_model.model.`` prefix (vLLM with ``--enable-lora`` needs the same mapping),
+or be the checkpoint's names where transformers renamed weights on load (Qwen3.5's
+``model.language_model.…``); they are mapped back to the base model's names. Tensors of parts the
+server never loaded (a VLM's vision tower) are skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +51,20 @@ class WeightManager:
         max_lora_rank: largest adapter rank accepted (as vLLM's ``--max-lora-rank``).
     """
 
-    def __init__(self, engine: Engine, max_lora_rank: int = 512) -> None:
+    def __init__(self, engine: Engine, max_lora_rank: int = 512, model_path: str | Path | None = None) -> None:
         self.engine = engine
         self.base = engine.model
         self.max_lora_rank = max_lora_rank
         self.params: dict[str, torch.Tensor] = dict(self.base.state_dict(keep_vars=True))
+        self.aliases: dict[str, str] = {}
+        self.not_loaded: set[str] = set()
+        if model_path is not None:  # the checkpoint's names (e.g. Qwen3.5's model.language_model.…) → the model's
+            from grpo_core.text_model import checkpoint_keys, checkpoint_name_map
+
+            names = checkpoint_name_map(self.base, model_path)
+            self.aliases = {ckpt: own for own, ckpt in names.items() if ckpt != own}
+            # parts of the checkpoint this server never loaded (a VLM's vision tower): kept as they are
+            self.not_loaded = checkpoint_keys(model_path) - set(names.values())
         self.adapters: dict[str, str] = {}
         self.peft: Any = None
 
@@ -71,7 +86,9 @@ class WeightManager:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    incoming[canonical_name(key)] = f.get_tensor(key)
+                    name = canonical_name(key)
+                    if name not in self.not_loaded:
+                        incoming[self.aliases.get(name, name)] = f.get_tensor(key)
         unknown = sorted(set(incoming) - set(self.params))
         if unknown:
             raise ServingError(f"{len(unknown)} tensors in {path} match no model parameter, e.g. {unknown[:3]}")
@@ -100,19 +117,40 @@ class WeightManager:
         rank = LoraConfig.from_pretrained(path).r
         if rank > self.max_lora_rank:
             raise AdapterError(f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.", 400)
-        with self.engine.exclusive():
+        with self.engine.exclusive(), self._in_model_names(path) as folder:
             if self.peft is None:
-                self.peft = PeftModel.from_pretrained(self.base, path, adapter_name=name, is_trainable=False)
+                self.peft = PeftModel.from_pretrained(self.base, folder, adapter_name=name, is_trainable=False)
                 self.peft.eval()
                 self.engine.model = self.peft
                 self.engine.use_adapters = True
             else:
-                self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
+                self.peft.load_adapter(folder, adapter_name=name, is_trainable=False)
                 if not self.adapters:  # the wrapper was bypassed after its last adapter left
                     self.peft.set_adapter(name)
                     self.engine.model, self.engine.use_adapters = self.peft, True
             self.adapters[name] = path
         logger.info("loaded LoRA adapter %s (r=%d) from %s", name, rank, path)
+
+    @contextlib.contextmanager
+    def _in_model_names(self, path: str) -> Iterator[str]:
+        """``path``, or a temporary copy of the adapter whose tensor names are this model's where the
+        adapter uses the checkpoint's (Qwen3.5's ``model.language_model.…``, as vLLM needs them): PEFT's
+        own mapping back misses names whose renamed form is a suffix of the original."""
+        from safetensors.torch import load_file, save_file
+
+        from grpo_core.text_model import rename_module_key
+
+        file = Path(path) / "adapter_model.safetensors"
+        prefix = "base_model.model."
+        tensors = load_file(str(file)) if self.aliases and file.is_file() else {}
+        renamed = {prefix + rename_module_key(k.removeprefix(prefix), self.aliases): v for k, v in tensors.items()}
+        if renamed.keys() == tensors.keys():
+            yield path
+            return
+        with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
+            shutil.copy2(Path(path) / "adapter_config.json", tmp)
+            save_file(renamed, str(Path(tmp) / "adapter_model.safetensors"), metadata={"format": "pt"})
+            yield tmp
 
     def unload_adapter(self, name: str) -> None:
         """Remove adapter ``name``; requests naming it get 404 afterwards.
@@ -123,6 +161,11 @@ class WeightManager:
         if name not in self.adapters:
             raise AdapterError(f"The lora adapter '{name}' cannot be found.", 404)
         with self.engine.exclusive():
+            remaining = [a for a in self.adapters if a != name]
+            if remaining and name in self.peft.active_adapters:
+                # Requests name their adapter, so which one is "active" does not matter here; but PEFT
+                # warns when the active adapter is deleted: hand the role to the newest one first.
+                self.peft.set_adapter(remaining[-1])
             self.peft.delete_adapter(name)
             del self.adapters[name]
             if not self.adapters:

@@ -16,7 +16,9 @@ from pathlib import Path
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments."""
     p = argparse.ArgumentParser(prog="python -m grpo_core.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, type=Path, help="run config (YAML or JSON)")
+    p.add_argument("--config", required=True, type=Path, help="run config (YAML, JSON or TOML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. train.max_steps=5 (repeatable; values are YAML scalars)")
     p.add_argument("--server-url", action="append", default=[], help="generation server to sync weights to")
     return p.parse_args(argv)
 
@@ -25,8 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = parse_args(argv)
     from grpo_core.config import load_config
+    from grpo_core.errors import ConfigError
 
-    cfg = load_config(args.config)
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)  # noqa: T201 - command-line error before logging is set up
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: %(message)s")
     from .run import run_trainer
 

@@ -18,7 +18,7 @@ transformers forwards it to every attention layer.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +37,14 @@ class TreeMask:
             only themselves and nobody sees them).
         dense: ``bool[1, 1, L, L]`` visibility for SDPA, or None on the flex path.
         block_mask: FlexAttention ``BlockMask`` on CUDA, or None.
+        recurrence: recurrent-layer plans of this row by convolution kernel size, filled on first
+            use by ``grpo_core.train.recurrent`` (Gated DeltaNet hybrids).
     """
 
     subtree_end: Tensor
     dense: Tensor | None = None
     block_mask: object | None = None
+    recurrence: dict = field(default_factory=dict)
 
     @property
     def length(self) -> int:

@@ -17,10 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.config import LoraConfig, ModelConfig
+from grpo_core.text_model import load_text_model, text_decoder
 
 from .attention import TREE_ATTENTION, TreeMask, dense_tree_mask, register_tree_attention
 from .logprobs import HeadLoss, LossTerms, TokenLogProbs, candidate_mask, fused_grpo_loss, projected_logprobs
 from .loss import LossSettings
+from .packable import check_packable
+from .recurrent import install_tree_recurrence
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +80,10 @@ class Policy(nn.Module):
         """
         base = self.base()
         if tree_mask.dense is None and tree_mask.block_mask is None:
-            tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end))
-        out = base.model(input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask,
-                         use_cache=False)
+            tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end),
+                                 recurrence=tree_mask.recurrence)
+        out = text_decoder(base)(input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask,
+                                 use_cache=False)
         hidden = out.last_hidden_state[0]
         weight = base.get_output_embeddings().weight
         if loss is not None:
@@ -146,13 +150,23 @@ def _as_logprobs(out: tuple[Tensor, ...]) -> TokenLogProbs:
 
 
 def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 lora: LoraConfig, temperature: float, chunk_size: int) -> Policy:
-    """Load the LM with tree attention, optionally add LoRA, and wrap it in :class:`Policy` (unsharded;
-    checkpointing, compilation and sharding come after, :func:`grpo_core.train.parallelize`)."""
-    from transformers import AutoModelForCausalLM
+                 lora: LoraConfig, temperature: float, chunk_size: int, max_len: int | None = None) -> Policy:
+    """Load the LM (a VLM's language model, ``grpo_core.text_model``) with tree attention and tree
+    recurrence, optionally add LoRA, and wrap it in :class:`Policy` (unsharded; checkpointing,
+    compilation and sharding come after, :mod:`grpo_core.train.parallelize`).
 
+    Args:
+        max_len: longest sequence of a packed row in tokens (for the packability check of windowed
+            attention); None = the model's ``max_position_embeddings``.
+
+    Raises:
+        ConfigError: a layer of the model cannot run on packed tree rows (``grpo_core.train.packable``).
+    """
     register_tree_attention()
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=TREE_ATTENTION)
+    lm = load_text_model(model_dir, dtype=dtype, attn_implementation=TREE_ATTENTION)
+    text_cfg = lm.config.get_text_config()
+    check_packable(lm, model_cfg.name, max_len or getattr(text_cfg, "max_position_embeddings", 1 << 20))
+    num_recurrent = install_tree_recurrence(lm)
     lm.config.use_cache = False
     if lora.enabled:
         from peft import LoraConfig as PeftLoraConfig
@@ -162,6 +176,6 @@ def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, 
                                                target_modules=lora.target_modules, task_type="CAUSAL_LM"))
     policy = Policy(lm, temperature, chunk_size).to(device)
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s)", model_cfg.name, n_train / 1e6, dtype,
-                lora.enabled)
+    logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s, %d Gated DeltaNet layers on tree rows)",
+                model_cfg.name, n_train / 1e6, dtype, lora.enabled, num_recurrent)
     return policy

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
 from grpo_core.metrics import JsonlSink
+from grpo_core.models import resolve_model_dir
 from grpo_core.transport import ResumeState
 
 from .distributed import init_world
@@ -36,18 +37,20 @@ def make_weight_sync(cfg: RunConfig, server_urls: list[str]):
     if not server_urls:
         return NoWeightSync()
     tc = cfg.train
+    model_dir = resolve_model_dir(cfg.model)
     if tc.lora.enabled:
-        return LoraAdapterSync(server_urls, tc.output_dir, tc.lora.name, cfg.rollout.max_staleness)
+        return LoraAdapterSync(server_urls, tc.output_dir, tc.lora.name, cfg.rollout.max_staleness, model_dir=model_dir)
     kinds = {server_backend(u) for u in server_urls}
     if kinds == {"embedded"}:
-        return DiskFullWeightSync(server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1)
+        return DiskFullWeightSync(server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1, model_dir=model_dir)
     if kinds != {"vllm"}:
         raise ConfigError("--server-url mixes vLLM and embedded servers; use one kind per run")
     if cfg.server.weight_transfer_backend is None:
         raise ConfigError("server.weight_transfer_backend is None: vLLM servers need 'ipc' (same GPU) or 'nccl'")
     from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
 
-    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=cfg.server.enable_lora)
+    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=cfg.server.enable_lora,
+                                  model_dir=model_dir)
 
 
 def make_source(cfg: RunConfig, resume: ResumeState | None):

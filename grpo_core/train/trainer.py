@@ -6,7 +6,8 @@ step (also after a resume) every length bucket is compiled (:meth:`Trainer.warmu
 One step: ``collect_step`` (rank 0 plans, every rank receives its rows over the CPU
 control group) → ``forward_backward`` per micro-batch (the fused log-prob head) →
 ``optimizer_step`` → ``sync_weights`` (every ``weight_sync_steps``) → ``save`` (every
-``save_steps``). The step's statistics stay on the device and are logged during the
+``save_steps``); at the end a last ``save`` and ``export`` (the Hugging Face folder
+``final_model/``). The step's statistics stay on the device and are logged during the
 next step (:mod:`grpo_core.train.step_stats`), so the device keeps working while the
 host plans, hands off rows and logs.
 """
@@ -34,10 +35,11 @@ from .distributed import ROW, STOP, World, broadcast_header, scatter_rows
 from .loss import LossSettings
 from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, shard
 from .planner import PlannedStep, Planner
+from .export import export_final_model
 from .policy import build_policy
 from .rows import bucket_length, length_buckets, synthetic_row, to_tensors
-from .step_stats import Clock, PendingStats, reduce_step
-from .weight_sync import NoWeightSync, WeightSync
+from .step_stats import Clock, reduce_step
+from .weight_sync import NoWeightSync, WeightSync, full_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,8 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.train
         policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype),
                               device=self.world.device, lora=tc.lora, temperature=cfg.rollout.temperature,
-                              chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024))
+                              chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024),
+                              max_len=cfg.token_budget())
         apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled,
                              tc.compile_backend)
         policy.compile_head = self.compiled and on_cuda  # the head's kernels are only worth compiling on GPUs
@@ -254,10 +257,10 @@ class Trainer:
         done, ``train.max_steps``, and why it stopped early (None when it did not).
 
         Raises:
-            NothingToTrainError: (rank 0) the samples ended before this run's first step, or too many
+            NothingToTrainError: (rank 0) the samples ended before the run's first step, or too many
                 groups in a row were untrainable (``Planner``); the message names the counts and keys.
         """
-        tc, first = self.cfg.train, self.step
+        tc = self.cfg.train
         if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
             self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
         self.warmup()
@@ -274,13 +277,20 @@ class Trainer:
                 f"the samples ended after step {self.step} of train.max_steps={tc.max_steps} ({source})",
                 fixes=["set rollout.max_steps to cycle the dataset until the trainer stops, raise "
                        "rollout.num_epochs, or use a larger dataset (rollout.dataset_size for reasoning_gym)"])
-            if self.step == first:
+            if self.step == 0:  # a resumed run whose samples are all trained ends like any short run
                 raise NothingToTrainError(stopped_early)
         self.save()
+        self.export()
         if self.world.is_main:
             write_train_end(self.output_dir, self.step, tc.max_steps, stopped_early,
                             self.skipped_nonfinite_steps)
         return self.resume_state() if self.world.is_main else None
+
+    def export(self) -> Path | None:
+        """Write the trained model (or LoRA adapter) to ``<output_dir>/final_model`` with ``save_pretrained``
+        (collective: every rank gathers, rank 0 writes); returns the folder on rank 0."""
+        state_dict = full_state_dict(self.policy)
+        return export_final_model(self.policy, self.cfg, state_dict if self.world.is_main else None)
 
     def train_step(self) -> bool:
         """One optimizer step; False when there was nothing left to train."""
@@ -390,6 +400,14 @@ class Trainer:
                         metrics.get("perf/tokens_per_s", 0.0))
             if self.sink is not None:
                 self.sink.log(step, metrics)
+            self._log_completions(step)
+
+    def _log_completions(self, step: int) -> None:
+        """Hand the window's completion sample (from the rollout) to the sink's table (``tracking.log_completions``)."""
+        log_table = getattr(self.sink, "log_completions", None)
+        pull = getattr(self.source, "completions", None)
+        if self.cfg.tracking.log_completions and log_table is not None and pull is not None:
+            log_table(step, pull())
 
     def _mfu(self, forwarded_tokens: float, fwd_bwd_s: float) -> None:
         if self.world.device.type != "cuda" or fwd_bwd_s <= 0:

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -50,18 +51,21 @@ PAUSE_KEEP = {"mode": "keep"}
 RESET_ALL = {"reset_running_requests": "true"}
 
 
-def vllm_name(name: str, lora_names: bool) -> str:
-    """The trainer's parameter name as vLLM's loader expects it."""
+def vllm_name(name: str, lora_names: bool, name_map: dict[str, str] | None = None) -> str:
+    """The trainer's parameter name as vLLM's loader expects it: the name in the served checkpoint
+    (``name_map``, from :func:`grpo_core.text_model.checkpoint_name_map`; e.g. Qwen3.5's
+    ``model.language_model.…``), with ``.base_layer`` where vLLM wraps a layer for LoRA."""
     name = name.removeprefix("lm.")
+    name = name_map.get(name, name) if name_map else name
     return _LORA_WRAPPED.sub(r".\1.base_layer.\2", name) if lora_names else name
 
 
-def full_tensors(policy, lora_names: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def full_tensors(policy, lora_names: bool, name_map: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(vLLM name, full tensor on this rank's GPU)``, one parameter at a time (collective)."""
     for name, p in policy.named_parameters():
         t = p.detach()
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        yield vllm_name(name, lora_names), t
+        yield vllm_name(name, lora_names, name_map), t
 
 
 def ipc_update_body(update_info: Any) -> dict[str, Any]:
@@ -86,12 +90,16 @@ def ipc_update_body(update_info: Any) -> dict[str, Any]:
 
 
 class VllmWeightTransferSync:
-    """See module docs. ``urls``: the vLLM servers; ``backend``: ``ipc`` or ``nccl``."""
+    """See module docs. ``urls``: the vLLM servers; ``backend``: ``ipc`` or ``nccl``; ``model_dir``: the
+    checkpoint the servers loaded, whose tensor names the sync sends (None = the trainer's names)."""
 
-    def __init__(self, urls: list[str], backend: str = "ipc", lora_names: bool = False, timeout_s: float = 600.0):
+    def __init__(self, urls: list[str], backend: str = "ipc", lora_names: bool = False, timeout_s: float = 600.0,
+                 model_dir: str | Path | None = None):
         if backend not in ("ipc", "nccl"):
             raise ValueError(f"server.weight_transfer_backend must be 'ipc' or 'nccl', got {backend!r}")
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
+        self.model_dir = model_dir
+        self.name_map: dict[str, str] | None = None
         self.http = httpx.Client(timeout=timeout_s)
         self.groups: list = []
         self.initialised = False
@@ -132,6 +140,10 @@ class VllmWeightTransferSync:
                 was still sent finish, prefix-cache reset and resume.
         """
         t0 = time.perf_counter()
+        if self.name_map is None and self.model_dir is not None:
+            from grpo_core.text_model import checkpoint_name_map
+
+            self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
         paused: list[str] = []
         error: BaseException | None = None
         try:
@@ -177,9 +189,9 @@ class VllmWeightTransferSync:
             from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
             post = (lambda info: None) if skip_post else self._post_ipc_update
-            IPCWeightTransferEngine.trainer_send_weights(full_tensors(policy, self.lora_names), {"send_mode": post})
+            IPCWeightTransferEngine.trainer_send_weights(full_tensors(policy, self.lora_names, self.name_map), {"send_mode": post})
             return
-        tensors = list(full_tensors(policy, self.lora_names))  # full_tensor is collective: every rank gathers
+        tensors = list(full_tensors(policy, self.lora_names, self.name_map))  # full_tensor is collective: every rank gathers
         if rank != 0 or skip_post:
             return
         for index, url in enumerate(self.urls):

@@ -3,13 +3,14 @@
 Each sync makes one new policy version. Implementations:
 
 * :class:`DiskFullWeightSync`: full weights as a checkpoint-format folder
-  (safetensors, HF names) read by the embedded server's
+  (safetensors, the served checkpoint's tensor names) read by the embedded server's
   ``/start_weight_update → /update_weights {"path"} → /finish_weight_update``.
-* :class:`LoraAdapterSync`: a PEFT adapter saved to
+* :class:`LoraAdapterSync`: a PEFT adapter saved with ``PeftModel.save_pretrained`` to
   ``<output_dir>/.vllm_lora/<name>-v{N}`` (atomic rename), loaded on every
   server with ``/v1/load_lora_adapter``; the newest ``max_staleness + 1``
   versions stay loaded, older ones are unloaded and deleted. vLLM and the
-  embedded server take the same requests.
+  embedded server take the same requests. Adapter keys use the served
+  checkpoint's module names (see :meth:`LoraAdapterSync.checkpoint_keys`).
 
 Several servers: all or nothing. If one server fails, the new version is
 removed again from the servers that took it (adapters are unloaded; full
@@ -21,7 +22,6 @@ calls it (gathering a full state dict needs all ranks); rank 0 talks to servers.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import time
@@ -32,6 +32,8 @@ import torch
 from safetensors.torch import save_file
 
 from grpo_core.errors import ServingError
+
+from .export import publish, save_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +74,6 @@ def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _publish(tmp: Path, final: Path) -> Path:
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
-
-
 class _Servers:
     """Rank-0 helper running the same async call on every server."""
 
@@ -102,10 +98,12 @@ class _Servers:
 class DiskFullWeightSync:
     """Full weights through a shared folder (embedded server). See module docs."""
 
-    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2):
+    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None):
         self.servers = _Servers(urls)
         self.root = Path(output_dir) / ".weights"
         self.keep = max(keep, 2)
+        self.model_dir = model_dir
+        self.name_map: dict[str, str] | None = None
 
     def sync(self, policy, version: int, rank: int) -> dict[str, float]:
         """Gather, write ``v{version}``, then pause → update → resume on every server."""
@@ -118,8 +116,13 @@ class DiskFullWeightSync:
         tmp = self.root / f"v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        if self.model_dir is not None and self.name_map is None:
+            from grpo_core.text_model import checkpoint_name_map
+
+            self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
+        sd = {self.name_map.get(k, k): v for k, v in sd.items()} if self.name_map else sd
         save_file(untied(sd), tmp / "model.safetensors", metadata={"format": "pt"})
-        folder = _publish(tmp, self.root / f"v{version}")
+        folder = publish(tmp, self.root / f"v{version}")
         t2 = time.perf_counter()
         errors = self.servers.each(lambda c: self._update(c, str(folder)))
         if any(errors):
@@ -149,35 +152,39 @@ class DiskFullWeightSync:
 class LoraAdapterSync:
     """PEFT adapter versions on every server. See module docs."""
 
-    def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int):
+    def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int,
+                 model_dir: str | Path | None = None):
         self.servers = _Servers(urls)
         self.root = Path(output_dir) / ".vllm_lora"
         self.name = name
         self.keep = max_staleness + 1
         self.loaded: list[int] = []
+        self.model_dir = model_dir
+        self.name_map: dict[str, str] | None = None
+
+    def checkpoint_keys(self, lm, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Adapter keys under the served checkpoint's module names (Qwen3.5: ``model.language_model.…``),
+        which vLLM's LoRA loader maps like the checkpoint, and PEFT maps back when it loads the adapter
+        into transformers' renamed model (the embedded server)."""
+        if self.model_dir is None:
+            return adapter
+        from grpo_core.text_model import checkpoint_name_map, rename_module_key
+
+        if self.name_map is None:
+            self.name_map = checkpoint_name_map(lm.get_base_model(), self.model_dir)
+        prefix = "base_model.model."
+        return {prefix + rename_module_key(k.removeprefix(prefix), self.name_map): v for k, v in adapter.items()}
 
     def adapter_name(self, version: int) -> str:
         """Served model name of a version: ``{name}-v{version}``."""
         return f"{self.name}-v{version}"
 
     def save_adapter(self, policy, version: int) -> Path | None:
-        """Collective gather; rank 0 writes the adapter folder (PEFT format) atomically."""
-        from peft import get_peft_model_state_dict
-
+        """Collective gather; rank 0 writes the adapter folder with PEFT's ``save_pretrained``, atomically."""
         sd = full_state_dict(policy)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            lm = policy.lm
-            adapter = get_peft_model_state_dict(lm, state_dict=sd)
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / f"{self.adapter_name(version)}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            save_file(untied(adapter), tmp / "adapter_model.safetensors",
-                      metadata={"format": "pt"})
-            config = lm.peft_config["default"].to_dict()
-            config["target_modules"] = sorted(config["target_modules"]) if config.get("target_modules") else None
-            (tmp / "adapter_config.json").write_text(json.dumps(config, default=str, indent=1))
-            return _publish(tmp, self.root / self.adapter_name(version))
+            lm = policy.lm  # PEFT keeps only the lora_ entries of the (renamed) full state dict
+            return save_adapter(lm, self.checkpoint_keys(lm, sd), self.root / self.adapter_name(version))
         return None
 
     @staticmethod

@@ -1,0 +1,173 @@
+"""Take the README's screenshots of the Prefect and MLflow UIs with headless Chromium (playwright).
+
+``python scripts/ui_screenshots.py --out docs/`` starts a Prefect server and process worker on
+loopback (a temporary home), registers the deployments from ``configs/tiny.yaml`` (completion
+tables and the model registry on), starts two runs of ``grpo-train/demo`` at once (the second waits
+for the ``gpu`` concurrency slot), waits for both, serves the MLflow UI with ``grpo ui --mlflow``, and
+writes small PNGs: ``prefect-run-graph``, ``prefect-artifacts``, ``prefect-concurrency``,
+``mlflow-metrics``, ``mlflow-system-metrics``, ``mlflow-completions``, ``mlflow-registry``. Everything
+it started is stopped at the end. Needs Debian's ``chromium``; about ten minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+VIEWPORT = {"width": 1280, "height": 760}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_deployment(api: httpx.Client, name: str) -> str:
+    deployment = api.get(f"/deployments/name/grpo-train/{name}").json()
+    response = api.post(f"/deployments/{deployment['id']}/create_flow_run",
+                        json={"parameters": deployment["parameters"]})
+    response.raise_for_status()
+    return response.json()["id"]
+
+
+def _wait(api: httpx.Client, flow_run_id: str, timeout_s: float = 1200.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        run = api.get(f"/flow_runs/{flow_run_id}").json()
+        if run["state_type"] in TERMINAL:
+            return run
+        time.sleep(2.0)
+    raise TimeoutError(f"flow run {flow_run_id} did not finish")
+
+
+def _shoot(page, url: str | None, out: Path, wait_text: str | None = None, settle_ms: int = 4000) -> None:
+    if url is not None:
+        page.goto(url, timeout=120_000)
+    if wait_text:
+        page.get_by_text(wait_text).first.wait_for(timeout=120_000)
+    page.wait_for_timeout(settle_ms)
+    page.screenshot(path=str(out))
+    _shrink(out)
+    print(f"wrote {out} ({out.stat().st_size // 1024} KiB)")  # noqa: T201 - script output
+
+
+def _shrink(png: Path) -> None:
+    """Quantise to 128 colours: UI screenshots stay readable at a fraction of the size."""
+    from PIL import Image
+
+    with Image.open(png) as img:
+        img.convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(png, optimize=True)
+
+
+def prefect_shots(page, ui: str, flow_run_id: str, out: Path) -> None:
+    """Run graph and artifacts tab of a finished run."""
+    _shoot(page, f"{ui}/runs/flow-run/{flow_run_id}", out / "prefect-run-graph.png", "rollout", 8000)
+    page.goto(f"{ui}/runs/flow-run/{flow_run_id}", timeout=120_000)
+    page.get_by_text("Artifacts", exact=True).first.click(timeout=120_000)
+    _shoot(page, None, out / "prefect-artifacts.png", "grpo-summary")
+
+
+def mlflow_shots(page, ui: str, experiment: str, run_id: str, model: str, out: Path) -> None:
+    """Metrics, system metrics, a completion table, the registered model version."""
+    base = f"{ui}/#/experiments/{experiment}/runs/{run_id}"
+    _shoot(page, f"{base}/model-metrics", out / "mlflow-metrics.png", "reward")
+    _shoot(page, f"{base}/system-metrics", out / "mlflow-system-metrics.png", "cpu_utilization_percentage")
+    _shoot(page, f"{base}/artifacts/completions/step_0000004.json", out / "mlflow-completions.png", "completion")
+    _shoot(page, f"{ui}/#/models/{model}/versions/1", out / "mlflow-registry.png", "candidate")
+
+
+def main() -> int:
+    """Entry point; returns the exit code."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
+    p.add_argument("--reuse", type=Path, help="folder of an earlier invocation: screenshot its runs, start none")
+    args = p.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    from flows.processes import stop_tree
+    from flows.serve import PrefectStack
+    from grpo_core import tracking
+    from grpo_core.config import TrackingConfig
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.reuse or Path(tempfile.mkdtemp(prefix="grpo-shots-"))
+    model = "grpo-tiny"
+    overrides = [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}", "tracking.log_completions=true",
+                 f"tracking.registered_model_name={model}", "tracking.system_metrics_interval_s=2",
+                 "rollout.dataset_size=256"]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with PrefectStack(port=0, home=tmp / "prefect", extra_env=env) as stack, \
+            sync_playwright() as pw, httpx.Client(base_url=stack.api_url, timeout=30) as api:
+        browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport=VIEWPORT)
+        if args.reuse:
+            done = api.post("/flow_runs/filter", json={"sort": "START_TIME_ASC"}).json()
+            first, second = [r["id"] for r in done if r["state_type"] == "COMPLETED"][-2:]
+        else:
+            stack.register(ROOT / "configs" / "tiny.yaml", overrides=overrides)
+            first, second = _run_deployment(api, "demo"), _run_deployment(api, "demo")
+            _wait_slot_held(api)  # one run holds the gpu slot, the other waits for it
+            _shoot(page, f"{stack.ui_url}/concurrency-limits?tab=Global", args.out / "prefect-concurrency.png", "gpu")
+        runs = [_wait(api, first), _wait(api, second)]
+        assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"]["message"] for r in runs]
+        prefect_shots(page, stack.ui_url, second, args.out)
+        tc = TrackingConfig(dir=tmp / "mlflow", experiment_name="grpo-tiny")
+        run_id = tracking.find_run(tc, second)
+        experiment = tracking.client(tc).get_run(run_id).info.experiment_id
+        port = _free_port()
+        ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--mlflow", "--mlflow-port", str(port),
+                               "--config", str(_tracking_config(tmp))], cwd=ROOT, start_new_session=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/health")
+            mlflow_shots(page, f"http://127.0.0.1:{port}", experiment, run_id, model, args.out)
+        finally:
+            ui.send_signal(signal.SIGTERM)
+            ui.wait(timeout=60)
+            stop_tree(ui)
+        browser.close()
+    return 0
+
+
+def _wait_slot_held(api: httpx.Client, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and api.get("/v2/concurrency_limits/gpu").json()["active_slots"] < 1:
+        time.sleep(2.0)
+
+
+def _tracking_config(tmp: Path) -> Path:
+    path = tmp / "ui.yaml"
+    path.write_text(f"tracking:\n  dir: {tmp / 'mlflow'}\n  experiment_name: grpo-tiny\n")
+    return path
+
+
+def _wait_http(url: str, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(url)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""HTTP retries of the generation client back off with jitter (a real HTTP server answering 503)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from grpo_core.errors import ServerUnavailableError
+from grpo_core.serving.client import GenerationClient, backoff_delay
+
+
+def test_backoff_delay_is_uniform_below_the_exponential_bound():
+    rng = random.Random(0)
+    for attempt, bound in ((0, 0.5), (2, 2.0), (6, 8.0)):  # 0.5 * 2**6 = 32 is capped at 8
+        draws = [backoff_delay(attempt, 0.5, 8.0, rng) for _ in range(4000)]
+        assert 0.0 <= min(draws) and max(draws) <= bound
+        # Uniform on [0, bound]: mean bound/2, standard deviation bound/sqrt(12).
+        assert statistics.fmean(draws) == pytest.approx(bound / 2, rel=0.05)
+        assert statistics.pstdev(draws) == pytest.approx(bound / 12**0.5, rel=0.05)
+
+
+class _Unavailable(BaseHTTPRequestHandler):
+    arrivals: list[tuple[str, float]] = []
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.arrivals.append((self.headers.get("x-client", ""), time.monotonic()))
+        self.send_response(503)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+def test_clients_failing_together_do_not_retry_in_lockstep():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Unavailable)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    _Unavailable.arrivals = []
+
+    async def one(i: int) -> None:
+        async with GenerationClient(url, max_connections=2, timeout_s=10, max_retries=1, backoff_s=0.5) as c:
+            c._http.headers["x-client"] = str(i)
+            with pytest.raises(ServerUnavailableError):
+                await c.models()
+
+    async def all_clients() -> None:
+        await asyncio.gather(*(one(i) for i in range(8)))
+
+    try:
+        asyncio.run(all_clients())
+    finally:
+        server.shutdown()
+        server.server_close()
+    by_client: dict[str, list[float]] = {}
+    for client, at in _Unavailable.arrivals:
+        by_client.setdefault(client, []).append(at)
+    assert sorted(by_client) == [str(i) for i in range(8)]
+    delays = [times[1] - times[0] for times in by_client.values()]
+    assert all(len(times) == 2 for times in by_client.values())
+    assert all(0.0 <= d <= 0.5 + 0.2 for d in delays)
+    # Without jitter every client waits exactly backoff_s: the retries would land within a few ms.
+    assert max(delays) - min(delays) > 0.05, f"retries in lockstep: {sorted(delays)}"
