@@ -115,7 +115,8 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """Build ``target`` with ``build(tmp_dir)`` unless it exists; safe under concurrent callers.
 
     A lock file beside the target serialises builders; the folder is written to a temporary
-    sibling and renamed into place, so a reader never sees a half-written folder.
+    sibling and renamed into place, so a reader never sees a half-written folder. What a killed
+    builder left (a temporary sibling, a target without ``config.json``) is removed first.
     """
     if (target / "config.json").is_file():
         return target
@@ -123,6 +124,9 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     with FileLock(str(target) + ".lock"):
         if (target / "config.json").is_file():
             return target
+        # Builders write only while holding the lock: anything half-done here is a killed builder's.
+        for stale in [target, *target.parent.glob(target.name + ".tmp-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
         try:
             build(tmp)

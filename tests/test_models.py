@@ -103,6 +103,17 @@ def test_concurrent_builders_build_once():
     assert leftovers == [] and (results[0] / "config.json").is_file()
 
 
+def test_what_a_killed_builder_left_is_rebuilt(tmp_path):
+    config = ModelConfig(name="tiny-qwen3", seed=5, cache_dir=tmp_path)
+    target = resolve_model_dir(config)
+    shutil.rmtree(target)
+    target.mkdir()  # a half-written target (no config.json) and a stale temporary sibling
+    (target / "tokenizer.json").write_text("{}")
+    (target.parent / f"{target.name}.tmp-dead").mkdir()
+    assert resolve_model_dir(config) == target and (target / "config.json").is_file()
+    assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
+
+
 def test_cache_dir_default_is_overridable(monkeypatch, tmp_path):
     monkeypatch.setenv("GRPO_FLOW_CACHE_DIR", str(tmp_path / "c"))
     assert ModelConfig().resolved_cache_dir() == tmp_path / "c"

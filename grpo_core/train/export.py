@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,8 @@ def _fresh_tmp(final: Path) -> Path:
     return tmp
 
 
-def save_adapter(peft_model, state_dict: dict[str, torch.Tensor], out: Path) -> Path:
+def save_adapter(peft_model, state_dict: dict[str, torch.Tensor], out: Path,
+                 rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Path:
     """Write a PEFT adapter folder with ``PeftModel.save_pretrained`` from a full (gathered) state dict.
 
     Args:
@@ -51,12 +53,19 @@ def save_adapter(peft_model, state_dict: dict[str, torch.Tensor], out: Path) -> 
             names are read; the tensors come from ``state_dict``).
         state_dict: full state dict of ``peft_model`` (CPU tensors; keys as ``peft_model.state_dict()``).
         out: the adapter folder to publish.
+        rename: maps the saved adapter's tensors to other keys before the folder is published (a VLM's
+            adapter under the checkpoint's module names, ``LoraAdapterSync.checkpoint_keys``).
 
     Returns:
         ``out``.
     """
     tmp = _fresh_tmp(out)
     peft_model.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
+    if rename is not None:
+        from safetensors.torch import load_file, save_file
+
+        file = tmp / "adapter_model.safetensors"
+        save_file(rename(load_file(str(file))), str(file), metadata={"format": "pt"})
     return publish(tmp, out)
 
 

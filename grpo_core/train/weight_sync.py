@@ -183,8 +183,9 @@ class LoraAdapterSync:
         """Collective gather; rank 0 writes the adapter folder with PEFT's ``save_pretrained``, atomically."""
         sd = full_state_dict(policy)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            lm = policy.lm  # PEFT keeps only the lora_ entries of the (renamed) full state dict
-            return save_adapter(lm, self.checkpoint_keys(lm, sd), self.root / self.adapter_name(version))
+            lm = policy.lm
+            return save_adapter(lm, sd, self.root / self.adapter_name(version),
+                                rename=lambda adapter: self.checkpoint_keys(lm, adapter))
         return None
 
     @staticmethod
