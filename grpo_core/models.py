@@ -130,10 +130,24 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
         try:
             build(tmp)
+            if not (tmp / "config.json").is_file():
+                raise RuntimeError(f"building {target.name} wrote no config.json into {tmp} (files: "
+                                   f"{sorted(p.name for p in tmp.iterdir())})")
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _save_model(model: Any, out_dir: Path) -> None:
+    """``model.save_pretrained(out_dir)`` on whichever process builds the cache entry.
+
+    transformers 5 writes nothing, silently, on a rank other than 0 of an initialised process group
+    (``distributed/mixin.py: should_save_on_this_rank``); the builder here is whichever trainer rank takes
+    the lock first, so this throwaway model is told to save where it is.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: True
+    model.save_pretrained(out_dir)
 
 
 def _convert_smollm2_tokenizer(out_dir: Path) -> None:
@@ -163,7 +177,7 @@ def _convert_smollm2(tokenizer_dir: Path) -> Callable[[Path], None]:
         )
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(out_dir)
+        _save_model(model, out_dir)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
 
     return build
@@ -191,7 +205,7 @@ def _make_random(arch: str, shape: dict[str, Any], seed: int, tokenizer_dir: Pat
         torch.manual_seed(seed)
         cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
         model = cls.from_config(config, dtype=torch.float32)
-        model.to(getattr(torch, save_dtype)).save_pretrained(out_dir)
+        _save_model(model.to(getattr(torch, save_dtype)), out_dir)
         tokenizer.save_pretrained(out_dir)
 
     return build

@@ -114,6 +114,27 @@ def test_what_a_killed_builder_left_is_rebuilt(tmp_path):
     assert [p.name for p in target.parent.iterdir() if ".tmp-" in p.name] == []
 
 
+def test_a_trainer_rank_other_than_0_builds_a_complete_model(tmp_path):
+    """transformers skips save_pretrained on ranks > 0 of a process group; the cache builder must not
+    (the first rank to take the lock builds). Rank 1 of a real 2-rank gloo group builds alone here."""
+    script = (
+        "import os, sys, torch.distributed as dist\n"
+        "from grpo_core.config import ModelConfig\n"
+        "from grpo_core.models import resolve_model_dir\n"
+        "rank = int(sys.argv[1])\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=rank, world_size=2)\n"
+        f"if rank == 1: print(resolve_model_dir(ModelConfig(name='tiny-qwen3', seed=3, cache_dir={str(tmp_path)!r})))\n"
+        "dist.barrier(); dist.destroy_process_group()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    built = Path(outs[1].strip().splitlines()[-1])
+    assert json.loads((built / "config.json").read_text())["model_type"] == "qwen3"
+    with safe_open(str(built / "model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) > 5
+
+
 def test_cache_dir_default_is_overridable(monkeypatch, tmp_path):
     monkeypatch.setenv("GRPO_FLOW_CACHE_DIR", str(tmp_path / "c"))
     assert ModelConfig().resolved_cache_dir() == tmp_path / "c"
