@@ -159,6 +159,15 @@ def rename_module_key(key: str, name_map: dict[str, str]) -> str:
     return key
 
 
+def _tied_to_stored(tensors: dict[str, torch.Tensor], key: str, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``tensors[key]`` equals a tensor the original checkpoint stores (a tied parameter's other name)."""
+    import torch
+
+    value = tensors[key]
+    return any(shape == tuple(value.shape) and torch.equal(tensors[name], value)
+               for name, shape in shapes.items() if name in tensors)
+
+
 def write_trained_checkpoint(original: str | Path, trained: str | Path | dict[str, torch.Tensor], out: str | Path,
                              max_shard_size: str = "5GB") -> Path:
     """A loadable model folder: ``original``'s files with its tensors replaced by the trained ones.
@@ -179,7 +188,8 @@ def write_trained_checkpoint(original: str | Path, trained: str | Path | dict[st
         ``out``.
 
     Raises:
-        ConfigError: a trained tensor's name or shape matches nothing in the original checkpoint.
+        ConfigError: a trained tensor's name or shape matches nothing in the original checkpoint (a tied
+            copy, e.g. ``lm_head.weight`` of tied word embeddings that the original stores once, is dropped).
     """
     import shutil
 
@@ -196,6 +206,8 @@ def write_trained_checkpoint(original: str | Path, trained: str | Path | dict[st
                 shapes[key] = tuple(f.get_slice(key).get_shape())
                 if key not in tensors:
                     tensors[key] = f.get_tensor(key)
+    for key in [k for k in tensors if k not in shapes and _tied_to_stored(tensors, k, shapes)]:
+        del tensors[key]  # a tied copy (lm_head of tied word embeddings): the original stores one of the pair
     unknown = [k for k, v in tensors.items() if k not in shapes or tuple(v.shape) != shapes[k]]
     if shapes and unknown:
         raise ConfigError(f"{len(unknown)} trained tensors match no tensor of {original} (e.g. {unknown[:3]})")

@@ -47,3 +47,28 @@ def test_two_rank_run_exports_the_trained_weights_sharded(tmp_path):
     assert moved > len(exported) // 2, "the exported weights are the base model's"
     tokenizer = AutoTokenizer.from_pretrained(final)
     assert tokenizer.decode(tokenizer("2 + 2 = 4")["input_ids"]) == "2 + 2 = 4"
+
+
+def test_tied_output_head_is_written_once_as_the_original_stores_it(tmp_path):
+    """A model with tied word embeddings stores ``embed_tokens`` only; the trainer's state dict also names the
+    tied ``lm_head.weight``. The export keeps the original's single copy and loads back with both equal."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from grpo_core.errors import ConfigError
+    from grpo_core.text_model import write_trained_checkpoint
+
+    original = tmp_path / "original"
+    original.mkdir()
+    save_file({"embed.weight": torch.zeros(4, 3), "norm.weight": torch.ones(3)}, str(original / "model.safetensors"))
+    (original / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    trained_embed = torch.arange(12.0).reshape(4, 3)
+    out = write_trained_checkpoint(original, {"embed.weight": trained_embed, "lm_head.weight": trained_embed.clone()},
+                                   tmp_path / "out")
+    written = load_file(str(out / "model.safetensors"))
+    assert set(written) == {"embed.weight", "norm.weight"}
+    assert torch.equal(written["embed.weight"], trained_embed) and torch.equal(written["norm.weight"], torch.ones(3))
+    # An untied extra tensor (different values) still matches nothing and is refused.
+    with pytest.raises(ConfigError, match="1 trained tensors match no tensor"):
+        write_trained_checkpoint(original, {"embed.weight": trained_embed, "lm_head.weight": -trained_embed},
+                                 tmp_path / "out2")
