@@ -13,7 +13,7 @@ import pytest
 from grpo_core import preflight
 from grpo_core.config import ModelConfig, RunConfig, load_config
 from grpo_core.errors import ConfigError
-from grpo_core.models import tokenizer_dir
+from grpo_core.models import resolve_model_dir
 from grpo_core.rollout.scoring import REWARD_ARGUMENTS, reward_kwargs
 from grpo_core.rollout.types import Rollout, RolloutGroup
 from grpo_core.rollout.window import MetricWindow
@@ -80,7 +80,7 @@ def test_a_later_list_row_without_a_reward_column_is_named(tmp_path):
 
 def test_tokenizer_without_chat_template_is_refused_before_a_server_starts(tmp_path):
     model = tmp_path / "no-template"
-    shutil.copytree(tokenizer_dir(ModelConfig(name="tiny-qwen3")), model)
+    shutil.copytree(resolve_model_dir(ModelConfig(name="tiny-qwen3")), model)
     (model / "chat_template.jinja").unlink(missing_ok=True)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)

@@ -89,6 +89,10 @@ def check_model_folder(path: str | Path, model_name: str, max_len: int) -> None:
 
     from grpo_core.text_model import drop_non_language_parts, is_vision_language, text_model_class
 
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"model.name={model_name!r}: the folder {path} has no config.json; a model folder "
+                          "holds config.json, the weights (*.safetensors) and the tokenizer files (save one "
+                          "with save_pretrained, or name a Hub id)")
     config = AutoConfig.from_pretrained(path)
     cls = text_model_class(config, path)
     with torch.device("meta"):
