@@ -10,6 +10,12 @@
 #   long           benchmarks/long_generation_sync.py: a 1500-token generation across a weight sync (real vLLM)
 #   e2e=RUNS       benchmarks/gpu_e2e.py --runs RUNS (comma-separated: 1xh200,1xh200-lora,2xh200,qwen3-0.6b-random)
 #   trl[=GPUS]     benchmarks/trl_async_grpo.py on the gpu-1xh200 config (GPUS 1 or 2) against e2e's summary
+#   benches        start, detached (it outlives the call while the machine stays warm), the trainer benchmarks that
+#                  need only torch, pydantic (.gpu/mini wheels, carried by the same call) and packer_rs's extension:
+#                  benchmarks/trainer.py sweep, then benchmarks/trainer_hybrid.py --check; they use the GPU
+#                  while later calls only copy parts and unpack, so their timings are not shared
+#   benches-wait   wait (at most 420 s) until the detached benchmarks have ended, then print their tables
+#   qwen35         scripts/gpu_qwen35.sh vllm: a tiny Qwen3.5 served by real vLLM, log-probs across an IPC sync
 # STEPS (default 30) sets the steps of every run; E2E_ARGS adds gpu_e2e.py arguments (e.g. "--set train.compile=false"). Results accumulate in /tmp/grpo-results across the calls
 # of one warm machine ($OUT is emptied before each call) and are copied to OUT (at most 8 files) at the end.
 set -uo pipefail
@@ -49,6 +55,22 @@ PYEOF
         | tee "$RES/versions.txt"
 }
 
+benches() {
+    mkdir -p /tmp/mini && "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/mini .gpu/mini/*.whl \
+        || return 7
+    PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/mini setsid nohup bash -c "
+        $PY benchmarks/trainer.py sweep --time-budget-s 200 --out $RES > $RES/sweep.txt 2>&1
+        $PY benchmarks/trainer_hybrid.py --check --json > $RES/hybrid.txt 2>&1
+        echo done > $RES/benches.done" > /dev/null 2>&1 < /dev/null &
+    echo "benchmarks started in the background (pid $!)"
+}
+
+benches_wait() {
+    for _ in $(seq 420); do [ -f "$RES/benches.done" ] && break; sleep 1; done
+    [ -f "$RES/benches.done" ] || echo "benchmarks still running after 420 s"
+    tail -40 "$RES/sweep.txt"; tail -20 "$RES/hybrid.txt"
+}
+
 rc=0
 for step in "$@"; do
     echo "=== $step ($(date +%T))"
@@ -60,6 +82,9 @@ for step in "$@"; do
                    ${E2E_ARGS:-} || rc=1 ;;
         trl|trl=*) g=${step#trl}; g=${g#=}; timeout 560 "$PY" benchmarks/trl_async_grpo.py --gpus "${g:-1}" \
                        --steps "$STEPS" --out "$RES" --compare "$RES/summary.json" || rc=1 ;;
+        benches) benches || rc=1 ;;
+        benches-wait) benches_wait ;;
+        qwen35) OUT=$RES timeout 400 bash scripts/gpu_qwen35.sh vllm || rc=1 ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
