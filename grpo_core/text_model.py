@@ -160,12 +160,11 @@ def rename_module_key(key: str, name_map: dict[str, str]) -> str:
 
 
 def _tied_to_stored(tensors: dict[str, torch.Tensor], key: str, shapes: dict[str, tuple[int, ...]]) -> bool:
-    """Whether ``tensors[key]`` equals a tensor the original checkpoint stores (a tied parameter's other name)."""
+    """Whether ``tensors[key]`` equals a tensor the original checkpoint stores (every stored name is in ``tensors``)."""
     import torch
 
     value = tensors[key]
-    return any(shape == tuple(value.shape) and torch.equal(tensors[name], value)
-               for name, shape in shapes.items() if name in tensors)
+    return any(shape == tuple(value.shape) and torch.equal(tensors[name], value) for name, shape in shapes.items())
 
 
 def write_trained_checkpoint(original: str | Path, trained: str | Path | dict[str, torch.Tensor], out: str | Path,
