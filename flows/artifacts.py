@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -117,15 +118,21 @@ SUMMARY_ROWS = (("steps", "optimizer steps"), ("steps_requested", "steps asked (
                 ("checkpoint", "checkpoint"), ("run_dir", "run folder"))
 
 
-def _cell(value: Any) -> str:
+_BLOCK_MARKER = re.compile(r"^(\s*)([-+*#>]|\d+[.)])(?=\s|$)")
+
+
+def table_cell(value: Any) -> str:
+    """A value as the text of a table cell. The Prefect UI renders cells as Markdown, so a text that would open
+    a block there (``-``/``+``/``*`` list, ``#`` heading, ``>`` quote, ``1.`` list) gets its marker escaped."""
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() else f"{value:.4f}"
-    return "-" if value is None else str(value)
+    text = "none" if value is None else str(value)
+    return _BLOCK_MARKER.sub(lambda m: m[1] + m[2][:-1] + "\\" + m[2][-1], text, count=1)
 
 
 def publish_summary(summary: dict[str, Any]) -> None:
-    """The summary table artifact."""
-    rows = [{"quantity": label, "value": _cell(summary.get(key))} for key, label in SUMMARY_ROWS if key in summary]
+    """The summary table artifact (a missing value reads ``none``, e.g. "stopped early because: none")."""
+    rows = [{"quantity": label, "value": table_cell(summary.get(key))} for key, label in SUMMARY_ROWS if key in summary]
     create_table_artifact(rows, key=SUMMARY_KEY, description="End-of-run summary of grpo-train")
 
 
@@ -136,7 +143,7 @@ def publish_reward_curve(png: Path | None, summary: dict[str, Any]) -> None:
     else:
         data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
         text = (f"### Reward per optimizer step\n\n![reward curve](data:image/png;base64,{data})\n\n"
-                f"Mean reward of the first five steps **{_cell(summary.get('reward_first5'))}**, "
-                f"of the last five **{_cell(summary.get('reward_last5'))}** "
-                f"({_cell(summary.get('steps'))} steps).")
+                f"Mean reward of the first five steps **{table_cell(summary.get('reward_first5'))}**, "
+                f"of the last five **{table_cell(summary.get('reward_last5'))}** "
+                f"({table_cell(summary.get('steps'))} steps).")
     create_markdown_artifact(text, key=CURVE_KEY, description="Reward curve of grpo-train")

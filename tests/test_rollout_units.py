@@ -334,3 +334,21 @@ def test_lora_runs_sample_the_adapter_of_the_group_version():
     loop = RolloutLoop(RunConfig().rollout, runtime)
     assert loop.served_model(0) == "base" and loop.served_model(3) == "policy-v3"
     loop.executor.shutdown()
+
+
+def test_completion_table_rows_lead_with_prompt_completion_reward_and_advantage():
+    from grpo_core.rollout.scoring import completion_rows
+    from grpo_core.rollout.types import Rollout, RolloutGroup
+
+    turn = TurnRecord([1, 2], [5, 6], [-0.5, -0.25])
+    rollouts = [Rollout(completion=[{"role": "assistant", "content": f"c{i}"}], completion_ids=[5, 6], turns=[turn])
+                for i in range(2)]
+    group = RolloutGroup(prompt_index=3, row_index=3, epoch=0, row={}, prompts=[[{"role": "user", "content": "p"}]] * 2,
+                         rollouts=rollouts, sequences=[[], []], policy_version=1, rewards=np.array([1.0, 0.0]))
+    group.source_rewards = {"acc": np.array([1.0, 0.0])}
+    rows = completion_rows(group, np.array([0.5, -0.5]))
+    # The MLflow UI shows a logged table's columns in this order and cuts off the right-hand ones.
+    assert [list(r)[:5] for r in rows] == [["prompt", "completion", "reward", "advantage", "reward/acc"]] * 2
+    assert [(r["prompt"], r["completion"], r["reward"], r["advantage"]) for r in rows] == \
+        [("p", "c0", 1.0, 0.5), ("p", "c1", 0.0, -0.5)]
+    assert rows[0]["prompt_index"] == 3 and rows[0]["policy_version"] == 1 and rows[0]["completion_tokens"] == 2

@@ -116,20 +116,20 @@ def _message_text(messages: list[dict[str, Any]]) -> str:
 def completion_rows(group: RolloutGroup, advantages: np.ndarray) -> list[dict[str, Any]]:
     """One table row per rollout of a scored group (seed manual, ``log_completions``).
 
-    Columns: ``prompt_index``, ``policy_version``, ``prompt`` and ``completion`` (text), ``reward``
-    (NaN = unscored), ``advantage``, ``completion_tokens``, ``finish_reason``, and ``reward/<source>``
-    per reward source.
+    Columns, in the order the MLflow UI shows them (what one reads first, first): ``prompt`` and
+    ``completion`` (text), ``reward`` (NaN = unscored), ``advantage``, ``reward/<source>`` per reward
+    source, ``completion_tokens``, ``finish_reason``, ``prompt_index``, ``policy_version``.
     """
     assert group.rewards is not None
     rows = []
     for i, rollout in enumerate(group.rollouts):
-        row: dict[str, Any] = {"prompt_index": group.prompt_index, "policy_version": group.policy_version,
-                               "prompt": _message_text(group.prompts[i]),
+        row: dict[str, Any] = {"prompt": _message_text(group.prompts[i]),
                                "completion": _message_text(rollout.completion),
-                               "reward": float(group.rewards[i]), "advantage": float(advantages[i]),
-                               "completion_tokens": len(rollout.completion_ids),
-                               "finish_reason": rollout.turns[-1].finish_reason if rollout.turns else ""}
+                               "reward": float(group.rewards[i]), "advantage": float(advantages[i])}
         row.update({f"reward/{name}": float(values[i]) for name, values in group.source_rewards.items()})
+        row.update({"completion_tokens": len(rollout.completion_ids),
+                    "finish_reason": rollout.turns[-1].finish_reason if rollout.turns else "",
+                    "prompt_index": group.prompt_index, "policy_version": group.policy_version})
         rows.append(row)
     return rows
 
