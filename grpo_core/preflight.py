@@ -135,7 +135,8 @@ def _prompt_problem(prompt: object) -> str | None:
 
 
 def _reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:
-    from grpo_core.rollout.data import default_rewards, import_object
+    from grpo_core.allowlist import import_object
+    from grpo_core.rollout.data import default_rewards
 
     funcs = [(name, import_object(name, "rollout.reward_functions")) for name in cfg.rollout.reward_functions]
     return funcs + [(f.__name__, f) for f in default_rewards(cfg.rollout)]
@@ -245,10 +246,11 @@ def check_run(cfg: RunConfig) -> None:
     Raises:
         ConfigError: the first problem found, naming the field and the fix.
     """
+    from grpo_core.allowlist import check_code_references, import_object
     from grpo_core.rollout.build import loop_class_and_config
-    from grpo_core.rollout.data import import_object
     from grpo_core.rollout.tools import resolve_response_template
 
+    check_code_references(cfg)  # before anything is imported or called
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_model(cfg)
