@@ -318,13 +318,13 @@ def ui(config: Annotated[Path | None, typer.Option(help="run config (for its tra
        mlflow_port: int = 5000, prefect_port: int = 4200) -> None:
     """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C."""
     tc = _load(config, []).tracking
-    uri = tc.resolved_tracking_uri()
+    shown = tc.shown_tracking_uri()
     console.print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (started by `grpo deploy` / `make serve`)")
-    console.print(f"MLflow tracking URI: {uri}")
+    console.print(f"MLflow tracking URI: {shown}")
     console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
-                  f"`.venv/bin/mlflow ui --backend-store-uri {uri} --port {mlflow_port}`)")
+                  f"`.venv/bin/mlflow ui --backend-store-uri {shown} --port {mlflow_port}`)")
     if mlflow:
-        serve_mlflow_ui(uri, tc.resolved_artifact_location(), mlflow_port)
+        serve_mlflow_ui(tc.resolved_tracking_uri(), tc.resolved_artifact_location(), mlflow_port)
 
 
 def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
@@ -334,16 +334,17 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
 
     from flows.processes import stop_tree
 
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(port), "--workers", "1"]
+    # The store URI and artifact root (credentials included) go by environment, not argv: argv is world-readable.
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri}
     if artifact_root:
-        cmd += ["--default-artifact-root", artifact_root]
+        env["MLFLOW_DEFAULT_ARTIFACT_ROOT"] = artifact_root
 
     def interrupt(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM stops the UI like Ctrl-C
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
-    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
         return process.wait()
     except KeyboardInterrupt:
