@@ -67,17 +67,18 @@ def _child_env(run_dir: str) -> dict[str, str]:
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
 def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict:
-    """Check the config (imports, dataset columns, Hub push), lay out the run folder, open the MLflow run (and
-    publish the link artifact to it), fetch a checkpoint.
+    """Check the config (code it names inside the allow-list ``GRPO_ALLOWED_MODULES`` before any import, then
+    imports, dataset columns, Hub push), lay out the run folder (0700; the config file 0600 with its secrets
+    redacted, kept in this process), open the MLflow run (and publish the link artifact to it), fetch a checkpoint
+    and check it against its manifest.
 
     Returns:
         ``{"run_dir", "mlflow_run_id", "resume_state"}`` (paths as strings; resume_state None = fresh start).
     """
     from grpo_core import preflight
+    from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
     from grpo_core.train.manifest import verify_manifest
-
-    from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
 
     secrets = secret_values(config)
     redact_logs(mask_values(secrets))
