@@ -16,7 +16,7 @@ import torch.distributed as dist
 from grpo_core.errors import CheckpointError
 from grpo_core.train import checkpoint
 from grpo_core.train.manifest import MANIFEST_FILE, read_dcp_metadata, verify_manifest, write_manifest
-from grpo_core.transport import ResumeState
+from grpo_core.transport.types import ResumeState
 
 
 @pytest.fixture(scope="module")

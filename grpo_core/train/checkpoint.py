@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
 from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
-from grpo_core.transport import ResumeState
+from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
 
