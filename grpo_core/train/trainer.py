@@ -116,7 +116,7 @@ class Trainer:
         policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype),
                               device=self.world.device, lora=tc.lora, temperature=cfg.rollout.temperature,
                               chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024),
-                              max_len=cfg.token_budget())
+                              max_len=cfg.token_budget(), fp32_logits=tc.fp32_logits)
         apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled,
                              tc.compile_backend)
         policy.compile_head = self.compiled and on_cuda  # the head's kernels are only worth compiling on GPUs
