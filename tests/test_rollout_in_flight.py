@@ -20,10 +20,10 @@ from transformers import AutoTokenizer
 from grpo_core.config import ModelConfig, RolloutConfig
 from grpo_core.models import resolve_model_dir
 from grpo_core.rollout.driver import drive
-from grpo_core.rollout.flight import SampleQueue
 from grpo_core.rollout.loop import LoopRuntime, RolloutLoop, request_seed
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.serving.client import GenerationClient
+from grpo_core.transport.flight_server import SampleQueue
 
 G = 2
 COMPLETION = 8  # tokens of every completion (finish "length")
