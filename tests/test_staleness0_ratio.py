@@ -75,6 +75,24 @@ def test_staleness0_ratio_is_one_on_the_embedded_server_in_fp32(tmp_path):
     assert code == 0, (tmp_path / "log").read_text()[-4000:]
     (step,) = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert step["batch/samples_per_step"] == 16 and step["sample/staleness_max"] == 0  # every sample, fresh
+    assert step["sampling/importance_sampling_ratio/staleness0_token_count"] == step["batch/trained_tokens_per_step"]
     assert abs(step["sampling/importance_sampling_ratio/staleness0_mean"] - 1) < 1e-3
     assert abs(step["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3
     assert step["sampling/sampling_logp_difference/max"] < 1e-4  # token by token, not only on average
+
+
+def test_run_level_staleness0_ratio_weighs_every_fresh_token_the_same():
+    """benchmarks/gpu_e2e.py's figure: a step with one fresh token is one token, not half the run."""
+    import importlib.util
+
+    from trainer_helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_e2e", ROOT / "benchmarks" / "gpu_e2e.py")
+    gpu_e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_e2e)
+    key = "sampling/importance_sampling_ratio/staleness0_"
+    records = [{"step": 1, key + "mean": 1.0, key + "token_count": 999.0},
+               {"step": 2, key + "mean": 2.0, key + "token_count": 1.0}]
+    figures = gpu_e2e.figures(records, warmup=0)
+    assert figures["is_ratio_staleness0_mean"] == pytest.approx((999 * 1.0 + 1 * 2.0) / 1000)
+    assert figures["staleness0_tokens"] == 1000

@@ -382,8 +382,9 @@ class Trainer:
         if self.warmup_s is not None:  # reported once, with the first step after it
             w.add("perf/compile_warmup_s", self.warmup_s)
             self.warmup_s = None
-        if v["terms_fresh"] > 0:
-            w.add("sampling/importance_sampling_ratio/staleness0_mean", v["ratio_fresh"] / v["terms_fresh"])
+        if v["terms_fresh"] > 0:  # weighted by tokens over the window; the count lets a run-level figure do the same
+            w.rate("sampling/importance_sampling_ratio/staleness0_mean", v["ratio_fresh"], v["terms_fresh"])
+            w.add("sampling/importance_sampling_ratio/staleness0_token_count", v["terms_fresh"])
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", v["sampler_mass"] / n)
         step_s, fwd_bwd_s = extra["perf/step_s"], extra["perf/fwd_bwd_s"]
