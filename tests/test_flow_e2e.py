@@ -86,6 +86,20 @@ def test_missing_dataset_column_fails_fast_without_a_server(api, tmp):
     assert time.monotonic() - start < 200
 
 
+def test_a_parameter_naming_code_outside_the_allow_list_runs_nothing(api, tmp):
+    """The issue's example: a flow run whose dataset is ``subprocess:getoutput`` with a shell command fails in
+    ``prepare`` naming GRPO_ALLOWED_MODULES; the command never ran and no server started."""
+    marker = tmp / "shell-command-ran"
+    params = with_changes(api.deployment("demo")["parameters"],
+                          rollout={"dataset": "subprocess:getoutput", "dataset_kwargs": {"cmd": f"touch {marker}"}})
+    run = api.wait(api.run_deployment("demo", params).json()["id"], timeout_s=240)
+    assert run["state_type"] == "FAILED"
+    text = run["state"]["message"] + api.logs(run["id"])
+    assert "GRPO_ALLOWED_MODULES" in text and "rollout.dataset='subprocess:getoutput'" in text
+    assert not marker.exists()
+    assert not (Path(params["config"]["train"]["output_dir"]) / run["id"]).exists(), "prepare went past the check"
+
+
 def test_deployment_run_completes_and_is_tracked(api, tmp):
     params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 3, "save_steps": 2})
     response = api.run_deployment("demo", params)

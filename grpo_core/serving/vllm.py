@@ -40,6 +40,7 @@ import httpx
 
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, ServerStartError, ServingError
+from grpo_core.redact import redact_argv, reveal
 from grpo_core.serving.sampling_defaults import sampling_problems
 
 logger = logging.getLogger(__name__)
@@ -47,9 +48,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """How to start one replica: argv, extra environment, where it will listen and log."""
+    """How to start one replica: argv (a secret flag's value as ``SecretStr``, revealed only for the process
+    itself), extra environment, where it will listen and log."""
 
-    argv: list[str]
+    argv: list
     env: dict[str, str]
     backend: str
     replica: int
@@ -174,9 +176,38 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if rollout.uses_candidate_filter():
         argv += ["--return-sampling-mask", "--enable-scale-out"]
-    argv += server.extra_args
+    extra, secret_env = secret_flags_to_env(server.extra_args)
+    argv += extra
+    env.update(secret_env)
     log_path = server.log_dir / f"vllm-replica{replica}.log"
     return LaunchSpec(argv, env, "vllm", replica, server.host, port, log_path)
+
+
+#: Secret ``vllm serve`` flags vLLM also reads from the environment: passed that way, they stay out of the process
+#: list (``ps``) and out of the ``non-default args`` line vLLM logs at start.
+SECRET_FLAG_ENV = {"--api-key": "VLLM_API_KEY", "--hf-token": "HF_TOKEN"}
+
+
+def secret_flags_to_env(args: list) -> tuple[list, dict[str, str]]:
+    """``server.extra_args`` split into the argv part and the environment of :data:`SECRET_FLAG_ENV` flags.
+
+    Returns:
+        ``(argv, env)``: argv keeps other secret flags' values as ``SecretStr`` (revealed at launch, shown
+        redacted in logs); env holds the moved values in plain text.
+    """
+    from pydantic import SecretStr
+
+    argv, env, i = [], {}, 0
+    while i < len(args):
+        arg = args[i]
+        value = args[i + 1] if i + 1 < len(args) else None
+        if isinstance(arg, str) and arg in SECRET_FLAG_ENV and isinstance(value, SecretStr):
+            env[SECRET_FLAG_ENV[arg]] = value.get_secret_value()
+            i += 2
+            continue
+        argv.append(arg)
+        i += 1
+    return argv, env
 
 
 def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
@@ -214,8 +245,9 @@ def launch(spec: LaunchSpec) -> ServerHandle:
     except OSError as exc:
         raise ServingError(f"{spec.backend} replica {spec.replica}: cannot write its log {spec.log_path} "
                            f"(server.log_dir): {exc.strerror or exc}") from None
-    logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, " ".join(spec.argv), spec.log_path)
-    process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, redact_argv(spec.argv),
+                spec.log_path)
+    process = subprocess.Popen(reveal(spec.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**os.environ, **spec.env}, start_new_session=True)
     return ServerHandle(spec, process, _log=log)
 
