@@ -147,11 +147,15 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     Writes the process's Arrow Flight location to ``<run_dir>/rollout.location`` once it serves (the
     flow starts ``train`` then), and returns it when the process exits 0 (the trainer shut it down).
 
+    A process that failed on its own (it wrote ``rollout_error.txt``; it then lingers until the trainer,
+    seeing the error, fails and the flow stops everything) fails the task, even though the flow stopped it.
+
     Returns:
-        The location (Completed), or a Cancelled state when the flow stopped the process.
+        The location (Completed), or a Cancelled state when the flow stopped a process that had not failed.
 
     Raises:
-        RolloutProcessError: the process exited before serving or with a non-zero code (with its log's tail).
+        RolloutProcessError: the process failed (its traceback's last line), exited before serving, or exited
+            with a non-zero code (with its log's tail).
     """
     import subprocess
 
@@ -162,6 +166,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
     if resume_state:
         cmd += ["--resume", resume_state]
+    error_file.unlink(missing_ok=True)  # a retried flow run's old failure
     procs.follow(log_file, log, "[rollout] ")
     with log_file.open("ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -170,17 +175,28 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     try:
         location = wait_for_file(location_file, process, timeout_s=600)
     except RuntimeError as exc:
+        _raise_if_failed(error_file, log_file, exc)
         if procs.stopping:
             return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
         raise RolloutProcessError(f"rollout process {exc}; log {log_file}:\n{log_tail(log_file)}") from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
     code = process.wait()
+    _raise_if_failed(error_file, log_file, f"exited with code {code}")
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
     if code != 0:
         raise RolloutProcessError(f"rollout process exited with code {code}; log {log_file}:\n{log_tail(log_file)}")
     log.info("rollout process %d finished", process.pid)
     return location
+
+
+def _raise_if_failed(error_file: Path, log_file: Path, how: object) -> None:
+    """Raise RolloutProcessError when the rollout process reported its own failure in ``error_file``."""
+    if not error_file.is_file():
+        return
+    lines = [line for line in error_file.read_text(errors="replace").splitlines() if line.strip()]
+    cause = lines[-1] if lines else "no traceback"
+    raise RolloutProcessError(f"rollout process failed ({how}): {cause}; traceback in {error_file}, log {log_file}")
 
 
 def _await_location(run_dir: str, rollout_run) -> str:  # noqa: ANN001 - a PrefectFuture

@@ -214,6 +214,19 @@ def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
     assert run["state_type"] == "COMPLETED", run["state"]["message"]
 
 
+def test_rollout_task_fails_when_the_rollout_process_fails(api):
+    # A reward of +inf makes the rollout process exit with an error on its first group: the rollout task's
+    # state follows the process (Failed, with the process's error), and so does the flow run.
+    params = with_changes(api.deployment("demo")["parameters"],
+                          rollout={"reward_functions": ["flow_helpers:infinite_reward"]})
+    run = api.wait(api.run_deployment("demo", params).json()["id"], timeout_s=600)
+    assert run["state_type"] == "FAILED", run["state"]["message"]
+    rollout = _task_runs(api, run["id"])["rollout"]
+    assert rollout["state_type"] == "FAILED", rollout["state"]
+    # Before: Cancelled, because the failed process lingers until the flow stops it after the trainer's failure.
+    assert "rollout process failed" in rollout["state"]["message"] and "inf" in rollout["state"]["message"]
+
+
 def test_work_pool_and_gpu_limit_are_created_through_the_client(api, stack):
     pool = api.http.get("/work_pools/grpo-process").json()
     assert pool["type"] == "process"
