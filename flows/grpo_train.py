@@ -29,6 +29,7 @@ from prefect.states import Cancelled
 
 from flows import artifacts
 from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
+from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 
 RESOLVED_CONFIG = "run_config.json"
@@ -47,8 +48,10 @@ def _config(run_dir: str) -> RunConfig:
     return RunConfig.model_validate_json((Path(run_dir) / RESOLVED_CONFIG).read_text())
 
 
-def _child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _child_env(run_dir: str) -> dict[str, str]:
+    """Environment of the run's rollout and trainer processes, with the run's token (never on a command line)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            TOKEN_ENV: REGISTRY[run_dir].token}
 
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
@@ -112,7 +115,7 @@ def provision_servers(run_dir: str) -> list[str]:
     backend = choose_backend(cfg)
     for i in range(cfg.server.num_replicas):
         procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
-    handles = provision(cfg)
+    handles = provision(cfg, token=procs.token)
     procs.servers.extend(handles)
     return [h.url for h in handles]
 
@@ -142,7 +145,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     procs.follow(log_file, log, "[rollout] ")
     with log_file.open("ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_child_env(), start_new_session=True)
+                                   env=_child_env(run_dir), start_new_session=True)
     procs.processes.append(process)
     try:
         location = wait_for_file(location_file, process, timeout_s=600)
@@ -189,10 +192,10 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
     config_path.write_text(cfg.model_dump_json(indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
-    env = _child_env()
+    env = _child_env(run_dir)
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
