@@ -265,3 +265,64 @@ def test_the_guard_loads_into_a_vllm_style_app_from_the_environment(monkeypatch)
             assert (await http.get(NONCE_PATH, headers=ours)).json() == {"nonce": "n-1"}
             assert (await http.post("/pause", headers=ours)).status_code == 200 and paused == [True]
     run(go())
+
+
+class _Rollout:
+    """A real rollout Flight server over a queue holding one group; records shutdown calls."""
+
+    def __init__(self, token: str = "flight-token", port: int = 0) -> None:
+        from grpo_core.packing import Sample
+        from grpo_core.rollout.flight import RolloutFlightServer, SampleQueue
+        from grpo_core.rollout.pace import TokenAllowance
+        from grpo_core.rollout.window import MetricWindow
+
+        self.queue = SampleQueue(TokenAllowance(1, 100), with_topk=False)
+        samples = [Sample.build([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.7], sample_id=i, advantage=1.0 - 2 * i)
+                   for i in range(2)]
+        self.queue.put_group(0, samples, tokens=6)
+        self.shutdowns: list[bool] = []
+        self.server = RolloutFlightServer(f"grpc://127.0.0.1:{port}", self.queue, MetricWindow(), lambda: 0,
+                                          lambda: self.shutdowns.append(True), token=token)
+        self.location = f"grpc://127.0.0.1:{self.server.port}"
+
+
+def test_the_rollout_flight_server_refuses_calls_without_the_run_token():
+    import pyarrow.flight as flight
+
+    from grpo_core.transport_flight import FlightSource
+
+    rollout = _Rollout()
+    try:
+        client = flight.connect(rollout.location)
+        for headers in ([], [(b"authorization", b"Bearer wrong")]):
+            options = flight.FlightCallOptions(timeout=10, headers=headers)
+            calls = [lambda o=options: client.do_get(flight.Ticket(b'{"min_samples": 1, "wait_s": 0}'), o).read_all(),
+                     lambda o=options: list(client.do_action(flight.Action("shutdown", b"{}"), o)),
+                     lambda o=options: list(client.do_action(flight.Action("report", json.dumps(
+                         {"policy_version": 5, "tokens_consumed": 999}).encode()), o)),
+                     lambda o=options: list(client.list_actions(o))]
+            for call in calls:
+                with pytest.raises(flight.FlightUnauthenticatedError):
+                    call()
+        client.close()
+        # Nothing changed: the group is still queued, no shutdown, no report.
+        assert rollout.shutdowns == [] and rollout.queue.allowance.policy_version == 0
+        assert rollout.queue.allowance.trainer_step == 0
+        with pytest.raises(Exception, match="refused this process's token"):
+            FlightSource(rollout.location, max_staleness=1, timeout_s=10, token="wrong").pull(0, timeout_s=0)
+        source = FlightSource(rollout.location, max_staleness=1, timeout_s=10, token="flight-token")
+        batch = source.pull(0, min_samples=2, timeout_s=10)
+        source.report(1, 6)
+        source.close()
+        assert batch.samples.num_rows == 2 and batch.samples["advantage"].to_pylist() == [1.0, -1.0]
+        assert rollout.queue.allowance.policy_version == 1 and rollout.shutdowns == [True]
+    finally:
+        rollout.server.shutdown()
+
+
+def test_a_taken_flight_port_is_a_clear_error():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        with pytest.raises(PortInUseError, match="rollout.flight_port"):
+            _Rollout(port=holder.getsockname()[1])
