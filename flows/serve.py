@@ -80,6 +80,12 @@ class PrefectStack:
 
         return {"Authorization": "Basic " + base64.b64encode(self.auth_string.encode()).decode()}
 
+    def ui_login_script(self) -> str:
+        """JavaScript that logs a browser page into this stack's UI (for ``page.add_init_script`` in Playwright):
+        the UI sends ``localStorage["prefect-password"]`` (the base64 auth string) with every API call."""
+        encoded = self.auth_headers()["Authorization"].split(" ", 1)[1]
+        return f"window.localStorage.setItem('prefect-password', '{encoded}');"
+
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         self.home.mkdir(parents=True, exist_ok=True)
         with (self.home / log_name).open("ab") as log:

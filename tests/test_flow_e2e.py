@@ -188,6 +188,7 @@ def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.add_init_script(stack.ui_login_script())  # the UI's API calls carry the stack's auth string
         page.goto(f"{stack.ui_url}/deployments/deployment/{deployment['id']}")
         page.get_by_role("button", name="Run", exact=True).first.click(timeout=60_000)
         page.get_by_text("Quick run").first.click(timeout=60_000)
