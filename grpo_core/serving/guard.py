@@ -96,6 +96,7 @@ class RunGuardMiddleware:
         self.weights_dir = weights_dir or os.environ.get(WEIGHTS_DIR_ENV) or None
         self._pause_generation = 0
         self._pause_timer: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.Task | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -175,8 +176,11 @@ class RunGuardMiddleware:
             self._pause_timer = None
         if path in PAUSE_PATHS and self.max_pause_s > 0:
             generation, loop = self._pause_generation, asyncio.get_running_loop()
-            self._pause_timer = loop.call_later(
-                self.max_pause_s, lambda: loop.create_task(self._expire(generation, dict(scope))))
+            self._pause_timer = loop.call_later(self.max_pause_s, self._start_expiry, generation, dict(scope))
+
+    def _start_expiry(self, generation: int, scope: dict) -> None:
+        """Timer callback: run :meth:`_expire` as a task, kept referenced until it ends (asyncio holds tasks weakly)."""
+        self._expiry = asyncio.get_running_loop().create_task(self._expire(generation, scope))
 
     async def _expire(self, generation: int, scope: dict) -> None:
         """Resume the server after ``max_pause_s`` if nothing paused or resumed it since."""

@@ -18,6 +18,12 @@ backend needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickled CUDA IPC handles)
 ``--enable-lora``, ``--max-lora-rank`` from vLLM's allowed set (>= r), ``--max-loras`` >=
 max_staleness + 2 and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; top-k/top-p/min-p need
 ``--return-sampling-mask --enable-scale-out`` (vLLM >= 0.28, older servers reject them).
+
+Every replica requires the run's bearer token (``grpo_core.auth``) on every route but ``/health``:
+vLLM through ``--middleware grpo_core.serving.guard.RunGuardMiddleware`` (its own ``--api-key`` check
+covers ``/v1/*`` only; the key is passed as ``VLLM_API_KEY`` in the environment, because vLLM logs its
+command-line arguments), the embedded server through the same middleware. ``wait_healthy`` accepts a
+replica only when it reports its launch's nonce, so a run never adopts another server on its port.
 """
 
 from __future__ import annotations
