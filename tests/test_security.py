@@ -272,7 +272,7 @@ class _Rollout:
 
     def __init__(self, token: str = "flight-token", port: int = 0) -> None:
         from grpo_core.packing import Sample
-        from grpo_core.rollout.flight import RolloutFlightServer, SampleQueue
+        from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
         from grpo_core.rollout.pace import TokenAllowance
         from grpo_core.rollout.window import MetricWindow
 
@@ -289,7 +289,7 @@ class _Rollout:
 def test_the_rollout_flight_server_refuses_calls_without_the_run_token():
     import pyarrow.flight as flight
 
-    from grpo_core.transport_flight import FlightSource
+    from grpo_core.transport.flight_client import FlightSource
 
     rollout = _Rollout()
     try:

@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -34,13 +35,13 @@ import pyarrow.flight as flight
 from grpo_core.auth import TOKEN_ENV, authorized, check_port_free, run_token
 from grpo_core.errors import TransportError
 from grpo_core.packing import Sample, sample_schema, samples_to_arrow
-from grpo_core.transport_flight import META_CONSUMED, META_EXHAUSTED
+from grpo_core.transport.flight_client import META_CONSUMED, META_EXHAUSTED
 
-from .pace import TokenAllowance
-from .window import CompletionSample, MetricWindow
+if TYPE_CHECKING:  # the rollout engine passes these in; the transport never imports it at run time
+    from grpo_core.rollout.pace import TokenAllowance
+    from grpo_core.rollout.window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
-
 
 
 class SampleQueue:
