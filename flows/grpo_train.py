@@ -30,6 +30,7 @@ from prefect.states import Cancelled
 
 from flows import artifacts
 from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
+from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 
 RESOLVED_CONFIG = "run_config.json"
@@ -56,10 +57,12 @@ def _config(run_dir: str) -> RunConfig:
 
 
 def _child_env(run_dir: str) -> dict[str, str]:
-    """Environment of the rollout and trainer processes; the config's secrets travel in ``GRPO_RUN_SECRETS``."""
+    """Environment of the run's rollout and trainer processes: the run's token and the config's secrets
+    (``GRPO_RUN_SECRETS``) travel here, never on a command line."""
     from grpo_core.redact import SECRETS_ENV
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           TOKEN_ENV: REGISTRY[run_dir].token}
     if _SECRETS.get(run_dir):
         env[SECRETS_ENV] = json.dumps(_SECRETS[run_dir])
     return env
@@ -135,7 +138,7 @@ def provision_servers(run_dir: str) -> list[str]:
     backend = choose_backend(cfg)
     for i in range(cfg.server.num_replicas):
         procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
-    handles = provision(cfg)
+    handles = provision(cfg, token=procs.token)
     procs.servers.extend(handles)
     return [h.url for h in handles]
 
@@ -213,7 +216,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
     write_private(config_path, cfg.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
     env = _child_env(run_dir)
