@@ -30,6 +30,7 @@ from prefect.states import Cancelled
 from flows import artifacts
 from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
 from grpo_core.config import RunConfig
+from grpo_core.durable import atomic_write_text
 
 RESOLVED_CONFIG = "run_config.json"
 LOCATION_FILE = "rollout.location"
@@ -60,12 +61,17 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
         ``{"run_dir", "mlflow_run_id", "resume_state"}`` (paths as strings; resume_state None = fresh start).
     """
     from grpo_core import preflight
+    from grpo_core.run_lock import RunLock
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
+    from grpo_core.train.fingerprint import check_resume
 
     log = get_run_logger()
     preflight.check_run(config)
     run_dir = (config.train.output_dir / flow_run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    # an orphaned trainer of a killed attempt may still write the folder: wait for it, or fail naming its pid
+    with RunLock(run_dir, "prepare", config.train.run_lock_timeout_s):
+        pass
     cfg = config.model_copy(deep=True)
     cfg.train.output_dir = run_dir
     cfg.server.log_dir = run_dir / "servers"
@@ -75,20 +81,49 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
 
         mlflow_run_id, continued = tracking.start_run(cfg, flow_run_id, deployment, run_name=runtime.flow_run.name)
         cfg.tracking.run_id = mlflow_run_id
-        source = mlflow_run_id if continued else cfg.resume_from
-        if latest_checkpoint(run_dir) is None and source:
-            tracking.download_latest_checkpoint(cfg.tracking, source, run_dir)
-    (run_dir / RESOLVED_CONFIG).write_text(cfg.model_dump_json(indent=1))
+        if latest_checkpoint(run_dir) is None:  # a retry on a host without the run folder, or resume_from
+            fetch_checkpoint(cfg, run_dir, continued)
+    atomic_write_text(run_dir / RESOLVED_CONFIG, cfg.model_dump_json(indent=1))
     if mlflow_run_id:
         from grpo_core import tracking
 
         artifacts.publish_mlflow_link(tracking.run_url(cfg.tracking, mlflow_run_id), mlflow_run_id)
     latest = latest_checkpoint(run_dir)
     if latest is not None:
+        check_resume(cfg, latest)  # a different run refuses here, before any server starts
         log.info("resuming from checkpoint %s", latest)
     log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
     return {"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id,
             "resume_state": str(latest / STATE_FILE) if latest is not None else None}
+
+
+def fetch_checkpoint(cfg: RunConfig, run_dir: Path, continued: bool) -> Path | None:
+    """Fetch the checkpoint a run without a local one resumes from: its own MLflow run's (a retry on a host
+    where the run folder is gone), else ``resume_from``'s; each the latest completely uploaded one.
+
+    Returns:
+        The local checkpoint folder, or None (a fresh start: neither run completed a checkpoint upload, and
+        ``resume_from`` is unset).
+
+    Raises:
+        CheckpointError: a checkpoint exists but cannot be fetched (names the run, the checkpoint and why), or
+            ``resume_from`` names a run without a completely uploaded checkpoint.
+    """
+    from grpo_core import tracking
+    from grpo_core.errors import CheckpointError
+    from grpo_core.train.checkpoint import verify
+
+    fetched = None
+    if continued:
+        fetched = tracking.download_latest_checkpoint(cfg.tracking, cfg.tracking.run_id, run_dir, verify=verify)
+    source = cfg.resume_from
+    if fetched is None and source:
+        fetched = tracking.download_latest_checkpoint(cfg.tracking, source, run_dir, verify=verify)
+        if fetched is None:
+            raise CheckpointError(f"resume_from={source}: MLflow run {source} has no completely uploaded checkpoint "
+                                  f"(no tag {tracking.LATEST_STEP_TAG}); pick a run that saved one, or drop "
+                                  "resume_from to start a new run")
+    return fetched
 
 
 def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 - Prefect's retry_condition_fn
@@ -188,7 +223,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     cfg.train.rollout_location = rollout_location
     (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
-    config_path.write_text(cfg.model_dump_json(indent=1))
+    atomic_write_text(config_path, cfg.model_dump_json(indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]

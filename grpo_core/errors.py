@@ -76,3 +76,12 @@ class NothingToTrainError(GrpoError, ValueError):
 
 class RolloutError(GrpoError):
     """The rollout loop cannot go on: a reward function raised or returned the wrong shape, or an epoch rejected every prompt."""
+
+
+class CheckpointError(GrpoError):
+    """A checkpoint cannot be used: it cannot be fetched, is incomplete, or failed to load (the message names
+    the run, the checkpoint and why)."""
+
+
+class RunLockedError(GrpoError):
+    """Another process holds the run folder's lock (the message names its pid)."""

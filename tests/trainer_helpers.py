@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,3 +66,42 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def process_tree(pid: int) -> list:
+    """``psutil.Process`` of ``pid`` and every descendant alive now (torchrun's ranks each run in their own
+    session under torch 2.11, so a signal to torchrun's process group misses them: collect them first)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def kill_all(procs: list, timeout_s: float = 60.0) -> None:
+    """SIGKILL every process in ``procs`` and wait until none is alive (a zombie counts as dead).
+
+    Raises:
+        AssertionError: a process still runs ``timeout_s`` after its SIGKILL.
+    """
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.05)
+    assert not alive, f"still alive after SIGKILL: {[p.pid for p in alive]}"
+
+
+def _alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

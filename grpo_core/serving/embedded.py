@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from grpo_core.config import VLLM_LORA_RANKS, ModelConfig, ServerConfig
+from grpo_core.durable import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
     sock = _bind(server_cfg.host, server_cfg.port)
     port = sock.getsockname()[1]
     if args.port_file:
-        args.port_file.write_text(str(port))
+        atomic_write_text(args.port_file, str(port))
 
     import torch
     import uvicorn
