@@ -177,6 +177,25 @@ def _state_dict_options(model):
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def _state_dicts(model, optimizer, options) -> dict:
+    """``{"model", "optim"}`` state dicts; with ``ignore_frozen_params`` no frozen tensor is left.
+
+    torch's ``ignore_frozen_params`` misses a frozen tensor reachable under a second name (a tied ``lm_head``
+    sharing the input embedding): every name of every frozen parameter is dropped here.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if options.ignore_frozen_params:
+        frozen = {_WRAPPERS.sub("", name) for name, p in model.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
+    return {"model": model_sd, "optim": optim_sd}
+
+
 def save(path: Path, model, optimizer, scheduler, state: ResumeState, pending: pa.RecordBatch | None,
          rank: int, extra: dict[str, str] | None = None) -> None:
     """Write a checkpoint collectively (every rank calls it); rank 0 publishes it by rename.
@@ -184,15 +203,13 @@ def save(path: Path, model, optimizer, scheduler, state: ResumeState, pending: p
     ``extra`` (rank 0): more text files of the checkpoint, name -> content (e.g. ``fingerprint.json``).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_dict_options(model))
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    dcp.save(_state_dicts(model, optimizer, _state_dict_options(model)), checkpoint_id=str(tmp / "dcp"))
     torch.save({"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                tmp / f"rng_rank{rank}.pt")
@@ -232,11 +249,10 @@ def load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeStat
 
 def _load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeState, pa.RecordBatch | None]:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     options = _state_dict_options(model)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    sd = {"model": model_sd, "optim": optim_sd}
+    sd = _state_dicts(model, optimizer, options)
     dcp.load(sd, checkpoint_id=str(path / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
