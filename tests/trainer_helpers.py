@@ -105,3 +105,27 @@ def _alive(p) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def assert_each_step_and_prompt_once(run_dir: Path, max_steps: int) -> list[int]:
+    """The run's invariants after kills and resumes; returns the trained prompt indices.
+
+    Every step 1..max_steps is in ``trained_prompts.jsonl`` once, no prompt is trained twice, and the final
+    checkpoint (``step-{max_steps}``) counts as done exactly the trained prompts and those whose samples it
+    holds as pending: every prompt below its watermark and every one it lists above.
+    """
+    from grpo_core.packing import read_samples_ipc
+
+    records = read_jsonl(run_dir / "trained_prompts.jsonl")
+    assert [r["step"] for r in records] == list(range(1, max_steps + 1)), "a step is missing or logged twice"
+    trained = [p for r in records for p in r["prompt_indices"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    final = run_dir / "checkpoints" / f"step-{max_steps:07d}"
+    state = json.loads((final / "rollout_state.json").read_text())
+    pending = set()
+    if (final / "pending_samples.arrow").exists():
+        pending = set(read_samples_ipc(final / "pending_samples.arrow").column("prompt_index").to_pylist())
+    assert not pending & set(trained)
+    done = set(range(state["first_untrained_prompt_index"])) | set(state["trained_above"])
+    assert set(trained) | pending == done, "a prompt below the watermark was neither trained nor pending"
+    return trained
