@@ -34,7 +34,7 @@ import torch.distributed as dist
 from grpo_core.durable import fsync_dir, fsync_tree, read_jsonl, rewrite_jsonl
 from grpo_core.errors import CheckpointError
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
-from grpo_core.transport import ResumeState
+from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
 
