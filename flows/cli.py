@@ -290,22 +290,24 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
-    from flows.local_api import prepare_home
-    from grpo_core.errors import ConfigError
+    from flows.local_api import PrefectApiError, prepare_home
+    from grpo_core.errors import ConfigError, PortInUseError
 
-    try:
-        prepare_home(Path(os.environ["PREFECT_HOME"]))
-    except ConfigError as exc:
-        console.print(f"[red]Prefect server cannot start[/red]: {exc}")
-        raise typer.Exit(EXIT_FAILED) from None
     from grpo_core.allowlist import ALLOWED_MODULES_ENV, trust_config
 
     allowed = {ALLOWED_MODULES_ENV: ",".join(trust_config(_load(demo_config, [])))}  # the deployment's own file
-    with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots,
-                      extra_env=allowed) as stack:
+    stack = PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots, extra_env=allowed)
+    try:
+        prepare_home(Path(os.environ["PREFECT_HOME"]))
+        stack.start()
+    except (ConfigError, PortInUseError, PrefectApiError) as exc:
+        console.print(f"[red]Prefect server cannot start[/red]: {exc}")
+        raise typer.Exit(EXIT_FAILED) from None
+    with stack:
         stack.register(demo_config, cron)
         console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
-                      "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker)")
+                      "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker); the UI asks for the "
+                      f"API auth string: it is in {stack.auth_file} (or PREFECT_SERVER_API_AUTH_STRING when set)")
         try:
             stack.wait()
         except KeyboardInterrupt:

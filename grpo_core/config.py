@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 # vLLM's accepted ``--max-lora-rank`` values (vllm/config/lora.py, ``MaxLoRARanks``).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ADAPTER_DIR = ".vllm_lora"
+"""Folder under ``train.output_dir`` holding the LoRA adapter versions the servers load."""
+WEIGHTS_DIR = ".weights"
+"""Folder under ``train.output_dir`` holding the full-weight versions the embedded server reads."""
 
 
 def default_cache_dir() -> Path:
@@ -111,6 +115,9 @@ class ServerConfig(_Strict):
     ``startup_timeout_s`` (config errors are never retried)."""
     embedded_num_threads: int = Field(default=0, ge=0)
     """Embedded server only: torch CPU threads per replica; 0 = torch's default (all cores)."""
+    max_pause_s: float = Field(default=300.0, ge=0)
+    """Seconds a server the run started stays paused (``POST /pause``) without a resume before it resumes
+    itself and logs it; 0 = no limit. Longer than the slowest weight sync."""
     log_dir: Path = Path("runs/servers")
     """Folder for the replicas' log files."""
     extra_args: list[str | SecretStr] = Field(default_factory=list)
@@ -353,6 +360,11 @@ class TrainConfig(_Strict):
     """Optimizer steps between weight syncs to the servers (each sync = one policy version)."""
     save_steps: int = Field(default=50, ge=1)
     """Optimizer steps between checkpoints."""
+    save_total_limit: int | None = Field(default=None, ge=1)
+    """Checkpoints kept in ``<output_dir>/checkpoints`` (the oldest are deleted after each save); None keeps all."""
+    run_lock_timeout_s: float = Field(default=30.0, ge=0)
+    """Seconds a trainer waits for the run folder's lock held by another process (an orphaned trainer of a
+    killed attempt) before it fails naming the holder's pid."""
     logging_steps: int = Field(default=1, ge=1)
     """Optimizer steps per metrics window."""
     seed: int = 0
@@ -578,6 +590,14 @@ class RunConfig(_Strict):
     def max_loras(self) -> int:
         """Adapters the server keeps resident: ``server.max_loras`` or max_staleness + 2."""
         return self.server.max_loras or self.rollout.max_staleness + 2
+
+    def adapter_dir(self) -> Path:
+        """The run's LoRA adapter folder (``<train.output_dir>/.vllm_lora``): the only one its servers load from."""
+        return self.train.output_dir / ADAPTER_DIR
+
+    def weights_dir(self) -> Path:
+        """The run's full-weight folder (``<train.output_dir>/.weights``): the only one its servers read from."""
+        return self.train.output_dir / WEIGHTS_DIR
 
 
 def _set_dotted(data: dict, key: str, value: object) -> None:
