@@ -119,9 +119,24 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
     assert metrics["rollout/backpressure_s"] > 0
 
 
-def test_raising_reward_function_fails_the_run_naming_it(server, tmp_path):
-    with rollout(server, tmp_path, _config(), dataset=h.rows(2), reward_functions=[h.raising_reward]) as source:
-        with pytest.raises(TransportError, match="raising_reward' raised RuntimeError: boom"):
+def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_path):
+    # Before: no timeouts (a hang blocked its group forever) and the first raising reward failed the run.
+    config = _config(reward_timeout_s=1, tool_timeout_s=1, max_failed_groups=4)
+    with rollout(server, tmp_path, config, dataset=h.rows(6), reward_functions=[h.flaky_reward],
+                 environment_factory=h.FlakyEnv) as source:
+        samples, consumed, metrics = drain(source)
+    # rows 1 (reward hangs), 2 (reward raises), 3 (reset hangs), 4 (get_reward raises) fail; 0 and 5 train
+    assert {s.prompt_index for s in samples} | set(consumed) == set(range(6)), "every prompt reported"
+    assert {1, 2, 3, 4} <= set(consumed) and not {1, 2, 3, 4} & {s.prompt_index for s in samples}
+    assert metrics["rollout/failed_group_count"] == 4 and metrics["rewards/flaky_reward/timeout_count"] == 1
+    assert metrics["env/reset_timeout_count"] == 3, "each of the G=3 rollouts of row 3 timed out in reset"
+
+
+def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp_path):
+    with rollout(server, tmp_path, _config(max_failed_groups=2), dataset=h.rows(6),
+                 reward_functions=[h.raising_reward]) as source:
+        with pytest.raises(TransportError, match=r"3 groups failed in user code, more than rollout.max_failed_groups"
+                                                 r"=2; the last: reward function 'raising_reward' raised RuntimeError"):
             drain(source)
     assert "raising_reward" in (tmp_path / "rollout_error.txt").read_text()
 
