@@ -64,6 +64,11 @@ class FlakyEnv:
         return None
 
 
+def position_reward(completion_ids, **_):
+    """The rollout's position in its group: never zero-std."""
+    return [float(i) for i in range(len(completion_ids))]
+
+
 def nan_first_reward(completion_ids, **_):
     """NaN for the first rollout of each group, length for the others."""
     return [math.nan if i == 0 else float(len(ids)) for i, ids in enumerate(completion_ids)]
@@ -118,6 +123,26 @@ class CounterEnv:
         """
         self.counter += step
         return self.counter
+
+
+class SleepyCounterEnv(CounterEnv):
+    """``increment`` sleeps 6 s on odd rows: a long multi-turn rollout that outlives a weight sync."""
+
+    def reset(self, row_id, **_):
+        self.row_id, self.counter, self.target = row_id, 0, 2
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: value to add.
+
+        Returns:
+            The counter after the addition.
+        """
+        if self.row_id % 2:
+            time.sleep(6)
+        return super().increment(step)
 
 
 class GameEnv:
