@@ -17,7 +17,6 @@ to the MLflow run, training progress, the summary table, the reward curve) are i
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -28,7 +27,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
 from flows import artifacts
-from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
+from flows.processes import (REGISTRY, child_env, log_tail, setup_logging, start_child, stream, wait_child,
+                             wait_for_file)
 from grpo_core.config import RunConfig
 
 RESOLVED_CONFIG = "run_config.json"
@@ -45,10 +45,6 @@ class RolloutProcessError(RuntimeError):
 
 def _config(run_dir: str) -> RunConfig:
     return RunConfig.model_validate_json((Path(run_dir) / RESOLVED_CONFIG).read_text())
-
-
-def _child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
@@ -130,8 +126,6 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     Raises:
         RolloutProcessError: the process exited before serving or with a non-zero code (with its log's tail).
     """
-    import subprocess
-
     log, procs, root = get_run_logger(), REGISTRY[run_dir], Path(run_dir)
     location_file, error_file, log_file = root / LOCATION_FILE, root / "rollout_error.txt", root / "rollout.log"
     cmd = [sys.executable, "-m", "grpo_core.rollout", "--config", str(root / RESOLVED_CONFIG),
@@ -140,10 +134,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     if resume_state:
         cmd += ["--resume", resume_state]
     procs.follow(log_file, log, "[rollout] ")
-    with log_file.open("ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_child_env(), start_new_session=True)
-    procs.processes.append(process)
+    process = start_child(cmd, log_file, register=procs)
     try:
         location = wait_for_file(location_file, process, timeout_s=600)
     except RuntimeError as exc:
@@ -151,7 +142,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
             return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
         raise RolloutProcessError(f"rollout process {exc}; log {log_file}:\n{log_tail(log_file)}") from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
-    code = process.wait()
+    code = wait_child(process, procs, "rollout")  # a death stops the trainer now (it fails the attempt)
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
     if code != 0:
@@ -179,6 +170,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
 
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
+        RolloutProcessError: the rollout process died, so the flow stopped the trainer (names the exit code).
     """
     from grpo_core.report import TRAINER_ERROR, read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
@@ -192,7 +184,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
-    env = _child_env()
+    env = child_env()
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
@@ -202,6 +194,10 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
                             register=REGISTRY[run_dir])
     finally:
         progress.stop()
+    failure = REGISTRY[run_dir].failure
+    if code != 0 and failure:
+        raise RolloutProcessError(f"{failure}; the trainer was stopped (exit code {code}); log "
+                                  f"{root / 'rollout.log'}:\n{log_tail(root / 'rollout.log')}")
     if code != 0:
         cause = read_trainer_error(root)
         raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")

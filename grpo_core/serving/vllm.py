@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from grpo_core import lifeline
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, ServerStartError, ServingError
 from grpo_core.serving.sampling_defaults import sampling_problems
@@ -205,7 +206,8 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
 
 
 def launch(spec: LaunchSpec) -> ServerHandle:
-    """Start one replica in its own process group, stdout/stderr to ``spec.log_path``."""
+    """Start one replica in its own process group, stdout/stderr to ``spec.log_path``; it dies with this process
+    (``grpo_core.lifeline``: the embedded server watches it; vLLM dies with the launching thread)."""
     try:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         if spec.port_file is not None:
@@ -215,8 +217,10 @@ def launch(spec: LaunchSpec) -> ServerHandle:
         raise ServingError(f"{spec.backend} replica {spec.replica}: cannot write its log {spec.log_path} "
                            f"(server.log_dir): {exc.strerror or exc}") from None
     logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, " ".join(spec.argv), spec.log_path)
+    # The embedded server watches its owner (grpo_core.lifeline); vLLM is not ours: it dies with this thread.
     process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, **spec.env}, start_new_session=True)
+                               env={**os.environ, **spec.env, **lifeline.owner_env()}, start_new_session=True,
+                               preexec_fn=lifeline.die_with_parent if spec.backend == "vllm" else None)
     return ServerHandle(spec, process, _log=log)
 
 
