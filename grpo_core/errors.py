@@ -85,3 +85,7 @@ class UserCodeError(RolloutError):
     The group is dropped and charged to ``rollout.max_failed_groups``; a misconfigured function (wrong
     signature, wrong return type or length) raises plain :class:`RolloutError` instead and fails the run at once.
     """
+
+
+class UserCodeTimeout(UserCodeError):
+    """A call into user code took longer than its ``rollout.*_timeout_s``; it may still run in its thread."""

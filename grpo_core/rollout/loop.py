@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from grpo_core.config import RolloutConfig
-from grpo_core.errors import RolloutError, ServerRequestError, UserCodeError
+from grpo_core.errors import RolloutError, ServerRequestError, UserCodeError, UserCodeTimeout
 from grpo_core.transport.types import ResumeState
 
 from .pace import ConcurrencyCap, TokenAllowance
@@ -193,7 +193,7 @@ class RolloutLoop:
                                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                                min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
             except ServerRequestError as exc:
-                if exc.status == 404 and await self._retired(client, model):
+                if await self._retired(client, model):  # vLLM: 404 for an unknown model (vllm-h200/README.md)
                     raise AdapterRetired(f"group {group_id}: adapter {model} was unloaded by a newer weight sync "
                                          "before the group finished; dropped as stale") from None
                 raise
@@ -280,6 +280,8 @@ class RolloutLoop:
             await score_group(group, self.runtime.reward_functions, self.executor, self.window,
                               self.config.reward_timeout_s)
         except UserCodeError as exc:
+            if isinstance(exc, UserCodeTimeout):
+                envs = []  # a hung reward function may still read them: never hand them to another rollout
             self._drop_failed_group(prompt_index, [exc])
             return
         finally:  # the reward functions have read the environments' state: hand them back
@@ -374,8 +376,8 @@ class RolloutLoop:
                 rollout.env_reward = (type(env).__name__, await self._env_reward(env))
             self.window.add("rollout/duration_s", time.monotonic() - start)
             return prompt, rollout, (env_name, env)
-        except BaseException:
-            if env is not None:
+        except BaseException as exc:
+            if env is not None and not isinstance(exc, UserCodeTimeout):  # a hung call may still use it: drop it
                 self.environments.give_back(env_name, env)
             raise
         finally:
@@ -416,7 +418,7 @@ class RolloutLoop:
         except TimeoutError:
             self.window.add(f"rewards/{type(env).__name__}/timeout_count" if method == "get_reward"
                             else "env/reset_timeout_count", 1)
-            raise UserCodeError(f"{name} took longer than {field}={timeout_s:g} s") from None
+            raise UserCodeTimeout(f"{name} took longer than {field}={timeout_s:g} s") from None
         except Exception as exc:  # user code: the group fails, charged to rollout.max_failed_groups
             raise UserCodeError(f"{name} raised {type(exc).__name__}: {exc}") from exc
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.errors import RolloutError, UserCodeError
+from grpo_core.errors import RolloutError, UserCodeError, UserCodeTimeout
 
 from .types import RolloutGroup
 from .usercode import call_user
@@ -104,7 +104,7 @@ async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[st
         except TimeoutError:
             if window is not None:
                 window.add(f"rewards/{name}/timeout_count", 1)
-            raise UserCodeError(f"reward function {name!r} took longer than rollout.reward_timeout_s="
+            raise UserCodeTimeout(f"reward function {name!r} took longer than rollout.reward_timeout_s="
                                 f"{timeout_s:g} s") from None
         except Exception as exc:  # a user function: report which one failed
             raise UserCodeError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
