@@ -91,3 +91,30 @@ def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
     assert result["code"] != 0 and procs.failure == f"the rollout process {rollout.pid} exited with code -9"
     _, alive = psutil.wait_procs(run, timeout=DEATH_BOUND_S)
     assert not alive
+
+
+CHILD = """
+import sys, threading, time
+from grpo_core import lifeline  # an entry point imports it first: the parent is recorded now
+from grpo_core.rollout.process import _linger
+print("ready", flush=True)
+time.sleep(2)  # the parent exits meanwhile: this process is re-parented
+_linger(threading.Event(), None)
+open(sys.argv[1], "w").write("returned")
+"""
+
+
+def test_rollout_linger_returns_when_its_parent_died_before_it_began(tmp_path):
+    # Before: _linger read os.getppid() when it began, after the re-parenting, and served forever.
+    out = tmp_path / "linger.txt"
+    spawn = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+             "stdout=subprocess.PIPE, text=True); p.stdout.readline(); print(p.pid)")
+    done = subprocess.run([sys.executable, "-c", spawn, CHILD, str(out)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    child = psutil.Process(int(done.stdout))
+    try:
+        child.wait(timeout=60)
+    finally:
+        if child.is_running():
+            child.kill()
+    assert out.read_text() == "returned"
