@@ -108,7 +108,7 @@ def test_rollout_linger_returns_when_its_parent_died_before_it_began(tmp_path):
     # Before: _linger read os.getppid() when it began, after the re-parenting, and served forever.
     out = tmp_path / "linger.txt"
     spawn = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
-             "stdout=subprocess.PIPE, text=True); p.stdout.readline(); print(p.pid)")
+             "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True); p.stdout.readline(); print(p.pid)")
     done = subprocess.run([sys.executable, "-c", spawn, CHILD, str(out)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     child = psutil.Process(int(done.stdout))
