@@ -111,6 +111,7 @@ class RolloutLoop:
         self.environments = EnvironmentPool(runtime.environment_factory) if runtime.environment_factory else None
         self.generated_tokens = 0
         self.failed_groups = 0
+        self.unfinished_rollouts = 0  # rollouts of started groups not yet finished (running or waiting for a slot)
 
     # ----- hooks ---------------------------------------------------------------------------------
 
@@ -261,6 +262,7 @@ class RolloutLoop:
         """Generate, score and queue the group of one accepted prompt."""
         allowance = self.runtime.allowance
         allowance.group_started()
+        self.unfinished_rollouts += self.config.num_generations
         started = time.monotonic()
         version, trainer_step = allowance.policy_version, allowance.trainer_step
         results = await asyncio.gather(*(self._rollout(prompt_index, i, row, version)
@@ -359,7 +361,11 @@ class RolloutLoop:
             ``environment_factory``) stays taken until the caller gives it back after scoring.
         """
         _REQUEST.set((prompt_index, index, [0], version))
-        await self.cap.acquire()
+        try:
+            await self.cap.acquire()
+        except BaseException:
+            self.unfinished_rollouts -= 1
+            raise
         start = time.monotonic()
         env_name, env = None, None
         try:
@@ -381,6 +387,7 @@ class RolloutLoop:
                 self.environments.give_back(env_name, env)
             raise
         finally:
+            self.unfinished_rollouts -= 1
             await self.cap.release()
 
     async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
