@@ -28,9 +28,10 @@ from grpo_core.transport.types import ResumeState
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards
 from .scoring import completion_rows, group_samples, group_tokens, log_completions, score_group
-from .tools import EnvironmentPool, environment_tools, parse_tool_calls, run_tool_calls, tool_name, tool_schemas
+from .tools import (EnvironmentPool, environment_tools, parse_tool_calls, run_tool_calls, tool_name, tool_schemas,
+                    with_tool_system_prompt)
 from .types import Rollout, RolloutGroup, TurnRecord, reconcile_turns
-from .usercode import call_user
+from .usercode import call_environment
 from .window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ class RolloutLoop:
         """
         template = self.tokenizer.chat_template or ""
         if tool_schemas_ and "tools" not in template:
-            messages = _with_tool_system_prompt(messages, tool_schemas_)
+            messages = with_tool_system_prompt(messages, tool_schemas_)
             tool_schemas_ = None
         text = self.tokenizer.apply_chat_template(messages, tools=tool_schemas_, tokenize=False,
                                                   add_generation_prompt=True, **self.config.chat_template_kwargs)
@@ -393,7 +394,8 @@ class RolloutLoop:
     async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
         start = time.perf_counter()
-        text = await self._call_env(env, "reset", kwargs, self.config.tool_timeout_s, "rollout.tool_timeout_s")
+        text = await call_environment(env, "reset", kwargs, self.executor, self.window, self.config.tool_timeout_s,
+                                      "rollout.tool_timeout_s")
         self.window.add("env/reset_s", time.perf_counter() - start)
         if text is None:
             if not prompt:
@@ -406,40 +408,7 @@ class RolloutLoop:
 
     async def _env_reward(self, env: object) -> Any:
         start = time.perf_counter()
-        value = await self._call_env(env, "get_reward", {}, self.config.reward_timeout_s, "rollout.reward_timeout_s")
+        value = await call_environment(env, "get_reward", {}, self.executor, self.window, self.config.reward_timeout_s,
+                                       "rollout.reward_timeout_s")
         self.window.add("env/reward_s", time.perf_counter() - start)
         return value  # checked (None/NaN = does not apply, ±inf = error) with the other sources when scored
-
-    async def _call_env(self, env: object, method: str, kwargs: dict[str, Any], timeout_s: float | None,
-                        field: str) -> Any:
-        """``env.<method>(**kwargs)`` within ``timeout_s``; a wrong signature is a ``RolloutError`` (fails the run),
-        a failure or timeout inside the call a ``UserCodeError`` (fails the group; timeouts counted in
-        ``rewards/<Env>/timeout_count`` for ``get_reward``, ``env/reset_timeout_count`` for ``reset``)."""
-        from .rewards import check_arguments
-
-        name = f"{type(env).__name__}.{method}()"
-        func = getattr(env, method)
-        check_arguments(name, func, kwargs)
-        try:
-            return await call_user(func, kwargs, self.executor, timeout_s)
-        except TimeoutError:
-            self.window.add(f"rewards/{type(env).__name__}/timeout_count" if method == "get_reward"
-                            else "env/reset_timeout_count", 1)
-            raise UserCodeTimeout(f"{name} took longer than {field}={timeout_s:g} s") from None
-        except Exception as exc:  # user code: the group fails, charged to rollout.max_failed_groups
-            raise UserCodeError(f"{name} raised {type(exc).__name__}: {exc}") from exc
-
-
-def _with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    import json
-
-    text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            + "\n".join(json.dumps(s) for s in schemas)
-            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
-            "<args-json-object>}\n</tool_call>")
-    if messages and messages[0].get("role") == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-

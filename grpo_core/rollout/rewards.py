@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -24,7 +23,7 @@ import numpy as np
 from grpo_core.errors import RolloutError, UserCodeError, UserCodeTimeout
 
 from .types import RolloutGroup
-from .usercode import call_user
+from .usercode import call_user, check_arguments
 from .window import MetricWindow
 
 
@@ -115,26 +114,6 @@ async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[st
     for name, values in results:
         out[name if name not in out else f"{name}_{len(out)}"] = values
     return out
-
-
-def check_arguments(what: str, func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-    """Raise ``RolloutError`` when ``func`` cannot be called with ``kwargs`` (a wrong signature: a
-    misconfiguration that fails the run at once, unlike a failure inside the call).
-
-    Args:
-        what: the function as the message names it, e.g. ``"reward function 'accuracy'"``.
-        func: the user function (a callable whose signature cannot be read is not checked).
-        kwargs: the keyword arguments it will get.
-    """
-    try:
-        signature = inspect.signature(func)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(**kwargs)
-    except TypeError as exc:
-        raise RolloutError(f"{what} cannot take the arguments it gets ({sorted(kwargs)}): {exc}; fix its "
-                           "signature (add **kwargs to accept the ones it does not use)") from None
 
 
 def sum_rewards(sources: dict[str, np.ndarray], size: int) -> np.ndarray:

@@ -255,3 +255,17 @@ class EnvironmentPool:
 
     def give_back(self, name: str, env: object) -> None:
         self._free[name].append(env)
+
+
+def with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the tool schemas in the system message, in the ChatML/Qwen form (``<tools>…</tools>``
+    and the ``<tool_call>`` syntax), for chat templates that ignore ``tools``."""
+    text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            + "\n".join(json.dumps(s) for s in schemas)
+            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
