@@ -17,6 +17,7 @@ to the MLflow run, training progress, the summary table, the reward curve) are i
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import time
@@ -29,6 +30,7 @@ from prefect.states import Cancelled
 from flows import artifacts
 from flows.processes import (REGISTRY, child_env, log_tail, setup_logging, start_child, stream, wait_child,
                              wait_for_file)
+from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 
 RESOLVED_CONFIG = "run_config.json"
@@ -43,25 +45,56 @@ class RolloutProcessError(RuntimeError):
     """The rollout process failed to start or exited with an error; the message holds its log's tail."""
 
 
+#: Secret values of each run's config by run folder: kept in this process, never in the (redacted) run files.
+_SECRETS: dict[str, dict[str, str]] = {}
+
+
 def _config(run_dir: str) -> RunConfig:
-    return RunConfig.model_validate_json((Path(run_dir) / RESOLVED_CONFIG).read_text())
+    from grpo_core.redact import apply_secrets
+
+    data = json.loads((Path(run_dir) / RESOLVED_CONFIG).read_text())
+    return RunConfig.model_validate(apply_secrets(data, _SECRETS.get(run_dir, {})))
+
+
+def _child_env(run_dir: str) -> dict[str, str]:
+    """Environment of the run's rollout and trainer processes (``flows.processes.child_env``: owned by this process):
+    the run's token and the config's secrets (``GRPO_RUN_SECRETS``) travel here, never on a command line."""
+    from grpo_core.redact import SECRETS_ENV
+
+    extra = {TOKEN_ENV: REGISTRY[run_dir].token}
+    if _SECRETS.get(run_dir):
+        extra[SECRETS_ENV] = json.dumps(_SECRETS[run_dir])
+    return child_env(extra)
 
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
 def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict:
-    """Check the config (imports, dataset columns, Hub push), lay out the run folder, open the MLflow run (and
-    publish the link artifact to it), fetch a checkpoint.
+    """Check the config (code it names inside the allow-list ``GRPO_ALLOWED_MODULES`` before any import, then
+    imports, dataset columns, Hub push), lay out the run folder (0700; the config file 0600 with its secrets
+    redacted, kept in this process), open the MLflow run (and publish the link artifact to it), fetch a checkpoint
+    and check it against its manifest.
 
     Returns:
         ``{"run_dir", "mlflow_run_id", "resume_state"}`` (paths as strings; resume_state None = fresh start).
     """
     from grpo_core import preflight
+    from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
+    from grpo_core.run_lock import RunLock
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
+    from grpo_core.train.fingerprint import check_resume
+    from grpo_core.train.manifest import verify_manifest
 
+    secrets = secret_values(config)
+    redact_logs(mask_values(secrets))
     log = get_run_logger()
     preflight.check_run(config)
     run_dir = (config.train.output_dir / flow_run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir.chmod(0o700)  # the run's files (logs, configs, checkpoints) are its owner's only
+    _SECRETS[str(run_dir)] = secrets
+    # an orphaned trainer of a killed attempt may still write the folder: wait for it, or fail naming its pid
+    with RunLock(run_dir, "prepare", config.train.run_lock_timeout_s):
+        pass
     cfg = config.model_copy(deep=True)
     cfg.train.output_dir = run_dir
     cfg.server.log_dir = run_dir / "servers"
@@ -71,20 +104,50 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
 
         mlflow_run_id, continued = tracking.start_run(cfg, flow_run_id, deployment, run_name=runtime.flow_run.name)
         cfg.tracking.run_id = mlflow_run_id
-        source = mlflow_run_id if continued else cfg.resume_from
-        if latest_checkpoint(run_dir) is None and source:
-            tracking.download_latest_checkpoint(cfg.tracking, source, run_dir)
-    (run_dir / RESOLVED_CONFIG).write_text(cfg.model_dump_json(indent=1))
+        if latest_checkpoint(run_dir) is None:  # a retry on a host without the run folder, or resume_from
+            fetch_checkpoint(cfg, run_dir, continued)
+    write_private(run_dir / RESOLVED_CONFIG, cfg.model_dump_json(indent=1))  # secrets redacted
     if mlflow_run_id:
         from grpo_core import tracking
 
         artifacts.publish_mlflow_link(tracking.run_url(cfg.tracking, mlflow_run_id), mlflow_run_id)
     latest = latest_checkpoint(run_dir)
     if latest is not None:
+        verify_manifest(latest)  # a downloaded checkpoint is refused here, naming its tampered or missing file
+        check_resume(cfg, latest)  # a different run refuses here, before any server starts
         log.info("resuming from checkpoint %s", latest)
     log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
     return {"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id,
             "resume_state": str(latest / STATE_FILE) if latest is not None else None}
+
+
+def fetch_checkpoint(cfg: RunConfig, run_dir: Path, continued: bool) -> Path | None:
+    """Fetch the checkpoint a run without a local one resumes from: its own MLflow run's (a retry on a host
+    where the run folder is gone), else ``resume_from``'s; each the latest completely uploaded one.
+
+    Returns:
+        The local checkpoint folder, or None (a fresh start: neither run completed a checkpoint upload, and
+        ``resume_from`` is unset).
+
+    Raises:
+        CheckpointError: a checkpoint exists but cannot be fetched (names the run, the checkpoint and why), or
+            ``resume_from`` names a run without a completely uploaded checkpoint.
+    """
+    from grpo_core import tracking
+    from grpo_core.errors import CheckpointError
+    from grpo_core.train.checkpoint import verify
+
+    fetched = None
+    if continued:
+        fetched = tracking.download_latest_checkpoint(cfg.tracking, cfg.tracking.run_id, run_dir, verify=verify)
+    source = cfg.resume_from
+    if fetched is None and source:
+        fetched = tracking.download_latest_checkpoint(cfg.tracking, source, run_dir, verify=verify)
+        if fetched is None:
+            raise CheckpointError(f"resume_from={source}: MLflow run {source} has no completely uploaded checkpoint "
+                                  f"(no tag {tracking.LATEST_STEP_TAG}); pick a run that saved one, or drop "
+                                  "resume_from to start a new run")
+    return fetched
 
 
 def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 - Prefect's retry_condition_fn
@@ -108,7 +171,7 @@ def provision_servers(run_dir: str) -> list[str]:
     backend = choose_backend(cfg)
     for i in range(cfg.server.num_replicas):
         procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
-    handles = provision(cfg)
+    handles = provision(cfg, token=procs.token)
     procs.servers.extend(handles)
     return [h.url for h in handles]
 
@@ -134,7 +197,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     if resume_state:
         cmd += ["--resume", resume_state]
     procs.follow(log_file, log, "[rollout] ")
-    process = start_child(cmd, log_file, register=procs)
+    process = start_child(cmd, log_file, register=procs, env=_child_env(run_dir))
     try:
         location = wait_for_file(location_file, process, timeout_s=600)
     except RuntimeError as exc:
@@ -172,6 +235,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
         RolloutProcessError: the rollout process died, so the flow stopped the trainer (names the exit code).
     """
+    from grpo_core.redact import write_private
     from grpo_core.report import TRAINER_ERROR, read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
@@ -180,11 +244,11 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     cfg.train.rollout_location = rollout_location
     (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
-    config_path.write_text(cfg.model_dump_json(indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    write_private(config_path, cfg.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
-    env = child_env()
+    env = _child_env(run_dir)
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
@@ -218,7 +282,7 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
     png = report.plot_reward_curve(root / "metrics.jsonl", root / "reward_curve.png")
     summary = {**report.summarize(root / "metrics.jsonl", wall_s), "run_dir": run_dir,
                "checkpoint": str(latest_checkpoint(root)), "reward_curve": str(png) if png else None,
-               "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.resolved_tracking_uri()}
+               "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.shown_tracking_uri()}
     model_dir = root / FINAL_MODEL_DIR
     adapter = cfg.train.lora.enabled
     if model_dir.is_dir():

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_core.auth import new_token, run_token
+from grpo_core.durable import atomic_write_text
+
 # uvicorn access-log lines of the generation server: one per request, too many for the run log.
 _NOISE = ('HTTP/1.1"', "httpx: HTTP Request", "Loading weights:")
 
@@ -129,6 +132,10 @@ class RunProcesses:
     """Set by :meth:`stop_all`: a process that exits from now on was stopped by the flow."""
     failure: str | None = None
     """Set by :meth:`fail`: the child whose death ended the attempt, and how it ended."""
+    token: str = field(default_factory=lambda: run_token() or new_token(), repr=False)
+    """The run's bearer token (``grpo_core.auth``): every listener of the run requires it; children get it in
+    their environment only (``GRPO_RUN_TOKEN``). Fresh for each run (a retried flow run too), unless the flow's
+    own environment sets ``GRPO_RUN_TOKEN`` (an operator or a benchmark that must reach the servers)."""
 
     def follow(self, path: Path, log: Any, prefix: str) -> None:
         """Forward a log file to ``log`` until :meth:`stop_all` (once per file: a retried task may ask again)."""
@@ -172,12 +179,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             **lifeline.owner_env(), **(extra or {})}
 
 
-def start_child(cmd: list[str], log_file: Path, register: RunProcesses | None = None) -> subprocess.Popen:
+def start_child(cmd: list[str], log_file: Path, register: RunProcesses | None = None,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a grpo-flow entry point (``python -m grpo_core.…``) in its own session, its output appended to
-    ``log_file``, owned by this process (:func:`child_env`: it ends when this process does)."""
+    ``log_file``, owned by this process (``env``, default :func:`child_env`: it ends when this process does)."""
     with Path(log_file).open("ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=child_env(), start_new_session=True)
+                                   env=env or child_env(), start_new_session=True)
     if register is not None:
         register.processes.append(process)
     return process
@@ -199,7 +207,7 @@ def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file:
     if register is not None:
         register.processes.append(process)
     if pid_file is not None:
-        pid_file.write_text(str(process.pid))
+        atomic_write_text(pid_file, str(process.pid))
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     assert process.stdout is not None
     for line in process.stdout:

@@ -31,6 +31,13 @@ class ServerStartError(ServingError):
     """
 
 
+class PortInUseError(ServerStartError):
+    """A port a listener of the run should bind is held by another process, or another server answers there.
+
+    The run never attaches to a server it did not start; the message names the config field and the fix.
+    """
+
+
 class TransportError(GrpoError):
     """Samples could not be moved between the rollout and trainer processes."""
 
@@ -89,3 +96,12 @@ class UserCodeError(RolloutError):
 
 class UserCodeTimeout(UserCodeError):
     """A call into user code took longer than its ``rollout.*_timeout_s``; it may still run in its thread."""
+
+
+class CheckpointError(GrpoError):
+    """A checkpoint cannot be used: it cannot be fetched, is incomplete, or failed to load (the message names
+    the run, the checkpoint and why)."""
+
+
+class RunLockedError(GrpoError):
+    """Another process holds the run folder's lock (the message names its pid)."""

@@ -27,12 +27,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import re
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +61,31 @@ _PARAM_MAX_CHARS = 6000
 _READY_STORES: set[str] = set()
 
 
+def mlflow_uri(tc: TrackingConfig) -> str:
+    """The tracking URI as MLflow gets it: an http(s) URI's credentials (``https://user:password@host``) move to
+    ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` of this process (and its children), so that
+    nothing MLflow prints or logs (its "View run at" line) holds them; other URIs as they are."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    uri = tc.resolved_tracking_uri()
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or (parts.username is None and parts.password is None):
+        return uri
+    from urllib.parse import unquote
+
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password or "")
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def client(tc: TrackingConfig) -> MlflowClient:
-    """An MLflow client on the configured tracking URI.
+    """An MLflow client on the configured tracking URI (credentials by environment, :func:`mlflow_uri`).
 
     The embedded SQLite store is created (or migrated) on first use under a file lock beside it:
     two runs starting at once on a fresh store (the nightly run and a UI run) would otherwise both
     run MLflow's schema migrations and one would fail.
     """
-    uri = tc.resolved_tracking_uri()
+    uri = mlflow_uri(tc)
     # Process-wide too: MLflow's internal clients (artifact repositories) otherwise open ./mlflow.db.
     mlflow.set_tracking_uri(uri)
     if tc.tracking_uri is not None or uri in _READY_STORES:
@@ -134,11 +152,11 @@ def start_run(cfg: RunConfig, flow_run_id: str | None, deployment: str | None = 
             RESUMED_FROM_TAG: cfg.resume_from or "", "mlflow.runName": run_name or ""}
     run = mc.create_run(experiment_id(tc, mc), tags={k: v for k, v in tags.items() if v}, run_name=run_name)
     run_id = run.info.run_id
-    params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]  # secrets as **********
     for i in range(0, len(params), 100):
         mc.log_batch(run_id, params=params[i:i + 100])
     mc.log_text(run_id, cfg.model_dump_json(indent=1), "config/run_config.json")
-    logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.resolved_tracking_uri())
+    logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.shown_tracking_uri())
     return run_id, False
 
 
@@ -218,38 +236,73 @@ def log_checkpoint(tc: TrackingConfig, run_id: str, path: Path) -> None:
     mc.set_tag(run_id, LATEST_STEP_TAG, path.name.removeprefix("step-").lstrip("0") or "0")
 
 
-def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path) -> Path | None:
-    """Bring the run's latest checkpoint into ``<output_dir>/checkpoints/`` (download, or copy from its URI).
+def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path,
+                               verify: Callable[[Path], str | None] | None = None) -> Path | None:
+    """Bring the run's latest completely uploaded checkpoint into ``<output_dir>/checkpoints/``.
+
+    The checkpoint is the one named by the tag ``grpo.latest_checkpoint_step``, which :func:`log_checkpoint`
+    sets only after the whole folder (or its URI) is uploaded; a newer, partly uploaded folder is ignored.
+    A checkpoint folder is downloaded, or copied from the URI in its ``checkpoint_uri.txt``, then checked with
+    ``verify`` (returns why a folder is unusable, or None; ``grpo_core.train.checkpoint.verify``) before it is
+    renamed into place.
 
     Returns:
-        The local checkpoint folder, or None when the run has no usable checkpoint.
+        The local checkpoint folder, or None when the run has no completely uploaded checkpoint.
+
+    Raises:
+        CheckpointError: the tagged checkpoint cannot be fetched (artifact missing, URI not reachable from this
+            host, download failed, or incomplete after it); the message names the run, the checkpoint and why.
     """
+    from grpo_core.errors import CheckpointError
+
     mc = client(tc)
-    names = sorted((a.path.split("/")[-1] for a in mc.list_artifacts(run_id, "checkpoints") if a.is_dir),
-                   reverse=True)
-    for name in names:
-        local = Path(output_dir) / "checkpoints" / name
-        if (local / "rollout_state.json").exists():
-            return local
+    tag = mc.get_run(run_id).data.tags.get(LATEST_STEP_TAG)
+    if tag is None:
+        partial = [a.path for a in mc.list_artifacts(run_id, "checkpoints")]
+        if partial:
+            logger.warning("MLflow run %s has checkpoint folders %s but none was completely uploaded (no tag %s)",
+                           run_id, partial, LATEST_STEP_TAG)
+        return None
+    name = f"step-{int(tag):07d}"
+    local = Path(output_dir) / "checkpoints" / name
+
+    def fail(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {name} of MLflow run {run_id} (tracking URI {tc.resolved_tracking_uri()})"
+                               f" cannot be fetched: {why}")
+
+    try:
         files = {a.path.split("/")[-1] for a in mc.list_artifacts(run_id, f"checkpoints/{name}")}
         local.parent.mkdir(parents=True, exist_ok=True)
+        download = local.parent / ".download"
+        shutil.rmtree(download, ignore_errors=True)
         if "dcp" in files:
-            tmp = Path(mc.download_artifacts(run_id, f"checkpoints/{name}", str(local.parent / ".download")))
-            shutil.rmtree(local, ignore_errors=True)
-            tmp.rename(local)
-            shutil.rmtree(local.parent / ".download", ignore_errors=True)
-            logger.info("downloaded checkpoint %s of MLflow run %s to %s", name, run_id, local)
-            return local
-        if CHECKPOINT_URI_FILE in files:
-            uri = mc.download_artifacts(run_id, f"checkpoints/{name}/{CHECKPOINT_URI_FILE}")
+            tmp = Path(mc.download_artifacts(run_id, f"checkpoints/{name}", str(download)))
+        elif CHECKPOINT_URI_FILE in files:
+            uri = mc.download_artifacts(run_id, f"checkpoints/{name}/{CHECKPOINT_URI_FILE}", str(download))
             source = Path(Path(uri).read_text().strip().removeprefix("file://"))
-            if (source / "rollout_state.json").exists():
-                shutil.copytree(source, local, dirs_exist_ok=True)
-                logger.info("copied checkpoint %s of MLflow run %s from %s", name, run_id, source)
-                return local
-            logger.warning("checkpoint %s of MLflow run %s lies at %s, which is not reachable here", name, run_id,
-                           source)
-    return None
+            if not (source / "rollout_state.json").is_file():
+                raise fail(f"it lies at {source} (checkpoint_uri.txt), which is not reachable from this host")
+            tmp = download / name
+            shutil.copytree(source, tmp)
+        else:
+            raise fail(f"the artifact folder checkpoints/{name} holds neither dcp/ nor {CHECKPOINT_URI_FILE} "
+                       f"(it holds {sorted(files)})")
+    except MlflowException as exc:
+        raise fail(f"MLflow: {str(exc).splitlines()[0]}") from exc
+    except OSError as exc:
+        raise fail(f"{type(exc).__name__}: {exc}") from exc
+    from grpo_core.durable import fsync_dir, fsync_tree
+
+    problem = verify(tmp) if verify is not None else None
+    if problem is not None:
+        raise fail(f"the fetched copy is incomplete ({problem})")
+    fsync_tree(tmp)
+    shutil.rmtree(local, ignore_errors=True)
+    tmp.rename(local)
+    fsync_dir(local.parent)
+    shutil.rmtree(download, ignore_errors=True)
+    logger.info("fetched checkpoint %s of MLflow run %s to %s", name, run_id, local)
+    return local
 
 
 def log_file(tc: TrackingConfig, run_id: str, path: Path, artifact_dir: str) -> None:
@@ -354,7 +407,7 @@ class MlflowSink:
 
         client(self.tc)
         monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.tc.system_metrics_interval_s,
-                                       resume_logging=True, tracking_uri=self.tc.resolved_tracking_uri())
+                                       resume_logging=True, tracking_uri=mlflow_uri(self.tc))
         monitor.start()
         return monitor
 

@@ -14,18 +14,20 @@ import time
 from pathlib import Path
 
 from flows.processes import child_env, start_child, stream
+from grpo_core.auth import TOKEN_ENV, new_token
 from grpo_core.config import load_config
 from grpo_core.serving.vllm import embedded_command, launch
 
 
 def main(config: Path) -> None:
-    launch(embedded_command(load_config(config, []), 0))
+    token = new_token()  # the run's bearer token, as the flow's RunProcesses holds it
+    env = child_env({TOKEN_ENV: token, "OMP_NUM_THREADS": "1"})
+    launch(embedded_command(load_config(config, []), 0), token)
     start_child([sys.executable, "-m", "grpo_core.rollout", "--config", str(config), "--server-url",
-                 "http://127.0.0.1:9"], config.parent / "rollout.log")
-    trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                 "http://127.0.0.1:9"], config.parent / "rollout.log", env=env)
+    trainer = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
                "-m", "grpo_core.train", "--config", str(config)]
-    threading.Thread(target=stream, args=(trainer, logging.getLogger("trainer"), "", child_env({"OMP_NUM_THREADS": "1"})),
-                     daemon=True).start()
+    threading.Thread(target=stream, args=(trainer, logging.getLogger("trainer"), "", env), daemon=True).start()
     time.sleep(3600)
 
 

@@ -21,6 +21,7 @@ import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
 
 from flows.processes import RunProcesses, child_env, start_child, stream, wait_child
+from grpo_core.auth import TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 DEATH_BOUND_S = 30  # the lifeline polls every 0.5 s; the bound only absorbs a loaded CI machine
@@ -57,7 +58,7 @@ def test_every_child_dies_with_its_sigkilled_flow_process(tmp_path):
     while len(parent.children()) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
     children = parent.children()
-    torchrun = _named(children, "torch.distributed.run")
+    torchrun = _named(children, "grpo_core.train.launch")
     rank = _rank(torchrun)
     server, rollout = _named(children, "serving.embedded"), _named(children, "grpo_core.rollout")
     run = [server, rollout, torchrun, rank]
@@ -71,14 +72,14 @@ def test_every_child_dies_with_its_sigkilled_flow_process(tmp_path):
 def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
     # Before: nothing watched the rollout process; the trainer noticed only after rollout_worker_timeout_s.
     config, procs, result = _config(tmp_path), RunProcesses(), {}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
            "-m", "grpo_core.train", "--config", str(config)]
-    env = child_env({"OMP_NUM_THREADS": "1"})
+    env = child_env({TOKEN_ENV: procs.token, "OMP_NUM_THREADS": "1"})
     trainer = threading.Thread(target=lambda: result.update(code=stream(cmd, logging.getLogger("t"), "", env,
                                                                         register=procs)[0]))
     trainer.start()
     rollout = start_child([sys.executable, "-m", "grpo_core.rollout", "--config", str(config), "--server-url",
-                           "http://127.0.0.1:9"], tmp_path / "rollout.log", register=procs)
+                           "http://127.0.0.1:9"], tmp_path / "rollout.log", register=procs, env=env)
     threading.Thread(target=wait_child, args=(rollout, procs, "rollout"), daemon=True).start()
     while len(procs.processes) < 2:
         time.sleep(0.1)

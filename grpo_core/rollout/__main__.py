@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -35,11 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     lifeline.watch()  # launched by a run: end with it
     args = parse_args(argv)
     from grpo_core.config import load_config
+    from grpo_core.redact import secrets_from_env
     from grpo_core.transport.types import ResumeState
 
     from .build import loop_class_and_config
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, secrets=secrets_from_env(os.environ))  # the flow's GRPO_RUN_SECRETS
     loop_class_and_config(cfg.rollout)  # fail fast on a bad loop class or loop_options
     resume = None
     if args.resume:
@@ -49,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from .process import RolloutJob, run_rollout
 
     job = RolloutJob(cfg, args.server_url, resume=resume, error_path=str(args.error_path) if args.error_path else None)
-    on_ready = (lambda loc: args.location_file.write_text(loc)) if args.location_file else None
+    from grpo_core.durable import atomic_write_text
+
+    on_ready = (lambda loc: atomic_write_text(args.location_file, loc)) if args.location_file else None
     return run_rollout(job, on_ready=on_ready)
 
 
