@@ -21,7 +21,7 @@ import pytest
 import rollout_helpers as h
 import yaml
 import torch
-from serving_helpers import TINY, embedded_server, run
+from serving_helpers import TINY, adapter_dir, embedded_server, run
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
@@ -162,12 +162,13 @@ def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_ru
     for version in (1, 2):
         torch.manual_seed(version)
         lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        get_peft_model(load_model(ModelConfig(name=TINY))[0], lora).save_pretrained(tmp_path / f"v{version}")
+        model = get_peft_model(load_model(ModelConfig(name=TINY))[0], lora)
+        model.save_pretrained(adapter_dir(server) / f"v{version}")  # the only folder the server loads from
 
     async def sync(version):  # what the trainer's LoraAdapterSync does with max_staleness 0: keep one version
         async with GenerationClient(server.url) as c:
             if version <= 2:
-                await c.load_lora_adapter(f"pol-v{version}", str(tmp_path / f"v{version}"))
+                await c.load_lora_adapter(f"pol-v{version}", str(adapter_dir(server) / f"v{version}"))
             if version > 1:
                 await c.unload_lora_adapter(f"pol-v{version - 1}")
 

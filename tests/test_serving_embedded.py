@@ -256,19 +256,20 @@ def test_lora_versions_side_by_side_then_unloaded(server):
     assert "clean_up_tokenization_spaces" not in log
 
 
-def test_unloading_an_adapter_never_fails_the_sequences_batched_with_it(server, tmp_path):
+def test_unloading_an_adapter_never_fails_the_sequences_batched_with_it(server):
     # Before: the unload deleted the adapter under running sequences; the next decode step raised and
     # failed every sequence of the batch, those of the base model too.
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(3)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(load_model(ModelConfig(name=TINY))[0], lora).save_pretrained(tmp_path / "v1")
+    folder = adapter_dir(server) / "retire"
+    get_peft_model(load_model(ModelConfig(name=TINY))[0], lora).save_pretrained(folder / "v1")
     greedy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
     async def go():
         async with client(server) as c:
-            await c.load_lora_adapter("ret-v1", str(tmp_path / "v1"))
+            await c.load_lora_adapter("ret-v1", str(folder / "v1"))
             alone = [await c.complete(PROMPTS[1], model=m, **greedy) for m in ("ret-v1", TINY)]
             tasks = [asyncio.create_task(c.complete(PROMPTS[1], model=m, **greedy)) for m in ("ret-v1", TINY)]
             while (await c.metrics()).num_requests_running < 2:  # both decoding in one batch
