@@ -334,7 +334,7 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
     started (its uvicorn workers and job-runner consumers), so nothing is left behind. Returns its exit code."""
     import signal
 
-    from flows.processes import stop_tree
+    from flows.processes import stop_process
 
     # The store URI and artifact root (credentials included) go by environment, not argv: argv is world-readable.
     cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
@@ -353,7 +353,7 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
         console.print("stopping the MLflow UI")
         return 0
     finally:
-        stop_tree(process)
+        stop_process(process, timeout_s=15)
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
 import time
@@ -29,7 +28,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
 from flows import artifacts
-from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
+from flows.processes import (REGISTRY, child_env, log_tail, setup_logging, start_child, stream, wait_child,
+                             wait_for_file)
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 
@@ -57,15 +57,14 @@ def _config(run_dir: str) -> RunConfig:
 
 
 def _child_env(run_dir: str) -> dict[str, str]:
-    """Environment of the run's rollout and trainer processes: the run's token and the config's secrets
-    (``GRPO_RUN_SECRETS``) travel here, never on a command line."""
+    """Environment of the run's rollout and trainer processes (``flows.processes.child_env``: owned by this process):
+    the run's token and the config's secrets (``GRPO_RUN_SECRETS``) travel here, never on a command line."""
     from grpo_core.redact import SECRETS_ENV
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           TOKEN_ENV: REGISTRY[run_dir].token}
+    extra = {TOKEN_ENV: REGISTRY[run_dir].token}
     if _SECRETS.get(run_dir):
-        env[SECRETS_ENV] = json.dumps(_SECRETS[run_dir])
-    return env
+        extra[SECRETS_ENV] = json.dumps(_SECRETS[run_dir])
+    return child_env(extra)
 
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
@@ -194,8 +193,6 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
         RolloutProcessError: the process failed (its traceback's last line), exited before serving, or exited
             with a non-zero code (with its log's tail).
     """
-    import subprocess
-
     log, procs, root = get_run_logger(), REGISTRY[run_dir], Path(run_dir)
     location_file, error_file, log_file = root / LOCATION_FILE, root / "rollout_error.txt", root / "rollout.log"
     cmd = [sys.executable, "-m", "grpo_core.rollout", "--config", str(root / RESOLVED_CONFIG),
@@ -205,10 +202,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
         cmd += ["--resume", resume_state]
     error_file.unlink(missing_ok=True)  # a retried flow run's old failure
     procs.follow(log_file, log, "[rollout] ")
-    with log_file.open("ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_child_env(run_dir), start_new_session=True)
-    procs.processes.append(process)
+    process = start_child(cmd, log_file, register=procs, env=_child_env(run_dir))
     try:
         location = wait_for_file(location_file, process, timeout_s=600)
     except RuntimeError as exc:
@@ -217,7 +211,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
             return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
         raise RolloutProcessError(f"rollout process {exc}; log {log_file}:\n{log_tail(log_file)}") from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
-    code = process.wait()
+    code = wait_child(process, procs, "rollout")  # a death stops the trainer now (it fails the attempt)
     _raise_if_failed(error_file, log_file, f"exited with code {code}")
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
@@ -255,6 +249,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
 
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
+        RolloutProcessError: the rollout process died, so the flow stopped the trainer (names the exit code).
     """
     from grpo_core.redact import write_private
     from grpo_core.report import TRAINER_ERROR, read_trainer_error
@@ -279,6 +274,10 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
                             register=REGISTRY[run_dir])
     finally:
         progress.stop()
+    failure = REGISTRY[run_dir].failure
+    if code != 0 and failure:
+        raise RolloutProcessError(f"{failure}; the trainer was stopped (exit code {code}); log "
+                                  f"{root / 'rollout.log'}:\n{log_tail(root / 'rollout.log')}")
     if code != 0:
         cause = read_trainer_error(root)
         raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")

@@ -70,48 +70,55 @@ class LogForwarder(threading.Thread):
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    """SIGTERM the process group of ``process`` (started with ``start_new_session``), SIGKILL after ``timeout_s``."""
-    if process.poll() is not None:
-        return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=timeout_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """Stop ``process`` (started with ``start_new_session``), its process group and every process descended from it.
 
-
-def stop_tree(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """Stop ``process`` (started with ``start_new_session``) and every process descended from it.
-
-    Descendants are collected first (psutil), so those that left the process group (their own session)
-    are stopped too: SIGTERM to the group and to each of them, SIGKILL to whatever still lives after
-    ``timeout_s``; returns once all of them are gone.
+    The targets are collected first (psutil): the live descendants, those that left the group too (a torchrun
+    rank has its own session), and the members of the group, which are signalled even when the leader already
+    exited. SIGTERM to each, SIGKILL to whatever still lives after ``timeout_s``; returns once all are gone.
     """
     import psutil
 
+    if process.poll() is not None and psutil.pid_exists(process.pid):
+        return  # the leader was reaped and its pid reused: that process and its group are not ours
+    targets = _group_members(process.pid)
     try:
-        procs = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        targets |= {psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)}
     except psutil.NoSuchProcess:
-        procs = []
+        pass
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-        for proc in procs:
+        for proc in targets:
             try:
                 proc.send_signal(sig)
             except psutil.NoSuchProcess:
                 pass
-        _, procs = psutil.wait_procs(procs, timeout=timeout_s)
-        if not procs:
+        if process.poll() is None:  # reap our own child so it is not waited for as a zombie
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _, alive = psutil.wait_procs(list(targets), timeout=timeout_s)
+        targets = set(alive)
+        if not targets:
             break
     process.poll()
+
+
+def _group_members(pgid: int) -> set:
+    """The live processes of process group ``pgid`` (psutil), its leader gone or not."""
+    import psutil
+
+    members = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                members.add(proc)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+    return members
 
 
 @dataclass
@@ -123,6 +130,8 @@ class RunProcesses:
     forwarders: list[LogForwarder] = field(default_factory=list)
     stopping: bool = False
     """Set by :meth:`stop_all`: a process that exits from now on was stopped by the flow."""
+    failure: str | None = None
+    """Set by :meth:`fail`: the child whose death ended the attempt, and how it ended."""
     token: str = field(default_factory=lambda: run_token() or new_token(), repr=False)
     """The run's bearer token (``grpo_core.auth``): every listener of the run requires it; children get it in
     their environment only (``GRPO_RUN_TOKEN``). Fresh for each run (a retried flow run too), unless the flow's
@@ -135,6 +144,15 @@ class RunProcesses:
         forwarder = LogForwarder(path, log, prefix)
         forwarder.start()
         self.forwarders.append(forwarder)
+
+    def fail(self, reason: str) -> None:
+        """A child died on its own: record ``reason`` and stop the others now (the trainer would otherwise
+        notice a dead rollout process only after ``rollout.rollout_worker_timeout_s``)."""
+        if self.stopping or self.failure is not None:
+            return
+        self.failure = reason
+        for process in list(self.processes):
+            stop_process(process)
 
     def stop_all(self) -> None:
         """Stop the trainer and rollout processes, then the servers, then the log forwarders."""
@@ -152,15 +170,40 @@ class RunProcesses:
 REGISTRY: dict[str, RunProcesses] = collections.defaultdict(RunProcesses)
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of a child of this process: ours, unbuffered and offline, naming this process its owner
+    (``grpo_core.lifeline``: grpo-flow's entry points end when it does)."""
+    from grpo_core import lifeline
+
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            **lifeline.owner_env(), **(extra or {})}
+
+
+def start_child(cmd: list[str], log_file: Path, register: RunProcesses | None = None,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a grpo-flow entry point (``python -m grpo_core.…``) in its own session, its output appended to
+    ``log_file``, owned by this process (``env``, default :func:`child_env`: it ends when this process does)."""
+    with Path(log_file).open("ab") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env or child_env(), start_new_session=True)
+    if register is not None:
+        register.processes.append(process)
+    return process
+
+
 def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file: Path | None = None,
            register: RunProcesses | None = None, tail_lines: int = 60) -> tuple[int, str]:
-    """Run ``cmd`` in its own session, forwarding each output line to ``log``.
+    """Run ``cmd`` in its own session, forwarding each output line to ``log``; ``cmd`` is killed when the
+    calling thread ends (``lifeline.die_with_parent``: torchrun is not grpo-flow's and cannot watch its owner).
 
     Returns:
         ``(exit code, the last tail_lines lines)``.
     """
+    from grpo_core import lifeline
+
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env=env, text=True, errors="replace", bufsize=1, start_new_session=True)
+                               env=env, text=True, errors="replace", bufsize=1, start_new_session=True,
+                               preexec_fn=lifeline.die_with_parent)
     if register is not None:
         register.processes.append(process)
     if pid_file is not None:
@@ -176,6 +219,17 @@ def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file:
     if register is not None and process in register.processes:
         register.processes.remove(process)
     return code, "\n".join(tail)
+
+
+def wait_child(process: subprocess.Popen, register: RunProcesses, name: str) -> int:
+    """Wait for a child of the run; one that exits non-zero while the flow is not stopping fails the attempt at
+    once (:meth:`RunProcesses.fail`: the other processes are stopped). Returns its exit code."""
+    code = process.wait()
+    if code != 0 and not register.stopping:
+        register.fail(f"the {name} process {process.pid} exited with code {code}")
+    if process in register.processes:
+        register.processes.remove(process)
+    return code
 
 
 def wait_for_file(path: Path, process: subprocess.Popen, timeout_s: float) -> str:

@@ -161,6 +161,18 @@ class RolloutConfig(_Strict):
     """Times a turn the server cut short (``finish_reason: abort``) is resubmitted as its continuation before
     its group is dropped (counted in ``rollout/aborted_group_count``); aborted tokens are never trained as a
     finished turn."""
+    reward_timeout_s: float | None = Field(default=300.0, gt=0)
+    """Seconds one reward function call, or one environment ``get_reward()``, may take; past it the group fails
+    (counted in ``rewards/<name>/timeout_count``, charged to ``max_failed_groups``). None = no limit."""
+    tool_timeout_s: float | None = Field(default=120.0, gt=0)
+    """Seconds one tool call, or one environment ``reset()``, may take. A timed-out tool call answers the model
+    with an error message (``tools/<name>/timeout_count``); a timed-out ``reset()`` fails its group. None = no
+    limit. A timed-out sync call keeps its worker thread until it returns (Python cannot stop a thread)."""
+    max_failed_groups: int = Field(default=10, ge=0)
+    """Groups that may fail in user code (a reward function, ``env.reset``/``get_reward`` raising or timing out)
+    before the run fails naming the last error; each failed group's prompt counts as consumed and is counted in
+    ``rollout/failed_group_count``. 0 = the first failure fails the run. A misconfigured function (wrong
+    signature, wrong return type or length) fails the run at once."""
     num_generations: int = Field(default=8, ge=2)
     """G: rollouts per prompt (one group); advantages are normalised inside it."""
     dataset: str | None = None

@@ -85,6 +85,19 @@ class RolloutError(GrpoError):
     """The rollout loop cannot go on: a reward function raised or returned the wrong shape, or an epoch rejected every prompt."""
 
 
+class UserCodeError(RolloutError):
+    """User code failed on one group: a reward function or an environment's ``reset``/``get_reward`` raised,
+    timed out (``rollout.reward_timeout_s``, ``rollout.tool_timeout_s``) or returned a non-finite reward.
+
+    The group is dropped and charged to ``rollout.max_failed_groups``; a misconfigured function (wrong
+    signature, wrong return type or length) raises plain :class:`RolloutError` instead and fails the run at once.
+    """
+
+
+class UserCodeTimeout(UserCodeError):
+    """A call into user code took longer than its ``rollout.*_timeout_s``; it may still run in its thread."""
+
+
 class CheckpointError(GrpoError):
     """A checkpoint cannot be used: it cannot be fetched, is incomplete, or failed to load (the message names
     the run, the checkpoint and why)."""

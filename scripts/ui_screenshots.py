@@ -144,7 +144,7 @@ def main() -> int:
     args = p.parse_args()
     from playwright.sync_api import sync_playwright
 
-    from flows.processes import stop_tree
+    from flows.processes import stop_process
     from flows.serve import PrefectStack
     from grpo_core import tracking
     from grpo_core.config import TrackingConfig
@@ -189,7 +189,7 @@ def main() -> int:
         finally:
             ui.send_signal(signal.SIGTERM)
             ui.wait(timeout=60)
-            stop_tree(ui)
+            stop_process(ui, timeout_s=15)
         browser.close()
     return 0
 

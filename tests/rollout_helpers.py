@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import numpy as np
 
@@ -33,6 +34,39 @@ def raising_reward(**_):
 
 def wrong_length_reward(completion_ids, **_):
     return [1.0] * (len(completion_ids) + 1)
+
+
+def flaky_reward(completion_ids, row_id, **_):
+    """Hangs (10 s) on row 1, raises on row 2, scores the others by length."""
+    if row_id[0] == 1:
+        time.sleep(10)
+    if row_id[0] == 2:
+        raise RuntimeError("boom on row 2")
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def needs_answer_column(completion_ids, answer):
+    """Needs a dataset column ``answer`` the test rows do not have (a wrong signature)."""
+    return [1.0] * len(completion_ids)
+
+
+class FlakyEnv:
+    """Environment whose ``reset`` hangs (10 s) on row 3 and whose ``get_reward`` raises on row 4."""
+
+    def reset(self, row_id, **_):
+        self.row_id = row_id
+        if row_id == 3:
+            time.sleep(10)
+
+    def get_reward(self):
+        if self.row_id == 4:
+            raise ValueError("no reward for row 4")
+        return None
+
+
+def position_reward(completion_ids, **_):
+    """The rollout's position in its group: never zero-std."""
+    return [float(i) for i in range(len(completion_ids))]
 
 
 def nan_first_reward(completion_ids, **_):
@@ -89,6 +123,26 @@ class CounterEnv:
         """
         self.counter += step
         return self.counter
+
+
+class SleepyCounterEnv(CounterEnv):
+    """``increment`` sleeps 6 s on odd rows: a long multi-turn rollout that outlives a weight sync."""
+
+    def reset(self, row_id, **_):
+        self.row_id, self.counter, self.target = row_id, 0, 2
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: value to add.
+
+        Returns:
+            The counter after the addition.
+        """
+        if self.row_id % 2:
+            time.sleep(6)
+        return super().increment(step)
 
 
 class GameEnv:

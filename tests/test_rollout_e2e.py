@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import rollout_helpers as h
 import yaml
-from serving_helpers import TINY, embedded_server
+import torch
+from serving_helpers import TINY, adapter_dir, embedded_server, run
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
@@ -34,7 +35,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with embedded_server(tmp_path_factory.mktemp("rollout-server"), max_model_len=512) as handle:
+    with embedded_server(tmp_path_factory.mktemp("rollout-server"), max_model_len=512, enable_lora=True,
+                         lora_rank=8) as handle:
         yield handle
 
 
@@ -121,11 +123,70 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
     assert metrics["rollout/backpressure_s"] > 0
 
 
-def test_raising_reward_function_fails_the_run_naming_it(server, tmp_path):
-    with rollout(server, tmp_path, _config(), dataset=h.rows(2), reward_functions=[h.raising_reward]) as source:
-        with pytest.raises(TransportError, match="raising_reward' raised RuntimeError: boom"):
+def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_path):
+    # Before: no timeouts (a hang blocked its group forever) and the first raising reward failed the run.
+    config = _config(reward_timeout_s=1, tool_timeout_s=1, max_failed_groups=4)
+    with rollout(server, tmp_path, config, dataset=h.rows(6), reward_functions=[h.flaky_reward],
+                 environment_factory=h.FlakyEnv) as source:
+        samples, consumed, metrics = drain(source)
+    # rows 1 (reward hangs), 2 (reward raises), 3 (reset hangs), 4 (get_reward raises) fail; 0 and 5 train
+    assert {s.prompt_index for s in samples} | set(consumed) == set(range(6)), "every prompt reported"
+    assert {1, 2, 3, 4} <= set(consumed) and not {1, 2, 3, 4} & {s.prompt_index for s in samples}
+    assert metrics["rollout/failed_group_count"] == 4 and metrics["rewards/flaky_reward/timeout_count"] == 1
+    assert metrics["env/reset_timeout_count"] == 3, "each of the G=3 rollouts of row 3 timed out in reset"
+
+
+def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp_path):
+    with rollout(server, tmp_path, _config(max_failed_groups=2), dataset=h.rows(6),
+                 reward_functions=[h.raising_reward]) as source:
+        with pytest.raises(TransportError, match=r"3 groups failed in user code, more than rollout.max_failed_groups"
+                                                 r"=2; the last: reward function 'raising_reward' raised RuntimeError"):
             drain(source)
     assert "raising_reward" in (tmp_path / "rollout_error.txt").read_text()
+
+
+def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_run(server, tmp_path):
+    # Before: the sync retired pol-v1 while odd rows slept in a tool; their next turn got 404 and failed the run.
+    config = RunConfig(model={"name": TINY}, server={"max_model_len": 512, "enable_lora": True, "lora_rank": 8},
+                       train={"lora": {"enabled": True, "name": "pol", "r": 8}},
+                       rollout={"num_generations": 2, "max_completion_length": 8, "num_sampler_logprobs": 2,
+                                "max_staleness": 0, "max_tool_calling_iterations": 1, "rollout_worker_timeout_s": 30,
+                                "loop_class": "rollout_helpers:ScriptedToolLoop",
+                                "environment_factory": "rollout_helpers:SleepyCounterEnv"})
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_core.config import ModelConfig
+    from grpo_core.models import load_model
+    from grpo_core.serving.client import GenerationClient
+
+    for version in (1, 2):
+        torch.manual_seed(version)
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = get_peft_model(load_model(ModelConfig(name=TINY))[0], lora)
+        model.save_pretrained(adapter_dir(server) / f"v{version}")  # the only folder the server loads from
+
+    async def sync(version):  # what the trainer's LoraAdapterSync does with max_staleness 0: keep one version
+        async with GenerationClient(server.url) as c:
+            if version <= 2:
+                await c.load_lora_adapter(f"pol-v{version}", str(adapter_dir(server) / f"v{version}"))
+            if version > 1:
+                await c.unload_lora_adapter(f"pol-v{version - 1}")
+
+    run(sync(1))
+    try:
+        with rollout(server, tmp_path, config, dataset=h.rows(4), reward_functions=[h.position_reward],
+                     resume=ResumeState(policy_version=1)) as source:
+            first = source.pull(1, timeout_s=120)  # row 0 (the first group runs alone)
+            run(sync(2))  # odd rows are sleeping in their tool: pol-v1 goes under them
+            source.report(2, 100)
+            samples, consumed, metrics = drain(source, policy_version=2)
+    finally:
+        run(sync(3))  # the module's server serves the base model alone again
+    samples += samples_from_arrow(first.samples)
+    consumed += first.consumed_prompt_indices
+    assert {s.prompt_index for s in samples} | set(consumed) == set(range(4)), "every prompt reported"
+    assert metrics["rollout/stale_group_count"] >= 1, "a group outlived pol-v1"
+    assert {s.policy_version for s in samples if s.prompt_index != 0} <= {2}, "no stale sample trained"
 
 
 def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):

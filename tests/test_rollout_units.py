@@ -15,7 +15,7 @@ import pytest
 import rollout_helpers as h
 
 from grpo_core.config import RunConfig
-from grpo_core.errors import ConfigError, RolloutError
+from grpo_core.errors import ConfigError, RolloutError, UserCodeError
 from grpo_core.rollout import RolloutJob, TurnRecord, check_picklable, reconcile_turns
 from grpo_core.rollout.build import loop_class_and_config
 from grpo_core.rollout.data import extract_answer, reasoning_gym_dataset, reasoning_gym_reward
@@ -46,13 +46,27 @@ def test_sync_and_async_rewards_sum_and_none_is_skipped():
     assert np.isnan(only_none).all()
 
 
-@pytest.mark.parametrize("func, message", [
-    (h.raising_reward, "reward function 'raising_reward' raised RuntimeError: boom"),
-    (h.wrong_length_reward, "reward function 'wrong_length_reward' returned 4 rewards for a group of 3"),
+@pytest.mark.parametrize("func, message, charged", [
+    (h.raising_reward, "reward function 'raising_reward' raised RuntimeError: boom", True),
+    (h.wrong_length_reward, "reward function 'wrong_length_reward' returned 4 rewards for a group of 3", False),
+    (h.needs_answer_column, "reward function 'needs_answer_column' cannot take the arguments", False),
 ])
-def test_bad_reward_function_fails_naming_it(func, message):
-    with pytest.raises(RolloutError, match=message.replace("(", r"\(")):
+def test_bad_reward_function_fails_naming_it(func, message, charged):
+    # A failure inside the call is charged to rollout.max_failed_groups (UserCodeError); a misconfigured
+    # function (wrong return length, wrong signature) is a plain RolloutError that fails the run at once.
+    with pytest.raises(RolloutError, match=message.replace("(", r"\(")) as info:
         _rewards([func])
+    assert isinstance(info.value, UserCodeError) == charged
+
+
+def test_hanging_reward_function_times_out_and_is_counted():
+    kwargs = {"prompts": [[]] * 3, "completions": [[]] * 3, "completion_ids": [[1]] * 3, "row_id": [1] * 3}
+    window = MetricWindow()
+    pool = ThreadPoolExecutor(2)  # not waited for: the hung call keeps its thread until it returns
+    with pytest.raises(UserCodeError, match=r"'flaky_reward' took longer than rollout.reward_timeout_s=0.2 s"):
+        asyncio.run(call_reward_functions([h.flaky_reward], kwargs, 3, pool, timeout_s=0.2, window=window))
+    pool.shutdown(wait=False)
+    assert window.drain()["rewards/flaky_reward/timeout_count"] == 1
 
 
 def test_partial_reward_is_named_after_its_function():
@@ -259,6 +273,29 @@ def test_unknown_and_raising_tools_become_tool_errors_and_are_counted():
     m = window.drain()
     assert m["tools/unknown_name_count"] == 1 and m["tools/broken/failure_count"] == 1
     assert m["tools/increment/call_count"] == 1 and "tools/latency_s" in m
+
+
+def test_hanging_tool_becomes_a_tool_error_after_its_timeout():
+    def sleepy(seconds: float) -> str:
+        """Sleeps.
+
+        Args:
+            seconds: how long.
+        """
+        import time
+
+        time.sleep(seconds)
+        return "done"
+
+    window = MetricWindow()
+    calls = parse_tool_calls('<tool_call>{"name": "sleepy", "arguments": {"seconds": 5}}</tool_call>'
+                             '<tool_call>{"name": "sleepy", "arguments": {"seconds": 0}}</tool_call>')
+    pool = ThreadPoolExecutor(2)  # not waited for: the hung call keeps its thread until it returns
+    messages, failures = asyncio.run(run_tool_calls(calls, {"sleepy": sleepy}, pool, window, timeout_s=0.3))
+    pool.shutdown(wait=False)
+    assert failures == 1 and "took longer than 0.3 s" in messages[0]["content"] and messages[1]["content"] == "done"
+    m = window.drain()
+    assert m["tools/sleepy/timeout_count"] == 1 and m["tools/sleepy/failure_count"] == 1
 
 
 def test_environment_routing_exposes_only_its_tools():

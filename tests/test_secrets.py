@@ -127,9 +127,9 @@ def mlflow_server(tmp_path):
             time.sleep(0.5)
         yield port
     finally:
-        from flows.processes import stop_tree
+        from flows.processes import stop_process
 
-        stop_tree(process)
+        stop_process(process, timeout_s=15)
         log.close()
     assert process.poll() is not None
 

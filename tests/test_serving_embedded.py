@@ -256,6 +256,38 @@ def test_lora_versions_side_by_side_then_unloaded(server):
     assert "clean_up_tokenization_spaces" not in log
 
 
+def test_unloading_an_adapter_never_fails_the_sequences_batched_with_it(server):
+    # Before: the unload deleted the adapter under running sequences; the next decode step raised and
+    # failed every sequence of the batch, those of the base model too.
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    folder = adapter_dir(server) / "retire"
+    get_peft_model(load_model(ModelConfig(name=TINY))[0], lora).save_pretrained(folder / "v1")
+    greedy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    async def go():
+        async with client(server) as c:
+            await c.load_lora_adapter("ret-v1", str(folder / "v1"))
+            alone = [await c.complete(PROMPTS[1], model=m, **greedy) for m in ("ret-v1", TINY)]
+            tasks = [asyncio.create_task(c.complete(PROMPTS[1], model=m, **greedy)) for m in ("ret-v1", TINY)]
+            while (await c.metrics()).num_requests_running < 2:  # both decoding in one batch
+                await asyncio.sleep(0.01)
+            await c.pause()  # keep: frozen mid-decode while the adapter is unloaded
+            await c.unload_lora_adapter("ret-v1")
+            with pytest.raises(ServerRequestError) as gone:
+                await c.complete(PROMPTS[1], model="ret-v1", max_tokens=2)
+            await c.resume()
+            batched = await asyncio.gather(*tasks)
+            return alone, batched, gone.value, [card["id"] for card in await c.models()]
+    alone, batched, gone, names = run(go())
+    for (solo,), (out,) in zip(alone, batched, strict=True):
+        assert out.finish_reason == "length" and out.token_ids == solo.token_ids
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(solo.logprobs), atol=ATOL, rtol=0)
+    assert gone.status == 404 and "ret-v1" not in names, "new requests for the unloaded adapter are refused"
+
+
 def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):
     with embedded_server(tmp_path) as handle:
         url = handle.url

@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
+    from grpo_core import lifeline
+
+    lifeline.watch()  # launched by a run: end with it
     args = parse_args(argv)
     from grpo_core.config import load_config
     from grpo_core.redact import secrets_from_env

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -155,12 +154,14 @@ async def _poll_forever(loop: RolloutLoop) -> None:
 
 
 async def _heartbeat(loop: RolloutLoop, main: asyncio.Task | None) -> None:
-    """Tick for the trainer's stall detection; cancel ``main`` when the parent process is gone."""
-    parent = os.getppid()
+    """Tick for the trainer's stall detection; cancel ``main`` when the process that started this one is gone."""
+    from grpo_core import lifeline
+
     while True:
         loop.runtime.queue.beat()
-        if os.getppid() != parent and main is not None:
-            logger.error("the parent process %d is gone; stopping the rollout", parent)
+        why = lifeline.orphaned()
+        if why and main is not None:
+            logger.error("%s; stopping the rollout", why)
             main.cancel()
             return
         await asyncio.sleep(0.5)

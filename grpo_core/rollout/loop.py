@@ -22,14 +22,16 @@ from typing import Any
 import numpy as np
 
 from grpo_core.config import RolloutConfig
-from grpo_core.errors import RolloutError
+from grpo_core.errors import RolloutError, ServerRequestError, UserCodeError, UserCodeTimeout
 from grpo_core.transport.types import ResumeState
 
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards
 from .scoring import completion_rows, group_samples, group_tokens, log_completions, score_group
-from .tools import EnvironmentPool, environment_tools, parse_tool_calls, run_tool_calls, tool_name, tool_schemas
+from .tools import (EnvironmentPool, environment_tools, parse_tool_calls, run_tool_calls, tool_name, tool_schemas,
+                    with_tool_system_prompt)
 from .types import Rollout, RolloutGroup, TurnRecord, reconcile_turns
+from .usercode import call_environment
 from .window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,11 @@ COMPLETE_FINISHES = frozenset({"stop", "length"})
 
 class TurnAborted(RolloutError):
     """The server kept aborting a turn (``finish_reason`` not stop/length); its group is dropped, never trained."""
+
+
+class AdapterRetired(RolloutError):
+    """The LoRA adapter version a group samples from was unloaded (the trainer moved more than
+    ``max_staleness`` versions on) before the group finished: the group is stale and dropped like a stale sample."""
 
 
 # (group_id, rollout index in the group, turn counter, policy version at the group's start) of the
@@ -104,6 +111,7 @@ class RolloutLoop:
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
         self.environments = EnvironmentPool(runtime.environment_factory) if runtime.environment_factory else None
         self.generated_tokens = 0
+        self.failed_groups = 0
         self.unfinished_rollouts = 0  # rollouts of started groups not yet finished (running or waiting for a slot)
 
     # ----- hooks ---------------------------------------------------------------------------------
@@ -147,7 +155,8 @@ class RolloutLoop:
                 exhausted = True
                 break
             rounds += 1
-            tool_messages, failed = await run_tool_calls(parsed, by_name, self.executor, self.window)
+            tool_messages, failed = await run_tool_calls(parsed, by_name, self.executor, self.window,
+                                                         self.config.tool_timeout_s)
             self.window.add("tools/parallel_calls_mean", len(parsed))
             calls, failures = calls + len(parsed), failures + failed
             messages.extend(tool_messages)
@@ -167,6 +176,7 @@ class RolloutLoop:
 
         Raises:
             TurnAborted: the server aborted the turn ``max_abort_retries + 1`` times.
+            AdapterRetired: the group's LoRA adapter version was unloaded by the trainer's sync.
         """
         cfg = self.config
         group_id, rollout, counter, version = _REQUEST.get()
@@ -180,9 +190,15 @@ class RolloutLoop:
             seed = request_seed(cfg.seed, group_id, rollout, counter[0])
             counter[0] += 1
             model = self.served_model(version if attempt == 0 else self.runtime.allowance.policy_version)
-            (out,) = await client.complete(list(prompt_ids) + ids, model=model, max_tokens=budget - len(ids),
-                                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                           min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
+            try:
+                (out,) = await client.complete(list(prompt_ids) + ids, model=model, max_tokens=budget - len(ids),
+                                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                               min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
+            except ServerRequestError as exc:
+                if await self._retired(client, model):  # vLLM: 404 for an unknown model (vllm-h200/README.md)
+                    raise AdapterRetired(f"group {group_id}: adapter {model} was unloaded by a newer weight sync "
+                                         "before the group finished; dropped as stale") from None
+                raise
             self.generated_tokens += len(out.token_ids)
             ids, logprobs = ids + out.token_ids, logprobs + out.logprobs
             if tops is not None:
@@ -211,11 +227,21 @@ class RolloutLoop:
         """Model name to sample policy version ``policy_version`` from (the adapter version in LoRA runs).
 
         A rollout keeps the version its group started with for all its turns; the trainer keeps
-        max_staleness + 1 adapter versions loaded so it can finish under it (seed manual, LoRA section).
+        max_staleness + 1 adapter versions loaded (seed manual, LoRA section). A group that outlives its
+        version (long or multi-turn rollouts) is stale by then: it is dropped (:class:`AdapterRetired`).
         """
         if self.runtime.lora_name and policy_version >= 1:
             return f"{self.runtime.lora_name}-v{policy_version}"
         return self.runtime.model_name
+
+    async def _retired(self, client: Any, model: str) -> bool:
+        """Whether ``model`` is a LoRA version the server no longer lists while it lists a newer one."""
+        prefix = f"{self.runtime.lora_name}-v"
+        if not self.runtime.lora_name or not model.startswith(prefix):
+            return False
+        listed = {m.get("id", "") for m in await client.models()}
+        newer = [int(n[len(prefix):]) for n in listed if n.startswith(prefix) and n[len(prefix):].isdigit()]
+        return model not in listed and max(newer, default=0) > int(model[len(prefix):])
 
     def render(self, messages: list[dict[str, Any]], tool_schemas_: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through the chat template, with the generation prompt.
@@ -225,7 +251,7 @@ class RolloutLoop:
         """
         template = self.tokenizer.chat_template or ""
         if tool_schemas_ and "tools" not in template:
-            messages = _with_tool_system_prompt(messages, tool_schemas_)
+            messages = with_tool_system_prompt(messages, tool_schemas_)
             tool_schemas_ = None
         text = self.tokenizer.apply_chat_template(messages, tools=tool_schemas_, tokenize=False,
                                                   add_generation_prompt=True, **self.config.chat_template_kwargs)
@@ -254,7 +280,13 @@ class RolloutLoop:
                                  prompts=prompts, rollouts=rollouts, sequences=sequences, policy_version=version,
                                  started_at=started, trainer_step=trainer_step,
                                  environments=[env for _, env in envs])
-            await score_group(group, self.runtime.reward_functions, self.executor, self.window)
+            await score_group(group, self.runtime.reward_functions, self.executor, self.window,
+                              self.config.reward_timeout_s)
+        except UserCodeError as exc:
+            if isinstance(exc, UserCodeTimeout):
+                envs = []  # a hung reward function may still read them: never hand them to another rollout
+            self._drop_failed_group(prompt_index, [exc])
+            return
         finally:  # the reward functions have read the environments' state: hand them back
             self._give_back(envs)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
@@ -284,13 +316,32 @@ class RolloutLoop:
                 self.environments.give_back(env_name, env)
 
     def _drop_failed_group(self, prompt_index: int, failures: list[BaseException]) -> None:
-        """Drop a group whose turns the server kept aborting (counted); re-raise any other failure."""
-        other = next((f for f in failures if not isinstance(f, TurnAborted)), None)
+        """Drop a group that failed without fault of the run, its prompt consumed: turns the server kept
+        aborting (``rollout/aborted_group_count``), a retired adapter version (``rollout/stale_group_count``),
+        user code failing (``rollout/failed_group_count``, charged to ``rollout.max_failed_groups``).
+
+        Raises:
+            RolloutError: more groups failed in user code than ``rollout.max_failed_groups`` (names the last error).
+            BaseException: any other failure, re-raised.
+        """
         self.runtime.allowance.group_abandoned()
+        droppable = (TurnAborted, AdapterRetired, UserCodeError)
+        other = next((f for f in failures if not isinstance(f, droppable)), None)
         if other is not None:
             raise other
-        logger.warning("dropping group %d: %s", prompt_index, failures[0])
-        self.window.add("rollout/aborted_group_count", 1)
+        user = next((f for f in failures if isinstance(f, UserCodeError)), None)
+        retired = next((f for f in failures if isinstance(f, AdapterRetired)), None)
+        logger.warning("dropping group %d: %s", prompt_index, user or retired or failures[0])
+        if user is not None:
+            self.failed_groups += 1
+            self.window.add("rollout/failed_group_count", 1)
+            if self.failed_groups > self.config.max_failed_groups:
+                raise RolloutError(f"{self.failed_groups} groups failed in user code, more than "
+                                   f"rollout.max_failed_groups={self.config.max_failed_groups}; the last: {user}. "
+                                   "Fix the function, or raise rollout.max_failed_groups or the timeouts "
+                                   "(rollout.reward_timeout_s, rollout.tool_timeout_s)") from user
+        else:
+            self.window.add("rollout/stale_group_count" if retired else "rollout/aborted_group_count", 1)
         self.runtime.queue.consumed(prompt_index)
 
     def _reconcile(self, rollout: Rollout) -> list:
@@ -332,8 +383,8 @@ class RolloutLoop:
                 rollout.env_reward = (type(env).__name__, await self._env_reward(env))
             self.window.add("rollout/duration_s", time.monotonic() - start)
             return prompt, rollout, (env_name, env)
-        except BaseException:
-            if env is not None:
+        except BaseException as exc:
+            if env is not None and not isinstance(exc, UserCodeTimeout):  # a hung call may still use it: drop it
                 self.environments.give_back(env_name, env)
             raise
         finally:
@@ -343,7 +394,8 @@ class RolloutLoop:
     async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
         start = time.perf_counter()
-        text = await asyncio.get_running_loop().run_in_executor(self.executor, lambda: env.reset(**kwargs))
+        text = await call_environment(env, "reset", kwargs, self.executor, self.window, self.config.tool_timeout_s,
+                                      "rollout.tool_timeout_s")
         self.window.add("env/reset_s", time.perf_counter() - start)
         if text is None:
             if not prompt:
@@ -356,25 +408,7 @@ class RolloutLoop:
 
     async def _env_reward(self, env: object) -> Any:
         start = time.perf_counter()
-        get_reward = env.get_reward
-        if asyncio.iscoroutinefunction(get_reward):
-            value = await get_reward()
-        else:
-            value = await asyncio.get_running_loop().run_in_executor(self.executor, get_reward)
+        value = await call_environment(env, "get_reward", {}, self.executor, self.window, self.config.reward_timeout_s,
+                                       "rollout.reward_timeout_s")
         self.window.add("env/reward_s", time.perf_counter() - start)
         return value  # checked (None/NaN = does not apply, ±inf = error) with the other sources when scored
-
-
-def _with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    import json
-
-    text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            + "\n".join(json.dumps(s) for s in schemas)
-            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
-            "<args-json-object>}\n</tool_call>")
-    if messages and messages[0].get("role") == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-

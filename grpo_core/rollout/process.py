@@ -115,7 +115,10 @@ def start_rollout_process(job: RolloutJob, *, startup_timeout_s: float = 300.0) 
 
 
 def process_main(job: RolloutJob, ready: Any = None) -> None:
-    """Body of the rollout process: Flight server + rollout loop until shut down."""
+    """Body of the rollout process: Flight server + rollout loop until shut down (or its parent is gone)."""
+    from grpo_core import lifeline
+
+    lifeline.watch(parent=True)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -197,11 +200,13 @@ async def _wait_for_served_version(rollout_loop: Any, queue: Any, timeout_s: flo
 
 
 def _linger(stop: threading.Event, timeout_s: float | None) -> None:
-    """Serve until the trainer asks to stop, the timeout passes, or the parent process is gone."""
-    parent = os.getppid()
+    """Serve until the trainer asks to stop, the timeout passes, or the process that started this one is gone
+    (``lifeline.orphaned``: judged against the parent recorded at start, not the parent of now)."""
+    from grpo_core import lifeline
+
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not stop.wait(0.5):
-        if os.getppid() != parent or (deadline is not None and time.monotonic() > deadline):
+        if lifeline.orphaned() or (deadline is not None and time.monotonic() > deadline):
             return
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -21,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from grpo_core.errors import RolloutError
+from grpo_core.errors import RolloutError, UserCodeError, UserCodeTimeout
 
 from .types import RolloutGroup
+from .usercode import call_user, check_arguments
 from .window import MetricWindow
 
 
@@ -32,12 +32,6 @@ def source_name(func: Callable[..., Any]) -> str:
     while isinstance(func, functools.partial):
         func = func.func
     return getattr(func, "__name__", None) or type(func).__name__
-
-
-def _is_async(func: Callable[..., Any]) -> bool:
-    while isinstance(func, functools.partial):
-        func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
 
 
 def _check_values(name: str, values: Any, size: int) -> np.ndarray:
@@ -65,7 +59,8 @@ def checked_reward(source: str, value: Any, position: int) -> float:
         position: the rollout's index in its group.
 
     Raises:
-        RolloutError: ``value`` is ±inf or not a number (names ``source`` and ``position``).
+        RolloutError: ``value`` is not a number (a misconfigured source; names ``source`` and ``position``).
+        UserCodeError: ``value`` is ±inf (the group fails; charged to ``rollout.max_failed_groups``).
     """
     try:
         reward = float(value)
@@ -73,13 +68,14 @@ def checked_reward(source: str, value: Any, position: int) -> float:
         raise RolloutError(f"{source} returned {value!r} at position {position}; "
                            "rewards must be numbers or None") from None
     if math.isinf(reward):
-        raise RolloutError(f"{source} returned {reward} at position {position}; rewards must be finite: return "
+        raise UserCodeError(f"{source} returned {reward} at position {position}; rewards must be finite: return "
                            "None (or NaN) where the reward does not apply, or a large finite penalty")
     return reward
 
 
 async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[str, Any], size: int,
-                                executor: Executor) -> dict[str, np.ndarray]:
+                                executor: Executor, *, timeout_s: float | None = None,
+                                window: MetricWindow | None = None) -> dict[str, np.ndarray]:
     """Run every reward function on one group, concurrently.
 
     Args:
@@ -87,25 +83,30 @@ async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[st
         kwargs: the keyword arguments (prompts, completions, completion_ids, dataset columns).
         size: rollouts in the group (G).
         executor: thread pool for the sync functions.
+        timeout_s: seconds each call may take (``rollout.reward_timeout_s``); None = no limit. A sync
+            function past it keeps its thread until it returns.
+        window: where a timeout is counted as ``rewards/<name>/timeout_count``.
 
     Returns:
         name -> ``float64[size]`` rewards, NaN where the function returned None. A NaN the
         function returned itself also stays NaN, so that rollout gets no reward.
 
     Raises:
-        RolloutError: a function raised or returned the wrong type or length (names it).
+        RolloutError: a function does not take these arguments, or returned the wrong type or length (names it).
+        UserCodeError: a function raised, timed out or returned ±inf (names it; the group fails).
     """
-    loop = asyncio.get_running_loop()
-
     async def one(func: Callable[..., Any]) -> tuple[str, np.ndarray]:
         name = source_name(func)
+        check_arguments(f"reward function {name!r}", func, kwargs)
         try:
-            if _is_async(func):
-                values = await func(**kwargs)
-            else:
-                values = await loop.run_in_executor(executor, functools.partial(func, **kwargs))
+            values = await call_user(func, kwargs, executor, timeout_s)
+        except TimeoutError:
+            if window is not None:
+                window.add(f"rewards/{name}/timeout_count", 1)
+            raise UserCodeTimeout(f"reward function {name!r} took longer than rollout.reward_timeout_s="
+                                f"{timeout_s:g} s") from None
         except Exception as exc:  # a user function: report which one failed
-            raise RolloutError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+            raise UserCodeError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
         return name, _check_values(name, values, size)
 
     results = await asyncio.gather(*(one(f) for f in funcs))

@@ -54,18 +54,23 @@ def reward_kwargs(group: RolloutGroup, window: MetricWindow) -> dict[str, Any]:
 
 
 async def score_group(group: RolloutGroup, funcs: list[Callable[..., Any]], executor: Executor,
-                      window: MetricWindow) -> None:
+                      window: MetricWindow, timeout_s: float | None = None) -> None:
     """Set ``group.source_rewards`` and ``group.rewards`` (sum over sources; NaN = unscored).
 
     Sources: the reward functions, the environments' ``get_reward`` (named after the
     environment class) and ``Rollout.reward`` (named ``rollout``).
 
+    Args:
+        timeout_s: seconds each reward function call may take (``rollout.reward_timeout_s``); None = no limit.
+
     Raises:
-        RolloutError: a reward function raised or returned the wrong shape.
+        RolloutError: a reward function does not take its arguments or returned the wrong type or length.
+        UserCodeError: a reward function raised or timed out, or a source returned ±inf.
     """
     size = len(group.rollouts)
     start = time.perf_counter()
-    sources = await call_reward_functions(funcs, reward_kwargs(group, window), size, executor) if funcs else {}
+    sources = await call_reward_functions(funcs, reward_kwargs(group, window), size, executor,
+                                          timeout_s=timeout_s, window=window) if funcs else {}
     for i, rollout in enumerate(group.rollouts):
         if rollout.env_reward is not None and rollout.env_reward[1] is not None:
             name, value = rollout.env_reward

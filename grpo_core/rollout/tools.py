@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import re
@@ -24,6 +23,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+from .usercode import call_user
 from .window import MetricWindow
 
 RESERVED_ENV_METHODS = frozenset({"reset", "get_reward"})
@@ -182,20 +182,14 @@ def environment_tools(env: object) -> list[Callable[..., Any]]:
     return out
 
 
-async def _call(func: Callable[..., Any], kwargs: dict[str, Any], executor: Executor) -> Any:
-    if inspect.iscoroutinefunction(func):
-        return await func(**kwargs)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, lambda: func(**kwargs))
-
-
 async def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable[..., Any]], executor: Executor,
-                         window: MetricWindow) -> tuple[list[dict[str, Any]], int]:
-    """Run calls in order; failures become tool-error messages to the model, not crashes.
+                         window: MetricWindow, timeout_s: float | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Run calls in order; failures (raising, or taking longer than ``timeout_s`` seconds,
+    ``rollout.tool_timeout_s``) become tool-error messages to the model, not crashes.
 
     Returns:
         The tool messages (``{"role": "tool", "name", "content"}``) and the number of failures.
-        Counts ``tools/{name}/call_count``, ``tools/{name}/failure_count``,
+        Counts ``tools/{name}/call_count``, ``tools/{name}/failure_count``, ``tools/{name}/timeout_count``,
         ``tools/unknown_name_count``, and times ``tools/latency_s``, ``tools/{name}/latency_s``.
     """
     messages, failures = [], 0
@@ -215,8 +209,13 @@ async def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable[..., A
         start = time.perf_counter()
         window.add(f"tools/{call.name}/call_count", 1)
         try:
-            result = await _call(func, call.arguments, executor)
+            result = await call_user(func, call.arguments, executor, timeout_s)
             content = result if isinstance(result, str) else json.dumps(result, default=str)
+        except TimeoutError:
+            failures += 1
+            window.add(f"tools/{call.name}/failure_count", 1)
+            window.add(f"tools/{call.name}/timeout_count", 1)
+            content = f"Error: the tool took longer than {timeout_s:g} s and was abandoned"
         except Exception as exc:  # a user tool failing is reported to the model and counted
             failures += 1
             window.add(f"tools/{call.name}/failure_count", 1)
@@ -256,3 +255,17 @@ class EnvironmentPool:
 
     def give_back(self, name: str, env: object) -> None:
         self._free[name].append(env)
+
+
+def with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the tool schemas in the system message, in the ChatML/Qwen form (``<tools>…</tools>``
+    and the ``<tool_call>`` syntax), for chat templates that ignore ``tools``."""
+    text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+            + "\n".join(json.dumps(s) for s in schemas)
+            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

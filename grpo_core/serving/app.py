@@ -190,10 +190,12 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         name = request.model or state.model_name
         if name != state.model_name and name not in state.weights.adapters:
             return error_response(f"The model `{name}` does not exist.", 404, param="model")
-        seqs = _sequences(state, request, None if name == state.model_name else name)
+        adapter = None if name == state.model_name else name
+        seqs = _sequences(state, request, adapter)
         if isinstance(seqs, JSONResponse):
             return seqs
-        state.engine.submit(seqs)
+        if not state.weights.submit(adapter, seqs):  # unloaded since the check above
+            return error_response(f"The model `{name}` does not exist.", 404, param="model")
         done = asyncio.gather(*(asyncio.wrap_future(seq.future) for seq in seqs))
         while not done.done():  # a client that gave up (timeout, retry) frees its slots
             await asyncio.wait({done}, timeout=1.0)

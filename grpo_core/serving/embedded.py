@@ -142,6 +142,9 @@ def _as_list(value: object) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, validate them into the typed config, then serve."""
+    from grpo_core import lifeline
+
+    lifeline.watch()  # launched by a run: end with it
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -156,6 +156,12 @@ class Engine:
             self._waiting.extend(seqs)
             self._cond.notify_all()
 
+    def adapters_in_use(self) -> set[str]:
+        """LoRA adapter names of the waiting and running sequences (exact under :meth:`exclusive`)."""
+        with self._cond:
+            rows = list(self._waiting) + (list(self._batch.rows) if self._batch else [])
+        return {seq.adapter for seq in rows if seq.adapter is not None}
+
     def abort(self, seqs: list[Sequence]) -> None:
         """Drop sequences whose client went away: waiting ones now, running ones after the current step."""
         with self._cond:

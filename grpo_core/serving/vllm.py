@@ -45,6 +45,7 @@ from pathlib import Path
 
 import httpx
 
+from grpo_core import lifeline
 from grpo_core.auth import NONCE_ENV, NONCE_PATH, TOKEN_ENV, bearer_headers, check_port_free, ensure_run_token
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
@@ -266,7 +267,8 @@ def guard_env(config: RunConfig) -> dict[str, str]:
 
 
 def launch(spec: LaunchSpec, token: str) -> ServerHandle:
-    """Start one replica in its own process group, stdout/stderr to ``spec.log_path``.
+    """Start one replica in its own process group, stdout/stderr to ``spec.log_path``; it dies with this process
+    (``grpo_core.lifeline``: the embedded server watches it; vLLM dies with the launching thread).
 
     Args:
         spec: what to start.
@@ -285,8 +287,11 @@ def launch(spec: LaunchSpec, token: str) -> ServerHandle:
                 spec.log_path)
     # The run's token wins over a user's --api-key (whose value moved to VLLM_API_KEY in spec.env).
     secret = {TOKEN_ENV: token, **({"VLLM_API_KEY": token} if spec.backend == "vllm" else {})}
+    # The embedded server watches its owner (grpo_core.lifeline); vLLM is not ours: it dies with this thread.
     process = subprocess.Popen(reveal(spec.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, **spec.env, **secret}, start_new_session=True)
+                               env={**os.environ, **spec.env, **secret, **lifeline.owner_env()},
+                               start_new_session=True,
+                               preexec_fn=lifeline.die_with_parent if spec.backend == "vllm" else None)
     return ServerHandle(spec, process, _log=log)
 
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,20 @@ class WeightManager:
             # parts of the checkpoint this server never loaded (a VLM's vision tower): kept as they are
             self.not_loaded = checkpoint_keys(model_path) - set(names.values())
         self.adapters: dict[str, str] = {}
+        """Adapters served to new requests: name -> folder."""
+        self.retiring: set[str] = set()
+        """Unloaded adapters that queued or running sequences still sample from; deleted once none does."""
         self.peft: Any = None
+        self._names = threading.Lock()  # serving checks and submits vs. unloads (see :meth:`submit`)
+
+    def submit(self, adapter: str | None, seqs: list[Any]) -> bool:
+        """Queue ``seqs`` on the engine if ``adapter`` (None = the base model) is still served; returns whether
+        it was (an unload between a request's check and its submit would otherwise delete an adapter in use)."""
+        with self._names:
+            if adapter is not None and adapter not in self.adapters:
+                return False
+            self.engine.submit(seqs)
+            return True
 
     def load_full_weights(self, path: str | Path) -> int:
         """Copy every tensor of the safetensors files in ``path`` into the model, in place.
@@ -118,6 +132,7 @@ class WeightManager:
         if rank > self.max_lora_rank:
             raise AdapterError(f"LoRA rank {rank} is greater than max_lora_rank {self.max_lora_rank}.", 400)
         with self.engine.exclusive(), self._in_model_names(path) as folder:
+            self._delete_retired(also=name)  # a reload of a retiring name replaces it in place, under the step lock
             if self.peft is None:
                 self.peft = PeftModel.from_pretrained(self.base, folder, adapter_name=name, is_trainable=False)
                 self.peft.eval()
@@ -153,23 +168,39 @@ class WeightManager:
             yield tmp
 
     def unload_adapter(self, name: str) -> None:
-        """Remove adapter ``name``; requests naming it get 404 afterwards.
+        """Stop serving adapter ``name``: new requests naming it get 404 from now on; sequences already
+        queued or running with it finish on it (an unload never fails them), and its weights are deleted at
+        the first adapter change after the last of them finished.
 
         Raises:
             AdapterError: the adapter is not loaded (404).
         """
-        if name not in self.adapters:
-            raise AdapterError(f"The lora adapter '{name}' cannot be found.", 404)
+        with self._names:
+            if name not in self.adapters:
+                raise AdapterError(f"The lora adapter '{name}' cannot be found.", 404)
+            del self.adapters[name]
+            self.retiring.add(name)
         with self.engine.exclusive():
-            remaining = [a for a in self.adapters if a != name]
+            self._delete_retired()
+        if name in self.retiring:
+            logger.info("unloaded LoRA adapter %s; in-flight sequences finish on it before it is deleted", name)
+        else:
+            logger.info("unloaded LoRA adapter %s", name)
+
+    def _delete_retired(self, also: str | None = None) -> None:
+        """Delete the retiring adapters no sequence uses (and ``also``, if retiring); caller holds the step lock."""
+        in_use = self.engine.adapters_in_use()
+        for name in sorted(self.retiring):
+            if name in in_use and name != also:
+                continue
+            self.retiring.discard(name)
+            remaining = [a for a in [*self.adapters, *self.retiring] if a != name]
             if remaining and name in self.peft.active_adapters:
                 # Requests name their adapter, so which one is "active" does not matter here; but PEFT
                 # warns when the active adapter is deleted: hand the role to the newest one first.
                 self.peft.set_adapter(remaining[-1])
             self.peft.delete_adapter(name)
-            del self.adapters[name]
-            if not self.adapters:
-                # PEFT keeps a stale active-adapter name once the last one is gone; its LoRA
-                # layers pass inputs straight to the base layers, so serve the base model directly.
-                self.engine.model, self.engine.use_adapters = self.base, False
-        logger.info("unloaded LoRA adapter %s", name)
+        if not self.adapters and not self.retiring and self.peft is not None:
+            # PEFT keeps a stale active-adapter name once the last one is gone; its LoRA
+            # layers pass inputs straight to the base layers, so serve the base model directly.
+            self.engine.model, self.engine.use_adapters = self.base, False

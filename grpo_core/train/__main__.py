@@ -25,6 +25,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
+    from grpo_core import lifeline
+
+    # Under torchrun the rank has its own session (torch 2.11): it must also end when torchrun does.
+    lifeline.watch(parent="TORCHELASTIC_RUN_ID" in os.environ)
     args = parse_args(argv)
     from grpo_core.config import load_config
     from grpo_core.redact import secrets_from_env

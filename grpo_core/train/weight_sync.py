@@ -8,7 +8,8 @@ Each sync makes one new policy version. Implementations:
 * :class:`LoraAdapterSync`: a PEFT adapter saved with ``PeftModel.save_pretrained`` to
   ``<output_dir>/.vllm_lora/<name>-v{N}`` (atomic rename), loaded on every
   server with ``/v1/load_lora_adapter``; the newest ``max_staleness + 1``
-  versions stay loaded, older ones are unloaded and deleted. vLLM and the
+  versions stay loaded, older ones are unloaded and deleted (a rollout group that outlives its
+  version is stale by then: the rollout drops it, ``rollout/stale_group_count``). vLLM and the
   embedded server take the same requests. Adapter keys use the served
   checkpoint's module names (see :meth:`LoraAdapterSync.checkpoint_keys`).
 

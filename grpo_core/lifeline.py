@@ -1,0 +1,112 @@
+"""Processes never outlive their run: a child ends itself within a second of its owner dying.
+
+Every process grpo-flow starts runs in its own session (so a stop reaches its whole group), which
+also cuts it loose from its parent: when the flow-run process is SIGKILLed (Prefect kills 30 s after
+SIGTERM, an OOM kill, ``kill -9``), nothing tells the children. So the launcher names itself in the
+child's environment (:func:`owner_env`, variable ``GRPO_OWNER``: pid and start time, so a reused pid
+is not mistaken for the owner), and each grpo-flow entry point (rollout process, embedded server,
+trainer rank) calls :func:`watch` first thing: a daemon thread polls the owner, and the process's
+original parent where asked (a trainer rank watches torchrun, which torch 2.11 starts each rank
+apart from: its own session), and SIGKILLs this process's group (or this process alone when it
+leads none) once one of them is gone. Programs that are not grpo-flow's (vLLM, torchrun itself)
+get :func:`die_with_parent` as ``preexec_fn``: Linux's ``PR_SET_PDEATHSIG``, which fires when the
+launching *thread* ends, so they must be launched from a thread that lives as long as they should.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+OWNER_ENV = "GRPO_OWNER"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+_ORIGINAL_PARENT = os.getppid()  # read when the entry point imports this module: the parent that started us
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # resolved before any fork
+
+logger = logging.getLogger(__name__)
+
+
+def _start_time(pid: int) -> float | None:
+    """Start time of ``pid`` (seconds since the epoch, psutil), None when no such live process."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # dead, not yet reaped by its parent
+            return None
+        return process.create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def owner_env(pid: int | None = None) -> dict[str, str]:
+    """The environment entry that makes ``pid`` (default: this process) the owner of a child it launches."""
+    pid = os.getpid() if pid is None else pid
+    return {OWNER_ENV: f"{pid}:{_start_time(pid)!r}"}
+
+
+def _owner() -> tuple[int, float] | None:
+    """``(pid, start time)`` from ``GRPO_OWNER``, None when unset or malformed."""
+    value = os.environ.get(OWNER_ENV, "")
+    try:
+        pid, start = value.split(":", 1)
+        return int(pid), float(start)
+    except ValueError:
+        return None
+
+
+def _alive(pid: int, start: float | None = None) -> bool:
+    now = _start_time(pid)
+    return now is not None and (start is None or abs(now - start) < 1.0)
+
+
+def orphaned(parent: bool = True) -> str | None:
+    """Why this process has lost its owner (``GRPO_OWNER`` gone) or, with ``parent``, the parent that
+    started it (gone, or this process re-parented since); None while both live."""
+    owner = _owner()
+    if owner is not None and not _alive(*owner):
+        return f"its owner (pid {owner[0]}) is gone"
+    if parent and (os.getppid() != _ORIGINAL_PARENT or not _alive(_ORIGINAL_PARENT)):
+        return f"its parent (pid {_ORIGINAL_PARENT}) is gone"
+    return None
+
+
+def watch(parent: bool = False, interval_s: float = 0.5) -> threading.Thread | None:
+    """SIGKILL this process's group (this process alone when it leads none) within ``interval_s`` of its owner
+    (``GRPO_OWNER``) dying, and, with ``parent``, of the parent that started it dying.
+
+    Returns:
+        The daemon watch thread, or None when there is nothing to watch (no ``GRPO_OWNER`` and not ``parent``:
+        a process started by hand from a shell lives on its own).
+    """
+    if _owner() is None and not parent:
+        return None
+
+    def loop() -> None:
+        while True:
+            why = orphaned(parent)
+            if why is not None:
+                try:  # the owner often held the other end of stderr: a broken pipe must not stop the kill
+                    print(f"grpo-flow: pid {os.getpid()} exits: {why}", file=sys.stderr, flush=True)  # noqa: T201
+                except (OSError, ValueError):
+                    pass
+                if os.getpgrp() == os.getpid():
+                    os.killpg(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Event().wait(interval_s)
+
+    thread = threading.Thread(target=loop, name="grpo-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child that is not grpo-flow's: SIGKILL it when the launching thread ends (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing). Runs in the child between fork and exec."""
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

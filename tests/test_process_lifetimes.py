@@ -1,0 +1,121 @@
+"""Processes never outlive their run, and a child's death ends the attempt (issue 10 item 6).
+
+The children are the real entry points (embedded server, rollout process, torchrun and its rank in its own
+session) started by the flow's own launch functions; every test collects the pids before the kill and
+asserts that none lives after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from trainer_helpers import ROOT, trainer_config, write_samples
+
+from flows.processes import RunProcesses, child_env, start_child, stream, wait_child
+from grpo_core.auth import TOKEN_ENV
+
+pytestmark = pytest.mark.slow
+DEATH_BOUND_S = 30  # the lifeline polls every 0.5 s; the bound only absorbs a loaded CI machine
+
+
+def _config(tmp_path: Path) -> Path:
+    server = {"backend": "embedded", "port": 0, "embedded_num_threads": 1, "log_dir": str(tmp_path / "servers")}
+    return trainer_config(tmp_path, write_samples(tmp_path / "samples.arrow", 64), server, max_steps=10_000,
+                          save_steps=10_000)
+
+
+def _rank(torchrun: psutil.Process, timeout_s: float = 240) -> psutil.Process:
+    """The trainer rank torchrun started (it has its own session: torch 2.11)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ranks = [p for p in torchrun.children(recursive=True) if "grpo_core.train" in " ".join(p.cmdline())]
+        if ranks:
+            return ranks[0]
+        time.sleep(0.2)
+    raise AssertionError("torchrun started no rank")
+
+
+def _named(procs: list[psutil.Process], marker: str) -> psutil.Process:
+    (proc,) = [p for p in procs if marker in " ".join(p.cmdline())]
+    return proc
+
+
+def test_every_child_dies_with_its_sigkilled_flow_process(tmp_path):
+    # Before: every child ran in its own session with no watchdog: all of them outlived the killed flow.
+    owner = subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_owner.py"), str(_config(tmp_path))],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    parent = psutil.Process(owner.pid)
+    deadline = time.monotonic() + 60
+    while len(parent.children()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    children = parent.children()
+    torchrun = _named(children, "grpo_core.train.launch")
+    rank = _rank(torchrun)
+    server, rollout = _named(children, "serving.embedded"), _named(children, "grpo_core.rollout")
+    run = [server, rollout, torchrun, rank]
+    assert all(p.is_running() for p in run) and os.getsid(rank.pid) != os.getsid(torchrun.pid), "the hard case"
+    owner.kill()
+    owner.wait()
+    _, alive = psutil.wait_procs(run, timeout=DEATH_BOUND_S)
+    assert not alive, f"outlived the flow process: {[p.cmdline()[:3] for p in alive]}"
+
+
+def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
+    # Before: nothing watched the rollout process; the trainer noticed only after rollout_worker_timeout_s.
+    config, procs, result = _config(tmp_path), RunProcesses(), {}
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
+           "-m", "grpo_core.train", "--config", str(config)]
+    env = child_env({TOKEN_ENV: procs.token, "OMP_NUM_THREADS": "1"})
+    trainer = threading.Thread(target=lambda: result.update(code=stream(cmd, logging.getLogger("t"), "", env,
+                                                                        register=procs)[0]))
+    trainer.start()
+    rollout = start_child([sys.executable, "-m", "grpo_core.rollout", "--config", str(config), "--server-url",
+                           "http://127.0.0.1:9"], tmp_path / "rollout.log", register=procs, env=env)
+    threading.Thread(target=wait_child, args=(rollout, procs, "rollout"), daemon=True).start()
+    while len(procs.processes) < 2:
+        time.sleep(0.1)
+    torchrun = psutil.Process(next(p for p in procs.processes if p is not rollout).pid)
+    run = [torchrun, _rank(torchrun), psutil.Process(rollout.pid)]
+    assert all(p.is_running() for p in run)
+    os.kill(rollout.pid, signal.SIGKILL)
+    trainer.join(timeout=DEATH_BOUND_S * 2)
+    assert not trainer.is_alive(), "the trainer was not stopped"
+    assert result["code"] != 0 and procs.failure == f"the rollout process {rollout.pid} exited with code -9"
+    _, alive = psutil.wait_procs(run, timeout=DEATH_BOUND_S)
+    assert not alive
+
+
+CHILD = """
+import sys, threading, time
+from grpo_core import lifeline  # an entry point imports it first: the parent is recorded now
+from grpo_core.rollout.process import _linger
+print("ready", flush=True)
+time.sleep(2)  # the parent exits meanwhile: this process is re-parented
+_linger(threading.Event(), None)
+open(sys.argv[1], "w").write("returned")
+"""
+
+
+def test_rollout_linger_returns_when_its_parent_died_before_it_began(tmp_path):
+    # Before: _linger read os.getppid() when it began, after the re-parenting, and served forever.
+    out = tmp_path / "linger.txt"
+    spawn = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+             "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True); p.stdout.readline(); print(p.pid)")
+    done = subprocess.run([sys.executable, "-c", spawn, CHILD, str(out)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    child = psutil.Process(int(done.stdout))
+    try:
+        child.wait(timeout=60)
+    finally:
+        if child.is_running():
+            child.kill()
+    assert out.read_text() == "returned"
