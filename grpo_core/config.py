@@ -16,11 +16,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from grpo_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+#: Environment variable holding the servers' bearer token when ``server.api_key`` is unset (how the flow hands
+#: the token to the rollout and trainer processes without writing it into their config files).
+SERVER_API_KEY_ENV = "GRPO_SERVER_API_KEY"
 
 # vLLM's accepted ``--max-lora-rank`` values (vllm/config/lora.py, ``MaxLoRARanks``).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -114,6 +118,44 @@ class ServerConfig(_Strict):
     """Folder for the replicas' log files."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra ``vllm serve`` arguments, appended verbatim."""
+    urls: list[str] = Field(default_factory=list)
+    """External generation servers (``http://host:port``, one per replica) started elsewhere; when set the flow
+    starts no server and routes over these (``num_replicas`` is ignored)."""
+    api_key: SecretStr | None = None
+    """Bearer token sent as ``Authorization: Bearer`` on every request and control call to the servers; None =
+    the ``GRPO_SERVER_API_KEY`` environment variable, else none. Never written out in clear (configs, MLflow)."""
+    route_imbalance: int = Field(default=8, ge=0)
+    """Requests in flight a group's replica may hold beyond the least loaded one before the group's requests
+    spill to the least loaded (prefix-affinity routing over several replicas)."""
+    control_retry_s: float = Field(default=0.5, gt=0)
+    """Seconds between retries of a control call (pause/resume, adapter load/unload, weight update) on a replica
+    that failed it, e.g. while shared storage has not yet shown it the adapter files."""
+    control_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds a control call keeps retrying on a replica before the fan-out fails and the replicas that took
+    it are rolled back."""
+    router_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the OpenAI-compatible router (``python -m grpo_core.serving.router``) the flow starts in front
+    of the replicas for outside clients (evaluation, a single-endpoint trainer); 0 = a free port; None = none."""
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _masked_key_is_unset(cls, v: Any) -> Any:
+        # A config written out by pydantic holds the mask, not the key: read back, it means "from the environment".
+        return None if isinstance(v, str) and (not v or set(v) == {"*"}) else v
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
+                raise ValueError(f"server.urls: {url!r} is not an http(s) base URL; write e.g. 'http://gpu-1:8000'")
+        return [u.rstrip("/") for u in urls]
+
+    def resolved_api_key(self) -> str | None:
+        """The bearer token: ``api_key``, else ``$GRPO_SERVER_API_KEY``, else None."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(SERVER_API_KEY_ENV) or None
 
 
 class RolloutConfig(_Strict):

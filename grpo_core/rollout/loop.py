@@ -61,7 +61,8 @@ class LoopRuntime:
 
     Attributes:
         tokenizer: HF tokenizer of the policy (chat template, encode/decode).
-        clients: one ``GenerationClient`` per server replica (group g uses replica g mod replicas).
+        server: the generation replicas as one ``grpo_core.serving.routing.ReplicaSet`` (a group's requests
+            go to one replica by prefix affinity; ``complete``, ``metrics``, ``models``, ``retry_count``).
         model_name: served model name used in requests.
         max_model_len: the server's prompt + completion limit in tokens.
         dataset: prompt rows (HF Dataset, IterableDataset, list of dicts).
@@ -74,7 +75,7 @@ class LoopRuntime:
     """
 
     tokenizer: Any
-    clients: list[Any]
+    server: Any
     model_name: str
     max_model_len: int
     dataset: Any
@@ -169,8 +170,9 @@ class RolloutLoop:
         """
         cfg = self.config
         group_id, rollout, counter, version = _REQUEST.get()
-        # All turns of a group go to one replica: its prefix cache holds the shared prompt.
-        client = self.runtime.clients[group_id % len(self.runtime.clients)]
+        # The group id is the affinity key: all turns of a group go to one replica, whose prefix cache holds
+        # the shared prompt (the router adds the model name, so policy versions never share a key).
+        server = self.runtime.server
         budget = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
         ids: list[int] = []
         logprobs: list[float] = []
@@ -179,7 +181,8 @@ class RolloutLoop:
             seed = request_seed(cfg.seed, group_id, rollout, counter[0])
             counter[0] += 1
             model = self.served_model(version if attempt == 0 else self.runtime.allowance.policy_version)
-            (out,) = await client.complete(list(prompt_ids) + ids, model=model, max_tokens=budget - len(ids),
+            (out,) = await server.complete(list(prompt_ids) + ids, affinity_key=group_id, model=model,
+                                           max_tokens=budget - len(ids),
                                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                            min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
             self.generated_tokens += len(out.token_ids)

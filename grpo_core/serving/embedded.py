@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 when the host has a colon; port 0 = a free one), inheritable."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -63,7 +64,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerConfig) -> None:
     """Load the model, start the engine and run uvicorn on an already-bound socket."""
-    sock = _bind(server_cfg.host, server_cfg.port)
+    sock = bind_socket(server_cfg.host, server_cfg.port)
     port = sock.getsockname()[1]
     if args.port_file:
         args.port_file.write_text(str(port))
