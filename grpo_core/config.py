@@ -309,7 +309,19 @@ class TrainConfig(_Strict):
     output_dir: Path = Path("runs/train")
     """Folder for checkpoints, metrics and synced weights."""
     num_ranks: int = Field(default=1, ge=1)
-    """Data-parallel ranks (torchrun --nproc-per-node)."""
+    """Data-parallel ranks per trainer host (torchrun --nproc-per-node); the world is nnodes x num_ranks."""
+    nnodes: int = Field(default=1, ge=1)
+    """Trainer hosts (torchrun ``--nnodes``); above 1 the flow's torchrun is node 0 and waits at
+    ``rdzv_endpoint`` for the others, started by hand or a deployment with the same command (README, Across hosts)."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of torchrun's c10d rendezvous when ``nnodes`` > 1 (on the flow's host, reachable from every
+    trainer host; e.g. ``trainer-0:29400``)."""
+    adapter_store: str | None = None
+    """Where LoRA adapter versions are published for the servers: a folder every server host mounts, or an fsspec
+    URL (``s3://bucket/run``); None = ``<output_dir>/.vllm_lora`` (servers on this host)."""
+    adapter_store_served_as: str | None = None
+    """How the servers reach ``adapter_store`` (e.g. the bucket's mount point ``/mnt/adapters``); None = the same
+    path or URL."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` = CUDA when available (NCCL), else CPU (gloo)."""
     gpu_ids: list[int] | None = None
@@ -559,6 +571,9 @@ class RunConfig(_Strict):
             raise ConfigError(
                 f"train.lora.r ({train.lora.r}) exceeds server.lora_rank ({server.lora_rank}); raise server.lora_rank"
             )
+        if train.nnodes > 1 and not train.rdzv_endpoint:
+            raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
+                              "reachable from every trainer host, e.g. 'trainer-0:29400')")
         if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
             raise ConfigError(
                 f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "

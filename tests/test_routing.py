@@ -22,6 +22,8 @@ from serving_helpers import TINY, run
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.metrics import MetricWindow
+from grpo_core.errors import ServerRequestError
+from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.routing import HIT, SPILL, UNMATCHED, ControlFanOutError, ReplicaSet, RoutingPolicy
 from grpo_core.serving.vllm import ServerHandle, embedded_command, launch, teardown, wait_healthy
 
@@ -168,6 +170,13 @@ def _adapter(path, rank: int) -> str:
     return str(path)
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def listed(url: str) -> list[str]:
     return [card["id"] for card in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
 
@@ -191,6 +200,41 @@ def test_adapter_load_is_all_or_nothing(replicas, tmp_path):
     assert list(refused.failed) == [urls[2]] and sorted(refused.rolled_back) == sorted(urls[:2])
     assert after_refusal == [[TINY]] * 3, "rollback leaves no replica on the new version"
     assert loaded == [[TINY, "policy-v1"]] * 3
+
+
+def test_adapter_load_retries_until_the_store_shows_it(replicas, tmp_path):
+    """Shared storage lags: a load asked before the store shows the adapter keeps retrying on every replica
+    (server.control_retry_s), and succeeds everywhere once the trainer's publish lands; each replica fetched
+    it from the fsspec URL and samples through it (greedy tokens alike everywhere, unlike the base model's)."""
+    from pathlib import Path
+
+    from grpo_core.train.adapter_store import AdapterStore
+
+    urls = [h.url for h in replicas]
+    local = Path(_adapter(tmp_path / "local" / "policy-v5", 8))
+    store = AdapterStore(f"file://{tmp_path}/bucket", timeout_s=30)
+    url = store.served_path(local, "policy-v5")
+
+    async def go():
+        async with ReplicaSet(urls, control_retry_s=0.2, control_timeout_s=120) as rs:
+            load = asyncio.create_task(rs.fan_out("load policy-v5", lambda c: c.load_lora_adapter("policy-v5", url),
+                                                  undo=lambda c: c.unload_lora_adapter("policy-v5")))
+            await asyncio.sleep(1.5)
+            waiting = not load.done()
+            await asyncio.to_thread(store.publish, local, "policy-v5")
+            await load
+            names = [listed(u) for u in urls]
+            greedy = dict(max_tokens=8, temperature=0, ignore_eos=True)
+            adapted = [(await c.complete(PROMPT, model="policy-v5", **greedy))[0] for c in rs.clients]
+            base = (await rs.clients[0].complete(PROMPT, model=TINY, **greedy))[0]
+            await rs.fan_out("unload policy-v5", lambda c: c.unload_lora_adapter("policy-v5"))
+            return waiting, names, adapted, base
+    waiting, names, adapted, base = run(go())
+    assert waiting, "the load must not succeed before the store shows the adapter"
+    assert names == [[TINY, "policy-v5"]] * 3
+    assert len({tuple(o.token_ids) for o in adapted}) == 1
+    assert adapted[0].logprobs != base.logprobs
+    assert [listed(u) for u in urls] == [[TINY]] * 3
 
 
 def _restart(handle: ServerHandle) -> ServerHandle:
@@ -239,3 +283,48 @@ def test_router_cli_help_is_instant():
     out = subprocess.run([os.sys.executable, "-m", "grpo_core.serving.router", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--url" in out.stdout
+
+
+def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, tmp_path):
+    """The routed set as one OpenAI-compatible URL: bearer token checked, 8 identical prompts prefilled on one
+    replica (server counters), a LoRA load refused by one replica rolled back everywhere."""
+    urls = [h.url for h in replicas]
+    port_file = tmp_path / "router.port"
+    cmd = [os.sys.executable, "-m", "grpo_core.serving.router", "--port", "0", "--port-file", str(port_file),
+           "--control-retry-s", "0.2", "--control-timeout-s", "1"] + [a for u in urls for a in ("--url", u)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "GRPO_SERVER_API_KEY": "run-secret"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while not (port_file.is_file() and port_file.read_text()):
+            assert proc.poll() is None, "router exited at start"
+        base, auth = f"http://127.0.0.1:{int(port_file.read_text())}", {"Authorization": "Bearer run-secret"}
+        while not _answers(base + "/health"):
+            assert proc.poll() is None, "router exited at start"
+        assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
+        assert httpx.get(base + "/v1/models", timeout=10, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        before = [generated(u) for u in urls]
+        body = {"model": TINY, "prompt": PROMPT, "max_tokens": T, "ignore_eos": True}
+        answers = [httpx.post(base + "/v1/completions", json={**body, "seed": i}, headers=auth, timeout=60)
+                   for i in range(8)]
+        assert [a.status_code for a in answers] == [200] * 8
+        assert sorted(generated(u) - b for u, b in zip(urls, before)) == [0, 0, 8 * T]
+        metrics = httpx.get(base + "/metrics", headers=auth, timeout=10).text
+        assert 'grpo_router_requests_total{outcome="hit"} 7' in metrics
+        refused = httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60,
+                             json={"lora_name": "policy-v9", "lora_path": _adapter(tmp_path / "r16", 16)})
+        assert refused.status_code == 502 and urls[2] in refused.json()["error"]["message"]
+        assert [listed(u) for u in urls] == [[TINY]] * 3
+
+        async def through_client():  # the project's client with server.api_key, as the rollout talks to a remote set
+            async with GenerationClient(base, api_key="run-secret", max_retries=0) as c:
+                out = await c.complete(PROMPT, model=TINY, max_tokens=T, ignore_eos=True)
+            async with GenerationClient(base, max_retries=0) as c:
+                with pytest.raises(ServerRequestError, match="server.api_key") as denied:
+                    await c.models()
+            return out, denied.value
+        out, denied = run(through_client())
+        assert len(out[0].token_ids) == T and denied.status == 401
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert proc.returncode is not None

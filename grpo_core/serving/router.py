@@ -15,10 +15,9 @@ needs the routing counts in its own metric window. This proxy is a thin face ove
 rollout already uses, so both follow one policy.
 
 The bearer token (``$GRPO_SERVER_API_KEY``, never a command-line argument that ``ps`` would show) is
-checked on every request to the router and sent on to the replicas.
+checked on every request to the router but ``/health`` (as vLLM's ``--api-key`` leaves it open for
+probes) and sent on to the replicas.
 """
-
-from __future__ import annotations
 
 import argparse
 import hashlib
@@ -99,7 +98,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
 
     @app.middleware("http")
     async def check_token(request: Request, call_next: Any) -> Any:
-        if api_key:
+        if api_key and request.url.path != "/health":  # probes need no token (vLLM's --api-key does the same)
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error(401, "missing or wrong bearer token (Authorization: Bearer ...)", "AuthenticationError")
@@ -147,6 +146,36 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     for path in CONTROL:
         app.add_api_route(path, control, methods=["POST"])
     return app
+
+
+def start_router(server: Any, urls: list[str]) -> Any:
+    """Start the router process in front of ``urls`` on ``server.router_port`` and wait for its ``/health``.
+
+    The bearer token reaches it through the environment (``$GRPO_SERVER_API_KEY``), never its command line.
+
+    Args:
+        server: the ``ServerConfig`` (``router_port``, ``host``, routing settings, ``log_dir``).
+        urls: the replicas' base URLs.
+
+    Returns:
+        A ``ServerHandle`` (``url``, ``stop()``) the flow tears down with the replicas.
+
+    Raises:
+        ServerStartError: the router exited or was not healthy within ``server.startup_timeout_s``.
+    """
+    from grpo_core.serving.vllm import LaunchSpec, launch, wait_healthy
+
+    port_file = server.log_dir / "router.port"
+    argv = [sys.executable, "-m", "grpo_core.serving.router", "--host", server.host, "--port", str(server.router_port),
+            "--port-file", str(port_file), "--route-imbalance", str(server.route_imbalance),
+            "--control-retry-s", str(server.control_retry_s), "--control-timeout-s", str(server.control_timeout_s)]
+    argv += [arg for url in urls for arg in ("--url", url)]
+    env = {SERVER_API_KEY_ENV: key} if (key := server.resolved_api_key()) else {}
+    handle = launch(LaunchSpec(argv, env, "router", len(urls), server.host, server.router_port,
+                               server.log_dir / "router.log", port_file))
+    wait_healthy(handle, server.startup_timeout_s)
+    logger.info("router over %d replicas at %s (OpenAI-compatible)", len(urls), handle.url)
+    return handle
 
 
 def build_parser() -> argparse.ArgumentParser:

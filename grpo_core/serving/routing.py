@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from grpo_core.errors import ServingError, ServerUnavailableError
+from grpo_core.errors import ServerStartError, ServerUnavailableError, ServingError
 from grpo_core.serving.client import Completion, GenerationClient, ServerMetrics, backoff_delay
 
 logger = logging.getLogger(__name__)
@@ -331,3 +331,30 @@ class ReplicaSet:
             logger.warning("control call on %s failed (%s); retrying in %.1f s", client.base_url, error,
                            self.control_retry_s)
             await asyncio.sleep(self.control_retry_s)
+
+
+def wait_external(server: Any) -> list[str]:
+    """Wait until every server of ``server.urls`` (a ``ServerConfig``; started elsewhere) answers ``/health``.
+
+    Returns:
+        The URLs, once all are healthy.
+
+    Raises:
+        ServerStartError: some URL did not answer 200 within ``server.startup_timeout_s``; names them.
+    """
+    async def go() -> list[str]:
+        async with ReplicaSet.from_config(server, server.urls) as rs:
+            deadline = time.monotonic() + server.startup_timeout_s
+            while True:
+                states = await asyncio.gather(*(c.health() for c in rs.clients))
+                if all(states):
+                    return rs.urls
+                if time.monotonic() > deadline:
+                    down = [u for u, ok in zip(rs.urls, states) if not ok]
+                    raise ServerStartError(
+                        f"server.urls: {', '.join(down)} did not answer /health within server.startup_timeout_s "
+                        f"({server.startup_timeout_s:.0f} s); check that they run, the host and port are reachable "
+                        "from this host, and server.api_key")
+                await asyncio.sleep(PROBE_INTERVAL_S)
+
+    return asyncio.run(go())

@@ -271,7 +271,8 @@ async def check_server(url: str, config: RunConfig) -> None:
     from grpo_core.serving.client import GenerationClient
 
     problems: list[str] = []
-    async with GenerationClient(url, max_connections=2, timeout_s=30.0, max_retries=2) as client:
+    async with GenerationClient(url, max_connections=2, timeout_s=30.0, max_retries=2,
+                                api_key=config.server.resolved_api_key()) as client:
         cards = {card["id"]: card for card in await client.models()}
         name = config.served_model_name()
         card = cards.get(name)
