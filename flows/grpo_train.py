@@ -365,6 +365,8 @@ def run_slots(config: RunConfig) -> int:
     servers' and the trainer's, counted once)."""
     if config.flow.concurrency_slots is not None:
         return config.flow.concurrency_slots
+    if config.server.urls:  # the servers run on other hosts: only the trainer's ranks here
+        return config.train.num_ranks
     from grpo_core.serving.vllm import choose_backend, replica_gpus
 
     if choose_backend(config) != "vllm":

@@ -120,7 +120,8 @@ class ServerConfig(_Strict):
     """Extra ``vllm serve`` arguments, appended verbatim."""
     urls: list[str] = Field(default_factory=list)
     """External generation servers (``http://host:port``, one per replica) started elsewhere; when set the flow
-    starts no server and routes over these (``num_replicas`` is ignored)."""
+    starts no server and routes over these (``num_replicas``, ``backend`` and the launch settings are ignored;
+    the trainer asks each server what it is)."""
     api_key: SecretStr | None = None
     """Bearer token sent as ``Authorization: Bearer`` on every request and control call to the servers; None =
     the ``GRPO_SERVER_API_KEY`` environment variable, else none. Never written out in clear (configs, MLflow)."""
