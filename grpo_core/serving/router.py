@@ -88,7 +88,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.background import BackgroundTask
 
-    from grpo_core.errors import ServingError
+    from grpo_core.errors import ServerRequestError, ServingError
     from grpo_core.serving.routing import ControlFanOutError
 
     app = FastAPI(title="grpo-flow router")
@@ -135,8 +135,16 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         raw = await request.body()
         body = json.loads(raw) if raw else None
         path, params = request.url.path, dict(request.query_params)
+
+        async def call(c: Any) -> None:
+            try:
+                await c.call("POST", path, body, params)
+            except ServerRequestError as exc:  # an adapter a replica does not hold is as good as unloaded there
+                if not (path == "/v1/unload_lora_adapter" and exc.status == 404):
+                    raise
+
         try:
-            await replicas.fan_out(path, lambda c: c.call("POST", path, body, params), _undo(path, body))
+            await replicas.fan_out(path, call, _undo(path, body))
         except ControlFanOutError as exc:
             return error(502, str(exc), "ControlFanOutError")
         return JSONResponse({"status": "ok", "replicas": len(replicas.urls)})
