@@ -122,9 +122,6 @@ async def poll_concurrency(loop: RolloutLoop, first: bool = False) -> None:
     except ServingError as exc:  # the server is down: keep the cap, the requests retry
         logger.warning("/metrics poll failed: %s", exc)
         return
-    if not snaps:
-        logger.warning("/metrics poll skipped: no replica is healthy")
-        return
     if any(s is None for s in snaps):
         await cap.set_cap(cap.ceiling)
     else:

@@ -278,16 +278,30 @@ class ReplicaSet:
         return min(await asyncio.gather(*(c.max_model_len(model) for c in self.clients)))
 
     async def metrics(self) -> list[ServerMetrics | None]:
-        """``/metrics`` of every healthy replica (None where a replica has none); logs ``router/inflight/<i>``.
+        """``/metrics`` of every healthy replica that answers (None where a replica has none); logs
+        ``router/inflight/<i>``. A replica whose poll finds it unreachable is marked down (counted in
+        ``retry_count``, like a failed request) until its ``/health`` probe re-admits it.
 
         Raises:
-            ServingError: a healthy replica's poll failed (the caller keeps its previous state).
+            ServerUnavailableError: no replica answered (the caller keeps its previous state).
         """
         if self.sink is not None:
             for i, n in enumerate(self.policy.inflight):
                 self.sink.add(f"router/inflight/{i}", n)
-        live = [c for c, ok in zip(self.clients, self.policy.healthy) if ok]
-        return list(await asyncio.gather(*(c.metrics() for c in live)))
+        live = [i for i, ok in enumerate(self.policy.healthy) if ok]
+        answers = await asyncio.gather(*(self.clients[i].metrics() for i in live), return_exceptions=True)
+        snaps = []
+        for i, answer in zip(live, answers):
+            if isinstance(answer, ServerUnavailableError):
+                self.retry_count += 1
+                self.mark_down(i, str(answer).splitlines()[0][:200])
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                snaps.append(answer)
+        if not snaps:
+            raise ServerUnavailableError(f"/metrics: no replica answered ({', '.join(self.urls)})")
+        return snaps
 
     async def fan_out(self, name: str, call: Callable[[GenerationClient], Awaitable[Any]],
                       undo: Callable[[GenerationClient], Awaitable[Any]] | None = None) -> None:
