@@ -328,3 +328,50 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, tmp
         proc.terminate()
         proc.wait(30)
     assert proc.returncode is not None
+
+
+def test_rollout_groups_stick_to_one_replica_and_log_router_metrics(replicas):
+    """The rollout loop's own path: each group's rollouts (affinity key = group id) reach one replica only."""
+    from grpo_core.config import RolloutConfig
+    from grpo_core.rollout import LoopRuntime, RolloutLoop
+    from grpo_core.rollout.pace import TokenAllowance
+    from grpo_core.rollout.window import MetricWindow as RolloutWindow
+
+    class Queue:
+        def put_group(self, prompt_index, samples, tokens):
+            pass
+
+        def consumed(self, prompt_index):
+            pass
+
+    urls = [h.url for h in replicas]
+    window = RolloutWindow()
+    runtime = LoopRuntime(tokenizer=None, server=ReplicaSet(urls, sink=window), model_name=TINY, max_model_len=256,
+                          dataset=[], queue=Queue(), allowance=TokenAllowance(1, 10_000), window=window)
+    loop = RolloutLoop(RolloutConfig(num_generations=4, max_completion_length=6, num_sampler_logprobs=2), runtime)
+    loop.render = lambda messages, schemas=None: PROMPT
+    moved = []
+
+    async def go():
+        for group in range(3):
+            before = [generated(u) for u in urls]
+            await loop.run_group(prompt_index=100 + group, row_index=group, epoch=0, row={"prompt": "hi"})
+            moved.append([i for i, (u, b) in enumerate(zip(urls, before)) if generated(u) > b])
+        await runtime.server.aclose()
+    run(go())
+    loop.executor.shutdown()
+    assert sorted(len(m) for m in moved) == [1, 1, 1] and sorted(m[0] for m in moved) == [0, 1, 2]
+    metrics = window.flush()
+    assert metrics["router/affinity_hit_frac"] == pytest.approx(3 / 4)
+
+
+def test_external_urls_are_waited_for_and_a_dead_one_is_named(replicas):
+    from grpo_core.config import ServerConfig
+    from grpo_core.errors import ServerStartError
+    from grpo_core.serving.routing import wait_external
+
+    urls = [h.url for h in replicas]
+    assert wait_external(ServerConfig(urls=[u + "/" for u in urls])) == urls
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens
+    with pytest.raises(ServerStartError, match=r"server.urls: http://127.0.0.1:9 did not answer.*server.api_key"):
+        wait_external(ServerConfig(urls=[urls[0], dead], startup_timeout_s=1))
