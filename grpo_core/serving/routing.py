@@ -107,24 +107,26 @@ class RoutingPolicy:
                 return i
         raise AssertionError("no candidate replica")  # candidates is never empty
 
-    def choose(self, key: Hashable | None) -> tuple[int, str]:
+    def choose(self, key: Hashable | None, count: bool = True) -> tuple[int, str]:
         """The replica for a request with affinity ``key`` (None = no affinity) and how it was chosen.
 
         When no replica is healthy every replica is a candidate (a request must go somewhere; the
         caller's retries and backoff take over).
 
         Returns:
-            ``(replica index, HIT | UNMATCHED | SPILL)``; the count of that outcome is incremented.
+            ``(replica index, HIT | UNMATCHED | SPILL)``; the count of that outcome is incremented when
+            ``count`` (generation requests; not ``/v1/models`` and other reads).
         """
+        counts = self.counts if count else RouteCounts()
         candidates = [i for i, ok in enumerate(self.healthy) if ok] or list(range(len(self.healthy)))
         home = self.homes.get(key) if key is not None else None
         if home is not None and home in candidates:
             self.homes.move_to_end(key)
             low = min(self.inflight[i] for i in candidates)
             if self.inflight[home] - low <= self.route_imbalance:
-                self.counts.hits += 1
+                counts.hits += 1
                 return home, HIT
-            self.counts.spills += 1
+            counts.spills += 1
             return self._least_loaded(candidates), SPILL
         replica = self._least_loaded(candidates)
         if key is not None:
@@ -132,7 +134,7 @@ class RoutingPolicy:
             self.homes.move_to_end(key)
             while len(self.homes) > self.max_keys:
                 self.homes.popitem(last=False)
-        self.counts.unmatched += 1
+        counts.unmatched += 1
         return replica, UNMATCHED
 
     def mark_down(self, replica: int) -> bool:
@@ -228,8 +230,10 @@ class ReplicaSet:
         self.policy.mark_up(replica)
         logger.info("replica %d (%s) healthy again; it rejoins the routing", replica, self.urls[replica])
 
-    async def routed(self, key: Hashable | None, send: Callable[[GenerationClient], Awaitable[T]]) -> T:
+    async def routed(self, key: Hashable | None, send: Callable[[GenerationClient], Awaitable[T]],
+                     count: bool = True) -> T:
         """``await send(client)`` on the replica the policy picks for ``key``; re-routed on failure.
+        ``count``: a generation request, counted in the routing metrics (reads such as ``/v1/models`` are not).
 
         Raises:
             ServerUnavailableError: every attempt (``max_retries + 1``) failed; names the URLs tried.
@@ -237,8 +241,9 @@ class ReplicaSet:
         """
         tried: list[str] = []
         for attempt in range(self.max_retries + 1):
-            replica, kind = self.policy.choose(key)
-            self._record(kind)
+            replica, kind = self.policy.choose(key, count)
+            if count:
+                self._record(kind)
             self.policy.inflight[replica] += 1
             try:
                 return await send(self.clients[replica])
@@ -271,7 +276,7 @@ class ReplicaSet:
 
     async def models(self) -> list[dict[str, Any]]:
         """``/v1/models`` of the first healthy replica (routed; all replicas serve the same cards)."""
-        return await self.routed(None, lambda c: c.models())
+        return await self.routed(None, lambda c: c.models(), count=False)
 
     async def max_model_len(self, model: str | None = None) -> int:
         """``max_model_len`` of ``model`` as the replicas report it (the smallest, should they differ)."""
