@@ -308,8 +308,11 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, tmp
                    for i in range(8)]
         assert [a.status_code for a in answers] == [200] * 8
         assert sorted(generated(u) - b for u, b in zip(urls, before)) == [0, 0, 8 * T]
+        streamed = httpx.post(base + "/v1/completions", json={**body, "stream": True}, headers=auth, timeout=60)
+        assert streamed.status_code == 400 and "stream" in streamed.text  # the replica's own refusal, passed on
         metrics = httpx.get(base + "/metrics", headers=auth, timeout=10).text
-        assert 'grpo_router_requests_total{outcome="hit"} 7' in metrics
+        assert 'grpo_router_requests_total{outcome="hit"} 8' in metrics
+        assert all(f'grpo_router_inflight{{replica="{i}"}} 0' in metrics for i in range(3))
         refused = httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60,
                              json={"lora_name": "policy-v9", "lora_path": _adapter(tmp_path / "r16", 16)})
         assert refused.status_code == 502 and urls[2] in refused.json()["error"]["message"]

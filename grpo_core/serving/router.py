@@ -119,14 +119,22 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     async def generate(request: Request) -> Response:
         body = await request.json()
         key = affinity_key(body, request.headers.get("x-affinity-key"))
+
+        async def send(client: Any) -> tuple[int, Any]:
+            return replicas.clients.index(client), await client.open_stream("POST", request.url.path, body)
         try:
-            answer = await replicas.routed(key, lambda c: c.open_stream("POST", request.url.path, body))
+            replica, answer = await replicas.routed(key, send)
         except ServingError as exc:
             return error(503, str(exc), "ServiceUnavailableError")
         media = answer.headers.get("content-type", "application/json")
         if body.get("stream"):
+            replicas.policy.inflight[replica] += 1  # in flight until the last chunk is passed on
+
+            async def done() -> None:
+                replicas.policy.inflight[replica] -= 1
+                await answer.aclose()
             return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, media_type=media,
-                                     background=BackgroundTask(answer.aclose))
+                                     background=BackgroundTask(done))
         content = await answer.aread()
         await answer.aclose()
         return Response(content, status_code=answer.status_code, media_type=media)
