@@ -170,8 +170,8 @@ class RolloutLoop:
         """
         cfg = self.config
         group_id, rollout, counter, version = _REQUEST.get()
-        # The group id is the affinity key: all turns of a group go to one replica, whose prefix cache holds
-        # the shared prompt (the router adds the model name, so policy versions never share a key).
+        # The group id and policy version are the affinity key: all turns of a group go to one replica, whose
+        # prefix cache holds the shared prompt; the router adds the model name (the LoRA adapter version).
         server = self.runtime.server
         budget = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
         ids: list[int] = []
@@ -180,9 +180,10 @@ class RolloutLoop:
         for attempt in range(cfg.max_abort_retries + 1):
             seed = request_seed(cfg.seed, group_id, rollout, counter[0])
             counter[0] += 1
-            model = self.served_model(version if attempt == 0 else self.runtime.allowance.policy_version)
-            (out,) = await server.complete(list(prompt_ids) + ids, affinity_key=group_id, model=model,
-                                           max_tokens=budget - len(ids),
+            sampled_version = version if attempt == 0 else self.runtime.allowance.policy_version
+            model = self.served_model(sampled_version)
+            (out,) = await server.complete(list(prompt_ids) + ids, affinity_key=(group_id, sampled_version),
+                                           model=model, max_tokens=budget - len(ids),
                                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                            min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
             self.generated_tokens += len(out.token_ids)

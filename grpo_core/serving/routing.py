@@ -10,7 +10,8 @@
 * a key seen for the first time, or whose home is down, is **unmatched**: it goes to the least
   loaded healthy replica, round robin among ties, which becomes its home.
 
-Keys carry the model name, i.e. the policy version's adapter, so two versions never share a key.
+The rollout's keys are (group id, policy version), and :meth:`ReplicaSet.complete` adds the model name (a
+LoRA run's adapter version), so two policy versions never share a key.
 With G requests per group, at most (G - 1) / G of them can hit (87.5% at G = 8).
 
 :class:`ReplicaSet` sends completions through the policy (a failed replica is marked down, the
