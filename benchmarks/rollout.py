@@ -2,7 +2,7 @@
 
 Starts a generation server (the embedded one on CPU, by default SmolLM2-135M-Instruct), then
 the rollout process (spawned, as in a run) on a reasoning-gym task, and pulls every sample
-through ``RolloutSource`` (Arrow Flight) as a trainer that never lags would. Timed: from the
+through ``FlightSource`` (Arrow Flight) as a trainer that never lags would. Timed: from the
 first pull to the end of the stream; server and rollout start-up are not timed. CPU seconds
 of the rollout process and of the server over that window show where the time goes; the
 1-minute load average says how busy the machine was (shared machines skew the figures).
@@ -31,8 +31,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from grpo_core.config import RunConfig  # noqa: E402
 from grpo_core.packing import samples_from_arrow  # noqa: E402
-from grpo_core.rollout import RolloutJob, RolloutSource, start_rollout_process  # noqa: E402
+from grpo_core.rollout import RolloutJob, start_rollout_process  # noqa: E402
 from grpo_core.serving.vllm import provision, teardown  # noqa: E402
+from grpo_core.transport.flight_client import FlightSource  # noqa: E402
 
 from common import git_commit  # noqa: E402
 
@@ -60,7 +61,7 @@ def _cpu_s(pid: int) -> float:
 def measure(config: RunConfig, server_url: str, server_pid: int) -> dict:
     """Pull every sample of the run; returns the figures (CPU seconds of the rollout process and the server too)."""
     process, location = start_rollout_process(RolloutJob(config, [server_url]))
-    source = RolloutSource(location, max_staleness=config.rollout.max_staleness, timeout_s=600, process=process)
+    source = FlightSource(location, max_staleness=config.rollout.max_staleness, timeout_s=600, process=process)
     samples = trained = 0
     try:
         source.wait_running()

@@ -18,7 +18,7 @@ from grpo_core.errors import NothingToTrainError
 from grpo_core.packing import Sample, samples_to_arrow, write_samples_ipc
 from grpo_core.train.checkpoint import PromptTracker
 from grpo_core.train.planner import Planner
-from grpo_core.transport import PulledBatch
+from grpo_core.transport.types import PulledBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 

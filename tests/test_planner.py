@@ -6,7 +6,7 @@ import pyarrow as pa
 from grpo_core.packing import Sample, samples_to_arrow
 from grpo_core.train.checkpoint import PromptTracker
 from grpo_core.train.planner import Planner
-from grpo_core.transport import PulledBatch
+from grpo_core.transport.types import PulledBatch
 
 
 class ScriptedSource:

@@ -1,4 +1,4 @@
-"""The rollout engine end to end: a spawned rollout process, the real embedded server, Flight, RolloutSource.
+"""The rollout engine end to end: a spawned rollout process, the real embedded server, Flight, FlightSource.
 
 One tiny random Qwen3 server (CPU, 1 thread) is shared by the module; each test spawns its
 own rollout process with a few prompts, small G and short completions.
@@ -25,7 +25,9 @@ from serving_helpers import TINY, embedded_server
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
 from grpo_core.packing import samples_from_arrow
-from grpo_core.rollout import ResumeState, RolloutJob, RolloutSource, start_rollout_process
+from grpo_core.rollout import RolloutJob, start_rollout_process
+from grpo_core.transport.flight_client import FlightSource
+from grpo_core.transport.types import ResumeState
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +48,7 @@ def _config(**rollout) -> RunConfig:
 def rollout(server, tmp_path, config: RunConfig, **job):
     error_path = str(tmp_path / "rollout_error.txt")
     process, location = start_rollout_process(RolloutJob(config, [server.url], error_path=error_path, **job))
-    source = RolloutSource(location, max_staleness=config.rollout.max_staleness,
+    source = FlightSource(location, max_staleness=config.rollout.max_staleness,
                            timeout_s=config.rollout.rollout_worker_timeout_s, process=process, error_path=error_path)
     try:
         yield source
@@ -204,7 +206,7 @@ def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_pa
     config = _config(rollout_worker_timeout_s=5)
     with rollout(server, tmp_path, config, dataset=h.rows(200), reward_functions=[h.parity_reward]) as source:
         source.pull(0, timeout_s=60)
-        remote = RolloutSource(source.location, max_staleness=4, timeout_s=3)  # a trainer on another host
+        remote = FlightSource(source.location, max_staleness=4, timeout_s=3)  # a trainer on another host
         os.kill(source.process.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(TransportError, match="exited with code -9"):
@@ -250,7 +252,7 @@ def test_command_line_entry_point_with_a_reasoning_gym_dataset(server, tmp_path)
         deadline = time.monotonic() + 60
         while not location_file.exists() and time.monotonic() < deadline and process.poll() is None:
             time.sleep(0.1)
-        source = RolloutSource(location_file.read_text(), max_staleness=4, timeout_s=30)
+        source = FlightSource(location_file.read_text(), max_staleness=4, timeout_s=30)
         samples, consumed, metrics = drain(source)
         source.close()
         assert process.wait(timeout=30) == 0

@@ -11,7 +11,8 @@ from serving_helpers import TINY, embedded_server
 
 from grpo_core.config import RunConfig
 from grpo_core.packing import samples_from_arrow
-from grpo_core.rollout import RolloutJob, RolloutSource, start_rollout_process
+from grpo_core.rollout import RolloutJob, start_rollout_process
+from grpo_core.transport.flight_client import FlightSource
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def test_server_killed_mid_run_retries_and_carries_on(tmp_path):
     error_path = str(tmp_path / "error.txt")
     process, location = start_rollout_process(RolloutJob(config, [handle.url], error_path=error_path,
                                                          dataset=h.rows(6), reward_functions=[h.parity_reward]))
-    source = RolloutSource(location, max_staleness=1, timeout_s=60, process=process, error_path=error_path)
+    source = FlightSource(location, max_staleness=1, timeout_s=60, process=process, error_path=error_path)
     seen, consumed = [], []
     try:
         first = source.pull(0, timeout_s=60)

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = parse_args(argv)
     from grpo_core.config import load_config
-    from grpo_core.transport import ResumeState
+    from grpo_core.transport.types import ResumeState
 
     from .build import loop_class_and_config
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from grpo_core.config import RolloutConfig
 from grpo_core.errors import RolloutError
-from grpo_core.transport import ResumeState
+from grpo_core.transport.types import ResumeState
 
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards

@@ -30,7 +30,7 @@ from typing import Any
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
-from grpo_core.transport import ResumeState
+from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def start_rollout_process(job: RolloutJob, *, startup_timeout_s: float = 300.0) 
     """Spawn the rollout process and wait for its Flight server.
 
     Returns:
-        ``(process, location)``; hand both to ``RolloutSource``.
+        ``(process, location)``; hand both to ``grpo_core.transport.flight_client.FlightSource``.
 
     Raises:
         TypeError: something in ``job`` does not pickle.
@@ -127,7 +127,7 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
 
     ``on_ready(location)`` is called once the Flight server listens.
     """
-    from .flight import RolloutFlightServer, SampleQueue
+    from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
     from .pace import TokenAllowance
     from .window import CompletionSample, MetricWindow
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
-from grpo_core.transport import ResumeState
+from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
 

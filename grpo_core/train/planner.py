@@ -1,6 +1,6 @@
 """Rank 0's data side: pull samples, plan micro-batches, track prompts.
 
-The planner pulls from a :class:`~grpo_core.transport.SampleSource`, streams
+The planner pulls from a :class:`~grpo_core.transport.types.SampleSource`, streams
 the samples through the packer's token-budget batcher (one row per rank) and
 hands out whole optimizer steps of micro-batches. It remembers every sample
 pulled but not yet trained, so a checkpoint can store them as pending samples
@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from grpo_core.errors import NothingToTrainError
 from grpo_core.packing import MicroBatch, get_packer, micro_batch_stats
-from grpo_core.transport import SampleSource
+from grpo_core.transport.types import SampleSource
 
 from .checkpoint import PromptTracker
 

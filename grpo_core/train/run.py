@@ -10,11 +10,11 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
 from grpo_core.metrics import JsonlSink
 from grpo_core.models import resolve_model_dir
-from grpo_core.transport import ResumeState
+from grpo_core.transport.file_source import ArrowFileSource
+from grpo_core.transport.types import ResumeState
 
 from .adapter_store import AdapterStore
 from .distributed import init_world
-from .source import ArrowFileSource
 from .trainer import Trainer
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
 
@@ -66,7 +66,7 @@ def make_source(cfg: RunConfig, resume: ResumeState | None):
         return ArrowFileSource(tc.samples_path, max_staleness=cfg.rollout.max_staleness, resume=resume)
     if tc.rollout_location is None:
         raise ConfigError("train.samples_path or train.rollout_location must be set: the trainer needs samples")
-    from grpo_core.transport_flight import FlightSource  # noqa: PLC0415 - only with a rollout process
+    from grpo_core.transport.flight_client import FlightSource  # noqa: PLC0415 - only with a rollout process
 
     return FlightSource(tc.rollout_location, max_staleness=cfg.rollout.max_staleness,
                         timeout_s=cfg.rollout.rollout_worker_timeout_s)

@@ -27,7 +27,7 @@ from grpo_core.errors import NothingToTrainError
 from grpo_core.metrics import MetricsSink, MetricWindow
 from grpo_core.report import write_train_end
 from grpo_core.models import resolve_model_dir
-from grpo_core.transport import ResumeState, SampleSource
+from grpo_core.transport.types import ResumeState, SampleSource
 
 from . import checkpoint
 from .attention import FlexTreeMasks

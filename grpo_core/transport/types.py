@@ -2,8 +2,8 @@
 
 The two sides share only these and the Sample Arrow schema; ``rollout`` and
 ``train`` never import each other. The Flight implementation of
-:class:`SampleSource` lives with the rollout engine; the trainer accepts any
-object with this shape (an Arrow IPC file source is in ``grpo_core.train.source``).
+:class:`SampleSource` is ``grpo_core.transport.flight_client``; the trainer accepts any
+object with this shape (an Arrow IPC file source is in ``grpo_core.transport.file_source``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An Arrow IPC file as a sample source: for tests, benchmarks and offline runs.
 
 Serves the samples of a Sample-schema IPC file group by group, in file order,
-with the same :class:`~grpo_core.transport.SampleSource` shape as the rollout
+with the same :class:`~grpo_core.transport.types.SampleSource` shape as the rollout
 engine's Flight source, so the trainer cannot tell them apart.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from grpo_core.packing import read_samples_ipc
-from grpo_core.transport import PulledBatch, ResumeState
+from grpo_core.transport.types import PulledBatch, ResumeState
 
 
 class ArrowFileSource:

@@ -23,18 +23,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from grpo_core.packing import Sample, sample_schema, samples_to_arrow
-from grpo_core.transport_flight import META_CONSUMED, META_EXHAUSTED
+from grpo_core.transport.flight_client import META_CONSUMED, META_EXHAUSTED
 
-from .pace import TokenAllowance
-from .window import CompletionSample, MetricWindow
+if TYPE_CHECKING:  # the rollout engine passes these in; the transport never imports it at run time
+    from grpo_core.rollout.pace import TokenAllowance
+    from grpo_core.rollout.window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
-
 
 
 class SampleQueue:

@@ -1,7 +1,7 @@
-"""Trainer side of the Flight transport: :class:`FlightSource` (alias ``RolloutSource``) pulls samples.
+"""Trainer side of the Flight transport: :class:`FlightSource` pulls samples.
 
-Implements ``grpo_core.transport.SampleSource`` against the rollout process's Arrow Flight
-server (``grpo_core.rollout.flight``): ``DoGet`` for samples, ``DoAction`` for the token
+Implements ``grpo_core.transport.types.SampleSource`` against the rollout process's Arrow Flight
+server (``grpo_core.transport.flight_server``): ``DoGet`` for samples, ``DoAction`` for the token
 allowance report, metrics, heartbeat and shutdown. It lives outside ``grpo_core.rollout`` so
 the trainer uses it without importing the rollout engine (STYLE.md: ``rollout`` and
 ``train`` share only the wire types and a transport); it needs pyarrow only.
@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.flight as flight
 
 from grpo_core.errors import TransportError
-from grpo_core.transport import PulledBatch
+from grpo_core.transport.types import PulledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -227,5 +227,3 @@ class FlightSource:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-RolloutSource = FlightSource
