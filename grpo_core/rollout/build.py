@@ -1,4 +1,4 @@
-"""Assemble a :class:`RolloutLoop` from a job: config objects, tokenizer, dataset, rewards, tools, clients.
+"""Assemble a :class:`RolloutLoop` from a job: config objects, tokenizer, dataset, rewards, tools, the replica set.
 
 Runs inside the rollout process, on its event loop (the HTTP clients belong to it).
 """
