@@ -17,6 +17,7 @@ to the MLflow run, training progress, the summary table, the reward curve) are i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ from prefect.states import Cancelled
 
 from flows import artifacts
 from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
+from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 
 RESOLVED_CONFIG = "run_config.json"
@@ -43,38 +45,52 @@ class RolloutProcessError(RuntimeError):
     """The rollout process failed to start or exited with an error; the message holds its log's tail."""
 
 
+#: Secret values of each run's config by run folder: kept in this process, never in the (redacted) run files.
+_SECRETS: dict[str, dict[str, str]] = {}
+
+
 def _config(run_dir: str) -> RunConfig:
-    return RunConfig.model_validate_json((Path(run_dir) / RESOLVED_CONFIG).read_text())
+    from grpo_core.redact import apply_secrets
+
+    data = json.loads((Path(run_dir) / RESOLVED_CONFIG).read_text())
+    return RunConfig.model_validate(apply_secrets(data, _SECRETS.get(run_dir, {})))
 
 
-def _export_server_token(config: RunConfig) -> None:
-    """Hand ``server.api_key`` to the processes the flow starts (rollout, trainer, router) through the environment:
-    the config files they read hold only its mask."""
-    from grpo_core.config import SERVER_API_KEY_ENV
+def _child_env(run_dir: str) -> dict[str, str]:
+    """Environment of the run's rollout and trainer processes: the run's token and the config's secrets
+    (``GRPO_RUN_SECRETS``) travel here, never on a command line."""
+    from grpo_core.redact import SECRETS_ENV
 
-    if config.server.api_key is not None:
-        os.environ[SERVER_API_KEY_ENV] = config.server.api_key.get_secret_value()
-
-
-def _child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           TOKEN_ENV: REGISTRY[run_dir].token}
+    if _SECRETS.get(run_dir):
+        env[SECRETS_ENV] = json.dumps(_SECRETS[run_dir])
+    return env
 
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
 def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict:
-    """Check the config (imports, dataset columns, Hub push), lay out the run folder, open the MLflow run (and
-    publish the link artifact to it), fetch a checkpoint.
+    """Check the config (code it names inside the allow-list ``GRPO_ALLOWED_MODULES`` before any import, then
+    imports, dataset columns, Hub push), lay out the run folder (0700; the config file 0600 with its secrets
+    redacted, kept in this process), open the MLflow run (and publish the link artifact to it), fetch a checkpoint
+    and check it against its manifest.
 
     Returns:
         ``{"run_dir", "mlflow_run_id", "resume_state"}`` (paths as strings; resume_state None = fresh start).
     """
     from grpo_core import preflight
+    from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
+    from grpo_core.train.manifest import verify_manifest
 
+    secrets = secret_values(config)
+    redact_logs(mask_values(secrets))
     log = get_run_logger()
     preflight.check_run(config)
     run_dir = (config.train.output_dir / flow_run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir.chmod(0o700)  # the run's files (logs, configs, checkpoints) are its owner's only
+    _SECRETS[str(run_dir)] = secrets
     cfg = config.model_copy(deep=True)
     cfg.train.output_dir = run_dir
     cfg.server.log_dir = run_dir / "servers"
@@ -87,13 +103,14 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
         source = mlflow_run_id if continued else cfg.resume_from
         if latest_checkpoint(run_dir) is None and source:
             tracking.download_latest_checkpoint(cfg.tracking, source, run_dir)
-    (run_dir / RESOLVED_CONFIG).write_text(cfg.model_dump_json(indent=1))
+    write_private(run_dir / RESOLVED_CONFIG, cfg.model_dump_json(indent=1))  # secrets redacted
     if mlflow_run_id:
         from grpo_core import tracking
 
         artifacts.publish_mlflow_link(tracking.run_url(cfg.tracking, mlflow_run_id), mlflow_run_id)
     latest = latest_checkpoint(run_dir)
     if latest is not None:
+        verify_manifest(latest)  # a downloaded checkpoint is refused here, naming its tampered or missing file
         log.info("resuming from checkpoint %s", latest)
     log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
     return {"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id,
@@ -128,12 +145,12 @@ def provision_servers(run_dir: str) -> list[str]:
         backend = choose_backend(cfg)
         for i in range(cfg.server.num_replicas):
             procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
-        handles = provision(cfg)
+        handles = provision(cfg, token=procs.token)
         procs.servers.extend(handles)
         urls = [h.url for h in handles]
     if cfg.server.router_port is not None:
         procs.follow(cfg.server.log_dir / "router.log", log, "[router] ")
-        procs.servers.append(start_router(cfg.server, urls))
+        procs.servers.append(start_router(cfg.server, urls, token=procs.token))
         log.info("the replicas answer as one OpenAI-compatible URL at %s", procs.servers[-1].url)
     return urls
 
@@ -163,7 +180,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     procs.follow(log_file, log, "[rollout] ")
     with log_file.open("ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_child_env(), start_new_session=True)
+                                   env=_child_env(run_dir), start_new_session=True)
     procs.processes.append(process)
     try:
         location = wait_for_file(location_file, process, timeout_s=600)
@@ -197,17 +214,18 @@ def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], n
     """The torchrun command of trainer host ``node_rank`` (the flow runs node 0; with ``train.nnodes`` > 1 every
     other trainer host runs this command with its own ``node_rank`` and a copy of ``config_path``).
 
-    One host: ``--standalone``. Several: static rendezvous at ``train.rdzv_endpoint`` (node 0 hosts the store and
-    holds global rank 0, the rank that pulls samples, syncs the servers and writes checkpoints).
+    One host: ``grpo_core.train.launch`` (torchrun with its stores on loopback only). Several: torchrun's static
+    rendezvous at ``train.rdzv_endpoint`` (node 0 hosts the store and holds global rank 0, the rank that pulls
+    samples, syncs the servers and writes checkpoints); that store must be reachable from the other trainer hosts.
     """
     tc = cfg.train
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.num_ranks)]
     if tc.nnodes == 1:
-        cmd.insert(3, "--standalone")
+        cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
     else:
         host, _, port = tc.rdzv_endpoint.rpartition(":")
-        cmd += ["--nnodes", str(tc.nnodes), "--node-rank", str(node_rank), "--master-addr", host or tc.rdzv_endpoint,
-                "--master-port", port or "29400"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.num_ranks),
+               "--nnodes", str(tc.nnodes), "--node-rank", str(node_rank), "--master-addr", host or tc.rdzv_endpoint,
+               "--master-port", port or "29400"]
     cmd += ["-m", "grpo_core.train", "--config", str(config_path)]
     return cmd + [arg for url in server_urls for arg in ("--server-url", url)]
 
@@ -220,6 +238,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
     """
+    from grpo_core.redact import write_private
     from grpo_core.report import TRAINER_ERROR, read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
@@ -228,9 +247,9 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     cfg.train.rollout_location = rollout_location
     (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
-    config_path.write_text(cfg.model_dump_json(indent=1))
+    write_private(config_path, cfg.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
     cmd = trainer_command(cfg, config_path, server_urls)
-    env = _child_env()
+    env = _child_env(run_dir)
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
@@ -260,7 +279,7 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
     png = report.plot_reward_curve(root / "metrics.jsonl", root / "reward_curve.png")
     summary = {**report.summarize(root / "metrics.jsonl", wall_s), "run_dir": run_dir,
                "checkpoint": str(latest_checkpoint(root)), "reward_curve": str(png) if png else None,
-               "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.resolved_tracking_uri()}
+               "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.shown_tracking_uri()}
     model_dir = root / FINAL_MODEL_DIR
     adapter = cfg.train.lora.enabled
     if model_dir.is_dir():
@@ -334,7 +353,6 @@ def grpo_train(config: RunConfig) -> dict:
         URI, checkpoint and reward-curve paths.
     """
     setup_logging()
-    _export_server_token(config)
     flow_run_id = str(runtime.flow_run.id or f"local-{int(time.time())}")
     deployment = runtime.deployment.name
     run = prepare(config, flow_run_id, deployment)

@@ -22,10 +22,12 @@ def test_api_key_never_written_out_and_read_from_the_environment(tmp_path, monke
     written.write_text(cfg.model_dump_json(indent=1))
     assert "s3cr3t-token" not in written.read_text()
     assert "s3cr3t-token" not in json.dumps(cfg.model_dump(mode="json")) and "s3cr3t-token" not in repr(cfg)
-    again = load_config(written)
-    assert again.server.api_key is None and again.server.resolved_api_key() is None, "the mask is not a key"
+    with pytest.raises(ConfigError, match="server.api_key holds a redacted value"):
+        load_config(written)  # the mask is not a key
+    again = load_config(written, secrets={"server.api_key": "s3cr3t-token"})  # what the flow's processes get
+    assert again.server.resolved_api_key() == "s3cr3t-token"
     monkeypatch.setenv(SERVER_API_KEY_ENV, "from-env")
-    assert again.server.resolved_api_key() == "from-env"
+    assert RunConfig().server.resolved_api_key() == "from-env", "a process started by hand: the environment"
 
 
 @pytest.mark.parametrize("url", ["gpu-1:8000", "ftp://gpu-1", "http://"])
@@ -41,12 +43,12 @@ def test_several_trainer_hosts_need_a_rendezvous_endpoint():
 
 def test_trainer_command_per_host():
     one = trainer_command(RunConfig(train={"num_ranks": 2}), Path("c.json"), ["http://a:1"])
-    assert "--standalone" in one and "--nnodes" not in one
+    assert one[1:3] == ["-m", "grpo_core.train.launch"] and "--nnodes" not in one  # stores on loopback
     cfg = RunConfig(train={"num_ranks": 4, "nnodes": 3, "rdzv_endpoint": "trainer-0:29400"})
     cmds = [trainer_command(cfg, Path("c.json"), ["http://a:1"], node_rank=r) for r in range(3)]
     for rank, cmd in enumerate(cmds):
         args = dict(zip(cmd[3::1], cmd[4::1]))
-        assert "--standalone" not in cmd
+        assert cmd[1:3] == ["-m", "torch.distributed.run"]
         assert (args["--nnodes"], args["--node-rank"], args["--nproc-per-node"]) == ("3", str(rank), "4")
         assert (args["--master-addr"], args["--master-port"]) == ("trainer-0", "29400")
         assert cmd[-2:] == ["--server-url", "http://a:1"]

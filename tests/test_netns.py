@@ -26,8 +26,11 @@ import httpx
 import pytest
 import yaml
 
+from grpo_core.auth import TOKEN_ENV
+from grpo_core.serving.guard import ADAPTER_DIR_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "netns-run-token"
+TOKEN = "netns-run-token"  # the run's token (GRPO_RUN_TOKEN) and the servers' key (GRPO_SERVER_API_KEY) alike
 SUBNET = "10.213.0"
 CLONE_NEWNET = 0x40000000
 
@@ -96,7 +99,7 @@ def in_namespace(ns: str, fn):  # noqa: ANN001, ANN201 - runs fn() on a thread t
 
 def _spawn(ns: str, argv: list[str], log: Path, **env: str) -> subprocess.Popen:
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **env}
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", TOKEN_ENV: TOKEN, **env}
     with open(log, "wb") as out:
         return subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, env=full_env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -148,9 +151,10 @@ def test_run_across_namespaces_with_a_bearer_token(hosts, tmp_path):
     py = sys.executable
     procs: list[subprocess.Popen] = []
     try:
-        server = _spawn(hosts["srv"], [py, "-m", "grpo_core.serving.embedded", "--model", "tiny-qwen3", "--port", "8000",
-                                       "--max-model-len", "256", "--max-lora-rank", "8", "--num-threads", "1",
-                                       "--generation-config", "vllm"], tmp_path / "server.log")
+        server = _spawn(hosts["srv"], [py, "-m", "grpo_core.serving.embedded", "--model", "tiny-qwen3",
+                                       "--port", "8000", "--max-model-len", "256", "--max-lora-rank", "8", "--num-threads", "1",
+                                       "--generation-config", "vllm"], tmp_path / "server.log",
+                        **{ADAPTER_DIR_ENV: str(tmp_path / "shared-store")})  # its guard loads adapters from there
         procs.append(server)
         router = _spawn(hosts["srv"], [py, "-m", "grpo_core.serving.router", "--host", f"{SUBNET}.1", "--port", "8100",
                                        "--url", "http://127.0.0.1:8000", "--control-retry-s", "0.2"],
@@ -166,12 +170,13 @@ def test_run_across_namespaces_with_a_bearer_token(hosts, tmp_path):
         procs.append(rollout)
         deadline = time.monotonic() + 300
         while not (location.is_file() and location.read_text()):
-            assert rollout.poll() is None and time.monotonic() < deadline, (tmp_path / "rollout.log").read_text()[-3000:]
+            assert rollout.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "rollout.log").read_text()[-3000:]
             time.sleep(0.2)
         assert location.read_text().startswith(f"grpc://{SUBNET}.2:")
         cfg["train"]["rollout_location"] = location.read_text()
         (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
-        trainer = _spawn(hosts["tr"], [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        trainer = _spawn(hosts["tr"], [py, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
                                        "-m", "grpo_core.train", "--config", str(tmp_path / "train.yaml"),
                                        "--server-url", router_url], tmp_path / "trainer.log", GRPO_SERVER_API_KEY=TOKEN)
         procs.append(trainer)

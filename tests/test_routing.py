@@ -14,12 +14,14 @@ import dataclasses
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving_helpers import TINY, run
 
+from grpo_core.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.metrics import MetricWindow
 from grpo_core.errors import ServerRequestError
@@ -82,23 +84,30 @@ def test_a_down_replica_is_routed_around_counted_and_rejoins():
 # ----- three embedded replicas ---------------------------------------------------------------------
 
 
-def _config(log_dir, lora_rank: int) -> RunConfig:
+def _config(log_dir, lora_rank: int, store_url: str) -> RunConfig:
     return RunConfig(model=ModelConfig(name=TINY), server={
         "backend": "embedded", "port": 0, "embedded_num_threads": 1, "max_model_len": 256, "max_num_seqs": 64,
         "log_dir": log_dir, "startup_timeout_s": 180, "num_replicas": 3, "enable_lora": True, "lora_rank": lora_rank},
-        rollout={"max_completion_length": 64, "num_sampler_logprobs": 4})
+        rollout={"max_completion_length": 64, "num_sampler_logprobs": 4}, train={"adapter_store": store_url})
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
+def store_url(tmp_path_factory) -> str:
+    """``train.adapter_store`` of the replicas: an fsspec URL (their guard loads adapters from below it only)."""
+    return f"file://{tmp_path_factory.mktemp('bucket')}"
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, store_url):
     """Three embedded replicas; the third accepts LoRA ranks up to 8 only (it refuses a rank-16 adapter)."""
     log_dir = tmp_path_factory.mktemp("replicas")
-    specs = [embedded_command(_config(log_dir, 16), 0), embedded_command(_config(log_dir, 16), 1),
-             embedded_command(_config(log_dir, 8), 2)]
-    handles = [launch(spec) for spec in specs]
+    specs = [embedded_command(_config(log_dir, 16, store_url), 0), embedded_command(_config(log_dir, 16, store_url), 1),
+             embedded_command(_config(log_dir, 8, store_url), 2)]
+    token = ensure_run_token()  # the replicas check it; the clients send it (GRPO_RUN_TOKEN)
+    handles = [launch(spec, token) for spec in specs]
     try:
         for handle in handles:
-            wait_healthy(handle, 180)
+            wait_healthy(handle, 180, token)
         yield handles
     finally:
         teardown(handles)
@@ -106,7 +115,7 @@ def replicas(tmp_path_factory):
 
 def generated(url: str) -> float:
     """The server's own count of generated tokens."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers=bearer_headers(run_token()), timeout=10).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "vllm:generation_tokens_total")
 
@@ -157,6 +166,14 @@ def test_skewed_load_spills_to_the_least_loaded(replicas):
     assert metrics["router/affinity_hit_frac"] == pytest.approx(9 / 12)
 
 
+def _published(store_url: str, tmp_path, name: str, rank: int) -> str:
+    """A random rank-``rank`` adapter published to the store as ``name``; returns the URL servers load."""
+    from grpo_core.train.adapter_store import AdapterStore
+
+    local = _adapter(tmp_path / "local" / name, rank)
+    return AdapterStore(store_url, timeout_s=30).publish(Path(local), name)
+
+
 def _adapter(path, rank: int) -> str:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -178,12 +195,13 @@ def _answers(url: str) -> bool:
 
 
 def listed(url: str) -> list[str]:
-    return [card["id"] for card in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+    return [card["id"] for card in httpx.get(url + "/v1/models", headers=bearer_headers(run_token()),
+                                             timeout=10).json()["data"]]
 
 
-def test_adapter_load_is_all_or_nothing(replicas, tmp_path):
+def test_adapter_load_is_all_or_nothing(replicas, store_url, tmp_path):
     urls = [h.url for h in replicas]
-    wide, narrow = _adapter(tmp_path / "r16", 16), _adapter(tmp_path / "r8", 8)
+    wide, narrow = _published(store_url, tmp_path, "wide-r16", 16), _published(store_url, tmp_path, "narrow-r8", 8)
 
     async def go():
         async with ReplicaSet(urls, control_retry_s=0.2, control_timeout_s=1.0) as rs:
@@ -202,17 +220,15 @@ def test_adapter_load_is_all_or_nothing(replicas, tmp_path):
     assert loaded == [[TINY, "policy-v1"]] * 3
 
 
-def test_adapter_load_retries_until_the_store_shows_it(replicas, tmp_path):
+def test_adapter_load_retries_until_the_store_shows_it(replicas, store_url, tmp_path):
     """Shared storage lags: a load asked before the store shows the adapter keeps retrying on every replica
     (server.control_retry_s), and succeeds everywhere once the trainer's publish lands; each replica fetched
     it from the fsspec URL and samples through it (greedy tokens alike everywhere, unlike the base model's)."""
-    from pathlib import Path
-
     from grpo_core.train.adapter_store import AdapterStore
 
     urls = [h.url for h in replicas]
     local = Path(_adapter(tmp_path / "local" / "policy-v5", 8))
-    store = AdapterStore(f"file://{tmp_path}/bucket", timeout_s=30)
+    store = AdapterStore(store_url, timeout_s=30)
     url = store.served_path(local, "policy-v5")
 
     async def go():
@@ -241,8 +257,8 @@ def _restart(handle: ServerHandle) -> ServerHandle:
     port = int(handle.url.rsplit(":", 1)[1])
     argv = list(handle.spec.argv)
     argv[argv.index("--port") + 1] = str(port)
-    new = launch(dataclasses.replace(handle.spec, argv=argv, port=port))
-    wait_healthy(new, 180)
+    new = launch(dataclasses.replace(handle.spec, argv=argv, port=port), run_token())
+    wait_healthy(new, 180, run_token())
     return new
 
 
@@ -285,19 +301,19 @@ def test_router_cli_help_is_instant():
     assert out.returncode == 0 and "--url" in out.stdout
 
 
-def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, tmp_path):
+def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, store_url, tmp_path):
     """The routed set as one OpenAI-compatible URL: bearer token checked, 8 identical prompts prefilled on one
     replica (server counters), a LoRA load refused by one replica rolled back everywhere."""
     urls = [h.url for h in replicas]
     port_file = tmp_path / "router.port"
     cmd = [os.sys.executable, "-m", "grpo_core.serving.router", "--port", "0", "--port-file", str(port_file),
            "--control-retry-s", "0.2", "--control-timeout-s", "1"] + [a for u in urls for a in ("--url", u)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "GRPO_SERVER_API_KEY": "run-secret"},
+    proc = subprocess.Popen(cmd, env=dict(os.environ),  # GRPO_RUN_TOKEN: the router checks it and passes it on
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while not (port_file.is_file() and port_file.read_text()):
             assert proc.poll() is None, "router exited at start"
-        base, auth = f"http://127.0.0.1:{int(port_file.read_text())}", {"Authorization": "Bearer run-secret"}
+        base, auth = f"http://127.0.0.1:{int(port_file.read_text())}", {"Authorization": f"Bearer {run_token()}"}
         while not _answers(base + "/health"):
             assert proc.poll() is None, "router exited at start"
         assert httpx.get(base + "/v1/models", timeout=10).status_code == 401
@@ -313,15 +329,16 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, tmp
         metrics = httpx.get(base + "/metrics", headers=auth, timeout=10).text
         assert 'grpo_router_requests_total{outcome="hit"} 8' in metrics
         assert all(f'grpo_router_inflight{{replica="{i}"}} 0' in metrics for i in range(3))
+        wide = _published(store_url, tmp_path, "router-r16", 16)
         refused = httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60,
-                             json={"lora_name": "policy-v9", "lora_path": _adapter(tmp_path / "r16", 16)})
+                             json={"lora_name": "policy-v9", "lora_path": wide})
         assert refused.status_code == 502 and urls[2] in refused.json()["error"]["message"]
         assert [listed(u) for u in urls] == [[TINY]] * 3
 
         async def through_client():  # the project's client with server.api_key, as the rollout talks to a remote set
-            async with GenerationClient(base, api_key="run-secret", max_retries=0) as c:
+            async with GenerationClient(base, api_key=run_token(), max_retries=0) as c:
                 out = await c.complete(PROMPT, model=TINY, max_tokens=T, ignore_eos=True)
-            async with GenerationClient(base, max_retries=0) as c:
+            async with GenerationClient(base, api_key="not-the-token", max_retries=0) as c:
                 with pytest.raises(ServerRequestError, match="server.api_key") as denied:
                     await c.models()
             return out, denied.value

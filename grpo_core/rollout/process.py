@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_core.auth import ensure_run_token
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
 from grpo_core.transport.types import ResumeState
@@ -88,6 +89,7 @@ def start_rollout_process(job: RolloutJob, *, startup_timeout_s: float = 300.0) 
         TransportError: the process died or did not report its port within ``startup_timeout_s``.
     """
     check_picklable(job)
+    ensure_run_token()  # the child's Flight server and this process's RolloutSource share it (environment only)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     process = ctx.Process(target=process_main, args=(job, ready), name="grpo-rollout", daemon=True)

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import ServerRequestError, ServerUnavailableError
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
@@ -135,7 +136,9 @@ class GenerationClient:
             ``max_backoff_s``; each delay is drawn uniformly below its bound (:func:`backoff_delay`).
         max_backoff_s: largest bound of a retry delay in seconds.
         api_key: bearer token sent as ``Authorization: Bearer <api_key>`` on every request (health and
-            control calls included), as vLLM's ``--api-key`` and hosted endpoints expect; None = no header.
+            control calls included), as vLLM's ``--api-key`` and hosted endpoints expect (``server.api_key`` for
+            external servers); default the run's token (``GRPO_RUN_TOKEN``, ``grpo_core.auth``), none when that
+            is unset.
     """
 
     def __init__(self, base_url: str, *, max_connections: int = 512, timeout_s: float = 1800.0,
@@ -147,9 +150,8 @@ class GenerationClient:
         self.max_backoff_s = max_backoff_s
         self.retry_count = 0
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
-                                       headers=headers)
+                                       headers=bearer_headers(api_key or run_token()))
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -172,7 +174,7 @@ class GenerationClient:
             else:
                 if response.status_code < 400:
                     return response
-                if response.status_code in (401, 403):
+                if response.status_code == 401:
                     raise ServerRequestError(
                         f"{self.base_url}{path} answered {response.status_code} (unauthorized): the server checks a "
                         "bearer token; set server.api_key (or the GRPO_SERVER_API_KEY environment variable) to its key",

@@ -14,14 +14,14 @@ a home), and it forwards a LoRA load to workers without an all-or-nothing rollba
 needs the routing counts in its own metric window. This proxy is a thin face over the routing the
 rollout already uses, so both follow one policy.
 
-The bearer token (``$GRPO_SERVER_API_KEY``, never a command-line argument that ``ps`` would show) is
-checked on every request to the router but ``/health`` (as vLLM's ``--api-key`` leaves it open for
-probes) and sent on to the replicas.
+Every request to the router but ``/health`` must carry ``Authorization: Bearer`` with the run's token
+(``$GRPO_RUN_TOKEN``) or the servers' key (``$GRPO_SERVER_API_KEY``, ``server.api_key``); neither is ever a
+command-line argument that ``ps`` would show. Requests go on to the replicas with ``server.api_key``, else the
+run's token.
 """
 
 import argparse
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -30,6 +30,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
+from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, authorized, run_token
 from grpo_core.config import SERVER_API_KEY_ENV
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,11 @@ def metrics_text(replicas: Any) -> str:
 
 
 def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
-    """The FastAPI app of the router over ``replicas`` (a ``ReplicaSet``); ``api_key`` = bearer token checked."""
+    """The FastAPI app of the router over ``replicas`` (a ``ReplicaSet``).
+
+    Every route but ``/health`` wants ``Authorization: Bearer`` with ``api_key`` (the servers' key, what the run's
+    clients send to external servers) or the run's own token (``GRPO_RUN_TOKEN``), when either is set.
+    """
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.background import BackgroundTask
@@ -96,13 +101,19 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     def error(status: int, message: str, kind: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
+    tokens = [t for t in (api_key, run_token()) if t]
+
     @app.middleware("http")
     async def check_token(request: Request, call_next: Any) -> Any:
-        if api_key and request.url.path != "/health":  # probes need no token (vLLM's --api-key does the same)
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if tokens and request.url.path not in OPEN_PATHS:  # /health: probes need no token (as vLLM's --api-key)
+            given = request.headers.get("authorization")
+            if not any(authorized(given, t) for t in tokens):
                 return error(401, "missing or wrong bearer token (Authorization: Bearer ...)", "AuthenticationError")
         return await call_next(request)
+
+    @app.get(NONCE_PATH)
+    async def nonce() -> dict[str, str]:  # the launcher's proof that it reached the process it started
+        return {"nonce": os.environ.get(NONCE_ENV, "")}
 
     @app.get("/health")
     async def health() -> Response:
@@ -164,14 +175,17 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     return app
 
 
-def start_router(server: Any, urls: list[str]) -> Any:
-    """Start the router process in front of ``urls`` on ``server.router_port`` and wait for its ``/health``.
+def start_router(server: Any, urls: list[str], token: str) -> Any:
+    """Start the router process in front of ``urls`` on ``server.router_port`` and wait until it answers with its
+    launch's nonce (``wait_healthy``: its ``/health`` is the replicas' together).
 
-    The bearer token reaches it through the environment (``$GRPO_SERVER_API_KEY``), never its command line.
+    The tokens reach it through the environment (``GRPO_RUN_TOKEN``, ``$GRPO_SERVER_API_KEY``), never its command
+    line.
 
     Args:
         server: the ``ServerConfig`` (``router_port``, ``host``, routing settings, ``log_dir``).
         urls: the replicas' base URLs.
+        token: the run's bearer token.
 
     Returns:
         A ``ServerHandle`` (``url``, ``stop()``) the flow tears down with the replicas.
@@ -179,6 +193,8 @@ def start_router(server: Any, urls: list[str]) -> Any:
     Raises:
         ServerStartError: the router exited or was not healthy within ``server.startup_timeout_s``.
     """
+    import secrets
+
     from grpo_core.serving.vllm import LaunchSpec, launch, wait_healthy
 
     port_file = server.log_dir / "router.port"
@@ -186,10 +202,12 @@ def start_router(server: Any, urls: list[str]) -> Any:
             "--port-file", str(port_file), "--route-imbalance", str(server.route_imbalance),
             "--control-retry-s", str(server.control_retry_s), "--control-timeout-s", str(server.control_timeout_s)]
     argv += [arg for url in urls for arg in ("--url", url)]
-    env = {SERVER_API_KEY_ENV: key} if (key := server.resolved_api_key()) else {}
+    env = {NONCE_ENV: secrets.token_hex(16)}
+    if key := server.resolved_api_key():
+        env[SERVER_API_KEY_ENV] = key
     handle = launch(LaunchSpec(argv, env, "router", len(urls), server.host, server.router_port,
-                               server.log_dir / "router.log", port_file))
-    wait_healthy(handle, server.startup_timeout_s)
+                               server.log_dir / "router.log", port_file, nonce=env[NONCE_ENV]), token)
+    wait_healthy(handle, server.startup_timeout_s, token)
     logger.info("router over %d replicas at %s (OpenAI-compatible)", len(urls), handle.url)
     return handle
 
@@ -209,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Bind, then serve the router until stopped (the token comes from ``$GRPO_SERVER_API_KEY``)."""
+    """Bind, then serve the router until stopped (tokens from ``$GRPO_SERVER_API_KEY`` and ``$GRPO_RUN_TOKEN``)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from grpo_core.config import ServerConfig

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 from safetensors.torch import save_file
 
-from grpo_core.config import ServerConfig
+from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR, ServerConfig
 from grpo_core.errors import ServingError
 
 from .adapter_store import AdapterStore
@@ -113,7 +113,7 @@ class DiskFullWeightSync:
     def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None,
                  server: ServerConfig | None = None):
         self.servers = _Servers(urls, server)
-        self.root = Path(output_dir) / ".weights"
+        self.root = Path(output_dir) / WEIGHTS_DIR
         self.keep = max(keep, 2)
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
@@ -165,7 +165,7 @@ class LoraAdapterSync:
                  model_dir: str | Path | None = None, server: ServerConfig | None = None, store=None):
         self.servers = _Servers(urls, server)
         self.store = store if store is not None else AdapterStore(None)
-        self.root = Path(output_dir) / ".vllm_lora"
+        self.root = Path(output_dir) / ADAPTER_DIR
         self.name = name
         self.keep = max_staleness + 1
         self.loaded: list[int] = []
