@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     from .process import RolloutJob, run_rollout
 
     job = RolloutJob(cfg, args.server_url, resume=resume, error_path=str(args.error_path) if args.error_path else None)
-    on_ready = (lambda loc: args.location_file.write_text(loc)) if args.location_file else None
+    from grpo_core.durable import atomic_write_text
+
+    on_ready = (lambda loc: atomic_write_text(args.location_file, loc)) if args.location_file else None
     return run_rollout(job, on_ready=on_ready)
 
 
