@@ -161,19 +161,31 @@ def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 
 @task(name="provision_servers", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
       retry_condition_fn=server_start_failed)
 def provision_servers(run_dir: str) -> list[str]:
-    """Start the generation server replicas (vLLM on GPUs, else embedded); returns their URLs.
+    """Start the generation server replicas (vLLM on GPUs, else embedded), or wait for the external ones of
+    ``server.urls``; start the router in front of them when ``server.router_port`` is set; returns the URLs.
 
     Retried (``server.start_retries`` times, see :func:`server_start_failed`) when a replica fails to start.
     """
+    from grpo_core.serving.router import start_router
+    from grpo_core.serving.routing import wait_external
     from grpo_core.serving.vllm import choose_backend, provision
 
     log, procs, cfg = get_run_logger(), REGISTRY[run_dir], _config(run_dir)
-    backend = choose_backend(cfg)
-    for i in range(cfg.server.num_replicas):
-        procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
-    handles = provision(cfg, token=procs.token)
-    procs.servers.extend(handles)
-    return [h.url for h in handles]
+    if cfg.server.urls:
+        urls = wait_external(cfg.server)
+        log.info("external generation servers healthy: %s", ", ".join(urls))
+    else:
+        backend = choose_backend(cfg)
+        for i in range(cfg.server.num_replicas):
+            procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
+        handles = provision(cfg, token=procs.token)
+        procs.servers.extend(handles)
+        urls = [h.url for h in handles]
+    if cfg.server.router_port is not None:
+        procs.follow(cfg.server.log_dir / "router.log", log, "[router] ")
+        procs.servers.append(start_router(cfg.server, urls, token=procs.token))
+        log.info("the replicas answer as one OpenAI-compatible URL at %s", procs.servers[-1].url)
+    return urls
 
 
 @task(name="rollout", cache_policy=NO_CACHE, persist_result=False)
@@ -242,6 +254,26 @@ def _await_location(run_dir: str, rollout_run) -> str:  # noqa: ANN001 - a Prefe
         time.sleep(0.2)
 
 
+def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], node_rank: int = 0) -> list[str]:
+    """The torchrun command of trainer host ``node_rank`` (the flow runs node 0; with ``train.nnodes`` > 1 every
+    other trainer host runs this command with its own ``node_rank`` and a copy of ``config_path``).
+
+    One host: ``grpo_core.train.launch`` (torchrun with its stores on loopback only). Several: torchrun's static
+    rendezvous at ``train.rdzv_endpoint`` (node 0 hosts the store and holds global rank 0, the rank that pulls
+    samples, syncs the servers and writes checkpoints); that store must be reachable from the other trainer hosts.
+    """
+    tc = cfg.train
+    if tc.nnodes == 1:
+        cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
+    else:
+        host, _, port = tc.rdzv_endpoint.rpartition(":")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.num_ranks),
+               "--nnodes", str(tc.nnodes), "--node-rank", str(node_rank), "--master-addr", host or tc.rdzv_endpoint,
+               "--master-port", port or "29400"]
+    cmd += ["-m", "grpo_core.train", "--config", str(config_path)]
+    return cmd + [arg for url in server_urls for arg in ("--server-url", url)]
+
+
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
 def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     """Run the trainer under torchrun until ``train.max_steps`` (a progress artifact follows its steps);
@@ -261,9 +293,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
     write_private(config_path, cfg.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
-    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node",
-           str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
-    cmd += [arg for url in server_urls for arg in ("--server-url", url)]
+    cmd = trainer_command(cfg, config_path, server_urls)
     env = _child_env(run_dir)
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
@@ -402,6 +432,8 @@ def run_slots(config: RunConfig) -> int:
     servers' and the trainer's, counted once)."""
     if config.flow.concurrency_slots is not None:
         return config.flow.concurrency_slots
+    if config.server.urls:  # the servers run on other hosts: only the trainer's ranks here
+        return config.train.num_ranks
     from grpo_core.serving.vllm import choose_backend, replica_gpus
 
     if choose_backend(config) != "vllm":

@@ -23,6 +23,10 @@ from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_s
 
 logger = logging.getLogger(__name__)
 
+#: Environment variable holding external servers' bearer token when ``server.api_key`` is unset (a process started
+#: by hand, e.g. the router; the flow hands ``server.api_key`` to its processes in ``GRPO_RUN_SECRETS``).
+SERVER_API_KEY_ENV = "GRPO_SERVER_API_KEY"
+
 # vLLM's accepted ``--max-lora-rank`` values (vllm/config/lora.py, ``MaxLoRARanks``).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ADAPTER_DIR = ".vllm_lora"
@@ -129,6 +133,40 @@ class ServerConfig(_Strict):
     @classmethod
     def _secret_flag_values(cls, args: list[str | SecretStr]) -> list[str | SecretStr]:
         return split_secret_flags(args)
+    urls: list[str] = Field(default_factory=list)
+    """External generation servers (``http://host:port``, one per replica) started elsewhere; when set the flow
+    starts no server and routes over these (``num_replicas``, ``backend`` and the launch settings are ignored;
+    the trainer asks each server what it is)."""
+    api_key: SecretStr | None = None
+    """Bearer token of external servers, sent as ``Authorization: Bearer`` on every request and control call;
+    None = the ``GRPO_SERVER_API_KEY`` environment variable, else the run's own token (``GRPO_RUN_TOKEN``, which
+    the servers the flow starts check). A secret: masked in saved configs, logs and MLflow."""
+    route_imbalance: int = Field(default=8, ge=0)
+    """Requests in flight a group's replica may hold beyond the least loaded one before the group's requests
+    spill to the least loaded (prefix-affinity routing over several replicas)."""
+    control_retry_s: float = Field(default=0.5, gt=0)
+    """Seconds between retries of a control call (pause/resume, adapter load/unload, weight update) on a replica
+    that failed it, e.g. while shared storage has not yet shown it the adapter files."""
+    control_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds a control call keeps retrying on a replica before the fan-out fails and the replicas that took
+    it are rolled back."""
+    router_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the OpenAI-compatible router (``python -m grpo_core.serving.router``) the flow starts in front
+    of the replicas for outside clients (evaluation, a single-endpoint trainer); 0 = a free port; None = none."""
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
+                raise ValueError(f"server.urls: {url!r} is not an http(s) base URL; write e.g. 'http://gpu-1:8000'")
+        return [u.rstrip("/") for u in urls]
+
+    def resolved_api_key(self) -> str | None:
+        """The bearer token: ``api_key``, else ``$GRPO_SERVER_API_KEY``, else None."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(SERVER_API_KEY_ENV) or None
 
 
 class RolloutConfig(_Strict):
@@ -297,7 +335,19 @@ class TrainConfig(_Strict):
     output_dir: Path = Path("runs/train")
     """Folder for checkpoints, metrics and synced weights."""
     num_ranks: int = Field(default=1, ge=1)
-    """Data-parallel ranks (torchrun --nproc-per-node)."""
+    """Data-parallel ranks per trainer host (torchrun --nproc-per-node); the world is nnodes x num_ranks."""
+    nnodes: int = Field(default=1, ge=1)
+    """Trainer hosts (torchrun ``--nnodes``); above 1 the flow's torchrun is node 0 and waits at
+    ``rdzv_endpoint`` for the others, started by hand or a deployment with the same command (README, Across hosts)."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of torchrun's c10d rendezvous when ``nnodes`` > 1 (on the flow's host, reachable from every
+    trainer host; e.g. ``trainer-0:29400``)."""
+    adapter_store: str | None = None
+    """Where LoRA adapter versions are published for the servers: a folder every server host mounts, or an fsspec
+    URL (``s3://bucket/run``); None = ``<output_dir>/.vllm_lora`` (servers on this host)."""
+    adapter_store_served_as: str | None = None
+    """How the servers reach ``adapter_store`` (e.g. the bucket's mount point ``/mnt/adapters``); None = the same
+    path or URL."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` = CUDA when available (NCCL), else CPU (gloo)."""
     gpu_ids: list[int] | None = None
@@ -578,6 +628,9 @@ class RunConfig(_Strict):
             raise ConfigError(
                 f"train.lora.r ({train.lora.r}) exceeds server.lora_rank ({server.lora_rank}); raise server.lora_rank"
             )
+        if train.nnodes > 1 and not train.rdzv_endpoint:
+            raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
+                              "reachable from every trainer host, e.g. 'trainer-0:29400')")
         if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
             raise ConfigError(
                 f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "
@@ -606,6 +659,12 @@ class RunConfig(_Strict):
     def adapter_dir(self) -> Path:
         """The run's LoRA adapter folder (``<train.output_dir>/.vllm_lora``): the only one its servers load from."""
         return self.train.output_dir / ADAPTER_DIR
+
+    def served_adapter_root(self) -> str:
+        """Where the servers load LoRA adapters from (the only place their guard allows):
+        ``train.adapter_store_served_as``, else ``train.adapter_store``, else :meth:`adapter_dir` (absolute)."""
+        tc = self.train
+        return tc.adapter_store_served_as or tc.adapter_store or str(self.adapter_dir().resolve())
 
     def weights_dir(self) -> Path:
         """The run's full-weight folder (``<train.output_dir>/.weights``): the only one its servers read from."""

@@ -257,10 +257,10 @@ def check_run(cfg: RunConfig) -> None:
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_model(cfg)
-    if cfg.server.backend == "vllm":
+    if cfg.server.backend == "vllm" and not cfg.server.urls:
         from grpo_core.serving.vllm import choose_backend
 
-        choose_backend(cfg)  # vLLM must be installed
+        choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for external server.urls)
     loop_class_and_config(cfg.rollout)
     for name in cfg.rollout.tools:
         import_object(name, "rollout.tools")

@@ -25,6 +25,7 @@ from grpo_core.rollout import LoopRuntime, RolloutLoop
 from grpo_core.rollout.loop import TurnAborted
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.serving.client import Completion, GenerationClient
+from grpo_core.serving.routing import ReplicaSet
 
 PROMPT = [5, 17, 42, 99]
 LONG = 200  # tokens: the tiny model needs a good fraction of a second for them on one thread
@@ -114,7 +115,7 @@ class RecordingClient(GenerationClient):
 
 def make_loop(clients, **rollout) -> RolloutLoop:
     cfg = RolloutConfig(max_completion_length=LONG, num_sampler_logprobs=2, **rollout)
-    runtime = LoopRuntime(tokenizer=None, clients=clients, model_name=TINY, max_model_len=256, dataset=[],
+    runtime = LoopRuntime(tokenizer=None, server=ReplicaSet(clients), model_name=TINY, max_model_len=256, dataset=[],
                           queue=None, allowance=TokenAllowance(1, 1000))
     return RolloutLoop(cfg, runtime)
 

@@ -16,17 +16,18 @@ from grpo_core.rollout.driver import poll_concurrency
 from grpo_core.rollout.pace import ConcurrencyCap
 from grpo_core.rollout.window import MetricWindow
 from grpo_core.serving.client import GenerationClient
+from grpo_core.serving.routing import ReplicaSet
 
 pytestmark = pytest.mark.slow
 
 
 class _PollTarget:
-    """What ``poll_concurrency`` reads from a rollout loop: the cap, the window, clients, max_model_len."""
+    """What ``poll_concurrency`` reads from a rollout loop: the cap, the window, the replica set, max_model_len."""
 
     def __init__(self, client: GenerationClient, ceiling: int) -> None:
         self.cap = ConcurrencyCap(ceiling)
         self.window = MetricWindow()
-        self.runtime = type("Runtime", (), {"clients": [client], "max_model_len": 256})()
+        self.runtime = type("Runtime", (), {"server": ReplicaSet([client]), "max_model_len": 256})()
 
 
 def test_cap_follows_the_real_server_kv_usage(tmp_path):

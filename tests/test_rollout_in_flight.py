@@ -23,6 +23,7 @@ from grpo_core.rollout.driver import drive
 from grpo_core.rollout.loop import LoopRuntime, RolloutLoop, request_seed
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.serving.client import GenerationClient
+from grpo_core.serving.routing import ReplicaSet
 from grpo_core.transport.flight_server import SampleQueue
 
 G = 2
@@ -108,13 +109,13 @@ def run_until_blocked(tokenizer, rows, step_groups: float, answered_groups: int 
     async def go():
         client = GenerationClient(server.url, max_connections=cfg.max_concurrent_rollouts, timeout_s=300,
                                   max_retries=0)
-        probe = RolloutLoop(cfg, LoopRuntime(tokenizer=tokenizer, clients=[], model_name="m", max_model_len=256,
+        probe = RolloutLoop(cfg, LoopRuntime(tokenizer=tokenizer, server=None, model_name="m", max_model_len=256,
                                              dataset=[], queue=None, allowance=TokenAllowance(1, 1)))
         prompt_tokens = len(probe.render([{"role": "user", "content": rows[0]["prompt"]}]))
         probe.executor.shutdown()
         group_tokens = G * (prompt_tokens + COMPLETION)
         allowance = TokenAllowance(cfg.max_staleness, int(step_groups * group_tokens))
-        runtime = LoopRuntime(tokenizer=tokenizer, clients=[client], model_name="m", max_model_len=256,
+        runtime = LoopRuntime(tokenizer=tokenizer, server=ReplicaSet([client]), model_name="m", max_model_len=256,
                               dataset=rows, queue=SampleQueue(allowance, with_topk=False), allowance=allowance,
                               reward_functions=[keep_pattern])
         loop = RolloutLoop(cfg, runtime)

@@ -141,27 +141,27 @@ def test_token_allowance_one_group_until_first_completes_then_tokens():
 
 
 class _FakeClient:
-    """A /metrics endpoint the test controls."""
+    """A one-replica set whose /metrics the test controls."""
 
     def __init__(self):
         self.snap: ServerMetrics | None = ServerMetrics(0.1, 0, 0, 0, 64 * 256)
         self.retry_count = 0
 
     async def metrics(self):
-        return self.snap
+        return [self.snap]
 
 
 class _FakeLoop:
     def __init__(self, ceiling):
         self.cap = ConcurrencyCap(ceiling)
         self.window = MetricWindow()
-        self.runtime = type("R", (), {"clients": [_FakeClient()], "max_model_len": 256})()
+        self.runtime = type("R", (), {"server": _FakeClient(), "max_model_len": 256})()
 
 
 def test_concurrency_cap_falls_on_high_kv_usage_and_rises_when_idle():
     async def go():
         loop = _FakeLoop(ceiling=100)
-        client = loop.runtime.clients[0]
+        client = loop.runtime.server
         await poll_concurrency(loop, first=True)
         assert loop.cap.cap == 64, "starts at KV tokens / max_model_len"
         client.snap = ServerMetrics(0.95, 64, 3, 0, 64 * 256)
@@ -366,7 +366,7 @@ def test_candidate_sets_and_topk_reach_the_sample_arrow_encoding():
 def test_lora_runs_sample_the_adapter_of_the_group_version():
     from grpo_core.rollout import LoopRuntime, RolloutLoop
 
-    runtime = LoopRuntime(tokenizer=None, clients=[], model_name="base", max_model_len=64, dataset=[], queue=None,
+    runtime = LoopRuntime(tokenizer=None, server=None, model_name="base", max_model_len=64, dataset=[], queue=None,
                           allowance=TokenAllowance(1, 10), lora_name="policy")
     loop = RolloutLoop(RunConfig().rollout, runtime)
     assert loop.served_model(0) == "base" and loop.served_model(3) == "policy-v3"

@@ -51,8 +51,7 @@ def sample_groups(server_url: str, num_prompts: int) -> pa.RecordBatch:
                 await loop.run_group(i, i, 0, row)
         finally:
             loop.executor.shutdown()
-            for client in loop.runtime.clients:
-                await client.aclose()
+            await loop.runtime.server.aclose()
         batches, *_ = queue.take(0, 0.0)
         return batches
 

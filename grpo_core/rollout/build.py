@@ -1,4 +1,4 @@
-"""Assemble a :class:`RolloutLoop` from a job: config objects, tokenizer, dataset, rewards, tools, clients.
+"""Assemble a :class:`RolloutLoop` from a job: config objects, tokenizer, dataset, rewards, tools, the replica set.
 
 Runs inside the rollout process, on its event loop (the HTTP clients belong to it).
 """
@@ -68,7 +68,7 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
     from transformers import AutoTokenizer
 
     from grpo_core.models import resolve_model_dir
-    from grpo_core.serving.client import GenerationClient
+    from grpo_core.serving.routing import ReplicaSet
 
     run = job.config
     rollout = run.rollout
@@ -86,16 +86,15 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
         dataset = load_dataset(rollout)
     rewards = config_rewards(rollout, job.reward_functions, with_dataset_verifier=job.dataset is None)
     tools = [*(import_object(n, "rollout.tools") for n in rollout.tools), *job.tools]
-    clients = [GenerationClient(url, max_connections=rollout.max_concurrent_rollouts,
-                                timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries)
-               for url in job.server_urls]
-    if not clients:
+    if not job.server_urls:
         raise ConfigError("the rollout needs at least one generation server URL")
+    server = ReplicaSet.from_config(run.server, job.server_urls, max_connections=rollout.max_concurrent_rollouts,
+                                    timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries, sink=window)
     try:
-        max_model_len = await clients[0].max_model_len()
+        max_model_len = await server.max_model_len()
     except (ValueError, KeyError):
         max_model_len = run.server.max_model_len
-    runtime = LoopRuntime(tokenizer=tokenizer, clients=clients, model_name=run.served_model_name(),
+    runtime = LoopRuntime(tokenizer=tokenizer, server=server, model_name=run.served_model_name(),
                           max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
                           reward_functions=rewards, tools=tools,
                           environment_factory=environment_factory,

@@ -116,10 +116,10 @@ def _check_epoch(epoch: int, offered: int, accepted: int) -> None:
 
 
 async def poll_concurrency(loop: RolloutLoop, first: bool = False) -> None:
-    """One ``/metrics`` poll of every replica; adjusts the cap and logs the server load."""
-    cap, window, clients = loop.cap, loop.window, loop.runtime.clients
+    """One ``/metrics`` poll of every healthy replica; adjusts the cap and logs the server load."""
+    cap, window = loop.cap, loop.window
     try:
-        snaps = [await c.metrics() for c in clients]
+        snaps = await loop.runtime.server.metrics()
     except ServingError as exc:  # the server is down: keep the cap, the requests retry
         logger.warning("/metrics poll failed: %s", exc)
         return
@@ -148,7 +148,7 @@ async def _poll_forever(loop: RolloutLoop) -> None:
     while True:
         await asyncio.sleep(loop.config.concurrency_poll_s)
         await poll_concurrency(loop)
-        total = sum(c.retry_count for c in loop.runtime.clients)
+        total = loop.runtime.server.retry_count
         loop.window.add("rollout/vllm_retry_count", total - retries)
         retries = total
 

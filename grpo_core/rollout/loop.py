@@ -68,7 +68,8 @@ class LoopRuntime:
 
     Attributes:
         tokenizer: HF tokenizer of the policy (chat template, encode/decode).
-        clients: one ``GenerationClient`` per server replica (group g uses replica g mod replicas).
+        server: the generation replicas as one ``grpo_core.serving.routing.ReplicaSet`` (a group's requests
+            go to one replica by prefix affinity; ``complete``, ``metrics``, ``models``, ``retry_count``).
         model_name: served model name used in requests.
         max_model_len: the server's prompt + completion limit in tokens.
         dataset: prompt rows (HF Dataset, IterableDataset, list of dicts).
@@ -81,7 +82,7 @@ class LoopRuntime:
     """
 
     tokenizer: Any
-    clients: list[Any]
+    server: Any
     model_name: str
     max_model_len: int
     dataset: Any
@@ -180,8 +181,9 @@ class RolloutLoop:
         """
         cfg = self.config
         group_id, rollout, counter, version = _REQUEST.get()
-        # All turns of a group go to one replica: its prefix cache holds the shared prompt.
-        client = self.runtime.clients[group_id % len(self.runtime.clients)]
+        # The group id and policy version are the affinity key: all turns of a group go to one replica, whose
+        # prefix cache holds the shared prompt; the router adds the model name (the LoRA adapter version).
+        server = self.runtime.server
         budget = max(1, min(cfg.max_completion_length, self.runtime.max_model_len - len(prompt_ids)))
         ids: list[int] = []
         logprobs: list[float] = []
@@ -189,13 +191,15 @@ class RolloutLoop:
         for attempt in range(cfg.max_abort_retries + 1):
             seed = request_seed(cfg.seed, group_id, rollout, counter[0])
             counter[0] += 1
-            model = self.served_model(version if attempt == 0 else self.runtime.allowance.policy_version)
+            sampled_version = version if attempt == 0 else self.runtime.allowance.policy_version
+            model = self.served_model(sampled_version)
             try:
-                (out,) = await client.complete(list(prompt_ids) + ids, model=model, max_tokens=budget - len(ids),
+                (out,) = await server.complete(list(prompt_ids) + ids, affinity_key=(group_id, sampled_version),
+                                               model=model, max_tokens=budget - len(ids),
                                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                                min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
-            except ServerRequestError as exc:
-                if await self._retired(client, model):  # vLLM: 404 for an unknown model (vllm-h200/README.md)
+            except ServerRequestError:
+                if await self._retired(server, model):  # vLLM: 404 for an unknown model (vllm-h200/README.md)
                     raise AdapterRetired(f"group {group_id}: adapter {model} was unloaded by a newer weight sync "
                                          "before the group finished; dropped as stale") from None
                 raise
@@ -234,12 +238,12 @@ class RolloutLoop:
             return f"{self.runtime.lora_name}-v{policy_version}"
         return self.runtime.model_name
 
-    async def _retired(self, client: Any, model: str) -> bool:
-        """Whether ``model`` is a LoRA version the server no longer lists while it lists a newer one."""
+    async def _retired(self, server: Any, model: str) -> bool:
+        """Whether ``model`` is a LoRA version the servers no longer list while they list a newer one."""
         prefix = f"{self.runtime.lora_name}-v"
         if not self.runtime.lora_name or not model.startswith(prefix):
             return False
-        listed = {m.get("id", "") for m in await client.models()}
+        listed = {m.get("id", "") for m in await server.models()}
         newer = [int(n[len(prefix):]) for n in listed if n.startswith(prefix) and n[len(prefix):].isdigit()]
         return model not in listed and max(newer, default=0) > int(model[len(prefix):])
 

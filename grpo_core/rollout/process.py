@@ -189,14 +189,24 @@ async def _wait_for_served_version(rollout_loop: Any, queue: Any, timeout_s: flo
     if name == rollout_loop.runtime.model_name:
         return
     deadline = time.monotonic() + timeout_s
-    for client in rollout_loop.runtime.clients:
-        while name not in {m.get("id") for m in await client.models()}:
+    for client in rollout_loop.runtime.server.clients:
+        while name not in await _listed(client):
             if time.monotonic() > deadline:
                 raise TransportError(f"servers never listed adapter {name!r} within {timeout_s:.0f} s; "
                                      "the trainer syncs it when it resumes")
             queue.beat()
             await asyncio.sleep(1.0)
     logger.info("resuming from adapter %s", name)
+
+
+async def _listed(client: Any) -> set[str]:
+    """Model names one replica lists; empty while it does not answer (it may still be starting)."""
+    from grpo_core.errors import ServingError
+
+    try:
+        return {m.get("id") for m in await client.models()}
+    except ServingError:
+        return set()
 
 
 def _linger(stop: threading.Event, timeout_s: float | None) -> None:
@@ -224,5 +234,4 @@ async def _main(job: RolloutJob, queue: Any, window: Any, state: dict[str, Any],
     try:
         await drive(rollout_loop)
     finally:
-        for client in rollout_loop.runtime.clients:
-            await client.aclose()
+        await rollout_loop.runtime.server.aclose()

@@ -135,8 +135,10 @@ class GenerationClient:
         backoff_s: upper bound of the first retry delay in seconds; doubles per retry up to
             ``max_backoff_s``; each delay is drawn uniformly below its bound (:func:`backoff_delay`).
         max_backoff_s: largest bound of a retry delay in seconds.
-        api_key: bearer token sent with every request; default the run's token (``GRPO_RUN_TOKEN``,
-            ``grpo_core.auth``), none when that is unset.
+        api_key: bearer token sent as ``Authorization: Bearer <api_key>`` on every request (health and
+            control calls included), as vLLM's ``--api-key`` and hosted endpoints expect (``server.api_key`` for
+            external servers); default the run's token (``GRPO_RUN_TOKEN``, ``grpo_core.auth``), none when that
+            is unset.
     """
 
     def __init__(self, base_url: str, *, max_connections: int = 512, timeout_s: float = 1800.0,
@@ -172,6 +174,11 @@ class GenerationClient:
             else:
                 if response.status_code < 400:
                     return response
+                if response.status_code == 401:
+                    raise ServerRequestError(
+                        f"{self.base_url}{path} answered {response.status_code} (unauthorized): the server checks a "
+                        "bearer token; set server.api_key (or the GRPO_SERVER_API_KEY environment variable) to its key",
+                        response.status_code, "AuthenticationError")
                 if response.status_code < 500:
                     raise ServerRequestError.from_response(self.base_url + path, response.status_code, response.text)
                 last = f"HTTP {response.status_code}: {response.text[:300]}"
@@ -186,6 +193,33 @@ class GenerationClient:
             f"{method} {self.base_url}{path} failed after {self.max_retries + 1} attempts; last error: {last}. "
             "Is the generation server running and reachable?"
         )
+
+    async def call(self, method: str, path: str, body: dict[str, Any] | None = None,
+                   params: dict[str, Any] | None = None) -> httpx.Response:
+        """One JSON request with this client's retries (any endpoint; the router forwards control calls with it).
+
+        Raises:
+            ServerRequestError: a 4xx answer (not retried).
+            ServerUnavailableError: connection errors, timeouts or 5xx answers past the retries.
+        """
+        return await self._request(method, path, body, params)
+
+    async def open_stream(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        """Send one request and return the answer with its body not yet read (one attempt; a 4xx is returned as
+        it is, for the router to pass on). Close it with ``aclose()``.
+
+        Raises:
+            ServerUnavailableError: connection error, timeout or a 5xx answer.
+        """
+        try:
+            response = await self._http.send(self._http.build_request(method, path, json=body), stream=True)
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            raise ServerUnavailableError(f"{method} {self.base_url}{path}: {type(exc).__name__}: {exc}") from None
+        if response.status_code >= 500:
+            text = (await response.aread()).decode(errors="replace")[:300]
+            await response.aclose()
+            raise ServerUnavailableError(f"{method} {self.base_url}{path}: HTTP {response.status_code}: {text}")
+        return response
 
     async def complete(self, prompt_ids: list[int], *, model: str, max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None, n: int = 1,

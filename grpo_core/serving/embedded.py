@@ -57,15 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(vLLM's default), 'vllm' = neutral values, or a folder holding a generation_config.json")
     p.add_argument("--max-pause-s", type=float, default=300.0,
                    help="seconds a /pause may last before the server resumes itself (0 = no limit)")
-    p.add_argument("--adapter-dir", type=Path, default=None,
-                   help="the only folder LoRA adapters are loaded from (default: none, every load is refused)")
+    p.add_argument("--adapter-dir", default=None,
+                   help="the only folder (or fsspec URL, train.adapter_store) LoRA adapters are loaded from "
+                        "(default: none, every load is refused)")
     p.add_argument("--weights-dir", type=Path, default=None,
                    help="the only folder full weights are read from (default: none, every update is refused)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 when the host has a colon; port 0 = a free one), inheritable."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -85,7 +87,7 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
                  f"token; set it in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
                  "print(secrets.token_urlsafe(32))'))")
     try:
-        sock = _bind(server_cfg.host, server_cfg.port)
+        sock = bind_socket(server_cfg.host, server_cfg.port)
     except OSError as exc:
         sys.exit(f"cannot listen on {server_cfg.host}:{server_cfg.port}: {exc.strerror or exc} (another process holds "
                  "the port?); stop it, or choose another --port (0 = a free one)")

@@ -45,9 +45,15 @@ DEFAULT_MAX_PAUSE_S = 300.0
 
 
 def inside(path: str, root: str | Path | None) -> bool:
-    """Whether ``path`` resolves (symlinks and ``..`` followed) to ``root`` or below it; False without a root."""
+    """Whether ``path`` resolves (symlinks and ``..`` followed) to ``root`` or below it; False without a root.
+
+    An fsspec URL root (``s3://bucket/run``, ``train.adapter_store``) admits URLs below it with no ``..`` part.
+    """
     if not root:
         return False
+    if "://" in str(root) or "://" in path:
+        base = str(root).rstrip("/") + "/"
+        return path.startswith(base) and ".." not in path[len(base):].split("/")
     return Path(path).resolve().is_relative_to(Path(root).resolve())
 
 

@@ -244,7 +244,7 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
             "--max-logprobs", str(server.max_logprobs), "--max-loras", str(config.max_loras()),
             "--max-lora-rank", str(max_lora_rank_for(server.lora_rank)),
             "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm",
-            "--max-pause-s", str(server.max_pause_s), "--adapter-dir", str(config.adapter_dir()),
+            "--max-pause-s", str(server.max_pause_s), "--adapter-dir", config.served_adapter_root(),
             "--weights-dir", str(config.weights_dir())]
     if model.cache_dir is not None:
         argv += ["--cache-dir", str(model.cache_dir)]
@@ -263,7 +263,7 @@ def guard_env(config: RunConfig) -> dict[str, str]:
     """Environment of one launch read by ``grpo_core.serving.guard``: a fresh nonce, the pause limit and the run's
     adapter and weights folders (the token is added by ``launch``, never stored in a spec)."""
     return {NONCE_ENV: secrets.token_hex(16), MAX_PAUSE_ENV: str(config.server.max_pause_s),
-            ADAPTER_DIR_ENV: str(config.adapter_dir().resolve()), WEIGHTS_DIR_ENV: str(config.weights_dir().resolve())}
+            ADAPTER_DIR_ENV: config.served_adapter_root(), WEIGHTS_DIR_ENV: str(config.weights_dir().resolve())}
 
 
 def launch(spec: LaunchSpec, token: str) -> ServerHandle:

@@ -44,6 +44,35 @@ def canonical_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+#: Name prefix of the temporary folders holding adapters fetched from a URL (deleted when unloaded).
+FETCHED_PREFIX = "grpo-adapter-"
+
+
+def fetch_adapter(path: str) -> str:
+    """A local folder holding the adapter at ``path``: ``path`` itself, or for an fsspec URL (``s3://…``,
+    ``file://…``; ``train.adapter_store``) a copy of its files in a fresh temporary folder.
+
+    Raises:
+        AdapterError: the URL lists no ``adapter_config.json`` (404; the store may not show it yet: retried by
+            the trainer's fan-out).
+    """
+    if "://" not in path:
+        return path
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(path)
+    try:
+        files = [e for e in fs.ls(root, detail=True) if e.get("type") == "file"]
+    except FileNotFoundError:
+        files = []
+    if not any(Path(e["name"]).name == "adapter_config.json" for e in files):
+        raise AdapterError(f"No adapter found for {path}: adapter_config.json is missing.", 404)
+    local = Path(tempfile.mkdtemp(prefix=FETCHED_PREFIX))
+    for entry in files:
+        fs.get_file(entry["name"], str(local / Path(entry["name"]).name))
+    return str(local)
+
+
 class WeightManager:
     """Owns the base model's parameters and the PEFT wrapper of the embedded server.
 
@@ -68,7 +97,7 @@ class WeightManager:
             self.not_loaded = checkpoint_keys(model_path) - set(names.values())
         self.adapters: dict[str, str] = {}
         """Adapters served to new requests: name -> folder."""
-        self.retiring: set[str] = set()
+        self.retiring: dict[str, str] = {}  # unloaded adapters still used by in-flight sequences -> their path
         """Unloaded adapters that queued or running sequences still sample from; deleted once none does."""
         self.peft: Any = None
         self._names = threading.Lock()  # serving checks and submits vs. unloads (see :meth:`submit`)
@@ -126,6 +155,7 @@ class WeightManager:
 
         if name in self.adapters:
             raise AdapterError(f"The lora adapter '{name}' has already been loaded.", 400)
+        path = fetch_adapter(path)
         if not (Path(path) / "adapter_config.json").is_file():
             raise AdapterError(f"No adapter found for {path}: adapter_config.json is missing.", 404)
         rank = LoraConfig.from_pretrained(path).r
@@ -178,8 +208,7 @@ class WeightManager:
         with self._names:
             if name not in self.adapters:
                 raise AdapterError(f"The lora adapter '{name}' cannot be found.", 404)
-            del self.adapters[name]
-            self.retiring.add(name)
+            self.retiring[name] = self.adapters.pop(name)
         with self.engine.exclusive():
             self._delete_retired()
         if name in self.retiring:
@@ -193,13 +222,15 @@ class WeightManager:
         for name in sorted(self.retiring):
             if name in in_use and name != also:
                 continue
-            self.retiring.discard(name)
+            path = self.retiring.pop(name)
             remaining = [a for a in [*self.adapters, *self.retiring] if a != name]
             if remaining and name in self.peft.active_adapters:
                 # Requests name their adapter, so which one is "active" does not matter here; but PEFT
                 # warns when the active adapter is deleted: hand the role to the newest one first.
                 self.peft.set_adapter(remaining[-1])
             self.peft.delete_adapter(name)
+            if Path(path).name.startswith(FETCHED_PREFIX) and Path(path).parent == Path(tempfile.gettempdir()):
+                shutil.rmtree(path, ignore_errors=True)  # our copy of an adapter fetched from a URL
         if not self.adapters and not self.retiring and self.peft is not None:
             # PEFT keeps a stale active-adapter name once the last one is gone; its LoRA
             # layers pass inputs straight to the base layers, so serve the base model directly.

@@ -14,6 +14,7 @@ from grpo_core.run_lock import RunLock
 from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState
 
+from .adapter_store import AdapterStore
 from .distributed import init_world
 from .fingerprint import check_resume
 from .trainer import Trainer
@@ -22,14 +23,14 @@ from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
 logger = logging.getLogger(__name__)
 
 
-def server_backend(url: str) -> str:
-    """``embedded`` or ``vllm``: the embedded server says so in ``/server_info``."""
+def server_backend(url: str, api_key: str | None = None) -> str:
+    """``embedded`` or ``vllm``: the embedded server says so in ``/server_info`` (``api_key``: bearer token)."""
     import httpx
 
     from grpo_core.auth import bearer_headers, run_token
 
     try:
-        info = httpx.get(url + "/server_info", headers=bearer_headers(run_token()), timeout=30).json()
+        info = httpx.get(url + "/server_info", headers=bearer_headers(api_key or run_token()), timeout=30).json()
     except (httpx.HTTPError, ValueError) as e:
         raise ConfigError(f"--server-url {url}: /server_info did not answer ({e}); is the server up?") from None
     return "embedded" if info.get("backend") == "embedded" else "vllm"
@@ -43,10 +44,14 @@ def make_weight_sync(cfg: RunConfig, server_urls: list[str]):
     tc = cfg.train
     model_dir = resolve_model_dir(cfg.model)
     if tc.lora.enabled:
-        return LoraAdapterSync(server_urls, tc.output_dir, tc.lora.name, cfg.rollout.max_staleness, model_dir=model_dir)
-    kinds = {server_backend(u) for u in server_urls}
+        store = AdapterStore(tc.adapter_store, tc.adapter_store_served_as, timeout_s=cfg.server.control_timeout_s)
+        return LoraAdapterSync(server_urls, tc.output_dir, tc.lora.name, cfg.rollout.max_staleness, model_dir=model_dir,
+                               server=cfg.server, store=store)
+    api_key = cfg.server.resolved_api_key()
+    kinds = {server_backend(u, api_key) for u in server_urls}
     if kinds == {"embedded"}:
-        return DiskFullWeightSync(server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1, model_dir=model_dir)
+        return DiskFullWeightSync(server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1, model_dir=model_dir,
+                                  server=cfg.server)
     if kinds != {"vllm"}:
         raise ConfigError("--server-url mixes vLLM and embedded servers; use one kind per run")
     if cfg.server.weight_transfer_backend is None:
@@ -54,7 +59,7 @@ def make_weight_sync(cfg: RunConfig, server_urls: list[str]):
     from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
 
     return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=cfg.server.enable_lora,
-                                  model_dir=model_dir)
+                                  model_dir=model_dir, api_key=api_key)
 
 
 def make_source(cfg: RunConfig, resume: ResumeState | None):

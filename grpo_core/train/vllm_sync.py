@@ -95,13 +95,13 @@ class VllmWeightTransferSync:
     checkpoint the servers loaded, whose tensor names the sync sends (None = the trainer's names)."""
 
     def __init__(self, urls: list[str], backend: str = "ipc", lora_names: bool = False, timeout_s: float = 600.0,
-                 model_dir: str | Path | None = None):
+                 model_dir: str | Path | None = None, api_key: str | None = None):
         if backend not in ("ipc", "nccl"):
             raise ValueError(f"server.weight_transfer_backend must be 'ipc' or 'nccl', got {backend!r}")
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
-        self.http = httpx.Client(timeout=timeout_s, headers=bearer_headers(run_token()))  # the run's token
+        self.http = httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key or run_token()))  # or the run's
         self.groups: list = []
         self.initialised = False
 

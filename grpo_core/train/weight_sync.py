@@ -6,17 +6,19 @@ Each sync makes one new policy version. Implementations:
   (safetensors, the served checkpoint's tensor names) read by the embedded server's
   ``/start_weight_update → /update_weights {"path"} → /finish_weight_update``.
 * :class:`LoraAdapterSync`: a PEFT adapter saved with ``PeftModel.save_pretrained`` to
-  ``<output_dir>/.vllm_lora/<name>-v{N}`` (atomic rename), loaded on every
+  ``<output_dir>/.vllm_lora/<name>-v{N}`` (atomic rename), published to ``train.adapter_store``
+  when set (a folder or fsspec URL every server host can read, :mod:`.adapter_store`), loaded on every
   server with ``/v1/load_lora_adapter``; the newest ``max_staleness + 1``
   versions stay loaded, older ones are unloaded and deleted (a rollout group that outlives its
   version is stale by then: the rollout drops it, ``rollout/stale_group_count``). vLLM and the
   embedded server take the same requests. Adapter keys use the served
   checkpoint's module names (see :meth:`LoraAdapterSync.checkpoint_keys`).
 
-Several servers: all or nothing. If one server fails, the new version is
-removed again from the servers that took it (adapters are unloaded; full
-weights are restored from the previous version's folder) and the error is
-raised. Pause/resume brackets every update. ``sync`` is collective: every rank
+Several servers: all or nothing (``ReplicaSet.fan_out``): each server is retried every
+``server.control_retry_s`` until ``server.control_timeout_s`` (an adapter on shared storage may
+reach a server host late); if one still fails, the new version is removed again from the servers
+that took it (adapters are unloaded; full weights are restored from the previous version's folder)
+and the error is raised. Pause/resume brackets every update. ``sync`` is collective: every rank
 calls it (gathering a full state dict needs all ranks); rank 0 talks to servers.
 """
 
@@ -32,9 +34,10 @@ from typing import Protocol
 import torch
 from safetensors.torch import save_file
 
-from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR
+from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR, ServerConfig
 from grpo_core.errors import ServingError
 
+from .adapter_store import AdapterStore
 from .export import publish, save_adapter
 
 logger = logging.getLogger(__name__)
@@ -77,31 +80,40 @@ def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class _Servers:
-    """Rank-0 helper running the same async call on every server."""
+    """Rank-0 helper: control calls on every server, all or nothing (``ReplicaSet.fan_out``).
 
-    def __init__(self, urls: list[str], timeout_s: float = 600.0):
+    Args:
+        urls: the servers' base URLs.
+        server: the ``ServerConfig`` whose bearer token and control retry settings apply; None = defaults.
+        timeout_s: per-request timeout in seconds.
+    """
+
+    def __init__(self, urls: list[str], server: ServerConfig | None = None, timeout_s: float = 600.0):
         self.urls = urls
+        self.server = server or ServerConfig()
         self.timeout_s = timeout_s
 
-    def each(self, call) -> list[BaseException | None]:
-        """Run ``await call(client)`` on every server; one result (None or the error) per server."""
-        from grpo_core.serving.client import GenerationClient
+    def fan_out(self, name: str, call, undo=None) -> None:
+        """``await call(client)`` on every server; on a failure ``undo`` where it succeeded.
 
-        async def one(url):
-            async with GenerationClient(url, max_connections=2, timeout_s=self.timeout_s, max_retries=2) as c:
-                await call(c)
+        Raises:
+            ControlFanOutError: a server kept failing ``call`` (a ``ServingError``).
+        """
+        from grpo_core.serving.routing import ReplicaSet
 
         async def run_all():
-            return await asyncio.gather(*(one(u) for u in self.urls), return_exceptions=True)
+            async with ReplicaSet.from_config(self.server, self.urls, max_connections=4, timeout_s=self.timeout_s) as rs:
+                await rs.fan_out(name, call, undo)
 
-        return list(asyncio.run(run_all()))
+        asyncio.run(run_all())
 
 
 class DiskFullWeightSync:
     """Full weights through a shared folder (embedded server). See module docs."""
 
-    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None):
-        self.servers = _Servers(urls)
+    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None,
+                 server: ServerConfig | None = None):
+        self.servers = _Servers(urls, server)
         self.root = Path(output_dir) / WEIGHTS_DIR
         self.keep = max(keep, 2)
         self.model_dir = model_dir
@@ -126,13 +138,9 @@ class DiskFullWeightSync:
         save_file(untied(sd), tmp / "model.safetensors", metadata={"format": "pt"})
         folder = publish(tmp, self.root / f"v{version}")
         t2 = time.perf_counter()
-        errors = self.servers.each(lambda c: self._update(c, str(folder)))
-        if any(errors):
-            previous = self.root / f"v{version - 1}"
-            if previous.exists():
-                self.servers.each(lambda c: self._update(c, str(previous)))
-            raise ServingError(f"weight sync v{version} failed on {_failed(self.servers.urls, errors)}; "
-                               "restored the previous weights where it had been applied")
+        previous = self.root / f"v{version - 1}"
+        undo = (lambda c: self._update(c, str(previous))) if previous.exists() else None
+        self.servers.fan_out(f"weight sync v{version}", lambda c: self._update(c, str(folder)), undo)
         self._prune(version)
         return {"perf/weight_sync_gather_s": t1 - t0, "perf/weight_sync_write_s": t2 - t1,
                 "perf/weight_sync_load_s": time.perf_counter() - t2}
@@ -155,8 +163,9 @@ class LoraAdapterSync:
     """PEFT adapter versions on every server. See module docs."""
 
     def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int,
-                 model_dir: str | Path | None = None):
-        self.servers = _Servers(urls)
+                 model_dir: str | Path | None = None, server: ServerConfig | None = None, store=None):
+        self.servers = _Servers(urls, server)
+        self.store = store if store is not None else AdapterStore(None)
         self.root = Path(output_dir) / ADAPTER_DIR
         self.name = name
         self.keep = max_staleness + 1
@@ -201,6 +210,17 @@ class LoraAdapterSync:
             pass  # not loaded: the usual case
         await client.load_lora_adapter(name, folder)
 
+    @staticmethod
+    async def _unload(client, name: str) -> None:
+        """Unload; an adapter the server no longer has (404) counts as unloaded."""
+        from grpo_core.errors import ServerRequestError
+
+        try:
+            await client.unload_lora_adapter(name)
+        except ServerRequestError as exc:
+            if exc.status != 404:
+                raise
+
     def sync(self, policy, version: int, rank: int) -> dict[str, float]:
         """Save ``{name}-v{version}``, load it everywhere (all or nothing), retire old versions."""
         t0 = time.perf_counter()
@@ -209,19 +229,22 @@ class LoraAdapterSync:
             return {}
         t1 = time.perf_counter()
         name = self.adapter_name(version)
-        errors = self.servers.each(lambda c: self._load(c, name, str(folder)))
-        if any(errors):
-            self.servers.each(lambda c: c.unload_lora_adapter(name))
+        try:
+            path = self.store.publish(folder, name)
+            self.servers.fan_out(f"LoRA load {name}", lambda c: self._load(c, name, path),
+                                 undo=lambda c: c.unload_lora_adapter(name))
+        except ServingError:
             shutil.rmtree(folder, ignore_errors=True)
-            raise ServingError(f"LoRA sync {name} failed on {_failed(self.servers.urls, errors)}; "
-                               "unloaded it everywhere")
+            self.store.remove(name)
+            raise
         self.loaded.append(version)
         while len(self.loaded) > self.keep:
             old = self.adapter_name(self.loaded.pop(0))
-            self.servers.each(lambda c: c.unload_lora_adapter(old))
+            try:
+                self.servers.fan_out(f"LoRA unload {old}", lambda c: self._unload(c, old))
+            except ServingError as exc:  # a stale version left loaded costs a slot, not correctness
+                logger.warning("retiring %s: %s", old, exc)
             shutil.rmtree(self.root / old, ignore_errors=True)
+            self.store.remove(old)
         return {"perf/weight_sync_write_s": t1 - t0, "perf/weight_sync_load_s": time.perf_counter() - t1}
 
-
-def _failed(urls: list[str], errors: list[BaseException | None]) -> str:
-    return "; ".join(f"{u}: {e}" for u, e in zip(urls, errors) if e is not None)

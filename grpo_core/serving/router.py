@@ -1,0 +1,256 @@
+"""The replicas as one OpenAI-compatible URL: ``python -m grpo_core.serving.router --url URL --url URL ...``.
+
+For clients outside the rollout process (evaluation, a TRL-style single-endpoint trainer). It runs the
+same :class:`~grpo_core.serving.routing.ReplicaSet` as the rollout: completions and chat completions are
+routed by prefix affinity (the ``X-Affinity-Key`` header when given, else a hash of the model name and
+the first :data:`PREFIX_CHARS` characters of the prompt or messages), streamed answers included; control
+calls (``/pause``, ``/resume``, LoRA load/unload, weight updates, ``/reset_prefix_cache``) fan out to
+every replica all or nothing (a LoRA load that fails somewhere is unloaded where it succeeded; a pause is
+resumed); ``/health`` is 200 only when every replica is healthy; ``/metrics`` has the routing counts.
+
+Why not ``vllm-router`` (PyPI): it is a separate Rust binary whose ``cache_aware`` policy matches text
+prefixes, with no notion of a policy version in the key (every adapter version of one prompt would share
+a home), and it forwards a LoRA load to workers without an all-or-nothing rollback; the rollout also
+needs the routing counts in its own metric window. This proxy is a thin face over the routing the
+rollout already uses, so both follow one policy.
+
+Every request to the router but ``/health`` must carry ``Authorization: Bearer`` with the run's token
+(``$GRPO_RUN_TOKEN``) or the servers' key (``$GRPO_SERVER_API_KEY``, ``server.api_key``); neither is ever a
+command-line argument that ``ps`` would show. Requests go on to the replicas with ``server.api_key``, else the
+run's token.
+"""
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, authorized, run_token
+from grpo_core.config import SERVER_API_KEY_ENV
+
+logger = logging.getLogger(__name__)
+
+#: Characters of the prompt (or the JSON of the messages) hashed into the affinity key.
+PREFIX_CHARS = 1024
+#: Generation routes, routed by affinity.
+ROUTED = ("/v1/completions", "/v1/chat/completions")
+#: Control routes fanned out to every replica, with the call that undoes each on the replicas that took it.
+CONTROL = ("/pause", "/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/init_weight_transfer_engine",
+           "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache")
+
+
+def affinity_key(body: dict[str, Any], header: str | None) -> Hashable:
+    """The routing key of a generation request: ``(kind, digest, model)``.
+
+    Args:
+        body: the request's JSON body (``prompt`` text or token ids, or chat ``messages``; ``model``).
+        header: the ``X-Affinity-Key`` header (e.g. a group id), or None.
+    """
+    model = body.get("model")
+    if header:
+        return ("key", header, model)
+    prompt = body.get("prompt", body.get("messages"))
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, separators=(",", ":"))
+    return ("prefix", hashlib.sha256(text[:PREFIX_CHARS].encode()).hexdigest(), model)
+
+
+def _undo(path: str, body: dict[str, Any] | None):  # noqa: ANN202 - a client -> awaitable callable or None
+    if path == "/v1/load_lora_adapter" and body and body.get("lora_name"):
+        return lambda c: c.call("POST", "/v1/unload_lora_adapter", {"lora_name": body["lora_name"]})
+    if path == "/pause":
+        return lambda c: c.call("POST", "/resume")
+    if path == "/resume":
+        return lambda c: c.call("POST", "/pause", params={"mode": "keep"})
+    return None
+
+
+def metrics_text(replicas: Any) -> str:
+    """Prometheus text of the routing counts, in-flight requests and health per replica."""
+    counts, policy = replicas.policy.counts, replicas.policy
+    lines = ["# TYPE grpo_router_requests_total counter"]
+    lines += [f'grpo_router_requests_total{{outcome="{k}"}} {v}'
+              for k, v in (("hit", counts.hits), ("unmatched", counts.unmatched), ("spill", counts.spills))]
+    lines += ["# TYPE grpo_router_replica_down_total counter", f"grpo_router_replica_down_total {counts.replica_down}",
+              "# TYPE grpo_router_inflight gauge"]
+    lines += [f'grpo_router_inflight{{replica="{i}"}} {n}' for i, n in enumerate(policy.inflight)]
+    lines += ["# TYPE grpo_router_replica_healthy gauge"]
+    lines += [f'grpo_router_replica_healthy{{replica="{i}"}} {int(ok)}' for i, ok in enumerate(policy.healthy)]
+    return "\n".join(lines) + "\n"
+
+
+def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
+    """The FastAPI app of the router over ``replicas`` (a ``ReplicaSet``).
+
+    Every route but ``/health`` wants ``Authorization: Bearer`` with ``api_key`` (the servers' key, what the run's
+    clients send to external servers) or the run's own token (``GRPO_RUN_TOKEN``), when either is set.
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
+
+    from grpo_core.errors import ServerRequestError, ServingError
+    from grpo_core.serving.routing import ControlFanOutError
+
+    app = FastAPI(title="grpo-flow router")
+
+    def error(status: int, message: str, kind: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+    tokens = [t for t in (api_key, run_token()) if t]
+
+    @app.middleware("http")
+    async def check_token(request: Request, call_next: Any) -> Any:
+        if tokens and request.url.path not in OPEN_PATHS:  # /health: probes need no token (as vLLM's --api-key)
+            given = request.headers.get("authorization")
+            if not any(authorized(given, t) for t in tokens):
+                return error(401, "missing or wrong bearer token (Authorization: Bearer ...)", "AuthenticationError")
+        return await call_next(request)
+
+    @app.get(NONCE_PATH)
+    async def nonce() -> dict[str, str]:  # the launcher's proof that it reached the process it started
+        return {"nonce": os.environ.get(NONCE_ENV, "")}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if await replicas.health() else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": await replicas.models()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text(replicas), media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request) -> Response:
+        body = await request.json()
+        key = affinity_key(body, request.headers.get("x-affinity-key"))
+
+        async def send(client: Any) -> tuple[int, Any]:
+            return replicas.clients.index(client), await client.open_stream("POST", request.url.path, body)
+        try:
+            replica, answer = await replicas.routed(key, send)
+        except ServingError as exc:
+            return error(503, str(exc), "ServiceUnavailableError")
+        media = answer.headers.get("content-type", "application/json")
+        if body.get("stream"):
+            replicas.policy.inflight[replica] += 1  # in flight until the last chunk is passed on
+
+            async def done() -> None:
+                replicas.policy.inflight[replica] -= 1
+                await answer.aclose()
+            return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, media_type=media,
+                                     background=BackgroundTask(done))
+        content = await answer.aread()
+        await answer.aclose()
+        return Response(content, status_code=answer.status_code, media_type=media)
+
+    async def control(request: Request) -> Response:
+        raw = await request.body()
+        body = json.loads(raw) if raw else None
+        path, params = request.url.path, dict(request.query_params)
+
+        async def call(c: Any) -> None:
+            try:
+                await c.call("POST", path, body, params)
+            except ServerRequestError as exc:  # an adapter a replica does not hold is as good as unloaded there
+                if not (path == "/v1/unload_lora_adapter" and exc.status == 404):
+                    raise
+
+        try:
+            await replicas.fan_out(path, call, _undo(path, body))
+        except ControlFanOutError as exc:
+            return error(502, str(exc), "ControlFanOutError")
+        return JSONResponse({"status": "ok", "replicas": len(replicas.urls)})
+
+    for path in ROUTED:
+        app.add_api_route(path, generate, methods=["POST"])
+    for path in CONTROL:
+        app.add_api_route(path, control, methods=["POST"])
+    return app
+
+
+def start_router(server: Any, urls: list[str], token: str) -> Any:
+    """Start the router process in front of ``urls`` on ``server.router_port`` and wait until it answers with its
+    launch's nonce (``wait_healthy``: its ``/health`` is the replicas' together).
+
+    The tokens reach it through the environment (``GRPO_RUN_TOKEN``, ``$GRPO_SERVER_API_KEY``), never its command
+    line.
+
+    Args:
+        server: the ``ServerConfig`` (``router_port``, ``host``, routing settings, ``log_dir``).
+        urls: the replicas' base URLs.
+        token: the run's bearer token.
+
+    Returns:
+        A ``ServerHandle`` (``url``, ``stop()``) the flow tears down with the replicas.
+
+    Raises:
+        ServerStartError: the router exited or was not healthy within ``server.startup_timeout_s``.
+    """
+    import secrets
+
+    from grpo_core.serving.vllm import LaunchSpec, launch, wait_healthy
+
+    port_file = server.log_dir / "router.port"
+    argv = [sys.executable, "-m", "grpo_core.serving.router", "--host", server.host, "--port", str(server.router_port),
+            "--port-file", str(port_file), "--route-imbalance", str(server.route_imbalance),
+            "--control-retry-s", str(server.control_retry_s), "--control-timeout-s", str(server.control_timeout_s)]
+    argv += [arg for url in urls for arg in ("--url", url)]
+    env = {NONCE_ENV: secrets.token_hex(16)}
+    if key := server.resolved_api_key():
+        env[SERVER_API_KEY_ENV] = key
+    handle = launch(LaunchSpec(argv, env, "router", len(urls), server.host, server.router_port,
+                               server.log_dir / "router.log", port_file, nonce=env[NONCE_ENV]), token)
+    wait_healthy(handle, server.startup_timeout_s, token)
+    logger.info("router over %d replicas at %s (OpenAI-compatible)", len(urls), handle.url)
+    return handle
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(prog="python -m grpo_core.serving.router", description=__doc__.splitlines()[0])
+    p.add_argument("--url", action="append", required=True, help="replica base URL (repeat per replica)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback by default)")
+    p.add_argument("--port", type=int, default=8100, help="port; 0 = a free port")
+    p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
+    p.add_argument("--route-imbalance", type=int, default=8, help="server.route_imbalance")
+    p.add_argument("--control-retry-s", type=float, default=0.5, help="server.control_retry_s")
+    p.add_argument("--control-timeout-s", type=float, default=60.0, help="server.control_timeout_s")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Bind, then serve the router until stopped (tokens from ``$GRPO_SERVER_API_KEY`` and ``$GRPO_RUN_TOKEN``)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from grpo_core.config import ServerConfig
+
+    try:
+        server = ServerConfig(urls=args.url, route_imbalance=args.route_imbalance,
+                              control_retry_s=args.control_retry_s, control_timeout_s=args.control_timeout_s)
+    except ValueError as exc:
+        sys.exit(f"invalid argument: {exc}")
+    import uvicorn
+
+    from grpo_core.serving.embedded import bind_socket
+    from grpo_core.serving.routing import ReplicaSet
+
+    sock = bind_socket(args.host, args.port)
+    if args.port_file:
+        args.port_file.write_text(str(sock.getsockname()[1]))
+    replicas = ReplicaSet.from_config(server, server.urls)
+    api_key = os.environ.get(SERVER_API_KEY_ENV) or None
+    logger.info("router on http://%s:%d over %s", args.host, sock.getsockname()[1], ", ".join(server.urls))
+    config = uvicorn.Config(create_router_app(replicas, api_key), log_level="warning", timeout_keep_alive=60)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Across hosts (issue 13, step 3): bearer token config, adapter store, multi-node torchrun command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.grpo_train import trainer_command
+from grpo_core.config import SERVER_API_KEY_ENV, RunConfig, load_config
+from grpo_core.errors import ConfigError
+from grpo_core.train.adapter_store import AdapterStore
+
+
+def test_api_key_never_written_out_and_read_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(SERVER_API_KEY_ENV, raising=False)
+    cfg = RunConfig(server={"api_key": "s3cr3t-token", "urls": ["http://gpu-1:8000/", "https://gpu-2:8443"]})
+    assert cfg.server.resolved_api_key() == "s3cr3t-token"
+    assert cfg.server.urls == ["http://gpu-1:8000", "https://gpu-2:8443"]
+    written = tmp_path / "run_config.json"
+    written.write_text(cfg.model_dump_json(indent=1))
+    assert "s3cr3t-token" not in written.read_text()
+    assert "s3cr3t-token" not in json.dumps(cfg.model_dump(mode="json")) and "s3cr3t-token" not in repr(cfg)
+    with pytest.raises(ConfigError, match="server.api_key holds a redacted value"):
+        load_config(written)  # the mask is not a key
+    again = load_config(written, secrets={"server.api_key": "s3cr3t-token"})  # what the flow's processes get
+    assert again.server.resolved_api_key() == "s3cr3t-token"
+    monkeypatch.setenv(SERVER_API_KEY_ENV, "from-env")
+    assert RunConfig().server.resolved_api_key() == "from-env", "a process started by hand: the environment"
+
+
+@pytest.mark.parametrize("url", ["gpu-1:8000", "ftp://gpu-1", "http://"])
+def test_bad_server_url_names_the_field(url):
+    with pytest.raises(ConfigError, match=r"server.urls.*http\(s\) base URL"):
+        load_config(overrides=[f"server.urls=['{url}']"])
+
+
+def test_several_trainer_hosts_need_a_rendezvous_endpoint():
+    with pytest.raises(ConfigError, match="train.rdzv_endpoint"):
+        load_config(overrides=["train.nnodes=2"])
+
+
+def test_trainer_command_per_host():
+    one = trainer_command(RunConfig(train={"num_ranks": 2}), Path("c.json"), ["http://a:1"])
+    assert one[1:3] == ["-m", "grpo_core.train.launch"] and "--nnodes" not in one  # stores on loopback
+    cfg = RunConfig(train={"num_ranks": 4, "nnodes": 3, "rdzv_endpoint": "trainer-0:29400"})
+    cmds = [trainer_command(cfg, Path("c.json"), ["http://a:1"], node_rank=r) for r in range(3)]
+    for rank, cmd in enumerate(cmds):
+        args = dict(zip(cmd[3::1], cmd[4::1]))
+        assert cmd[1:3] == ["-m", "torch.distributed.run"]
+        assert (args["--nnodes"], args["--node-rank"], args["--nproc-per-node"]) == ("3", str(rank), "4")
+        assert (args["--master-addr"], args["--master-port"]) == ("trainer-0", "29400")
+        assert cmd[-2:] == ["--server-url", "http://a:1"]
+
+
+def _adapter_folder(path: Path) -> dict[str, bytes]:
+    path.mkdir(parents=True)
+    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": bytes(range(256)) * 64}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    return files
+
+
+def test_adapter_store_publishes_complete_versions(tmp_path):
+    files = _adapter_folder(tmp_path / "local" / "policy-v1")
+    store = AdapterStore(f"file://{tmp_path}/bucket/run", served_as="/mnt/adapters", timeout_s=5)
+    served = store.publish(tmp_path / "local" / "policy-v1", "policy-v1")
+    assert served == "/mnt/adapters/policy-v1"
+    published = tmp_path / "bucket" / "run" / "policy-v1"
+    assert {p.name: p.read_bytes() for p in published.iterdir()} == files
+    assert sorted(p.name for p in (tmp_path / "bucket" / "run").iterdir()) == ["policy-v1"], "no partial left"
+    store.remove("policy-v1")
+    assert not published.exists()
+    assert AdapterStore(None).publish(tmp_path / "local" / "policy-v1", "policy-v1") == str(tmp_path / "local" / "policy-v1")
