@@ -28,11 +28,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
 from flows import artifacts
-from flows.processes import REGISTRY, log_tail, setup_logging, stream, wait_for_file
+from flows.processes import REGISTRY, setup_logging, stream
 from grpo_core.config import RunConfig
+from grpo_core.rollout.process import LOCATION_FILE
 
 RESOLVED_CONFIG = "run_config.json"
-LOCATION_FILE = "rollout.location"
 
 
 class TrainerError(RuntimeError):
@@ -130,32 +130,28 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     Raises:
         RolloutProcessError: the process exited before serving or with a non-zero code (with its log's tail).
     """
-    import subprocess
+    from grpo_core.errors import TransportError
+    from grpo_core.rollout.process import LOG_FILE, start_rollout_process
 
     log, procs, root = get_run_logger(), REGISTRY[run_dir], Path(run_dir)
-    location_file, error_file, log_file = root / LOCATION_FILE, root / "rollout_error.txt", root / "rollout.log"
-    cmd = [sys.executable, "-m", "grpo_core.rollout", "--config", str(root / RESOLVED_CONFIG),
-           "--location-file", str(location_file), "--error-path", str(error_file)]
-    cmd += [arg for url in server_urls for arg in ("--server-url", url)]
-    if resume_state:
-        cmd += ["--resume", resume_state]
-    procs.follow(log_file, log, "[rollout] ")
-    with log_file.open("ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=_child_env(), start_new_session=True)
+    procs.follow(root / LOG_FILE, log, "[rollout] ")
+    started = start_rollout_process(root / RESOLVED_CONFIG, server_urls, root,
+                                    resume=Path(resume_state) if resume_state else None, env=_child_env())
+    process = started.process
     procs.processes.append(process)
     try:
-        location = wait_for_file(location_file, process, timeout_s=600)
-    except RuntimeError as exc:
+        location = started.wait_location(timeout_s=600)
+    except TransportError as exc:
         if procs.stopping:
             return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
-        raise RolloutProcessError(f"rollout process {exc}; log {log_file}:\n{log_tail(log_file)}") from None
+        raise RolloutProcessError(str(exc)) from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
     code = process.wait()
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
     if code != 0:
-        raise RolloutProcessError(f"rollout process exited with code {code}; log {log_file}:\n{log_tail(log_file)}")
+        raise RolloutProcessError(f"rollout process exited with code {code}; log {started.log_path}:\n"
+                                  f"{started.log_tail()}")
     log.info("rollout process %d finished", process.pid)
     return location
 

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,30 +168,6 @@ def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file:
     if register is not None and process in register.processes:
         register.processes.remove(process)
     return code, "\n".join(tail)
-
-
-def wait_for_file(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
-    """Wait until ``path`` has content while ``process`` lives; returns the content.
-
-    Raises:
-        RuntimeError: the process exited or ``timeout_s`` passed.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.is_file() and path.read_text().strip():
-            return path.read_text().strip()
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with code {process.returncode} before writing {path}")
-        time.sleep(0.2)
-    raise RuntimeError(f"did not write {path} within {timeout_s:.0f} s")
-
-
-def log_tail(path: Path, num_lines: int = 40) -> str:
-    """Last lines of a log file ('' if missing)."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError:
-        return ""
 
 
 def setup_logging() -> None:

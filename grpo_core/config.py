@@ -146,7 +146,8 @@ class RolloutConfig(_Strict):
     num_generations: int = Field(default=8, ge=2)
     """G: rollouts per prompt (one group); advantages are normalised inside it."""
     dataset: str | None = None
-    """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` giving a Dataset; None = in code."""
+    """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` giving a Dataset; None = the
+    environment's ``reset()`` makes each prompt (``rollout.environment_factory``)."""
     dataset_size: int = Field(default=1000, ge=1)
     """Prompts of a ``reasoning_gym:`` dataset, or of an epoch when an environment's reset() makes the prompts."""
     dataset_seed: int = Field(default=0, ge=0)
@@ -203,7 +204,7 @@ class RolloutConfig(_Strict):
                            "until the trainer stops; unset one of them", self.num_epochs)
         if self.max_tool_calling_iterations is not None and not self.tools and self.environment_factory is None:
             logger.warning("rollout.max_tool_calling_iterations has no effect without rollout.tools or "
-                           "rollout.environment_factory (unless passed in code)")
+                           "rollout.environment_factory")
         return self
 
     def uses_candidate_filter(self) -> bool:

@@ -1,4 +1,6 @@
-"""``python -m grpo_core.rollout --config FILE --server-url URL``: run the rollout process in this process.
+"""``python -m grpo_core.rollout --config FILE --server-url URL``: the rollout process.
+
+Started by ``grpo_core.rollout.process.start_rollout_process`` (the flow, tests and benchmarks alike).
 
 The config is parsed and validated (and the loop class and its ``loop_options`` checked)
 before transformers or the HTTP client are imported, so ``--help`` and config errors are
@@ -12,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -46,9 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     from .process import RolloutJob, run_rollout
 
     job = RolloutJob(cfg, args.server_url, resume=resume, error_path=str(args.error_path) if args.error_path else None)
-    on_ready = (lambda loc: args.location_file.write_text(loc)) if args.location_file else None
-    return run_rollout(job, on_ready=on_ready)
+    return run_rollout(job, on_ready=(lambda loc: _write_atomically(args.location_file, loc))
+                       if args.location_file else None)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` so that a reader polling ``path`` never sees a partial location."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)  # skip interpreter teardown: gRPC and tokenizer threads may still hold locks
