@@ -17,7 +17,11 @@ What TRL 1.16.0 needs that an offline host lacks (read from its source,
    TRL as shipped stops there. ``--attention torch-varlen`` (default) substitutes PyTorch's own
    variable-length flash attention (``torch.nn.attention.varlen.varlen_attn``, FA2 built into
    torch 2.11) behind the same ``flash_attn_varlen_func`` call; ``--attention hub`` keeps TRL's.
-2. **NCCL-only weight sync.** ``WeightTransferClient`` streams weights over NCCL, which refuses
+2. **Response template.** The rollout worker parses each completion with the tokenizer's response template,
+   which ``add_response_schema`` knows only for the chat templates TRL lists; SmolLM2's ChatML one is not among
+   them and the worker exits at start-up ("Unrecognized chat template", seen on the H200). ``trl_tokenizer``
+   sets the ChatML form of TRL's own Qwen3 template (content only); ``--dry-run`` prints a parsed completion.
+3. **NCCL-only weight sync.** ``WeightTransferClient`` streams weights over NCCL, which refuses
    two ranks on one GPU. On one GPU this script passes ``weight_transfer=`` (TRL's documented
    ``WeightTransferProtocol``) an IPC implementation: vLLM's ``IPCWeightTransferEngine`` framed
    by grpo-flow's ``ipc_update_body``, pause in keep mode. With ``--gpus 2`` TRL's own NCCL client
@@ -42,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from grpo_core.config import RunConfig, load_config  # noqa: E402
-from grpo_core.models import load_tokenizer, resolve_model_dir  # noqa: E402
+from grpo_core.models import resolve_model_dir  # noqa: E402
 
 
 def dataset_and_rewards(cfg: RunConfig):
@@ -132,6 +136,47 @@ def trl_args(cfg: RunConfig, url: str, steps: int, out: Path):
         gradient_checkpointing=t.gradient_checkpointing != "none", max_grad_norm=t.max_grad_norm, seed=t.seed)
 
 
+# TRL's rollout worker parses every completion with the tokenizer's response template and knows only the chat
+# templates of the models it lists (trl/chat_template_utils.py:add_response_schema); SmolLM2 ships a plain ChatML
+# template that is not among them. This is the ChatML form of TRL's own Qwen3 template, content only (no tools).
+CHATML_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {"content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}},
+}
+
+
+def trl_tokenizer(model_dir: Path):
+    """The tokenizer TRL's rollout worker gets: TRL's own response template where it knows the chat template, else
+    the ChatML one above when the template is ChatML.
+
+    Raises:
+        ValueError: a chat template that is neither known to TRL nor ChatML (TRL could not parse completions).
+    """
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return add_response_schema(tokenizer)
+    except ValueError:
+        if "<|im_start|>" not in (tokenizer.chat_template or ""):
+            raise
+    tokenizer.response_template = CHATML_RESPONSE_TEMPLATE
+    return tokenizer
+
+
+def parse_like_trl(tokenizer) -> dict:
+    """What TRL's rollout worker makes of a one-turn completion ``"42<|im_end|>"`` (its ``parse_response`` with the
+    prompt as prefix, async_rollout_worker.py): ``{"role": "assistant", "content": "42"}`` when the template fits."""
+    from trl.chat_template_utils import parse_response
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "6 times 7?"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    completion = tokenizer.encode("42", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return parse_response(tokenizer, completion, prefix=list(prompt))
+
+
 def torch_cuda() -> bool:
     """Whether a CUDA device is visible (bf16 mixed precision as grpo-flow's trainer uses on CUDA)."""
     import torch
@@ -145,6 +190,9 @@ def blockers(gpus: int, attention: str) -> list[str]:
              "(trl/experimental/async_grpo/packing.py:_flash_attn -> kernels.get_kernel): no Hub is reachable"
              + ("" if importlib.util.find_spec("kernels") else "; the 'kernels' package is not installed either")
              + ("" if attention == "hub" else "; replaced by torch.nn.attention.varlen.varlen_attn (FA2 in torch)")]
+    found.append("the rollout worker parses completions with a response template it has only for the chat templates it "
+                 "lists (chat_template_utils.py:add_response_schema); SmolLM2's ChatML template is not one: "
+                 "trl_tokenizer() sets the ChatML form of TRL's Qwen3 template")
     if gpus == 1:
         found.append("default weight sync is NCCL (weight_transfer.py:WeightTransferClient), which refuses vLLM and "
                      "the trainer on one GPU: replaced by IpcWeightTransfer (WeightTransferProtocol)")
@@ -190,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         report["trl_config"] = {k: v for k, v in vars(trl_args(cfg, "http://127.0.0.1:8000", args.steps, args.out)).items()
                                 if k in ("num_generations", "max_completion_length", "temperature", "top_k",
                                          "token_budget", "max_steps", "learning_rate", "max_staleness")}
-        report["tokenizer_eos"] = load_tokenizer(cfg.model).eos_token
+        tokenizer = trl_tokenizer(model_dir)
+        report["tokenizer_eos"] = tokenizer.eos_token
+        report["parsed_completion"] = parse_like_trl(tokenizer)
         print(json.dumps(report, indent=1))
         return 0
     if args.gpus == 2:
@@ -204,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.attention == "torch-varlen":
             packing._flash_attn = torch_varlen_attention
         trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=rewards, train_dataset=dataset,
+                                   processing_class=trl_tokenizer(model_dir),
                                    args=trl_args(cfg, handles[0].url, args.steps, args.out),
                                    weight_transfer=IpcWeightTransfer(handles[0].url) if args.gpus == 1 else None)
         start = time.monotonic()

@@ -64,9 +64,18 @@ def read_have(paths: list[Path]) -> tuple[set[str], list[str]]:
     return names, pins
 
 
-def requirements(without: set[str]) -> list[str]:
-    """``[project] dependencies`` of pyproject.toml, less the projects named in ``without``."""
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+def requirements(without: set[str], extras: list[str] = ()) -> list[str]:
+    """``[project] dependencies`` of pyproject.toml plus the named optional groups, less the projects in ``without``.
+
+    Raises:
+        SystemExit: an extra that ``[project.optional-dependencies]`` does not define.
+    """
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    groups = project.get("optional-dependencies", {})
+    unknown = [e for e in extras if e not in groups]
+    if unknown:
+        raise SystemExit(f"--extra {unknown[0]}: pyproject.toml defines only {sorted(groups)}")
+    deps = project["dependencies"] + [d for e in extras for d in groups[e]]
     return [d for d in deps if canonical(re.split(r"[=<>!~ \[;]", d, maxsplit=1)[0]) not in without]
 
 
@@ -220,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="interpreter of the target's version for source-only extensions (default: found on PATH/pyenv)")
     p.add_argument("--have", action="append", type=Path, default=[], help="file of packages the host has")
     p.add_argument("--without", action="append", default=[], help="a dependency the host does not need")
+    p.add_argument("--extra", action="append", default=[],
+                   help="an optional-dependencies group to carry too (bench: TRL for benchmarks/trl_async_grpo.py)")
     p.add_argument("--no-project", action="store_true", help="leave out this project's own wheel")
     p.add_argument("--part-mib", type=float, default=56.0,
                    help="largest part in MiB (one device transfer holds 64 MiB with the working tree)")
@@ -232,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         work, wheels, local = Path(tmp), Path(tmp) / "wheels", Path(tmp) / "built"
         wheels.mkdir()
         local.mkdir()
-        closure = resolve(requirements(without), pins, args, work, local)  # NO_DEPS wheels would not resolve
+        closure = resolve(requirements(without, args.extra), pins, args, work, local)  # NO_DEPS wheels would not resolve
         extra = {canonical(n.split("==")[0]): n.split("==")[1] for n in NO_DEPS}
         carry = {n: v for n, v in {**closure, **extra}.items() if n not in have and n not in without}
         download([f"{n}=={v}" for n, v in sorted(carry.items())], args, wheels, local)
