@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     work = ROOT / "runs" / "long-generation"
     cfg = load_config(args.config, (CPU_SMOKE if args.cpu_smoke else []) + [
         "server.port=0", f"server.max_model_len={args.tokens + 64}", f"server.log_dir={work / 'servers'}",
-        f"train.output_dir={work}", "train.lora.enabled=false", "server.enable_lora=false", *args.set])
+        f"train.output_dir={work}", "train.lora.enabled=false", *args.set])
     handles = provision(cfg)
     try:
         url = handles[0].url

@@ -43,6 +43,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+#: Fields that moved to one owner: ``section.field`` -> why, and what to set instead.
+REMOVED_SERVER_FIELDS = {
+    "enable_lora": "train.lora.enabled owns it: the servers serve LoRA adapters (--enable-lora) exactly when the "
+                   "trainer trains one; delete server.enable_lora and set train.lora.enabled",
+    "lora_rank": "train.lora.r owns it: the servers' --max-lora-rank is the smallest vLLM value >= train.lora.r; "
+                 "delete server.lora_rank and set train.lora.r",
+}
+REMOVED_ROLLOUT_FIELDS = {
+    "max_steps": "train.max_steps owns the run's length (the trainer stops the run there); delete rollout.max_steps "
+                 "and, to cycle the dataset until then, set rollout.num_epochs: null",
+}
+
+
+def _refuse_removed(data: Any, section: str, removed: dict[str, str]) -> Any:
+    """Raise a ConfigError naming the first removed field set in a section's input (see ``REMOVED_*_FIELDS``)."""
+    if isinstance(data, dict):
+        for name, fix in removed.items():
+            if name in data:
+                raise ConfigError(f"{section}.{name} was removed: {fix}")
+    return data
+
+
 class ModelConfig(_Strict):
     """Which policy model to serve and train, and how to load it."""
 
@@ -66,6 +88,11 @@ class ModelConfig(_Strict):
 
 class ServerConfig(_Strict):
     """The generation server(s): real vLLM on GPUs, or the embedded server."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        return _refuse_removed(data, "server", REMOVED_SERVER_FIELDS)
 
     backend: Literal["auto", "vllm", "embedded"] = "auto"
     """``auto`` = vLLM when importable with a CUDA device, else the embedded server."""
@@ -95,12 +122,10 @@ class ServerConfig(_Strict):
     """vLLM ``--enforce-eager`` (no CUDA graphs; faster start, slower decode)."""
     weight_transfer_backend: Literal["nccl", "ipc"] | None = "nccl"
     """vLLM ``--weight-transfer-config`` backend for full-weight sync; None = no weight transfer."""
-    enable_lora: bool = False
-    """Serve LoRA adapters loaded at run time (``--enable-lora``)."""
-    lora_rank: int = Field(default=16, ge=1, le=512)
-    """Rank r of the trained adapter; the server's ``--max-lora-rank`` is the next allowed value >= r."""
     max_loras: int | None = Field(default=None, ge=1)
-    """Adapters resident at once (``--max-loras``); None = rollout.max_staleness + 2."""
+    """Adapters resident at once (``--max-loras``) when the trainer trains a LoRA adapter (``train.lora.enabled``,
+    which also turns on ``--enable-lora``, with ``--max-lora-rank`` from ``train.lora.r``); None =
+    rollout.max_staleness + 2."""
     served_model_name: str | None = None
     """Name the base model is served under; None = model.name."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
@@ -118,6 +143,11 @@ class ServerConfig(_Strict):
 
 class RolloutConfig(_Strict):
     """The rollout process: sampling settings, dataset, rewards, tools/environments, pace and transport."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        return _refuse_removed(data, "rollout", REMOVED_ROLLOUT_FIELDS)
 
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature; 0 = greedy."""
@@ -172,10 +202,9 @@ class RolloutConfig(_Strict):
     the Hermes ``<tool_call>`` regex."""
     max_tool_calling_iterations: int | None = Field(default=None, ge=0)
     """Most tool-calling turns per rollout; None = until the model stops calling tools."""
-    num_epochs: int = Field(default=1, ge=1)
-    """Passes over the prompt dataset (a rejected prompt counts as consumed)."""
-    max_steps: int | None = Field(default=None, ge=1)
-    """Optimizer steps of the run; when set the dataset cycles and the trainer stops the run (overrides num_epochs)."""
+    num_epochs: int | None = Field(default=1, ge=1)
+    """Passes over the prompt dataset (a rejected prompt counts as consumed); None = cycle the dataset until the
+    trainer stops the run at ``train.max_steps`` (the one owner of the run's length)."""
     seed: int = Field(default=0, ge=0)
     """Base of the per-request sampler seeds (each rollout of a group gets its own seed)."""
     first_step_tokens: int = Field(default=8192, ge=1)
@@ -199,9 +228,6 @@ class RolloutConfig(_Strict):
         for name in [*self.reward_functions, *self.tools, self.loop_class]:
             if ":" not in name:
                 raise ConfigError(f"rollout: {name!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")
-        if self.max_steps is not None and self.num_epochs != 1:
-            logger.warning("rollout.num_epochs=%d has no effect: rollout.max_steps is set, so the dataset cycles "
-                           "until the trainer stops; unset one of them", self.num_epochs)
         if self.max_tool_calling_iterations is not None and not self.tools and self.environment_factory is None:
             logger.warning("rollout.max_tool_calling_iterations has no effect without rollout.tools or "
                            "rollout.environment_factory")
@@ -491,7 +517,7 @@ class RunConfig(_Strict):
                 f"rollout.num_sampler_logprobs ({rollout.num_sampler_logprobs}) exceeds "
                 f"server.max_logprobs ({server.max_logprobs}); raise server.max_logprobs"
             )
-        if server.enable_lora and server.max_loras is not None and server.max_loras < rollout.max_staleness + 2:
+        if self.train.lora.enabled and server.max_loras is not None and server.max_loras < rollout.max_staleness + 2:
             raise ConfigError(
                 f"server.max_loras ({server.max_loras}) must be >= rollout.max_staleness + 2 "
                 f"({rollout.max_staleness + 2}): the trainer keeps max_staleness + 1 versions and loads the "
@@ -511,12 +537,6 @@ class RunConfig(_Strict):
             logger.warning(
                 "packing.token_budget (%d) < server.max_model_len (%d): samples longer than the budget are dropped",
                 self.packing.token_budget, server.max_model_len,
-            )
-        if train.lora.enabled and not server.enable_lora:
-            raise ConfigError("train.lora.enabled needs server.enable_lora: true (the servers serve the adapter)")
-        if train.lora.enabled and train.lora.r > server.lora_rank:
-            raise ConfigError(
-                f"train.lora.r ({train.lora.r}) exceeds server.lora_rank ({server.lora_rank}); raise server.lora_rank"
             )
         if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
             raise ConfigError(
@@ -538,6 +558,11 @@ class RunConfig(_Strict):
     def served_model_name(self) -> str:
         """Name the base model answers to in ``"model"`` fields."""
         return self.server.served_model_name or self.model.name
+
+    def serves_lora(self) -> bool:
+        """Whether the servers load LoRA adapters at run time (``--enable-lora``): exactly when the trainer trains
+        one (``train.lora.enabled``, the owner)."""
+        return self.train.lora.enabled
 
     def max_loras(self) -> int:
         """Adapters the server keeps resident: ``server.max_loras`` or max_staleness + 2."""
