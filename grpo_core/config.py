@@ -476,6 +476,27 @@ class FlowConfig(_Strict):
     on the embedded server."""
 
 
+class RolloutProcessConfig(_Strict):
+    """What the rollout process reads: its own section, and the few values it needs from other sections, each
+    taken from its one owner by :meth:`RunConfig.rollout_process` (the process never sees the whole run config)."""
+
+    model: ModelConfig
+    """The policy model (the rollout process loads its tokenizer)."""
+    rollout: RolloutConfig
+    """The rollout section."""
+    served_model_name: str
+    """Name the base model answers to on the servers (``server.served_model_name`` or ``model.name``)."""
+    max_model_len: int = Field(ge=16)
+    """``server.max_model_len``: the context length when the server does not report its own."""
+    adapter_name: str | None = None
+    """``train.lora.name`` when the trainer trains a LoRA adapter (``train.lora.enabled``; version N is served as
+    ``{name}-v{N}``), else None (the base model is sampled)."""
+    log_completions: bool = False
+    """``tracking.log_completions``: keep a sample of each window's completions for the trainer to log."""
+    num_completions_to_print: int | None = Field(default=16, ge=1)
+    """``tracking.num_completions_to_print``: rows of each window's completion sample; None = all."""
+
+
 class RunConfig(_Strict):
     """Root config of one grpo-flow run."""
 
@@ -558,6 +579,14 @@ class RunConfig(_Strict):
     def served_model_name(self) -> str:
         """Name the base model answers to in ``"model"`` fields."""
         return self.server.served_model_name or self.model.name
+
+    def rollout_process(self) -> RolloutProcessConfig:
+        """The rollout process's sub-config (its section plus the values it reads from their owners)."""
+        lora, tracking = self.train.lora, self.tracking
+        return RolloutProcessConfig(
+            model=self.model, rollout=self.rollout, served_model_name=self.served_model_name(),
+            max_model_len=self.server.max_model_len, adapter_name=lora.name if lora.enabled else None,
+            log_completions=tracking.log_completions, num_completions_to_print=tracking.num_completions_to_print)
 
     def serves_lora(self) -> bool:
         """Whether the servers load LoRA adapters at run time (``--enable-lora``): exactly when the trainer trains

@@ -294,6 +294,18 @@ def test_config_checks_name_the_field():
         RunConfig(rollout={"reward_functions": ["accuracy"]})
 
 
+def test_the_rollout_process_gets_only_its_sub_config_from_the_owners():
+    cfg = RunConfig(model={"name": "tiny-qwen3"}, server={"max_model_len": 4608, "served_model_name": "served"},
+                    train={"lora": {"enabled": True, "name": "pol"}},
+                    tracking={"log_completions": True, "num_completions_to_print": 3})
+    sub = cfg.rollout_process()
+    assert (sub.served_model_name, sub.max_model_len, sub.adapter_name) == ("served", 4608, "pol")
+    assert (sub.log_completions, sub.num_completions_to_print) == (True, 3) and sub.rollout == cfg.rollout
+    plain = RunConfig(model={"name": "tiny-qwen3"}).rollout_process()
+    assert plain.adapter_name is None and plain.served_model_name == "tiny-qwen3" and not plain.log_completions
+    assert not {"server", "train", "tracking", "packing", "export", "flow"} & set(type(sub).model_fields)
+
+
 def test_rollout_process_that_fails_before_serving_names_the_cause(tmp_path):
     # The flow's start path: the process exits on the bad loop class before it serves; the error carries its log.
     helpers = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))

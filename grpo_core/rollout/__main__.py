@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .process import RolloutJob, run_rollout
 
-    job = RolloutJob(cfg, args.server_url, resume=resume, error_path=str(args.error_path) if args.error_path else None)
+    job = RolloutJob(cfg.rollout_process(), args.server_url, resume=resume,
+                     error_path=str(args.error_path) if args.error_path else None)
     return run_rollout(job, on_ready=(lambda loc: _write_atomically(args.location_file, loc))
                        if args.location_file else None)
 

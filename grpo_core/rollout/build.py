@@ -45,12 +45,6 @@ def _environment_factory(rollout: RolloutConfig) -> Any:
     return {name: import_object(path, f"rollout.environment_factory[{name!r}]") for name, path in spec.items()}
 
 
-def _lora_name(run: Any) -> str | None:
-    """The trainer's adapter name when it syncs LoRA adapters (``train.lora``), else None."""
-    lora = getattr(getattr(run, "train", None), "lora", None)
-    return lora.name if lora is not None and lora.enabled else None
-
-
 def config_rewards(rollout: RolloutConfig) -> list[Any]:
     """The reward functions of a run: those named in config and the dataset's own verifier (reasoning-gym)
     unless already named."""
@@ -88,12 +82,12 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
     try:
         max_model_len = await clients[0].max_model_len()
     except (ValueError, KeyError):
-        max_model_len = run.server.max_model_len
-    runtime = LoopRuntime(tokenizer=tokenizer, clients=clients, model_name=run.served_model_name(),
+        max_model_len = run.max_model_len
+    runtime = LoopRuntime(tokenizer=tokenizer, clients=clients, model_name=run.served_model_name,
                           max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
                           reward_functions=rewards, tools=tools,
                           environment_factory=environment_factory,
-                          resume=job.resume, window=window, lora_name=_lora_name(run), completions=completions)
+                          resume=job.resume, window=window, lora_name=run.adapter_name, completions=completions)
     if not rewards and runtime.environment_factory is None:
         logger.warning("no reward function and no environment: every group is unscored and dropped; "
                        "set rollout.reward_functions")

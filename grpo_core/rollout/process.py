@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_core.config import RunConfig
+from grpo_core.config import RolloutProcessConfig, RunConfig
 from grpo_core.errors import ConfigError, TransportError
 from grpo_core.transport.types import ResumeState
 
@@ -48,13 +48,13 @@ class RolloutJob:
     """What the rollout loop runs on, inside the rollout process (built by ``python -m grpo_core.rollout``).
 
     Attributes:
-        config: the run config (``rollout``, ``model`` for the tokenizer, ``server`` limits).
+        config: the rollout process's sub-config (``RunConfig.rollout_process()``).
         server_urls: base URLs of the generation server replicas.
         resume: where to restart (None = from the first prompt).
         error_path: where a failure's traceback is written.
     """
 
-    config: RunConfig
+    config: RolloutProcessConfig
     server_urls: list[str]
     resume: ResumeState | None = None
     error_path: str | None = None
@@ -179,14 +179,15 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     from .pace import TokenAllowance
     from .window import CompletionSample, MetricWindow
 
-    rollout, tracking = job.config.rollout, job.config.tracking
+    rollout = job.config.rollout
     allowance = TokenAllowance(rollout.max_staleness, rollout.first_step_tokens)
     if job.resume is not None:
         allowance.policy_version = job.resume.policy_version
         allowance.trainer_step = job.resume.step
     queue = SampleQueue(allowance, with_topk=rollout.num_sampler_logprobs > 0)
     window = MetricWindow()
-    completions = CompletionSample(tracking.num_completions_to_print, rollout.seed) if tracking.log_completions else None
+    completions = (CompletionSample(job.config.num_completions_to_print, rollout.seed)
+                   if job.config.log_completions else None)
     stop = threading.Event()
     state: dict[str, Any] = {}
 
