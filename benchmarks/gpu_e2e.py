@@ -126,6 +126,10 @@ def figures(records: list[dict], warmup: int) -> dict:
     step_s = sum(col("perf/step_s"))
     rate = (lambda key: sum(col(key)) / step_s if step_s else float("nan"))
     staleness0 = col("sampling/importance_sampling_ratio/staleness0_mean", records)
+    fresh = [(r["sampling/importance_sampling_ratio/staleness0_mean"],
+              r.get("sampling/importance_sampling_ratio/staleness0_token_count", 1.0))
+             for r in records if "sampling/importance_sampling_ratio/staleness0_mean" in r]
+    fresh_tokens = sum(n for _, n in fresh)
     return {
         "steps": records[-1]["step"] if records else 0,
         "generated_tokens_per_s": _mean(col("rollout/generated_tokens_per_s")),
@@ -135,7 +139,9 @@ def figures(records: list[dict], warmup: int) -> dict:
         "rollout_wait_s_mean": _mean(col("perf/rollout_wait_s")),
         "weight_sync_s_mean": _mean(col("perf/weight_sync_s")),
         "is_ratio_mean": _mean(col("sampling/importance_sampling_ratio/mean", records)),
-        "is_ratio_staleness0_mean": _mean(staleness0),
+        # every staleness-0 token weighs the same (a step with few fresh tokens is a noisy mean, not a vote)
+        "is_ratio_staleness0_mean": sum(m * n for m, n in fresh) / fresh_tokens if fresh_tokens else float("nan"),
+        "staleness0_tokens": fresh_tokens,
         "is_ratio_staleness0_max_dev": max((abs(v - 1) for v in staleness0), default=float("nan")),
         "staleness_mean": _mean(col("sample/staleness_mean", records)),
         "kv_usage_mean": _mean(col("rollout/vllm_kv_cache_usage_frac")),
@@ -146,6 +152,7 @@ def figures(records: list[dict], warmup: int) -> dict:
         "per_step": [{k: r.get(k) for k in ("step", "reward", "perf/step_s", "perf/trained_tokens_per_s",
                                              "sampling/importance_sampling_ratio/mean",
                                              "sampling/importance_sampling_ratio/staleness0_mean",
+                                             "sampling/importance_sampling_ratio/staleness0_token_count",
                                              "rollout/vllm_kv_cache_usage_frac", "rollout/vllm_running_requests",
                                              "rollout/concurrency_cap")} for r in records],
     }

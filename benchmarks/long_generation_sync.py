@@ -31,10 +31,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from grpo_core.config import load_config  # noqa: E402
-from grpo_core.models import load_model  # noqa: E402
+from grpo_core.config import RunConfig, load_config  # noqa: E402
+from grpo_core.models import resolve_model_dir  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
 from grpo_core.serving.vllm import provision, teardown  # noqa: E402
+from grpo_core.train.policy import Policy, build_policy  # noqa: E402
 from grpo_core.train.run import make_weight_sync  # noqa: E402
 
 PROMPT = [1, 9038, 2684, 28, 253, 1046, 314, 2117]
@@ -47,6 +48,16 @@ def generated(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     found = re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)", text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def trainer_policy(cfg: RunConfig) -> Policy:
+    """The policy the trainer holds before sharding (``grpo_core.train.policy.build_policy`` with the run's
+    model, ``train.dtype`` and device), so the sync reads the same module (``policy.base()``, parameter
+    names, dtypes) as in a run."""
+    tc = cfg.train
+    device = torch.device("cuda" if tc.device == "cuda" else "cpu")
+    return build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype), device=device,
+                        lora=tc.lora, temperature=cfg.rollout.temperature, chunk_size=1024)
 
 
 def perturb(policy: torch.nn.Module, scale: float = 1e-3) -> None:
@@ -85,16 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args(argv)
-    work = ROOT / "runs" / "long-generation"
+    work = args.out.resolve() / "run"  # servers' logs and the trainer output folder (synced weights)
     cfg = load_config(args.config, (CPU_SMOKE if args.cpu_smoke else []) + [
-        "server.port=0", f"server.max_model_len={args.tokens + 64}", f"server.log_dir={work / 'servers'}",
-        f"train.output_dir={work}", "train.lora.enabled=false", *args.set])
+        "server.port=0", f"server.max_model_len={args.tokens + 64}", f"rollout.max_completion_length={args.tokens}",
+        f"server.log_dir={work / 'servers'}", f"train.output_dir={work}", "train.lora.enabled=false", *args.set])
     handles = provision(cfg)
     try:
         url = handles[0].url
-        device = "cuda" if cfg.train.device == "cuda" else "cpu"
-        policy = torch.nn.Module()
-        policy.lm = load_model(cfg.model, device)[0]
+        policy = trainer_policy(cfg)
         perturb(policy)
         sync = make_weight_sync(cfg, [url])
         name = cfg.served_model_name()

@@ -304,6 +304,11 @@ class TrainConfig(_Strict):
     """Master weight dtype."""
     mixed_precision: bool | None = None
     """bf16 compute with fp32 gradient reduction (FSDP2 MixedPrecisionPolicy); None = on for CUDA only."""
+    fp32_logits: bool = False
+    """Keep the lm_head's logits in fp32. Off (default), logits computed in bf16 are rounded to bf16 before the
+    softmax, as vLLM 0.25.1 and the embedded server compute them, so trainer and sampler log-probs of the same
+    weights agree; turn it on only when the server's head runs in fp32 too (a vLLM started with
+    ``--hf-overrides '{"head_dtype": "float32"}'``, where its version supports it for generation)."""
     gradient_checkpointing: Literal["none", "selective", "full"] = "none"
     """Activation checkpointing per decoder layer (torchtitan's policies): ``none`` keeps every activation,
     ``full`` recomputes each layer in backward, ``selective`` per ``selective_checkpointing``. ``true`` /

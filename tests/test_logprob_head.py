@@ -149,3 +149,24 @@ def test_candidate_mask_rows_match_the_dense_mask():
     full = candidate_mask(offsets, ids, 11)
     assert full.sum(1).tolist() == [3, 11, 1, 2]
     assert torch.equal(candidate_mask(offsets, ids, 11, 1, 3), full[1:3])
+
+
+@pytest.mark.parametrize("fp32_logits", [False, True])
+def test_bf16_head_logits_land_on_the_samplers_grid(fp32_logits):
+    """vLLM 0.25.1 runs a generation model's lm_head in the model dtype: its log-probs are the log-softmax of
+    ``F.linear(h, W)`` in bf16 (logits rounded to bf16). The trainer's head gives exactly those by default, and
+    fp32-accumulated logits with ``fp32_logits`` (for a server whose head runs in fp32)."""
+    torch.manual_seed(0)
+    h = (torch.randn(48, 64) * 2).bfloat16()
+    w = (torch.randn(500, 64) * 0.6).bfloat16()  # logits up to ~40: a bf16 step of 1/4 there
+    t = torch.randint(0, 500, (48,))
+    bf16_head = torch.nn.functional.linear(h, w).float().log_softmax(-1).gather(1, t[:, None]).squeeze(1)
+    fp32_head = (h.double() @ w.double().T).log_softmax(-1).gather(1, t[:, None]).squeeze(1).float()
+    assert (bf16_head - fp32_head).abs().max() > 0.05  # the two grids really differ here
+    expected = fp32_head if fp32_logits else bf16_head
+    terms = LossTerms(t, bf16_head.clone(), torch.ones(48))
+    settings = LossSettings(score_centering=False)
+    fused = fused_grpo_loss(h, w, terms, 48.0, settings, fp32_logits=fp32_logits).logprobs.logprobs
+    chunked = projected_logprobs(h, w, t, chunk_size=16, fp32_logits=fp32_logits).logprobs
+    torch.testing.assert_close(fused, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=0)

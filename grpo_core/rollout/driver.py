@@ -59,9 +59,11 @@ def prompt_stream(dataset: Any, num_epochs: int | None, start: int = 0) -> Itera
 
 
 def _cap_busy(loop: RolloutLoop) -> bool:
-    """No more groups in flight than the concurrency cap can run (at least one)."""
+    """A new group's G rollouts do not fit under the concurrency cap beside the unfinished ones (one group always
+    may start). Finished rollouts of a group still waiting for its slowest one hold no slot: counting whole groups
+    left the server short of requests while each group's long tail ran."""
     g = loop.config.num_generations
-    return loop.runtime.allowance.in_flight_groups * g >= max(loop.cap.cap, g)
+    return loop.unfinished_rollouts + g > max(loop.cap.cap, g)
 
 
 async def _wait_allowance(loop: RolloutLoop) -> None:

@@ -104,6 +104,7 @@ class RolloutLoop:
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
         self.environments = EnvironmentPool(runtime.environment_factory) if runtime.environment_factory else None
         self.generated_tokens = 0
+        self.unfinished_rollouts = 0  # rollouts of started groups not yet finished (running or waiting for a slot)
 
     # ----- hooks ---------------------------------------------------------------------------------
 
@@ -236,6 +237,7 @@ class RolloutLoop:
         """Generate, score and queue the group of one accepted prompt."""
         allowance = self.runtime.allowance
         allowance.group_started()
+        self.unfinished_rollouts += self.config.num_generations
         started = time.monotonic()
         version, trainer_step = allowance.policy_version, allowance.trainer_step
         results = await asyncio.gather(*(self._rollout(prompt_index, i, row, version)
@@ -309,7 +311,11 @@ class RolloutLoop:
             ``environment_factory``) stays taken until the caller gives it back after scoring.
         """
         _REQUEST.set((prompt_index, index, [0], version))
-        await self.cap.acquire()
+        try:
+            await self.cap.acquire()
+        except BaseException:
+            self.unfinished_rollouts -= 1
+            raise
         start = time.monotonic()
         env_name, env = None, None
         try:
@@ -331,6 +337,7 @@ class RolloutLoop:
                 self.environments.give_back(env_name, env)
             raise
         finally:
+            self.unfinished_rollouts -= 1
             await self.cap.release()
 
     async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,7 +4,9 @@
   hold at most ``max(max_staleness, 1) x`` that many tokens queued + in flight, and starts a
   new group only while under it. Before the first report it assumes ``first_step_tokens``
   (full rows); until the first group completes it starts one group at a time (seed manual,
-  "concurrency").
+  "concurrency"). A group in flight counts the tokens it may *queue*: a group whose rewards all
+  tie is dropped and never reaches the trainer, so it cannot make anything stale
+  (see :meth:`TokenAllowance.expected_group_tokens`).
 - :class:`ConcurrencyCap`: a live limit on rollouts in flight, adjusted from the server's
   ``/metrics``: start at KV-cache tokens / max_model_len; usage < 60% with nothing waiting
   -> x1.25 (at most once per cap's worth of finished rollouts); usage > 80% -> x0.7; no
@@ -16,6 +18,26 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from collections import deque
+
+#: Completed groups whose queued tokens estimate what a group in flight will queue (recent ones: the share of
+#: dropped groups changes as the policy learns).
+YIELD_WINDOW_GROUPS = 64
+
+
+def kept_fraction_upper(kept: int, total: int, z: float = 2.0) -> float:
+    """Upper end of the Wilson score interval of a proportion: ``kept`` of ``total`` groups were queued.
+
+    E. B. Wilson, "Probable inference, the law of succession, and statistical inference", JASA 22 (1927):
+    ``(p + z²/2n + z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)`` with ``p = kept / total``; ``z = 2`` is about a
+    97.7% one-sided bound. 1 when ``total`` is 0.
+    """
+    if total <= 0:
+        return 1.0
+    p, n = kept / total, total
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z * z / n))
 
 
 class TokenAllowance:
@@ -34,7 +56,7 @@ class TokenAllowance:
         self.queued_tokens = 0
         self.in_flight_groups = 0
         self.completed_groups = 0
-        self._group_tokens_total = 0
+        self._recent: deque[tuple[int, bool]] = deque(maxlen=YIELD_WINDOW_GROUPS)  # (raw tokens, queued)
         self._lock = threading.Lock()
 
     @property
@@ -50,20 +72,32 @@ class TokenAllowance:
             if tokens_consumed > 0:
                 self.step_tokens = tokens_consumed
 
-    def mean_group_tokens(self) -> float:
-        """Mean tokens of a completed group (0 before the first)."""
-        return self._group_tokens_total / self.completed_groups if self.completed_groups else 0.0
+    def expected_group_tokens(self) -> float:
+        """Tokens a group in flight may queue: the mean raw tokens of the last ``YIELD_WINDOW_GROUPS`` completed
+        groups times an upper bound on the fraction of groups that are queued (:func:`kept_fraction_upper`).
+
+        Only queued tokens can lag the trainer; a dropped group (its rewards all tie) never does. Counting
+        every group in flight at full size held the rollout to ``limit x`` (share of groups kept) tokens of
+        trainable work in flight, far below what the server could run. The upper bound (not the plain share)
+        keeps the queue within the limit in all but unlikely runs of kept groups, and stays near 1 until enough
+        groups have completed to say otherwise.
+        """
+        if not self._recent:
+            return 0.0
+        kept = sum(1 for _, queued in self._recent if queued)
+        raw = sum(tokens for tokens, _ in self._recent) / len(self._recent)
+        return raw * kept_fraction_upper(kept, len(self._recent))
 
     def in_flight_tokens(self) -> float:
-        """Estimated tokens of the groups still generating."""
-        return self.in_flight_groups * self.mean_group_tokens()
+        """Estimated tokens the groups still generating will queue."""
+        return self.in_flight_groups * self.expected_group_tokens()
 
     def may_start_group(self) -> bool:
         """Whether a new group fits: one at a time before the first completes, then within the limit."""
         with self._lock:
             if self.completed_groups == 0:
                 return self.in_flight_groups == 0
-            needed = self.queued_tokens + self.in_flight_tokens() + self.mean_group_tokens()
+            needed = self.queued_tokens + self.in_flight_tokens() + self.expected_group_tokens()
             return needed <= self.limit or (self.queued_tokens == 0 and self.in_flight_groups == 0)
 
     def group_started(self) -> None:
@@ -75,7 +109,7 @@ class TokenAllowance:
         with self._lock:
             self.in_flight_groups -= 1
             self.completed_groups += 1
-            self._group_tokens_total += tokens
+            self._recent.append((tokens, queued))
             if queued:
                 self.queued_tokens += tokens
 

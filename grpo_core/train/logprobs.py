@@ -17,7 +17,7 @@ Two paths share that shape:
   respect to them (``dL/dlogp``, ``dL/dlogp_topk``) is known in the forward pass
   (from :func:`grpo_core.train.loss.grpo_loss` itself, through autograd on the
   chunk's ``[c]``/``[c, k]`` log-probs). Each chunk's logits are computed once
-  (bf16 operands, fp32 results), reduced to log-probs, entropy and top-k terms,
+  (bf16 operands, fp32 accumulation, on the sampler's grid: :func:`head_logits`), reduced to log-probs, entropy and top-k terms,
   turned into ``dL/dlogits`` and multiplied back into the gradients of the hidden
   states and of the output embedding, then freed: no ``[M, V]`` tensor exists and
   nothing is recomputed in the backward pass, which only scales the stored
@@ -54,9 +54,24 @@ class TokenLogProbs:
     topk_logprobs: Tensor | None = None
 
 
+def head_logits(h: Tensor, weight: Tensor, fp32_logits: bool = False) -> Tensor:
+    """``float32[c, V]`` logits ``h @ weightᵀ`` as the sampler computes them.
+
+    The product accumulates in fp32; unless ``fp32_logits``, it lands in the compute dtype of ``h``
+    (bf16/fp16 logits, then upcast), as a generation server holding the model in that dtype computes
+    its lm_head: vLLM 0.25.1 runs the head in the model dtype (its fp32 ``head_dtype`` serves pooling
+    models only) and the embedded server runs the transformers model in ``model.dtype``. Keeping
+    fp32 logits on one side only puts up to half a bf16 step (1/16 nat at logits of 16-32) between
+    trainer and sampler log-probs of the same weights. fp32 inputs give fp32 logits either way.
+    """
+    if fp32_logits:
+        return _matmul_f32(h, weight.t())
+    return torch.mm(h, weight.t()).float()  # the GEMM's own output dtype, as the sampler's lm_head
+
+
 def _chunk(h: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-           topk_ids: Tensor | None, candidates: Tensor | None) -> tuple[Tensor, ...]:
-    logits = (h @ weight.T).float() / temperature  # [c, V]
+           topk_ids: Tensor | None, candidates: Tensor | None, fp32_logits: bool = False) -> tuple[Tensor, ...]:
+    logits = head_logits(h, weight, fp32_logits) / temperature  # [c, V]
     if candidates is not None:
         logits = logits.masked_fill(~candidates, float("-inf"))
     logz = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -103,6 +118,7 @@ def projected_logprobs(
     topk_ids: Tensor | None = None,
     candidates: Tensor | None = None,
     chunk_size: int = 1024,
+    fp32_logits: bool = False,
 ) -> TokenLogProbs:
     """Log-probs of ``targets`` from gathered hidden states, chunked over ``M``.
 
@@ -115,12 +131,13 @@ def projected_logprobs(
         topk_ids: optional ``int64[M, k]`` sampler top-k ids, ``-1`` = padding.
         candidates: optional ``bool[M, V]`` sampling-mask candidate sets.
         chunk_size: loss terms per chunk of the vocabulary projection.
+        fp32_logits: keep the logits in fp32 instead of the compute dtype (:func:`head_logits`).
     """
     outs = []
     for a in range(0, hidden.shape[0], chunk_size):
         sl = slice(a, a + chunk_size)
         args = (hidden[sl], weight, targets[sl], temperature,
-                None if topk_ids is None else topk_ids[sl], None if candidates is None else candidates[sl])
+                None if topk_ids is None else topk_ids[sl], None if candidates is None else candidates[sl], fp32_logits)
         if torch.is_grad_enabled() and hidden.requires_grad:
             outs.append(checkpoint(_chunk, *args, use_reentrant=False))
         else:
@@ -176,7 +193,7 @@ def _matmul_f32(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` in fp32: bf16/fp16 operands accumulate and land in fp32 (cuBLAS ``out_dtype``)."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _out_dtype_mm_works():
         return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())
 
 
 @functools.cache
@@ -271,9 +288,9 @@ class _ChunkedHead:
     """One pass over the chunks of a row: log-probs, statistics and the gradients of ``hidden``/``weight``."""
 
     def __init__(self, terms: LossTerms, normaliser: float, settings: LossSettings, temperature: float,
-                 chunk_size: int, compiled: bool):
+                 chunk_size: int, compiled: bool, fp32_logits: bool = False):
         self.terms, self.normaliser, self.settings = terms, normaliser, settings
-        self.temperature, self.chunk_size = temperature, chunk_size
+        self.temperature, self.chunk_size, self.fp32_logits = temperature, chunk_size, fp32_logits
         self.stats_fn = _kernel(_term_stats, compiled)
         self.grad_fn = _kernel(_logit_grad, compiled)
 
@@ -295,7 +312,7 @@ class _ChunkedHead:
     def _chunk(self, h: Tensor, weight: Tensor, a: int, b: int, grad_h: Tensor | None, grad_w: Tensor | None):
         terms = _term_slice(self.terms, a, b)
         t = self.temperature
-        logits = _matmul_f32(h, weight.t())  # [c, V] fp32
+        logits = head_logits(h, weight, self.fp32_logits)  # [c, V] fp32 (on the sampler's grid)
         cand = None
         if terms.candidates is not None:
             cand = candidate_mask(*terms.candidates, weight.shape[0], a, b)
@@ -348,7 +365,7 @@ class _FusedHeadLoss(torch.autograd.Function):
 
 def fused_grpo_loss(hidden: Tensor, weight: Tensor, terms: LossTerms, normaliser: float,
                     settings: LossSettings = LossSettings(), temperature: float = 1.0, chunk_size: int = 1024,
-                    compiled: bool = False) -> HeadLoss:
+                    compiled: bool = False, fp32_logits: bool = False) -> HeadLoss:
     """GRPO loss of a row's loss terms, with the gradients of the head computed in the forward pass.
 
     Same result as ``grpo_loss(projected_logprobs(hidden, weight, ...), ...)``
@@ -363,6 +380,7 @@ def fused_grpo_loss(hidden: Tensor, weight: Tensor, terms: LossTerms, normaliser
         temperature: sampler temperature dividing the logits.
         chunk_size: loss terms per chunk; peak extra memory is about ``chunk_size × V × 6`` bytes.
         compiled: run the elementwise/reduction stages through ``torch.compile`` (CUDA), dynamic in ``M``.
+        fp32_logits: keep the logits in fp32 instead of rounding them to the compute dtype (:func:`head_logits`).
 
     Returns:
         :class:`HeadLoss`; ``M = 0`` gives a zero loss that still reaches ``hidden`` and ``weight``.
@@ -378,7 +396,7 @@ def fused_grpo_loss(hidden: Tensor, weight: Tensor, terms: LossTerms, normaliser
         loss = loss + hidden.sum() * 0.0 + weight.sum() * 0.0
         return HeadLoss(loss, TokenLogProbs(empty, empty, None if terms.topk_ids is None else empty.reshape(0, k)),
                         stats)
-    head = _ChunkedHead(terms, normaliser, settings, temperature, chunk_size, compiled)
+    head = _ChunkedHead(terms, normaliser, settings, temperature, chunk_size, compiled, fp32_logits)
     outputs: dict[str, Tensor] = {}
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss = _FusedHeadLoss.apply(hidden, weight, head, outputs)

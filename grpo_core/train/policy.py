@@ -54,14 +54,17 @@ class Policy(nn.Module):
         temperature: sampler temperature applied to the logits.
         chunk_size: loss terms per chunk of the vocabulary projection.
         compile_head: run the fused head's elementwise stages through ``torch.compile``.
+        fp32_logits: keep the head's logits in fp32 (``train.fp32_logits``; see :func:`head_logits`).
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024, compile_head: bool = False):
+    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024, compile_head: bool = False,
+                 fp32_logits: bool = False):
         super().__init__()
         self.lm = lm
         self.temperature = temperature if temperature > 0 else 1.0
         self.chunk_size = chunk_size
         self.compile_head = compile_head
+        self.fp32_logits = fp32_logits
 
     def base(self) -> nn.Module:
         """The underlying transformers model (PEFT wrapper removed)."""
@@ -90,7 +93,7 @@ class Policy(nn.Module):
             terms = LossTerms(targets, loss.sampler_logprobs, loss.advantages, topk_ids, loss.sampler_topk_logprobs,
                               candidates)
             res = fused_grpo_loss(hidden.index_select(0, token_index), weight, terms, loss.normaliser, loss.settings,
-                                  self.temperature, self.chunk_size, self.compile_head)
+                                  self.temperature, self.chunk_size, self.compile_head, self.fp32_logits)
             return {"loss": res.loss, "logprobs": res.logprobs.logprobs, "entropy": res.logprobs.entropy,
                     **({} if res.logprobs.topk_logprobs is None else {"topk_logprobs": res.logprobs.topk_logprobs}),
                     **res.stats}
@@ -103,7 +106,7 @@ class Policy(nn.Module):
             empty = zero.reshape(1)[:0]
             return (empty, empty.detach()) + (() if topk_ids is None else (empty.reshape(0, topk_ids.shape[1]),))
         out = projected_logprobs(picked, weight, targets, self.temperature, topk_ids, dense_candidates,
-                                 self.chunk_size)
+                                 self.chunk_size, self.fp32_logits)
         return (out.logprobs, out.entropy) + (() if out.topk_logprobs is None else (out.topk_logprobs,))
 
     def logprobs(self, rt) -> TokenLogProbs:
@@ -150,7 +153,8 @@ def _as_logprobs(out: tuple[Tensor, ...]) -> TokenLogProbs:
 
 
 def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 lora: LoraConfig, temperature: float, chunk_size: int, max_len: int | None = None) -> Policy:
+                 lora: LoraConfig, temperature: float, chunk_size: int, max_len: int | None = None,
+                 fp32_logits: bool = False) -> Policy:
     """Load the LM (a VLM's language model, ``grpo_core.text_model``) with tree attention and tree
     recurrence, optionally add LoRA, and wrap it in :class:`Policy` (unsharded; checkpointing,
     compilation and sharding come after, :mod:`grpo_core.train.parallelize`).
@@ -174,7 +178,7 @@ def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, 
 
         lm = get_peft_model(lm, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-    policy = Policy(lm, temperature, chunk_size).to(device)
+    policy = Policy(lm, temperature, chunk_size, fp32_logits=fp32_logits).to(device)
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s, %d Gated DeltaNet layers on tree rows)",
                 model_cfg.name, n_train / 1e6, dtype, lora.enabled, num_recurrent)

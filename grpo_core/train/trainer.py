@@ -116,7 +116,7 @@ class Trainer:
         policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype),
                               device=self.world.device, lora=tc.lora, temperature=cfg.rollout.temperature,
                               chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024),
-                              max_len=cfg.token_budget())
+                              max_len=cfg.token_budget(), fp32_logits=tc.fp32_logits)
         apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled,
                              tc.compile_backend)
         policy.compile_head = self.compiled and on_cuda  # the head's kernels are only worth compiling on GPUs
@@ -382,8 +382,9 @@ class Trainer:
         if self.warmup_s is not None:  # reported once, with the first step after it
             w.add("perf/compile_warmup_s", self.warmup_s)
             self.warmup_s = None
-        if v["terms_fresh"] > 0:
-            w.add("sampling/importance_sampling_ratio/staleness0_mean", v["ratio_fresh"] / v["terms_fresh"])
+        if v["terms_fresh"] > 0:  # weighted by tokens over the window; the count lets a run-level figure do the same
+            w.rate("sampling/importance_sampling_ratio/staleness0_mean", v["ratio_fresh"], v["terms_fresh"])
+            w.add("sampling/importance_sampling_ratio/staleness0_token_count", v["terms_fresh"])
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", v["sampler_mass"] / n)
         step_s, fwd_bwd_s = extra["perf/step_s"], extra["perf/fwd_bwd_s"]
