@@ -35,6 +35,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from grpo_core.auth import TOKEN_ENV, bearer_headers, ensure_run_token, run_token  # noqa: E402
 from grpo_core.metrics import JsonlSink  # noqa: E402
 from grpo_core.serving.client import parse_metrics  # noqa: E402
 
@@ -71,7 +72,8 @@ class Sampler(threading.Thread):
                 pass
             if self.vllm_url:
                 try:
-                    snap = parse_metrics(httpx.get(self.vllm_url + "/metrics", timeout=2).text)
+                    snap = parse_metrics(httpx.get(self.vllm_url + "/metrics", headers=bearer_headers(run_token()),
+                                                   timeout=2).text)
                     point.update(kv_usage=snap.kv_cache_usage_frac, running=snap.num_requests_running,
                                  waiting=snap.num_requests_waiting)
                 except (httpx.HTTPError, ValueError):
@@ -93,7 +95,9 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
     log = Path(args.work) / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        # The run's token comes from here (the flow uses GRPO_RUN_TOKEN when set), so the sampler may read /metrics.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, TOKEN_ENV: ensure_run_token()})
         try:
             code = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:

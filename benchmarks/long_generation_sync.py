@@ -31,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from grpo_core.auth import bearer_headers, run_token  # noqa: E402
 from grpo_core.config import RunConfig, load_config  # noqa: E402
 from grpo_core.models import resolve_model_dir  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
@@ -45,7 +46,7 @@ CPU_SMOKE = ["model.name=tiny-qwen3", "model.dtype=auto", "server.backend=embedd
 
 def generated(url: str) -> float:
     """``vllm:generation_tokens_total`` (cumulative generated tokens of the server)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers=bearer_headers(run_token()), timeout=10).text
     found = re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)", text, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -108,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         sync = make_weight_sync(cfg, [url])
         name = cfg.served_model_name()
         keep = asyncio.run(one_case(url, name, args.tokens, lambda: sync.sync(policy, 1, rank=0)))
-        no_mode = asyncio.run(one_case(url, name, args.tokens, lambda: (httpx.post(url + "/pause", timeout=60),
-                                                                         httpx.post(url + "/resume", timeout=60))))
+        auth = bearer_headers(run_token())
+        no_mode = asyncio.run(one_case(url, name, args.tokens, lambda: (httpx.post(url + "/pause", headers=auth, timeout=60),
+                                                                         httpx.post(url + "/resume", headers=auth, timeout=60))))
     finally:
         teardown(handles)
     ok = keep["finish_reason"] == "length" and keep["tokens"] == args.tokens and keep["in_flight_after_interrupt"]

@@ -72,7 +72,7 @@ def torchrun(config: Path, nproc: int, log: Path, timeout_s: float) -> None:
     """``torchrun --nproc-per-node N -m grpo_core.train --config FILE``; raises with the log's tail on failure."""
     env = {**os.environ, **NCCL_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     env.setdefault("OMP_NUM_THREADS", "4")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(nproc),
            "-m", "grpo_core.train", "--config", str(config)]
     with open(log, "a") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -45,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from grpo_core.auth import bearer_headers, run_token  # noqa: E402
 from grpo_core.config import RunConfig, load_config  # noqa: E402
 from grpo_core.models import resolve_model_dir  # noqa: E402
 
@@ -67,7 +68,7 @@ class IpcWeightTransfer:
     def __init__(self, url: str):
         import httpx
 
-        self.url, self.http = url, httpx.Client(timeout=600)
+        self.url, self.http = url, httpx.Client(timeout=600, headers=bearer_headers(run_token()))
 
     def _post(self, path: str, body: dict | None = None, params: dict | None = None) -> None:
         r = self.http.post(self.url + path, json=body, params=params)

@@ -16,6 +16,7 @@ import json
 import httpx
 import torch
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import LoraConfig, ModelConfig
 from grpo_core.packing import Sample, get_packer
 from grpo_core.train.attention import FlexTreeMasks
@@ -32,7 +33,8 @@ def sample_from_vllm(url: str, model: str, n_tokens: int) -> tuple[list[int], li
     """A seeded sampled continuation and the sampler's log-probs (temperature 1)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": n_tokens, "temperature": 1.0, "seed": 3,
             "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
-    c = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    answer = httpx.post(url + "/v1/completions", json=body, headers=bearer_headers(run_token()), timeout=120)
+    c = answer.json()["choices"][0]
     return c["token_ids"], c["logprobs"]["token_logprobs"]
 
 
@@ -71,7 +73,7 @@ def lora_checks(args, world) -> dict:
     out = {}
     for version in (1, 2, 3):
         sync.sync(policy, version, world.rank)
-    models = [m["id"] for m in httpx.get(args.url + "/v1/models").json()["data"]]
+    models = [m["id"] for m in httpx.get(args.url + "/v1/models", headers=bearer_headers(run_token())).json()["data"]]
     tokens, served = sample_from_vllm(args.url, "policy-v3", 48)
     diff = (trainer_logprobs(policy, tokens) - torch.tensor(served)).abs()
     out.update({"lora_served_models": models, "lora_max_abs_logprob_diff": diff.max().item(),

@@ -69,12 +69,22 @@ def _start_prefect_api() -> None:
         raise typer.Exit(EXIT_FAILED) from None
 
 
-def _load(config: Path | None, overrides: list[str]):
+def _load(config: Path | None, overrides: list[str], trusted: bool | None = None):
+    """Load and validate a config. ``trusted=True``: the caller's own file and overrides, whose code names join
+    the allow-list of this process and its children (``grpo_core.allowlist.trust_config``); ``False`` (a config
+    fetched from MLflow): its code names must already be allowed, checked here before anything starts;
+    None: a config that runs nothing (``config show``, ``ui``)."""
+    from grpo_core import allowlist
     from grpo_core.config import load_config
     from grpo_core.errors import ConfigError
 
     try:
-        return load_config(config, overrides)
+        cfg = load_config(config, overrides)
+        if trusted:
+            allowlist.trust_config(cfg)
+        elif trusted is False:
+            allowlist.check_code_references(cfg)
+        return cfg
     except ConfigError as exc:
         console.print(f"[red]config error[/red]: {exc}")
         raise typer.Exit(EXIT_CONFIG) from None
@@ -189,8 +199,9 @@ def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
 @app.command()
 def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
           set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
-    """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary."""
-    run_locally(_load(config, set_))
+    """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary; the code the
+    file names (reward functions, dataset, loop class, ...) joins the allow-list of this run."""
+    run_locally(_load(config, set_, trusted=True))
 
 
 @app.command()
@@ -201,7 +212,7 @@ def validate(config: Annotated[Path, typer.Option(help="run config (YAML, JSON o
     from grpo_core import preflight
     from grpo_core.errors import ConfigError
 
-    cfg = _load(config, set_)
+    cfg = _load(config, set_, trusted=True)
     try:
         preflight.check_run(cfg)
     except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
@@ -232,10 +243,13 @@ def config_show(config: Annotated[Path | None, typer.Option(help="run config (YA
 def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue from")],
            config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
            set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
-    """Start a new run from the latest checkpoint of an MLflow run (resume_from=RUN_ID)."""
+    """Start a new run from the latest checkpoint of an MLflow run (resume_from=RUN_ID). The run's own config
+    (fetched from MLflow) is checked like a run parameter: the code it names must be in GRPO_ALLOWED_MODULES;
+    a --config file of yours joins the allow-list."""
+    trusted = config is not None
     if config is None:
         config = _run_config_of(run_id, set_)
-    run_locally(_load(config, [*set_, f"resume_from={run_id}"]))
+    run_locally(_load(config, [*set_, f"resume_from={run_id}"], trusted=trusted))
 
 
 def _run_config_of(run_id: str, overrides: list[str]) -> Path:
@@ -276,18 +290,24 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
-    from flows.local_api import prepare_home
-    from grpo_core.errors import ConfigError
+    from flows.local_api import PrefectApiError, prepare_home
+    from grpo_core.errors import ConfigError, PortInUseError
 
+    from grpo_core.allowlist import ALLOWED_MODULES_ENV, trust_config
+
+    allowed = {ALLOWED_MODULES_ENV: ",".join(trust_config(_load(demo_config, [])))}  # the deployment's own file
+    stack = PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots, extra_env=allowed)
     try:
         prepare_home(Path(os.environ["PREFECT_HOME"]))
-    except ConfigError as exc:
+        stack.start()
+    except (ConfigError, PortInUseError, PrefectApiError) as exc:
         console.print(f"[red]Prefect server cannot start[/red]: {exc}")
         raise typer.Exit(EXIT_FAILED) from None
-    with PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots) as stack:
+    with stack:
         stack.register(demo_config, cron)
         console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
-                      "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker)")
+                      "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker); the UI asks for the "
+                      f"API auth string: it is in {stack.auth_file} (or PREFECT_SERVER_API_AUTH_STRING when set)")
         try:
             stack.wait()
         except KeyboardInterrupt:
@@ -300,13 +320,13 @@ def ui(config: Annotated[Path | None, typer.Option(help="run config (for its tra
        mlflow_port: int = 5000, prefect_port: int = 4200) -> None:
     """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C."""
     tc = _load(config, []).tracking
-    uri = tc.resolved_tracking_uri()
+    shown = tc.shown_tracking_uri()
     console.print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (started by `grpo deploy` / `make serve`)")
-    console.print(f"MLflow tracking URI: {uri}")
+    console.print(f"MLflow tracking URI: {shown}")
     console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
-                  f"`.venv/bin/mlflow ui --backend-store-uri {uri} --port {mlflow_port}`)")
+                  f"`.venv/bin/mlflow ui --backend-store-uri {shown} --port {mlflow_port}`)")
     if mlflow:
-        serve_mlflow_ui(uri, tc.resolved_artifact_location(), mlflow_port)
+        serve_mlflow_ui(tc.resolved_tracking_uri(), tc.resolved_artifact_location(), mlflow_port)
 
 
 def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
@@ -316,16 +336,17 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
 
     from flows.processes import stop_tree
 
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(port), "--workers", "1"]
+    # The store URI and artifact root (credentials included) go by environment, not argv: argv is world-readable.
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri}
     if artifact_root:
-        cmd += ["--default-artifact-root", artifact_root]
+        env["MLFLOW_DEFAULT_ARTIFACT_ROOT"] = artifact_root
 
     def interrupt(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM stops the UI like Ctrl-C
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
-    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
         return process.wait()
     except KeyboardInterrupt:

@@ -17,6 +17,7 @@ to the MLflow run, training progress, the summary table, the reward curve) are i
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ from prefect.states import Cancelled
 
 from flows import artifacts
 from flows.processes import REGISTRY, setup_logging, stream
+from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 from grpo_core.rollout.process import LOCATION_FILE
 
@@ -43,29 +45,52 @@ class RolloutProcessError(RuntimeError):
     """The rollout process failed to start or exited with an error; the message holds its log's tail."""
 
 
+#: Secret values of each run's config by run folder: kept in this process, never in the (redacted) run files.
+_SECRETS: dict[str, dict[str, str]] = {}
+
+
 def _config(run_dir: str) -> RunConfig:
-    return RunConfig.model_validate_json((Path(run_dir) / RESOLVED_CONFIG).read_text())
+    from grpo_core.redact import apply_secrets
+
+    data = json.loads((Path(run_dir) / RESOLVED_CONFIG).read_text())
+    return RunConfig.model_validate(apply_secrets(data, _SECRETS.get(run_dir, {})))
 
 
-def _child_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _child_env(run_dir: str) -> dict[str, str]:
+    """Environment of the run's rollout and trainer processes: the run's token and the config's secrets
+    (``GRPO_RUN_SECRETS``) travel here, never on a command line."""
+    from grpo_core.redact import SECRETS_ENV
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           TOKEN_ENV: REGISTRY[run_dir].token}
+    if _SECRETS.get(run_dir):
+        env[SECRETS_ENV] = json.dumps(_SECRETS[run_dir])
+    return env
 
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
 def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict:
-    """Check the config (imports, dataset columns, Hub push), lay out the run folder, open the MLflow run (and
-    publish the link artifact to it), fetch a checkpoint.
+    """Check the config (code it names inside the allow-list ``GRPO_ALLOWED_MODULES`` before any import, then
+    imports, dataset columns, Hub push), lay out the run folder (0700; the config file 0600 with its secrets
+    redacted, kept in this process), open the MLflow run (and publish the link artifact to it), fetch a checkpoint
+    and check it against its manifest.
 
     Returns:
         ``{"run_dir", "mlflow_run_id", "resume_state"}`` (paths as strings; resume_state None = fresh start).
     """
     from grpo_core import preflight
+    from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
+    from grpo_core.train.manifest import verify_manifest
 
+    secrets = secret_values(config)
+    redact_logs(mask_values(secrets))
     log = get_run_logger()
     preflight.check_run(config)
     run_dir = (config.train.output_dir / flow_run_id).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    run_dir.chmod(0o700)  # the run's files (logs, configs, checkpoints) are its owner's only
+    _SECRETS[str(run_dir)] = secrets
     cfg = config.model_copy(deep=True)
     cfg.train.output_dir = run_dir
     cfg.server.log_dir = run_dir / "servers"
@@ -78,13 +103,14 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
         source = mlflow_run_id if continued else cfg.resume_from
         if latest_checkpoint(run_dir) is None and source:
             tracking.download_latest_checkpoint(cfg.tracking, source, run_dir)
-    (run_dir / RESOLVED_CONFIG).write_text(cfg.model_dump_json(indent=1))
+    write_private(run_dir / RESOLVED_CONFIG, cfg.model_dump_json(indent=1))  # secrets redacted
     if mlflow_run_id:
         from grpo_core import tracking
 
         artifacts.publish_mlflow_link(tracking.run_url(cfg.tracking, mlflow_run_id), mlflow_run_id)
     latest = latest_checkpoint(run_dir)
     if latest is not None:
+        verify_manifest(latest)  # a downloaded checkpoint is refused here, naming its tampered or missing file
         log.info("resuming from checkpoint %s", latest)
     log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
     return {"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id,
@@ -112,7 +138,7 @@ def provision_servers(run_dir: str) -> list[str]:
     backend = choose_backend(cfg)
     for i in range(cfg.server.num_replicas):
         procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
-    handles = provision(cfg)
+    handles = provision(cfg, token=procs.token)
     procs.servers.extend(handles)
     return [h.url for h in handles]
 
@@ -136,7 +162,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     log, procs, root = get_run_logger(), REGISTRY[run_dir], Path(run_dir)
     procs.follow(root / LOG_FILE, log, "[rollout] ")
     started = start_rollout_process(root / RESOLVED_CONFIG, server_urls, root,
-                                    resume=Path(resume_state) if resume_state else None, env=_child_env())
+                                    resume=Path(resume_state) if resume_state else None, env=_child_env(run_dir))
     process = started.process
     procs.processes.append(process)
     try:
@@ -176,6 +202,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
     """
+    from grpo_core.redact import write_private
     from grpo_core.report import TRAINER_ERROR, read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
@@ -184,11 +211,11 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     cfg.train.rollout_location = rollout_location
     (root / TRAINER_ERROR).unlink(missing_ok=True)
     config_path = root / "train_config.json"
-    config_path.write_text(cfg.model_dump_json(indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    write_private(config_path, cfg.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node",
            str(cfg.train.num_ranks), "-m", "grpo_core.train", "--config", str(config_path)]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
-    env = _child_env()
+    env = _child_env(run_dir)
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
@@ -218,7 +245,7 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
     png = report.plot_reward_curve(root / "metrics.jsonl", root / "reward_curve.png")
     summary = {**report.summarize(root / "metrics.jsonl", wall_s), "run_dir": run_dir,
                "checkpoint": str(latest_checkpoint(root)), "reward_curve": str(png) if png else None,
-               "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.resolved_tracking_uri()}
+               "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.shown_tracking_uri()}
     model_dir = root / FINAL_MODEL_DIR
     adapter = cfg.train.lora.enabled
     if model_dir.is_dir():

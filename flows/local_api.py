@@ -5,16 +5,23 @@ fails), and its temporary API server then retries an unopenable SQLite database 
 until its start-up timeout. Here the home folder is created with its parents and the database is
 opened once before Prefect starts anything, and the temporary server is started up front and
 watched, so any failure ends the command within seconds with an error naming the path and the cause.
+
+A server started here requires a basic-auth string (``PREFECT_SERVER_API_AUTH_STRING``; its clients send
+``PREFECT_API_AUTH_STRING``): the environment's, or a fresh random one; and it is used only once it proves to
+be the process started here (:func:`verify_own_server`), never another server that answers on its port.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from grpo_core.auth import new_token
 from grpo_core.errors import ConfigError, GrpoError
 from grpo_core.preflight import check_sqlite, ensure_dir, sqlite_path
 
@@ -24,8 +31,54 @@ logger = logging.getLogger(__name__)
 DATABASE_SETTINGS = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
 
 
+# Prefect's basic-auth settings: the server's and its clients' (the same "user:password" string).
+AUTH_SERVER_ENV, AUTH_CLIENT_ENV = "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING"
+
+
 class PrefectApiError(GrpoError):
     """Prefect's API could not be started or reached (the message names the server, path and cause)."""
+
+
+def local_auth_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Auth settings of a Prefect server this command starts, for it and its clients.
+
+    The environment's ``PREFECT_SERVER_API_AUTH_STRING`` (or ``PREFECT_API_AUTH_STRING``) when set, else a
+    fresh ``grpo:<random>`` (``grpo_core.auth.new_token``) for this server only. Security-relevant: never log it.
+    """
+    env = os.environ if env is None else env
+    auth = env.get(AUTH_SERVER_ENV) or env.get(AUTH_CLIENT_ENV) or f"grpo:{new_token()}"
+    return {AUTH_SERVER_ENV: auth, AUTH_CLIENT_ENV: auth}
+
+
+def verify_own_server(api_url: str, auth_string: str, process: Any, what: str) -> None:
+    """Raise ``PrefectApiError`` unless ``api_url`` is served by the Prefect server ``process`` we started.
+
+    Ours is alive, refuses a request without the auth string (401) and accepts it with it; another
+    server on the port (one without auth, or with another auth string) fails one of the two.
+
+    Args:
+        api_url: ``http://host:port/api``.
+        auth_string: the ``user:password`` the server was started with.
+        process: its ``subprocess.Popen``.
+        what: the server's name in the message (e.g. ``grpo deploy --port 4200``).
+    """
+    import base64
+
+    import httpx
+
+    if process.poll() is not None:
+        raise PrefectApiError(f"the Prefect server of {what} exited with code {process.returncode}")
+    probe = api_url.rstrip("/") + "/admin/version"
+    basic = {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
+    try:
+        anonymous = httpx.get(probe, timeout=10).status_code
+        authed = httpx.get(probe, headers=basic, timeout=10).status_code
+    except httpx.HTTPError as exc:
+        raise PrefectApiError(f"the Prefect server of {what} at {api_url} does not answer: {exc}") from None
+    if anonymous != 401 or authed != 200:
+        raise PrefectApiError(f"{api_url} is answered by a Prefect server {what} did not start (without credentials: "
+                              f"HTTP {anonymous}, with this server's: HTTP {authed}); stop that server or use "
+                              "another port")
 
 
 def database_path(home: Path, env: Mapping[str, str]) -> Path | None:
@@ -88,6 +141,17 @@ def check_api_url(url: str, timeout_s: float = 10.0) -> None:
                               "to use a temporary local server") from None
 
 
+def _own_auth() -> str | None:
+    """Put an auth string for the temporary server and this process's client in the environment (before Prefect
+    is imported: its settings are read once); None when Prefect was imported already (the server runs without)."""
+    if "prefect" in sys.modules and not os.environ.get(AUTH_CLIENT_ENV):
+        logger.warning("Prefect was imported before its temporary API server started: the server runs without an "
+                       "auth string (set %s and %s to require one)", AUTH_SERVER_ENV, AUTH_CLIENT_ENV)
+        return None
+    os.environ.update(local_auth_env())
+    return os.environ[AUTH_SERVER_ENV]
+
+
 def start_local_api() -> str:
     """Make Prefect's API ready for a flow run in this process; returns its URL.
 
@@ -104,6 +168,7 @@ def start_local_api() -> str:
         check_api_url(os.environ["PREFECT_API_URL"])
         return os.environ["PREFECT_API_URL"]
     home = prepare_home(Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser())
+    auth = _own_auth()
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
@@ -127,6 +192,8 @@ def start_local_api() -> str:
                                   f"({where}); its output is above")
     if failure:
         raise PrefectApiError(f"Prefect's temporary API server did not start ({where}): {failure[0]}")
+    if auth is not None:
+        verify_own_server(server.api_url, auth, server.server_process, "this command")
     logger.info("Prefect's temporary API server at %s (%s)", server.api_url, where)
     return server.api_url
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_core.auth import new_token, run_token
+
 # uvicorn access-log lines of the generation server: one per request, too many for the run log.
 _NOISE = ('HTTP/1.1"', "httpx: HTTP Request", "Loading weights:")
 
@@ -119,6 +121,10 @@ class RunProcesses:
     forwarders: list[LogForwarder] = field(default_factory=list)
     stopping: bool = False
     """Set by :meth:`stop_all`: a process that exits from now on was stopped by the flow."""
+    token: str = field(default_factory=lambda: run_token() or new_token(), repr=False)
+    """The run's bearer token (``grpo_core.auth``): every listener of the run requires it; children get it in
+    their environment only (``GRPO_RUN_TOKEN``). Fresh for each run (a retried flow run too), unless the flow's
+    own environment sets ``GRPO_RUN_TOKEN`` (an operator or a benchmark that must reach the servers)."""
 
     def follow(self, path: Path, log: Any, prefix: str) -> None:
         """Forward a log file to ``log`` until :meth:`stop_all` (once per file: a retried task may ask again)."""

@@ -1,5 +1,9 @@
 """A Prefect server and a process worker on loopback, as one object (``grpo deploy``, ``make serve``, tests).
 
+The server requires a basic-auth string (``PREFECT_SERVER_API_AUTH_STRING``: the environment's, or a fresh
+random one written to ``<home>/api_auth_string`` with mode 0600 for the UI's login); the worker, the
+deployments and the flow runs send it (``PREFECT_API_AUTH_STRING``). The port is checked free first and
+the server is used only once it proves to be the process started here (``flows.local_api.verify_own_server``).
 Both run in their own process group (``start_new_session``), so stopping the stack stops the
 server, the worker and the flow-run processes the worker started; their logs go to
 ``<home>/server.log`` and ``<home>/worker.log``. The work pool and the global concurrency limit
@@ -55,13 +59,32 @@ class PrefectStack:
         self.extra_env = dict(extra_env or {})
         self.gpu_slots = gpu_slots
         self.processes: list[subprocess.Popen] = []
+        from flows.local_api import AUTH_SERVER_ENV, local_auth_env
+
+        self._auth_env = local_auth_env()
+        self.auth_string = self._auth_env[AUTH_SERVER_ENV]
+        """``user:password`` the server requires (basic auth; the UI asks for it): never log it."""
+        self.auth_file = self.home / "api_auth_string"
+        """Where ``start`` writes the auth string (mode 0600) for the UI login."""
 
     def env(self) -> dict[str, str]:
         """Environment of the server, the worker and anything that talks to them."""
         return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url,
                 "PREFECT_WORKER_QUERY_SECONDS": str(self.worker_poll_s),
                 "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", **self.extra_env}
+                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", **self._auth_env, **self.extra_env}
+
+    def auth_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header a plain HTTP client needs for this stack's API."""
+        import base64
+
+        return {"Authorization": "Basic " + base64.b64encode(self.auth_string.encode()).decode()}
+
+    def ui_login_script(self) -> str:
+        """JavaScript that logs a browser page into this stack's UI (for ``page.add_init_script`` in Playwright):
+        the UI sends ``localStorage["prefect-password"]`` (the base64 auth string) with every API call."""
+        encoded = self.auth_headers()["Authorization"].split(" ", 1)[1]
+        return f"window.localStorage.setItem('prefect-password', '{encoded}');"
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -76,16 +99,23 @@ class PrefectStack:
 
         Raises:
             ConfigError: the home folder or its database cannot be created or opened (path and cause).
+            PortInUseError: the port is taken by another process.
+            PrefectApiError: another server answers on the port.
             RuntimeError: the server did not answer within ``startup_timeout_s`` (with its log's tail).
         """
-        from flows.local_api import prepare_home
+        from flows.local_api import prepare_home, verify_own_server
+        from grpo_core.auth import check_port_free
 
         prepare_home(self.home, self.env())
+        check_port_free("127.0.0.1", self.port, "the Prefect server's port (grpo deploy --port)")
+        self.auth_file.touch(mode=0o600)
+        self.auth_file.chmod(0o600)
+        self.auth_file.write_text(self.auth_string + "\n")
         server = self._spawn(["server", "start", "--host", "127.0.0.1", "--port", str(self.port)], "server.log")
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             try:
-                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                if server.poll() is None and httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -94,6 +124,11 @@ class PrefectStack:
                 self.stop()
                 raise RuntimeError(f"Prefect server did not start on {self.api_url}:\n{tail}")
             time.sleep(0.5)
+        try:
+            verify_own_server(self.api_url, self.auth_string, server, f"grpo deploy (port {self.port})")
+        except BaseException:
+            self.stop()
+            raise
         self.ensure_pool()
         self.ensure_gpu_limit()
         self._spawn(["worker", "start", "--pool", self.pool, "--type", "process", "--name", f"{self.pool}-worker"],
@@ -105,7 +140,7 @@ class PrefectStack:
         """A synchronous Prefect client on this stack's API (whatever ``PREFECT_API_URL`` this process has)."""
         from prefect.client.orchestration import SyncPrefectClient
 
-        return SyncPrefectClient(self.api_url)
+        return SyncPrefectClient(self.api_url, auth_string=self.auth_string)
 
     def ensure_pool(self) -> None:
         """Create the process work pool with Prefect's client (kept as it is when it exists)."""
@@ -153,7 +188,7 @@ class PrefectStack:
         self.processes = []
 
     def __enter__(self) -> PrefectStack:
-        return self.start()
+        return self if self.processes else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -16,14 +16,19 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
 from grpo_core.errors import ConfigError
+from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_secret_flags
 
 logger = logging.getLogger(__name__)
 
 # vLLM's accepted ``--max-lora-rank`` values (vllm/config/lora.py, ``MaxLoRARanks``).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+ADAPTER_DIR = ".vllm_lora"
+"""Folder under ``train.output_dir`` holding the LoRA adapter versions the servers load."""
+WEIGHTS_DIR = ".weights"
+"""Folder under ``train.output_dir`` holding the full-weight versions the embedded server reads."""
 
 
 def default_cache_dir() -> Path:
@@ -135,14 +140,27 @@ class ServerConfig(_Strict):
     ``startup_timeout_s`` (config errors are never retried)."""
     embedded_num_threads: int = Field(default=0, ge=0)
     """Embedded server only: torch CPU threads per replica; 0 = torch's default (all cores)."""
+    max_pause_s: float = Field(default=300.0, ge=0)
+    """Seconds a server the run started stays paused (``POST /pause``) without a resume before it resumes
+    itself and logs it; 0 = no limit. Longer than the slowest weight sync."""
     log_dir: Path = Path("runs/servers")
     """Folder for the replicas' log files."""
-    extra_args: list[str] = Field(default_factory=list)
-    """Extra ``vllm serve`` arguments, appended verbatim."""
+    extra_args: list[str | SecretStr] = Field(default_factory=list)
+    """Extra ``vllm serve`` arguments, appended verbatim. The value of a flag ending in ``key``, ``token``,
+    ``password`` or ``secret`` (``--api-key``, ``--hf-token``) is secret: shown as ``**********`` in logs, MLflow
+    params and saved configs (``--api-key`` reaches vLLM as ``VLLM_API_KEY``, ``--hf-token`` as ``HF_TOKEN``)."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _secret_flag_values(cls, args: list[str | SecretStr]) -> list[str | SecretStr]:
+        return split_secret_flags(args)
 
 
 class RolloutConfig(_Strict):
-    """The rollout process: sampling settings, dataset, rewards, tools/environments, pace and transport."""
+    """The rollout process: sampling settings, dataset, rewards, tools/environments, pace and transport.
+
+    The ``module:name`` fields (``dataset``, ``reward_functions``, ``tools``, ``environment_factory``,
+    ``loop_class``) resolve only inside the allow-list ``GRPO_ALLOWED_MODULES`` (``grpo_core.allowlist``)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -415,10 +433,13 @@ class TrackingConfig(_Strict):
     """Log the run to MLflow; off = metrics only in ``metrics.jsonl``."""
     dir: Path = Path("runs/mlflow")
     """Folder of the embedded store: ``mlflow.db`` (SQLite) and ``artifacts/``."""
-    tracking_uri: str | None = None
-    """MLflow tracking URI (``http://host:5000``, a database URL); None = SQLite file ``<dir>/mlflow.db``."""
-    artifact_location: str | None = None
-    """Artifact root of a new experiment; None = ``<dir>/artifacts`` (the server's default with a tracking server)."""
+    tracking_uri: SecretUrl | None = None
+    """MLflow tracking URI (``http://host:5000``, a database URL); None = SQLite file ``<dir>/mlflow.db``. A
+    password in it (``https://user:password@host``) is secret: shown as ``**********`` in logs, params and files
+    (or leave it out and set ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``)."""
+    artifact_location: SecretUrl | None = None
+    """Artifact root of a new experiment; None = ``<dir>/artifacts`` (the server's default with a tracking server).
+    A password in it is secret like ``tracking_uri``'s."""
     experiment_name: str = "grpo-flow"
     """MLflow experiment the run is logged under."""
     run_id: str | None = None
@@ -451,22 +472,35 @@ class TrackingConfig(_Strict):
     """Base URL of the MLflow UI that links point to; None = ``tracking_uri`` when it is an http(s) server, else
     ``http://127.0.0.1:5000`` (what ``grpo ui --mlflow`` serves)."""
 
+    @field_serializer("tracking_uri", "artifact_location", when_used="json")
+    def _shown_url(self, url: SecretUrl | None) -> str | None:
+        return None if url is None else str(url)
+
     def resolved_tracking_uri(self) -> str:
-        """The tracking URI actually used (``tracking_uri`` or the SQLite file under ``dir``)."""
-        return self.tracking_uri or f"sqlite:///{self.dir.resolve() / 'mlflow.db'}"
+        """The tracking URI actually used (``tracking_uri`` or the SQLite file under ``dir``), with its
+        credentials: for MLflow only; show :meth:`shown_tracking_uri`."""
+        if self.tracking_uri is not None:
+            return self.tracking_uri.get_secret_value()
+        return f"sqlite:///{self.dir.resolve() / 'mlflow.db'}"
+
+    def shown_tracking_uri(self) -> str:
+        """The tracking URI for logs and messages (a password shown as ``**********``)."""
+        return redact_url(self.resolved_tracking_uri())
 
     def resolved_ui_url(self) -> str:
-        """Base URL of the MLflow UI (``ui_url``, the http tracking server, or the local ``grpo ui --mlflow``)."""
+        """Base URL of the MLflow UI (``ui_url``, the http tracking server without its credentials, or the local
+        ``grpo ui --mlflow``)."""
         if self.ui_url:
             return self.ui_url.rstrip("/")
-        if self.tracking_uri and self.tracking_uri.startswith(("http://", "https://")):
-            return self.tracking_uri.rstrip("/")
+        uri = self.tracking_uri.get_secret_value() if self.tracking_uri is not None else ""
+        if uri.startswith(("http://", "https://")):
+            return redact_url(uri, keep_user=False).rstrip("/")
         return "http://127.0.0.1:5000"
 
     def resolved_artifact_location(self) -> str | None:
-        """Artifact root for a new experiment (None = the tracking server decides)."""
+        """Artifact root for a new experiment (None = the tracking server decides), with its credentials."""
         if self.artifact_location is not None:
-            return self.artifact_location
+            return self.artifact_location.get_secret_value()
         return None if self.tracking_uri else str(self.dir.resolve() / "artifacts")
 
 
@@ -526,6 +560,11 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
+        for path, secret in secret_fields(self):
+            if MASK in secret.get_secret_value():
+                raise ConfigError(f"{path} holds a redacted value ({MASK!r}: a config grpo-flow saved or logged "
+                                  f"keeps no secret); set the real value, e.g. --set {path.split('.')[0]}."
+                                  f"{'.'.join(path.split('.')[1:2])}=...")
         server, rollout = self.server, self.rollout
         if rollout.max_completion_length >= server.max_model_len:
             raise ConfigError(
@@ -602,6 +641,14 @@ class RunConfig(_Strict):
         """Adapters the server keeps resident: ``server.max_loras`` or max_staleness + 2."""
         return self.server.max_loras or self.rollout.max_staleness + 2
 
+    def adapter_dir(self) -> Path:
+        """The run's LoRA adapter folder (``<train.output_dir>/.vllm_lora``): the only one its servers load from."""
+        return self.train.output_dir / ADAPTER_DIR
+
+    def weights_dir(self) -> Path:
+        """The run's full-weight folder (``<train.output_dir>/.weights``): the only one its servers read from."""
+        return self.train.output_dir / WEIGHTS_DIR
+
 
 def _set_dotted(data: dict, key: str, value: object) -> None:
     node = data
@@ -644,10 +691,13 @@ def _parse(path: Path, text: str) -> Any:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_where(e)}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                secrets: dict[str, str] | None = None) -> RunConfig:
     """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
 
     Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
+    ``secrets`` (``{field path: value}``, what a run's processes get in ``GRPO_RUN_SECRETS``) replace the
+    redacted secrets of a config file grpo-flow wrote, before the overrides.
 
     Raises:
         ConfigError: unreadable or unparsable file (names the line), bad override, or a validation
@@ -668,6 +718,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data = _parse(p, text)
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
+    if secrets:
+        from grpo_core.redact import apply_secrets
+
+        try:
+            apply_secrets(data, secrets)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")

@@ -46,6 +46,13 @@ class ServerStartError(ServingError):
     """
 
 
+class PortInUseError(ServerStartError):
+    """A port a listener of the run should bind is held by another process, or another server answers there.
+
+    The run never attaches to a server it did not start; the message names the config field and the fix.
+    """
+
+
 class TransportError(GrpoError):
     """Samples could not be moved between the rollout and trainer processes."""
 
@@ -91,3 +98,8 @@ class NothingToTrainError(GrpoError, ValueError):
 
 class RolloutError(GrpoError):
     """The rollout loop cannot go on: a reward function raised or returned the wrong shape, or an epoch rejected every prompt."""
+
+
+class CheckpointError(GrpoError):
+    """A checkpoint cannot be used: it cannot be fetched, is incomplete, or failed to load (the message names
+    the run, the checkpoint and why)."""

@@ -1,7 +1,8 @@
 """Checks of a run config that need imports, data or the disk but no server (fail fast before anything starts).
 
-``RunConfig`` validation catches field and cross-field errors; :func:`check_run` adds what only
-importing the named code, reading the dataset or touching the disk can tell: the model name
+``RunConfig`` validation catches field and cross-field errors; :func:`check_run` first refuses any
+name of code outside the allow-list (``grpo_core.allowlist``, before anything is imported), then adds
+what only importing the named code, reading the dataset or touching the disk can tell: the model name
 resolves (a Hub id is downloaded here, once, before any server starts) and its layers can be
 packed, the loop class, reward functions and tools import, the dataset has the columns the
 rollout needs, the folders and SQLite files the run writes can be created and opened, and a Hub
@@ -20,6 +21,7 @@ from pathlib import Path
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
 from grpo_core.hub import check_push
+from grpo_core.redact import mask_values, redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +93,9 @@ def check_tracking(cfg: RunConfig) -> None:
         try:
             httpx.get(uri.rstrip("/") + "/health", timeout=10.0).raise_for_status()
         except httpx.HTTPError as exc:
-            raise ConfigError(f"tracking.tracking_uri={uri}: the MLflow server does not answer /health "
-                              f"({type(exc).__name__}: {exc}); start it or fix the URI") from None
+            cause = redact_text(str(exc), mask_values({"uri": uri}))
+            raise ConfigError(f"tracking.tracking_uri={tc.shown_tracking_uri()}: the MLflow server does not answer "
+                              f"/health ({type(exc).__name__}: {cause}); start it or fix the URI") from None
     artifacts = tc.resolved_artifact_location()
     if artifacts and "://" not in artifacts:
         ensure_dir(Path(artifacts), "tracking.artifact_location (MLflow artifacts)")
@@ -135,7 +138,8 @@ def _prompt_problem(prompt: object) -> str | None:
 
 
 def _reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:
-    from grpo_core.rollout.data import default_rewards, import_object
+    from grpo_core.allowlist import import_object
+    from grpo_core.rollout.data import default_rewards
 
     funcs = [(name, import_object(name, "rollout.reward_functions")) for name in cfg.rollout.reward_functions]
     return funcs + [(f.__name__, f) for f in default_rewards(cfg.rollout)]
@@ -245,10 +249,11 @@ def check_run(cfg: RunConfig) -> None:
     Raises:
         ConfigError: the first problem found, naming the field and the fix.
     """
+    from grpo_core.allowlist import check_code_references, import_object
     from grpo_core.rollout.build import loop_class_and_config
-    from grpo_core.rollout.data import import_object
     from grpo_core.rollout.tools import resolve_response_template
 
+    check_code_references(cfg)  # before anything is imported or called
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_model(cfg)

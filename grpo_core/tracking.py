@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import re
 import shutil
@@ -60,14 +61,31 @@ _PARAM_MAX_CHARS = 6000
 _READY_STORES: set[str] = set()
 
 
+def mlflow_uri(tc: TrackingConfig) -> str:
+    """The tracking URI as MLflow gets it: an http(s) URI's credentials (``https://user:password@host``) move to
+    ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` of this process (and its children), so that
+    nothing MLflow prints or logs (its "View run at" line) holds them; other URIs as they are."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    uri = tc.resolved_tracking_uri()
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or (parts.username is None and parts.password is None):
+        return uri
+    from urllib.parse import unquote
+
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password or "")
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def client(tc: TrackingConfig) -> MlflowClient:
-    """An MLflow client on the configured tracking URI.
+    """An MLflow client on the configured tracking URI (credentials by environment, :func:`mlflow_uri`).
 
     The embedded SQLite store is created (or migrated) on first use under a file lock beside it:
     two runs starting at once on a fresh store (the nightly run and a UI run) would otherwise both
     run MLflow's schema migrations and one would fail.
     """
-    uri = tc.resolved_tracking_uri()
+    uri = mlflow_uri(tc)
     # Process-wide too: MLflow's internal clients (artifact repositories) otherwise open ./mlflow.db.
     mlflow.set_tracking_uri(uri)
     if tc.tracking_uri is not None or uri in _READY_STORES:
@@ -134,11 +152,11 @@ def start_run(cfg: RunConfig, flow_run_id: str | None, deployment: str | None = 
             RESUMED_FROM_TAG: cfg.resume_from or "", "mlflow.runName": run_name or ""}
     run = mc.create_run(experiment_id(tc, mc), tags={k: v for k, v in tags.items() if v}, run_name=run_name)
     run_id = run.info.run_id
-    params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]  # secrets as **********
     for i in range(0, len(params), 100):
         mc.log_batch(run_id, params=params[i:i + 100])
     mc.log_text(run_id, cfg.model_dump_json(indent=1), "config/run_config.json")
-    logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.resolved_tracking_uri())
+    logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.shown_tracking_uri())
     return run_id, False
 
 
@@ -354,7 +372,7 @@ class MlflowSink:
 
         client(self.tc)
         monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.tc.system_metrics_interval_s,
-                                       resume_logging=True, tracking_uri=self.tc.resolved_tracking_uri())
+                                       resume_logging=True, tracking_uri=mlflow_uri(self.tc))
         monitor.start()
         return monitor
 

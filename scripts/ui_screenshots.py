@@ -113,9 +113,11 @@ def main() -> int:
                  "rollout.dataset_size=256"]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with PrefectStack(port=0, home=tmp / "prefect", extra_env=env) as stack, \
-            sync_playwright() as pw, httpx.Client(base_url=stack.api_url, timeout=30) as api:
+            sync_playwright() as pw, \
+            httpx.Client(base_url=stack.api_url, timeout=30, headers=stack.auth_headers()) as api:
         browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport=VIEWPORT)
+        page.add_init_script(stack.ui_login_script())  # the UI's API calls carry the stack's auth string
         if args.reuse:
             done = api.post("/flow_runs/filter", json={"sort": "START_TIME_ASC"}).json()
             first, second = [r["id"] for r in done if r["state_type"] == "COMPLETED"][-2:]

@@ -47,9 +47,9 @@ class RetryTransport(httpx.HTTPTransport):
 class Api:
     """The Prefect REST API of a test server (what the UI calls)."""
 
-    def __init__(self, api_url: str):
+    def __init__(self, api_url: str, headers: dict[str, str] | None = None):
         self.url = api_url
-        self.http = httpx.Client(base_url=api_url, timeout=30, transport=RetryTransport())
+        self.http = httpx.Client(base_url=api_url, timeout=30, transport=RetryTransport(), headers=headers)
 
     def deployment(self, name: str) -> dict:
         """``grpo-train/<name>``."""

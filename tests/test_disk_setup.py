@@ -92,4 +92,4 @@ def test_unreachable_mlflow_server_is_refused_within_seconds(tmp_path):
 def test_server_log_folder_that_cannot_be_created_names_it(tmp_path):
     cfg = RunConfig(model={"name": "tiny-qwen3"}, server={"log_dir": _blocker(tmp_path) / "servers", "port": 0})
     with pytest.raises(ServingError, match=r"a-file/servers/embedded-replica0.log.*server.log_dir"):
-        launch(embedded_command(cfg))
+        launch(embedded_command(cfg), "token")

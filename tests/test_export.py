@@ -20,7 +20,7 @@ from trainer_helpers import ROOT, read_jsonl, trainer_config, write_samples
 def test_two_rank_run_exports_the_trained_weights_sharded(tmp_path):
     samples = write_samples(tmp_path / "samples.arrow", 8)
     config = trainer_config(tmp_path, samples, max_steps=6, save_steps=50, learning_rate=5e-2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "2",
            "-m", "grpo_core.train", "--config", str(config),
            "--set", "train.max_steps=2", "--set", "export.max_shard_size=200KB"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

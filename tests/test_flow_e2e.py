@@ -40,7 +40,7 @@ def stack(tmp):
 
 @pytest.fixture(scope="module")
 def api(stack) -> Api:
-    return Api(stack.api_url)
+    return Api(stack.api_url, stack.auth_headers())
 
 
 def _tracking(tmp: Path):
@@ -84,6 +84,20 @@ def test_missing_dataset_column_fails_fast_without_a_server(api, tmp):
     run_dir = Path(params["config"]["train"]["output_dir"]) / run["id"]
     assert not (run_dir / "servers").exists(), "a server was started for an invalid config"
     assert time.monotonic() - start < 200
+
+
+def test_a_parameter_naming_code_outside_the_allow_list_runs_nothing(api, tmp):
+    """The issue's example: a flow run whose dataset is ``subprocess:getoutput`` with a shell command fails in
+    ``prepare`` naming GRPO_ALLOWED_MODULES; the command never ran and no server started."""
+    marker = tmp / "shell-command-ran"
+    params = with_changes(api.deployment("demo")["parameters"],
+                          rollout={"dataset": "subprocess:getoutput", "dataset_kwargs": {"cmd": f"touch {marker}"}})
+    run = api.wait(api.run_deployment("demo", params).json()["id"], timeout_s=240)
+    assert run["state_type"] == "FAILED"
+    text = run["state"]["message"] + api.logs(run["id"])
+    assert "GRPO_ALLOWED_MODULES" in text and "rollout.dataset='subprocess:getoutput'" in text
+    assert not marker.exists()
+    assert not (Path(params["config"]["train"]["output_dir"]) / run["id"]).exists(), "prepare went past the check"
 
 
 def test_deployment_run_completes_and_is_tracked(api, tmp):
@@ -188,6 +202,7 @@ def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.add_init_script(stack.ui_login_script())  # the UI's API calls carry the stack's auth string
         page.goto(f"{stack.ui_url}/deployments/deployment/{deployment['id']}")
         page.get_by_role("button", name="Run", exact=True).first.click(timeout=60_000)
         page.get_by_text("Quick run").first.click(timeout=60_000)
@@ -293,15 +308,16 @@ def test_runs_register_model_versions_and_log_tables_and_system_metrics(two_runs
     assert (Path(path) / "README.md").read_text().count("grpo") >= 1
 
 
-def test_provision_retries_only_server_start_failures(stack, tmp):
+def test_provision_retries_only_server_start_failures(stack, tmp, monkeypatch):
     import socket
-    import threading
 
     from prefect import flow
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from flows.grpo_train import RESOLVED_CONFIG, _stop, provision_servers
     from grpo_core.config import load_config
+    from grpo_core.errors import PortInUseError
+    from grpo_core.serving import vllm
 
     def run_dir_for(name: str, overrides: list[str]) -> str:
         cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
@@ -320,27 +336,28 @@ def test_provision_retries_only_server_start_failures(stack, tmp):
     holder.listen()
     port = holder.getsockname()[1]
     busy = run_dir_for("busy-port", [f"server.port={port}"])
-    log = Path(busy) / "servers" / "embedded-replica0.log"
+    real_check, refusals = vllm.check_port_free, []
 
-    def free_port_after_first_failure() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and "already in use" not in (log.read_text() if log.exists() else "").lower():
-            time.sleep(0.2)
-        holder.close()
+    def check_then_free(host: str, port_: int, field_name: str = "server.port") -> None:
+        try:
+            real_check(host, port_, field_name)
+        except PortInUseError as exc:  # the first attempt finds the port taken: free it for the retry
+            refusals.append(str(exc))
+            holder.close()
+            raise
 
-    freer = threading.Thread(target=free_port_after_first_failure, daemon=True)
-    freer.start()
-    with temporary_settings({PREFECT_API_URL: stack.api_url}):
+    monkeypatch.setattr(vllm, "check_port_free", check_then_free)
+    with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
         try:
             urls = provision_only(busy)
         finally:
             _stop(busy)
         bad = run_dir_for("no-vllm", ["server.backend=vllm"])
         state = provision_only(bad, return_state=True)
-    freer.join(timeout=5)
+    assert len(refusals) == 1 and "server.port" in refusals[0]
     assert urls == [f"http://127.0.0.1:{port}"]
     assert state.is_failed() and "vllm is not installed" in str(state.result(raise_on_failure=False))
-    api, deadline = Api(stack.api_url), time.monotonic() + 120
+    api, deadline = Api(stack.api_url, stack.auth_headers()), time.monotonic() + 120
     while True:  # task-run states reach the API as events, a moment after the flow returned
         counts = {}
         for run in api.http.post("/flow_runs/filter", json={"flows": {"name": {"any_": ["provision-only"]}}}).json():
@@ -352,3 +369,24 @@ def test_provision_retries_only_server_start_failures(stack, tmp):
             break
         time.sleep(1.0)
     assert counts == {busy: 2, bad: 1}, counts  # retried after the start failure only
+
+
+def test_the_prefect_stack_requires_its_auth_string(stack):
+    """Issue 11: the local Prefect server (grpo deploy) answers only its clients; a request without the auth
+    string gets 401 and creates nothing."""
+    import httpx
+
+    assert stack.processes[0].poll() is None and len(stack.processes) == 2  # server and worker run
+    version = f"{stack.api_url}/admin/version"
+    before = httpx.post(f"{stack.api_url}/work_pools/filter", headers=stack.auth_headers()).json()
+    refused = [httpx.get(version), httpx.get(version, headers={"Authorization": "Basic Z3JwbzpndWVzcw=="}),
+               httpx.post(f"{stack.api_url}/work_pools/", json={"name": "intruder", "type": "process"})]
+    assert [r.status_code for r in refused] == [401, 401, 401]
+    after = httpx.post(f"{stack.api_url}/work_pools/filter", headers=stack.auth_headers()).json()
+    assert [p["name"] for p in after] == [p["name"] for p in before] and "intruder" not in str(after)
+    assert httpx.get(version, headers=stack.auth_headers()).status_code == 200
+    assert httpx.get(f"{stack.api_url}/health").status_code == 200
+    assert stack.auth_file.stat().st_mode & 0o777 == 0o600
+    assert stack.auth_file.read_text().strip() == stack.auth_string
+    logs = "".join((stack.home / name).read_text(errors="replace") for name in ("server.log", "worker.log"))
+    assert stack.auth_string.split(":", 1)[1] not in logs

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import time
 
 import httpx
 import pytest
-from serving_helpers import TINY, embedded_server, run
+from serving_helpers import TINY, embedded_server, run, weights_dir
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import RolloutConfig
 from grpo_core.rollout import LoopRuntime, RolloutLoop
 from grpo_core.rollout.loop import TurnAborted
@@ -36,7 +38,7 @@ def server(tmp_path_factory):
 
 def generated_tokens(url: str) -> float:
     """``vllm:generation_tokens_total`` from ``/metrics`` (cumulative)."""
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", headers=bearer_headers(run_token())).text
     return float(re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)", text, re.M).group(1))
 
 
@@ -92,9 +94,9 @@ def test_keep_and_wait_modes_finish_the_request_intact(server, mode):
 
 
 def test_unknown_pause_mode_is_a_400_naming_the_parameter(server):
-    response = httpx.post(server.url + "/pause", params={"mode": "drain"})
+    response = httpx.post(server.url + "/pause", params={"mode": "drain"}, headers=bearer_headers(run_token()))
     assert response.status_code == 400 and response.json()["error"]["param"] == "mode"
-    assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+    assert httpx.get(server.url + "/is_paused", headers=bearer_headers(run_token())).json() == {"is_paused": False}
 
 
 class RecordingClient(GenerationClient):
@@ -194,7 +196,12 @@ def test_long_generation_survives_a_full_weight_sync_intact(server):
     from grpo_core.models import resolve_model_dir
     from grpo_core.train.weight_sync import DiskFullWeightSync
 
-    folder = str(resolve_model_dir(ModelConfig(name=TINY)))  # the served weights: a real update, same values
+    # The served weights, copied into the run's weights folder (the only one the server reads): a real update,
+    # same values.
+    folder = weights_dir(server) / "served"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(resolve_model_dir(ModelConfig(name=TINY)) / "model.safetensors", folder)
+    folder = str(folder)
 
     async def go():
         async with GenerationClient(server.url, timeout_s=120) as c:

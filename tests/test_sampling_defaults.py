@@ -21,6 +21,7 @@ import pytest
 import torch
 from serving_helpers import TINY, run
 
+from grpo_core.auth import ensure_run_token
 from grpo_core.config import ModelConfig, RolloutConfig, RunConfig
 from grpo_core.models import resolve_model_dir
 from grpo_core.serving.client import GenerationClient
@@ -124,9 +125,10 @@ def auto_server(tmp_path_factory):
                        rollout={"max_completion_length": 32})
     spec = embedded_command(config)
     spec.argv[spec.argv.index("--generation-config") + 1] = "auto"
-    handle = launch(spec)
+    token = ensure_run_token()
+    handle = launch(spec, token)
     try:
-        wait_healthy(handle, 180)
+        wait_healthy(handle, 180, token)
         yield handle, config
     finally:
         handle.stop()

@@ -17,8 +17,9 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from serving_helpers import TINY, embedded_server, reference_logprobs, run
+from serving_helpers import TINY, adapter_dir, embedded_server, reference_logprobs, run, weights_dir
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import ModelConfig
 from grpo_core.errors import ServerRequestError
 from grpo_core.models import load_model, resolve_model_dir
@@ -108,7 +109,7 @@ def test_32_concurrent_requests_finish_and_metrics_move(server):
     assert before.kv_cache_size_tokens == 64 * 256
     assert peak_running > 1, "requests were not decoded in one batch"
     assert 0 < peak_usage <= 1 and after.num_requests_running == 0 and after.num_requests_waiting == 0
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers=bearer_headers(run_token())).text
     assert 'vllm:num_preemptions_total{engine="0",model_name="tiny-qwen3"}' in text
 
 
@@ -152,7 +153,7 @@ def test_disconnected_client_frees_its_slot(server):
     ({"model": TINY, "prompt": [5], "max_tokens": 4, "logprobs": 50}, 400, "logprobs"),
 ])
 def test_bad_requests_get_vllm_error_bodies(server, body, status, param):
-    response = httpx.post(server.url + "/v1/completions", json=body)
+    response = httpx.post(server.url + "/v1/completions", json=body, headers=bearer_headers(run_token()))
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
@@ -164,7 +165,8 @@ def test_bad_requests_get_vllm_error_bodies(server, body, status, param):
 
 
 def test_malformed_json_and_client_error(server):
-    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": [5,', headers={"content-type": "application/json"})
+    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": [5,',
+                          headers={"content-type": "application/json", **bearer_headers(run_token())})
     assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
     with pytest.raises(ServerRequestError, match="maximum context length is 256") as info:
         run(_complete(server, list(range(10, 260)), max_tokens=16))
@@ -180,21 +182,23 @@ def test_models_and_max_model_len(server):
     assert cards[0]["id"] == TINY and max_len == 256
 
 
-def test_full_weight_update_changes_logprobs_as_predicted(server, model, tmp_path):
-    folder = resolve_model_dir(ModelConfig(name=TINY))
-    original = load_file(str(folder / "model.safetensors"))
+def test_full_weight_update_changes_logprobs_as_predicted(server, model):
+    original = load_file(str(resolve_model_dir(ModelConfig(name=TINY)) / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
-    save_file(perturbed, str(tmp_path / "model.safetensors"))
+    perturbed_dir, original_dir = weights_dir(server) / "perturbed", weights_dir(server) / "original"
+    for path, tensors in ((perturbed_dir, perturbed), (original_dir, original)):
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "model.safetensors"))
     expected_model = load_model(ModelConfig(name=TINY))[0]
     expected_model.load_state_dict(perturbed, strict=False)
 
     async def go():
         async with client(server) as c:
             before = await c.complete(PROMPTS[1], model=TINY, max_tokens=10, temperature=0, ignore_eos=True)
-            assert (await c.update_weights_from_path(str(tmp_path)))["num_tensors"] == len(original)
+            assert (await c.update_weights_from_path(str(perturbed_dir)))["num_tensors"] == len(original)
             after = await c.complete(PROMPTS[1], model=TINY, max_tokens=10, temperature=0, ignore_eos=True)
-            await c.update_weights_from_path(str(folder))
+            await c.update_weights_from_path(str(original_dir))
             restored = await c.complete(PROMPTS[1], model=TINY, max_tokens=10, temperature=0, ignore_eos=True)
             return before[0], after[0], restored[0]
     before, after, restored = run(go())
@@ -204,8 +208,10 @@ def test_full_weight_update_changes_logprobs_as_predicted(server, model, tmp_pat
     assert restored.token_ids == before.token_ids and restored.logprobs == before.logprobs
 
 
-def test_lora_versions_side_by_side_then_unloaded(server, tmp_path):
+def test_lora_versions_side_by_side_then_unloaded(server):
     from peft import LoraConfig, get_peft_model
+
+    folder = adapter_dir(server) / "side-by-side"
 
     base = load_model(ModelConfig(name=TINY))[0]
     expected = {}
@@ -213,14 +219,14 @@ def test_lora_versions_side_by_side_then_unloaded(server, tmp_path):
         torch.manual_seed(version)
         peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                                                      init_lora_weights=False))
-        peft_model.save_pretrained(tmp_path / f"v{version}")
+        peft_model.save_pretrained(folder / f"v{version}")
         expected[f"pol-v{version}"] = peft_model.merge_and_unload()
         base = load_model(ModelConfig(name=TINY))[0]
 
     async def go():
         async with client(server) as c:
             for version in (1, 2):
-                await c.load_lora_adapter(f"pol-v{version}", str(tmp_path / f"v{version}"))
+                await c.load_lora_adapter(f"pol-v{version}", str(folder / f"v{version}"))
             names = [card["id"] for card in await c.models()]
             outs = await asyncio.gather(*(c.complete(PROMPTS[0], model=m, max_tokens=8, temperature=0, ignore_eos=True)
                                           for m in (TINY, "pol-v1", "pol-v2")))
@@ -230,7 +236,7 @@ def test_lora_versions_side_by_side_then_unloaded(server, tmp_path):
             still = await c.complete(PROMPTS[0], model="pol-v2", max_tokens=8, temperature=0, ignore_eos=True)
             await c.unload_lora_adapter("pol-v2")
             names_after = [card["id"] for card in await c.models()]
-            await c.load_lora_adapter("pol-v3", str(tmp_path / "v1"))  # reload after the last left
+            await c.load_lora_adapter("pol-v3", str(folder / "v1"))  # reload after the last left
             again = await c.complete(PROMPTS[0], model="pol-v3", max_tokens=8, temperature=0, ignore_eos=True)
             await c.unload_lora_adapter("pol-v3")
             return names, outs, gone.value, still, names_after, again

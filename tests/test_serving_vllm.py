@@ -38,7 +38,14 @@ def test_base_command_line_and_env():
     assert flag(argv, "--logprobs-mode") == "processed_logprobs" and flag(argv, "--api-server-count") == "4"
     assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "nccl"}
     assert flag(argv, "--served-model-name") == "tiny-llama"
-    assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    assert {k: spec.env[k] for k in ("VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")} == {
+        "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    # The guard (token on every route, nonce, pause limit, adapter folder) rides on vLLM's --middleware hook;
+    # the token itself is added to the child's environment by launch(), never to a spec.
+    assert flag(argv, "--middleware") == "grpo_core.serving.guard.RunGuardMiddleware"
+    assert len(spec.env["GRPO_RUN_NONCE"]) == 32 and spec.nonce == spec.env["GRPO_RUN_NONCE"]
+    assert spec.env["GRPO_ADAPTER_DIR"].endswith("runs/train/.vllm_lora") and spec.env["GRPO_MAX_PAUSE_S"] == "300.0"
+    assert not {"GRPO_RUN_TOKEN", "VLLM_API_KEY"} & set(spec.env) and "--api-key" not in argv
     assert "--enable-lora" not in argv and "--return-sampling-mask" not in argv
 
 

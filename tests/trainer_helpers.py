@@ -52,7 +52,7 @@ def trainer_config(tmp: Path, samples: Path, server: dict | None = None, **train
 def torchrun(config: Path, nproc: int, server_urls: list[str] = (), **popen) -> subprocess.Popen:
     """Start ``torchrun --nproc-per-node N -m grpo_core.train --config FILE [--server-url URL …]``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(nproc),
            "-m", "grpo_core.train", "--config", str(config)]
     for url in server_urls:
         cmd += ["--server-url", url]

@@ -35,11 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = parse_args(argv)
     from grpo_core.config import load_config
+    from grpo_core.redact import secrets_from_env
     from grpo_core.transport.types import ResumeState
 
     from .build import loop_class_and_config
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, secrets=secrets_from_env(os.environ))  # the flow's GRPO_RUN_SECRETS
     loop_class_and_config(cfg.rollout)  # fail fast on a bad loop class or loop_options
     resume = None
     if args.resume:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from grpo_core.allowlist import import_object
 from grpo_core.config import RolloutConfig
 from grpo_core.errors import ConfigError
 
-from .data import default_rewards, import_object, load_dataset
+from .data import default_rewards, load_dataset
 from .loop import LoopRuntime, RolloutLoop
 from .tools import resolve_response_template
 

@@ -13,36 +13,18 @@ the position a resume restarts from.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from grpo_core.allowlist import import_object
 from grpo_core.config import RolloutConfig
 from grpo_core.errors import ConfigError
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 RG_SYSTEM_PROMPT = ("Solve the problem. Think briefly, then give only the final answer inside "
                     "<answer></answer> tags.")
-
-
-def import_object(path: str, field: str) -> Any:
-    """Import ``module:attribute`` (attribute may be dotted).
-
-    Raises:
-        ConfigError: the module or attribute does not exist (names ``field``).
-    """
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"{field}={path!r} must be 'module:attribute'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{field}={path!r} cannot be imported: {exc}") from exc
-    return obj
 
 
 def reasoning_gym_dataset(task: str, size: int, seed: int, **task_config: Any) -> Any:

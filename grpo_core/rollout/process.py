@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_core.auth import ensure_run_token
 from grpo_core.config import RolloutProcessConfig, RunConfig
 from grpo_core.errors import ConfigError, TransportError
 from grpo_core.transport.types import ResumeState
@@ -162,6 +163,7 @@ def start_rollout_process(config: RunConfig | Path, server_urls: list[str], run_
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
     if resume_path is not None:
         cmd += ["--resume", str(resume_path)]
+    ensure_run_token()  # the child's Flight server and this process's FlightSource share it (environment only)
     child_env = {**os.environ, **(env or {}), "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     with (run_dir / LOG_FILE).open("ab") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

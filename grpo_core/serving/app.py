@@ -6,7 +6,8 @@ Routes (same paths and JSON shapes as vLLM 0.25.1, see ``shared/vllm-h200/README
 ``POST /v1/unload_lora_adapter``, ``GET /server_info``, ``GET /get_world_size``,
 ``POST /reset_prefix_cache`` and the weight-update sequence ``POST /init_weight_transfer_engine``
 → ``/start_weight_update`` → ``/update_weights {"update_info": {"path": DIR}}`` →
-``/finish_weight_update``. The embedded server reads full weights from a checkpoint-format
+``/finish_weight_update``. Every route but ``/health`` needs the run's bearer token
+(``grpo_core.serving.guard``). The embedded server reads full weights from a checkpoint-format
 folder on disk instead of vLLM's NCCL/IPC tensors; ``start`` pauses decoding and
 ``finish`` resumes it, so in-flight sequences continue on the new weights.
 """
@@ -27,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from grpo_core.errors import ServingError
 from grpo_core.serving.engine import Engine, PauseMode, Sequence
+from grpo_core.serving.guard import RunGuardMiddleware
 from grpo_core.serving.protocol import (
     CompletionRequest,
     LoadLoraRequest,
@@ -61,6 +63,9 @@ class ServerState:
     generation_config: str = "vllm"
     default_sampling: dict[str, Any] = field(default_factory=dict)
     paused_by_weight_update: bool = False
+    guard: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Keyword arguments of ``RunGuardMiddleware`` (token, nonce, max_pause_s, adapter_dir, weights_dir);
+    a missing one comes from the environment (``grpo_core.serving.guard``)."""
 
 
 class _EngineCollector:
@@ -321,8 +326,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    """Build the FastAPI app for a started engine (see module docstring for the routes)."""
+    """Build the FastAPI app for a started engine (see module docstring for the routes).
+
+    Every route but ``/health`` needs the run's bearer token, adapters and full weights load only from
+    the run's folders, and a pause ends after ``max_pause_s`` (``grpo_core.serving.guard``).
+
+    Raises:
+        RuntimeError: no run token (``GRPO_RUN_TOKEN``) is given or set.
+    """
     app = FastAPI(title="grpo-flow embedded generation server")
+    app.add_middleware(RunGuardMiddleware, **state.guard)
     _add_generation_routes(app, state)
     _add_control_routes(app, state)
     _add_weight_routes(app, state)

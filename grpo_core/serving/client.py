@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import ServerRequestError, ServerUnavailableError
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
@@ -134,17 +135,21 @@ class GenerationClient:
         backoff_s: upper bound of the first retry delay in seconds; doubles per retry up to
             ``max_backoff_s``; each delay is drawn uniformly below its bound (:func:`backoff_delay`).
         max_backoff_s: largest bound of a retry delay in seconds.
+        api_key: bearer token sent with every request; default the run's token (``GRPO_RUN_TOKEN``,
+            ``grpo_core.auth``), none when that is unset.
     """
 
     def __init__(self, base_url: str, *, max_connections: int = 512, timeout_s: float = 1800.0,
-                 max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0) -> None:
+                 max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+                 api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.retry_count = 0
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s))
+        self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
+                                       headers=bearer_headers(api_key or run_token()))
 
     async def __aenter__(self) -> GenerationClient:
         return self

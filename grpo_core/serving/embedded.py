@@ -5,9 +5,14 @@ transformers are imported, so ``--help`` and config errors are instant. The serv
 its socket before loading the model only to learn the port (``--port 0`` picks a free
 one, written to ``--port-file``); ``/health`` answers once the model is loaded.
 
+Every other route needs ``Authorization: Bearer $GRPO_RUN_TOKEN`` (the run's token, from the
+environment only; the server refuses to start without it) and ``GET /grpo/run_nonce`` reports
+``$GRPO_RUN_NONCE`` (``grpo_core.serving.guard``).
+
 Example::
 
-    python -m grpo_core.serving.embedded --model smollm2-135m-instruct --port 8000
+    GRPO_RUN_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe(32))') \
+        python -m grpo_core.serving.embedded --model smollm2-135m-instruct --port 8000
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import socket
 import sys
 from pathlib import Path
 
+from grpo_core.auth import TOKEN_ENV, run_token
 from grpo_core.config import VLLM_LORA_RANKS, ModelConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-config", default="auto",
                    help="defaults of sampling fields a request omits: 'auto' = the model's generation_config.json "
                         "(vLLM's default), 'vllm' = neutral values, or a folder holding a generation_config.json")
+    p.add_argument("--max-pause-s", type=float, default=300.0,
+                   help="seconds a /pause may last before the server resumes itself (0 = no limit)")
+    p.add_argument("--adapter-dir", type=Path, default=None,
+                   help="the only folder LoRA adapters are loaded from (default: none, every load is refused)")
+    p.add_argument("--weights-dir", type=Path, default=None,
+                   help="the only folder full weights are read from (default: none, every update is refused)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -62,8 +74,20 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerConfig) -> None:
-    """Load the model, start the engine and run uvicorn on an already-bound socket."""
-    sock = _bind(server_cfg.host, server_cfg.port)
+    """Load the model, start the engine and run uvicorn on an already-bound socket.
+
+    Raises:
+        SystemExit: ``GRPO_RUN_TOKEN`` is not set, or the port is taken (the message says which and the fix).
+    """
+    if run_token() is None:
+        sys.exit(f"{TOKEN_ENV} is not set: the embedded server answers only requests carrying the run's bearer "
+                 f"token; set it in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
+                 "print(secrets.token_urlsafe(32))'))")
+    try:
+        sock = _bind(server_cfg.host, server_cfg.port)
+    except OSError as exc:
+        sys.exit(f"cannot listen on {server_cfg.host}:{server_cfg.port}: {exc.strerror or exc} (another process holds "
+                 "the port?); stop it, or choose another --port (0 = a free one)")
     port = sock.getsockname()[1]
     if args.port_file:
         args.port_file.write_text(str(port))
@@ -97,7 +121,9 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
     state = ServerState(engine=engine, tokenizer=tokenizer, weights=WeightManager(engine, args.max_lora_rank, model_dir),
                         model_name=server_cfg.served_model_name or model_cfg.name,
                         model_path=str(model_dir), max_logprobs=server_cfg.max_logprobs,
-                        max_loras=args.max_loras, generation_config=args.generation_config, default_sampling=defaults)
+                        max_loras=args.max_loras, generation_config=args.generation_config, default_sampling=defaults,
+                        guard={"max_pause_s": args.max_pause_s, "adapter_dir": args.adapter_dir,
+                               "weights_dir": args.weights_dir})
     logger.info("embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)", state.model_name,
                 server_cfg.host, port, device, torch.get_num_threads(), sorted(eos))
     config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=60, timeout_graceful_shutdown=5)

@@ -18,6 +18,12 @@ backend needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickled CUDA IPC handles)
 ``--enable-lora``, ``--max-lora-rank`` from vLLM's allowed set (>= r), ``--max-loras`` >=
 max_staleness + 2 and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; top-k/top-p/min-p need
 ``--return-sampling-mask --enable-scale-out`` (vLLM >= 0.28, older servers reject them).
+
+Every replica requires the run's bearer token (``grpo_core.auth``) on every route but ``/health``:
+vLLM through ``--middleware grpo_core.serving.guard.RunGuardMiddleware`` (its own ``--api-key`` check
+covers ``/v1/*`` only; the key is passed as ``VLLM_API_KEY`` in the environment, because vLLM logs its
+command-line arguments), the embedded server through the same middleware. ``wait_healthy`` accepts a
+replica only when it reports its launch's nonce, so a run never adopts another server on its port.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 import os
 import re
 import signal
+import secrets
 import socket
 import subprocess
 import sys
@@ -38,18 +45,28 @@ from pathlib import Path
 
 import httpx
 
+from grpo_core.auth import NONCE_ENV, NONCE_PATH, TOKEN_ENV, bearer_headers, check_port_free, ensure_run_token
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
-from grpo_core.errors import ConfigError, ServerStartError, ServingError
+from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
+from grpo_core.redact import redact_argv, reveal
+from grpo_core.serving.guard import ADAPTER_DIR_ENV, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
 from grpo_core.serving.sampling_defaults import sampling_problems
 
 logger = logging.getLogger(__name__)
 
+GUARD_MIDDLEWARE = "grpo_core.serving.guard.RunGuardMiddleware"
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """How to start one replica: argv, extra environment, where it will listen and log."""
+    """How to start one replica: argv (a secret flag's value as ``SecretStr``, revealed only for the process
+    itself), extra environment, where it will listen and log.
 
-    argv: list[str]
+    Neither ``argv`` nor ``env`` holds the run's token (``launch`` adds it to the child's environment only),
+    so a spec may be logged.
+    """
+
+    argv: list
     env: dict[str, str]
     backend: str
     replica: int
@@ -57,6 +74,8 @@ class LaunchSpec:
     port: int
     log_path: Path
     port_file: Path | None = None
+    nonce: str = ""
+    """This launch's nonce (``GRPO_RUN_NONCE``): the server reports it, so ``wait_healthy`` accepts only it."""
 
 
 @dataclass
@@ -159,7 +178,11 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
             "--max-num-seqs", str(server.max_num_seqs),
             "--gpu-memory-utilization", str(server.gpu_memory_utilization),
             "--api-server-count", str(server.api_server_count)]
-    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, replica_gpus(config, replica)))}
+    # Our guard (bearer token on every route but /health, nonce, pause limit, adapter folder): vLLM's own
+    # --api-key check covers /v1/* only, not the dev-mode routes (/pause, /update_weights, ...).
+    argv += ["--middleware", GUARD_MIDDLEWARE]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, replica_gpus(config, replica))),
+           **guard_env(config)}
     if server.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(server.tensor_parallel_size)]
     if server.enforce_eager:
@@ -174,9 +197,38 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if rollout.uses_candidate_filter():
         argv += ["--return-sampling-mask", "--enable-scale-out"]
-    argv += server.extra_args
+    extra, secret_env = secret_flags_to_env(server.extra_args)
+    argv += extra
+    env.update(secret_env)
     log_path = server.log_dir / f"vllm-replica{replica}.log"
-    return LaunchSpec(argv, env, "vllm", replica, server.host, port, log_path)
+    return LaunchSpec(argv, env, "vllm", replica, server.host, port, log_path, nonce=env[NONCE_ENV])
+
+
+#: Secret ``vllm serve`` flags vLLM also reads from the environment: passed that way, they stay out of the process
+#: list (``ps``) and out of the ``non-default args`` line vLLM logs at start.
+SECRET_FLAG_ENV = {"--api-key": "VLLM_API_KEY", "--hf-token": "HF_TOKEN"}
+
+
+def secret_flags_to_env(args: list) -> tuple[list, dict[str, str]]:
+    """``server.extra_args`` split into the argv part and the environment of :data:`SECRET_FLAG_ENV` flags.
+
+    Returns:
+        ``(argv, env)``: argv keeps other secret flags' values as ``SecretStr`` (revealed at launch, shown
+        redacted in logs); env holds the moved values in plain text.
+    """
+    from pydantic import SecretStr
+
+    argv, env, i = [], {}, 0
+    while i < len(args):
+        arg = args[i]
+        value = args[i + 1] if i + 1 < len(args) else None
+        if isinstance(arg, str) and arg in SECRET_FLAG_ENV and isinstance(value, SecretStr):
+            env[SECRET_FLAG_ENV[arg]] = value.get_secret_value()
+            i += 2
+            continue
+        argv.append(arg)
+        i += 1
+    return argv, env
 
 
 def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
@@ -190,22 +242,37 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
             "--max-model-len", str(server.max_model_len), "--max-num-seqs", str(server.max_num_seqs),
             "--max-logprobs", str(server.max_logprobs), "--max-loras", str(config.max_loras()),
             "--max-lora-rank", str(max_lora_rank_for(config.train.lora.r)),
-            "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm"]
+            "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm",
+            "--max-pause-s", str(server.max_pause_s), "--adapter-dir", str(config.adapter_dir()),
+            "--weights-dir", str(config.weights_dir())]
     if model.cache_dir is not None:
         argv += ["--cache-dir", str(model.cache_dir)]
     if model.revision is not None:
         argv += ["--revision", model.revision]
     if server.kv_cache_size_tokens:
         argv += ["--kv-cache-size-tokens", str(server.kv_cache_size_tokens)]
-    env = {"HF_HUB_OFFLINE": "1"}
+    env = {"HF_HUB_OFFLINE": "1", **guard_env(config)}
     if server.gpu_ids is not None or server.num_replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, replica_gpus(config, replica)))
     log_path = server.log_dir / f"embedded-replica{replica}.log"
-    return LaunchSpec(argv, env, "embedded", replica, server.host, port, log_path, port_file)
+    return LaunchSpec(argv, env, "embedded", replica, server.host, port, log_path, port_file, nonce=env[NONCE_ENV])
 
 
-def launch(spec: LaunchSpec) -> ServerHandle:
-    """Start one replica in its own process group, stdout/stderr to ``spec.log_path``."""
+def guard_env(config: RunConfig) -> dict[str, str]:
+    """Environment of one launch read by ``grpo_core.serving.guard``: a fresh nonce, the pause limit and the run's
+    adapter and weights folders (the token is added by ``launch``, never stored in a spec)."""
+    return {NONCE_ENV: secrets.token_hex(16), MAX_PAUSE_ENV: str(config.server.max_pause_s),
+            ADAPTER_DIR_ENV: str(config.adapter_dir().resolve()), WEIGHTS_DIR_ENV: str(config.weights_dir().resolve())}
+
+
+def launch(spec: LaunchSpec, token: str) -> ServerHandle:
+    """Start one replica in its own process group, stdout/stderr to ``spec.log_path``.
+
+    Args:
+        spec: what to start.
+        token: the run's bearer token, given to the child in its environment only (``GRPO_RUN_TOKEN``, and
+            ``VLLM_API_KEY`` for vLLM's own ``/v1`` check), never on its command line.
+    """
     try:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         if spec.port_file is not None:
@@ -214,9 +281,12 @@ def launch(spec: LaunchSpec) -> ServerHandle:
     except OSError as exc:
         raise ServingError(f"{spec.backend} replica {spec.replica}: cannot write its log {spec.log_path} "
                            f"(server.log_dir): {exc.strerror or exc}") from None
-    logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, " ".join(spec.argv), spec.log_path)
-    process = subprocess.Popen(spec.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, **spec.env}, start_new_session=True)
+    logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, redact_argv(spec.argv),
+                spec.log_path)
+    # The run's token wins over a user's --api-key (whose value moved to VLLM_API_KEY in spec.env).
+    secret = {TOKEN_ENV: token, **({"VLLM_API_KEY": token} if spec.backend == "vllm" else {})}
+    process = subprocess.Popen(reveal(spec.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env={**os.environ, **spec.env, **secret}, start_new_session=True)
     return ServerHandle(spec, process, _log=log)
 
 
@@ -228,10 +298,21 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
         return ""
 
 
-def wait_healthy(handle: ServerHandle, timeout_s: float) -> str:
-    """Wait until the replica answers ``/health`` 200; returns its base URL.
+def wait_healthy(handle: ServerHandle, timeout_s: float, token: str) -> str:
+    """Wait until the replica we started answers; returns its base URL.
+
+    Accepted only when our process is alive, ``/health`` answers 200, and the authenticated
+    ``GET /grpo/run_nonce`` (``grpo_core.serving.guard``) returns this launch's nonce: a server of another
+    run (other token: 401; no guard: 404) or of an earlier launch (other nonce) on the same port is never
+    adopted, and no weights are ever pushed to it.
+
+    Args:
+        handle: the launched replica.
+        timeout_s: seconds to wait (``server.startup_timeout_s``).
+        token: the run's bearer token.
 
     Raises:
+        PortInUseError: another server answers on the replica's port (the replica is stopped).
         ServerStartError: the process exited, or ``timeout_s`` passed (the replica is stopped);
             the message holds the log's tail.
     """
@@ -246,18 +327,39 @@ def wait_healthy(handle: ServerHandle, timeout_s: float) -> str:
         if port:
             url = f"http://{spec.host}:{port}"
             try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                healthy = httpx.get(url + "/health", timeout=2.0).status_code == 200
+                answer = httpx.get(url + NONCE_PATH, headers=bearer_headers(token), timeout=5.0) if healthy else None
+            except httpx.HTTPError:
+                answer = None
+            if answer is not None:
+                problem = _foreign(answer, spec.nonce)
+                if problem is None:
                     handle.url = url
                     return url
-            except httpx.HTTPError:
-                pass
+                handle.stop()
+                raise PortInUseError(f"{spec.backend} replica {spec.replica}: {url} is answered by a server this "
+                                     f"launch did not start ({problem}); the run will not use it. Stop that server "
+                                     "or set server.port to a free port (0 = pick one)")
         time.sleep(0.5)
     handle.stop()
     raise ServerStartError(f"{spec.backend} replica {spec.replica} not healthy after {timeout_s:.0f} s "
                        f"(server.startup_timeout_s); log {spec.log_path}:\n{log_tail(spec.log_path)}")
 
 
-async def check_server(url: str, config: RunConfig) -> None:
+def _foreign(answer: httpx.Response, nonce: str) -> str | None:
+    """Why a ``/grpo/run_nonce`` answer is not our launch's (None when it is)."""
+    if answer.status_code == 401:
+        return "it refused this run's token"
+    if answer.status_code != 200:
+        return f"it has no run nonce route (HTTP {answer.status_code})"
+    try:
+        given = answer.json().get("nonce")
+    except (ValueError, AttributeError):
+        given = None
+    return None if given == nonce else "it does not report this launch's nonce"
+
+
+async def check_server(url: str, config: RunConfig, token: str | None = None) -> None:
     """Check a running server against the config; raise naming the flags to restart it with.
 
     Checks ``/v1/models`` (served name, ``max_model_len`` >= server.max_model_len), that the server
@@ -271,7 +373,7 @@ async def check_server(url: str, config: RunConfig) -> None:
     from grpo_core.serving.client import GenerationClient
 
     problems: list[str] = []
-    async with GenerationClient(url, max_connections=2, timeout_s=30.0, max_retries=2) as client:
+    async with GenerationClient(url, max_connections=2, timeout_s=30.0, max_retries=2, api_key=token) as client:
         cards = {card["id"]: card for card in await client.models()}
         name = config.served_model_name()
         card = cards.get(name)
@@ -343,24 +445,34 @@ def check_gpu_layout(config: RunConfig) -> None:
                           "'nccl' for separate GPUs, or put vLLM on the trainer's GPU")
 
 
-def provision(config: RunConfig) -> list[ServerHandle]:
+def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]:
     """Start, health-check and verify ``server.num_replicas`` replicas; returns their handles.
 
     On any failure the replicas already started are stopped before the error propagates.
 
+    Args:
+        config: the run config.
+        token: the run's bearer token; default ``GRPO_RUN_TOKEN``, generated (and set in this process's
+            environment, for the clients and children of this process) when missing.
+
     Raises:
         ConfigError: vLLM's GPUs and the trainer's do not suit the weight transfer (``check_gpu_layout``).
+        PortInUseError: a fixed port (``server.port`` + replica) is taken, or another server answers there.
     """
+    token = token or ensure_run_token()
     backend = choose_backend(config)
     if backend == "vllm":
         check_gpu_layout(config)
     specs = [vllm_command(config, i) if backend == "vllm" else embedded_command(config, i)
              for i in range(config.server.num_replicas)]
-    handles = [launch(spec) for spec in specs]
+    for spec in specs:
+        if config.server.port:
+            check_port_free(spec.host, spec.port)
+    handles = [launch(spec, token) for spec in specs]
     try:
         for handle in handles:
-            wait_healthy(handle, config.server.startup_timeout_s)
-            asyncio.run(check_server(handle.url, config))
+            wait_healthy(handle, config.server.startup_timeout_s, token)
+            asyncio.run(check_server(handle.url, config, token))
             logger.info("%s replica %d healthy at %s", backend, handle.spec.replica, handle.url)
     except BaseException:
         teardown(handles)

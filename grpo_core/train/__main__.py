@@ -27,10 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = parse_args(argv)
     from grpo_core.config import load_config
+    from grpo_core.redact import secrets_from_env
     from grpo_core.errors import ConfigError
 
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set, secrets=secrets_from_env(os.environ))  # the flow's GRPO_RUN_SECRETS
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)  # noqa: T201 - command-line error before logging is set up
         return 2

@@ -7,6 +7,10 @@ trained: restored into the batcher on resume, so their prompts are neither
 regenerated nor lost) and ``rollout_state.json`` (:class:`ResumeState`). It is
 written to ``step-{N}.tmp`` and renamed when complete, so a crash mid-save
 leaves the previous checkpoint as the latest.
+
+Restoring never unpickles code (``grpo_core.train.manifest``): ``manifest.json`` holds the SHA-256
+digest of every file and is checked before anything is read; RNG state and scheduler are loaded
+with ``weights_only=True``; DCP's pickled metadata is read by a restricted unpickler.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
+from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
 from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
@@ -115,6 +120,7 @@ def save(path: Path, model, optimizer, scheduler, state: ResumeState, pending: p
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
     dist.barrier()
     if rank == 0:
+        write_manifest(tmp)  # every rank's files are written and closed
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
         logger.info("checkpoint step %d saved to %s", state.step, path)
@@ -122,18 +128,24 @@ def save(path: Path, model, optimizer, scheduler, state: ResumeState, pending: p
 
 
 def load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeState, pa.RecordBatch | None]:
-    """Restore a checkpoint into live objects; returns the resume state and pending samples."""
+    """Restore a checkpoint into live objects; returns the resume state and pending samples.
+
+    Raises:
+        CheckpointError: a file is missing, changed or not in the checkpoint's manifest (checked before
+            anything is read), or the DCP metadata names code.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    verify_manifest(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(path / "dcp"))
+    dcp.load(sd, storage_reader=safe_reader(path / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = torch.load(rng_file, weights_only=True)  # tensors and plain containers
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

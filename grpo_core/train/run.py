@@ -24,8 +24,10 @@ def server_backend(url: str) -> str:
     """``embedded`` or ``vllm``: the embedded server says so in ``/server_info``."""
     import httpx
 
+    from grpo_core.auth import bearer_headers, run_token
+
     try:
-        info = httpx.get(url + "/server_info", timeout=30).json()
+        info = httpx.get(url + "/server_info", headers=bearer_headers(run_token()), timeout=30).json()
     except (httpx.HTTPError, ValueError) as e:
         raise ConfigError(f"--server-url {url}: /server_info did not answer ({e}); is the server up?") from None
     return "embedded" if info.get("backend") == "embedded" else "vllm"

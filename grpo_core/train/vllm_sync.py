@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import torch
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import ServingError
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class VllmWeightTransferSync:
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
-        self.http = httpx.Client(timeout=timeout_s)
+        self.http = httpx.Client(timeout=timeout_s, headers=bearer_headers(run_token()))  # the run's token
         self.groups: list = []
         self.initialised = False
 

@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 from safetensors.torch import save_file
 
+from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR
 from grpo_core.errors import ServingError
 
 from .export import publish, save_adapter
@@ -100,7 +101,7 @@ class DiskFullWeightSync:
 
     def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None):
         self.servers = _Servers(urls)
-        self.root = Path(output_dir) / ".weights"
+        self.root = Path(output_dir) / WEIGHTS_DIR
         self.keep = max(keep, 2)
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
@@ -155,7 +156,7 @@ class LoraAdapterSync:
     def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int,
                  model_dir: str | Path | None = None):
         self.servers = _Servers(urls)
-        self.root = Path(output_dir) / ".vllm_lora"
+        self.root = Path(output_dir) / ADAPTER_DIR
         self.name = name
         self.keep = max_staleness + 1
         self.loaded: list[int] = []

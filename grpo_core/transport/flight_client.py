@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as flight
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import TransportError
 from grpo_core.transport.types import PulledBatch
 
@@ -46,11 +47,14 @@ class FlightSource:
         process: the local rollout process (``grpo_core.rollout.process.start_rollout_process``), if this side
             started it: checked for exit, and waited for on close.
         error_path: file the rollout process writes its traceback to when it fails.
+        token: the run's bearer token, sent with every call; default ``GRPO_RUN_TOKEN``.
     """
 
     def __init__(self, location: str, *, max_staleness: int, timeout_s: float,
-                 process: subprocess.Popen | None = None, error_path: str | Path | None = None) -> None:
+                 process: subprocess.Popen | None = None, error_path: str | Path | None = None,
+                 token: str | None = None) -> None:
         self.location = location
+        self._headers = [(k.lower().encode(), v.encode()) for k, v in bearer_headers(token or run_token()).items()]
         self.max_staleness = max_staleness
         self.timeout_s = timeout_s
         self.process = process
@@ -84,6 +88,8 @@ class FlightSource:
                 result = call(*args)
                 self._last_contact = time.monotonic()
                 return result
+            except flight.FlightUnauthenticatedError:
+                raise self._fail("it refused this process's token (GRPO_RUN_TOKEN is not the run's)") from None
             except flight.FlightServerError as exc:
                 raise self._fail(str(exc).split("\n. Detail:")[0]) from None
             except (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightInternalError,
@@ -93,8 +99,12 @@ class FlightSource:
                     raise self._fail(f"no answer for {silent:.0f} s ({type(exc).__name__}: {exc})") from None
                 time.sleep(min(0.5, self.timeout_s / 10))
 
+    def _options(self, timeout_s: float) -> flight.FlightCallOptions:
+        """Call options: the timeout in seconds and the run's bearer token."""
+        return flight.FlightCallOptions(timeout=timeout_s, headers=self._headers)
+
     def _action(self, name: str, body: dict | None = None, timeout_s: float = 30.0) -> dict:
-        options = flight.FlightCallOptions(timeout=timeout_s)
+        options = self._options(timeout_s)
         action = flight.Action(name, json.dumps(body or {}).encode())
         results = self._rpc(lambda: list(self._client.do_action(action, options=options)))
         return json.loads(results[0].body.to_pybytes().decode()) if results else {}
@@ -150,7 +160,7 @@ class FlightSource:
     def _get(self, policy_version: int, min_samples: int, wait_s: float) -> tuple[pa.Table, list[int], bool]:
         ticket = flight.Ticket(json.dumps({"policy_version": policy_version, "min_samples": max(min_samples, 1),
                                            "wait_s": wait_s}).encode())
-        options = flight.FlightCallOptions(timeout=wait_s + 60.0)
+        options = self._options(wait_s + 60.0)
         table = self._rpc(lambda: self._client.do_get(ticket, options=options).read_all())
         meta = table.schema.metadata or {}
         consumed = json.loads(meta.get(META_CONSUMED, b"[]"))
@@ -211,7 +221,7 @@ class FlightSource:
             return
         self._closed = True
         try:
-            self._client.do_action(flight.Action("shutdown", b"{}"), options=flight.FlightCallOptions(timeout=5.0))
+            self._client.do_action(flight.Action("shutdown", b"{}"), options=self._options(5.0))
         except (flight.FlightError, OSError) as exc:
             logger.debug("shutdown action failed (process already gone?): %s", exc)
         self._client.close()

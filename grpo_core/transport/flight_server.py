@@ -12,7 +12,10 @@ Flight server (its own gRPC threads) serves them to the trainer:
   completion rows; empty unless ``tracking.log_completions``), ``heartbeat`` (seconds since the
   loop last ticked, the failure traceback if it failed), ``shutdown``.
 
-Nothing but Arrow and JSON crosses the wire (DESIGN.md §3).
+Every call (``DoGet``, ``DoAction``, ``ListActions``, …) needs the run's bearer token in its
+``authorization`` call header (:class:`BearerAuthFactory`); without it the call fails with
+``FlightUnauthenticatedError`` before the server does anything (no samples drained, no report, no
+shutdown). Nothing but Arrow and JSON crosses the wire (DESIGN.md §3).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from grpo_core.auth import TOKEN_ENV, authorized, check_port_free, run_token
+from grpo_core.errors import TransportError
 from grpo_core.packing import Sample, sample_schema, samples_to_arrow
 from grpo_core.transport.flight_client import META_CONSUMED, META_EXHAUSTED
 
@@ -110,6 +116,29 @@ class SampleQueue:
         return [b for b, _ in groups], consumed, exhausted, queued
 
 
+class BearerAuthFactory(flight.ServerMiddlewareFactory):
+    """Flight server middleware: refuses every call whose ``authorization`` header is not ``Bearer <token>``.
+
+    Args:
+        token: the run's bearer token (``grpo_core.auth``).
+    """
+
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self._token = token
+
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:
+        """Check the call's headers (gRPC lower-cases their names).
+
+        Raises:
+            FlightUnauthenticatedError: no header, or another token.
+        """
+        if not any(authorized(value, self._token) for value in headers.get("authorization", [])):
+            raise flight.FlightUnauthenticatedError("the rollout Flight server needs the run's bearer token "
+                                                    "(authorization: Bearer $GRPO_RUN_TOKEN)")
+        return None
+
+
 class RolloutFlightServer(flight.FlightServerBase):
     """Flight server of the rollout process (see the module docstring for the protocol).
 
@@ -120,12 +149,22 @@ class RolloutFlightServer(flight.FlightServerBase):
         generated_tokens: returns the loop's running count of generated tokens.
         on_shutdown: called when the trainer asks the process to stop.
         completions: the completion-table sample (drained by ``completions``), or None.
+        token: the bearer token every call must carry; default ``GRPO_RUN_TOKEN``.
+
+    Raises:
+        TransportError: no token is given or set (the server must not start unguarded).
+        PortInUseError: the fixed port of ``location`` (``rollout.flight_port``) is taken.
     """
 
     def __init__(self, location: str, queue: SampleQueue, window: MetricWindow,
                  generated_tokens: Callable[[], int], on_shutdown: Callable[[], None],
-                 completions: CompletionSample | None = None) -> None:
-        super().__init__(location)
+                 completions: CompletionSample | None = None, token: str | None = None) -> None:
+        token = token or run_token()
+        if not token:
+            raise TransportError(f"the rollout Flight server needs the run's bearer token: set {TOKEN_ENV}")
+        where = urlsplit(location)
+        check_port_free(where.hostname or "", where.port or 0, "rollout.flight_port")
+        super().__init__(location, middleware={"auth": BearerAuthFactory(token)})
         self.queue = queue
         self.window = window
         self.completions = completions

@@ -1,0 +1,206 @@
+"""ASGI middleware guarding a generation server the run started (embedded server and vLLM alike).
+
+The same class wraps the embedded server's FastAPI app (``create_app``) and real vLLM's app
+(``vllm serve --middleware grpo_core.serving.guard.RunGuardMiddleware``; vLLM adds a middleware
+class with ``app.add_middleware(cls)``, no arguments, so every setting has an environment
+fallback). It:
+
+* answers 401 to any request without ``Authorization: Bearer <run token>``, before the request
+  reaches a route (so nothing is parsed or changed), except ``GET /health``, which reveals only
+  liveness. vLLM's own ``--api-key`` check (``VLLM_API_KEY``) covers only paths under ``/v1``
+  (vLLM 0.25.1 ``AuthenticationMiddleware``); its dev-mode routes (``/pause``, ``/resume``,
+  ``/start_weight_update``, ``/update_weights``, ``/collective_rpc``, ``/server_info``, …) and
+  ``/metrics`` are covered here;
+* answers ``GET /grpo/run_nonce`` (authenticated) with the launch's nonce, so the launcher can tell
+  the process it started from another server on the same port (``grpo_core.serving.vllm.wait_healthy``);
+* refuses (403) a LoRA adapter load whose ``lora_path`` is outside the run's adapter folder, and a
+  full-weight update whose ``update_info.path`` is outside the run's weights folder;
+* caps a pause: ``max_pause_s`` seconds after ``POST /pause`` (or ``/start_weight_update``) with no
+  ``POST /resume`` since, it resumes the server itself (an internal ``POST /resume``) and logs a
+  warning, so a stray pause cannot stall a run for longer.
+
+Environment (set per launch by ``grpo_core.serving.vllm``): ``GRPO_RUN_TOKEN`` (required),
+``GRPO_RUN_NONCE``, ``GRPO_MAX_PAUSE_S``, ``GRPO_ADAPTER_DIR``, ``GRPO_WEIGHTS_DIR``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, TOKEN_ENV, authorized, run_token
+
+logger = logging.getLogger(__name__)
+
+MAX_PAUSE_ENV = "GRPO_MAX_PAUSE_S"
+ADAPTER_DIR_ENV = "GRPO_ADAPTER_DIR"
+WEIGHTS_DIR_ENV = "GRPO_WEIGHTS_DIR"
+PAUSE_PATHS = frozenset({"/pause", "/start_weight_update"})
+RESUME_PATH = "/resume"
+DEFAULT_MAX_PAUSE_S = 300.0
+
+
+def inside(path: str, root: str | Path | None) -> bool:
+    """Whether ``path`` resolves (symlinks and ``..`` followed) to ``root`` or below it; False without a root."""
+    if not root:
+        return False
+    return Path(path).resolve().is_relative_to(Path(root).resolve())
+
+
+async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _error(message: str, status: int, kind: str) -> dict[str, Any]:
+    """vLLM's error body (``{"error": {"message", "type", "param", "code"}}``)."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+class RunGuardMiddleware:
+    """Pure ASGI middleware; see the module docstring.
+
+    Args:
+        app: the wrapped ASGI app.
+        token: the run's bearer token; default ``GRPO_RUN_TOKEN``.
+        nonce: this launch's nonce; default ``GRPO_RUN_NONCE`` ('' = none).
+        max_pause_s: seconds a pause may last before the server resumes itself; default
+            ``GRPO_MAX_PAUSE_S`` or 300; 0 = no limit.
+        adapter_dir: the only folder LoRA adapters may be loaded from; default ``GRPO_ADAPTER_DIR``
+            (unset = every adapter load is refused).
+        weights_dir: the only folder full weights may be read from; default ``GRPO_WEIGHTS_DIR``.
+
+    Raises:
+        RuntimeError: no token (the server must not start unguarded).
+    """
+
+    def __init__(self, app: Any, token: str | None = None, nonce: str | None = None,
+                 max_pause_s: float | None = None, adapter_dir: str | Path | None = None,
+                 weights_dir: str | Path | None = None) -> None:
+        self.app = app
+        self._token = token or run_token()
+        if not self._token:
+            raise RuntimeError(f"{TOKEN_ENV} is not set: the server needs the run's bearer token in its environment "
+                               f"(e.g. {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'))")
+        self.nonce = nonce if nonce is not None else os.environ.get(NONCE_ENV, "")
+        env_pause = os.environ.get(MAX_PAUSE_ENV)
+        self.max_pause_s = max_pause_s if max_pause_s is not None else (
+            float(env_pause) if env_pause else DEFAULT_MAX_PAUSE_S)
+        self.adapter_dir = adapter_dir or os.environ.get(ADAPTER_DIR_ENV) or None
+        self.weights_dir = weights_dir or os.environ.get(WEIGHTS_DIR_ENV) or None
+        self._pause_generation = 0
+        self._pause_timer: asyncio.TimerHandle | None = None
+        self._expiry: asyncio.Task | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "") or "/"
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if path not in OPEN_PATHS and not authorized(headers.get("authorization"), self._token):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await _send_json(send, 401, _error("Unauthorized: this server needs the run's bearer token", 401,
+                                               "Unauthorized"))
+            return
+        if path == NONCE_PATH:
+            await _send_json(send, 200, {"nonce": self.nonce})
+            return
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            receive = await self._check_paths(path, scope, receive, send)
+            if receive is None:
+                return
+            if path in PAUSE_PATHS or path == RESUME_PATH:
+                await self._track_pause(path, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    async def _check_paths(self, path: str, scope: dict, receive: Any, send: Any) -> Any:
+        """The request's ``receive`` (replaying the body read here), or None after a 403 answer."""
+        if path not in ("/v1/load_lora_adapter", "/update_weights"):
+            return receive
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        if path == "/v1/load_lora_adapter":
+            given, root, what = data.get("lora_path"), self.adapter_dir, "LoRA adapters (the run's adapter folder)"
+        else:
+            info = data.get("update_info")
+            given = info.get("path") if isinstance(info, dict) else None
+            root, what = self.weights_dir, "full weights (the run's weights folder)"
+        if isinstance(given, str) and not inside(given, root):
+            logger.warning("refused %s from %s: outside %s", path, given, root)
+            await _send_json(send, 403, _error(f"{given} is outside {root or 'any allowed folder'}: this server loads "
+                                               f"{what} only", 403, "Forbidden"))
+            return None
+        replay = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def replayed() -> dict:
+            return replay.pop() if replay else await receive()
+
+        return replayed
+
+    async def _track_pause(self, path: str, scope: dict, receive: Any, send: Any) -> None:
+        """Pass the request on; a successful pause starts the clock, a resume stops it."""
+        status: list[int] = []
+
+        async def watching_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, watching_send)
+        if not status or status[0] >= 400:
+            return
+        self._pause_generation += 1
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+            self._pause_timer = None
+        if path in PAUSE_PATHS and self.max_pause_s > 0:
+            generation, loop = self._pause_generation, asyncio.get_running_loop()
+            self._pause_timer = loop.call_later(self.max_pause_s, self._start_expiry, generation, dict(scope))
+
+    def _start_expiry(self, generation: int, scope: dict) -> None:
+        """Timer callback: run :meth:`_expire` as a task, kept referenced until it ends (asyncio holds tasks weakly)."""
+        self._expiry = asyncio.get_running_loop().create_task(self._expire(generation, scope))
+
+    async def _expire(self, generation: int, scope: dict) -> None:
+        """Resume the server after ``max_pause_s`` if nothing paused or resumed it since."""
+        if generation != self._pause_generation:
+            return
+        self._pause_timer = None
+        logger.warning("the server has been paused for %.0f s (server.max_pause_s) without a resume: resuming it",
+                       self.max_pause_s)
+        scope.update(method="POST", path=RESUME_PATH, raw_path=RESUME_PATH.encode(), query_string=b"", headers=[])
+        sent = [{"type": "http.request", "body": b"", "more_body": False}]
+
+        async def receive() -> dict:
+            return sent.pop() if sent else {"type": "http.disconnect"}
+
+        status: list[int] = []
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+
+        await self.app(scope, receive, send)
+        self._pause_generation += 1
+        logger.warning("resumed after the pause limit (HTTP %s)", status[0] if status else "?")

@@ -1,0 +1,78 @@
+"""``python -m grpo_core.train.launch [torchrun arguments]``: torchrun whose stores listen on loopback only.
+
+A single-node ``torchrun --standalone`` hosts two ``TCPStore`` servers (the c10d rendezvous store and
+the store the ranks share), and ``TCPStore`` binds every interface (``::``) whatever host name it is
+given, so anyone on the network could write into a run's rendezvous. Here both stores are created on
+a socket bound to 127.0.0.1 and handed over with ``TCPStore(master_listen_fd=...)``, through a
+rendezvous backend registered as ``grpo-loopback`` (torch.distributed.elastic's handler registry);
+gloo binds loopback too (``GLOO_SOCKET_IFNAME=lo``). Everything else is torchrun's own code path.
+
+Only single-node runs use this: a multi-node run needs its stores reachable from the other hosts and
+keeps torchrun's own ``--rdzv-backend`` (call ``torch.distributed.run`` directly).
+
+Example::
+
+    python -m grpo_core.train.launch --nproc-per-node 2 -m grpo_core.train --config run.json
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from datetime import timedelta
+
+BACKEND = "grpo-loopback"
+LOOPBACK = "127.0.0.1"
+_SOCKETS: list[socket.socket] = []
+
+
+def loopback_store(timeout_s: float = 600.0):  # noqa: ANN201 - torch.distributed.TCPStore, imported lazily
+    """A multi-tenant ``TCPStore`` server listening on 127.0.0.1 only (a free port)."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, multi_tenant=True,
+                          master_listen_fd=sock.fileno(), timeout=timedelta(seconds=timeout_s))
+    _SOCKETS.append(sock)  # the listening socket must outlive the store (the process, here)
+    return store
+
+
+def _handler(params):  # noqa: ANN001, ANN202 - RendezvousParameters -> DynamicRendezvousHandler
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
+
+    class LoopbackHandler(DynamicRendezvousHandler):
+        """torchrun's dynamic rendezvous, whose store for the ranks also listens on loopback only."""
+
+        def _create_tcp_store_server(self, master_addr, master_port):  # noqa: ANN001, ANN202, ARG002
+            return loopback_store()
+
+    store = loopback_store(float(params.get_as_int("read_timeout", 600)))
+    handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    handler.__class__ = LoopbackHandler
+    handler._backend_name = BACKEND  # noqa: SLF001 - torchrun checks the handler names the backend it asked for
+    return handler
+
+
+def torchrun_args(argv: list[str]) -> list[str]:
+    """torchrun's arguments for a single-node run with the loopback rendezvous (``argv`` holds the rest)."""
+    return ["--rdzv-backend", BACKEND, "--rdzv-endpoint", f"{LOOPBACK}:0", "--rdzv-id", uuid.uuid4().hex,
+            "--local-addr", LOOPBACK, "--nnodes", "1", *argv]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Register the loopback rendezvous backend and run torchrun with it."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.run import main as torchrun
+
+    rendezvous_handler_registry.register(BACKEND, _handler)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torchrun(torchrun_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    main()

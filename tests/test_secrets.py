@@ -1,0 +1,172 @@
+"""Secrets are never logged or saved (issue 11, item 5): the password of ``tracking.tracking_uri`` and the value
+of ``--api-key``/tokens in ``server.extra_args`` appear nowhere — MLflow params, log output, files on disk — and
+the run's config files are written with mode 0600."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from grpo_core.config import RunConfig, load_config
+from grpo_core.errors import ConfigError
+from grpo_core.redact import (MASK, SECRETS_ENV, RedactFilter, redact_argv, reveal, secret_values, write_private)
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSWORD, API_KEY, HF_TOKEN = "pw-Zq81xT", "key-Yv27sLm", "hf_Wn93kPd"
+
+
+def _config(**tracking) -> RunConfig:
+    return RunConfig(tracking={"tracking_uri": f"https://grpo:{PASSWORD}@mlflow.example:5000", **tracking},
+                     server={"extra_args": ["--api-key", API_KEY, f"--hf-token={HF_TOKEN}", "--max-num-seqs", "8"]})
+
+
+def _no_secret(text: str) -> bool:
+    return not any(s in text for s in (PASSWORD, API_KEY, HF_TOKEN))
+
+
+def test_every_printed_form_of_a_config_masks_its_secrets():
+    cfg = _config()
+    for text in (cfg.model_dump_json(), json.dumps(cfg.model_dump(mode="json")), repr(cfg), str(cfg),
+                 cfg.tracking.shown_tracking_uri(), cfg.tracking.resolved_ui_url()):
+        assert _no_secret(text), text
+    shown = cfg.model_dump(mode="json")
+    assert shown["tracking"]["tracking_uri"] == f"https://grpo:{MASK}@mlflow.example:5000"  # the host stays
+    assert shown["server"]["extra_args"] == ["--api-key", MASK, "--hf-token", MASK, "--max-num-seqs", "8"]
+    # ...while the processes that need them get the real values.
+    assert cfg.tracking.resolved_tracking_uri() == f"https://grpo:{PASSWORD}@mlflow.example:5000"
+    assert reveal(cfg.server.extra_args) == ["--api-key", API_KEY, "--hf-token", HF_TOKEN, "--max-num-seqs", "8"]
+
+
+def test_a_redacted_file_gets_its_secrets_back_only_from_the_environment(tmp_path):
+    cfg = _config()
+    path = write_private(tmp_path / "run_config.json", cfg.model_dump_json())
+    assert _no_secret(path.read_text()) and stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(ConfigError, match=r"server.extra_args.1 holds a redacted value"):
+        load_config(path)
+    env = {SECRETS_ENV: json.dumps(secret_values(cfg))}
+    again = load_config(path, secrets=json.loads(env[SECRETS_ENV]))
+    assert again.tracking.resolved_tracking_uri() == cfg.tracking.resolved_tracking_uri()
+    assert reveal(again.server.extra_args) == reveal(cfg.server.extra_args)
+
+
+def test_write_private_makes_an_existing_file_0600(tmp_path):
+    path = tmp_path / "f.json"
+    path.write_text("old")
+    path.chmod(0o644)
+    write_private(path, "new")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "new"
+
+
+def test_vllm_gets_api_key_and_token_by_environment_and_logs_a_redacted_command(tmp_path, caplog):
+    from grpo_core.serving.vllm import LaunchSpec, launch, vllm_command
+
+    cfg = _config().model_copy(update={"model": RunConfig().model.model_copy(update={"name": "tiny-qwen3"})})
+    spec = vllm_command(cfg)
+    assert _no_secret(" ".join(reveal(spec.argv)))  # not on the command line (ps, vLLM's "non-default args")
+    assert spec.env["VLLM_API_KEY"] == API_KEY and spec.env["HF_TOKEN"] == HF_TOKEN
+    assert "--api-key" not in reveal(spec.argv) and "--max-num-seqs" in reveal(spec.argv)
+    # A secret flag vLLM has no variable for stays in argv: revealed to the process, masked in the log.
+    from pydantic import SecretStr
+
+    marker = tmp_path / "argv.json"
+    argv = [sys.executable, "-c", f"import sys, json; open({str(marker)!r}, 'w').write(json.dumps(sys.argv[1:]))",
+            "--ssl-password", SecretStr(PASSWORD), f"--db-secret={API_KEY}"]
+    run = LaunchSpec(argv, {}, "embedded", 0, "127.0.0.1", 0, tmp_path / "log.txt")
+    with caplog.at_level(logging.INFO, logger="grpo_core.serving.vllm"):
+        handle = launch(run)
+        handle.process.wait(timeout=60)
+    assert json.loads(marker.read_text()) == ["--ssl-password", PASSWORD, f"--db-secret={API_KEY}"]
+    assert "--ssl-password " + MASK in caplog.text and "--db-secret=" + MASK in caplog.text
+    assert _no_secret(caplog.text)
+    assert redact_argv(["--api-key", API_KEY, "--hf-token", "--enforce-eager"]) == \
+        f"--api-key {MASK} --hf-token --enforce-eager"
+
+
+def test_redact_filter_masks_forwarded_lines(caplog):
+    log = logging.getLogger("test_secrets.forwarded")
+    log.addFilter(RedactFilter([API_KEY, PASSWORD]))
+    with caplog.at_level(logging.INFO, logger="test_secrets.forwarded"):
+        log.info("[server 0] args: %s", {"api_key": API_KEY, "uri": f"http://u:{PASSWORD}@h"})
+    assert _no_secret(caplog.text) and MASK in caplog.text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow tracking server on loopback (it accepts any basic-auth credentials)."""
+    port = _free_port()
+    log = (tmp_path / "mlflow-server.log").open("wb")
+    process = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                                "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                                "--artifacts-destination", str(tmp_path / "server-artifacts")],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(480):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
+            time.sleep(0.5)
+        yield port
+    finally:
+        from flows.processes import stop_tree
+
+        stop_tree(process)
+        log.close()
+    assert process.poll() is not None
+
+
+@pytest.mark.slow
+def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow_server):
+    """``grpo train`` with a tracking server password and a vLLM API key: neither reaches the MLflow params,
+    the command's output (the Prefect run log included), or any file under the test's folder (run files, Prefect's
+    database with its logs and parameters, MLflow's stores); the run's config files are 0600, its folder 0700."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"http://grpo:{PASSWORD}@127.0.0.1:{mlflow_server}"
+    sets = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
+            f"tracking.tracking_uri={uri}",
+            f"server.extra_args=[--api-key, {API_KEY}, --hf-token={HF_TOKEN}]", "train.max_steps=1",
+            "train.flush_partial_after_s=1", "rollout.dataset_size=4"]
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+           *(a for s in sets for a in ("--set", s))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "400",
+           "OMP_NUM_THREADS": "1", "PREFECT_LOGGING_LEVEL": "DEBUG"}
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "Finished in state Completed" in output and _no_secret(output)
+    assert f"http://grpo:{MASK}@127.0.0.1:{mlflow_server}" in output  # the summary shows where, not how
+    client = MlflowClient(tracking_uri=f"http://127.0.0.1:{mlflow_server}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1
+    params = runs[0].data.params
+    assert params["tracking.tracking_uri"] == f"http://grpo:{MASK}@127.0.0.1:{mlflow_server}"
+    assert json.loads(params["server.extra_args"]) == ["--api-key", MASK, "--hf-token", MASK]
+    assert _no_secret(json.dumps(params))
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.name == "run_config.json" for p in files) and any(p.suffix == ".db" for p in files)
+    leaks = [str(p) for p in files if any(s.encode() in p.read_bytes() for s in (PASSWORD, API_KEY, HF_TOKEN))]
+    assert not leaks
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    for name in ("run_config.json", "train_config.json"):
+        assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600

@@ -1,0 +1,328 @@
+"""Listeners a run starts serve only that run: bearer token, launch nonce, adapter folder, pause limit, taken ports.
+
+Real processes throughout: one tiny embedded server (module fixture, pause limit 2 s), plain
+``http.server`` servers standing in for "another run's server", and real sockets holding ports.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from serving_helpers import TINY, adapter_dir, embedded_server, run, weights_dir
+
+from grpo_core.auth import NONCE_PATH, bearer_headers, run_token
+from grpo_core.config import ModelConfig, RunConfig
+from grpo_core.errors import PortInUseError, ServerRequestError
+from grpo_core.serving.client import GenerationClient
+from grpo_core.serving.vllm import LaunchSpec, ServerHandle, provision, wait_healthy
+
+# Every route of the embedded server but /health, each with a body that would change state if it got through.
+PROTECTED = [
+    ("GET", "/v1/models", None), ("POST", "/v1/completions", {"model": TINY, "prompt": [5, 6], "max_tokens": 2}),
+    ("GET", "/metrics", None), ("POST", "/pause", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
+    ("GET", "/server_info", None), ("GET", "/get_world_size", None), ("POST", "/reset_prefix_cache", None),
+    ("POST", "/init_weight_transfer_engine", {}), ("POST", "/start_weight_update", {}),
+    ("POST", "/update_weights", {"update_info": {"path": "/nonexistent"}}), ("POST", "/finish_weight_update", None),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}), ("GET", NONCE_PATH, None), ("GET", "/docs", None),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with embedded_server(tmp_path_factory.mktemp("guarded"), max_pause_s=2.0) as handle:
+        yield handle
+
+
+def _authed(url: str, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, url + path, headers=bearer_headers(run_token()), timeout=60, **kw)
+
+
+def _state(server) -> tuple:
+    """What an attacker could change: pause state, served models."""
+    paused = _authed(server.url, "GET", "/is_paused").json()["is_paused"]
+    models = [m["id"] for m in _authed(server.url, "GET", "/v1/models").json()["data"]]
+    return paused, models
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer not-the-token"}, {"Authorization": "Basic abc"}])
+def test_every_route_but_health_refuses_requests_without_the_run_token(server, headers):
+    before = _state(server)
+    for method, path, body in PROTECTED:
+        answer = httpx.request(method, server.url + path, json=body, headers=headers, timeout=60)
+        assert answer.status_code == 401, (method, path, answer.status_code, answer.text)
+        assert answer.json()["error"]["code"] == 401 and run_token() not in answer.text
+    assert _state(server) == before == (False, [TINY])
+    health = httpx.get(server.url + "/health", headers=headers)
+    assert health.status_code == 200 and health.content == b""  # liveness only
+
+
+def test_the_run_token_opens_every_route_and_the_nonce_is_this_launchs(server):
+    assert _authed(server.url, "GET", NONCE_PATH).json() == {"nonce": server.spec.nonce} and server.spec.nonce
+    assert run_token() not in " ".join(server.spec.argv) + json.dumps(server.spec.env)  # env of the child only
+    assert run_token() not in server.spec.log_path.read_text(errors="replace")
+
+    async def go():
+        async with GenerationClient(server.url, timeout_s=60) as c:  # the run's token from the environment
+            return await c.complete([5, 6, 7], model=TINY, max_tokens=3), await c.server_info()
+    (completion,), info = run(go())
+    assert len(completion.token_ids) == 3 and info["backend"] == "embedded"
+
+
+def _adapter(folder: Path, copy_of: Path | None = None) -> Path:
+    """A real PEFT LoRA adapter of the tiny model in ``folder`` (a copy of ``copy_of`` when given)."""
+    if copy_of is not None:
+        shutil.copytree(copy_of, folder)
+        return folder
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_core.models import load_model
+
+    torch.manual_seed(0)
+    peft = get_peft_model(load_model(ModelConfig(name=TINY))[0], LoraConfig(r=8, target_modules=["q_proj"]))
+    peft.save_pretrained(folder)
+    return folder
+
+
+def test_adapters_and_weights_load_only_from_the_runs_folders(server, tmp_path):
+    outside = _adapter(tmp_path / "elsewhere")
+    link = adapter_dir(server) / "link-out"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(outside, target_is_directory=True)  # inside by name, outside once resolved
+    (weights_dir(server)).mkdir(parents=True, exist_ok=True)
+
+    async def go():
+        async with GenerationClient(server.url, timeout_s=60, max_retries=0) as c:
+            errors = []
+            for name, path in (("out", str(outside)), ("dots", str(adapter_dir(server) / ".." / ".." / "x")),
+                               ("link", str(link))):
+                with pytest.raises(ServerRequestError) as info:
+                    await c.load_lora_adapter(name, path)
+                errors.append(info.value)
+            with pytest.raises(ServerRequestError) as weights:
+                await c.update_weights({"path": str(tmp_path)})
+            inside = _adapter(adapter_dir(server) / "ours", copy_of=outside)
+            await c.load_lora_adapter("ours", str(inside))
+            models = [m["id"] for m in await c.models()]
+            await c.unload_lora_adapter("ours")
+            return errors, weights.value, models
+    errors, weights, models = run(go())
+    assert all(e.status == 403 and "outside" in str(e) for e in errors) and weights.status == 403
+    assert models == [TINY, "ours"]
+
+
+def test_a_pause_ends_after_the_limit_and_says_so(server):
+    assert _authed(server.url, "POST", "/pause", params={"mode": "keep"}).status_code == 200
+    assert _state(server)[0] is True
+    deadline = time.monotonic() + 120
+    while _state(server)[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _state(server)[0] is False
+    assert "without a resume: resuming it" in server.spec.log_path.read_text(errors="replace")
+
+
+class _Foreign(BaseHTTPRequestHandler):
+    """Another run's server: answers 200 to everything and records what it was sent."""
+
+    seen: list[str] = []
+
+    def _answer(self) -> None:
+        self.seen.append(f"{self.command} {self.path}")
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"status": "ok"}')
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def foreign():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Foreign)
+    _Foreign.seen = []
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_fixed_port_taken_by_another_server_is_a_clear_error_and_nothing_is_sent(foreign, tmp_path):
+    port = foreign.server_address[1]
+    config = RunConfig(model={"name": TINY}, server={"backend": "embedded", "port": port, "log_dir": tmp_path,
+                                                     "startup_timeout_s": 60})
+    with pytest.raises(PortInUseError, match=rf"127.0.0.1:{port} is already in use.*server.port"):
+        provision(config)
+    assert _Foreign.seen == []  # not even probed: no weights, no pause, nothing
+    assert not (tmp_path / "embedded-replica0.log").exists()  # no server was started
+
+
+def _sleeper(port: int, tmp_path: Path, nonce: str = "ours") -> ServerHandle:
+    """A live process of 'ours' that never listens, as a replica still loading while another server holds its port."""
+    spec = LaunchSpec([sys.executable, "-c", "import time; time.sleep(120)"], {}, "vllm", 0, "127.0.0.1", port,
+                      tmp_path / "sleeper.log", nonce=nonce)
+    process = subprocess.Popen(spec.argv, start_new_session=True)
+    return ServerHandle(spec, process)
+
+
+@pytest.mark.parametrize("who", ["no guard", "another run", "another launch"])
+def test_a_server_answering_on_our_port_is_never_adopted(who, foreign, server, tmp_path):
+    port = foreign.server_address[1] if who == "no guard" else int(server.url.rsplit(":", 1)[1])
+    token = "another-run-token" if who == "another run" else run_token()
+    handle = _sleeper(port, tmp_path)
+    reason = {"no guard": "does not report this launch's nonce", "another run": "refused this run's token",
+              "another launch": "does not report this launch's nonce"}[who]
+    with pytest.raises(PortInUseError, match=f"did not start \\(it {reason}\\)"):
+        wait_healthy(handle, 60, token)
+    assert handle.process.poll() is not None  # our replica was stopped
+    assert not any(s.startswith("POST") for s in _Foreign.seen)  # nothing pushed
+
+
+def test_prefect_stack_on_a_taken_port_starts_nothing(tmp_path):
+    from flows.serve import PrefectStack
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(PortInUseError, match=rf"127.0.0.1:{port} is already in use.*grpo deploy --port"):
+            PrefectStack(port=port, home=tmp_path / "prefect").start()
+    assert not (tmp_path / "prefect" / "server.log").exists()
+
+
+def test_a_prefect_server_that_needs_no_auth_string_is_not_ours(foreign, tmp_path):
+    from flows.local_api import PrefectApiError, verify_own_server
+
+    ours = _sleeper(0, tmp_path).process  # alive, but another server answers on the port
+    try:
+        with pytest.raises(PrefectApiError, match=r"did not start \(without credentials: HTTP 200"):
+            verify_own_server(f"http://127.0.0.1:{foreign.server_address[1]}/api", "grpo:secret", ours, "test")
+    finally:
+        ours.kill()
+        ours.wait()
+
+
+PROBE = """
+import os, psutil, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+if dist.get_rank() == 0:
+    agent = psutil.Process(os.getppid())
+    procs = [agent, *agent.children(recursive=True)]
+    listening = {c.laddr.ip for p in procs for c in p.net_connections() if c.status == psutil.CONN_LISTEN}
+    print("RESULT", total.item(), sorted(listening), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_the_trainer_launcher_listens_on_loopback_only(tmp_path):
+    """torchrun --standalone binds its stores on every interface; grpo_core.train.launch on 127.0.0.1 only."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    done = subprocess.run([sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "2",
+                           str(tmp_path / "probe.py")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    assert line == "RESULT 3.0 ['127.0.0.1']"  # the ranks met (1 + 2), and nothing listens beyond loopback
+
+
+def test_the_guard_loads_into_a_vllm_style_app_from_the_environment(monkeypatch):
+    """vLLM adds a --middleware class with app.add_middleware(cls) and no arguments: the environment carries all."""
+    import importlib
+
+    from fastapi import FastAPI
+
+    from grpo_core.serving.vllm import GUARD_MIDDLEWARE
+
+    monkeypatch.setenv("GRPO_RUN_TOKEN", "tok-123")
+    monkeypatch.setenv("GRPO_RUN_NONCE", "n-1")
+    app, paused = FastAPI(), []
+    app.post("/pause")(lambda: paused.append(True) or {"status": "paused"})
+    app.get("/health")(lambda: {})
+    module, name = GUARD_MIDDLEWARE.rsplit(".", 1)
+    app.add_middleware(getattr(importlib.import_module(module), name))  # as vllm's build_app does
+    ours = {"Authorization": "Bearer tok-123"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vllm") as http:
+            refused, health = await http.post("/pause"), await http.get("/health")
+            assert refused.status_code == 401 and paused == [] and health.status_code == 200
+            assert (await http.get(NONCE_PATH, headers=ours)).json() == {"nonce": "n-1"}
+            assert (await http.post("/pause", headers=ours)).status_code == 200 and paused == [True]
+    run(go())
+
+
+class _Rollout:
+    """A real rollout Flight server over a queue holding one group; records shutdown calls."""
+
+    def __init__(self, token: str = "flight-token", port: int = 0) -> None:
+        from grpo_core.packing import Sample
+        from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
+        from grpo_core.rollout.pace import TokenAllowance
+        from grpo_core.rollout.window import MetricWindow
+
+        self.queue = SampleQueue(TokenAllowance(1, 100), with_topk=False)
+        samples = [Sample.build([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.7], sample_id=i, advantage=1.0 - 2 * i)
+                   for i in range(2)]
+        self.queue.put_group(0, samples, tokens=6)
+        self.shutdowns: list[bool] = []
+        self.server = RolloutFlightServer(f"grpc://127.0.0.1:{port}", self.queue, MetricWindow(), lambda: 0,
+                                          lambda: self.shutdowns.append(True), token=token)
+        self.location = f"grpc://127.0.0.1:{self.server.port}"
+
+
+def test_the_rollout_flight_server_refuses_calls_without_the_run_token():
+    import pyarrow.flight as flight
+
+    from grpo_core.transport.flight_client import FlightSource
+
+    rollout = _Rollout()
+    try:
+        client = flight.connect(rollout.location)
+        for headers in ([], [(b"authorization", b"Bearer wrong")]):
+            options = flight.FlightCallOptions(timeout=10, headers=headers)
+            calls = [lambda o=options: client.do_get(flight.Ticket(b'{"min_samples": 1, "wait_s": 0}'), o).read_all(),
+                     lambda o=options: list(client.do_action(flight.Action("shutdown", b"{}"), o)),
+                     lambda o=options: list(client.do_action(flight.Action("report", json.dumps(
+                         {"policy_version": 5, "tokens_consumed": 999}).encode()), o)),
+                     lambda o=options: list(client.list_actions(o))]
+            for call in calls:
+                with pytest.raises(flight.FlightUnauthenticatedError):
+                    call()
+        client.close()
+        # Nothing changed: the group is still queued, no shutdown, no report.
+        assert rollout.shutdowns == [] and rollout.queue.allowance.policy_version == 0
+        assert rollout.queue.allowance.trainer_step == 0
+        with pytest.raises(Exception, match="refused this process's token"):
+            FlightSource(rollout.location, max_staleness=1, timeout_s=10, token="wrong").pull(0, timeout_s=0)
+        source = FlightSource(rollout.location, max_staleness=1, timeout_s=10, token="flight-token")
+        batch = source.pull(0, min_samples=2, timeout_s=10)
+        source.report(1, 6)
+        source.close()
+        assert batch.samples.num_rows == 2 and batch.samples["advantage"].to_pylist() == [1.0, -1.0]
+        assert rollout.queue.allowance.policy_version == 1 and rollout.shutdowns == [True]
+    finally:
+        rollout.server.shutdown()
+
+
+def test_a_taken_flight_port_is_a_clear_error():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        with pytest.raises(PortInUseError, match="rollout.flight_port"):
+            _Rollout(port=holder.getsockname()[1])
