@@ -80,7 +80,9 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
     """
     from grpo_core import preflight
     from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
+    from grpo_core.run_lock import RunLock
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
+    from grpo_core.train.fingerprint import check_resume
     from grpo_core.train.manifest import verify_manifest
 
     secrets = secret_values(config)
@@ -91,6 +93,9 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     run_dir.chmod(0o700)  # the run's files (logs, configs, checkpoints) are its owner's only
     _SECRETS[str(run_dir)] = secrets
+    # an orphaned trainer of a killed attempt may still write the folder: wait for it, or fail naming its pid
+    with RunLock(run_dir, "prepare", config.train.run_lock_timeout_s):
+        pass
     cfg = config.model_copy(deep=True)
     cfg.train.output_dir = run_dir
     cfg.server.log_dir = run_dir / "servers"
@@ -100,9 +105,8 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
 
         mlflow_run_id, continued = tracking.start_run(cfg, flow_run_id, deployment, run_name=runtime.flow_run.name)
         cfg.tracking.run_id = mlflow_run_id
-        source = mlflow_run_id if continued else cfg.resume_from
-        if latest_checkpoint(run_dir) is None and source:
-            tracking.download_latest_checkpoint(cfg.tracking, source, run_dir)
+        if latest_checkpoint(run_dir) is None:  # a retry on a host without the run folder, or resume_from
+            fetch_checkpoint(cfg, run_dir, continued)
     write_private(run_dir / RESOLVED_CONFIG, cfg.model_dump_json(indent=1))  # secrets redacted
     if mlflow_run_id:
         from grpo_core import tracking
@@ -111,10 +115,40 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
     latest = latest_checkpoint(run_dir)
     if latest is not None:
         verify_manifest(latest)  # a downloaded checkpoint is refused here, naming its tampered or missing file
+        check_resume(cfg, latest)  # a different run refuses here, before any server starts
         log.info("resuming from checkpoint %s", latest)
     log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
     return {"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id,
             "resume_state": str(latest / STATE_FILE) if latest is not None else None}
+
+
+def fetch_checkpoint(cfg: RunConfig, run_dir: Path, continued: bool) -> Path | None:
+    """Fetch the checkpoint a run without a local one resumes from: its own MLflow run's (a retry on a host
+    where the run folder is gone), else ``resume_from``'s; each the latest completely uploaded one.
+
+    Returns:
+        The local checkpoint folder, or None (a fresh start: neither run completed a checkpoint upload, and
+        ``resume_from`` is unset).
+
+    Raises:
+        CheckpointError: a checkpoint exists but cannot be fetched (names the run, the checkpoint and why), or
+            ``resume_from`` names a run without a completely uploaded checkpoint.
+    """
+    from grpo_core import tracking
+    from grpo_core.errors import CheckpointError
+    from grpo_core.train.checkpoint import verify
+
+    fetched = None
+    if continued:
+        fetched = tracking.download_latest_checkpoint(cfg.tracking, cfg.tracking.run_id, run_dir, verify=verify)
+    source = cfg.resume_from
+    if fetched is None and source:
+        fetched = tracking.download_latest_checkpoint(cfg.tracking, source, run_dir, verify=verify)
+        if fetched is None:
+            raise CheckpointError(f"resume_from={source}: MLflow run {source} has no completely uploaded checkpoint "
+                                  f"(no tag {tracking.LATEST_STEP_TAG}); pick a run that saved one, or drop "
+                                  "resume_from to start a new run")
+    return fetched
 
 
 def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 - Prefect's retry_condition_fn

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.auth import new_token, run_token
+from grpo_core.durable import atomic_write_text
 
 # uvicorn access-log lines of the generation server: one per request, too many for the run log.
 _NOISE = ('HTTP/1.1"', "httpx: HTTP Request", "Loading weights:")
@@ -162,7 +163,7 @@ def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file:
     if register is not None:
         register.processes.append(process)
     if pid_file is not None:
-        pid_file.write_text(str(process.pid))
+        atomic_write_text(pid_file, str(process.pid))
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     assert process.stdout is not None
     for line in process.stdout:

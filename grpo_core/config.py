@@ -387,6 +387,11 @@ class TrainConfig(_Strict):
     """Optimizer steps between weight syncs to the servers (each sync = one policy version)."""
     save_steps: int = Field(default=50, ge=1)
     """Optimizer steps between checkpoints."""
+    save_total_limit: int | None = Field(default=None, ge=1)
+    """Checkpoints kept in ``<output_dir>/checkpoints`` (the oldest are deleted after each save); None keeps all."""
+    run_lock_timeout_s: float = Field(default=30.0, ge=0)
+    """Seconds a trainer waits for the run folder's lock held by another process (an orphaned trainer of a
+    killed attempt) before it fails naming the holder's pid."""
     logging_steps: int = Field(default=1, ge=1)
     """Optimizer steps per metrics window."""
     seed: int = 0

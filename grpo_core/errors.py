@@ -103,3 +103,7 @@ class RolloutError(GrpoError):
 class CheckpointError(GrpoError):
     """A checkpoint cannot be used: it cannot be fetched, is incomplete, or failed to load (the message names
     the run, the checkpoint and why)."""
+
+
+class RunLockedError(GrpoError):
+    """Another process holds the run folder's lock (the message names its pid)."""

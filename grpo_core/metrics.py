@@ -14,12 +14,13 @@ dependency, the MLflow sink lives in ``grpo_core.tracking``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
+
+from grpo_core.durable import JsonlAppender, read_jsonl
 
 
 def aggregation(name: str) -> str:
@@ -102,24 +103,23 @@ class MetricsSink(Protocol):
 class JsonlSink:
     """Appends one JSON object per logged step to a file: ``{"step": N, ...metrics}``.
 
-    Appending (not truncating) lets a resumed run continue the same file.
+    Appending (not truncating) lets a resumed run continue the same file; each line is fsynced, and a
+    torn last line left by a killed writer is cut off on open (:class:`grpo_core.durable.JsonlAppender`).
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("a", encoding="utf-8")
+        self._out = JsonlAppender(self.path)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Write one line and flush it."""
-        self._f.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._f.flush()
+        """Write one line and make it durable."""
+        self._out.write({"step": step, **metrics})
 
     def close(self) -> None:
         """Close the file."""
-        self._f.close()
+        self._out.close()
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:
-        """All records of a JSON-lines metrics file."""
-        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        """All records of a JSON-lines metrics file (a torn last line is skipped with a warning)."""
+        return read_jsonl(path)

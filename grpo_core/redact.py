@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -206,9 +205,8 @@ def redact_logs(values: Iterable[str], loggers: Iterable[str] = ("prefect.flow_r
 
 
 def write_private(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` readable by its owner only (mode 0600, also when the file existed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    return Path(path)
+    """Write ``text`` to ``path`` readable by its owner only (mode 0600, also when the file existed), atomically
+    (:func:`grpo_core.durable.atomic_write_text`)."""
+    from grpo_core.durable import atomic_write_text
+
+    return atomic_write_text(path, text, mode=0o600)

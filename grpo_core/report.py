@@ -12,6 +12,7 @@ import logging
 import math
 from pathlib import Path
 
+from grpo_core.durable import atomic_write_text
 from grpo_core.metrics import JsonlSink
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def write_train_end(output_dir: Path, steps: int, max_steps: int, stopped_early:
         skipped_nonfinite_steps: steps of this process whose update was skipped (non-finite gradient norm).
     """
     path = Path(output_dir) / TRAIN_END
-    path.write_text(json.dumps({"steps": steps, "max_steps": max_steps, "stopped_early": stopped_early,
+    atomic_write_text(path, json.dumps({"steps": steps, "max_steps": max_steps, "stopped_early": stopped_early,
                                 "skipped_nonfinite_steps": skipped_nonfinite_steps}))
     return path
 

@@ -33,7 +33,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -236,38 +236,73 @@ def log_checkpoint(tc: TrackingConfig, run_id: str, path: Path) -> None:
     mc.set_tag(run_id, LATEST_STEP_TAG, path.name.removeprefix("step-").lstrip("0") or "0")
 
 
-def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path) -> Path | None:
-    """Bring the run's latest checkpoint into ``<output_dir>/checkpoints/`` (download, or copy from its URI).
+def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path,
+                               verify: Callable[[Path], str | None] | None = None) -> Path | None:
+    """Bring the run's latest completely uploaded checkpoint into ``<output_dir>/checkpoints/``.
+
+    The checkpoint is the one named by the tag ``grpo.latest_checkpoint_step``, which :func:`log_checkpoint`
+    sets only after the whole folder (or its URI) is uploaded; a newer, partly uploaded folder is ignored.
+    A checkpoint folder is downloaded, or copied from the URI in its ``checkpoint_uri.txt``, then checked with
+    ``verify`` (returns why a folder is unusable, or None; ``grpo_core.train.checkpoint.verify``) before it is
+    renamed into place.
 
     Returns:
-        The local checkpoint folder, or None when the run has no usable checkpoint.
+        The local checkpoint folder, or None when the run has no completely uploaded checkpoint.
+
+    Raises:
+        CheckpointError: the tagged checkpoint cannot be fetched (artifact missing, URI not reachable from this
+            host, download failed, or incomplete after it); the message names the run, the checkpoint and why.
     """
+    from grpo_core.errors import CheckpointError
+
     mc = client(tc)
-    names = sorted((a.path.split("/")[-1] for a in mc.list_artifacts(run_id, "checkpoints") if a.is_dir),
-                   reverse=True)
-    for name in names:
-        local = Path(output_dir) / "checkpoints" / name
-        if (local / "rollout_state.json").exists():
-            return local
+    tag = mc.get_run(run_id).data.tags.get(LATEST_STEP_TAG)
+    if tag is None:
+        partial = [a.path for a in mc.list_artifacts(run_id, "checkpoints")]
+        if partial:
+            logger.warning("MLflow run %s has checkpoint folders %s but none was completely uploaded (no tag %s)",
+                           run_id, partial, LATEST_STEP_TAG)
+        return None
+    name = f"step-{int(tag):07d}"
+    local = Path(output_dir) / "checkpoints" / name
+
+    def fail(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {name} of MLflow run {run_id} (tracking URI {tc.resolved_tracking_uri()})"
+                               f" cannot be fetched: {why}")
+
+    try:
         files = {a.path.split("/")[-1] for a in mc.list_artifacts(run_id, f"checkpoints/{name}")}
         local.parent.mkdir(parents=True, exist_ok=True)
+        download = local.parent / ".download"
+        shutil.rmtree(download, ignore_errors=True)
         if "dcp" in files:
-            tmp = Path(mc.download_artifacts(run_id, f"checkpoints/{name}", str(local.parent / ".download")))
-            shutil.rmtree(local, ignore_errors=True)
-            tmp.rename(local)
-            shutil.rmtree(local.parent / ".download", ignore_errors=True)
-            logger.info("downloaded checkpoint %s of MLflow run %s to %s", name, run_id, local)
-            return local
-        if CHECKPOINT_URI_FILE in files:
-            uri = mc.download_artifacts(run_id, f"checkpoints/{name}/{CHECKPOINT_URI_FILE}")
+            tmp = Path(mc.download_artifacts(run_id, f"checkpoints/{name}", str(download)))
+        elif CHECKPOINT_URI_FILE in files:
+            uri = mc.download_artifacts(run_id, f"checkpoints/{name}/{CHECKPOINT_URI_FILE}", str(download))
             source = Path(Path(uri).read_text().strip().removeprefix("file://"))
-            if (source / "rollout_state.json").exists():
-                shutil.copytree(source, local, dirs_exist_ok=True)
-                logger.info("copied checkpoint %s of MLflow run %s from %s", name, run_id, source)
-                return local
-            logger.warning("checkpoint %s of MLflow run %s lies at %s, which is not reachable here", name, run_id,
-                           source)
-    return None
+            if not (source / "rollout_state.json").is_file():
+                raise fail(f"it lies at {source} (checkpoint_uri.txt), which is not reachable from this host")
+            tmp = download / name
+            shutil.copytree(source, tmp)
+        else:
+            raise fail(f"the artifact folder checkpoints/{name} holds neither dcp/ nor {CHECKPOINT_URI_FILE} "
+                       f"(it holds {sorted(files)})")
+    except MlflowException as exc:
+        raise fail(f"MLflow: {str(exc).splitlines()[0]}") from exc
+    except OSError as exc:
+        raise fail(f"{type(exc).__name__}: {exc}") from exc
+    from grpo_core.durable import fsync_dir, fsync_tree
+
+    problem = verify(tmp) if verify is not None else None
+    if problem is not None:
+        raise fail(f"the fetched copy is incomplete ({problem})")
+    fsync_tree(tmp)
+    shutil.rmtree(local, ignore_errors=True)
+    tmp.rename(local)
+    fsync_dir(local.parent)
+    shutil.rmtree(download, ignore_errors=True)
+    logger.info("fetched checkpoint %s of MLflow run %s to %s", name, run_id, local)
+    return local
 
 
 def log_file(tc: TrackingConfig, run_id: str, path: Path, artifact_dir: str) -> None:

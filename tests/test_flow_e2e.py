@@ -8,17 +8,16 @@ varies on a random model (``flow_helpers:varied_reward``, importable through PYT
 from __future__ import annotations
 
 import json
-import os
+import re
 import shutil
-import signal
 import time
 from pathlib import Path
 
 import pytest
 
 from flow_helpers import ROOT, Api, tiny_overrides, with_changes
+from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree
 from flows.serve import PrefectStack
-from grpo_core.packing import read_samples_ipc
 
 pytestmark = pytest.mark.slow
 
@@ -141,27 +140,17 @@ def test_killed_trainer_resumes_on_retry_without_duplicates(api, tmp):
     flow_run_id = api.run_deployment("demo", params).json()["id"]
     run_dir = Path(params["config"]["train"]["output_dir"]) / flow_run_id
     _wait_for_step(run_dir / "metrics.jsonl", 3)
-    pid = int((run_dir / "trainer.pid").read_text())
-    os.killpg(pid, signal.SIGKILL)  # torchrun and its rank, hard
+    procs = process_tree(int((run_dir / "trainer.pid").read_text()))  # torchrun and its rank (own session)
+    assert len(procs) >= 2, [p.cmdline() for p in procs]
+    kill_all(procs)  # hard; asserts every one of them died
     killed_at = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     run = api.wait(flow_run_id)
     assert run["state_type"] == "COMPLETED", run["state"]["message"] + "\n" + api.logs(flow_run_id)[-3000:]
     assert run["run_count"] == 2, "the flow run should have been retried once"
     assert killed_at < 8
-    records = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 9))
-    trained = [p for r in records for p in r["prompt_indices"]]
-    assert len(trained) == len(set(trained)), "a prompt was trained twice"
-    # The final checkpoint counts prompts with samples still pending (saved in it) as done: trained + pending
-    # must be exactly the prompts below its watermark and those it lists above.
-    final = run_dir / "checkpoints" / "step-0000008"
-    state = json.loads((final / "rollout_state.json").read_text())
-    pending = set()
-    if (final / "pending_samples.arrow").exists():
-        pending = set(read_samples_ipc(final / "pending_samples.arrow").column("prompt_index").to_pylist())
-    assert not pending & set(trained)
-    done = set(range(state["first_untrained_prompt_index"])) | set(state["trained_above"])
-    assert set(trained) | pending == done, "a prompt was skipped"
+    resumed = re.findall(r"resuming from checkpoint \S*step-(\d+)", api.logs(flow_run_id))
+    assert resumed and 0 < int(resumed[-1]) <= killed_at, resumed  # a mid-run checkpoint, not the final one
+    assert_each_step_and_prompt_once(run_dir, 8)
     mc, run_id = _mlflow_run(tmp, flow_run_id)
     steps = [m.step for m in mc.get_metric_history(run_id, "loss")]
     assert sorted(steps) == list(range(1, 9)), f"MLflow steps after resume: {steps}"

@@ -83,11 +83,11 @@ def test_vllm_gets_api_key_and_token_by_environment_and_logs_a_redacted_command(
             "--ssl-password", SecretStr(PASSWORD), f"--db-secret={API_KEY}"]
     run = LaunchSpec(argv, {}, "embedded", 0, "127.0.0.1", 0, tmp_path / "log.txt")
     with caplog.at_level(logging.INFO, logger="grpo_core.serving.vllm"):
-        handle = launch(run)
+        handle = launch(run, "run-token-xyz")
         handle.process.wait(timeout=60)
     assert json.loads(marker.read_text()) == ["--ssl-password", PASSWORD, f"--db-secret={API_KEY}"]
     assert "--ssl-password " + MASK in caplog.text and "--db-secret=" + MASK in caplog.text
-    assert _no_secret(caplog.text)
+    assert _no_secret(caplog.text) and "run-token-xyz" not in caplog.text
     assert redact_argv(["--api-key", API_KEY, "--hf-token", "--enforce-eager"]) == \
         f"--api-key {MASK} --hf-token --enforce-eager"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,29 @@ def test_a_refused_batch_keeps_the_other_metrics_and_the_resume_step(tmp_path, c
     assert sink.num_errors == 3
     # Step 3 logged no "loss": the resume point is still step 3 (before: read from "loss", so 2).
     assert tracking.last_logged_step(cfg.tracking, run_id) == 3
+
+
+def test_only_a_completely_uploaded_checkpoint_is_fetched_and_an_unreachable_one_fails(tmp_path):
+    from flows.grpo_train import fetch_checkpoint
+    from grpo_core.errors import CheckpointError
+
+    cfg = _cfg(tmp_path, checkpoint_artifact_max_mib=0.5)
+    run_id, _ = tracking.start_run(cfg, "flow-3")
+    tracking.log_checkpoint(cfg.tracking, run_id, _checkpoint(tmp_path / "a", 2))
+    # step 4's upload was cut short: its folder is there, the latest-checkpoint tag still names step 2
+    tracking.client(cfg.tracking).log_artifacts(run_id, str(_checkpoint(tmp_path / "a", 4)), "checkpoints/step-0000004")
+    got = tracking.download_latest_checkpoint(cfg.tracking, run_id, tmp_path / "b")
+    assert got == tmp_path / "b" / "checkpoints" / "step-0000002"
+    # a large checkpoint is logged as its URI; on a host where that folder is gone the resume fails loudly
+    big = _checkpoint(tmp_path / "a", 6, payload_bytes=2**20)
+    tracking.log_checkpoint(cfg.tracking, run_id, big)
+    shutil.rmtree(big)
+    with pytest.raises(CheckpointError, match=rf"step-0000006 of MLflow run {run_id}.*not reachable"):
+        tracking.download_latest_checkpoint(cfg.tracking, run_id, tmp_path / "c")
+    resumed = cfg.model_copy(update={"resume_from": run_id})
+    with pytest.raises(CheckpointError, match=rf"step-0000006 of MLflow run {run_id}"):
+        fetch_checkpoint(resumed, tmp_path / "d", continued=False)
+    empty, _ = tracking.start_run(cfg, "flow-4")  # resume_from a run that never finished an upload
+    with pytest.raises(CheckpointError, match=rf"resume_from={empty}.*no completely uploaded checkpoint"):
+        fetch_checkpoint(cfg.model_copy(update={"resume_from": empty}), tmp_path / "e", continued=False)
+    assert fetch_checkpoint(cfg, tmp_path / "f", continued=False) is None  # a fresh run fetches nothing

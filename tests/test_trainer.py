@@ -2,14 +2,12 @@
 after a hard kill (DESIGN.md §5, resume)."""
 
 import collections
-import os
-import signal
 import subprocess
 import time
 
 import pytest
 
-from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
+from trainer_helpers import kill_all, process_tree, read_jsonl, torchrun, trainer_config, write_samples
 
 NUM_PROMPTS = 14
 
@@ -58,7 +56,9 @@ def test_resume_after_hard_kill_neither_skips_nor_repeats(tmp_path):
         deadline = time.time() + 300
         while time.time() < deadline and len(read_jsonl(run / "out/trained_prompts.jsonl")) < 3:
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)  # hard, mid-run, every rank at once
+        procs = process_tree(proc.pid)  # torchrun and its ranks, each rank in its own session (torch 2.11)
+        assert len(procs) >= 3, [p.cmdline() for p in procs]
+        kill_all(procs)  # hard, mid-run, every rank at once; asserts none survived
         proc.wait()
     assert 3 <= len(read_jsonl(run / "out/trained_prompts.jsonl"))
     with open(run / "log2", "w") as log:

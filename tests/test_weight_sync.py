@@ -103,6 +103,14 @@ def test_resumed_lora_run_gives_fresh_servers_its_adapter_first(tmp_path):
             served = run(models(server.url))
     assert "resumed from" in (tmp_path / "log2").read_text()
     assert {"policy-v2", "policy-v3"} <= served and "policy-v1" not in served  # v2 re-synced, v3 trained
+    # A LoRA checkpoint holds the adapter and its optimizer state, not the frozen base model.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(tmp_path / "out" / "checkpoints" / "step-0000002" / "dcp")).read_metadata()
+    keys = list(keys.state_dict_metadata)
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys), [k for k in model_keys if "lora_" not in k][:5]
+    assert any(k.startswith("optim.state.") and "lora_" in k for k in keys)
 
 
 async def models(url):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,3 +66,66 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def process_tree(pid: int) -> list:
+    """``psutil.Process`` of ``pid`` and every descendant alive now (torchrun's ranks each run in their own
+    session under torch 2.11, so a signal to torchrun's process group misses them: collect them first)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def kill_all(procs: list, timeout_s: float = 60.0) -> None:
+    """SIGKILL every process in ``procs`` and wait until none is alive (a zombie counts as dead).
+
+    Raises:
+        AssertionError: a process still runs ``timeout_s`` after its SIGKILL.
+    """
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.05)
+    assert not alive, f"still alive after SIGKILL: {[p.pid for p in alive]}"
+
+
+def _alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_each_step_and_prompt_once(run_dir: Path, max_steps: int) -> list[int]:
+    """The run's invariants after kills and resumes; returns the trained prompt indices.
+
+    Every step 1..max_steps is in ``trained_prompts.jsonl`` once, no prompt is trained twice, and the final
+    checkpoint (``step-{max_steps}``) counts as done exactly the trained prompts and those whose samples it
+    holds as pending: every prompt below its watermark and every one it lists above.
+    """
+    from grpo_core.packing import read_samples_ipc
+
+    records = read_jsonl(run_dir / "trained_prompts.jsonl")
+    assert [r["step"] for r in records] == list(range(1, max_steps + 1)), "a step is missing or logged twice"
+    trained = [p for r in records for p in r["prompt_indices"]]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    final = run_dir / "checkpoints" / f"step-{max_steps:07d}"
+    state = json.loads((final / "rollout_state.json").read_text())
+    pending = set()
+    if (final / "pending_samples.arrow").exists():
+        pending = set(read_samples_ipc(final / "pending_samples.arrow").column("prompt_index").to_pylist())
+    assert not pending & set(trained)
+    done = set(range(state["first_untrained_prompt_index"])) | set(state["trained_above"])
+    assert set(trained) | pending == done, "a prompt below the watermark was neither trained nor pending"
+    return trained

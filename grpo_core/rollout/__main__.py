@@ -51,15 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
     job = RolloutJob(cfg.rollout_process(), args.server_url, resume=resume,
                      error_path=str(args.error_path) if args.error_path else None)
-    return run_rollout(job, on_ready=(lambda loc: _write_atomically(args.location_file, loc))
-                       if args.location_file else None)
+    from grpo_core.durable import atomic_write_text
 
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` so that a reader polling ``path`` never sees a partial location."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    on_ready = (lambda loc: atomic_write_text(args.location_file, loc)) if args.location_file else None
+    return run_rollout(job, on_ready=on_ready)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from grpo_core.auth import TOKEN_ENV, run_token
 from grpo_core.config import VLLM_LORA_RANKS, ModelConfig, ServerConfig
+from grpo_core.durable import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
                  "the port?); stop it, or choose another --port (0 = a free one)")
     port = sock.getsockname()[1]
     if args.port_file:
-        args.port_file.write_text(str(port))
+        atomic_write_text(args.port_file, str(port))
 
     import torch
     import uvicorn

@@ -5,18 +5,27 @@ optimizer state (``torch.distributed.checkpoint``, sharded), the scheduler,
 each rank's RNG state, ``pending_samples.arrow`` (samples pulled but not yet
 trained: restored into the batcher on resume, so their prompts are neither
 regenerated nor lost) and ``rollout_state.json`` (:class:`ResumeState`). It is
-written to ``step-{N}.tmp`` and renamed when complete, so a crash mid-save
-leaves the previous checkpoint as the latest.
+written to ``step-{N}.tmp``, every file and folder fsynced, and renamed when
+complete (the parent folder fsynced too), so a crash mid-save leaves the previous
+checkpoint as the latest. A LoRA checkpoint holds the adapter and its optimizer
+state only (``ignore_frozen_params``): the frozen base model comes from ``model``.
 
 Restoring never unpickles code (``grpo_core.train.manifest``): ``manifest.json`` holds the SHA-256
 digest of every file and is checked before anything is read; RNG state and scheduler are loaded
 with ``weights_only=True``; DCP's pickled metadata is read by a restricted unpickler.
+
+:func:`latest_checkpoint` returns the newest checkpoint that passes :func:`verify` (manifest
+included); a damaged newer one is skipped with a warning (the previous one is used). One that
+passes but still fails to load is renamed ``step-{N}.bad`` by :func:`load` (the
+next attempt falls back). ``train.save_total_limit`` keeps the newest N
+(:func:`rotate`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from collections import Counter
 from dataclasses import asdict
@@ -26,6 +35,8 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
+from grpo_core.durable import fsync_dir, fsync_tree, read_jsonl, rewrite_jsonl
+from grpo_core.errors import CheckpointError
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
 from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
 from grpo_core.transport.types import ResumeState
@@ -34,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "rollout_state.json"
 PENDING_FILE = "pending_samples.arrow"
+SCHEDULER_FILE = "scheduler.pt"
+_NAME = re.compile(r"step-(\d+)")
 
 
 class PromptTracker:
@@ -90,59 +103,170 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step-{step:07d}"
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
+def checkpoints(output_dir: Path) -> list[Path]:
+    """Published checkpoint folders ``step-N`` (not ``.tmp``, not ``.bad``), oldest first."""
     root = Path(output_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step-*") if not p.name.endswith(".tmp") and (p / STATE_FILE).exists())
-    return done[-1] if done else None
+    found = [p for p in root.glob("step-*") if _NAME.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded (None when it looks complete).
+
+    Checks without loading tensors: every file matches the SHA-256 manifest (:func:`verify_manifest`),
+    ``rollout_state.json`` parses, the ``dcp`` metadata reads (restricted unpickler) and every shard file it
+    names is there and as long as its entries need, the scheduler and rank 0's RNG state are there.
+    """
+    path = Path(path)
+    try:
+        verify_manifest(path)
+    except CheckpointError as exc:
+        return str(exc)
+    try:
+        read_state(path)
+    except (OSError, ValueError, TypeError) as exc:
+        return f"{STATE_FILE}: {type(exc).__name__}: {exc}"
+    try:
+        metadata = safe_reader(path / "dcp").read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any failure to read the metadata means a damaged checkpoint
+        return f"dcp/.metadata: {type(exc).__name__}: {exc}"
+    needed: dict[str, int] = {}  # shard file -> bytes its entries reach
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name:
+            needed[name] = max(needed.get(name, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
+    for name, size in sorted(needed.items()):
+        shard = path / "dcp" / name
+        if not shard.is_file() or shard.stat().st_size < size:
+            return f"dcp/{name} is missing or shorter than its {size} bytes"
+    for name in (SCHEDULER_FILE, "rng_rank0.pt"):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    return None
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The newest checkpoint that passes :func:`verify`, or None; a damaged newer one is skipped with a warning."""
+    for path in reversed(checkpoints(output_dir)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        logger.warning("checkpoint %s is damaged (%s); falling back to the previous one", path, problem)
+    return None
+
+
+def rotate(output_dir: Path, keep: int | None, protect: Path | None = None) -> list[Path]:
+    """Delete the oldest checkpoints so that ``keep`` remain (``train.save_total_limit``); returns those deleted.
+
+    ``protect`` (the checkpoint just written) is never deleted. Damaged (``.bad``) and unfinished (``.tmp``)
+    folders older than the oldest kept checkpoint go too.
+    """
+    if keep is None:
+        return []
+    found = checkpoints(output_dir)
+    drop = [p for p in found[:max(len(found) - keep, 0)] if p != protect]
+    if found[-keep:]:
+        oldest_kept = int(found[-keep:][0].name[5:])
+        root = Path(output_dir) / "checkpoints"
+        drop += [p for p in root.glob("step-*.bad") if int(p.name[5:].split(".")[0]) < oldest_kept]
+    for path in drop:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("checkpoint %s deleted (train.save_total_limit=%d)", path, keep)
+    if drop:
+        fsync_dir(Path(output_dir) / "checkpoints")
+    return drop
+
+
+def _state_dict_options(model):
+    """A LoRA policy's checkpoint holds only its trainable parameters (the adapter) and their optimizer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def _state_dicts(model, optimizer, options) -> dict:
+    """``{"model", "optim"}`` state dicts; with ``ignore_frozen_params`` no frozen tensor is left.
+
+    torch's ``ignore_frozen_params`` misses a frozen tensor reachable under a second name (a tied ``lm_head``
+    sharing the input embedding): every name of every frozen parameter is dropped here.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if options.ignore_frozen_params:
+        frozen = {_WRAPPERS.sub("", name) for name, p in model.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def save(path: Path, model, optimizer, scheduler, state: ResumeState, pending: pa.RecordBatch | None,
-         rank: int) -> None:
-    """Write a checkpoint collectively (every rank calls it); rank 0 publishes it by rename."""
+         rank: int, extra: dict[str, str] | None = None) -> None:
+    """Write a checkpoint collectively (every rank calls it); rank 0 publishes it by rename.
+
+    ``extra`` (rank 0): more text files of the checkpoint, name -> content (e.g. ``fingerprint.json``).
+    """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    dcp.save(_state_dicts(model, optimizer, _state_dict_options(model)), checkpoint_id=str(tmp / "dcp"))
     torch.save({"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                tmp / f"rng_rank{rank}.pt")
     if rank == 0:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if pending is not None and pending.num_rows:
             write_samples_ipc(tmp / PENDING_FILE, pending)
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
     dist.barrier()
     if rank == 0:
         write_manifest(tmp)  # every rank's files are written and closed
+        fsync_tree(tmp)  # make them (and the manifest) durable before the rename publishes them
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
+        fsync_dir(path.parent)
         logger.info("checkpoint step %d saved to %s", state.step, path)
     dist.barrier()
 
 
 def load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeState, pa.RecordBatch | None]:
-    """Restore a checkpoint into live objects; returns the resume state and pending samples.
+    """Restore a checkpoint into live objects (collective); returns the resume state and pending samples.
 
     Raises:
-        CheckpointError: a file is missing, changed or not in the checkpoint's manifest (checked before
-            anything is read), or the DCP metadata names code.
+        CheckpointError: the checkpoint passed :func:`verify` but failed to load on some rank (a file changed
+            since, DCP metadata naming code, ...); it is renamed
+            ``step-N.bad`` (rank 0), so the next attempt falls back to the previous checkpoint.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    try:
+        return _load(path, model, optimizer, scheduler, rank)
+    except Exception as exc:  # noqa: BLE001 - any failure here means this checkpoint cannot be resumed from
+        if rank == 0 and path.is_dir():
+            path.rename(path.with_name(path.name + ".bad"))
+            fsync_dir(path.parent)
+        raise CheckpointError(f"checkpoint {path} failed to load ({type(exc).__name__}: {exc}); it was renamed "
+                              f"{path.name}.bad, so the next attempt resumes from the previous checkpoint") from exc
 
-    verify_manifest(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
+
+def _load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeState, pa.RecordBatch | None]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    verify_manifest(path)  # before anything is read
+    options = _state_dict_options(model)
+    sd = _state_dicts(model, optimizer, options)
     dcp.load(sd, storage_reader=safe_reader(path / "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
+    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=True)  # tensors and plain containers
@@ -164,16 +288,12 @@ STEP_LOGS = ("metrics.jsonl", "trained_prompts.jsonl")
 
 
 def truncate_step_logs(output_dir: Path, step: int) -> None:
-    """Drop records of steps after ``step`` from the run's JSON-lines logs.
+    """Drop records of steps after ``step`` from the run's JSON-lines logs (rewritten atomically).
 
-    A resumed run replays the steps after its checkpoint; their records from
-    the crashed attempt would otherwise appear twice.
+    A resumed run replays the steps after its checkpoint; their records from the crashed attempt would
+    otherwise appear twice. A torn last line (a writer killed mid-append) is dropped with a warning.
     """
     for name in STEP_LOGS:
         path = Path(output_dir) / name
-        if not path.exists():
-            continue
-        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(path)
+        if path.exists():
+            rewrite_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= step])

@@ -10,10 +10,12 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
 from grpo_core.metrics import JsonlSink
 from grpo_core.models import resolve_model_dir
+from grpo_core.run_lock import RunLock
 from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState
 
 from .distributed import init_world
+from .fingerprint import check_resume
 from .trainer import Trainer
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
 
@@ -69,15 +71,28 @@ def make_source(cfg: RunConfig, resume: ResumeState | None):
 
 
 def run_trainer(cfg: RunConfig, server_urls: list[str] | None = None, sink=None) -> ResumeState | None:
-    """Train per ``cfg`` on this process's rank; returns the final resume state on rank 0."""
+    """Train per ``cfg`` on this process's rank; returns the final resume state on rank 0.
+
+    Rank 0 holds the run folder's lock (:class:`grpo_core.run_lock.RunLock`) until it returns. A resume
+    compares the config with the checkpoint's fingerprint first (:func:`~grpo_core.train.fingerprint.check_resume`).
+
+    Raises:
+        RunLockedError: (rank 0) another process still writes ``train.output_dir`` after
+            ``train.run_lock_timeout_s``.
+        ConfigError: the config trains a different run than the checkpoint it would resume (a diff).
+    """
     world = init_world(cfg.train.device)
+    lock = RunLock(cfg.train.output_dir, "trainer", cfg.train.run_lock_timeout_s) if world.is_main else None
     try:
         from . import checkpoint
 
+        if lock is not None:
+            lock.acquire()
         latest = checkpoint.latest_checkpoint(cfg.train.output_dir)
         resume = checkpoint.read_state(latest) if latest is not None else None
+        if latest is not None:
+            check_resume(cfg, latest)
         if world.is_main:
-            cfg.train.output_dir.mkdir(parents=True, exist_ok=True)
             checkpoint.truncate_step_logs(cfg.train.output_dir, resume.step if resume else 0)
         source = make_source(cfg, resume) if world.is_main else None
         if sink is None and world.is_main:
@@ -96,3 +111,5 @@ def run_trainer(cfg: RunConfig, server_urls: list[str] | None = None, sink=None)
             sink.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if lock is not None:
+            lock.release()

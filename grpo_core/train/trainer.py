@@ -14,7 +14,6 @@ host plans, hands off rows and logs.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.config import RunConfig
+from grpo_core.durable import JsonlAppender
 from grpo_core.errors import NothingToTrainError
 from grpo_core.metrics import MetricsSink, MetricWindow
 from grpo_core.report import write_train_end
@@ -36,6 +36,7 @@ from .loss import LossSettings
 from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, shard
 from .planner import PlannedStep, Planner
 from .export import export_final_model
+from .fingerprint import FINGERPRINT_FILE, fingerprint_text
 from .policy import build_policy
 from .rows import bucket_length, length_buckets, synthetic_row, to_tensors
 from .step_stats import Clock, reduce_step
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 #: bf16 dense peak FLOP/s per device, for MFU (vendor datasheets).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+TRAINED_PROMPTS = "trained_prompts.jsonl"  # one line per step: the prompts it completed
 
 
 def compiled_graphs() -> int:
@@ -97,6 +99,7 @@ class Trainer:
         self.warmup_s: float | None = None
         self.graphs = 0  # compiled graphs seen so far (see compiled_graphs)
         self.step, self.policy_version = 0, 0
+        self._saved: Path | None = None  # the checkpoint of the current step, once written or loaded
         tracker, pending = self._resume()
         self.planner = None
         if world.is_main:
@@ -109,6 +112,7 @@ class Trainer:
                                    flush_after_s=tc.flush_partial_after_s,
                                    max_untrainable_groups=tc.max_untrainable_groups, hints=hints)
         self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
+        self._trained_log: JsonlAppender | None = None  # trained_prompts.jsonl (rank 0)
 
     def _build_policy(self, on_cuda: bool):
         """Load, checkpoint/compile each layer, shard (torchtitan's order; :mod:`grpo_core.train.parallelize`)."""
@@ -131,8 +135,35 @@ class Trainer:
         if path is None:
             return checkpoint.PromptTracker(), None
         state, pending = checkpoint.load(path, self.policy, self.optimizer, self.scheduler, self.world.rank)
-        self.step, self.policy_version = state.step, state.policy_version
+        self.step, self.policy_version, self._saved = state.step, state.policy_version, path
+        self._apply_optimizer_config()
         return checkpoint.PromptTracker(state), pending
+
+    def _apply_optimizer_config(self) -> None:
+        """After a resume, the config's learning rate, betas and weight decay win over the optimizer state.
+
+        The scheduler keeps its position (steps done) and recomputes the learning rate from
+        ``train.learning_rate`` with the config's schedule; each value that changed is logged (rank 0).
+        """
+        tc = self.cfg.train
+        want = {"lr": tc.learning_rate, "betas": tuple(tc.adam_betas), "weight_decay": tc.weight_decay}
+        changed = set()
+        for group in self.optimizer.param_groups:
+            for key, value in want.items():
+                old = group.get("initial_lr" if key == "lr" else key)
+                if (tuple(old) if key == "betas" else old) != value:
+                    changed.add(f"{key} {old} -> {value}")
+                group["initial_lr" if key == "lr" else key] = value
+        self.scheduler.base_lrs = [tc.learning_rate] * len(self.optimizer.param_groups)
+        self.scheduler.lr_lambdas = [lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps)] * len(
+            self.optimizer.param_groups)
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = tc.learning_rate * factor
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # noqa: SLF001 - get_last_lr
+        if changed and self.world.is_main:
+            logger.warning("resume: the config changed the optimizer settings of the checkpoint (applied): %s",
+                           ", ".join(sorted(changed)))
 
     def resume_state(self) -> ResumeState:
         """Where the rollout side should start (rank 0)."""
@@ -281,6 +312,8 @@ class Trainer:
                 raise NothingToTrainError(stopped_early)
         self.save()
         self.export()
+        if self._trained_log is not None:
+            self._trained_log.close()
         if self.world.is_main:
             write_train_end(self.output_dir, self.step, tc.max_steps, stopped_early,
                             self.skipped_nonfinite_steps)
@@ -344,8 +377,9 @@ class Trainer:
         before = len(self.planner.tracker.trained)
         self.planner.step_trained(planned)
         done = self.planner.tracker.trained[before:]
-        with (self.output_dir / "trained_prompts.jsonl").open("a") as f:
-            f.write(json.dumps({"step": self.step, "prompt_indices": done}) + "\n")
+        if self._trained_log is None:
+            self._trained_log = JsonlAppender(self.output_dir / TRAINED_PROMPTS)
+        self._trained_log.write({"step": self.step, "prompt_indices": done})
 
     # -- metrics -------------------------------------------------------------------------
     def flush_log(self) -> None:
@@ -423,14 +457,18 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------
     def save(self) -> None:
-        """Checkpoint (collective) with the resume state and pending samples."""
-        last = checkpoint.latest_checkpoint(self.output_dir)
-        if last is not None and checkpoint.read_state(last).step == self.step:
+        """Checkpoint (collective) with the resume state, pending samples and the run's fingerprint; then keep
+        the newest ``train.save_total_limit``."""
+        path = checkpoint.checkpoint_dir(self.output_dir, self.step)
+        if path == self._saved:
             return
         state = self.resume_state() if self.world.is_main else None
         pending = self.planner.pending_samples() if self.world.is_main else None
-        path = checkpoint.checkpoint_dir(self.output_dir, self.step)
-        checkpoint.save(path, self.policy, self.optimizer, self.scheduler, state, pending, self.world.rank)
+        extra = {FINGERPRINT_FILE: fingerprint_text(self.cfg)} if self.world.is_main else None
+        checkpoint.save(path, self.policy, self.optimizer, self.scheduler, state, pending, self.world.rank, extra)
+        self._saved = path
+        if self.world.is_main:
+            checkpoint.rotate(self.output_dir, self.cfg.train.save_total_limit, protect=path)
         on_checkpoint = getattr(self.sink, "on_checkpoint", None)  # e.g. MLflow artifacts (grpo_core.tracking)
         if self.world.is_main and on_checkpoint is not None:
             on_checkpoint(path, self.step)

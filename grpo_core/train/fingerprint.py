@@ -1,0 +1,106 @@
+"""The fingerprint of a run in each checkpoint: the dataset and the training-relevant config (``fingerprint.json``).
+
+On resume (:func:`check_resume`) the fingerprint of the checkpoint is compared with the current config:
+
+* **unsafe** changes make the checkpoint belong to a different run and are refused with a diff: another
+  model (name, revision, seed of a random init), parameter dtype, LoRA shape, group size, or another
+  dataset (its spec, size, seed and options; the SHA-256 of a ``json:`` file or of ``train.samples_path``)
+  — prompt indices in the checkpoint would point at other prompts;
+* **safe** changes are applied and logged: optimizer settings (the trainer puts the config's learning
+  rate, betas and weight decay into the restored optimizer, see ``Trainer._apply_optimizer_config``),
+  schedule, clipping, loss settings, step counts.
+
+A ``module:callable`` dataset is fingerprinted by its name and options only (its rows are built by the
+rollout process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from grpo_core.config import RunConfig
+from grpo_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_FILE = "fingerprint.json"
+
+UNSAFE = ("model.name", "model.revision", "model.seed", "train.dtype", "train.lora.enabled", "train.lora.r",
+          "train.lora.alpha", "train.lora.target_modules", "rollout.num_generations")
+SAFE = ("train.learning_rate", "train.adam_betas", "train.weight_decay", "train.lr_scheduler", "train.warmup_steps",
+        "train.max_steps", "train.max_grad_norm", "train.clip_min", "train.clip_max", "train.epsilon",
+        "train.epsilon_high", "train.score_centering", "train.gradient_accumulation_steps", "train.save_steps",
+        "train.save_total_limit", "train.weight_sync_steps", "rollout.max_staleness", "rollout.temperature")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _get(data: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def dataset_fingerprint(cfg: RunConfig) -> dict[str, Any]:
+    """What identifies the prompts a run trains on: the dataset spec and options, and file digests."""
+    ro, tc = cfg.rollout, cfg.train
+    out: dict[str, Any] = {"rollout.dataset": ro.dataset, "rollout.dataset_size": ro.dataset_size,
+                           "rollout.dataset_seed": ro.dataset_seed, "rollout.dataset_kwargs": ro.dataset_kwargs}
+    if ro.dataset and ro.dataset.startswith("json:") and Path(ro.dataset[5:]).is_file():
+        out["rollout.dataset sha256"] = _sha256(Path(ro.dataset[5:]))
+    if tc.samples_path is not None and Path(tc.samples_path).is_file():
+        out["train.samples_path sha256"] = _sha256(Path(tc.samples_path))
+    return out
+
+
+def fingerprint(cfg: RunConfig) -> dict[str, Any]:
+    """``{"dataset": {...}, "config": {field: value}}`` of ``cfg`` (JSON values)."""
+    data = json.loads(cfg.model_dump_json())
+    return {"dataset": dataset_fingerprint(cfg), "config": {k: _get(data, k) for k in UNSAFE + SAFE}}
+
+
+def fingerprint_text(cfg: RunConfig) -> str:
+    """The fingerprint as the text of ``fingerprint.json`` (the checkpoint writes it with its other files)."""
+    return json.dumps(fingerprint(cfg), indent=1, sort_keys=True)
+
+
+def check_resume(cfg: RunConfig, checkpoint_dir: Path) -> list[str]:
+    """Compare ``cfg`` with the fingerprint stored in a checkpoint.
+
+    Returns:
+        The safe changes (``"field: old -> new"``), which the resumed run applies; each is logged.
+
+    Raises:
+        ConfigError: an unsafe change or another dataset; the message lists every difference (a diff) and the
+            fix (set the fields back, or start a new run instead of resuming).
+    """
+    path = Path(checkpoint_dir) / FINGERPRINT_FILE
+    if not path.is_file():
+        logger.warning("checkpoint %s has no %s (written before fingerprints existed): the config is not compared",
+                       checkpoint_dir, FINGERPRINT_FILE)
+        return []
+    stored, now = json.loads(path.read_text()), fingerprint(cfg)
+    unsafe = [f"  {k}: {stored['dataset'].get(k)!r} -> {v!r}" for k, v in now["dataset"].items()
+              if stored["dataset"].get(k) != v]
+    unsafe += [f"  {k}: {stored['config'].get(k)!r} -> {now['config'][k]!r}" for k in UNSAFE
+               if k in stored["config"] and stored["config"][k] != now["config"][k]]
+    if unsafe:
+        raise ConfigError(f"resume from {checkpoint_dir} refused: the config trains a different run than the "
+                          "checkpoint (checkpoint -> config):\n" + "\n".join(unsafe) +
+                          "\nSet these fields back to the checkpoint's values, or start a new run (a new output "
+                          "folder, no resume_from) to train with them")
+    safe = [f"{k}: {stored['config'].get(k)!r} -> {now['config'][k]!r}" for k in SAFE
+            if k in stored["config"] and stored["config"][k] != now["config"][k]]
+    for change in safe:
+        logger.warning("resume from %s: config change applied: %s", checkpoint_dir, change)
+    return safe
