@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.out.resolve() / "run"  # servers' logs and the trainer output folder (synced weights)
     cfg = load_config(args.config, (CPU_SMOKE if args.cpu_smoke else []) + [
         "server.port=0", f"server.max_model_len={args.tokens + 64}", f"rollout.max_completion_length={args.tokens}",
-        f"server.log_dir={work / 'servers'}", f"train.output_dir={work}", "train.lora.enabled=false", "server.enable_lora=false", *args.set])
+        f"server.log_dir={work / 'servers'}", f"train.output_dir={work}", "train.lora.enabled=false", *args.set])
     handles = provision(cfg)
     try:
         url = handles[0].url

@@ -1,7 +1,7 @@
 """Rollout throughput: groups/min and generated tokens/s of the rollout engine against one server.
 
 Starts a generation server (the embedded one on CPU, by default SmolLM2-135M-Instruct), then
-the rollout process (spawned, as in a run) on a reasoning-gym task, and pulls every sample
+the rollout process (started as a run starts it) on a reasoning-gym task, and pulls every sample
 through ``FlightSource`` (Arrow Flight) as a trainer that never lags would. Timed: from the
 first pull to the end of the stream; server and rollout start-up are not timed. CPU seconds
 of the rollout process and of the server over that window show where the time goes; the
@@ -31,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from grpo_core.config import RunConfig  # noqa: E402
 from grpo_core.packing import samples_from_arrow  # noqa: E402
-from grpo_core.rollout import RolloutJob, start_rollout_process  # noqa: E402
+from grpo_core.rollout import start_rollout_process  # noqa: E402
 from grpo_core.serving.vllm import provision, teardown  # noqa: E402
 from grpo_core.transport.flight_client import FlightSource  # noqa: E402
 
@@ -58,10 +58,12 @@ def _cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
-def measure(config: RunConfig, server_url: str, server_pid: int) -> dict:
+def measure(config: RunConfig, server_url: str, server_pid: int, run_dir: Path) -> dict:
     """Pull every sample of the run; returns the figures (CPU seconds of the rollout process and the server too)."""
-    process, location = start_rollout_process(RolloutJob(config, [server_url]))
-    source = FlightSource(location, max_staleness=config.rollout.max_staleness, timeout_s=600, process=process)
+    started = start_rollout_process(config, [server_url], run_dir)
+    process = started.process
+    source = FlightSource(started.wait_location(), max_staleness=config.rollout.max_staleness, timeout_s=600,
+                          process=process, error_path=started.error_path)
     samples = trained = 0
     try:
         source.wait_running()
@@ -131,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = run_config(args, Path(tmp))
         handles = provision(config)
         try:
-            result = measure(config, handles[0].url, handles[0].process.pid)
+            result = measure(config, handles[0].url, handles[0].process.pid, Path(tmp) / "rollout")
         finally:
             teardown(handles)
     settings = {k: v for k, v in vars(args).items() if k != "json"}

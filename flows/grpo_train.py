@@ -28,13 +28,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
 from flows import artifacts
-from flows.processes import (REGISTRY, child_env, log_tail, setup_logging, start_child, stream, wait_child,
-                             wait_for_file)
+from flows.processes import REGISTRY, child_env, log_tail, setup_logging, stream, wait_child
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
+from grpo_core.rollout.process import LOCATION_FILE
 
 RESOLVED_CONFIG = "run_config.json"
-LOCATION_FILE = "rollout.location"
 
 
 class TrainerError(RuntimeError):
@@ -205,30 +204,30 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
         RolloutProcessError: the process failed (its traceback's last line), exited before serving, or exited
             with a non-zero code (with its log's tail).
     """
+    from grpo_core.errors import TransportError
+    from grpo_core.rollout.process import LOG_FILE, start_rollout_process
+
     log, procs, root = get_run_logger(), REGISTRY[run_dir], Path(run_dir)
-    location_file, error_file, log_file = root / LOCATION_FILE, root / "rollout_error.txt", root / "rollout.log"
-    cmd = [sys.executable, "-m", "grpo_core.rollout", "--config", str(root / RESOLVED_CONFIG),
-           "--location-file", str(location_file), "--error-path", str(error_file)]
-    cmd += [arg for url in server_urls for arg in ("--server-url", url)]
-    if resume_state:
-        cmd += ["--resume", resume_state]
-    error_file.unlink(missing_ok=True)  # a retried flow run's old failure
-    procs.follow(log_file, log, "[rollout] ")
-    process = start_child(cmd, log_file, register=procs, env=_child_env(run_dir))
+    procs.follow(root / LOG_FILE, log, "[rollout] ")
+    started = start_rollout_process(root / RESOLVED_CONFIG, server_urls, root,
+                                    resume=Path(resume_state) if resume_state else None, env=_child_env(run_dir))
+    process = started.process
+    procs.processes.append(process)
     try:
-        location = wait_for_file(location_file, process, timeout_s=600)
-    except RuntimeError as exc:
-        _raise_if_failed(error_file, log_file, exc)
+        location = started.wait_location(timeout_s=600)
+    except TransportError as exc:
+        _raise_if_failed(started.error_path, started.log_path, exc)
         if procs.stopping:
             return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
-        raise RolloutProcessError(f"rollout process {exc}; log {log_file}:\n{log_tail(log_file)}") from None
+        raise RolloutProcessError(str(exc)) from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
     code = wait_child(process, procs, "rollout")  # a death stops the trainer now (it fails the attempt)
-    _raise_if_failed(error_file, log_file, f"exited with code {code}")
+    _raise_if_failed(started.error_path, started.log_path, f"exited with code {code}")
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
     if code != 0:
-        raise RolloutProcessError(f"rollout process exited with code {code}; log {log_file}:\n{log_tail(log_file)}")
+        raise RolloutProcessError(f"rollout process exited with code {code}; log {started.log_path}:\n"
+                                  f"{started.log_tail()}")
     log.info("rollout process %d finished", process.pid)
     return location
 

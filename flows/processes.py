@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,18 +178,6 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             **lifeline.owner_env(), **(extra or {})}
 
 
-def start_child(cmd: list[str], log_file: Path, register: RunProcesses | None = None,
-                env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a grpo-flow entry point (``python -m grpo_core.…``) in its own session, its output appended to
-    ``log_file``, owned by this process (``env``, default :func:`child_env`: it ends when this process does)."""
-    with Path(log_file).open("ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env or child_env(), start_new_session=True)
-    if register is not None:
-        register.processes.append(process)
-    return process
-
-
 def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file: Path | None = None,
            register: RunProcesses | None = None, tail_lines: int = 60) -> tuple[int, str]:
     """Run ``cmd`` in its own session, forwarding each output line to ``log``; ``cmd`` is killed when the
@@ -230,22 +217,6 @@ def wait_child(process: subprocess.Popen, register: RunProcesses, name: str) -> 
     if process in register.processes:
         register.processes.remove(process)
     return code
-
-
-def wait_for_file(path: Path, process: subprocess.Popen, timeout_s: float) -> str:
-    """Wait until ``path`` has content while ``process`` lives; returns the content.
-
-    Raises:
-        RuntimeError: the process exited or ``timeout_s`` passed.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.is_file() and path.read_text().strip():
-            return path.read_text().strip()
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with code {process.returncode} before writing {path}")
-        time.sleep(0.2)
-    raise RuntimeError(f"did not write {path} within {timeout_s:.0f} s")
 
 
 def log_tail(path: Path, num_lines: int = 40) -> str:

@@ -52,6 +52,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+#: Fields that moved to one owner: ``section.field`` -> why, and what to set instead.
+REMOVED_SERVER_FIELDS = {
+    "enable_lora": "train.lora.enabled owns it: the servers serve LoRA adapters (--enable-lora) exactly when the "
+                   "trainer trains one; delete server.enable_lora and set train.lora.enabled",
+    "lora_rank": "train.lora.r owns it: the servers' --max-lora-rank is the smallest vLLM value >= train.lora.r; "
+                 "delete server.lora_rank and set train.lora.r",
+}
+REMOVED_ROLLOUT_FIELDS = {
+    "max_steps": "train.max_steps owns the run's length (the trainer stops the run there); delete rollout.max_steps "
+                 "and, to cycle the dataset until then, set rollout.num_epochs: null",
+}
+
+
+def _refuse_removed(data: Any, section: str, removed: dict[str, str]) -> Any:
+    """Raise a ConfigError naming the first removed field set in a section's input (see ``REMOVED_*_FIELDS``)."""
+    if isinstance(data, dict):
+        for name, fix in removed.items():
+            if name in data:
+                raise ConfigError(f"{section}.{name} was removed: {fix}")
+    return data
+
+
 class ModelConfig(_Strict):
     """Which policy model to serve and train, and how to load it."""
 
@@ -75,6 +97,11 @@ class ModelConfig(_Strict):
 
 class ServerConfig(_Strict):
     """The generation server(s): real vLLM on GPUs, or the embedded server."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        return _refuse_removed(data, "server", REMOVED_SERVER_FIELDS)
 
     backend: Literal["auto", "vllm", "embedded"] = "auto"
     """``auto`` = vLLM when importable with a CUDA device, else the embedded server."""
@@ -104,12 +131,10 @@ class ServerConfig(_Strict):
     """vLLM ``--enforce-eager`` (no CUDA graphs; faster start, slower decode)."""
     weight_transfer_backend: Literal["nccl", "ipc"] | None = "nccl"
     """vLLM ``--weight-transfer-config`` backend for full-weight sync; None = no weight transfer."""
-    enable_lora: bool = False
-    """Serve LoRA adapters loaded at run time (``--enable-lora``)."""
-    lora_rank: int = Field(default=16, ge=1, le=512)
-    """Rank r of the trained adapter; the server's ``--max-lora-rank`` is the next allowed value >= r."""
     max_loras: int | None = Field(default=None, ge=1)
-    """Adapters resident at once (``--max-loras``); None = rollout.max_staleness + 2."""
+    """Adapters resident at once (``--max-loras``) when the trainer trains a LoRA adapter (``train.lora.enabled``,
+    which also turns on ``--enable-lora``, with ``--max-lora-rank`` from ``train.lora.r``); None =
+    rollout.max_staleness + 2."""
     served_model_name: str | None = None
     """Name the base model is served under; None = model.name."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
@@ -175,6 +200,11 @@ class RolloutConfig(_Strict):
     The ``module:name`` fields (``dataset``, ``reward_functions``, ``tools``, ``environment_factory``,
     ``loop_class``) resolve only inside the allow-list ``GRPO_ALLOWED_MODULES`` (``grpo_core.allowlist``)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        return _refuse_removed(data, "rollout", REMOVED_ROLLOUT_FIELDS)
+
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature; 0 = greedy."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -214,7 +244,8 @@ class RolloutConfig(_Strict):
     num_generations: int = Field(default=8, ge=2)
     """G: rollouts per prompt (one group); advantages are normalised inside it."""
     dataset: str | None = None
-    """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` giving a Dataset; None = in code."""
+    """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` giving a Dataset; None = the
+    environment's ``reset()`` makes each prompt (``rollout.environment_factory``)."""
     dataset_size: int = Field(default=1000, ge=1)
     """Prompts of a ``reasoning_gym:`` dataset, or of an epoch when an environment's reset() makes the prompts."""
     dataset_seed: int = Field(default=0, ge=0)
@@ -239,10 +270,9 @@ class RolloutConfig(_Strict):
     the Hermes ``<tool_call>`` regex."""
     max_tool_calling_iterations: int | None = Field(default=None, ge=0)
     """Most tool-calling turns per rollout; None = until the model stops calling tools."""
-    num_epochs: int = Field(default=1, ge=1)
-    """Passes over the prompt dataset (a rejected prompt counts as consumed)."""
-    max_steps: int | None = Field(default=None, ge=1)
-    """Optimizer steps of the run; when set the dataset cycles and the trainer stops the run (overrides num_epochs)."""
+    num_epochs: int | None = Field(default=1, ge=1)
+    """Passes over the prompt dataset (a rejected prompt counts as consumed); None = cycle the dataset until the
+    trainer stops the run at ``train.max_steps`` (the one owner of the run's length)."""
     seed: int = Field(default=0, ge=0)
     """Base of the per-request sampler seeds (each rollout of a group gets its own seed)."""
     first_step_tokens: int = Field(default=8192, ge=1)
@@ -266,12 +296,9 @@ class RolloutConfig(_Strict):
         for name in [*self.reward_functions, *self.tools, self.loop_class]:
             if ":" not in name:
                 raise ConfigError(f"rollout: {name!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")
-        if self.max_steps is not None and self.num_epochs != 1:
-            logger.warning("rollout.num_epochs=%d has no effect: rollout.max_steps is set, so the dataset cycles "
-                           "until the trainer stops; unset one of them", self.num_epochs)
         if self.max_tool_calling_iterations is not None and not self.tools and self.environment_factory is None:
             logger.warning("rollout.max_tool_calling_iterations has no effect without rollout.tools or "
-                           "rollout.environment_factory (unless passed in code)")
+                           "rollout.environment_factory")
         return self
 
     def uses_candidate_filter(self) -> bool:
@@ -555,6 +582,30 @@ class FlowConfig(_Strict):
     on the embedded server."""
 
 
+class RolloutProcessConfig(_Strict):
+    """What the rollout process reads: its own section, and the few values it needs from other sections, each
+    taken from its one owner by :meth:`RunConfig.rollout_process` (the process never sees the whole run config)."""
+
+    model: ModelConfig
+    """The policy model (the rollout process loads its tokenizer)."""
+    rollout: RolloutConfig
+    """The rollout section."""
+    server: ServerConfig
+    """The server section: the rollout routes its requests over the replicas (``route_imbalance``,
+    ``control_retry_s``, ``api_key``)."""
+    served_model_name: str
+    """Name the base model answers to on the servers (``server.served_model_name`` or ``model.name``)."""
+    max_model_len: int = Field(ge=16)
+    """``server.max_model_len``: the context length when the server does not report its own."""
+    adapter_name: str | None = None
+    """``train.lora.name`` when the trainer trains a LoRA adapter (``train.lora.enabled``; version N is served as
+    ``{name}-v{N}``), else None (the base model is sampled)."""
+    log_completions: bool = False
+    """``tracking.log_completions``: keep a sample of each window's completions for the trainer to log."""
+    num_completions_to_print: int | None = Field(default=16, ge=1)
+    """``tracking.num_completions_to_print``: rows of each window's completion sample; None = all."""
+
+
 class RunConfig(_Strict):
     """Root config of one grpo-flow run."""
 
@@ -601,7 +652,7 @@ class RunConfig(_Strict):
                 f"rollout.num_sampler_logprobs ({rollout.num_sampler_logprobs}) exceeds "
                 f"server.max_logprobs ({server.max_logprobs}); raise server.max_logprobs"
             )
-        if server.enable_lora and server.max_loras is not None and server.max_loras < rollout.max_staleness + 2:
+        if self.train.lora.enabled and server.max_loras is not None and server.max_loras < rollout.max_staleness + 2:
             raise ConfigError(
                 f"server.max_loras ({server.max_loras}) must be >= rollout.max_staleness + 2 "
                 f"({rollout.max_staleness + 2}): the trainer keeps max_staleness + 1 versions and loads the "
@@ -621,12 +672,6 @@ class RunConfig(_Strict):
             logger.warning(
                 "packing.token_budget (%d) < server.max_model_len (%d): samples longer than the budget are dropped",
                 self.packing.token_budget, server.max_model_len,
-            )
-        if train.lora.enabled and not server.enable_lora:
-            raise ConfigError("train.lora.enabled needs server.enable_lora: true (the servers serve the adapter)")
-        if train.lora.enabled and train.lora.r > server.lora_rank:
-            raise ConfigError(
-                f"train.lora.r ({train.lora.r}) exceeds server.lora_rank ({server.lora_rank}); raise server.lora_rank"
             )
         if train.nnodes > 1 and not train.rdzv_endpoint:
             raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
@@ -651,6 +696,19 @@ class RunConfig(_Strict):
     def served_model_name(self) -> str:
         """Name the base model answers to in ``"model"`` fields."""
         return self.server.served_model_name or self.model.name
+
+    def rollout_process(self) -> RolloutProcessConfig:
+        """The rollout process's sub-config (its section plus the values it reads from their owners)."""
+        lora, tracking = self.train.lora, self.tracking
+        return RolloutProcessConfig(
+            model=self.model, rollout=self.rollout, server=self.server, served_model_name=self.served_model_name(),
+            max_model_len=self.server.max_model_len, adapter_name=lora.name if lora.enabled else None,
+            log_completions=tracking.log_completions, num_completions_to_print=tracking.num_completions_to_print)
+
+    def serves_lora(self) -> bool:
+        """Whether the servers load LoRA adapters at run time (``--enable-lora``): exactly when the trainer trains
+        one (``train.lora.enabled``, the owner)."""
+        return self.train.lora.enabled
 
     def max_loras(self) -> int:
         """Adapters the server keeps resident: ``server.max_loras`` or max_staleness + 2."""

@@ -15,7 +15,22 @@ class ConfigError(GrpoError, ValueError):
 
 
 class PackingError(GrpoError, ValueError):
-    """A sample or packing request is malformed (lengths, dtypes, budget)."""
+    """A sample or packing request is malformed (lengths, dtypes, budget, Arrow schema).
+
+    Both packing backends raise it with the same structure (the Rust core's ``PackError``, packer_rs/src/error.rs).
+
+    Attributes:
+        kind: the ``PackError`` variant (``LengthMismatch``, ``EmptySample``, ``NoTrainedToken``,
+            ``FirstTokenTrained``, ``BadMask``, ``BadTokenLists``, ``BadBudget``, ``BadRanks``, ``DoesNotFit``,
+            ``Schema``, ``Ipc``), or ``BadInput`` for a Python value of the wrong type.
+        field: the offending sample field, Sample-schema column or argument (None for an IPC file error).
+        sample_id: the offending sample's id, or None when the error is not about one sample.
+    """
+
+    def __init__(self, message: str, *, kind: str = "BadInput", field: str | None = None,
+                 sample_id: int | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.field, self.sample_id = kind, field, sample_id
 
 
 class ServingError(GrpoError):

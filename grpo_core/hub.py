@@ -86,7 +86,7 @@ def write_model_card(cfg: RunConfig, model_dir: Path, summary: dict[str, Any], r
     lines = [f"# {cfg.export.hub_model_id or model_dir.name}", "",
              f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} `{cfg.model.name}` trained with asynchronous "
              "GRPO (Group Relative Policy Optimization) with grpo-flow on "
-             f"`{dataset or 'prompts given in code'}`.", "", "## Training", "",
+             f"`{dataset or 'prompts made by the environment'}`.", "", "## Training", "",
              "| | |", "|---|---|",
              f"| optimizer steps | {_fmt(summary.get('steps'))} |",
              f"| reward, first 5 steps | {_fmt(summary.get('reward_first5'))} |",

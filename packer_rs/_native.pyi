@@ -9,6 +9,15 @@ import pyarrow as pa
 class PackingError(ValueError):
     """Bad sample or packing input; the message names the field."""
 
+    kind: str  # the Rust PackError variant (packer_rs/src/error.rs), or "BadInput" for a wrong Python type
+    field: str | None  # the offending field, column or argument
+    sample_id: int | None  # the offending sample, when the error is about one
+
+#: Parts of a packed row, in order (packer_rs/src/arrow.rs); each one's schema is ``row_schema(part)``.
+ROW_PARTS: tuple[str, ...]
+#: Counts of a packed row, in order.
+ROW_COUNTS: tuple[str, ...]
+
 class _SampleLike(Protocol):
     sample_id: int
     group_id: int
@@ -21,8 +30,7 @@ class _SampleLike(Protocol):
     sampler_topk: Any  # None or object with offsets/ids/logprobs arrays
     sampling_mask: Any  # None or object with offsets/ids arrays
 
-# A packed row: {"tokens", "segments", "kv", "loss", "samples"} -> pa.RecordBatch,
-# {"num_forwarded", "num_trained", "num_raw", "num_samples", "load"} -> int.
+# A packed row: each of ROW_PARTS -> pa.RecordBatch (schema row_schema(part, …)), each of ROW_COUNTS -> int.
 PackedRowDict = dict[str, Any]
 
 class TreeRow:
@@ -58,3 +66,4 @@ def decode_samples(batch: pa.RecordBatch) -> list[dict[str, Any]]: ...
 def write_samples_ipc(path: str | PathLike[str], batch: pa.RecordBatch) -> None: ...
 def read_samples_ipc(path: str | PathLike[str]) -> pa.RecordBatch: ...
 def sample_schema(with_topk: bool = False, with_mask: bool = False) -> pa.Schema: ...
+def row_schema(part: str, with_topk: bool = False, with_mask: bool = False) -> pa.Schema: ...

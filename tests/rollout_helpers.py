@@ -1,4 +1,4 @@
-"""Module-level pieces of the rollout tests (the spawned rollout process imports them by name)."""
+"""Module-level pieces of the rollout tests (the rollout process imports them by name: tests/ is on its PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -198,22 +198,22 @@ class RejectAllLoop(RolloutLoop):
         return False
 
 
-class RecordingReward:
-    """Parity reward that also appends what it scored to a JSON-lines file (for independent checks)."""
+#: Environment variable naming the JSON-lines file :func:`recording_reward` appends to.
+REWARD_LOG_ENV = "ROLLOUT_HELPERS_REWARD_LOG"
 
-    def __init__(self, path):
-        self.path = str(path)
 
-    def __call__(self, completion_ids, row_id, **_):
-        import json
-        import os
+def recording_reward(completion_ids, row_id, **_):
+    """Parity reward that also appends what it scored to the file named by ``$ROLLOUT_HELPERS_REWARD_LOG``
+    (for independent checks)."""
+    import json
+    import os
 
-        rewards = [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
-        cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
-        with open(self.path, "a") as f:
-            for ids, r, row in zip(completion_ids, rewards, row_id):
-                f.write(json.dumps({"row_id": row, "completion_ids": ids, "reward": r, "cuda": cuda}) + "\n")
-        return rewards
+    rewards = [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+    cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
+    with open(os.environ[REWARD_LOG_ENV], "a") as f:
+        for ids, r, row in zip(completion_ids, rewards, row_id):
+            f.write(json.dumps({"row_id": row, "completion_ids": ids, "reward": r, "cuda": cuda}) + "\n")
+    return rewards
 
 
 class StallLoop(RolloutLoop):

@@ -17,17 +17,19 @@ TINY = "tiny-qwen3"
 
 
 @contextmanager
-def embedded_server(log_dir: Path, model: str = TINY, output_dir: Path | None = None,
+def embedded_server(log_dir: Path, model: str = TINY, output_dir: Path | None = None, lora_r: int | None = None,
                     **server: object) -> Iterator[ServerHandle]:
     """Start one embedded replica on 127.0.0.1 (free port, 1 CPU thread) through ``provision``.
 
     It loads adapters and full weights only from ``<output_dir>/.vllm_lora`` and ``<output_dir>/.weights``
     (``output_dir`` default ``<log_dir>/run``; the folders are ``adapter_dir`` / ``weights_dir`` below).
+    ``lora_r``: the rank of the trainer's LoRA adapter it must accept (``train.lora.r``).
     """
     settings = {"backend": "embedded", "port": 0, "embedded_num_threads": 1, "max_model_len": 256,
                 "max_num_seqs": 64, "log_dir": log_dir, "startup_timeout_s": 180, **server}
+    lora = {"lora": {"enabled": True, "r": lora_r}} if lora_r is not None else {}
     config = RunConfig(model=ModelConfig(name=model), server=settings,
-                       train={"output_dir": output_dir or Path(log_dir) / "run"},
+                       train={"output_dir": output_dir or Path(log_dir) / "run", **lora},
                        rollout={"max_completion_length": 64, "num_sampler_logprobs": 4})
     handles = provision(config)
     try:

@@ -31,7 +31,7 @@ def test_gpu_configs_place_vllm_and_trainer_for_their_weight_sync(path):
     check_gpu_layout(cfg)
     server_gpus, trainer_gpus = set(cfg.server.gpu_ids), set(cfg.train.gpu_ids)
     if cfg.train.lora.enabled:
-        assert cfg.server.enable_lora and server_gpus == trainer_gpus
+        assert cfg.serves_lora() and server_gpus == trainer_gpus
     elif cfg.server.weight_transfer_backend == "ipc":
         assert server_gpus == trainer_gpus and cfg.server.gpu_memory_utilization <= 0.5  # the trainer needs the rest
     else:

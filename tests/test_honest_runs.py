@@ -125,7 +125,7 @@ def test_trainer_that_runs_out_of_samples_records_fewer_steps_and_why(tmp_path):
     end = json.loads((tmp_path / "out" / "train_end.json").read_text())
     steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert end["steps"] == steps[-1] >= 1 and end["max_steps"] == 50
-    assert "the samples ended after step" in end["stopped_early"] and "rollout.max_steps" in end["stopped_early"]
+    assert "the samples ended after step" in end["stopped_early"] and "rollout.num_epochs: null" in end["stopped_early"]
 
 
 def _grpo_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:

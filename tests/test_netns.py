@@ -129,7 +129,7 @@ def _reaches_router(url: str) -> bool:
 def _config(tmp: Path) -> dict:
     return {
         "model": {"name": "tiny-qwen3"},
-        "server": {"max_model_len": 256, "enable_lora": True, "lora_rank": 8, "control_retry_s": 0.2,
+        "server": {"max_model_len": 256, "control_retry_s": 0.2,
                    "control_timeout_s": 60},
         "rollout": {"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 64, "num_generations": 4,
                     "max_completion_length": 16, "num_sampler_logprobs": 2, "max_staleness": 1,

@@ -144,6 +144,66 @@ def test_invalid_samples_raise_packing_error_naming_the_field(backend, case):
         backend.batcher(1, 16).push(bad)
 
 
+#: The Rust core's error variant and field for each bad sample (packer_rs/src/error.rs, sample.rs ``validate``).
+BAD_SAMPLE_KINDS = {
+    "short_mask": ("LengthMismatch", "completion_mask"),
+    "short_logprobs": ("LengthMismatch", "sampler_logprobs"),
+    "empty": ("EmptySample", "input_ids"),
+    "no_trained_token": ("NoTrainedToken", "completion_mask"),
+    "first_token_trained": ("FirstTokenTrained", "completion_mask"),
+    "mask_value_2": ("BadMask", "completion_mask"),
+}
+
+
+@pytest.mark.parametrize("backend", BOTH)
+@pytest.mark.parametrize("case", BAD_SAMPLES)
+def test_both_backends_raise_one_structured_packing_error(backend, case):
+    kind, field = BAD_SAMPLE_KINDS[case]
+    for call in [*_apis(backend, _sample(**BAD_SAMPLES[case][0])).values(),
+                 lambda: samples_to_arrow([_sample(**BAD_SAMPLES[case][0])])]:
+        with pytest.raises(PackingError) as err:
+            call()
+        assert type(err.value) is PackingError, "never packer_rs's own exception class"
+        assert (err.value.kind, err.value.field, err.value.sample_id) == (kind, field, 11)
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_budget_ranks_fit_schema_and_type_errors_are_structured(backend):
+    def raised(call):
+        with pytest.raises(PackingError) as err:
+            call()
+        return err.value.kind, err.value.field, err.value.sample_id
+
+    assert raised(lambda: backend.batcher(2, 0)) == ("BadBudget", "token_budget", None)
+    assert raised(lambda: backend.batcher(0, 16)) == ("BadRanks", "num_ranks", None)
+    assert raised(lambda: backend.pack_row([_sample(sample_id=5, input_ids=np.arange(1, 9, dtype=np.int32),
+                                                    completion_mask=np.array([0] + [1] * 7, np.int8),
+                                                    sampler_logprobs=np.zeros(8, np.float32))], 4)) == \
+        ("DoesNotFit", "token_budget", 5)
+    no_ids = samples_to_arrow([_sample()]).drop_columns(["input_ids"])
+    assert raised(lambda: backend.batcher(1, 16).push(no_ids)) == ("Schema", "input_ids", None)
+    assert raised(lambda: backend.pack_row([_sample(input_ids=np.array([1, 2, 3], np.int64))], 16)) == \
+        ("BadInput", "input_ids", None)
+    lists = TokenLists(np.array([0, 2, 1, 2], np.int32), np.array([1, 2], np.int32), np.zeros(2, np.float32))
+    assert raised(lambda: backend.pack_row([_sample(sampler_topk=lists)], 16)) == ("BadTokenLists", "sampler_topk", 11)
+
+
+def test_the_row_layout_is_the_rust_cores():
+    with pytest.raises(PackingError, match="`rows` is not a packed-row part") as err:
+        base.row_schema("rows")
+    assert (err.value.kind, err.value.field) == ("Schema", "rows")
+    assert list(base.ROW_PARTS) == ["tokens", "segments", "kv", "loss", "samples"]
+    assert base.ROW_COUNTS == ("num_forwarded", "num_trained", "num_raw", "num_samples", "load")
+    assert base.row_schema("loss", with_topk=True, with_mask=True).names == [
+        *base.ROW_PARTS["loss"], "sampler_topk_ids", "sampler_topk_logprobs", "sampling_mask"]
+    for backend in (RUST, PYTHON):  # both backends' rows follow the one schema, part by part
+        row = backend.pack_row(_samples(), 64)
+        for part in base.ROW_PARTS:
+            with_topk = "sampler_topk_ids" in getattr(row, part).schema.names
+            with_mask = "sampling_mask" in getattr(row, part).schema.names
+            assert getattr(row, part).schema.equals(base.row_schema(part, with_topk, with_mask)), (backend.name, part)
+
+
 @pytest.mark.parametrize("backend", BOTH)
 def test_bad_budget_and_ranks(backend):
     for budget in (0, -3):
@@ -322,3 +382,13 @@ def test_three_sample_row_by_hand(backend):
     assert row.packing_ratio == 12 / 9
     with pytest.raises(PackingError, match="token_budget"):
         backend.pack_row(samples, 8)
+
+
+@pytest.mark.parametrize("backend", BOTH)
+def test_rows_cross_ranks_in_the_rust_layout_unchanged(backend):
+    from grpo_core.train.rows import row_from_bytes, row_to_bytes
+
+    row = backend.pack_row(_samples(), 64)
+    back = row_from_bytes(row_to_bytes(row))
+    assert back.equals(row) and back.num_forwarded == row.num_forwarded == len(row.column("input_ids"))
+    assert [getattr(back, c) for c in base.ROW_COUNTS] == [row.num_forwarded, row.num_trained, row.num_raw, 3, row.load]

@@ -20,8 +20,9 @@ import psutil
 import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
 
-from flows.processes import RunProcesses, child_env, start_child, stream, wait_child
+from flows.processes import RunProcesses, child_env, stream, wait_child
 from grpo_core.auth import TOKEN_ENV
+from grpo_core.rollout.process import start_rollout_process
 
 pytestmark = pytest.mark.slow
 DEATH_BOUND_S = 30  # the lifeline polls every 0.5 s; the bound only absorbs a loaded CI machine
@@ -78,8 +79,8 @@ def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
     trainer = threading.Thread(target=lambda: result.update(code=stream(cmd, logging.getLogger("t"), "", env,
                                                                         register=procs)[0]))
     trainer.start()
-    rollout = start_child([sys.executable, "-m", "grpo_core.rollout", "--config", str(config), "--server-url",
-                           "http://127.0.0.1:9"], tmp_path / "rollout.log", register=procs, env=env)
+    rollout = start_rollout_process(config, ["http://127.0.0.1:9"], tmp_path, env=env).process
+    procs.processes.append(rollout)
     threading.Thread(target=wait_child, args=(rollout, procs, "rollout"), daemon=True).start()
     while len(procs.processes) < 2:
         time.sleep(0.1)

@@ -1,7 +1,9 @@
-"""The rollout engine end to end: a spawned rollout process, the real embedded server, Flight, FlightSource.
+"""The rollout engine end to end: the rollout process (started as the flow starts it), the real embedded
+server, Flight, FlightSource.
 
-One tiny random Qwen3 server (CPU, 1 thread) is shared by the module; each test spawns its
-own rollout process with a few prompts, small G and short completions.
+One tiny random Qwen3 server (CPU, 1 thread) is shared by the module; each test starts its
+own rollout process with a few prompts, small G and short completions; everything it runs is named in
+the config (``rollout_helpers:…``, importable through PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -9,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -26,17 +26,19 @@ from serving_helpers import TINY, adapter_dir, embedded_server, run
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
 from grpo_core.packing import samples_from_arrow
-from grpo_core.rollout import RolloutJob, start_rollout_process
+from grpo_core.rollout import start_rollout_process
 from grpo_core.transport.flight_client import FlightSource
 from grpo_core.transport.types import ResumeState
 
 pytestmark = pytest.mark.slow
 
+#: The rollout process imports ``rollout_helpers`` by name.
+HELPERS_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with embedded_server(tmp_path_factory.mktemp("rollout-server"), max_model_len=512, enable_lora=True,
-                         lora_rank=8) as handle:
+    with embedded_server(tmp_path_factory.mktemp("rollout-server"), max_model_len=512, lora_r=8) as handle:
         yield handle
 
 
@@ -46,16 +48,22 @@ def _config(**rollout) -> RunConfig:
     return RunConfig(model={"name": TINY}, server={"max_model_len": 512}, rollout=settings)
 
 
+def rows(n: int) -> dict:
+    """Rollout settings for the prompts ``rollout_helpers.rows(n)``."""
+    return {"dataset": "rollout_helpers:rows", "dataset_kwargs": {"n": n}}
+
+
 @contextmanager
-def rollout(server, tmp_path, config: RunConfig, **job):
-    error_path = str(tmp_path / "rollout_error.txt")
-    process, location = start_rollout_process(RolloutJob(config, [server.url], error_path=error_path, **job))
-    source = FlightSource(location, max_staleness=config.rollout.max_staleness,
-                           timeout_s=config.rollout.rollout_worker_timeout_s, process=process, error_path=error_path)
+def rollout(server, tmp_path, config: RunConfig, resume: ResumeState | None = None, env: dict | None = None):
+    started = start_rollout_process(config, [server.url], tmp_path, resume=resume, env={**HELPERS_ENV, **(env or {})})
+    source = FlightSource(started.wait_location(timeout_s=300), max_staleness=config.rollout.max_staleness,
+                          timeout_s=config.rollout.rollout_worker_timeout_s, process=started.process,
+                          error_path=started.error_path)
     try:
         yield source
     finally:
         source.close()
+        started.stop()
 
 
 def drain(source, policy_version=0, **kw):
@@ -71,8 +79,8 @@ def drain(source, policy_version=0, **kw):
 
 def test_advantages_match_rewards_recomputed_from_the_log(server, tmp_path):
     log = tmp_path / "rewards.jsonl"
-    with rollout(server, tmp_path, _config(num_generations=4), dataset=h.rows(5),
-                 reward_functions=[h.RecordingReward(log)]) as source:
+    config = _config(num_generations=4, **rows(5), reward_functions=["rollout_helpers:recording_reward"])
+    with rollout(server, tmp_path, config, env={h.REWARD_LOG_ENV: str(log)}) as source:
         samples, consumed, metrics = drain(source)
     logged = defaultdict(list)
     for line in log.read_text().splitlines():
@@ -99,8 +107,9 @@ def test_advantages_match_rewards_recomputed_from_the_log(server, tmp_path):
 
 def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance(server, tmp_path):
     step_tokens = 120
-    config = _config(max_staleness=1, first_step_tokens=step_tokens)
-    with rollout(server, tmp_path, config, dataset=h.rows(8), reward_functions=[h.parity_reward]) as source:
+    config = _config(max_staleness=1, first_step_tokens=step_tokens, **rows(8),
+                     reward_functions=["rollout_helpers:parity_reward"])
+    with rollout(server, tmp_path, config) as source:
         version, seen, consumed, dropped, metrics = 0, [], [], 0, {}
         while True:
             batch = source.pull(version, timeout_s=60)
@@ -125,9 +134,10 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
 
 def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_path):
     # Before: no timeouts (a hang blocked its group forever) and the first raising reward failed the run.
-    config = _config(reward_timeout_s=1, tool_timeout_s=1, max_failed_groups=4)
-    with rollout(server, tmp_path, config, dataset=h.rows(6), reward_functions=[h.flaky_reward],
-                 environment_factory=h.FlakyEnv) as source:
+    config = _config(reward_timeout_s=1, tool_timeout_s=1, max_failed_groups=4, **rows(6),
+                     reward_functions=["rollout_helpers:flaky_reward"],
+                     environment_factory="rollout_helpers:FlakyEnv")
+    with rollout(server, tmp_path, config) as source:
         samples, consumed, metrics = drain(source)
     # rows 1 (reward hangs), 2 (reward raises), 3 (reset hangs), 4 (get_reward raises) fail; 0 and 5 train
     assert {s.prompt_index for s in samples} | set(consumed) == set(range(6)), "every prompt reported"
@@ -137,8 +147,8 @@ def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_
 
 
 def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp_path):
-    with rollout(server, tmp_path, _config(max_failed_groups=2), dataset=h.rows(6),
-                 reward_functions=[h.raising_reward]) as source:
+    config = _config(max_failed_groups=2, **rows(6), reward_functions=["rollout_helpers:raising_reward"])
+    with rollout(server, tmp_path, config) as source:
         with pytest.raises(TransportError, match=r"3 groups failed in user code, more than rollout.max_failed_groups"
                                                  r"=2; the last: reward function 'raising_reward' raised RuntimeError"):
             drain(source)
@@ -147,12 +157,13 @@ def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp
 
 def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_run(server, tmp_path):
     # Before: the sync retired pol-v1 while odd rows slept in a tool; their next turn got 404 and failed the run.
-    config = RunConfig(model={"name": TINY}, server={"max_model_len": 512, "enable_lora": True, "lora_rank": 8},
+    config = RunConfig(model={"name": TINY}, server={"max_model_len": 512},
                        train={"lora": {"enabled": True, "name": "pol", "r": 8}},
                        rollout={"num_generations": 2, "max_completion_length": 8, "num_sampler_logprobs": 2,
                                 "max_staleness": 0, "max_tool_calling_iterations": 1, "rollout_worker_timeout_s": 30,
                                 "loop_class": "rollout_helpers:ScriptedToolLoop",
-                                "environment_factory": "rollout_helpers:SleepyCounterEnv"})
+                                "environment_factory": "rollout_helpers:SleepyCounterEnv", **rows(4),
+                                "reward_functions": ["rollout_helpers:position_reward"]})
     from peft import LoraConfig, get_peft_model
 
     from grpo_core.config import ModelConfig
@@ -174,8 +185,7 @@ def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_ru
 
     run(sync(1))
     try:
-        with rollout(server, tmp_path, config, dataset=h.rows(4), reward_functions=[h.position_reward],
-                     resume=ResumeState(policy_version=1)) as source:
+        with rollout(server, tmp_path, config, resume=ResumeState(policy_version=1)) as source:
             first = source.pull(1, timeout_s=120)  # row 0 (the first group runs alone)
             run(sync(2))  # odd rows are sleeping in their tool: pol-v1 goes under them
             source.report(2, 100)
@@ -191,8 +201,9 @@ def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_ru
 
 def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):
     config = _config(num_generations=4, num_epochs=3, loop_class="rollout_helpers:CurriculumLoop",
-                     loop_options={"pass_rate_cap": 0.6}, reward_functions=["rollout_helpers:curriculum_reward"])
-    with rollout(server, tmp_path, config, dataset=h.rows(3)) as source:
+                     loop_options={"pass_rate_cap": 0.6}, reward_functions=["rollout_helpers:curriculum_reward"],
+                     **rows(3))
+    with rollout(server, tmp_path, config) as source:
         samples, consumed, metrics = drain(source)
     # Row 0 is solved in epoch 0 (zero std, dropped), then filtered in epochs 1 and 2.
     assert sorted(consumed) == [0, 3, 6]
@@ -201,18 +212,19 @@ def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):
 
 
 def test_epoch_rejecting_every_prompt_raises(server, tmp_path):
-    with rollout(server, tmp_path, _config(), dataset=h.rows(3), loop_class=h.RejectAllLoop) as source:
+    with rollout(server, tmp_path, _config(**rows(3), loop_class="rollout_helpers:RejectAllLoop")) as source:
         with pytest.raises(TransportError, match="rejected all 3 prompts of epoch 0"):
             drain(source)
 
 
 def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
-    rows = [{"prompt": [{"role": "user", "content": "Play."}], "environment": env, "target": target}
+    prompts = [{"prompt": [{"role": "user", "content": "Play."}], "environment": env, "target": target}
             for env, target in [("counter", 2), ("game", 0), ("counter", 3), ("game", 0)]]
     config = _config(num_generations=2, max_tool_calling_iterations=1, loop_class="rollout_helpers:ScriptedToolLoop",
                      environment_factory={"counter": "rollout_helpers:CounterEnv", "game": "rollout_helpers:GameEnv"},
-                     reward_functions=["rollout_helpers:parity_reward"])
-    with rollout(server, tmp_path, config, dataset=rows) as source:
+                     reward_functions=["rollout_helpers:parity_reward"], dataset="rollout_helpers:rows_of",
+                     dataset_kwargs={"rows": prompts})
+    with rollout(server, tmp_path, config) as source:
         samples, consumed, metrics = drain(source)
     # Each rollout saw only its environment's tool: the scripted first turn calls the tool it was shown.
     assert metrics["tools/increment/call_count"] == 4 and metrics["tools/move/call_count"] == 4
@@ -238,11 +250,12 @@ def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
 
 def test_reward_functions_get_trainer_state_log_metric_and_the_environments(server, tmp_path):
     # Before: preflight accepted these arguments but scoring never passed them: the first group failed the run.
-    rows = [{"prompt": [{"role": "user", "content": "Count."}], "target": target} for target in (2, 3, 2)]
+    prompts = [{"prompt": [{"role": "user", "content": "Count."}], "target": target} for target in (2, 3, 2)]
     config = _config(num_generations=2, max_tool_calling_iterations=1, loop_class="rollout_helpers:ScriptedToolLoop",
-                     environment_factory="rollout_helpers:CounterEnv", reward_functions=["rollout_helpers:state_reward"])
+                     environment_factory="rollout_helpers:CounterEnv", reward_functions=["rollout_helpers:state_reward"],
+                     dataset="rollout_helpers:rows_of", dataset_kwargs={"rows": prompts})
     resume = ResumeState(policy_version=3, step=7)
-    with rollout(server, tmp_path, config, dataset=rows, resume=resume) as source:
+    with rollout(server, tmp_path, config, resume=resume) as source:
         samples, consumed, metrics = drain(source, policy_version=3)
     assert metrics["state_reward/group_count"] == 3
     assert metrics["trainer_state/step"] == 7 and metrics["trainer_state/policy_version"] == 3
@@ -264,8 +277,8 @@ def test_environment_owns_the_data_without_a_dataset(server, tmp_path):
 
 
 def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_path):
-    config = _config(rollout_worker_timeout_s=5)
-    with rollout(server, tmp_path, config, dataset=h.rows(200), reward_functions=[h.parity_reward]) as source:
+    config = _config(rollout_worker_timeout_s=5, **rows(200), reward_functions=["rollout_helpers:parity_reward"])
+    with rollout(server, tmp_path, config) as source:
         source.pull(0, timeout_s=60)
         remote = FlightSource(source.location, max_staleness=4, timeout_s=3)  # a trainer on another host
         os.kill(source.process.pid, signal.SIGKILL)
@@ -280,8 +293,8 @@ def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_pa
 
 def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
     resume = ResumeState(policy_version=3, first_untrained_prompt_index=2, trained_above=[3])
-    with rollout(server, tmp_path, _config(num_generations=4), dataset=h.rows(5), resume=resume,
-                 reward_functions=[h.curriculum_reward]) as source:
+    config = _config(num_generations=4, **rows(5), reward_functions=["rollout_helpers:curriculum_reward"])
+    with rollout(server, tmp_path, config, resume=resume) as source:
         samples, consumed, metrics = drain(source, policy_version=3)
     assert sorted({s.prompt_index for s in samples} | set(consumed)) == [2, 4]
     assert metrics["rollout/group_count"] == 2, "no group generated for the trained prompts"
@@ -289,9 +302,9 @@ def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
 
 
 def test_stalled_rollout_loop_fails_the_pull(server, tmp_path):
-    config = _config(rollout_worker_timeout_s=4)
-    with rollout(server, tmp_path, config, dataset=h.rows(4), loop_class=h.StallLoop,
-                 reward_functions=[h.parity_reward]) as source:
+    config = _config(rollout_worker_timeout_s=4, **rows(4), loop_class="rollout_helpers:StallLoop",
+                     reward_functions=["rollout_helpers:parity_reward"])
+    with rollout(server, tmp_path, config) as source:
         source.wait_running()
         start = time.monotonic()
         with pytest.raises(TransportError, match="has not ticked"):
@@ -299,25 +312,19 @@ def test_stalled_rollout_loop_fails_the_pull(server, tmp_path):
         assert time.monotonic() - start < 8 + 4 + 5, "within the stall (8 s) + timeout (4 s) + slack"
 
 
-def test_command_line_entry_point_with_a_reasoning_gym_dataset(server, tmp_path):
+def test_config_file_with_a_reasoning_gym_dataset_and_a_trainer_that_did_not_start_the_process(server, tmp_path):
     config = {"model": {"name": TINY}, "server": {"max_model_len": 512},
               "rollout": {"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 3, "num_generations": 2,
                           "max_completion_length": 8, "num_sampler_logprobs": 2,
                           "reward_functions": ["rollout_helpers:parity_reward"]}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    location_file = tmp_path / "location"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-m", "grpo_core.rollout", "--config", str(tmp_path / "run.yaml"),
-                                "--server-url", server.url, "--location-file", str(location_file)], env=env)
+    started = start_rollout_process(tmp_path / "run.yaml", [server.url], tmp_path / "rollout", env=HELPERS_ENV)
     try:
-        deadline = time.monotonic() + 60
-        while not location_file.exists() and time.monotonic() < deadline and process.poll() is None:
-            time.sleep(0.1)
-        source = FlightSource(location_file.read_text(), max_staleness=4, timeout_s=30)
+        source = FlightSource(started.wait_location(timeout_s=300), max_staleness=4, timeout_s=30)
         samples, consumed, metrics = drain(source)
-        source.close()
-        assert process.wait(timeout=30) == 0
+        source.close()  # its shutdown action ends the process
+        assert started.process.wait(timeout=30) == 0
     finally:
-        process.kill()
+        started.stop()
     assert sorted({s.prompt_index for s in samples} | set(consumed)) == [0, 1, 2]
     assert "rewards/reasoning_gym_reward/mean" in metrics and "rewards/parity_reward/mean" in metrics

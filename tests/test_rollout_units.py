@@ -8,15 +8,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 import rollout_helpers as h
 
 from grpo_core.config import RunConfig
-from grpo_core.errors import ConfigError, RolloutError, UserCodeError
-from grpo_core.rollout import RolloutJob, TurnRecord, check_picklable, reconcile_turns
+from grpo_core.errors import ConfigError, RolloutError, TransportError, UserCodeError
+from grpo_core.rollout import TurnRecord, reconcile_turns, start_rollout_process
 from grpo_core.rollout.build import loop_class_and_config
 from grpo_core.rollout.data import extract_answer, reasoning_gym_dataset, reasoning_gym_reward
 from grpo_core.rollout.driver import poll_concurrency, prompt_stream
@@ -329,19 +331,29 @@ def test_config_checks_name_the_field():
         RunConfig(rollout={"reward_functions": ["accuracy"]})
 
 
-def test_pickle_check_names_lambda_and_closure():
-    cfg = RunConfig()
-    with pytest.raises(TypeError, match=r"reward_functions\[1\] \(.*<lambda>\) cannot be pickled"):
-        check_picklable(RolloutJob(cfg, [], reward_functions=[h.length_reward, lambda **k: [0.0]]))
+def test_the_rollout_process_gets_only_its_sub_config_from_the_owners():
+    cfg = RunConfig(model={"name": "tiny-qwen3"}, server={"max_model_len": 4608, "served_model_name": "served"},
+                    train={"lora": {"enabled": True, "name": "pol"}},
+                    tracking={"log_completions": True, "num_completions_to_print": 3})
+    sub = cfg.rollout_process()
+    assert (sub.served_model_name, sub.max_model_len, sub.adapter_name) == ("served", 4608, "pol")
+    assert (sub.log_completions, sub.num_completions_to_print) == (True, 3) and sub.rollout == cfg.rollout
+    plain = RunConfig(model={"name": "tiny-qwen3"}).rollout_process()
+    assert plain.adapter_name is None and plain.served_model_name == "tiny-qwen3" and not plain.log_completions
+    assert not {"server", "train", "tracking", "packing", "export", "flow"} & set(type(sub).model_fields)
 
-    def make():
-        def closure(**_):
-            return [0.0]
-        return closure
 
-    with pytest.raises(TypeError, match="tools.0. .*closure"):
-        check_picklable(RolloutJob(cfg, [], tools=[make()]))
-    check_picklable(RolloutJob(cfg, [], reward_functions=[functools.partial(h.length_reward)], dataset=h.rows(2)))
+def test_rollout_process_that_fails_before_serving_names_the_cause(tmp_path):
+    # The flow's start path: the process exits on the bad loop class before it serves; the error carries its log.
+    helpers = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    cfg = RunConfig(rollout={"loop_class": "rollout_helpers:CounterEnv"})
+    started = start_rollout_process(cfg, ["http://127.0.0.1:9"], tmp_path, env={"PYTHONPATH": helpers})
+    with pytest.raises(TransportError, match="exited with code 1 before serving") as err:
+        started.wait_location(timeout_s=300)
+    assert "rollout.loop_class='rollout_helpers:CounterEnv' is not a RolloutLoop subclass" in str(err.value)
+    assert started.process.poll() == 1 and not started.location_path.exists()
+    with pytest.raises(ConfigError, match="at least one generation server URL"):
+        start_rollout_process(cfg, [], tmp_path)
 
 
 def test_candidate_sets_and_topk_reach_the_sample_arrow_encoding():

@@ -87,8 +87,9 @@ def test_a_down_replica_is_routed_around_counted_and_rejoins():
 def _config(log_dir, lora_rank: int, store_url: str) -> RunConfig:
     return RunConfig(model=ModelConfig(name=TINY), server={
         "backend": "embedded", "port": 0, "embedded_num_threads": 1, "max_model_len": 256, "max_num_seqs": 64,
-        "log_dir": log_dir, "startup_timeout_s": 180, "num_replicas": 3, "enable_lora": True, "lora_rank": lora_rank},
-        rollout={"max_completion_length": 64, "num_sampler_logprobs": 4}, train={"adapter_store": store_url})
+        "log_dir": log_dir, "startup_timeout_s": 180, "num_replicas": 3},
+        rollout={"max_completion_length": 64, "num_sampler_logprobs": 4},
+        train={"adapter_store": store_url, "lora": {"enabled": True, "r": lora_rank}})
 
 
 @pytest.fixture(scope="module")

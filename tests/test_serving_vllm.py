@@ -9,7 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from grpo_core.config import RunConfig
+from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
 from grpo_core.serving.vllm import (
     _lora_problems,
@@ -55,12 +55,37 @@ def test_lora_rank_is_next_allowed_value(rank, expected):
 
 
 def test_lora_flags_and_env():
-    cfg = RunConfig(server={"enable_lora": True, "lora_rank": 24}, rollout={"max_staleness": 4})
+    cfg = RunConfig(train={"lora": {"enabled": True, "r": 24}}, rollout={"max_staleness": 4})
     spec = vllm_command(cfg)
     assert flag(spec.argv, "--max-lora-rank") == "32" and flag(spec.argv, "--max-loras") == "6"
     assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     assert flag(vllm_command(cfg.model_copy(update={"server": cfg.server.model_copy(update={"max_loras": 9})})).argv,
                 "--max-loras") == "9"
+
+
+@pytest.mark.parametrize("section, values, fix", [
+    ("server", {"enable_lora": True}, "set train.lora.enabled"),
+    ("server", {"lora_rank": 16}, "set train.lora.r"),
+    ("rollout", {"max_steps": 40}, "set rollout.num_epochs: null"),
+])
+def test_a_removed_duplicate_field_names_its_one_owner(tmp_path, section, values, fix):
+    (name, value), = values.items()
+    with pytest.raises(ValueError, match=rf"{section}\.{name} was removed: .*{fix}"):
+        RunConfig(**{section: values})
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{section}:\n  {name}: {str(value).lower()}\n")
+    with pytest.raises(ConfigError, match=rf"{section}\.{name} was removed: .*{fix}"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=rf"{section}\.{name} was removed"):
+        load_config(None, [f"{section}.{name}={value}"])
+
+
+def test_the_trainers_lora_settings_are_the_servers():
+    plain = vllm_command(RunConfig()).argv
+    assert "--enable-lora" not in plain and not RunConfig().serves_lora()
+    cfg = RunConfig(train={"lora": {"enabled": True, "r": 8}})
+    assert cfg.serves_lora() and "--enable-lora" in vllm_command(cfg).argv
+    assert flag(vllm_command(cfg).argv, "--max-lora-rank") == "8" == flag(embedded_command(cfg).argv, "--max-lora-rank")
 
 
 def test_candidate_filter_adds_sampling_mask_flags():
@@ -84,7 +109,7 @@ def test_replicas_get_disjoint_gpus_and_ports():
      ["rollout.max_completion_length", "server.max_model_len"]),
     ({"rollout": {"top_p": 0.9}}, ["rollout.top_p", "rollout.top_k"]),
     ({"rollout": {"num_sampler_logprobs": 30}}, ["rollout.num_sampler_logprobs", "server.max_logprobs"]),
-    ({"server": {"enable_lora": True, "max_loras": 3}, "rollout": {"max_staleness": 4}},
+    ({"train": {"lora": {"enabled": True}}, "server": {"max_loras": 3}, "rollout": {"max_staleness": 4}},
      ["server.max_loras", "rollout.max_staleness"]),
     ({"server": {"num_replicas": 2, "gpu_ids": [0]}}, ["server.gpu_ids", "server.num_replicas"]),
 ])
@@ -98,8 +123,8 @@ def test_cross_field_errors_name_fields(kwargs, fields):
 def test_unknown_keys_and_bounds_are_errors():
     with pytest.raises(ValidationError, match="max_model_lenn"):
         RunConfig(server={"max_model_lenn": 10})
-    with pytest.raises(ValidationError, match="lora_rank"):
-        RunConfig(server={"lora_rank": 1000})
+    with pytest.raises(ValidationError, match=r"train\.lora\.r"):
+        RunConfig(train={"lora": {"r": 1000}})
     with pytest.raises(ConfigError):
         max_lora_rank_for(513)
 
@@ -114,7 +139,7 @@ def test_auto_backend_falls_back_to_embedded_without_vllm(caplog):
 
 
 def test_lora_check_names_restart_flags():
-    cfg = RunConfig(server={"enable_lora": True, "lora_rank": 16}, rollout={"max_staleness": 4})
+    cfg = RunConfig(train={"lora": {"enabled": True, "r": 16}}, rollout={"max_staleness": 4})
     assert _lora_problems('{"max_lora_rank": 64, "max_loras": 6}', cfg) == []
     problem = _lora_problems("LoRAConfig(max_lora_rank=8, max_loras=2)", cfg)[0]
     assert "--max-lora-rank 16" in problem and "--max-loras 6" in problem

@@ -37,11 +37,12 @@ def even_share(completion_ids, **_):
 
 
 def sample_groups(server_url: str, num_prompts: int) -> pa.RecordBatch:
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(num_prompts)]
     cfg = RunConfig(model=ModelConfig(name="tiny-qwen3"), server={"backend": "embedded", "max_model_len": 256},
                     rollout={"max_completion_length": COMPLETION, "num_sampler_logprobs": TOP, "num_generations": 4,
-                             "temperature": TEMPERATURE})
-    rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(num_prompts)]
-    job = RolloutJob(config=cfg, server_urls=[server_url], dataset=rows, reward_functions=[even_share])
+                             "temperature": TEMPERATURE, "dataset": "rollout_helpers:rows_of",
+                             "dataset_kwargs": {"rows": rows}, "reward_functions": [f"{__name__}:even_share"]})
+    job = RolloutJob(config=cfg.rollout_process(), server_urls=[server_url])
 
     async def go():
         queue = SampleQueue(TokenAllowance(1, 10**9), with_topk=True)

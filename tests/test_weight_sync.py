@@ -59,9 +59,8 @@ def test_lora_sync_serves_each_adapter_version(tmp_path):
     from peft import PeftModel
 
     base_dir = resolve_model_dir(ModelConfig(name="tiny-qwen3"))
-    with embedded_server(tmp_path / "server", output_dir=tmp_path / "out", enable_lora=True, lora_rank=8) as server:
-        out = run_trainer(tmp_path, server.url, {"enable_lora": True, "lora_rank": 8},
-                          lora={"enabled": True, "r": 8, "alpha": 16})
+    with embedded_server(tmp_path / "server", output_dir=tmp_path / "out", lora_r=8) as server:
+        out = run_trainer(tmp_path, server.url, lora={"enabled": True, "r": 8, "alpha": 16})
         tokens, served = run(server_logprobs(server.url, "policy-v2"))
     adapter = out / ".vllm_lora" / "policy-v2"
     assert (adapter / "adapter_model.safetensors").exists() and (out / ".vllm_lora" / "policy-v1").exists()
@@ -93,13 +92,11 @@ def test_vllm_names_gain_base_layer_only_with_lora():
 
 def test_resumed_lora_run_gives_fresh_servers_its_adapter_first(tmp_path):
     samples = write_samples(tmp_path / "samples.arrow", 16)
-    server_cfg = {"enable_lora": True, "lora_rank": 8}
     lora = {"enabled": True, "r": 8, "alpha": 16}
     for attempt, max_steps in ((1, 2), (2, 3)):  # the second attempt resumes at step 2 on a new server
-        config = trainer_config(tmp_path, samples, server_cfg, max_steps=max_steps, save_steps=2,
+        config = trainer_config(tmp_path, samples, max_steps=max_steps, save_steps=2,
                                 weight_sync_steps=1, learning_rate=5e-2, lora=lora)
-        with embedded_server(tmp_path / f"server{attempt}", output_dir=tmp_path / "out", enable_lora=True,
-                             lora_rank=8) as server:
+        with embedded_server(tmp_path / f"server{attempt}", output_dir=tmp_path / "out", lora_r=8) as server:
             with open(tmp_path / f"log{attempt}", "w") as log:
                 code = torchrun(config, 1, stdout=log, stderr=subprocess.STDOUT, server_urls=[server.url]).wait(600)
             assert code == 0, (tmp_path / f"log{attempt}").read_text()[-3000:]

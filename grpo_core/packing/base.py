@@ -13,19 +13,32 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import pyarrow as pa
 
+import packer_rs
+
 from ..errors import ConfigError
-from .sample import Sample
+from .sample import Sample, _rust
 
 ENTRY_POINT_GROUP = "grpo_core.packers"
 
-#: The five record batches of a packed row, and their columns.
-ROW_PARTS = {
-    "tokens": ("input_ids", "position_ids", "subtree_end"),
-    "segments": ("cu_seqlens_q", "cu_seqlens_k"),
-    "kv": ("kv_index",),
-    "loss": ("token_index", "target_id", "sampler_logprob", "advantage", "sample_index"),
-    "samples": ("sample_id", "group_id", "prompt_index", "policy_version", "num_tokens", "num_trained"),
+#: The five record batches of a packed row and their flat columns, as the Rust core defines them
+#: (packer_rs/src/arrow.rs ``ROW_PARTS``).
+ROW_PARTS: dict[str, tuple[str, ...]] = {
+    part: tuple(packer_rs.row_schema(part).names) for part in packer_rs.ROW_PARTS
 }
+#: The counts of a packed row, in order (packer_rs/src/arrow.rs ``ROW_COUNTS``).
+ROW_COUNTS: tuple[str, ...] = tuple(packer_rs.ROW_COUNTS)
+
+
+def row_schema(part: str, with_topk: bool = False, with_mask: bool = False) -> pa.Schema:
+    """The Arrow schema of one part of a packed row, defined by the Rust core (packer_rs/src/arrow.rs).
+
+    ``with_topk`` / ``with_mask`` add the optional ``loss`` columns (``sampler_topk_ids``,
+    ``sampler_topk_logprobs``, ``sampling_mask``: ``list<…>`` per loss term).
+
+    Raises:
+        PackingError: ``part`` is not one of :data:`ROW_PARTS` (kind ``Schema``).
+    """
+    return _rust(packer_rs.row_schema, part, with_topk, with_mask)
 
 
 @dataclass(frozen=True)
@@ -92,8 +105,7 @@ class PackedRow:
     def equals(self, other: PackedRow) -> bool:
         """Exact equality of every record batch and count."""
         return all(getattr(self, p).equals(getattr(other, p)) for p in ROW_PARTS) and all(
-            getattr(self, k) == getattr(other, k)
-            for k in ("num_forwarded", "num_trained", "num_raw", "num_samples", "load")
+            getattr(self, k) == getattr(other, k) for k in ROW_COUNTS
         )
 
 

@@ -1,7 +1,9 @@
 """The ``python`` packing backend: a straightforward pure-Python reference.
 
 Written for clarity, not speed: it is the executable specification that the
-Rust backend must match output for output (tests/test_packing_equivalence.py).
+Rust backend must match output for output (tests/test_packing_equivalence.py). The
+Arrow layout of its rows is the Rust core's (``row_schema``), and its errors carry the
+Rust core's ``kind``, ``field`` and ``sample_id``.
 Layout rules (DESIGN.md §5): a row's samples form a prefix trie keyed on
 (parent, token); the trie is laid out depth first with children in insertion
 order; ``position_ids`` is the depth; a trained token at position ``t`` of a
@@ -17,13 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import PackingError
-from .base import ROW_PARTS, MicroBatch, PackedRow
+from .base import ROW_PARTS, MicroBatch, PackedRow, row_schema
 from .sample import Sample, TokenLists, sample_schema
-
-_INT_COLUMNS = {"sample_id": pa.int64(), "group_id": pa.int64(), "prompt_index": pa.int64()}
-_FLOAT_COLUMNS = {"sampler_logprob", "advantage"}
-_LIST_COLUMNS = {"sampler_topk_ids": pa.int32(), "sampler_topk_logprobs": pa.float32(), "sampling_mask": pa.int32()}
-
 
 _DTYPES = {"input_ids": np.int32, "completion_mask": np.int8, "sampler_logprobs": np.float32}
 
@@ -42,7 +39,8 @@ def _validate_lists(s: Sample, name: str, lists: TokenLists | None, n: int) -> N
     elif lists.logprobs is not None and len(lists.logprobs) != len(lists.ids):
         bad = "has a different number of log-probs than token ids"
     if bad:
-        raise PackingError(f"sample {s.sample_id}: `{name}` {bad}")
+        raise PackingError(f"sample {s.sample_id}: `{name}` {bad}", kind="BadTokenLists", field=name,
+                           sample_id=s.sample_id)
 
 
 def validate(s: Sample) -> None:
@@ -51,23 +49,27 @@ def validate(s: Sample) -> None:
         a = getattr(s, name)
         if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != dtype:
             raise PackingError(f"`{name}` must be a 1-D numpy array of {np.dtype(dtype).name}; "
-                               f"convert it with np.asarray(x, dtype=np.{np.dtype(dtype).name})")
-    n = len(s.input_ids)
+                               f"convert it with np.asarray(x, dtype=np.{np.dtype(dtype).name})", field=name)
+    n, sid = len(s.input_ids), s.sample_id
     if n == 0:
-        raise PackingError(f"sample {s.sample_id}: `input_ids` is empty; a sample needs at least a prompt token and a trained token")
+        raise PackingError(f"sample {sid}: `input_ids` is empty; a sample needs at least a prompt token and a "
+                           "trained token", kind="EmptySample", field="input_ids", sample_id=sid)
     for name in ("completion_mask", "sampler_logprobs"):
         if len(getattr(s, name)) != n:
             raise PackingError(
-                f"sample {s.sample_id}: `{name}` has {len(getattr(s, name))} entries but `input_ids` has {n}; "
-                "every per-token field needs one entry per token"
-            )
+                f"sample {sid}: `{name}` has {len(getattr(s, name))} entries but `input_ids` has {n}; "
+                "every per-token field needs one entry per token", kind="LengthMismatch", field=name, sample_id=sid)
+    mask = {"field": "completion_mask", "sample_id": sid}
     bad = [i for i, m in enumerate(s.completion_mask.tolist()) if m not in (0, 1)]
     if bad:
-        raise PackingError(f"sample {s.sample_id}: `completion_mask[{bad[0]}]` is {s.completion_mask[bad[0]]}; use 0 or 1")
+        raise PackingError(f"sample {sid}: `completion_mask[{bad[0]}]` is {s.completion_mask[bad[0]]}; use 0 or 1",
+                           kind="BadMask", **mask)
     if s.completion_mask[0]:
-        raise PackingError(f"sample {s.sample_id}: `completion_mask[0]` is set, but the first token has no predecessor")
+        raise PackingError(f"sample {sid}: `completion_mask[0]` is set, but the first token has no predecessor",
+                           kind="FirstTokenTrained", **mask)
     if not s.completion_mask[1:].any():
-        raise PackingError(f"sample {s.sample_id}: `completion_mask` marks no trained token after position 0")
+        raise PackingError(f"sample {sid}: `completion_mask` marks no trained token after position 0",
+                           kind="NoTrainedToken", **mask)
     _validate_lists(s, "sampler_topk", s.sampler_topk, n)
     _validate_lists(s, "sampling_mask", s.sampling_mask, n)
 
@@ -161,10 +163,9 @@ class TreeRow:
                 ("policy_version", s.policy_version), ("num_tokens", s.num_tokens), ("num_trained", s.num_trained),
             ):
                 cols[name].append(value)
-        parts = {part: _batch({n: cols[n] for n in names}) for part, names in ROW_PARTS.items()}
+        parts = {part: _batch(part, cols) for part in ROW_PARTS}
         if extra:
-            loss = {n: cols[n] for n in ROW_PARTS["loss"]} | extra
-            parts["loss"] = _batch(loss)
+            parts["loss"] = _batch("loss", cols | extra, "sampler_topk_ids" in extra, "sampling_mask" in extra)
         return PackedRow(
             **parts, num_forwarded=self.num_forwarded, num_trained=self.num_trained,
             num_raw=self.num_raw, num_samples=len(self.samples), load=self.load,
@@ -210,20 +211,10 @@ def stack_limit_guard(depth: int) -> None:
         sys.setrecursionlimit(depth + 1000)
 
 
-def _batch(cols: dict[str, list]) -> pa.RecordBatch:
-    fields, arrays = [], []
-    for name, values in cols.items():
-        if name in _LIST_COLUMNS:
-            typ = pa.list_(_LIST_COLUMNS[name])
-        elif name in _INT_COLUMNS:
-            typ = _INT_COLUMNS[name]
-        elif name in _FLOAT_COLUMNS:
-            typ = pa.float32()
-        else:
-            typ = pa.int32()
-        fields.append(pa.field(name, typ, nullable=False))
-        arrays.append(pa.array(values, type=typ))
-    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))
+def _batch(part: str, cols: dict[str, list], with_topk: bool = False, with_mask: bool = False) -> pa.RecordBatch:
+    """One part of a row in the Rust core's layout (:func:`~grpo_core.packing.base.row_schema`)."""
+    schema = row_schema(part, with_topk, with_mask)
+    return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
 
 
 class PythonBatcher:
@@ -231,9 +222,8 @@ class PythonBatcher:
 
     def __init__(self, num_ranks: int, token_budget: int):
         if num_ranks < 1:
-            raise PackingError(f"`num_ranks` must be at least 1, got {num_ranks}")
-        if token_budget < 1:
-            raise PackingError(f"`token_budget` must be a positive number of tokens, got {token_budget}")
+            raise PackingError(f"`num_ranks` must be at least 1, got {num_ranks}", kind="BadRanks", field="num_ranks")
+        _check_budget(token_budget)
         self.num_ranks = num_ranks
         self.token_budget = token_budget
         self.rows = [TreeRow() for _ in range(num_ranks)]
@@ -290,11 +280,12 @@ def samples_from_pyarrow(batch: pa.RecordBatch) -> list[Sample]:
     expected = pa.schema(sample_schema(with_topk=True, with_mask=True))
     for name in required:
         if name not in batch.schema.names:
-            raise PackingError(f"Sample batch: column `{name}` is missing; see the Sample schema (DESIGN.md §6)")
+            raise PackingError(f"Sample batch: column `{name}` is missing; see the Sample schema (DESIGN.md §6)",
+                               kind="Schema", field=name)
     for name in batch.schema.names:
         if name in expected.names and batch.schema.field(name).type != expected.field(name).type:
             raise PackingError(f"Sample batch: column `{name}` has type {batch.schema.field(name).type}, "
-                               f"expected {expected.field(name).type}")
+                               f"expected {expected.field(name).type}", kind="Schema", field=name)
     rows = batch.to_pylist()
     out = []
     for r in rows:
@@ -329,12 +320,18 @@ class PythonPacker:
 
     def pack_row(self, samples: Sequence[Sample], token_budget: int) -> PackedRow:
         """See :class:`~grpo_core.packing.base.Packer`."""
-        if token_budget < 1:
-            raise PackingError(f"`token_budget` must be a positive number of tokens, got {token_budget}")
+        _check_budget(token_budget)
         row = TreeRow()
         for s in samples:
             validate(s)
             if not row.fits(s, token_budget):
-                raise PackingError(f"sample {s.sample_id} does not fit the row under `token_budget`={token_budget}")
+                raise PackingError(f"sample {s.sample_id} does not fit the row under `token_budget`={token_budget}",
+                                   kind="DoesNotFit", field="token_budget", sample_id=s.sample_id)
             row.add(s)
         return row.pack()
+
+
+def _check_budget(token_budget: int) -> None:
+    if token_budget < 1:
+        raise PackingError(f"`token_budget` must be a positive number of tokens, got {token_budget}",
+                           kind="BadBudget", field="token_budget")

@@ -145,10 +145,12 @@ def sample_schema(with_topk: bool = False, with_mask: bool = False) -> pa.Schema
 
 
 def _rust(call, *args):
+    """Call into packer_rs; its ``PackingError`` surfaces as ``grpo_core.errors.PackingError`` with the same
+    ``kind``, ``field`` and ``sample_id``."""
     try:
         return call(*args)
     except packer_rs.PackingError as e:
-        raise PackingError(str(e)) from None
+        raise PackingError(str(e), kind=e.kind, field=e.field, sample_id=e.sample_id) from None
 
 
 def samples_to_arrow(samples: Iterable[Sample]) -> pa.RecordBatch:

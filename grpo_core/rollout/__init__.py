@@ -7,18 +7,17 @@ Heavy imports (transformers, the HTTP client) happen inside the rollout process 
 """
 
 from .loop import LoopRuntime, RolloutLoop
-from .process import RolloutJob, check_picklable, start_rollout_process
+from .process import RolloutProcess, start_rollout_process
 from .types import Rollout, RolloutGroup, TrainingSequence, TurnRecord, reconcile_turns
 
 __all__ = [
     "LoopRuntime",
     "Rollout",
     "RolloutGroup",
-    "RolloutJob",
     "RolloutLoop",
+    "RolloutProcess",
     "TrainingSequence",
     "TurnRecord",
-    "check_picklable",
     "reconcile_turns",
     "start_rollout_process",
 ]

@@ -1,4 +1,6 @@
-"""``python -m grpo_core.rollout --config FILE --server-url URL``: run the rollout process in this process.
+"""``python -m grpo_core.rollout --config FILE --server-url URL``: the rollout process.
+
+Started by ``grpo_core.rollout.process.start_rollout_process`` (the flow, tests and benchmarks alike).
 
 The config is parsed and validated (and the loop class and its ``loop_options`` checked)
 before transformers or the HTTP client are imported, so ``--help`` and config errors are
@@ -50,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .process import RolloutJob, run_rollout
 
-    job = RolloutJob(cfg, args.server_url, resume=resume, error_path=str(args.error_path) if args.error_path else None)
+    job = RolloutJob(cfg.rollout_process(), args.server_url, resume=resume,
+                     error_path=str(args.error_path) if args.error_path else None)
     from grpo_core.durable import atomic_write_text
 
     on_ready = (lambda loc: atomic_write_text(args.location_file, loc)) if args.location_file else None
@@ -58,4 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)  # skip interpreter teardown: gRPC and tokenizer threads may still hold locks

@@ -19,13 +19,13 @@ from .tools import resolve_response_template
 logger = logging.getLogger(__name__)
 
 
-def loop_class_and_config(rollout: RolloutConfig, loop_class: Any = None) -> tuple[type[RolloutLoop], RolloutConfig]:
+def loop_class_and_config(rollout: RolloutConfig) -> tuple[type[RolloutLoop], RolloutConfig]:
     """The loop class and its config: ``rollout`` re-validated as the class's ``config_class`` with ``loop_options``.
 
     Raises:
         ConfigError: the class is not a ``RolloutLoop`` subclass, or ``loop_options`` do not fit its config.
     """
-    cls = loop_class or import_object(rollout.loop_class, "rollout.loop_class")
+    cls = import_object(rollout.loop_class, "rollout.loop_class")
     if not (isinstance(cls, type) and issubclass(cls, RolloutLoop)):
         raise ConfigError(f"rollout.loop_class={rollout.loop_class!r} is not a RolloutLoop subclass")
     config_cls = cls.config_class
@@ -37,9 +37,7 @@ def loop_class_and_config(rollout: RolloutConfig, loop_class: Any = None) -> tup
     return cls, config
 
 
-def _environment_factory(rollout: RolloutConfig, passed: Any) -> Any:
-    if passed is not None:
-        return passed
+def _environment_factory(rollout: RolloutConfig) -> Any:
     spec = rollout.environment_factory
     if spec is None:
         return None
@@ -48,19 +46,11 @@ def _environment_factory(rollout: RolloutConfig, passed: Any) -> Any:
     return {name: import_object(path, f"rollout.environment_factory[{name!r}]") for name, path in spec.items()}
 
 
-def _lora_name(run: Any) -> str | None:
-    """The trainer's adapter name when it syncs LoRA adapters (``train.lora``), else None."""
-    lora = getattr(getattr(run, "train", None), "lora", None)
-    return lora.name if lora is not None and lora.enabled else None
-
-
-def config_rewards(rollout: RolloutConfig, passed: list[Any] = (), with_dataset_verifier: bool = True) -> list[Any]:
-    """The reward functions of a run: those named in config, those passed in code, and the dataset's own
-    verifier (reasoning-gym) unless already named."""
-    rewards = [*(import_object(n, "rollout.reward_functions") for n in rollout.reward_functions), *passed]
-    if with_dataset_verifier:
-        rewards += [f for f in default_rewards(rollout) if f not in rewards]
-    return rewards
+def config_rewards(rollout: RolloutConfig) -> list[Any]:
+    """The reward functions of a run: those named in config and the dataset's own verifier (reasoning-gym)
+    unless already named."""
+    rewards = [import_object(n, "rollout.reward_functions") for n in rollout.reward_functions]
+    return rewards + [f for f in default_rewards(rollout) if f not in rewards]
 
 
 async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None) -> RolloutLoop:
@@ -72,20 +62,19 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
 
     run = job.config
     rollout = run.rollout
-    cls, config = loop_class_and_config(rollout, job.loop_class)
+    cls, config = loop_class_and_config(rollout)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(run.model))
     template = resolve_response_template(rollout.response_template)
     if template is not None:
         tokenizer.response_template = template
-    environment_factory = _environment_factory(rollout, job.environment_factory)
-    dataset = job.dataset
-    if dataset is None and rollout.dataset is None and environment_factory is not None:
+    environment_factory = _environment_factory(rollout)
+    if rollout.dataset is None and environment_factory is not None:
         # The environment owns the data: reset() returns each prompt; an epoch is dataset_size rollouts.
-        dataset = [{} for _ in range(rollout.dataset_size)]
-    elif dataset is None:
+        dataset: Any = [{} for _ in range(rollout.dataset_size)]
+    else:
         dataset = load_dataset(rollout)
-    rewards = config_rewards(rollout, job.reward_functions, with_dataset_verifier=job.dataset is None)
-    tools = [*(import_object(n, "rollout.tools") for n in rollout.tools), *job.tools]
+    rewards = config_rewards(rollout)
+    tools = [import_object(n, "rollout.tools") for n in rollout.tools]
     if not job.server_urls:
         raise ConfigError("the rollout needs at least one generation server URL")
     server = ReplicaSet.from_config(run.server, job.server_urls, max_connections=rollout.max_concurrent_rollouts,
@@ -93,12 +82,12 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
     try:
         max_model_len = await server.max_model_len()
     except (ValueError, KeyError):
-        max_model_len = run.server.max_model_len
-    runtime = LoopRuntime(tokenizer=tokenizer, server=server, model_name=run.served_model_name(),
+        max_model_len = run.max_model_len
+    runtime = LoopRuntime(tokenizer=tokenizer, server=server, model_name=run.served_model_name,
                           max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
                           reward_functions=rewards, tools=tools,
                           environment_factory=environment_factory,
-                          resume=job.resume, window=window, lora_name=_lora_name(run), completions=completions)
+                          resume=job.resume, window=window, lora_name=run.adapter_name, completions=completions)
     if not rewards and runtime.environment_factory is None:
         logger.warning("no reward function and no environment: every group is unscored and dropped; "
                        "set rollout.reward_functions")

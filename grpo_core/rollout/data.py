@@ -92,7 +92,7 @@ def load_dataset(config: RolloutConfig) -> Any:
     """
     spec = config.dataset
     if spec is None:
-        raise ConfigError("rollout.dataset is unset and no dataset was passed in code; set it to "
+        raise ConfigError("rollout.dataset is unset and no rollout.environment_factory makes the prompts; set it to "
                           "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'")
     if spec.startswith(REASONING_GYM_PREFIX):
         return reasoning_gym_dataset(spec[len(REASONING_GYM_PREFIX):], config.dataset_size, config.dataset_seed,

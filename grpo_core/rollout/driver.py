@@ -1,7 +1,7 @@
 """Drives a :class:`RolloutLoop`: prompt order, epochs, resume, token allowance, concurrency polls.
 
-``drive(loop)`` runs until the epochs are done (or forever with ``max_steps``: the trainer
-ends the run). Groups run as tasks of one ``asyncio.TaskGroup``, so a failing group (a
+``drive(loop)`` runs until the epochs are done (or forever with ``rollout.num_epochs: null``: the
+trainer ends the run at ``train.max_steps``). Groups run as tasks of one ``asyncio.TaskGroup``, so a failing group (a
 reward function raising, the server gone past its retries) fails the run at once.
 """
 
@@ -89,7 +89,7 @@ async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:
     cfg, resume = loop.config, loop.runtime.resume
     start = resume.first_untrained_prompt_index if resume else 0
     done = set(resume.trained_above) if resume else set()
-    epochs = None if cfg.max_steps is not None else cfg.num_epochs
+    epochs = cfg.num_epochs  # None: cycle until the trainer stops the run at train.max_steps
     current, offered, accepted = -1, 0, 0
     for epoch, row_index, prompt_index, row in prompt_stream(loop.runtime.dataset, epochs, start):
         if epoch != current:

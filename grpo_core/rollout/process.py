@@ -1,130 +1,180 @@
-"""The rollout process: spawn it, check what it gets pickles, and its main function.
+"""The rollout process: its one start path, and its main function.
 
-``start_rollout_process(job)`` spawns (multiprocessing ``spawn`` context, GPUs hidden with
-``CUDA_VISIBLE_DEVICES=""``) a process that runs the rollout loop on its own asyncio event
-loop and serves samples over Arrow Flight; it returns the process and the Flight location.
-Everything in the job must pickle: the check runs before spawning and raises ``TypeError``
-naming the object (lambdas and closures are the usual culprits; use module-level functions,
-``functools.partial`` or callable class instances).
+:func:`start_rollout_process` runs ``python -m grpo_core.rollout`` (the command the flow's ``rollout``
+task runs; tests and benchmarks use the same function) as a subprocess in its own session, with GPUs
+hidden (``CUDA_VISIBLE_DEVICES=""``) and its output in a log file; :meth:`RolloutProcess.wait_location`
+waits for the Arrow Flight location it writes once it serves. Everything the process runs is named
+in the config (dataset, reward functions, tools, environments and loop class as ``module:attribute``),
+so nothing crosses the process boundary but a JSON config, a JSON resume state and command-line flags.
 
-On failure the process writes its traceback to ``job.error_path``, keeps answering
-heartbeats with it until the trainer shuts it down (or ``rollout_worker_timeout_s``
-passes), and exits with code 1.
+On failure the process writes its traceback to its error file, keeps answering heartbeats with it
+until the trainer shuts it down (or ``rollout_worker_timeout_s`` passes), and exits with code 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
-import multiprocessing
 import os
-import pickle
-import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo_core.auth import ensure_run_token
-from grpo_core.config import RunConfig
-from grpo_core.errors import TransportError
+from grpo_core.config import RolloutProcessConfig, RunConfig
+from grpo_core.errors import ConfigError, TransportError
 from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
 
+#: Files of a rollout process in its run folder.
+CONFIG_FILE = "rollout_config.json"
+RESUME_FILE = "rollout_resume.json"
+LOCATION_FILE = "rollout.location"
+ERROR_FILE = "rollout_error.txt"
+LOG_FILE = "rollout.log"
+
 
 @dataclass
 class RolloutJob:
-    """Everything the rollout process needs (all of it must pickle).
+    """What the rollout loop runs on, inside the rollout process (built by ``python -m grpo_core.rollout``).
 
     Attributes:
-        config: the run config (``rollout``, ``model`` for the tokenizer, ``server`` limits).
+        config: the rollout process's sub-config (``RunConfig.rollout_process()``).
         server_urls: base URLs of the generation server replicas.
         resume: where to restart (None = from the first prompt).
         error_path: where a failure's traceback is written.
-        dataset: prompt rows passed in code (overrides ``rollout.dataset``).
-        reward_functions, tools: callables passed in code (added to those named in config).
-        environment_factory: class or name -> class passed in code (overrides the config's).
-        loop_class: ``RolloutLoop`` subclass passed in code (overrides ``rollout.loop_class``).
     """
 
-    config: RunConfig
+    config: RolloutProcessConfig
     server_urls: list[str]
     resume: ResumeState | None = None
     error_path: str | None = None
-    dataset: Any = None
-    reward_functions: list[Any] = field(default_factory=list)
-    tools: list[Any] = field(default_factory=list)
-    environment_factory: Any = None
-    loop_class: Any = None
 
 
-def check_picklable(job: RolloutJob) -> None:
-    """Raise ``TypeError`` naming the first object of ``job`` that cannot be pickled."""
-    named: list[tuple[str, Any]] = [("dataset", job.dataset), ("loop_class", job.loop_class),
-                                    ("environment_factory", job.environment_factory)]
-    named += [(f"reward_functions[{i}]", f) for i, f in enumerate(job.reward_functions)]
-    named += [(f"tools[{i}]", f) for i, f in enumerate(job.tools)]
-    for name, obj in named:
-        try:
-            pickle.dumps(obj)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise TypeError(
-                f"{name} ({getattr(obj, '__qualname__', type(obj).__name__)}) cannot be pickled for the spawned "
-                f"rollout process: {exc}. Define it at module level (no lambda or closure), or use "
-                "functools.partial or a callable class instance") from None
+@dataclass
+class RolloutProcess:
+    """A started ``python -m grpo_core.rollout`` subprocess and its files.
+
+    Attributes:
+        process: the subprocess (leader of its own session: :meth:`stop` signals the whole group).
+        run_dir: folder of its files: the Flight location, the failure traceback and the log.
+    """
+
+    process: subprocess.Popen
+    run_dir: Path
+
+    @property
+    def location_path(self) -> Path:
+        """File the process writes its Flight location (``grpc://host:port``) to once it serves."""
+        return self.run_dir / LOCATION_FILE
+
+    @property
+    def error_path(self) -> Path:
+        """File the process writes its traceback to when the rollout loop fails."""
+        return self.run_dir / ERROR_FILE
+
+    @property
+    def log_path(self) -> Path:
+        """The process's stdout and stderr."""
+        return self.run_dir / LOG_FILE
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        """The last lines of the process's log ('' before it wrote any)."""
+        from grpo_core.serving.vllm import log_tail  # noqa: PLC0415 - httpx stays out of a bare import
+
+        return log_tail(self.log_path, num_lines)
+
+    def wait_location(self, timeout_s: float = 600.0) -> str:
+        """Block until the process serves; returns its Flight location.
+
+        Raises:
+            TransportError: the process exited first, or did not serve within ``timeout_s`` (then it is
+                stopped); the message holds the tail of its log.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.location_path.is_file() and (location := self.location_path.read_text().strip()):
+                return location
+            if self.process.poll() is not None:
+                raise TransportError(f"rollout process exited with code {self.process.returncode} before serving; "
+                                     f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.2)
+        self.stop()
+        raise TransportError(f"rollout process did not serve within {timeout_s:.0f} s; "
+                             f"log {self.log_path}:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``timeout_s``; returns the exit code."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.process.poll() is not None:
+                break
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.process.poll()
 
 
-def start_rollout_process(job: RolloutJob, *, startup_timeout_s: float = 300.0) -> tuple[Any, str]:
-    """Spawn the rollout process and wait for its Flight server.
+def start_rollout_process(config: RunConfig | Path, server_urls: list[str], run_dir: Path, *,
+                          resume: ResumeState | Path | None = None,
+                          env: dict[str, str] | None = None) -> RolloutProcess:
+    """Start ``python -m grpo_core.rollout`` for ``server_urls``; returns at once (see :meth:`RolloutProcess.wait_location`).
 
-    Returns:
-        ``(process, location)``; hand both to ``grpo_core.transport.flight_client.FlightSource``.
+    Args:
+        config: the run config, or the path of a config file (a ``RunConfig`` is written to
+            ``<run_dir>/rollout_config.json``).
+        server_urls: base URLs of the generation server replicas.
+        run_dir: folder for the process's files (created; an old location file is removed).
+        resume: where to restart: a :class:`ResumeState` (written to ``<run_dir>/rollout_resume.json``) or a
+            checkpoint's ``rollout_state.json``; None = from the first prompt.
+        env: variables added to this process's environment (e.g. ``PYTHONPATH`` for ``module:attribute``
+            names outside the installed packages).
 
     Raises:
-        TypeError: something in ``job`` does not pickle.
-        TransportError: the process died or did not report its port within ``startup_timeout_s``.
+        ConfigError: no server URL.
     """
-    check_picklable(job)
-    ensure_run_token()  # the child's Flight server and this process's RolloutSource share it (environment only)
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Queue()
-    process = ctx.Process(target=process_main, args=(job, ready), name="grpo-rollout", daemon=True)
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # inherited by the child only: restored right after start
-    try:
-        process.start()
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return process, ready.get(timeout=0.5)
-        except queue.Empty:
-            if not process.is_alive():
-                break
-    tb = Path(job.error_path).read_text() if job.error_path and Path(job.error_path).is_file() else ""
-    process.kill()
-    raise TransportError(f"rollout process did not start (exit code {process.exitcode}){chr(10) + tb if tb else ''}")
-
-
-def process_main(job: RolloutJob, ready: Any = None) -> None:
-    """Body of the rollout process: Flight server + rollout loop until shut down (or its parent is gone)."""
+    if not server_urls:
+        raise ConfigError("the rollout process needs at least one generation server URL")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / CONFIG_FILE if isinstance(config, RunConfig) else Path(config)
+    if isinstance(config, RunConfig):
+        config_path.write_text(config.model_dump_json(indent=1))
+    resume_path = run_dir / RESUME_FILE if isinstance(resume, ResumeState) else resume
+    if isinstance(resume, ResumeState):
+        resume_path.write_text(json.dumps(dataclasses.asdict(resume)))
+    (run_dir / LOCATION_FILE).unlink(missing_ok=True)
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a retried flow run's old failure
+    cmd = [sys.executable, "-m", "grpo_core.rollout", "--config", str(config_path),
+           "--location-file", str(run_dir / LOCATION_FILE), "--error-path", str(run_dir / ERROR_FILE)]
+    cmd += [arg for url in server_urls for arg in ("--server-url", url)]
+    if resume_path is not None:
+        cmd += ["--resume", str(resume_path)]
+    ensure_run_token()  # the child's Flight server and this process's FlightSource share it (environment only)
     from grpo_core import lifeline
 
-    lifeline.watch(parent=True)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    code = run_rollout(job, on_ready=ready.put if ready is not None else None)
-    logging.shutdown()
-    os._exit(code)  # skip interpreter teardown: gRPC and tokenizer threads may still hold locks
+    # owned by this process (lifeline: it ends within a second of this process's death, SIGKILL included)
+    child_env = {**os.environ, **lifeline.owner_env(), **(env or {}), "CUDA_VISIBLE_DEVICES": "",
+                 "PYTHONUNBUFFERED": "1"}
+    with (run_dir / LOG_FILE).open("ab") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=child_env, start_new_session=True)
+    logger.info("started the rollout process %d (log %s)", process.pid, run_dir / LOG_FILE)
+    return RolloutProcess(process, run_dir)
 
 
 def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
@@ -136,14 +186,15 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     from .pace import TokenAllowance
     from .window import CompletionSample, MetricWindow
 
-    rollout, tracking = job.config.rollout, job.config.tracking
+    rollout = job.config.rollout
     allowance = TokenAllowance(rollout.max_staleness, rollout.first_step_tokens)
     if job.resume is not None:
         allowance.policy_version = job.resume.policy_version
         allowance.trainer_step = job.resume.step
     queue = SampleQueue(allowance, with_topk=rollout.num_sampler_logprobs > 0)
     window = MetricWindow()
-    completions = CompletionSample(tracking.num_completions_to_print, rollout.seed) if tracking.log_completions else None
+    completions = (CompletionSample(job.config.num_completions_to_print, rollout.seed)
+                   if job.config.log_completions else None)
     stop = threading.Event()
     state: dict[str, Any] = {}
 

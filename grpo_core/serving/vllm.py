@@ -114,7 +114,7 @@ def max_lora_rank_for(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise ConfigError(f"server.lora_rank={rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}")
+    raise ConfigError(f"train.lora.r={rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}; lower train.lora.r")
 
 
 def replica_gpus(config: RunConfig, replica: int) -> list[int]:
@@ -192,8 +192,8 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         argv += ["--weight-transfer-config", json.dumps({"backend": server.weight_transfer_backend})]
         if server.weight_transfer_backend == "ipc":  # the IPC engine posts pickled CUDA IPC handles
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    if server.enable_lora:
-        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank_for(server.lora_rank)),
+    if config.serves_lora():
+        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank_for(config.train.lora.r)),
                  "--max-loras", str(config.max_loras())]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if rollout.uses_candidate_filter():
@@ -242,7 +242,7 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
             "--port-file", str(port_file), "--served-model-name", config.served_model_name(),
             "--max-model-len", str(server.max_model_len), "--max-num-seqs", str(server.max_num_seqs),
             "--max-logprobs", str(server.max_logprobs), "--max-loras", str(config.max_loras()),
-            "--max-lora-rank", str(max_lora_rank_for(server.lora_rank)),
+            "--max-lora-rank", str(max_lora_rank_for(config.train.lora.r)),
             "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm",
             "--max-pause-s", str(server.max_pause_s), "--adapter-dir", config.served_adapter_root(),
             "--weights-dir", str(config.weights_dir())]
@@ -389,7 +389,7 @@ async def check_server(url: str, config: RunConfig, token: str | None = None) ->
         if card is not None:
             problems += await sampling_problems(client, name, config.rollout, _model_dir(config),
                                                 config.server.max_logprobs)
-        if config.server.enable_lora:
+        if config.serves_lora():
             problems += _lora_problems(json.dumps(await _server_info(client)), config)
     if problems:
         raise ServingError(f"the server at {url} does not match the config; restart it with " + "; ".join(problems))
@@ -412,7 +412,7 @@ async def _server_info(client: object) -> dict:
 
 
 def _lora_problems(info_text: str, config: RunConfig) -> list[str]:
-    want_rank, want_loras = max_lora_rank_for(config.server.lora_rank), config.max_loras()
+    want_rank, want_loras = max_lora_rank_for(config.train.lora.r), config.max_loras()
     flags = (f"--enable-lora --max-lora-rank {want_rank} --max-loras {want_loras} "
              "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
     rank = re.search(r"max_lora_rank\W+(\d+)", info_text)

@@ -19,17 +19,16 @@ import torch
 from torch import Tensor
 
 from grpo_core.packing import PackedRow
-from grpo_core.packing.base import ROW_PARTS
+from grpo_core.packing.base import ROW_COUNTS, ROW_PARTS
 
 from .attention import TreeMask
-
-_COUNTS = ("num_forwarded", "num_trained", "num_raw", "num_samples", "load")
 
 
 def row_to_bytes(row: PackedRow) -> bytes:
     """Serialise a row: its five record batches as IPC streams, then the counts.
 
-    Layout: for each part, ``uint64`` length + IPC stream; then five ``uint64`` counts.
+    Layout: for each part of ``ROW_PARTS`` (the Rust core's row layout), ``uint64`` length + IPC stream; then
+    the ``ROW_COUNTS`` as ``uint64``.
     """
     out = io.BytesIO()
     for part in ROW_PARTS:
@@ -40,7 +39,7 @@ def row_to_bytes(row: PackedRow) -> bytes:
         buf = sink.getvalue()
         out.write(struct.pack("<Q", buf.size))
         out.write(buf.to_pybytes())
-    out.write(struct.pack("<5Q", *(getattr(row, k) for k in _COUNTS)))
+    out.write(struct.pack(f"<{len(ROW_COUNTS)}Q", *(getattr(row, k) for k in ROW_COUNTS)))
     return out.getvalue()
 
 
@@ -53,8 +52,8 @@ def row_from_bytes(data: bytes | memoryview) -> PackedRow:
         pos += 8
         parts[part] = ipc.open_stream(buf.slice(pos, n)).read_next_batch()
         pos += n
-    counts = struct.unpack_from("<5Q", buf, pos)
-    return PackedRow(**parts, **dict(zip(_COUNTS, counts)))
+    counts = struct.unpack_from(f"<{len(ROW_COUNTS)}Q", buf, pos)
+    return PackedRow(**parts, **dict(zip(ROW_COUNTS, counts)))
 
 
 def _transfer(arrays: dict[str, np.ndarray], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:

@@ -58,7 +58,7 @@ def make_weight_sync(cfg: RunConfig, server_urls: list[str]):
         raise ConfigError("server.weight_transfer_backend is None: vLLM servers need 'ipc' (same GPU) or 'nccl'")
     from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
 
-    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=cfg.server.enable_lora,
+    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=cfg.serves_lora(),
                                   model_dir=model_dir, api_key=api_key)
 
 

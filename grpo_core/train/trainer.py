@@ -306,7 +306,7 @@ class Trainer:
                       f"the prompt dataset, rollout.num_epochs={ro.num_epochs}")
             stopped_early = self.planner.explain(
                 f"the samples ended after step {self.step} of train.max_steps={tc.max_steps} ({source})",
-                fixes=["set rollout.max_steps to cycle the dataset until the trainer stops, raise "
+                fixes=["set rollout.num_epochs: null to cycle the dataset until the trainer stops, raise "
                        "rollout.num_epochs, or use a larger dataset (rollout.dataset_size for reasoning_gym)"])
             if self.step == 0:  # a resumed run whose samples are all trained ends like any short run
                 raise NothingToTrainError(stopped_early)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
+import subprocess
 import time
 from pathlib import Path
 
@@ -44,13 +44,14 @@ class FlightSource:
         max_staleness: samples with ``policy_version - sample.policy_version > max_staleness`` are dropped.
         timeout_s: seconds without a heartbeat (or without an answer) before a pull fails
             (``rollout.rollout_worker_timeout_s``).
-        process: the local rollout process, if this side started it (checked for exit; joined on close).
+        process: the local rollout process (``grpo_core.rollout.process.start_rollout_process``), if this side
+            started it: checked for exit, and waited for on close.
         error_path: file the rollout process writes its traceback to when it fails.
         token: the run's bearer token, sent with every call; default ``GRPO_RUN_TOKEN``.
     """
 
     def __init__(self, location: str, *, max_staleness: int, timeout_s: float,
-                 process: multiprocessing.process.BaseProcess | None = None, error_path: str | None = None,
+                 process: subprocess.Popen | None = None, error_path: str | Path | None = None,
                  token: str | None = None) -> None:
         self.location = location
         self._headers = [(k.lower().encode(), v.encode()) for k, v in bearer_headers(token or run_token()).items()]
@@ -76,8 +77,8 @@ class FlightSource:
         return TransportError(f"rollout at {self.location}: {reason}{detail}")
 
     def _check_process(self) -> None:
-        if self.process is not None and not self.process.is_alive():
-            raise self._fail(f"the rollout process (pid {self.process.pid}) exited with code {self.process.exitcode}")
+        if self.process is not None and self.process.poll() is not None:
+            raise self._fail(f"the rollout process (pid {self.process.pid}) exited with code {self.process.returncode}")
 
     def _rpc(self, call, *args):  # noqa: ANN001, ANN202 - thin wrapper over a Flight call
         """Run a Flight call; connection failures raise TransportError after ``timeout_s`` without contact."""
@@ -215,7 +216,7 @@ class FlightSource:
         return rows if isinstance(rows, list) else []
 
     def close(self) -> None:
-        """Ask the rollout process to stop, close the connection, and join the process if it is ours."""
+        """Ask the rollout process to stop, close the connection, and wait for the process if it is ours."""
         if self._closed:
             return
         self._closed = True
@@ -225,11 +226,12 @@ class FlightSource:
             logger.debug("shutdown action failed (process already gone?): %s", exc)
         self._client.close()
         if self.process is not None:
-            self.process.join(timeout=30)
-            if self.process.is_alive():
-                logger.warning("rollout process %s did not stop in 30 s; terminating it", self.process.pid)
-                self.process.terminate()
-                self.process.join(timeout=10)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                logger.warning("rollout process %s did not stop in 30 s; killing it", self.process.pid)
+                self.process.kill()
+                self.process.wait(timeout=10)
 
     def __enter__(self) -> FlightSource:
         return self

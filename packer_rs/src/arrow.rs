@@ -1,5 +1,8 @@
-//! Sample ↔ Arrow: the Sample schema of DESIGN.md §6 (one row per sample),
-//! exact round trips, and Arrow IPC files.
+//! The Arrow layouts of the rollout↔trainer contract, defined once here: the Sample
+//! schema of DESIGN.md §6 (one row per sample, exact round trips, Arrow IPC files) and
+//! the packed-row layout of DESIGN.md §5 (five record batches and five counts per row).
+//! Python reads both through the bindings (`sample_schema`, `row_schema`, `ROW_PARTS`,
+//! `ROW_COUNTS`) and never re-describes them.
 
 use std::fs::File;
 use std::path::Path;
@@ -16,6 +19,7 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 use crate::error::{PackError, Result};
 use crate::sample::{Sample, TokenLists};
+use crate::trie::{PackedRow, TreeRow};
 
 /// Optional columns: sampler top-k ids and log-probs, and the sampling mask.
 pub const TOPK_IDS: &str = "sampler_topk_ids";
@@ -269,4 +273,186 @@ pub fn read_ipc(path: &Path) -> Result<Vec<Sample>> {
         samples.extend(decode(&batch.map_err(|e| ipc_err(path, e))?)?);
     }
     Ok(samples)
+}
+
+/// The five record batches of a packed row and their flat columns, in order. `loss` also
+/// carries the optional list columns ([`TOPK_IDS`], [`TOPK_LOGPROBS`], [`SAMPLING_MASK`]) when
+/// any sample of the row has them.
+pub const ROW_PARTS: [(&str, &[&str]); 5] = [
+    ("tokens", &["input_ids", "position_ids", "subtree_end"]),
+    ("segments", &["cu_seqlens_q", "cu_seqlens_k"]),
+    ("kv", &["kv_index"]),
+    ("loss", &["token_index", "target_id", "sampler_logprob", "advantage", "sample_index"]),
+    ("samples", &["sample_id", "group_id", "prompt_index", "policy_version", "num_tokens", "num_trained"]),
+];
+
+/// The counts of a packed row, in order: forwarded tokens `N`, loss terms `M`, raw tokens
+/// (sum of sample lengths), samples, and the attention load (sum over forwarded tokens of depth + 1).
+pub const ROW_COUNTS: [&str; 5] = ["num_forwarded", "num_trained", "num_raw", "num_samples", "load"];
+
+fn row_column_type(name: &str) -> DataType {
+    match name {
+        "sample_id" | "group_id" | "prompt_index" => DataType::Int64,
+        "sampler_logprob" | "advantage" => DataType::Float32,
+        TOPK_IDS | SAMPLING_MASK => list_of(DataType::Int32),
+        TOPK_LOGPROBS => list_of(DataType::Float32),
+        _ => DataType::Int32,
+    }
+}
+
+/// The schema of one part of a packed row (`tokens`, `segments`, `kv`, `loss`, `samples`); every
+/// column is non-nullable. `with_topk` / `with_mask` add the optional list columns to `loss`.
+///
+/// Errors: [`PackError::Schema`] for an unknown part.
+pub fn row_schema(part: &str, with_topk: bool, with_mask: bool) -> Result<SchemaRef> {
+    let (_, columns) = ROW_PARTS
+        .iter()
+        .find(|(name, _)| *name == part)
+        .ok_or_else(|| schema_err(part, format!("is not a packed-row part; parts: {:?}", ROW_PARTS.map(|p| p.0))))?;
+    let mut names: Vec<&str> = columns.to_vec();
+    if part == "loss" && with_topk {
+        names.extend([TOPK_IDS, TOPK_LOGPROBS]);
+    }
+    if part == "loss" && with_mask {
+        names.push(SAMPLING_MASK);
+    }
+    Ok(Arc::new(Schema::new(
+        names.into_iter().map(|n| Field::new(n, row_column_type(n), false)).collect::<Vec<_>>(),
+    )))
+}
+
+/// A packed row as Arrow: its five parts (in [`ROW_PARTS`] order) and its counts (in [`ROW_COUNTS`] order).
+pub struct RowBatches {
+    /// `(part name, record batch)`: tokens `[N]`, segments `[S + 1]`, kv `[K]`, loss `[M]`, samples.
+    pub parts: Vec<(&'static str, RecordBatch)>,
+    /// `(count name, value)`.
+    pub counts: [(&'static str, u64); 5],
+}
+
+fn i32_column(v: Vec<i32>) -> ArrayRef {
+    Arc::new(Int32Array::from(v))
+}
+
+/// A per-loss-term CSR list (`offsets [M + 1]`) as a `list<int32>` or `list<float32>` column.
+fn ragged(lists: &TokenLists, logprobs: bool) -> ArrayRef {
+    let offsets: Vec<i32> = lists.offsets.iter().map(|&o| o as i32).collect();
+    if logprobs {
+        list_array::<Float32Type>(lists.logprobs.clone().unwrap_or_default(), offsets)
+    } else {
+        list_array::<Int32Type>(lists.ids.clone(), offsets)
+    }
+}
+
+fn part(name: &'static str, columns: Vec<ArrayRef>, with_topk: bool, with_mask: bool) -> (&'static str, RecordBatch) {
+    let schema = row_schema(name, with_topk, with_mask).expect("a part of ROW_PARTS");
+    let batch = RecordBatch::try_new(schema, columns).expect("packed-row columns match row_schema");
+    (name, batch)
+}
+
+/// Encode a packed row in the layout of [`ROW_PARTS`] / [`row_schema`] (see `trie::PackedRow` for
+/// what each column means).
+pub fn encode_row(row: &TreeRow) -> RowBatches {
+    let p: PackedRow = row.pack();
+    let samples = row.samples();
+    let counts = [
+        ("num_forwarded", p.num_forwarded() as u64),
+        ("num_trained", p.num_trained() as u64),
+        ("num_raw", p.num_raw as u64),
+        ("num_samples", samples.len() as u64),
+        ("load", p.load),
+    ];
+    let (with_topk, with_mask) = (p.sampler_topk.is_some(), p.sampling_mask.is_some());
+    let mut loss = vec![
+        i32_column(p.token_index),
+        i32_column(p.target_id),
+        Arc::new(Float32Array::from(p.sampler_logprob)) as ArrayRef,
+        Arc::new(Float32Array::from(p.advantage)) as ArrayRef,
+        i32_column(p.sample_index),
+    ];
+    if let Some(t) = &p.sampler_topk {
+        loss.extend([ragged(t, false), ragged(t, true)]);
+    }
+    if let Some(m) = &p.sampling_mask {
+        loss.push(ragged(m, false));
+    }
+    let int64 = |get: fn(&Sample) -> i64| Arc::new(Int64Array::from_iter_values(samples.iter().map(get))) as ArrayRef;
+    let parts = vec![
+        part("tokens", vec![i32_column(p.input_ids), i32_column(p.position_ids), i32_column(p.subtree_end)], false, false),
+        part("segments", vec![i32_column(p.cu_seqlens_q), i32_column(p.cu_seqlens_k)], false, false),
+        part("kv", vec![i32_column(p.kv_index)], false, false),
+        part("loss", loss, with_topk, with_mask),
+        part(
+            "samples",
+            vec![
+                int64(|s| s.sample_id),
+                int64(|s| s.group_id),
+                int64(|s| s.prompt_index),
+                i32_column(samples.iter().map(|s| s.policy_version).collect()),
+                i32_column(samples.iter().map(|s| s.len() as i32).collect()),
+                i32_column(samples.iter().map(|s| s.num_trained() as i32).collect()),
+            ],
+            false,
+            false,
+        ),
+    ];
+    RowBatches { parts, counts }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(id: i64, ids: &[i32], topk: bool) -> Sample {
+        let n = ids.len();
+        Sample {
+            sample_id: id,
+            group_id: 10 + id,
+            prompt_index: 20 + id,
+            input_ids: ids.to_vec(),
+            completion_mask: (0..n).map(|i| i8::from(i >= 1)).collect(),
+            sampler_logprobs: vec![-0.25; n],
+            advantage: 0.5,
+            policy_version: 3,
+            sampler_topk: topk.then(|| TokenLists {
+                offsets: (0..=n as u32).map(|i| 2 * i).collect(),
+                ids: (0..2 * n as i32).collect(),
+                logprobs: Some(vec![-1.0; 2 * n]),
+            }),
+            sampling_mask: None,
+        }
+    }
+
+    #[test]
+    fn every_part_follows_its_schema_and_the_counts_match_the_columns() {
+        let mut row = TreeRow::new();
+        row.add(sample(0, &[1, 2, 3], true), 64).unwrap();
+        row.add(sample(1, &[1, 2, 4, 5], true), 64).unwrap();
+        let encoded = encode_row(&row);
+        let names: Vec<&str> = encoded.parts.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ROW_PARTS.map(|p| p.0).to_vec());
+        for (name, batch) in &encoded.parts {
+            assert_eq!(batch.schema(), row_schema(name, true, false).unwrap(), "part {name}");
+        }
+        let counts: Vec<(&str, u64)> = encoded.counts.to_vec();
+        // Shared prefix [1, 2]: forwarded 1,2,3,4,5; trained 2 + 3 terms; raw 3 + 4 tokens; load 1+2+3 + 3+4.
+        assert_eq!(counts, vec![("num_forwarded", 5), ("num_trained", 5), ("num_raw", 7), ("num_samples", 2), ("load", 13)]);
+        assert_eq!(encoded.parts[0].1.num_rows(), 5);
+        assert_eq!(encoded.parts[3].1.num_rows(), 5);
+        let ids = encoded.parts[4].1.column_by_name("sample_id").unwrap().as_primitive::<Int64Type>();
+        assert_eq!(ids.values().to_vec(), vec![0, 1]);
+        let topk = encoded.parts[3].1.column_by_name(TOPK_IDS).unwrap().as_list::<i32>();
+        assert_eq!(topk.value_length(0), 2, "two candidates per trained token");
+    }
+
+    #[test]
+    fn loss_columns_appear_only_when_asked_and_unknown_parts_are_an_error() {
+        let plain = row_schema("loss", false, false).unwrap();
+        assert_eq!(plain.fields().len(), 5);
+        let full = row_schema("loss", true, true).unwrap();
+        let extra: Vec<&str> = full.fields().iter().skip(5).map(|f| f.name().as_str()).collect();
+        assert_eq!(extra, vec![TOPK_IDS, TOPK_LOGPROBS, SAMPLING_MASK]);
+        assert_eq!(row_schema("tokens", true, true).unwrap().fields().len(), 3, "only loss has optional columns");
+        let err = row_schema("rows", false, false).unwrap_err();
+        assert_eq!((err.kind(), err.field()), ("Schema", Some("rows")));
+    }
 }

@@ -61,3 +61,72 @@ pub enum PackError {
 }
 
 pub type Result<T> = std::result::Result<T, PackError>;
+
+impl PackError {
+    /// The variant's name (`"LengthMismatch"`, `"Schema"`, …): the stable, structured kind of the error that
+    /// the Python bindings set as `PackingError.kind`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PackError::LengthMismatch { .. } => "LengthMismatch",
+            PackError::EmptySample { .. } => "EmptySample",
+            PackError::NoTrainedToken { .. } => "NoTrainedToken",
+            PackError::FirstTokenTrained { .. } => "FirstTokenTrained",
+            PackError::BadMask { .. } => "BadMask",
+            PackError::BadTokenLists { .. } => "BadTokenLists",
+            PackError::BadBudget(_) => "BadBudget",
+            PackError::BadRanks(_) => "BadRanks",
+            PackError::DoesNotFit { .. } => "DoesNotFit",
+            PackError::Schema { .. } => "Schema",
+            PackError::Ipc { .. } => "Ipc",
+        }
+    }
+
+    /// The offending field (a sample field, a Sample-schema column or an argument), when there is one.
+    pub fn field(&self) -> Option<&str> {
+        match self {
+            PackError::LengthMismatch { field, .. } | PackError::BadTokenLists { field, .. } => Some(*field),
+            PackError::EmptySample { .. } => Some("input_ids"),
+            PackError::NoTrainedToken { .. } | PackError::FirstTokenTrained { .. } | PackError::BadMask { .. } => {
+                Some("completion_mask")
+            }
+            PackError::BadBudget(_) | PackError::DoesNotFit { .. } => Some("token_budget"),
+            PackError::BadRanks(_) => Some("num_ranks"),
+            PackError::Schema { field, .. } => Some(field.as_str()),
+            PackError::Ipc { .. } => None,
+        }
+    }
+
+    /// The id of the offending sample, when the error is about one sample.
+    pub fn sample_id(&self) -> Option<i64> {
+        match self {
+            PackError::LengthMismatch { sample_id, .. }
+            | PackError::EmptySample { sample_id }
+            | PackError::NoTrainedToken { sample_id }
+            | PackError::FirstTokenTrained { sample_id }
+            | PackError::BadMask { sample_id, .. }
+            | PackError::BadTokenLists { sample_id, .. }
+            | PackError::DoesNotFit { sample_id, .. } => Some(*sample_id),
+            PackError::BadBudget(_) | PackError::BadRanks(_) | PackError::Schema { .. } | PackError::Ipc { .. } => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_names_its_kind_field_and_sample() {
+        let e = PackError::LengthMismatch { sample_id: 7, field: "sampler_logprobs", expected: 3, got: 2 };
+        assert_eq!((e.kind(), e.field(), e.sample_id()), ("LengthMismatch", Some("sampler_logprobs"), Some(7)));
+        let e = PackError::BadMask { sample_id: 2, position: 1, value: 3 };
+        assert_eq!((e.kind(), e.field(), e.sample_id()), ("BadMask", Some("completion_mask"), Some(2)));
+        let e = PackError::Schema { field: "input_ids".into(), reason: "is missing".into() };
+        assert_eq!((e.kind(), e.field(), e.sample_id()), ("Schema", Some("input_ids"), None));
+        let e = PackError::BadBudget(0);
+        assert_eq!((e.kind(), e.field(), e.sample_id()), ("BadBudget", Some("token_budget"), None));
+        assert!(e.to_string().contains("token_budget"), "the message names the field too: {e}");
+        let e = PackError::Ipc { path: "x".into(), reason: "gone".into() };
+        assert_eq!((e.kind(), e.field(), e.sample_id()), ("Ipc", None, None));
+    }
+}

@@ -20,30 +20,52 @@ pub use trie::{PackedRow, Placement, TreeRow};
 
 #[cfg(feature = "python")]
 mod bindings {
-    use std::sync::Arc;
-
-    use arrow_array::{ArrayRef, Float32Array, Int32Array, Int64Array, ListArray, RecordBatch};
-    use arrow_buffer::OffsetBuffer;
-    use arrow_schema::{DataType, Field, Schema};
     use numpy::{PyArray1, PyReadonlyArray1};
     use pyo3::create_exception;
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;
-    use pyo3::types::{PyDict, PyList};
+    use pyo3::types::{PyDict, PyList, PyTuple};
     use pyo3_arrow::{PyRecordBatch, PySchema};
 
-    use crate::{arrow, PackError, PackedRow, Sample, TokenLists};
+    use crate::arrow::RowBatches;
+    use crate::{arrow, PackError, Sample, TokenLists};
 
-    create_exception!(packer_rs, PackingError, PyValueError, "Bad sample or packing input; the message names the field.");
+    create_exception!(
+        packer_rs,
+        PackingError,
+        PyValueError,
+        "Bad sample or packing input. Attributes: `kind` (the Rust `PackError` variant, or `BadInput` for a \
+         Python value of the wrong type), `field` (the offending field or column, or None) and `sample_id` \
+         (or None); the message names the field and the fix."
+    );
+
+    /// A `PackingError` with its structured attributes set.
+    fn structured(kind: &str, field: Option<&str>, sample_id: Option<i64>, message: String) -> PyErr {
+        let e = PackingError::new_err(message);
+        let failed = Python::attach(|py| {
+            let value = e.value(py);
+            value
+                .setattr("kind", kind)
+                .and_then(|()| value.setattr("field", field))
+                .and_then(|()| value.setattr("sample_id", sample_id))
+                .err()
+        });
+        failed.unwrap_or(e)
+    }
 
     fn err(e: PackError) -> PyErr {
-        PackingError::new_err(e.to_string())
+        structured(e.kind(), e.field(), e.sample_id(), e.to_string())
+    }
+
+    /// A Python value of the wrong type or shape for `field`.
+    fn bad_input(field: &str, message: String) -> PyErr {
+        structured("BadInput", Some(field), None, message)
     }
 
     fn array<'py, T: numpy::Element + Copy>(obj: &Bound<'py, PyAny>, field: &str, dtype: &str) -> PyResult<Vec<T>> {
         let value = obj.getattr(field)?;
         let arr = value.extract::<PyReadonlyArray1<'py, T>>().map_err(|_| {
-            PackingError::new_err(format!(
+            bad_input(field, format!(
                 "`{field}` must be a 1-D numpy array of {dtype}, got {}; convert it with np.asarray(x, dtype=np.{dtype})",
                 value.repr().map(|r| r.to_string()).unwrap_or_default().chars().take(80).collect::<String>()
             ))
@@ -58,7 +80,7 @@ mod bindings {
         }
         let offsets: Vec<i32> = array(&value, "offsets", "int32")?;
         if offsets.iter().any(|&o| o < 0) {
-            return Err(PackingError::new_err(format!("`{field}.offsets` must not be negative")));
+            return Err(bad_input(field, format!("`{field}.offsets` must not be negative")));
         }
         Ok(Some(TokenLists {
             offsets: offsets.into_iter().map(|o| o as u32).collect(),
@@ -72,7 +94,7 @@ mod bindings {
         let int = |name: &str| -> PyResult<i64> {
             obj.getattr(name)?
                 .extract::<i64>()
-                .map_err(|_| PackingError::new_err(format!("`{name}` must be an integer")))
+                .map_err(|_| bad_input(name, format!("`{name}` must be an integer")))
         };
         let s = Sample {
             sample_id: int("sample_id")?,
@@ -84,9 +106,9 @@ mod bindings {
             advantage: obj
                 .getattr("advantage")?
                 .extract::<f64>()
-                .map_err(|_| PackingError::new_err("`advantage` must be a float"))? as f32,
+                .map_err(|_| bad_input("advantage", "`advantage` must be a float".into()))? as f32,
             policy_version: i32::try_from(int("policy_version")?)
-                .map_err(|_| PackingError::new_err("`policy_version` must fit in int32"))?,
+                .map_err(|_| bad_input("policy_version", "`policy_version` must fit in int32".into()))?,
             sampler_topk: token_lists(obj, "sampler_topk", true)?,
             sampling_mask: token_lists(obj, "sampling_mask", false)?,
         };
@@ -98,99 +120,12 @@ mod bindings {
         samples.try_iter()?.map(|s| extract_sample(&s?)).collect()
     }
 
-    fn col_i32(v: Vec<i32>) -> ArrayRef {
-        Arc::new(Int32Array::from(v))
-    }
-
-    fn batch(fields: Vec<(&str, ArrayRef)>) -> RecordBatch {
-        let schema = Schema::new(
-            fields
-                .iter()
-                .map(|(n, a)| Field::new(*n, a.data_type().clone(), false))
-                .collect::<Vec<_>>(),
-        );
-        RecordBatch::try_new(Arc::new(schema), fields.into_iter().map(|(_, a)| a).collect())
-            .expect("packed-row columns have matching lengths")
-    }
-
-    fn ragged(lists: TokenLists, logprobs: bool) -> ArrayRef {
-        let offsets: Vec<i32> = lists.offsets.iter().map(|&o| o as i32).collect();
-        let (dt, values): (DataType, ArrayRef) = if logprobs {
-            (DataType::Float32, Arc::new(Float32Array::from(lists.logprobs.unwrap_or_default())))
-        } else {
-            (DataType::Int32, col_i32(lists.ids))
-        };
-        let field = Arc::new(Field::new_list_field(dt, true));
-        Arc::new(ListArray::new(field, OffsetBuffer::new(offsets.into()), values, None))
-    }
-
-    /// The packed row as record batches: tokens [N], segments [S+1], kv [K],
-    /// loss [M], samples [num samples]; plus integer stats.
-    struct RowBatches {
-        parts: Vec<(&'static str, RecordBatch)>,
-        stats: [(&'static str, u64); 5],
-    }
-
-    fn row_batches(row: &crate::TreeRow) -> RowBatches {
-        let p: PackedRow = row.pack();
-        let stats = [
-            ("num_forwarded", p.num_forwarded() as u64),
-            ("num_trained", p.num_trained() as u64),
-            ("num_raw", p.num_raw as u64),
-            ("num_samples", row.samples().len() as u64),
-            ("load", p.load),
-        ];
-        let samples = row.samples();
-        let mut loss: Vec<(&str, ArrayRef)> = vec![
-            ("token_index", col_i32(p.token_index)),
-            ("target_id", col_i32(p.target_id)),
-            ("sampler_logprob", Arc::new(Float32Array::from(p.sampler_logprob))),
-            ("advantage", Arc::new(Float32Array::from(p.advantage))),
-            ("sample_index", col_i32(p.sample_index)),
-        ];
-        if let Some(t) = p.sampler_topk {
-            loss.push((arrow::TOPK_IDS, ragged(t.clone(), false)));
-            loss.push((arrow::TOPK_LOGPROBS, ragged(t, true)));
-        }
-        if let Some(m) = p.sampling_mask {
-            loss.push((arrow::SAMPLING_MASK, ragged(m, false)));
-        }
-        let parts = vec![
-            (
-                "tokens",
-                batch(vec![
-                    ("input_ids", col_i32(p.input_ids)),
-                    ("position_ids", col_i32(p.position_ids)),
-                    ("subtree_end", col_i32(p.subtree_end)),
-                ]),
-            ),
-            (
-                "segments",
-                batch(vec![("cu_seqlens_q", col_i32(p.cu_seqlens_q)), ("cu_seqlens_k", col_i32(p.cu_seqlens_k))]),
-            ),
-            ("kv", batch(vec![("kv_index", col_i32(p.kv_index))])),
-            ("loss", batch(loss)),
-            (
-                "samples",
-                batch(vec![
-                    ("sample_id", Arc::new(Int64Array::from_iter_values(samples.iter().map(|s| s.sample_id)))),
-                    ("group_id", Arc::new(Int64Array::from_iter_values(samples.iter().map(|s| s.group_id)))),
-                    ("prompt_index", Arc::new(Int64Array::from_iter_values(samples.iter().map(|s| s.prompt_index)))),
-                    ("policy_version", col_i32(samples.iter().map(|s| s.policy_version).collect())),
-                    ("num_tokens", col_i32(samples.iter().map(|s| s.len() as i32).collect())),
-                    ("num_trained", col_i32(samples.iter().map(|s| s.num_trained() as i32).collect())),
-                ]),
-            ),
-        ];
-        RowBatches { parts, stats }
-    }
-
     fn row_to_py<'py>(py: Python<'py>, row: RowBatches) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (name, b) in row.parts {
             d.set_item(name, PyRecordBatch::new(b).into_pyarrow(py)?)?;
         }
-        for (name, v) in row.stats {
+        for (name, v) in row.counts {
             d.set_item(name, v)?;
         }
         Ok(d)
@@ -254,7 +189,7 @@ mod bindings {
 
         /// The packed row: dict of pyarrow record batches and counts.
         fn pack<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-            let rb = py.detach(|| row_batches(&self.0));
+            let rb = py.detach(|| arrow::encode_row(&self.0));
             row_to_py(py, rb)
         }
     }
@@ -276,7 +211,7 @@ mod bindings {
             for s in samples {
                 // Validated on the way in (decode / extract_sample).
                 if let (_, Some(rows)) = self.0.push_validated(s) {
-                    out.push(rows.iter().map(row_batches).collect());
+                    out.push(rows.iter().map(arrow::encode_row).collect());
                 }
             }
             out
@@ -306,7 +241,7 @@ mod bindings {
 
         /// End of stream: the last, possibly partial, micro-batch (a list of 0 or 1).
         fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-            let mbs = py.detach(|| self.0.finish().map(|rows| rows.iter().map(row_batches).collect()));
+            let mbs = py.detach(|| self.0.finish().map(|rows| rows.iter().map(arrow::encode_row).collect()));
             micro_batches_to_py(py, mbs.into_iter().collect())
         }
 
@@ -382,6 +317,13 @@ mod bindings {
         PyRecordBatch::new(b).into_pyarrow(py)
     }
 
+    /// The schema of one part of a packed row (`tokens`, `segments`, `kv`, `loss`, `samples`) as a pyarrow Schema.
+    #[pyfunction]
+    #[pyo3(signature = (part, with_topk=false, with_mask=false))]
+    fn row_schema<'py>(py: Python<'py>, part: &str, with_topk: bool, with_mask: bool) -> PyResult<Bound<'py, PyAny>> {
+        PySchema::new(arrow::row_schema(part, with_topk, with_mask).map_err(err)?).into_pyarrow(py)
+    }
+
     /// The Sample schema as a pyarrow Schema.
     #[pyfunction]
     #[pyo3(signature = (with_topk=false, with_mask=false))]
@@ -399,6 +341,9 @@ mod bindings {
         m.add_function(wrap_pyfunction!(write_samples_ipc, m)?)?;
         m.add_function(wrap_pyfunction!(read_samples_ipc, m)?)?;
         m.add_function(wrap_pyfunction!(sample_schema, m)?)?;
+        m.add_function(wrap_pyfunction!(row_schema, m)?)?;
+        m.add("ROW_PARTS", PyTuple::new(m.py(), arrow::ROW_PARTS.map(|(name, _)| name))?)?;
+        m.add("ROW_COUNTS", PyTuple::new(m.py(), arrow::ROW_COUNTS)?)?;
         Ok(())
     }
 }
