@@ -340,7 +340,9 @@ def test_the_rollout_process_gets_only_its_sub_config_from_the_owners():
     assert (sub.log_completions, sub.num_completions_to_print) == (True, 3) and sub.rollout == cfg.rollout
     plain = RunConfig(model={"name": "tiny-qwen3"}).rollout_process()
     assert plain.adapter_name is None and plain.served_model_name == "tiny-qwen3" and not plain.log_completions
-    assert not {"server", "train", "tracking", "packing", "export", "flow"} & set(type(sub).model_fields)
+    # the server section is its own (it routes requests over the replicas); nothing of the trainer's
+    assert sub.server == cfg.server
+    assert not {"train", "tracking", "packing", "export", "flow"} & set(type(sub).model_fields)
 
 
 def test_rollout_process_that_fails_before_serving_names_the_cause(tmp_path):
