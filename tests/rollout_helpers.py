@@ -64,6 +64,11 @@ class FlakyEnv:
         return None
 
 
+def even_share(completion_ids, **_):
+    """Share of even token ids: varies inside a group, so no group is dropped."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
 def position_reward(completion_ids, **_):
     """The rollout's position in its group: never zero-std."""
     return [float(i) for i in range(len(completion_ids))]

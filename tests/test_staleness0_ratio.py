@@ -31,17 +31,12 @@ pytestmark = pytest.mark.slow
 TEMPERATURE, TOP, COMPLETION = 0.7, 4, 40
 
 
-def even_share(completion_ids, **_):
-    """Share of even token ids: varies inside a group, so no group is dropped."""
-    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-
 def sample_groups(server_url: str, num_prompts: int) -> pa.RecordBatch:
     rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(num_prompts)]
     cfg = RunConfig(model=ModelConfig(name="tiny-qwen3"), server={"backend": "embedded", "max_model_len": 256},
                     rollout={"max_completion_length": COMPLETION, "num_sampler_logprobs": TOP, "num_generations": 4,
                              "temperature": TEMPERATURE, "dataset": "rollout_helpers:rows_of",
-                             "dataset_kwargs": {"rows": rows}, "reward_functions": [f"{__name__}:even_share"]})
+                             "dataset_kwargs": {"rows": rows}, "reward_functions": ["rollout_helpers:even_share"]})
     job = RolloutJob(config=cfg.rollout_process(), server_urls=[server_url])
 
     async def go():
