@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
 from flows import artifacts
-from flows.processes import REGISTRY, child_env, log_tail, setup_logging, stream, wait_child
+from flows.processes import REGISTRY, child_env, setup_logging, stream, wait_child
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 from grpo_core.rollout.process import LOCATION_FILE
@@ -305,6 +305,8 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
         progress.stop()
     failure = REGISTRY[run_dir].failure
     if code != 0 and failure:
+        from grpo_core.serving.vllm import log_tail
+
         raise RolloutProcessError(f"{failure}; the trainer was stopped (exit code {code}); log "
                                   f"{root / 'rollout.log'}:\n{log_tail(root / 'rollout.log')}")
     if code != 0:

@@ -219,14 +219,6 @@ def wait_child(process: subprocess.Popen, register: RunProcesses, name: str) -> 
     return code
 
 
-def log_tail(path: Path, num_lines: int = 40) -> str:
-    """Last lines of a log file ('' if missing)."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError:
-        return ""
-
-
 def setup_logging() -> None:
     """grpo_core's INFO records reach the run log (with PREFECT_LOGGING_EXTRA_LOGGERS); httpx's request lines do not."""
     logging.getLogger("grpo_core").setLevel(logging.INFO)
