@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 from safetensors.torch import save_file
 
-from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR, ServerConfig
+from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR, ServerConfig, TrainerServerView
 from grpo_core.errors import ServingError
 
 from .adapter_store import AdapterStore
@@ -84,11 +84,12 @@ class _Servers:
 
     Args:
         urls: the servers' base URLs.
-        server: the ``ServerConfig`` whose bearer token and control retry settings apply; None = defaults.
+        server: the server settings whose bearer token and control retry settings apply (the trainer's
+            ``TrainerProcessConfig.server``, or a ``ServerConfig``); None = defaults.
         timeout_s: per-request timeout in seconds.
     """
 
-    def __init__(self, urls: list[str], server: ServerConfig | None = None, timeout_s: float = 600.0):
+    def __init__(self, urls: list[str], server: TrainerServerView | ServerConfig | None = None, timeout_s: float = 600.0):
         self.urls = urls
         self.server = server or ServerConfig()
         self.timeout_s = timeout_s
@@ -112,7 +113,7 @@ class DiskFullWeightSync:
     """Full weights through a shared folder (embedded server). See module docs."""
 
     def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None,
-                 server: ServerConfig | None = None):
+                 server: TrainerServerView | ServerConfig | None = None):
         self.servers = _Servers(urls, server)
         self.root = Path(output_dir) / WEIGHTS_DIR
         self.keep = max(keep, 2)
@@ -163,7 +164,8 @@ class LoraAdapterSync:
     """PEFT adapter versions on every server. See module docs."""
 
     def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int,
-                 model_dir: str | Path | None = None, server: ServerConfig | None = None, store=None):
+                 model_dir: str | Path | None = None, server: TrainerServerView | ServerConfig | None = None,
+                 store=None):
         self.servers = _Servers(urls, server)
         self.store = store if store is not None else AdapterStore(None)
         self.root = Path(output_dir) / ADAPTER_DIR
