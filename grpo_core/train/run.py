@@ -59,7 +59,8 @@ def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]):
     from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
 
     return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=tc.lora.enabled,
-                                  model_dir=model_dir, api_key=api_key)
+                                  model_dir=model_dir, api_key=api_key, control_retry_s=cfg.server.control_retry_s,
+                                  control_timeout_s=cfg.server.control_timeout_s)
 
 
 def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None):
@@ -76,7 +77,8 @@ def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None):
 
 
 def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None, sink=None) -> ResumeState | None:
-    """Train per ``cfg`` (the trainer's sub-config, ``RunConfig.trainer_process()``) on this process's rank; returns the final resume state on rank 0.
+    """Train per ``cfg`` (the trainer's sub-config, ``RunConfig.trainer_process()``) on this process's rank;
+    returns the final resume state on rank 0.
 
     Rank 0 holds the run folder's lock (:class:`grpo_core.run_lock.RunLock`) until it returns. A resume
     compares the config with the checkpoint's fingerprint first (:func:`~grpo_core.train.fingerprint.check_resume`).
