@@ -1,4 +1,5 @@
-"""vLLM full-weight sync (NCCL and IPC) against real recording HTTP servers: request bodies, failures, two servers.
+"""Full-weight sync against real recording HTTP servers: vLLM's (NCCL and IPC) request bodies, failures and
+fan-out over two servers, and the embedded server's disk sync (pause all, update all, roll back, resume all).
 
 NCCL needs two GPUs and IPC a CUDA device, which CI never has; both ran against a real vLLM
 0.25.1 on an H200 (benchmarks/vllm_weight_sync.py, scripts/gpu_main_job.sh). Here vLLM's
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import pickle
 import sys
@@ -37,6 +39,7 @@ CLEANUP = [("/finish_weight_update", {}), ("/reset_prefix_cache", {"reset_runnin
 
 
 TOKEN = "test-run-token"
+ARRIVALS = itertools.count()
 
 
 class RecordingServer:
@@ -44,13 +47,14 @@ class RecordingServer:
     run starts has), recording every request ``(method, path, query, body)`` as it arrives; ``fail`` maps a path to the
     status the server answers it with, ``hold`` keeps ``/v1/completions`` answers back until it is set."""
 
-    def __init__(self, fail: dict[str, int] | None = None):
+    def __init__(self, fail: dict[str, int] | None = None, weights_dir=None):
         import uvicorn
 
         from grpo_core.serving.embedded import bind_socket
         from grpo_core.serving.guard import RunGuardMiddleware
 
         self.calls: list[tuple[str, str, dict, object]] = []
+        self.order: list[int] = []  # arrival number of each call across every server
         self.fail = fail or {}
         self.hold = threading.Event()
         self.hold.set()
@@ -72,7 +76,7 @@ class RecordingServer:
             status = self.fail.get(scope["path"], 200)
             await answer(send, status, {"world_size": 1} if status == 200 else {"error": "boom on " + scope["path"]})
 
-        self.guard = RunGuardMiddleware(server, token=TOKEN, max_pause_s=0)
+        self.guard = RunGuardMiddleware(server, token=TOKEN, max_pause_s=0, weights_dir=weights_dir)
 
         async def recorder(scope, receive, send):
             if scope["type"] != "http":
@@ -85,6 +89,7 @@ class RecordingServer:
             raw = b"".join(chunks)
             self.calls.append((scope["method"], scope["path"], parse_qs(scope["query_string"].decode()),
                                json.loads(raw) if raw else None))
+            self.order.append(next(ARRIVALS))
             replay = [{"type": "http.request", "body": raw, "more_body": False}]
             await self.guard(scope, lambda: _next(replay, receive), send)
 
@@ -332,3 +337,36 @@ def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch,
     sync = VllmWeightTransferSync([fenced.url], "ipc", api_key=TOKEN)  # the resumed trainer re-syncs its version
     assert sync.sync(tiny_policy(), 4, rank=0)["weight_sync/failed_replica_count"] == 0
     assert fenced.guard.stale is None and fenced.paths()[-1] == ("/grpo/stale", {})
+
+
+def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_update(servers, tmp_path):
+    from grpo_core.config import ServerConfig
+    from grpo_core.serving.routing import ControlFanOutError
+    from grpo_core.train.weight_sync import DiskFullWeightSync
+
+    out = tmp_path / "out"
+    weights = out / ".weights"
+    good, bad = servers(weights_dir=weights), servers(weights_dir=weights)
+    settings = ServerConfig(api_key=TOKEN, control_retry_s=0.05, control_timeout_s=0.3)
+    sync = DiskFullWeightSync([good.url, bad.url], out, server=settings)
+    sync.sync(tiny_policy(), 1, rank=0)
+    phase = [("/pause", {"mode": ["keep"]}), ("/start_weight_update", {}), ("/update_weights", {}),
+             ("/finish_weight_update", {}), ("/reset_prefix_cache", {"reset_running_requests": ["true"]}),
+             ("/resume", {})]
+    for server in (good, bad):
+        assert server.paths() == phase and server.body("/update_weights") == {"update_info": {"path": str(weights / "v1")}}
+    pauses = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/pause"]
+    starts = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/start_weight_update"]
+    assert max(pauses) < min(starts), "every replica is paused before any update starts"
+
+    bad.fail = {"/update_weights": 500}
+    good.calls.clear(), bad.calls.clear()
+    with pytest.raises(ControlFanOutError, match=rf"weight sync v2 failed on 1 of 2 replicas.*{bad.url}.*rolled back "
+                                                 rf"on {good.url}"):
+        sync.sync(tiny_policy(), 2, rank=0)
+    bodies = [b["update_info"]["path"] for _, p, _, b in good.calls if p == "/update_weights"]
+    assert bodies == [str(weights / "v2"), str(weights / "v1")], "the replica that took v2 is restored to v1"
+    for server in (good, bad):  # paused once, resumed once: none left paused
+        names = [p for p, _ in server.paths()]
+        assert names.count("/pause") == 1 and names[-1] == "/resume" and names.count("/resume") == 1
+    assert [p for p, _ in bad.paths()].count("/update_weights") >= 2  # retried before the fan-out gave up
