@@ -18,7 +18,8 @@ fallback). It:
 * fences a replica whose full-weight update failed (``POST /grpo/stale {"stale": true, "reason"}``, sent by the
   trainer's weight sync before it resumes the replica): until ``{"stale": false}`` (the next update that reaches it)
   or a restart, ``/health`` and new generation requests answer 503, and a generation request in flight when the
-  fence went up answers 503 instead of its result (its tokens came from weights of no policy version), so every
+  fence went up answers 503 instead of its result (its tokens came from weights of no policy version; a streamed
+  answer whose first chunk went out before is not cut), so every
   router (the rollout's, ``grpo_core.serving.router``) routes around the replica, counts it, and re-admits it when
   ``/health`` answers 200 again;
 * caps a pause: ``max_pause_s`` seconds after ``POST /pause`` (or ``/start_weight_update``) with no
