@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_core.errors import ConfigError
 
     try:
-        cfg = load_trainer_config(args.config, args.set, secrets=secrets_from_env(os.environ))  # the flow's GRPO_RUN_SECRETS
+        # the flow's GRPO_RUN_SECRETS: the secrets of the trainer's sub-config, under their run-config paths
+        cfg = load_trainer_config(args.config, args.set, secrets=secrets_from_env(os.environ))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)  # noqa: T201 - command-line error before logging is set up
         return 2
