@@ -195,7 +195,7 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
     try:
         cfg.train.rollout_location = rollout.wait_location(timeout_s=300)
         config = tmp_path / "train_config.json"
-        config.write_text(cfg.model_dump_json())
+        config.write_text(cfg.trainer_process().model_dump_json())  # what the flow's train task writes
         log = tmp_path / "trainer.log"
         with log.open("w") as f:
             trainer = torchrun(config, 1, server_urls=[handle.url], stdout=f, stderr=subprocess.STDOUT)
