@@ -226,8 +226,9 @@ def watch_servers(register: RunProcesses) -> None:
     """Fail the attempt as soon as a generation server replica or the router the flow started exits on its own
     (:func:`wait_child` on a daemon thread each); the flow's own stop (``register.stopping``) is not a failure."""
     for handle in register.servers:
-        name = f"generation server {handle.spec.backend} replica {handle.spec.replica}"
-        threading.Thread(target=wait_child, args=(handle.process, register, name, handle.spec.log_path),
+        spec = handle.spec
+        name = "router" if spec.backend == "router" else f"generation server {spec.backend} replica {spec.replica}"
+        threading.Thread(target=wait_child, args=(handle.process, register, name, spec.log_path),
                          name=f"watch-{handle.process.pid}", daemon=True).start()
 
 

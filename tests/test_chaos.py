@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from grpo_core.durable import read_jsonl
 
 # --- the whole flow: trainer, rollout process and generation server, each SIGKILLed ---------------------------
 
-FLOW_STEPS, FLOW_SAVE_STEPS = 6, 2
+FLOW_STEPS, FLOW_SAVE_STEPS, FLOW_RANKS = 6, 2, 2
 ROLES = {"server": "grpo_core.serving.embedded", "rollout": "grpo_core.rollout", "trainer": "grpo_core.train.launch"}
 
 
@@ -46,7 +47,7 @@ def _attempt(flow: psutil.Process, seen: set[int]) -> dict[str, list[psutil.Proc
                 found[role] = [child, *child.children(recursive=True)]
     except psutil.NoSuchProcess:
         return None
-    complete = set(found) == set(ROLES) and len(found["trainer"]) >= 2
+    complete = set(found) == set(ROLES) and len(found["trainer"]) >= 1 + FLOW_RANKS
     return found if complete else None
 
 
@@ -66,7 +67,7 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     plan = rng.sample(list(ROLES), len(ROLES))
     runs, log = tmp_path / "runs", tmp_path / "flow.log"
     overrides = [*tiny_overrides(tmp_path), f"train.max_steps={FLOW_STEPS}", f"train.save_steps={FLOW_SAVE_STEPS}",
-                 "train.num_ranks=2", "train.save_total_limit=2",
+                 f"train.num_ranks={FLOW_RANKS}", "train.save_total_limit=2",
                  "rollout.max_staleness=10"]  # none dropped as stale: each trained or pending
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--retries", str(len(plan)), *(a for o in overrides for a in ("--set", o))]
@@ -93,12 +94,15 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
             if role == "trainer":
                 moment = lambda: _writing_checkpoint(run_dir / "checkpoints", since)  # noqa: E731
             else:
-                target = min(resumed + rng.randint(1, 2), FLOW_STEPS - 1)
+                # after a checkpoint (resumes then start mid-run), before the last step (the run must not end first)
+                target = min(max(resumed + rng.randint(1, 3), FLOW_SAVE_STEPS + 1), FLOW_STEPS - 1)
                 moment = lambda t=target: (f"after step {t}"  # noqa: E731
                                            if _last_step(run_dir / "metrics.jsonl", since) >= t else "")
             when = _wait_for(moment, flow_proc, log)
-            victims = attempt[role]
-            assert all(p.is_running() for p in victims), f"the {role} died before its kill"
+            assert all(p.is_running() for p in procs), f"a process of the attempt died before the {role} kill"
+            tree = {r: process_tree(group[0].pid) for r, group in attempt.items()}  # with any child started since
+            victims, procs = tree[role], [p for group in tree.values() for p in group]
+            every += procs
             kill_all(victims)  # SIGKILL; asserts each died
             _, alive = psutil.wait_procs(procs, timeout=120)  # the flow stops the rest of the attempt
             assert not alive, f"outlived the attempt whose {role} was killed: {[p.cmdline()[:3] for p in alive]}"
@@ -110,6 +114,8 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     text = log.read_text(errors="replace")
     assert code == 0, text[-4000:]
     assert text.count("'AwaitingRetry'") == len(plan), "each kill should have cost one flow retry"
+    resumes = sorted({int(k) for k in re.findall(r"resuming from checkpoint \S*step-(\d+)", text)})
+    assert any(0 < k < FLOW_STEPS for k in resumes), f"no attempt resumed mid-run: {resumes}"
     _, alive = psutil.wait_procs(every, timeout=30)
     assert not alive
     (run_dir,) = runs.iterdir()
@@ -121,7 +127,8 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     mc, run_id = mlflow_run(tmp_path / "mlflow", run_dir.name)
     checked = assert_mlflow_steps_once(mc, run_id, run_dir / "metrics.jsonl", FLOW_STEPS)
     assert mc.get_run(run_id).info.status == "FINISHED"
-    print(f"chaos seed {seed}: {len(kills)} kills: {'; '.join(kills)}; {FLOW_STEPS} steps, "  # noqa: T201
+    print(f"chaos seed {seed}: {len(kills)} kills: {'; '.join(kills)}; resumes from steps {resumes}; "  # noqa: T201
+          f"{FLOW_STEPS} steps, "
           f"{len(trained)} prompts trained, duplicates 0, skipped 0; MLflow: {checked} metrics, each step once")
 
 
@@ -154,15 +161,30 @@ def _last_step(metrics: Path, since: float) -> int:
     return records[-1]["step"] if records else 0
 
 
-def _wait_for(moment, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> str:  # noqa: ANN001
-    """Poll ``moment()`` until it says what it saw; returns that."""
+def _requests_running(url: str) -> float:
+    """Requests the server generates now (its ``/metrics``; 0 when it does not answer): a kill then cuts them."""
+    import httpx
+
+    from grpo_core.auth import bearer_headers, run_token
+    from grpo_core.serving.client import parse_metrics
+
+    try:
+        response = httpx.get(f"{url}/metrics", headers=bearer_headers(run_token()), timeout=5.0)
+        return parse_metrics(response.raise_for_status().text).num_requests_running
+    except httpx.HTTPError:
+        return 0.0
+
+
+def _wait_for(moment, proc: subprocess.Popen, log: Path, timeout_s: float = 300,  # noqa: ANN001
+              poll_s: float = 0.002) -> str:
+    """Poll ``moment()`` every ``poll_s`` until it says what it saw; returns that."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         seen = moment()
         if seen:
             return seen
         assert proc.poll() is None, f"the run ended before its kill:\n{log.read_text()[-3000:]}"
-        time.sleep(0.002)
+        time.sleep(poll_s)
     raise AssertionError("the kill moment never came")
 
 
@@ -170,8 +192,8 @@ def _wait_for(moment, proc: subprocess.Popen, log: Path, timeout_s: float = 300)
 
 def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path):
     """The trainer, the rollout process and an embedded server (the parts the flow starts, on the tiny run); the
-    server is SIGKILLed after a step drawn from the seed and started again on its port after a drawn pause. The
-    rollout's requests wait (``rollout.max_retries``), the trainer's weight update waits
+    server is SIGKILLed after a step drawn from the seed, with requests running, and started again on its port after
+    a drawn pause. The rollout's requests wait (``rollout.max_retries``), the trainer's weight update waits
     (``server.control_timeout_s``), and the same trainer and rollout process finish the run: each step once, no
     prompt twice, none lost. (``test_rollout_server_restart`` holds the rollout process alone.)"""
     from serving_helpers import embedded_server, free_port
@@ -200,8 +222,12 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
         with log.open("w") as f:
             trainer = torchrun(config, 1, server_urls=[handle.url], stdout=f, stderr=subprocess.STDOUT)
         target, pause_s = rng.randint(1, FLOW_STEPS - 2), rng.uniform(0.5, 5.0)
-        when = _wait_for(lambda: f"after step {target}" if _last_step(out / "metrics.jsonl", 0) >= target else "",
-                         trainer, log)
+
+        def moment() -> str:
+            running = _last_step(out / "metrics.jsonl", 0) >= target and _requests_running(handle.url)
+            return f"after step {target}, {running:.0f} requests running" if running else ""
+
+        when = _wait_for(moment, trainer, log, poll_s=0.05)
         victims = process_tree(handle.process.pid)
         kill_all(victims)  # SIGKILL; asserts each died
         server.__exit__(None, None, None)
