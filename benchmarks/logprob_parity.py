@@ -8,7 +8,7 @@ sampler served before any update):
 * ``hf_fp32``: Hugging Face transformers, fp32, eager attention, one sequence at a time (the reference);
 * ``hf_bf16``: the same in bf16 (logits upcast to fp32 before the softmax, as vLLM's sampler);
 * ``trainer``: the trainer's own path: :class:`grpo_core.train.trainer.Trainer` built from the run config
-  (``--config``, or defaults), the sequences packed into tree rows by its planner and packer under the
+  (``--config``, a whole run config, or defaults; its trainer sub-config as the flow gives it), the sequences packed into tree rows by its planner and packer under the
   run's token budget, padded to its length buckets, FlexAttention block masks and ``torch.compile`` on
   CUDA, FSDP2 mixed precision, and the fused log-prob head (:meth:`Trainer.row_loss`, then the backward
   as in training; no optimizer step).
@@ -181,7 +181,7 @@ def trainer_logprobs(args, seqs: list[Sequence], sampling: dict) -> dict:
         s.where["trainer"] = np.full((len(s.trained), 4), -1, dtype=np.int64)
     world = init_world(args.device)
     try:
-        trainer = Trainer(cfg, world, ArrowFileSource(work / "samples.arrow"))
+        trainer = Trainer(cfg.trainer_process(), world, ArrowFileSource(work / "samples.arrow"))
         trainer.warmup()
         rows_done, row_steps, step = 0, [], 0
         while True:
