@@ -15,7 +15,9 @@ sampler served before any update):
 
 Printed: for each path, the mean of exp(log π − log μ) over the sampled tokens (the staleness-0
 importance ratio; 1 when both sides compute the same distribution: E_μ[π/μ] = 1), mean and max
-|Δlog p|; the same for ``trainer`` against ``hf_fp32``; the 10 worst tokens of ``trainer`` vs ``hf_fp32``
+|Δlog p|; ``trainer_loss_ratio``: the ratio the loss itself computed (what
+``sampling/importance_sampling_ratio/mean`` averages; differs from ``trainer_vs_sampler`` if μ is altered
+on its way to the head); the same for ``trainer`` against ``hf_fp32``; the 10 worst tokens of ``trainer`` vs ``hf_fp32``
 (position in the sequence, packed position in its row, row length and bucket, token id) and of
 ``hf_fp32`` vs the sampler. A large ``hf_fp32`` vs μ gap with ``trainer`` ≈ ``hf_fp32`` puts the fault
 in the sampler's log-probs; ``hf_fp32`` ≈ μ with ``trainer`` off puts it in the trainer's path.
@@ -178,6 +180,7 @@ def trainer_logprobs(args, seqs: list[Sequence], sampling: dict) -> dict:
     write_samples_ipc(work / "samples.arrow", to_samples(seqs, with_topk))
     for s in seqs:
         s.logp["trainer"] = np.full(len(s.trained), np.nan)
+        s.logp["trainer_metric"] = np.full(len(s.trained), np.nan)
         s.where["trainer"] = np.full((len(s.trained), 4), -1, dtype=np.int64)
     world = init_world(args.device)
     try:
@@ -198,8 +201,8 @@ def trainer_logprobs(args, seqs: list[Sequence], sampling: dict) -> dict:
                 res = trainer.row_loss(rt, n, len(rows))
                 res.loss.backward()
                 trainer.optimizer.zero_grad(set_to_none=True)
-                _scatter(seqs, row, res.logprobs.logprobs.detach().double().cpu().numpy(), rows_done,
-                         rt.tree_mask.length)
+                _scatter(seqs, row, res.logprobs.logprobs.detach().double().cpu().numpy(),
+                         res.stats["ratio"].detach().double().cpu().numpy(), rows_done, rt.tree_mask.length)
                 rows_done += 1
             step += 1
         facts = {"buckets": list(trainer.buckets or ()), "compiled": trainer.compiled,
@@ -213,9 +216,10 @@ def trainer_logprobs(args, seqs: list[Sequence], sampling: dict) -> dict:
     return facts
 
 
-def _scatter(seqs: list[Sequence], row, logp: np.ndarray, row_number: int, bucket: int) -> None:
+def _scatter(seqs: list[Sequence], row, logp: np.ndarray, ratio: np.ndarray, row_number: int, bucket: int) -> None:
     """Put a row's per-term log-probs back on their sequences (sequence position = depth of the predicting
-    token + 1; checked against the target id)."""
+    token + 1; checked against the target id), and the loss's own ratio π/μ as ``trainer_metric`` (stored as
+    log ratio + log μ, so that :func:`compare` against μ gives the ratio the trainer logs)."""
     token_index = row.column("token_index").astype(np.int64)
     sample_index = row.column("sample_index").astype(np.int64)
     target = row.column("target_id").astype(np.int64)
@@ -228,6 +232,7 @@ def _scatter(seqs: list[Sequence], row, logp: np.ndarray, row_number: int, bucke
             raise AssertionError(f"row {row_number} term {j}: target {target[j]} is not token {t} of its sequence")
         k = int(np.searchsorted(s.trained, t))
         s.logp["trainer"][k] = logp[j]
+        s.logp["trainer_metric"][k] = math.log(ratio[j]) + s.sampler_logprobs[t] if ratio[j] > 0 else np.nan
         s.where["trainer"][k] = (row_number, int(token_index[j]), row.num_forwarded, bucket)
 
 
@@ -326,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_bf16:
         comparisons["hf_bf16_vs_sampler"] = compare(seqs, "hf_bf16", None)
     comparisons["trainer_vs_sampler"] = compare(seqs, "trainer", None)
+    comparisons["trainer_loss_ratio"] = compare(seqs, "trainer_metric", None)  # what the ratio metric averages
     comparisons["trainer_vs_hf_fp32"] = compare(seqs, "trainer", "hf_fp32")
     if not args.skip_bf16:
         comparisons["trainer_vs_hf_bf16"] = compare(seqs, "trainer", "hf_bf16")

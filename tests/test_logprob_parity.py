@@ -64,6 +64,7 @@ def test_dump_and_parity_script_on_the_embedded_server_in_fp32(tmp_path, monkeyp
     assert c["hf_fp32_vs_sampler"]["tokens"] == tokens
     assert abs(c["hf_fp32_vs_sampler"]["ratio_mean"] - 1) < 1e-3
     assert c["trainer_vs_hf_fp32"]["abs_logp_diff_max"] < 1e-4
+    assert c["trainer_loss_ratio"]["ratio_mean"] == pytest.approx(c["trainer_vs_sampler"]["ratio_mean"], abs=1e-6)
     assert c["hf_bf16_vs_sampler"]["abs_logp_diff_max"] > c["hf_fp32_vs_sampler"]["abs_logp_diff_max"]  # bf16 does differ
 
 
