@@ -38,6 +38,9 @@ console = Console(stderr=True)
 VERSIONED = ("torch", "transformers", "peft", "prefect", "mlflow", "vllm")
 
 SetOption = Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=5 (repeatable)")]
+RetriesOption = Annotated[int | None, typer.Option(
+    min=0, help="flow retries after a failed attempt (each resumes from the latest checkpoint); default: the "
+                "flow's own (1)")]
 ENV_DEFAULTS = {
     "PREFECT_HOME": str(ROOT / "runs" / "prefect"),
     "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core",
@@ -168,8 +171,11 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
-def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
+def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
     """Run the flow in this process with a progress bar; returns its summary.
+
+    ``retries``: the flow run's retries after a failed attempt (Prefect's ``Flow.with_options``); None keeps the
+    flow's own (``@flow(retries=1)``). A deployment run takes Prefect's per-run ``empirical_policy`` instead.
 
     Raises:
         typer.Exit: Prefect's API cannot start (code 1), or the run trained fewer steps than
@@ -184,7 +190,7 @@ def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
                                                        started, done), daemon=True)
     watcher.start()
     try:
-        summary = grpo_train(cfg)
+        summary = (grpo_train if retries is None else grpo_train.with_options(retries=retries))(cfg)
     finally:
         done.set()
         watcher.join(timeout=5)
@@ -198,10 +204,10 @@ def run_locally(cfg) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
 
 @app.command()
 def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
-          set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
+          set_: SetOption = [], retries: RetriesOption = None) -> None:  # noqa: B006 - typer reads the default
     """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary; the code the
     file names (reward functions, dataset, loop class, ...) joins the allow-list of this run."""
-    run_locally(_load(config, set_, trusted=True))
+    run_locally(_load(config, set_, trusted=True), retries)
 
 
 @app.command()
@@ -242,14 +248,14 @@ def config_show(config: Annotated[Path | None, typer.Option(help="run config (YA
 @app.command()
 def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue from")],
            config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
-           set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
+           set_: SetOption = [], retries: RetriesOption = None) -> None:  # noqa: B006 - typer reads the default
     """Start a new run from the latest checkpoint of an MLflow run (resume_from=RUN_ID). The run's own config
     (fetched from MLflow) is checked like a run parameter: the code it names must be in GRPO_ALLOWED_MODULES;
     a --config file of yours joins the allow-list."""
     trusted = config is not None
     if config is None:
         config = _run_config_of(run_id, set_)
-    run_locally(_load(config, [*set_, f"resume_from={run_id}"], trusted=trusted))
+    run_locally(_load(config, [*set_, f"resume_from={run_id}"], trusted=trusted), retries)
 
 
 def _run_config_of(run_id: str, overrides: list[str]) -> Path:

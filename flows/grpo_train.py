@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
 from flows import artifacts
-from flows.processes import REGISTRY, child_env, setup_logging, stream, wait_child
+from flows.processes import REGISTRY, child_env, setup_logging, stream, wait_child, watch_servers
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 from grpo_core.rollout.process import LOCATION_FILE
@@ -43,6 +43,11 @@ class TrainerError(RuntimeError):
 
 class RolloutProcessError(RuntimeError):
     """The rollout process failed to start or exited with an error; the message holds its log's tail."""
+
+
+class ChildDiedError(RuntimeError):
+    """A child of the run (the rollout process, a generation server replica, the router) exited on its own, so
+    the flow stopped the trainer; the message names the child, its exit code and its log's tail."""
 
 
 #: Secret values of each run's config by run folder: kept in this process, never in the (redacted) run files.
@@ -187,6 +192,7 @@ def provision_servers(run_dir: str) -> list[str]:
         procs.follow(cfg.server.log_dir / "router.log", log, "[router] ")
         procs.servers.append(start_router(cfg.server, urls, token=procs.token))
         log.info("the replicas answer as one OpenAI-compatible URL at %s", procs.servers[-1].url)
+    watch_servers(procs)  # a server that dies fails the attempt now, not after server.control_timeout_s
     return urls
 
 
@@ -224,7 +230,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
             return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
         raise RolloutProcessError(str(exc)) from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
-    code = wait_child(process, procs, "rollout")  # a death stops the trainer now (it fails the attempt)
+    code = wait_child(process, procs, "rollout", started.log_path)  # a death stops the trainer now
     _raise_if_failed(started.error_path, started.log_path, f"exited with code {code}")
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
@@ -283,7 +289,8 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
 
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
-        RolloutProcessError: the rollout process died, so the flow stopped the trainer (names the exit code).
+        ChildDiedError: the rollout process, a server replica or the router died, so the flow stopped the trainer
+            (names the child, its exit code and its log's tail).
     """
     from grpo_core.redact import secret_values, write_private
     from grpo_core.report import TRAINER_ERROR, read_trainer_error
@@ -306,12 +313,12 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
                             register=REGISTRY[run_dir])
     finally:
         progress.stop()
-    failure = REGISTRY[run_dir].failure
+    failure, failure_log = REGISTRY[run_dir].failure, REGISTRY[run_dir].failure_log
     if code != 0 and failure:
         from grpo_core.serving.vllm import log_tail
 
-        raise RolloutProcessError(f"{failure}; the trainer was stopped (exit code {code}); log "
-                                  f"{root / 'rollout.log'}:\n{log_tail(root / 'rollout.log')}")
+        raise ChildDiedError(f"{failure}; the trainer was stopped (exit code {code})"
+                             + (f"; log {failure_log}:\n{log_tail(failure_log)}" if failure_log else ""))
     if code != 0:
         cause = read_trainer_error(root)
         raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")

@@ -131,6 +131,8 @@ class RunProcesses:
     """Set by :meth:`stop_all`: a process that exits from now on was stopped by the flow."""
     failure: str | None = None
     """Set by :meth:`fail`: the child whose death ended the attempt, and how it ended."""
+    failure_log: Path | None = None
+    """Set by :meth:`fail`: that child's log file, when it has one."""
     token: str = field(default_factory=lambda: run_token() or new_token(), repr=False)
     """The run's bearer token (``grpo_core.auth``): every listener of the run requires it; children get it in
     their environment only (``GRPO_RUN_TOKEN``). Fresh for each run (a retried flow run too), unless the flow's
@@ -144,12 +146,13 @@ class RunProcesses:
         forwarder.start()
         self.forwarders.append(forwarder)
 
-    def fail(self, reason: str) -> None:
-        """A child died on its own: record ``reason`` and stop the others now (the trainer would otherwise
-        notice a dead rollout process only after ``rollout.rollout_worker_timeout_s``)."""
+    def fail(self, reason: str, log: Path | None = None) -> None:
+        """A child died on its own: record ``reason`` (and its ``log``) and stop the trainer and rollout processes
+        now (the trainer would otherwise notice a dead rollout process only after
+        ``rollout.rollout_worker_timeout_s``, a dead server only after ``server.control_timeout_s``)."""
         if self.stopping or self.failure is not None:
             return
-        self.failure = reason
+        self.failure, self.failure_log = reason, log
         for process in list(self.processes):
             stop_process(process)
 
@@ -208,15 +211,25 @@ def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file:
     return code, "\n".join(tail)
 
 
-def wait_child(process: subprocess.Popen, register: RunProcesses, name: str) -> int:
+def wait_child(process: subprocess.Popen, register: RunProcesses, name: str, log: Path | None = None) -> int:
     """Wait for a child of the run; one that exits non-zero while the flow is not stopping fails the attempt at
-    once (:meth:`RunProcesses.fail`: the other processes are stopped). Returns its exit code."""
+    once (:meth:`RunProcesses.fail`, naming ``log``: the other processes are stopped). Returns its exit code."""
     code = process.wait()
     if code != 0 and not register.stopping:
-        register.fail(f"the {name} process {process.pid} exited with code {code}")
+        register.fail(f"the {name} process {process.pid} exited with code {code}", log)
     if process in register.processes:
         register.processes.remove(process)
     return code
+
+
+def watch_servers(register: RunProcesses) -> None:
+    """Fail the attempt as soon as a generation server replica or the router the flow started exits on its own
+    (:func:`wait_child` on a daemon thread each); the flow's own stop (``register.stopping``) is not a failure."""
+    for handle in register.servers:
+        spec = handle.spec
+        name = "router" if spec.backend == "router" else f"generation server {spec.backend} replica {spec.replica}"
+        threading.Thread(target=wait_child, args=(handle.process, register, name, spec.log_path),
+                         name=f"watch-{handle.process.pid}", daemon=True).start()
 
 
 def setup_logging() -> None:

@@ -55,6 +55,8 @@ MODEL_KIND_TAG = "grpo.model_kind"
 MODEL_ARTIFACT = "model"
 CHECKPOINT_URI_FILE = "checkpoint_uri.txt"
 _MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
+#: Prefix of MLflow's system-metrics sampler (``SystemMetricsMonitor``): its steps count samples, not optimizer steps.
+SYSTEM_METRICS_PREFIX = "system/"
 _PARAM_MAX_CHARS = 6000
 
 
@@ -166,13 +168,16 @@ def end_run(tc: TrackingConfig, run_id: str, status: str = "FINISHED") -> None:
 
 
 def last_logged_step(tc: TrackingConfig, run_id: str) -> int:
-    """Highest step of any metric already logged to the run (0 if none); a resumed trainer skips steps up to it.
+    """Highest optimizer step of any training metric already logged to the run (0 if none); a resumed trainer
+    skips steps up to it.
 
     Read from the run's latest value of each metric (MLflow keeps the one with the highest step), so a
-    metric missing from the last steps (refused, or not logged every step) cannot make it too low.
+    metric missing from the last steps (refused, or not logged every step) cannot make it too low. MLflow's
+    ``system/*`` metrics are left out: their steps count the sampler's samples, which every attempt continues
+    (``resume_logging``), so they run ahead of the optimizer steps and would skip steps never logged.
     """
     latest = client(tc).get_run(run_id).data.to_proto().metrics
-    return max((int(m.step) for m in latest), default=0)
+    return max((int(m.step) for m in latest if not m.key.startswith(SYSTEM_METRICS_PREFIX)), default=0)
 
 
 # What MLflow accepts in a metric name (mlflow.utils.validation): letters, digits, "_", "-", ".", " ", "/"
@@ -382,12 +387,17 @@ class MlflowSink:
         tc: tracking settings (URI, checkpoint size limit).
         run_id: the MLflow run to log into.
         inner: a sink fed synchronously as well (the JSON-lines file).
+        trained: the records of the steps trained before this start (``{"step": N, ...metrics}``: the metrics
+            file, cut back to the checkpoint the trainer resumes from).
 
     Steps at or below the highest step already in the run are skipped: a resumed trainer
-    replays the steps after its checkpoint, and MLflow keeps no duplicate steps.
+    replays the steps after its checkpoint, and MLflow keeps no duplicate steps. Steps of ``trained`` above it
+    are logged first: a kill can stop the upload queue behind the checkpoint write, and the resumed trainer
+    does not replay the steps up to its checkpoint, so they would be missing from MLflow for good.
     """
 
-    def __init__(self, tc: TrackingConfig, run_id: str, inner: MetricsSink | None = None):
+    def __init__(self, tc: TrackingConfig, run_id: str, inner: MetricsSink | None = None,
+                 trained: list[Mapping[str, Any]] = ()):
         self.tc, self.run_id, self.inner = tc, run_id, inner
         self.skip_through = last_logged_step(tc, run_id)
         if self.skip_through:
@@ -397,6 +407,12 @@ class MlflowSink:
         self.names = MetricNames()
         self._refused: set[str] = set()
         self._queue: queue.Queue = queue.Queue()
+        missing = [r for r in trained if r["step"] > self.skip_through]
+        if missing:
+            logger.info("MLflow run %s lacks trained steps %d-%d (a killed attempt's upload): logging them from "
+                        "the metrics file", run_id, missing[0]["step"], missing[-1]["step"])
+        for record in missing:
+            self._queue.put(("metrics", record["step"], {k: v for k, v in record.items() if k != "step"}))
         self._thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
         self._thread.start()
         self._monitor = self._start_system_metrics() if tc.log_system_metrics else None

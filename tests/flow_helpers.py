@@ -114,3 +114,35 @@ def with_changes(parameters: dict, **sections: dict) -> dict:
 def infinite_reward(completion_ids, **_):
     """+inf for every rollout: the rollout process fails on the first scored group (a reward must be finite)."""
     return [float("inf")] * len(completion_ids)
+
+
+def mlflow_run(tracking_dir: Path, flow_run_id: str, experiment: str = "grpo-tiny"):  # noqa: ANN201
+    """``(MlflowClient, MLflow run id)`` of a flow run, found by its ``grpo.flow_run_id`` tag in the SQLite store
+    under ``tracking_dir`` (``tracking.dir``). Raises AssertionError when no MLflow run has the tag."""
+    from grpo_core import tracking
+    from grpo_core.config import TrackingConfig
+
+    tc = TrackingConfig(dir=tracking_dir, experiment_name=experiment)
+    run_id = tracking.find_run(tc, flow_run_id)
+    assert run_id is not None, f"no MLflow run tagged with flow run {flow_run_id}"
+    return tracking.client(tc), run_id
+
+
+def assert_mlflow_steps_once(mc, run_id: str, metrics_file: Path, max_steps: int) -> int:  # noqa: ANN001
+    """Read back from the MLflow store, each training metric of the run's ``metrics.jsonl`` has each step at most
+    once, within ``1..max_steps``, and those the file has at every step (``loss``, ``grad_norm``, ...) have exactly
+    steps ``1..max_steps``: none twice, none missing. ``system/*`` (MLflow's sampler, its own step counter) is not
+    a training metric. Returns the number of metrics checked.
+    """
+    from grpo_core.durable import read_jsonl
+    from grpo_core.tracking import MetricNames
+
+    records, names = read_jsonl(metrics_file), MetricNames()
+    every_step = set.intersection(*(set(r) for r in records))
+    for key in sorted(set().union(*records) - {"step"}):
+        steps = sorted(m.step for m in mc.get_metric_history(run_id, names(key)))
+        assert len(steps) == len(set(steps)), f"MLflow metric {names(key)!r}: a step logged twice: {steps}"
+        assert set(steps) <= set(range(1, max_steps + 1)), f"MLflow metric {names(key)!r}: steps {steps}"
+        if key in every_step:
+            assert steps == list(range(1, max_steps + 1)), f"MLflow metric {names(key)!r}: steps {steps}"
+    return len(set().union(*records)) - 1

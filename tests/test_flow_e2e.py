@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flow_helpers import ROOT, Api, tiny_overrides, with_changes
+from flow_helpers import ROOT, Api, assert_mlflow_steps_once, mlflow_run, tiny_overrides, with_changes
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree
 from flows.serve import PrefectStack
 
@@ -40,21 +40,6 @@ def stack(tmp):
 @pytest.fixture(scope="module")
 def api(stack) -> Api:
     return Api(stack.api_url, stack.auth_headers())
-
-
-def _tracking(tmp: Path):
-    from grpo_core.config import TrackingConfig
-
-    return TrackingConfig(dir=tmp / "mlflow", experiment_name="grpo-tiny")
-
-
-def _mlflow_run(tmp: Path, flow_run_id: str):
-    from grpo_core import tracking
-
-    tc = _tracking(tmp)
-    run_id = tracking.find_run(tc, flow_run_id)
-    assert run_id is not None, f"no MLflow run tagged with flow run {flow_run_id}"
-    return tracking.client(tc), run_id
 
 
 def test_nightly_deployment_has_its_schedule(api):
@@ -105,7 +90,7 @@ def test_deployment_run_completes_and_is_tracked(api, tmp):
     assert response.status_code in (200, 201), response.text
     run = api.wait(response.json()["id"])
     assert run["state_type"] == "COMPLETED", run["state"]["message"] + "\n" + api.logs(run["id"])[-3000:]
-    mc, run_id = _mlflow_run(tmp, run["id"])
+    mc, run_id = mlflow_run(tmp / "mlflow", run["id"])
     mlrun = mc.get_run(run_id)
     assert mlrun.info.status == "FINISHED"
     assert mlrun.data.params["train.max_steps"] == "3"
@@ -151,9 +136,8 @@ def test_killed_trainer_resumes_on_retry_without_duplicates(api, tmp):
     resumed = re.findall(r"resuming from checkpoint \S*step-(\d+)", api.logs(flow_run_id))
     assert resumed and 0 < int(resumed[-1]) <= killed_at, resumed  # a mid-run checkpoint, not the final one
     assert_each_step_and_prompt_once(run_dir, 8)
-    mc, run_id = _mlflow_run(tmp, flow_run_id)
-    steps = [m.step for m in mc.get_metric_history(run_id, "loss")]
-    assert sorted(steps) == list(range(1, 9)), f"MLflow steps after resume: {steps}"
+    mc, run_id = mlflow_run(tmp / "mlflow", flow_run_id)
+    assert_mlflow_steps_once(mc, run_id, run_dir / "metrics.jsonl", 8)
     assert mc.get_run(run_id).info.status == "FINISHED"
 
 
@@ -281,7 +265,7 @@ def test_flow_run_publishes_artifacts(api, two_runs, tmp):
     response.raise_for_status()
     by_key = {a["key"]: a for a in response.json()}
     assert {"grpo-mlflow-run", "grpo-progress", "grpo-summary", "grpo-reward-curve"} <= set(by_key)
-    _, mlflow_run_id = _mlflow_run(tmp, run["id"])
+    _, mlflow_run_id = mlflow_run(tmp / "mlflow", run["id"])
     assert by_key["grpo-mlflow-run"]["type"] == "markdown" and mlflow_run_id in by_key["grpo-mlflow-run"]["data"]
     assert by_key["grpo-progress"]["type"] == "progress" and by_key["grpo-progress"]["data"] == 100.0
     summary = {row["quantity"]: row["value"] for row in json.loads(by_key["grpo-summary"]["data"])}
@@ -292,8 +276,8 @@ def test_flow_run_publishes_artifacts(api, two_runs, tmp):
 def test_runs_register_model_versions_and_log_tables_and_system_metrics(two_runs, tmp):
     from transformers import AutoModelForCausalLM
 
-    mc, first = _mlflow_run(tmp, two_runs[0]["id"])
-    _, second = _mlflow_run(tmp, two_runs[1]["id"])
+    mc, first = mlflow_run(tmp / "mlflow", two_runs[0]["id"])
+    _, second = mlflow_run(tmp / "mlflow", two_runs[1]["id"])
     versions = {v.run_id: int(v.version) for v in mc.search_model_versions("name='grpo-tiny'")}
     assert set(versions) == {first, second}
     newest = max(versions, key=versions.get)

@@ -20,7 +20,7 @@ import psutil
 import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
 
-from flows.processes import RunProcesses, child_env, stream, wait_child
+from flows.processes import RunProcesses, child_env, stream, wait_child, watch_servers
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.rollout.process import start_rollout_process
 
@@ -70,15 +70,30 @@ def test_every_child_dies_with_its_sigkilled_flow_process(tmp_path):
     assert not alive, f"outlived the flow process: {[p.cmdline()[:3] for p in alive]}"
 
 
-def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
-    # Before: nothing watched the rollout process; the trainer noticed only after rollout_worker_timeout_s.
-    config, procs, result = _config(tmp_path), RunProcesses(), {}
+def _start_trainer(config: Path, procs: RunProcesses, result: dict) -> threading.Thread:
+    """torchrun of the offline trainer, as the flow's ``train`` task streams it (registered in ``procs``)."""
     cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
            "-m", "grpo_core.train", "--config", str(config)]
     env = child_env({TOKEN_ENV: procs.token, "OMP_NUM_THREADS": "1"})
     trainer = threading.Thread(target=lambda: result.update(code=stream(cmd, logging.getLogger("t"), "", env,
                                                                         register=procs)[0]))
     trainer.start()
+    return trainer
+
+
+def _assert_stopped(trainer: threading.Thread, result: dict, run: list[psutil.Process]) -> None:
+    trainer.join(timeout=DEATH_BOUND_S * 2)
+    assert not trainer.is_alive(), "the trainer was not stopped"
+    assert result["code"] != 0
+    _, alive = psutil.wait_procs(run, timeout=DEATH_BOUND_S)
+    assert not alive
+
+
+def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
+    # Before: nothing watched the rollout process; the trainer noticed only after rollout_worker_timeout_s.
+    config, procs, result = _config(tmp_path), RunProcesses(), {}
+    trainer = _start_trainer(config, procs, result)
+    env = child_env({TOKEN_ENV: procs.token, "OMP_NUM_THREADS": "1"})
     rollout = start_rollout_process(config, ["http://127.0.0.1:9"], tmp_path, env=env).process
     procs.processes.append(rollout)
     threading.Thread(target=wait_child, args=(rollout, procs, "rollout"), daemon=True).start()
@@ -88,11 +103,30 @@ def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
     run = [torchrun, _rank(torchrun), psutil.Process(rollout.pid)]
     assert all(p.is_running() for p in run)
     os.kill(rollout.pid, signal.SIGKILL)
-    trainer.join(timeout=DEATH_BOUND_S * 2)
-    assert not trainer.is_alive(), "the trainer was not stopped"
-    assert result["code"] != 0 and procs.failure == f"the rollout process {rollout.pid} exited with code -9"
-    _, alive = psutil.wait_procs(run, timeout=DEATH_BOUND_S)
-    assert not alive
+    _assert_stopped(trainer, result, run)
+    assert procs.failure == f"the rollout process {rollout.pid} exited with code -9"
+
+
+def test_a_sigkilled_generation_server_stops_the_trainer_at_once(tmp_path):
+    # Before: nothing watched the servers the flow started; the trainer's weight update retried a dead server for
+    # server.control_timeout_s (60 s) and the rollout's requests for rollout.max_retries before the attempt failed.
+    from grpo_core.config import load_config
+    from grpo_core.serving.vllm import embedded_command, launch
+
+    config, procs, result = _config(tmp_path), RunProcesses(), {}
+    server = launch(embedded_command(load_config(config, []), 0), procs.token)
+    procs.servers.append(server)
+    watch_servers(procs)
+    trainer = _start_trainer(config, procs, result)
+    while not procs.processes:
+        time.sleep(0.1)
+    torchrun = psutil.Process(procs.processes[0].pid)
+    run = [torchrun, _rank(torchrun)]
+    assert server.process.poll() is None and all(p.is_running() for p in run)
+    os.kill(server.process.pid, signal.SIGKILL)
+    _assert_stopped(trainer, result, run)
+    assert procs.failure == f"the generation server embedded replica 0 process {server.process.pid} exited with code -9"
+    assert procs.failure_log == server.spec.log_path
 
 
 CHILD = """

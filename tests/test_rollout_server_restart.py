@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
-from serving_helpers import TINY, embedded_server
+from serving_helpers import TINY, embedded_server, free_port
 
 from grpo_core.config import RunConfig
 from grpo_core.packing import samples_from_arrow
@@ -18,14 +17,8 @@ from grpo_core.transport.flight_client import FlightSource
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_killed_mid_run_retries_and_carries_on(tmp_path):
-    port = _free_port()
+    port = free_port()
     config = RunConfig(model={"name": TINY}, server={"max_model_len": 256, "port": port},
                        rollout={"num_generations": 2, "max_completion_length": 8, "num_sampler_logprobs": 2,
                                 "max_retries": 8, "first_step_tokens": 40, "max_staleness": 1,

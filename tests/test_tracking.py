@@ -205,3 +205,25 @@ def test_only_a_completely_uploaded_checkpoint_is_fetched_and_an_unreachable_one
     with pytest.raises(CheckpointError, match=rf"resume_from={empty}.*no completely uploaded checkpoint"):
         fetch_checkpoint(cfg.model_copy(update={"resume_from": empty}), tmp_path / "e", continued=False)
     assert fetch_checkpoint(cfg, tmp_path / "f", continued=False) is None  # a fresh run fetches nothing
+
+
+def test_a_resume_logs_each_step_to_mlflow_once_whatever_the_killed_attempt_uploaded(tmp_path):
+    # Found by the flow chaos run: MLflow's system-metrics sampler had logged samples 1..5 over the killed attempts,
+    # so the resumed trainer took step 5 for the run's last step and never logged steps 2..5. And a kill can stop
+    # the upload queue behind a checkpoint: the steps up to that checkpoint are not replayed, so they were lost too.
+    cfg = _cfg(tmp_path)
+    run_id, _ = tracking.start_run(cfg, "flow-chaos")
+    mc = tracking.client(cfg.tracking)
+    first = tracking.MlflowSink(cfg.tracking, run_id)  # the killed attempt: only step 1 reached MLflow
+    first.log(1, {"loss": 1.0})
+    first.close()
+    for sample in range(1, 6):
+        mc.log_metric(run_id, "system/cpu_utilization_percentage", 10.0, step=sample)
+    assert tracking.last_logged_step(cfg.tracking, run_id) == 1
+    # resumed from the step-3 checkpoint: the metrics file (cut back to it) holds steps 1-3
+    trained = [{"step": s, "loss": float(s)} for s in (1, 2, 3)]
+    resumed = tracking.MlflowSink(cfg.tracking, run_id, trained=trained)
+    for step in (4, 5):
+        resumed.log(step, {"loss": float(step)})
+    resumed.close()
+    assert [(m.step, m.value) for m in mc.get_metric_history(run_id, "loss")] == [(s, float(s)) for s in range(1, 6)]

@@ -107,7 +107,7 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
             if cfg.tracking.enabled and cfg.tracking.run_id:
                 from grpo_core.tracking import MlflowSink  # noqa: PLC0415 - mlflow only when tracking
 
-                sink = MlflowSink(cfg.tracking, cfg.tracking.run_id, inner=sink)
+                sink = MlflowSink(cfg.tracking, cfg.tracking.run_id, inner=sink, trained=JsonlSink.read(sink.path))
         trainer = Trainer(cfg, world, source, make_weight_sync(cfg, server_urls or []), sink)
         state = trainer.run()
         if source is not None:
