@@ -102,6 +102,7 @@ def grpo_servers(config: dict[str, Any], train_flow_run_id: str, credentials: st
         _publish(procs.servers, urls, train_flow_run_id)
         log.info("replicas of train flow run %s serve at %s", train_flow_run_id, ", ".join(urls))
         stopped = _keep(cfg, procs, own_id, train_flow_run_id, lifeline, log)
+        log.info("stopping the replicas: %s", stopped)
     except _Terminated:
         pass
     finally:
@@ -167,6 +168,7 @@ def _publish(handles: list[Any], urls: list[str], train_flow_run_id: str) -> Non
 def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: str, log: Any) -> str:
     """Health-check the replicas until a reason to stop; returns the reason."""
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
 
     from grpo_core.errors import ServerStartError
     from grpo_core.serving.vllm import restart
@@ -179,6 +181,8 @@ def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: s
             try:
                 own, train = client.read_flow_run(own_id), client.read_flow_run(train_id)
                 beat = client.read_variable_by_name(lifeline)
+            except ObjectNotFound:
+                return f"train flow run {train_id} (or this flow run) was deleted"
             except Exception as exc:  # noqa: BLE001 - the API unreachable: the lifeline timeout decides
                 log.warning("Prefect API not answering (%s); replicas kept until server.lifeline_timeout_s", exc)
                 own = train = beat = None

@@ -149,3 +149,52 @@ def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
     assert _servers_runs(api, train_id) == []
     blocks = api.http.post("/block_documents/filter", json={}).json()
     assert not [b for b in blocks if (b.get("name") or "") == run.credentials]
+
+
+@pytest.mark.slow
+def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_frees_them(stack, api, tmp):
+    """Two attempts of one train flow run: the second's start cancels the first's servers' run (its replica
+    stops); then the second attempt dies without cancelling anything (its lifeline thread stops, as when its
+    process is killed) and its servers stop by themselves after ``server.lifeline_timeout_s``."""
+    import logging
+
+    import psutil
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    from flows.grpo_servers import ServerRun
+    from grpo_core.config import load_config
+
+    @flow(name="stand-in-train")
+    def stand_in() -> None:  # only its flow run is used: it stays Scheduled, never final
+        pass
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
+        *tiny_overrides(tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
+        "server.lifeline_timeout_s=4", "server.startup_timeout_s=120"])
+    gpu_worker, log = stack.workers[SERVERS_POOL], logging.getLogger("test")
+    with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
+        with get_client(sync_client=True) as client:
+            train_id = str(client.create_flow_run(stand_in).id)
+        first = ServerRun(cfg, train_id, "token-1", {}, log)
+        first.start()
+        first_replicas = _embedded_under(gpu_worker.pid)
+        assert len(first_replicas) == 1
+        second = ServerRun(cfg, train_id, "token-2", {}, log)  # the retry: cancels the first attempt's run
+        second.start()
+        assert api.wait(first.flow_run_id, timeout_s=60)["state_type"] == "CANCELLED"
+        psutil.wait_procs(first_replicas, timeout=30)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in first_replicas)
+        second_replicas = _embedded_under(gpu_worker.pid)
+        assert len(second_replicas) == 1 and second_replicas[0].pid != first_replicas[0].pid
+        first._beating.set()
+        second._beating.set()  # the train flow's process is gone: no beat, no cancellation
+        run = api.wait(second.flow_run_id, timeout_s=90)
+    assert run["state_type"] == "COMPLETED", run["state"]
+    deadline = time.monotonic() + 30  # the run's last log lines reach the API after its final state
+    while "stopped beating its lifeline" not in api.logs(second.flow_run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "stopped beating its lifeline" in api.logs(second.flow_run_id)
+    psutil.wait_procs(second_replicas, timeout=30)
+    assert not _embedded_under(gpu_worker.pid)
