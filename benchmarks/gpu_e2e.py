@@ -115,7 +115,24 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
         result.update(figures(JsonlSink.read(metrics[-1]), args.warmup_steps))
     if code != 0:
         result["error"] = log.read_text(errors="replace")[-4000:]
+    (Path(args.out) / f"{name}_timeline.txt").write_text(timeline(log, out_dir))
     return result
+
+
+#: Log lines that mark a start-up phase or a step (flow, server, rollout and trainer logs).
+TIMELINE = re.compile(r"Beginning flow run|Finished in state|healthy|Application startup complete|started the rollout"
+                      r"|Flight server listening|compiled \d+ length buckets|step \d+:|checkpoint step|Traceback"
+                      r"|Error|rank \d+.*(loaded|ready)|Starting vLLM|torch.compile|CUDA graph|init engine|KV cache")
+
+
+def timeline(log: Path, out_dir: Path) -> str:
+    """The start-up phases and steps of one run, one line each with its time: the flow's log (which carries the
+    server, rollout and trainer output) and the rollout's own log, filtered by :data:`TIMELINE`."""
+    lines = [f"== {log}"] + [x[:300] for x in log.read_text(errors="replace").splitlines() if TIMELINE.search(x)]
+    for rollout_log in sorted(out_dir.glob("*/rollout.log")):
+        lines += [f"== {rollout_log}"] + [x[:300] for x in rollout_log.read_text(errors="replace").splitlines()
+                                          if TIMELINE.search(x)][:200]
+    return "\n".join(lines) + "\n"
 
 
 def _mean(values: list[float]) -> float:
@@ -157,6 +174,11 @@ def figures(records: list[dict], warmup: int) -> dict:
                                              "sampling/importance_sampling_ratio/mean",
                                              "sampling/importance_sampling_ratio/staleness0_mean",
                                              "sampling/importance_sampling_ratio/staleness0_token_count",
+                                             "sampling/importance_sampling_ratio/min",
+                                             "sampling/importance_sampling_ratio/max",
+                                             "sampling/sampling_logp_difference/mean",
+                                             "sampling/sampling_logp_difference/max", "perf/rollout_wait_s",
+                                             "router/replica_down_count", "rollout/vllm_retry_count",
                                              "rollout/vllm_kv_cache_usage_frac", "rollout/vllm_running_requests",
                                              "rollout/concurrency_cap")} for r in records],
     }

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         url = handles[0].url
         policy = trainer_policy(cfg)
         perturb(policy)
-        sync = make_weight_sync(cfg, [url])
+        sync = make_weight_sync(cfg.trainer_process(), [url])
         name = cfg.served_model_name()
         keep = asyncio.run(one_case(url, name, args.tokens, lambda: sync.sync(policy, 1, rank=0)))
         auth = bearer_headers(run_token())

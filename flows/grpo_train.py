@@ -34,6 +34,7 @@ from grpo_core.config import RunConfig
 from grpo_core.rollout.process import LOCATION_FILE
 
 RESOLVED_CONFIG = "run_config.json"
+TRAIN_CONFIG = "train_config.json"  # the trainer's sub-config (``RunConfig.trainer_process()``)
 
 
 class TrainerError(RuntimeError):
@@ -55,14 +56,16 @@ def _config(run_dir: str) -> RunConfig:
     return RunConfig.model_validate(apply_secrets(data, _SECRETS.get(run_dir, {})))
 
 
-def _child_env(run_dir: str) -> dict[str, str]:
+def _child_env(run_dir: str, secrets: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of the run's rollout and trainer processes (``flows.processes.child_env``: owned by this process):
-    the run's token and the config's secrets (``GRPO_RUN_SECRETS``) travel here, never on a command line."""
+    the run's token and the config's secrets (``GRPO_RUN_SECRETS``; ``secrets``: those of a process's sub-config,
+    else the run config's) travel here, never on a command line."""
     from grpo_core.redact import SECRETS_ENV
 
     extra = {TOKEN_ENV: REGISTRY[run_dir].token}
-    if _SECRETS.get(run_dir):
-        extra[SECRETS_ENV] = json.dumps(_SECRETS[run_dir])
+    secrets = _SECRETS.get(run_dir) if secrets is None else secrets
+    if secrets:
+        extra[SECRETS_ENV] = json.dumps(secrets)
     return child_env(extra)
 
 
@@ -113,7 +116,7 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
     latest = latest_checkpoint(run_dir)
     if latest is not None:
         verify_manifest(latest)  # a downloaded checkpoint is refused here, naming its tampered or missing file
-        check_resume(cfg, latest)  # a different run refuses here, before any server starts
+        check_resume(cfg.trainer_process(), latest)  # a different run refuses here, before any server starts
         log.info("resuming from checkpoint %s", latest)
     log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
     return {"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id,
@@ -290,7 +293,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
         RolloutProcessError: the rollout process died, so the flow stopped the trainer (names the exit code).
     """
-    from grpo_core.redact import write_private
+    from grpo_core.redact import secret_values, write_private
     from grpo_core.report import TRAINER_ERROR, read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
@@ -298,10 +301,10 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     cfg = _config(run_dir)
     cfg.train.rollout_location = rollout_location
     (root / TRAINER_ERROR).unlink(missing_ok=True)
-    config_path = root / "train_config.json"
-    write_private(config_path, cfg.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
+    config_path, sub = root / TRAIN_CONFIG, cfg.trainer_process()  # the trainer reads only its sub-config
+    write_private(config_path, sub.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
     cmd = trainer_command(cfg, config_path, server_urls)
-    env = _child_env(run_dir)
+    env = _child_env(run_dir, secret_values(sub))
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)

@@ -16,7 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, create_model, field_serializer, field_validator,
+                      model_validator)
 
 from grpo_core.errors import ConfigError
 from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_secret_flags
@@ -50,6 +51,33 @@ def default_cache_dir() -> Path:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+def _view(owner: type[_Strict], names: tuple[str, ...], base: type[_Strict], doc: str) -> type[_Strict]:
+    """A model holding only the fields ``names`` of the section ``owner`` (their types, bounds, defaults and
+    docstrings taken from the owner, so each field is defined once): what a process reads of a section it does
+    not own. ``base`` carries the owner's methods over those fields."""
+    fields: dict[str, Any] = {name: (owner.model_fields[name].annotation, owner.model_fields[name]) for name in names}
+    return create_model(f"{owner.__name__.removesuffix('Config')}View", __base__=base, __doc__=doc,
+                        __module__=__name__, **fields)
+
+
+class _ServerKey(_Strict):
+    """The servers' bearer token (``api_key``), resolved the same way by every process that talks to them."""
+
+    def resolved_api_key(self) -> str | None:
+        """The bearer token: ``api_key``, else ``$GRPO_SERVER_API_KEY``, else None."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        return os.environ.get(SERVER_API_KEY_ENV) or None
+
+
+class _CandidateFilter(_Strict):
+    """Whether the sampler's settings shrink its candidate set (``top_k``, ``top_p``, ``min_p``)."""
+
+    def uses_candidate_filter(self) -> bool:
+        """Whether top-k/top-p/min-p shrink the sampler's candidate set."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 #: Fields that moved to one owner: ``section.field`` -> why, and what to set instead.
@@ -95,7 +123,7 @@ class ModelConfig(_Strict):
         return self.cache_dir if self.cache_dir is not None else default_cache_dir()
 
 
-class ServerConfig(_Strict):
+class ServerConfig(_ServerKey):
     """The generation server(s): real vLLM on GPUs, or the embedded server."""
 
     @model_validator(mode="before")
@@ -209,14 +237,8 @@ class ServerConfig(_Strict):
             raise ValueError(f"server.deployment: {name!r} is not 'flow/deployment'; write e.g. 'grpo-servers/gpu'")
         return name
 
-    def resolved_api_key(self) -> str | None:
-        """The bearer token: ``api_key``, else ``$GRPO_SERVER_API_KEY``, else None."""
-        if self.api_key is not None:
-            return self.api_key.get_secret_value()
-        return os.environ.get(SERVER_API_KEY_ENV) or None
 
-
-class RolloutConfig(_Strict):
+class RolloutConfig(_CandidateFilter):
     """The rollout process: sampling settings, dataset, rewards, tools/environments, pace and transport.
 
     The ``module:name`` fields (``dataset``, ``reward_functions``, ``tools``, ``environment_factory``,
@@ -322,10 +344,6 @@ class RolloutConfig(_Strict):
             logger.warning("rollout.max_tool_calling_iterations has no effect without rollout.tools or "
                            "rollout.environment_factory")
         return self
-
-    def uses_candidate_filter(self) -> bool:
-        """Whether top-k/top-p/min-p shrink the sampler's candidate set."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 
 class PackingConfig(_Strict):
@@ -628,6 +646,97 @@ class RolloutProcessConfig(_Strict):
     """``tracking.num_completions_to_print``: rows of each window's completion sample; None = all."""
 
 
+def _refuse_masked(config: BaseModel) -> None:
+    """Raise a ConfigError naming the first secret of ``config`` that holds the mask of a saved config."""
+    for path, secret in secret_fields(config):
+        if MASK in secret.get_secret_value():
+            raise ConfigError(f"{path} holds a redacted value ({MASK!r}: a config grpo-flow saved or logged "
+                              f"keeps no secret); set the real value, e.g. --set {path.split('.')[0]}."
+                              f"{'.'.join(path.split('.')[1:2])}=...")
+
+
+def _check_trainer_fields(config: Any) -> None:
+    """Cross-field checks of what the trainer reads (``config.train``, ``config.rollout.num_sampler_logprobs``):
+    run on the run config and on the trainer's sub-config alike.
+
+    Raises:
+        ConfigError: naming the fields and the fix.
+    """
+    train = config.train
+    if train.clip_min >= train.clip_max:
+        raise ConfigError(f"train.clip_min ({train.clip_min}) must be below train.clip_max ({train.clip_max})")
+    if train.score_centering and config.rollout.num_sampler_logprobs == 0:
+        raise ConfigError(
+            "train.score_centering needs the sampler's top log-probs: set rollout.num_sampler_logprobs > 0 "
+            "(e.g. 8) or train.score_centering: false"
+        )
+    if train.nnodes > 1 and not train.rdzv_endpoint:
+        raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
+                          "reachable from every trainer host, e.g. 'trainer-0:29400')")
+    if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
+        raise ConfigError(
+            f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "
+            f"{train.num_ranks}; list one GPU per rank or lower train.num_ranks"
+        )
+
+
+#: What the trainer reads of sections it does not own, under the owners' field names (see ``TrainerProcessConfig``).
+TRAINER_ROLLOUT_FIELDS = ("max_staleness", "temperature", "top_k", "top_p", "min_p", "num_generations",
+                          "max_completion_length", "num_sampler_logprobs", "num_epochs", "rollout_worker_timeout_s",
+                          "dataset", "dataset_size", "dataset_seed", "dataset_kwargs")
+TRAINER_SERVER_FIELDS = ("api_key", "route_imbalance", "control_retry_s", "control_timeout_s",
+                         "weight_transfer_backend")
+TRAINER_PACKING_FIELDS = ("backend",)
+TRAINER_EXPORT_FIELDS = ("max_shard_size",)
+
+TrainerRolloutView = _view(
+    RolloutConfig, TRAINER_ROLLOUT_FIELDS, _CandidateFilter,
+    "The rollout settings the trainer reads (``rollout.*``, owned by the rollout section): staleness, the sampler's "
+    "settings (the log-prob head matches them), the group size, and what identifies the dataset (the checkpoint's "
+    "fingerprint).")
+TrainerServerView = _view(
+    ServerConfig, TRAINER_SERVER_FIELDS, _ServerKey,
+    "The server settings the trainer's weight sync reads (``server.*``): the bearer token, the control fan-out's "
+    "retries and the vLLM weight-transfer backend.")
+TrainerPackingView = _view(PackingConfig, TRAINER_PACKING_FIELDS, _Strict,
+                           "The packer backend the trainer's planner uses (``packing.backend``).")
+TrainerExportView = _view(ExportConfig, TRAINER_EXPORT_FIELDS, _Strict,
+                          "The export setting the trainer's final ``save_pretrained`` reads (``export.max_shard_size``).")
+
+
+class TrainerProcessConfig(_Strict):
+    """What the trainer (every torchrun rank) reads: its own section, and the few values it needs from other
+    sections, each taken from its one owner by :meth:`RunConfig.trainer_process` (the trainer never sees the whole
+    run config). Borrowed values keep their owners' paths (``rollout.max_staleness``, ``server.api_key``), so errors,
+    ``--set`` overrides, secrets and the checkpoint fingerprint name the field a user sets. The flow writes it as
+    ``train_config.json``."""
+
+    process: Literal["trainer"] = "trainer"
+    """Marks a trainer sub-config file (``python -m grpo_core.train --config`` also takes a whole run config)."""
+    model: ModelConfig
+    """The policy model."""
+    train: TrainConfig
+    """The trainer's section."""
+    tracking: TrackingConfig
+    """MLflow tracking (the trainer logs metrics, checkpoints and the final model)."""
+    rollout: TrainerRolloutView
+    """The rollout settings the trainer reads."""
+    server: TrainerServerView
+    """The server settings the weight sync reads."""
+    packing: TrainerPackingView
+    """The packer backend."""
+    export: TrainerExportView
+    """The shard size of the exported model."""
+    token_budget: int = Field(ge=16)
+    """Row token budget: ``packing.token_budget``, else ``server.max_model_len`` (:meth:`RunConfig.token_budget`)."""
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> TrainerProcessConfig:
+        _refuse_masked(self)
+        _check_trainer_fields(self)
+        return self
+
+
 class RunConfig(_Strict):
     """Root config of one grpo-flow run."""
 
@@ -652,11 +761,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:
-        for path, secret in secret_fields(self):
-            if MASK in secret.get_secret_value():
-                raise ConfigError(f"{path} holds a redacted value ({MASK!r}: a config grpo-flow saved or logged "
-                                  f"keeps no secret); set the real value, e.g. --set {path.split('.')[0]}."
-                                  f"{'.'.join(path.split('.')[1:2])}=...")
+        _refuse_masked(self)
+        _check_trainer_fields(self)
         server, rollout = self.server, self.rollout
         if rollout.max_completion_length >= server.max_model_len:
             raise ConfigError(
@@ -680,28 +786,10 @@ class RunConfig(_Strict):
                 f"({rollout.max_staleness + 2}): the trainer keeps max_staleness + 1 versions and loads the "
                 "next before unloading the oldest; raise server.max_loras or leave it unset"
             )
-        train = self.train
-        if train.clip_min >= train.clip_max:
-            raise ConfigError(
-                f"train.clip_min ({train.clip_min}) must be below train.clip_max ({train.clip_max})"
-            )
-        if train.score_centering and rollout.num_sampler_logprobs == 0:
-            raise ConfigError(
-                "train.score_centering needs the sampler's top log-probs: set rollout.num_sampler_logprobs > 0 "
-                "(e.g. 8) or train.score_centering: false"
-            )
         if self.packing.token_budget is not None and self.packing.token_budget < server.max_model_len:
             logger.warning(
                 "packing.token_budget (%d) < server.max_model_len (%d): samples longer than the budget are dropped",
                 self.packing.token_budget, server.max_model_len,
-            )
-        if train.nnodes > 1 and not train.rdzv_endpoint:
-            raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
-                              "reachable from every trainer host, e.g. 'trainer-0:29400')")
-        if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
-            raise ConfigError(
-                f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "
-                f"{train.num_ranks}; list one GPU per rank or lower train.num_ranks"
             )
         if server.deployment and server.urls:
             raise ConfigError(f"server.deployment ({server.deployment!r}) starts the replicas and server.urls names "
@@ -729,6 +817,17 @@ class RunConfig(_Strict):
             model=self.model, rollout=self.rollout, server=self.server, served_model_name=self.served_model_name(),
             max_model_len=self.server.max_model_len, adapter_name=lora.name if lora.enabled else None,
             log_completions=tracking.log_completions, num_completions_to_print=tracking.num_completions_to_print)
+
+    def trainer_process(self) -> TrainerProcessConfig:
+        """The trainer's sub-config (its section plus the values it reads from their owners)."""
+        def pick(section: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
+            return {name: getattr(section, name) for name in names}
+
+        return TrainerProcessConfig(
+            model=self.model, train=self.train, tracking=self.tracking,
+            rollout=pick(self.rollout, TRAINER_ROLLOUT_FIELDS), server=pick(self.server, TRAINER_SERVER_FIELDS),
+            packing=pick(self.packing, TRAINER_PACKING_FIELDS), export=pick(self.export, TRAINER_EXPORT_FIELDS),
+            token_budget=self.token_budget())
 
     def serves_lora(self) -> bool:
         """Whether the servers load LoRA adapters at run time (``--enable-lora``): exactly when the trainer trains
@@ -795,33 +894,31 @@ def _parse(path: Path, text: str) -> Any:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_where(e)}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                secrets: dict[str, str] | None = None) -> RunConfig:
-    """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
-
-    Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
-    ``secrets`` (``{field path: value}``, what a run's processes get in ``GRPO_RUN_SECRETS``) replace the
-    redacted secrets of a config file grpo-flow wrote, before the overrides.
+def _read_config(path: str | Path) -> dict:
+    """The mapping of a config file (YAML, JSON or TOML by suffix).
 
     Raises:
-        ConfigError: unreadable or unparsable file (names the line), bad override, or a validation
-            error (naming the field).
+        ConfigError: unreadable, not UTF-8, unparsable (names the line) or not a mapping.
     """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file {p}: {e.strerror}; check the --config path") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    data = _parse(p, text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None,
+              hint: str = "") -> Any:
+    """``kind`` validated from ``data`` after ``secrets`` and ``key.sub=value`` overrides (see :func:`load_config`)."""
     import yaml
     from pydantic import ValidationError
 
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"config file {p}: {e.strerror}; check the --config path") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-        data = _parse(p, text)
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
     if secrets:
         from grpo_core.redact import apply_secrets
 
@@ -840,7 +937,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                               "quote it, e.g. key='text: with colon'") from None
         _set_dotted(data, key.strip(), parsed)
     try:
-        return RunConfig.model_validate(data)
+        return kind.model_validate(data)
     except ValidationError as e:
         lines = [f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError("invalid run config:\n  " + "\n  ".join(lines)) from None
+        extra = hint if any(err["type"] == "extra_forbidden" for err in e.errors()) else ""
+        what = "trainer sub-config" if kind is TrainerProcessConfig else "run config"
+        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines) + extra) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                secrets: dict[str, str] | None = None) -> RunConfig:
+    """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
+
+    Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
+    ``secrets`` (``{field path: value}``, what a run's processes get in ``GRPO_RUN_SECRETS``) replace the
+    redacted secrets of a config file grpo-flow wrote, before the overrides.
+
+    Raises:
+        ConfigError: unreadable or unparsable file (names the line), bad override, or a validation
+            error (naming the field).
+    """
+    return _validate(RunConfig, _read_config(path) if path is not None else {}, overrides, secrets)
+
+
+def load_trainer_config(path: str | Path, overrides: list[str] | None = None,
+                        secrets: dict[str, str] | None = None) -> TrainerProcessConfig:
+    """The trainer's sub-config from a config file: a trainer sub-config (the flow's ``train_config.json``,
+    ``"process": "trainer"``) as it is, or a whole run config turned into one (:meth:`RunConfig.trainer_process`).
+
+    Overrides and secrets use the fields' paths in the file (``train.max_steps=5``, ``server.api_key``; a sub-config
+    holds only what the trainer reads).
+
+    Raises:
+        ConfigError: as :func:`load_config`; a sub-config override of a field the trainer does not read says so.
+    """
+    data = _read_config(path)
+    if data.get("process") == "trainer":
+        return _validate(TrainerProcessConfig, data, overrides, secrets,
+                         hint=f"\n{path} is a trainer sub-config: it holds only the fields the trainer reads "
+                              "(TrainerProcessConfig); set other fields in the run config it was made from")
+    return _validate(RunConfig, data, overrides, secrets).trainer_process()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.config import load_config
+from grpo_core.config import RunConfig, TrainerProcessConfig, load_config, load_trainer_config
 from grpo_core.errors import ConfigError
 from grpo_core.serving.vllm import check_gpu_layout
 
@@ -15,8 +15,13 @@ GPU = [p for p in CONFIGS if p.name.startswith("gpu-")]
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_config_parses(path):
-    load_config(path)
+def test_every_config_parses(path, tmp_path):
+    cfg = load_config(path)
+    sub = load_trainer_config(path)  # the trainer's entry point takes a run config too
+    assert sub == cfg.trainer_process()
+    written = tmp_path / "train_config.json"  # what the flow writes; the trainer reads it back unchanged
+    written.write_text(sub.model_dump_json())
+    assert load_trainer_config(written) == sub
 
 
 def test_the_gpu_configs_of_the_issue_exist():
@@ -52,3 +57,56 @@ def test_gpu_layout_that_cannot_sync_is_refused_naming_the_fields(backend, train
 def test_trainer_gpu_ids_must_cover_its_ranks():
     with pytest.raises(ConfigError, match=r"train.gpu_ids lists 1 distinct GPUs but train.num_ranks is 2"):
         load_config(None, ["train.num_ranks=2", "train.gpu_ids=[3]"])
+
+
+def test_the_trainer_gets_only_its_sub_config_from_the_owners(tmp_path):
+    cfg = RunConfig(model={"name": "tiny-qwen3"}, server={"max_model_len": 512, "api_key": "k-123", "control_retry_s": 2},
+                    rollout={"max_staleness": 3, "num_generations": 4, "top_k": 20, "dataset_size": 77,
+                             "max_completion_length": 64},
+                    packing={"backend": "python"}, export={"max_shard_size": "1GB"}, train={"max_steps": 9})
+    sub = cfg.trainer_process()
+    assert set(type(sub).model_fields) == {"process", "model", "train", "tracking", "rollout", "server", "packing",
+                                           "export", "token_budget"}
+    assert sub.train == cfg.train and sub.model == cfg.model and sub.tracking == cfg.tracking
+    assert (sub.rollout.max_staleness, sub.rollout.num_generations, sub.rollout.dataset_size) == (3, 4, 77)
+    assert sub.rollout.uses_candidate_filter() and not RunConfig().trainer_process().rollout.uses_candidate_filter()
+    assert (sub.server.resolved_api_key(), sub.server.control_retry_s) == ("k-123", 2)
+    assert (sub.packing.backend, sub.export.max_shard_size) == ("python", "1GB")
+    # nothing the trainer does not read: the servers' launch settings, the rollout's dataset code, the flow's section
+    assert "max_model_len" not in type(sub.server).model_fields and "extra_args" not in type(sub.server).model_fields
+    assert "reward_functions" not in type(sub.rollout).model_fields and "flow" not in type(sub).model_fields
+    assert sub.token_budget == 512  # server.max_model_len when packing.token_budget is unset
+    assert RunConfig(packing={"token_budget": 96}, server={"max_model_len": 128},
+                     rollout={"max_completion_length": 32}).trainer_process().token_budget == 96
+    # written by the flow: the secret masked; the trainer gets it from GRPO_RUN_SECRETS under its run-config path
+    path = tmp_path / "train_config.json"
+    path.write_text(sub.model_dump_json(indent=1))
+    assert "k-123" not in path.read_text()
+    with pytest.raises(ConfigError, match="server.api_key holds a redacted value"):
+        load_trainer_config(path)
+    again = load_trainer_config(path, ["train.max_steps=5"], secrets={"server.api_key": "k-123"})
+    assert again.server.resolved_api_key() == "k-123" and again.train.max_steps == 5
+    # errors name the user-facing field
+    with pytest.raises(ConfigError, match=r"(?s)rollout.seed.*only the fields the trainer reads"):
+        load_trainer_config(path, ["rollout.seed=3"], secrets={"server.api_key": "k-123"})
+    with pytest.raises(ConfigError, match=r"train.clip_min \(6.0\) must be below train.clip_max"):
+        load_trainer_config(path, ["train.clip_min=6"], secrets={"server.api_key": "k-123"})
+    with pytest.raises(ConfigError, match=r"rollout.max_staleness.*greater than or equal to 0"):
+        load_trainer_config(path, ["rollout.max_staleness=-1"], secrets={"server.api_key": "k-123"})
+    with pytest.raises(ValueError, match="train.rdzv_endpoint"):
+        TrainerProcessConfig.model_validate({**sub.model_dump(), "server": {}, "train": {"nnodes": 2}})
+
+
+def test_the_checkpoint_fingerprint_keeps_the_run_config_paths():
+    from grpo_core.train.fingerprint import fingerprint
+
+    cfg = RunConfig(rollout={"num_generations": 4, "max_staleness": 2, "dataset": "reasoning_gym:leg_counting",
+                             "dataset_seed": 5}, train={"learning_rate": 3e-4})
+    fp = fingerprint(cfg.trainer_process())
+    assert fp["config"]["rollout.num_generations"] == 4 and fp["config"]["rollout.max_staleness"] == 2
+    assert fp["config"]["train.learning_rate"] == 3e-4 and fp["config"]["model.name"] == "smollm2-135m-instruct"
+    assert fp["dataset"]["rollout.dataset"] == "reasoning_gym:leg_counting" and fp["dataset"]["rollout.dataset_seed"] == 5
+    assert None not in fp["config"].values() or fp["config"]["train.epsilon_high"] is None  # every key resolved
+    assert set(fp["config"]) - {k for k, v in fp["config"].items() if v is not None} <= {"model.revision",
+                                                                                         "train.epsilon_high",
+                                                                                         "train.save_total_limit"}

@@ -302,6 +302,36 @@ def test_router_cli_help_is_instant():
     assert out.returncode == 0 and "--url" in out.stdout
 
 
+def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
+    import socket
+
+    from fastapi.testclient import TestClient
+
+    from grpo_core.serving.router import create_router_app
+
+    dead = []
+    for _ in range(2):  # ports nothing listens on: connections are refused
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead.append(f"http://127.0.0.1:{s.getsockname()[1]}")
+    replicas = ReplicaSet(dead, api_key="k", max_retries=1, backoff_s=0.01, max_backoff_s=0.01)
+    auth = {"Authorization": "Bearer k"}
+    with TestClient(create_router_app(replicas, api_key="k")) as client:
+        models = client.get("/v1/models", headers=auth)
+        assert models.status_code == 503, models.text
+        error = models.json()["error"]
+        assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+        assert "no generation replica answered (2 behind this router; 0 healthy)" in error["message"]
+        assert dead[0] in error["message"] or dead[1] in error["message"]
+        done = client.post("/v1/completions", headers=auth, json={"model": "m", "prompt": "hi"})
+        assert done.status_code == 503 and "no generation replica answered" in done.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+        bad = client.post("/v1/completions", headers=auth, content=b"{not json")
+        assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+        assert client.post("/pause", headers=auth, content=b"[").status_code == 400
+        client.portal.call(replicas.aclose)
+
+
 def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, store_url, tmp_path):
     """The routed set as one OpenAI-compatible URL: bearer token checked, 8 identical prompts prefilled on one
     replica (server counters), a LoRA load refused by one replica rolled back everywhere."""

@@ -1,8 +1,10 @@
-"""HTTP retries of the generation client back off with jitter (a real HTTP server answering 503)."""
+"""HTTP retries of the generation client back off with jitter (a real HTTP server answering 503), and a routed
+request whose connection drops is retried on its healthy replica (a real HTTP server dropping one)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import statistics
 import threading
@@ -13,6 +15,7 @@ import pytest
 
 from grpo_core.errors import ServerUnavailableError
 from grpo_core.serving.client import GenerationClient, backoff_delay
+from grpo_core.serving.routing import ReplicaSet
 
 
 def test_backoff_delay_is_uniform_below_the_exponential_bound():
@@ -68,3 +71,57 @@ def test_clients_failing_together_do_not_retry_in_lockstep():
     assert all(0.0 <= d <= 0.5 + 0.2 for d in delays)
     # Without jitter every client waits exactly backoff_s: the retries would land within a few ms.
     assert max(delays) - min(delays) > 0.05, f"retries in lockstep: {sorted(delays)}"
+
+
+class _DropsFirstCompletion(BaseHTTPRequestHandler):
+    """``/health`` answers 200; the first ``POST /v1/completions`` loses its connection without an answer (as
+    a request sent on a keep-alive connection the server is closing does), later ones answer."""
+
+    protocol_version = "HTTP/1.1"
+    completions = 0
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self._answer(200, b"{}")
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["content-length"]))
+        type(self).completions += 1
+        if type(self).completions == 1:
+            self.close_connection = True  # no status line: the client sees the connection dropped
+            return
+        body = {"choices": [{"index": 0, "text": "", "token_ids": [7, 8], "prompt_token_ids": [1, 2],
+                             "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5, -0.25]}}]}
+        self._answer(200, json.dumps(body).encode())
+
+    def _answer(self, status: int, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+def test_a_dropped_connection_to_a_healthy_replica_is_retried_not_routed_around():
+    """Seen on the H200: a request on a connection vLLM was closing failed with ``ReadError``; the single replica
+    was marked down and the rollout stalled until the probe re-admitted it, every ~10 s of the run."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _DropsFirstCompletion)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    _DropsFirstCompletion.completions = 0
+
+    async def go():
+        async with ReplicaSet([url], api_key="k") as rs:
+            out = await rs.complete([1, 2], affinity_key="g", model="m", max_tokens=2)
+            return out, list(rs.policy.healthy), rs.policy.counts.replica_down, rs.retry_count
+
+    try:
+        (out, healthy, down, retries) = asyncio.run(go())
+    finally:
+        server.shutdown()
+    assert _DropsFirstCompletion.completions == 2, "the dropped request was sent again"
+    assert out[0].token_ids == [7, 8] and out[0].logprobs == [-0.5, -0.25]
+    assert healthy == [True] and down == 0, "a replica whose /health answers stays in the routing"
+    assert retries == 1

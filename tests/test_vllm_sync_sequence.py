@@ -1,4 +1,5 @@
-"""vLLM full-weight sync (NCCL and IPC) against real recording HTTP servers: request bodies, failures, two servers.
+"""Full-weight sync against real recording HTTP servers: vLLM's (NCCL and IPC) request bodies, failures and
+fan-out over two servers, and the embedded server's disk sync (pause all, update all, roll back, resume all).
 
 NCCL needs two GPUs and IPC a CUDA device, which CI never has; both ran against a real vLLM
 0.25.1 on an H200 (benchmarks/vllm_weight_sync.py, scripts/gpu_main_job.sh). Here vLLM's
@@ -8,20 +9,24 @@ trainer-side calls are replaced by stand-ins that behave as vLLM 0.25.1's source
 the send callable once), and each vLLM server is a real HTTP server that records every request
 and can be told to fail one path. What is asserted comes from vLLM's API, not from this module:
 pause in keep mode (vLLM aborts in-flight requests without it), the init info of the NCCL group,
-the update bodies, and that every paused server is finished and resumed after a failure.
+the update bodies, and that every paused server is finished and resumed after a failure. Each server
+runs behind the run's guard (``grpo_core.serving.guard``), whose fence takes a replica whose update
+failed out of routing (a ``ReplicaSet`` over the servers shows it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import itertools
 import json
 import pickle
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 import pytest
 import torch
@@ -33,43 +38,68 @@ CLEANUP = [("/finish_weight_update", {}), ("/reset_prefix_cache", {"reset_runnin
            ("/resume", {})]
 
 
+TOKEN = "test-run-token"
+ARRIVALS = itertools.count()
+
+
 class RecordingServer:
-    """A real HTTP server on a free port recording ``(method, path, query, body)``; ``fail`` maps path -> status."""
+    """A real HTTP server (uvicorn, on a free port) behind the run's guard (``RunGuardMiddleware``, as every server the
+    run starts has), recording every request ``(method, path, query, body)`` as it arrives; ``fail`` maps a path to the
+    status the server answers it with, ``hold`` keeps ``/v1/completions`` answers back until it is set."""
 
-    def __init__(self, fail: dict[str, int] | None = None):
+    def __init__(self, fail: dict[str, int] | None = None, weights_dir=None):
+        import uvicorn
+
+        from grpo_core.serving.embedded import bind_socket
+        from grpo_core.serving.guard import RunGuardMiddleware
+
         self.calls: list[tuple[str, str, dict, object]] = []
+        self.order: list[int] = []  # arrival number of each call across every server
         self.fail = fail or {}
-        outer = self
+        self.hold = threading.Event()
+        self.hold.set()
 
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        async def answer(send, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": data})
 
-            def _record(self, method: str) -> None:
-                n = int(self.headers.get("content-length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                url = urlsplit(self.path)
-                outer.calls.append((method, url.path, parse_qs(url.query), body))
-                status = outer.fail.get(url.path, 200)
-                self._answer(status, {"world_size": 1} if status == 200 else {"error": "boom on " + url.path})
+        async def server(scope, receive, send):  # what vLLM answers: 200, or the status of ``fail``
+            if scope["type"] == "lifespan":
+                while (await receive())["type"] != "lifespan.shutdown":
+                    await send({"type": "lifespan.startup.complete"})
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+            while not self.hold.is_set():
+                await asyncio.sleep(0.01)
+            status = self.fail.get(scope["path"], 200)
+            await answer(send, status, {"world_size": 1} if status == 200 else {"error": "boom on " + scope["path"]})
 
-            def do_GET(self):  # noqa: N802
-                self._record("GET")
+        self.guard = RunGuardMiddleware(server, token=TOKEN, max_pause_s=0, weights_dir=weights_dir)
 
-            def do_POST(self):  # noqa: N802
-                self._record("POST")
+        async def recorder(scope, receive, send):
+            if scope["type"] != "http":
+                return await self.guard(scope, receive, send)
+            chunks, more = [], True
+            while more:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+            raw = b"".join(chunks)
+            self.calls.append((scope["method"], scope["path"], parse_qs(scope["query_string"].decode()),
+                               json.loads(raw) if raw else None))
+            self.order.append(next(ARRIVALS))
+            replay = [{"type": "http.request", "body": raw, "more_body": False}]
+            await self.guard(scope, lambda: _next(replay, receive), send)
 
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        sock = bind_socket("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(recorder, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.uvicorn.started:
+            time.sleep(0.01)
 
     def paths(self) -> list[tuple[str, dict]]:
         return [(p, q) for m, p, q, _ in self.calls if m == "POST"]
@@ -78,7 +108,13 @@ class RecordingServer:
         return next(b for _, p, _, b in self.calls if p == path)
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        self.hold.set()
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=10)
+
+
+async def _next(replay: list, receive):
+    return replay.pop() if replay else await receive()
 
 
 @dataclass
@@ -134,9 +170,10 @@ def tiny_policy() -> torch.nn.Module:
     return policy
 
 
-def per_sync(update: bool = True) -> list[tuple[str, dict]]:
+def per_sync(update: bool = True, first: bool = False) -> list[tuple[str, dict]]:
+    """One sync's requests to a replica; the first sync of a trainer also lowers a fence an earlier one raised."""
     steps = [("/pause", {"mode": ["keep"]}), ("/start_weight_update", {})]
-    return steps + ([("/update_weights", {})] if update else []) + CLEANUP
+    return steps + ([("/update_weights", {})] if update else []) + CLEANUP + ([("/grpo/stale", {})] if first else [])
 
 
 @pytest.fixture
@@ -156,13 +193,13 @@ def test_nccl_sync_bodies_on_two_servers(monkeypatch, servers):
     sent: list = []
     stub_vllm(monkeypatch, sent)
     a, b = servers(), servers()
-    sync = VllmWeightTransferSync([a.url, b.url], "nccl")
+    sync = VllmWeightTransferSync([a.url, b.url], "nccl", api_key=TOKEN)
     for version in (1, 2):
         assert "perf/weight_sync_transfer_s" in sync.sync(tiny_policy(), version, rank=0)
     for server in (a, b):
         assert [(m, p) for m, p, _, _ in server.calls][:2] == [("GET", "/get_world_size"),
                                                               ("POST", "/init_weight_transfer_engine")]
-        assert server.paths()[1:] == per_sync() + per_sync()
+        assert server.paths()[1:] == per_sync(first=True) + per_sync()
         init = server.body("/init_weight_transfer_engine")["init_info"]
         assert init["master_address"] == "127.0.0.1" and init["rank_offset"] == 1 and init["world_size"] == 2
         assert 0 < init["master_port"] < 65536
@@ -181,13 +218,13 @@ def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers
     sent: list = []
     stub_vllm(monkeypatch, sent)
     a, b = servers(), servers()
-    sync = VllmWeightTransferSync([a.url, b.url], "ipc", lora_names=True)
+    sync = VllmWeightTransferSync([a.url, b.url], "ipc", lora_names=True, api_key=TOKEN)
     sync.sync(tiny_policy(), 1, rank=0)
     sync.sync(tiny_policy(), 2, rank=0)
     names = ["attn.q_proj.base_layer.weight", "attn.q_proj.base_layer.bias"]  # --enable-lora wraps the linear layers
     assert sent == [("ipc_send", tuple(names))] * 2, "one gather per sync serves every server"
     for server in (a, b):
-        assert server.paths() == [("/init_weight_transfer_engine", {})] + per_sync() + per_sync()
+        assert server.paths() == [("/init_weight_transfer_engine", {})] + per_sync(first=True) + per_sync()
         assert server.body("/init_weight_transfer_engine") == {"init_info": {}}
         info = server.body("/update_weights")["update_info"]
         assert set(info) == {"names", "dtype_names", "shapes", "packed", "ipc_handles_pickled"}
@@ -198,25 +235,138 @@ def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
-def test_update_weights_500_raises_and_every_server_is_finished_and_resumed(monkeypatch, servers, backend):
+def test_update_failing_on_one_replica_fences_it_off_until_an_update_reaches_it(monkeypatch, servers, backend):
+    from grpo_core.serving.routing import ReplicaSet
+
     stub_vllm(monkeypatch, [])
     good, bad = servers(), servers(fail={"/update_weights": 500})
-    sync = VllmWeightTransferSync([bad.url, good.url], backend)
-    with pytest.raises(ServingError, match=r"/update_weights answered 500"):
+    sync = VllmWeightTransferSync([bad.url, good.url], backend, api_key=TOKEN)
+    out = sync.sync(tiny_policy(), 1, rank=0)  # the good replica serves version 1: the run goes on
+    assert out["weight_sync/failed_replica_count"] == 1 and list(sync.stale) == [bad.url]
+    assert good.paths()[-len(per_sync(first=True)):] == per_sync(first=True)
+    # the failed replica is fenced off before it is resumed, and still finished and resumed (never left paused)
+    assert bad.paths()[-len(per_sync()) - 1:] == per_sync()[:3] + [("/grpo/stale", {})] + CLEANUP
+    assert bad.body("/grpo/stale")["stale"] is True and "policy version 1" in bad.body("/grpo/stale")["reason"]
+    assert [p for p, _ in bad.paths()].count("/resume") == 1 and bad.guard.stale and not good.guard.stale
+
+    async def route(n: int) -> tuple[bool, list[str], int]:
+        async with ReplicaSet([bad.url, good.url], api_key=TOKEN, max_retries=2) as rs:
+            healthy = await rs.health()
+            served = [await rs.routed(("group", i), lambda c: _served_by(c)) for i in range(n)]
+            return healthy, served, rs.policy.counts.replica_down
+
+    healthy, served, down = asyncio.run(route(6))
+    assert not healthy, "/health of the set is healthy only when every replica is"
+    assert served == [good.url] * 6 and down == 1  # routed around, counted once
+
+    bad.fail = {}  # the next sync reaches it: the fence comes down after its clean-up
+    out = sync.sync(tiny_policy(), 2, rank=0)
+    assert out["weight_sync/failed_replica_count"] == 0 and not sync.stale and bad.guard.stale is None
+    assert bad.paths()[-len(per_sync()) - 1:] == per_sync() + [("/grpo/stale", {})]
+    assert bad.calls[-1][3] == {"stale": False}
+    healthy, served, down = asyncio.run(route(8))
+    assert healthy and set(served) == {bad.url, good.url} and down == 0
+
+
+async def _served_by(client) -> str:
+    await client.call("POST", "/v1/completions", {"model": "m", "prompt": [1], "n": 1})
+    return client.base_url
+
+
+def test_update_failing_on_the_only_replica_fails_the_sync_and_resumes_it(monkeypatch, servers):
+    stub_vllm(monkeypatch, [])
+    bad = servers(fail={"/update_weights": 500})
+    sync = VllmWeightTransferSync([bad.url], "ipc", api_key=TOKEN)
+    with pytest.raises(ServingError, match=r"failed on every replica.*/update_weights answered 500"):
         sync.sync(tiny_policy(), 1, rank=0)
-    assert bad.paths()[-len(per_sync()):] == per_sync()
-    # NCCL stops at the failing server; IPC posts the same update to both and reports the failure.
-    expected = per_sync(update=backend == "ipc")
-    assert good.paths()[-len(expected):] == expected
+    assert bad.paths()[-len(CLEANUP):] == CLEANUP and bad.guard.stale
 
 
-def test_failed_pause_still_resumes_the_servers_already_paused(monkeypatch, servers):
+def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
+    import httpx
+
+    server = servers()
+    server.hold.clear()  # the completion is being generated
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(headers=auth, timeout=30) as http:
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(
+            http.post(server.url + "/v1/completions", json={"prompt": [1]})))
+        worker.start()
+        while not any(p == "/v1/completions" for _, p, _, _ in server.calls):
+            time.sleep(0.01)
+        assert http.post(server.url + "/grpo/stale", json={"stale": True, "reason": "update v3 failed"}).status_code == 200
+        server.hold.set()
+        worker.join(timeout=30)
+        assert result[0].status_code == 503 and "update v3 failed" in result[0].text  # not old-weights tokens
+        assert http.get(server.url + "/health").status_code == 503
+        assert http.post(server.url + "/v1/completions", json={"prompt": [1]}).status_code == 503
+        assert http.post(server.url + "/grpo/stale", json={"stale": "no"}).status_code == 400
+        assert http.post(server.url + "/grpo/stale", json={"stale": False}).status_code == 200
+        assert http.get(server.url + "/health").status_code == 200
+        assert http.post(server.url + "/v1/completions", json={"prompt": [1]}).status_code == 200
+    assert httpx.post(server.url + "/grpo/stale", json={"stale": True}).status_code == 401  # the run's token only
+
+
+def test_failed_pause_resumes_the_replicas_paused_and_names_the_refusing_one(monkeypatch, servers):
+    from grpo_core.serving.routing import ControlFanOutError
+
     stub_vllm(monkeypatch, [])
     first, refusing = servers(), servers(fail={"/pause": 500})
-    sync = VllmWeightTransferSync([first.url, refusing.url], "ipc")
-    with pytest.raises(ServingError, match=r"/pause answered 500"):
+    sync = VllmWeightTransferSync([first.url, refusing.url], "ipc", api_key=TOKEN, control_retry_s=0.05,
+                                  control_timeout_s=0.3)
+    with pytest.raises(ControlFanOutError, match=rf"pause failed on 1 of 2 replicas.*{refusing.url}/pause answered 500") as err:
         sync.sync(tiny_policy(), 1, rank=0)
+    assert list(err.value.failed) == [refusing.url]
     assert first.paths() == [("/init_weight_transfer_engine", {}), ("/pause", {"mode": ["keep"]}),
                              ("/start_weight_update", {})] + CLEANUP
+    pauses = [p for p, _ in refusing.paths()].count("/pause")
+    assert pauses >= 2, "a refused pause is retried (server.control_retry_s) before the fan-out fails"
     assert refusing.paths()[-4:] == [("/pause", {"mode": ["keep"]})] + CLEANUP
-    assert not any(p == "/update_weights" for p, _ in first.paths() + refusing.paths())
+    assert not any(p in ("/update_weights", "/grpo/stale") for p, _ in first.paths() + refusing.paths())
+
+
+def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch, servers):
+    import httpx
+
+    stub_vllm(monkeypatch, [])
+    fenced = servers()
+    httpx.post(fenced.url + "/grpo/stale", json={"stale": True, "reason": "update v4 failed"},
+               headers={"Authorization": f"Bearer {TOKEN}"})
+    assert fenced.guard.stale == "update v4 failed"
+    sync = VllmWeightTransferSync([fenced.url], "ipc", api_key=TOKEN)  # the resumed trainer re-syncs its version
+    assert sync.sync(tiny_policy(), 4, rank=0)["weight_sync/failed_replica_count"] == 0
+    assert fenced.guard.stale is None and fenced.paths()[-1] == ("/grpo/stale", {})
+
+
+def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_update(servers, tmp_path):
+    from grpo_core.config import ServerConfig
+    from grpo_core.serving.routing import ControlFanOutError
+    from grpo_core.train.weight_sync import DiskFullWeightSync
+
+    out = tmp_path / "out"
+    weights = out / ".weights"
+    good, bad = servers(weights_dir=weights), servers(weights_dir=weights)
+    settings = ServerConfig(api_key=TOKEN, control_retry_s=0.05, control_timeout_s=0.3)
+    sync = DiskFullWeightSync([good.url, bad.url], out, server=settings)
+    sync.sync(tiny_policy(), 1, rank=0)
+    phase = [("/pause", {"mode": ["keep"]}), ("/start_weight_update", {}), ("/update_weights", {}),
+             ("/finish_weight_update", {}), ("/reset_prefix_cache", {"reset_running_requests": ["true"]}),
+             ("/resume", {})]
+    for server in (good, bad):
+        assert server.paths() == phase and server.body("/update_weights") == {"update_info": {"path": str(weights / "v1")}}
+    pauses = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/pause"]
+    starts = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/start_weight_update"]
+    assert max(pauses) < min(starts), "every replica is paused before any update starts"
+
+    bad.fail = {"/update_weights": 500}
+    good.calls.clear(), bad.calls.clear()
+    with pytest.raises(ControlFanOutError, match=rf"weight sync v2 failed on 1 of 2 replicas.*{bad.url}.*rolled back "
+                                                 rf"on {good.url}"):
+        sync.sync(tiny_policy(), 2, rank=0)
+    bodies = [b["update_info"]["path"] for _, p, _, b in good.calls if p == "/update_weights"]
+    assert bodies == [str(weights / "v2"), str(weights / "v1")], "the replica that took v2 is restored to v1"
+    for server in (good, bad):  # paused once, resumed once: none left paused
+        names = [p for p, _ in server.paths()]
+        assert names.count("/pause") == 1 and names[-1] == "/resume" and names.count("/resume") == 1
+    assert [p for p, _ in bad.paths()].count("/update_weights") >= 2  # retried before the fan-out gave up

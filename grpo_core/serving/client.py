@@ -7,6 +7,11 @@ counted in ``retry_count`` (logged as ``rollout/vllm_retry_count``, seed manual,
 metrics); after the retry budget a ``ServerUnavailableError`` names the URL. 4xx answers
 are not retried: they raise ``ServerRequestError`` with vLLM's error message.
 
+Idle pooled connections expire after :data:`KEEPALIVE_EXPIRY_S`, well before the server closes them
+(uvicorn's default ``timeout_keep_alive`` is 5 s, vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` too; the servers
+the flow starts use 60 s): with equal timers a request sent on a connection the server is closing at that
+moment fails with ``ReadError`` without ever reaching it (seen on the H200 about every 10 s of a run).
+
 Completions always use token ids in and out (``return_token_ids``,
 ``return_tokens_as_token_ids``) so no text round trip can change a token.
 """
@@ -27,6 +32,10 @@ from grpo_core.errors import ServerRequestError, ServerUnavailableError
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an idle pooled connection is kept for reuse: below every server keep-alive timeout we meet
+#: (uvicorn and vLLM default to 5 s), so the client never reuses a connection the server is closing.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
@@ -149,7 +158,8 @@ class GenerationClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.retry_count = 0
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                             keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
                                        headers=bearer_headers(api_key or run_token()))
 

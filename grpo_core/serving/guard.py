@@ -15,6 +15,13 @@ fallback). It:
   the process it started from another server on the same port (``grpo_core.serving.vllm.wait_healthy``);
 * refuses (403) a LoRA adapter load whose ``lora_path`` is outside the run's adapter folder, and a
   full-weight update whose ``update_info.path`` is outside the run's weights folder;
+* fences a replica whose full-weight update failed (``POST /grpo/stale {"stale": true, "reason"}``, sent by the
+  trainer's weight sync before it resumes the replica): until ``{"stale": false}`` (the next update that reaches it)
+  or a restart, ``/health`` and new generation requests answer 503, and a generation request in flight when the
+  fence went up answers 503 instead of its result (its tokens came from weights of no policy version; a streamed
+  answer whose first chunk went out before is not cut), so every
+  router (the rollout's, ``grpo_core.serving.router``) routes around the replica, counts it, and re-admits it when
+  ``/health`` answers 200 again;
 * caps a pause: ``max_pause_s`` seconds after ``POST /pause`` (or ``/start_weight_update``) with no
   ``POST /resume`` since, it resumes the server itself (an internal ``POST /resume``) and logs a
   warning, so a stray pause cannot stall a run for longer.
@@ -41,6 +48,9 @@ ADAPTER_DIR_ENV = "GRPO_ADAPTER_DIR"
 WEIGHTS_DIR_ENV = "GRPO_WEIGHTS_DIR"
 PAUSE_PATHS = frozenset({"/pause", "/start_weight_update"})
 RESUME_PATH = "/resume"
+STALE_PATH = "/grpo/stale"
+#: Generation routes the stale fence answers 503 on (vLLM's and the embedded server's OpenAI routes).
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 DEFAULT_MAX_PAUSE_S = 300.0
 
 
@@ -62,6 +72,18 @@ async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    """The whole body of an HTTP request, or None when the client disconnected first."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
 
 
 def _error(message: str, status: int, kind: str) -> dict[str, Any]:
@@ -101,6 +123,8 @@ class RunGuardMiddleware:
         self.adapter_dir = adapter_dir or os.environ.get(ADAPTER_DIR_ENV) or None
         self.weights_dir = weights_dir or os.environ.get(WEIGHTS_DIR_ENV) or None
         self._pause_generation = 0
+        self.stale: str | None = None  # why the replica is fenced off (a failed weight update); None = serving
+        self._stale_epoch = 0  # times the fence went up: a request that saw another epoch at its start is fenced
         self._pause_timer: asyncio.TimerHandle | None = None
         self._expiry: asyncio.Task | None = None
 
@@ -120,6 +144,15 @@ class RunGuardMiddleware:
         if path == NONCE_PATH:
             await _send_json(send, 200, {"nonce": self.nonce})
             return
+        if path == STALE_PATH and scope["type"] == "http":
+            await self._set_stale(receive, send)
+            return
+        if self.stale is not None and (path == "/health" or path in GENERATION_PATHS):
+            await _send_json(send, 503, self._stale_error())
+            return
+        if path in GENERATION_PATHS and scope["type"] == "http":
+            await self._fenced(scope, receive, send)
+            return
         if scope["type"] == "http" and scope.get("method") == "POST":
             receive = await self._check_paths(path, scope, receive, send)
             if receive is None:
@@ -129,18 +162,55 @@ class RunGuardMiddleware:
                 return
         await self.app(scope, receive, send)
 
+    def _stale_error(self) -> dict[str, Any]:
+        return _error(f"this replica is out of routing: {self.stale}; it rejoins once a weight update reaches it "
+                      "(or it restarts)", 503, "ServiceUnavailable")
+
+    async def _set_stale(self, receive: Any, send: Any) -> None:
+        """``POST /grpo/stale {"stale": bool, "reason": str}``: raise or lower the fence (see the module docstring)."""
+        body = await _read_body(receive)
+        if body is None:
+            return
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("stale"), bool):
+            await _send_json(send, 400, _error('body must be {"stale": true|false, "reason": "..."}', 400,
+                                               "BadRequest"))
+            return
+        if data["stale"]:
+            self.stale = str(data.get("reason") or "a weight update failed")
+            self._stale_epoch += 1
+            logger.error("fenced off (503 on /health and generation requests): %s", self.stale)
+        elif self.stale is not None:
+            logger.warning("fence lowered: the replica holds the current weights again")
+            self.stale = None
+        await _send_json(send, 200, {"stale": self.stale is not None})
+
+    async def _fenced(self, scope: dict, receive: Any, send: Any) -> None:
+        """Pass a generation request on; if the fence went up since it started, answer 503 instead of its result."""
+        epoch, replaced = self._stale_epoch, []
+
+        async def fenced_send(message: dict) -> None:
+            if message["type"] == "http.response.start" and self._stale_epoch != epoch:
+                replaced.append(True)
+                await _send_json(send, 503, self._stale_error() if self.stale else _error(
+                    "a weight update failed on this replica while the request ran; retry it elsewhere", 503,
+                    "ServiceUnavailable"))
+                return
+            if not replaced:
+                await send(message)
+
+        await self.app(scope, receive, fenced_send)
+
     async def _check_paths(self, path: str, scope: dict, receive: Any, send: Any) -> Any:
         """The request's ``receive`` (replaying the body read here), or None after a 403 answer."""
         if path not in ("/v1/load_lora_adapter", "/update_weights"):
             return receive
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = await _read_body(receive)
+        if body is None:
+            return None
         try:
             data = json.loads(body or b"{}")
         except ValueError:

@@ -119,16 +119,37 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     async def health() -> Response:
         return Response(status_code=200 if await replicas.health() else 503)
 
+    def failed(exc: ServingError) -> JSONResponse:
+        """A replica's refusal (4xx) passed on as it is; no replica answering is 503 naming what was tried."""
+        if isinstance(exc, ServerRequestError) and 400 <= exc.status < 500:
+            return error(exc.status, str(exc), exc.error_type or "BadRequestError")
+        return error(503, f"no generation replica answered ({len(replicas.urls)} behind this router; "
+                          f"{sum(replicas.policy.healthy)} healthy): {exc}", "ServiceUnavailableError")
+
+    async def json_body(request: Request) -> Any:
+        """The request's JSON body (None when empty); raises ValueError on a body that is not JSON."""
+        raw = await request.body()
+        return json.loads(raw) if raw else None
+
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": await replicas.models()}
+    async def models() -> Response:
+        try:
+            return JSONResponse({"object": "list", "data": await replicas.models()})
+        except ServingError as exc:
+            return failed(exc)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(metrics_text(replicas), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = await json_body(request)
+        except ValueError as exc:
+            return error(400, f"the request body is not JSON: {exc}", "BadRequestError")
+        if not isinstance(body, dict):
+            return error(400, "the request body must be a JSON object (an OpenAI completion request)",
+                         "BadRequestError")
         key = affinity_key(body, request.headers.get("x-affinity-key"))
 
         async def send(client: Any) -> tuple[int, Any]:
@@ -136,7 +157,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         try:
             replica, answer = await replicas.routed(key, send)
         except ServingError as exc:
-            return error(503, str(exc), "ServiceUnavailableError")
+            return failed(exc)
         media = answer.headers.get("content-type", "application/json")
         if body.get("stream"):
             replicas.policy.inflight[replica] += 1  # in flight until the last chunk is passed on
@@ -151,8 +172,10 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         return Response(content, status_code=answer.status_code, media_type=media)
 
     async def control(request: Request) -> Response:
-        raw = await request.body()
-        body = json.loads(raw) if raw else None
+        try:
+            body = await json_body(request)
+        except ValueError as exc:
+            return error(400, f"the request body is not JSON: {exc}", "BadRequestError")
         path, params = request.url.path, dict(request.query_params)
 
         async def call(c: Any) -> None:

@@ -14,8 +14,9 @@ The rollout's keys are (group id, policy version), and :meth:`ReplicaSet.complet
 LoRA run's adapter version), so two policy versions never share a key.
 With G requests per group, at most (G - 1) / G of them can hit (87.5% at G = 8).
 
-:class:`ReplicaSet` sends completions through the policy (a failed replica is marked down, the
-request goes to another, a probe re-admits the replica once its ``/health`` answers 200) and fans
+:class:`ReplicaSet` sends completions through the policy (a replica whose request fails and whose
+``/health`` fails too is marked down, the request goes to another, a probe re-admits the replica once
+its ``/health`` answers 200; a failed request to a replica that is still healthy is simply retried) and fans
 control calls (pause/resume, LoRA load/unload, weight updates) out to every replica, all or
 nothing: each replica is retried every ``control_retry_s`` until ``control_timeout_s`` (shared
 storage may lag), and when one still fails the replicas that succeeded are rolled back.
@@ -225,6 +226,18 @@ class ReplicaSet:
         if replica not in self._probes or self._probes[replica].done():
             self._probes[replica] = asyncio.create_task(self._probe(replica))
 
+    async def failed(self, replica: int, error: ServerUnavailableError) -> bool:
+        """A request to ``replica`` failed at the transport level (or answered 5xx): mark it down only when its
+        ``/health`` fails too. A dropped connection from a live replica (a keep-alive race, a proxy reset) is
+        retried instead of taking the replica out of the routing — with a single replica that stalled the whole
+        rollout until the probe re-admitted it. Returns whether the replica was marked down."""
+        if await self.clients[replica].health():
+            logger.info("request to replica %d (%s) failed but /health answers; retrying: %s", replica,
+                        self.urls[replica], str(error).splitlines()[0][:200])
+            return False
+        self.mark_down(replica, str(error).splitlines()[0][:200])
+        return True
+
     async def _probe(self, replica: int) -> None:
         while not await self.clients[replica].health():
             await asyncio.sleep(PROBE_INTERVAL_S)
@@ -250,7 +263,7 @@ class ReplicaSet:
                 return await send(self.clients[replica])
             except ServerUnavailableError as exc:
                 tried.append(f"{self.urls[replica]}: {exc}")
-                self.mark_down(replica, str(exc).splitlines()[0][:200])
+                await self.failed(replica, exc)
             finally:
                 self.policy.inflight[replica] -= 1
             if attempt == self.max_retries:
@@ -300,7 +313,7 @@ class ReplicaSet:
         for i, answer in zip(live, answers):
             if isinstance(answer, ServerUnavailableError):
                 self.retry_count += 1
-                self.mark_down(i, str(answer).splitlines()[0][:200])
+                await self.failed(i, answer)
             elif isinstance(answer, BaseException):
                 raise answer
             else:

@@ -182,8 +182,10 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
     # Our guard (bearer token on every route but /health, nonce, pause limit, adapter folder): vLLM's own
     # --api-key check covers /v1/* only, not the dev-mode routes (/pause, /update_weights, ...).
     argv += ["--middleware", GUARD_MIDDLEWARE]
+    # Keep idle connections 60 s (vLLM's default is 5 s, the same as httpx's pool expiry: a request on a
+    # connection vLLM was closing failed with ReadError); the client expires them after 2 s anyway.
     env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, replica_gpus(config, replica))),
-           **guard_env(config)}
+           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60", **guard_env(config)}
     if server.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(server.tensor_parallel_size)]
     if server.enforce_eager:

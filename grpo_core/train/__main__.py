@@ -1,7 +1,8 @@
 """``python -m grpo_core.train --config FILE`` (also under torchrun): the trainer process.
 
-The config is parsed and validated before torch is imported, so ``--help`` and
-config errors are instant.
+The config (the trainer's sub-config the flow writes, ``train_config.json``, or a whole run config turned into
+one: ``grpo_core.config.load_trainer_config``) is parsed and validated before torch is imported, so ``--help``
+and config errors are instant. The trainer reads nothing else of the run config.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments."""
     p = argparse.ArgumentParser(prog="python -m grpo_core.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, type=Path, help="run config (YAML, JSON or TOML)")
+    p.add_argument("--config", required=True, type=Path,
+                   help="trainer sub-config (train_config.json) or run config (YAML, JSON or TOML)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. train.max_steps=5 (repeatable; values are YAML scalars)")
     p.add_argument("--server-url", action="append", default=[], help="generation server to sync weights to")
@@ -30,12 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun the rank has its own session (torch 2.11): it must also end when torchrun does.
     lifeline.watch(parent="TORCHELASTIC_RUN_ID" in os.environ)
     args = parse_args(argv)
-    from grpo_core.config import load_config
+    from grpo_core.config import load_trainer_config
     from grpo_core.redact import secrets_from_env
     from grpo_core.errors import ConfigError
 
     try:
-        cfg = load_config(args.config, args.set, secrets=secrets_from_env(os.environ))  # the flow's GRPO_RUN_SECRETS
+        # the flow's GRPO_RUN_SECRETS: the secrets of the trainer's sub-config, under their run-config paths
+        cfg = load_trainer_config(args.config, args.set, secrets=secrets_from_env(os.environ))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)  # noqa: T201 - command-line error before logging is set up
         return 2

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.config import RunConfig
+from grpo_core.config import TrainerProcessConfig
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def _is_vision_language(base_dir: Path) -> bool:
     return is_vision_language(AutoConfig.from_pretrained(base_dir))
 
 
-def export_final_model(policy, cfg: RunConfig, state_dict: dict[str, torch.Tensor] | None) -> Path | None:
+def export_final_model(policy, cfg: TrainerProcessConfig, state_dict: dict[str, torch.Tensor] | None) -> Path | None:
     """Write ``<train.output_dir>/final_model`` from the gathered state dict (rank 0 passes it; others None).
 
     Returns:

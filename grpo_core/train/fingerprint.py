@@ -22,7 +22,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from grpo_core.config import RunConfig
+from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def _get(data: dict, dotted: str) -> Any:
     return data
 
 
-def dataset_fingerprint(cfg: RunConfig) -> dict[str, Any]:
+def dataset_fingerprint(cfg: TrainerProcessConfig) -> dict[str, Any]:
     """What identifies the prompts a run trains on: the dataset spec and options, and file digests."""
     ro, tc = cfg.rollout, cfg.train
     out: dict[str, Any] = {"rollout.dataset": ro.dataset, "rollout.dataset_size": ro.dataset_size,
@@ -63,19 +63,20 @@ def dataset_fingerprint(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def fingerprint(cfg: RunConfig) -> dict[str, Any]:
-    """``{"dataset": {...}, "config": {field: value}}`` of ``cfg`` (JSON values)."""
+def fingerprint(cfg: TrainerProcessConfig) -> dict[str, Any]:
+    """``{"dataset": {...}, "config": {field: value}}`` of ``cfg`` (the trainer's sub-config, whose fields keep
+    their run-config paths; JSON values)."""
     data = json.loads(cfg.model_dump_json())
     return {"dataset": dataset_fingerprint(cfg), "config": {k: _get(data, k) for k in UNSAFE + SAFE}}
 
 
-def fingerprint_text(cfg: RunConfig) -> str:
+def fingerprint_text(cfg: TrainerProcessConfig) -> str:
     """The fingerprint as the text of ``fingerprint.json`` (the checkpoint writes it with its other files)."""
     return json.dumps(fingerprint(cfg), indent=1, sort_keys=True)
 
 
-def check_resume(cfg: RunConfig, checkpoint_dir: Path) -> list[str]:
-    """Compare ``cfg`` with the fingerprint stored in a checkpoint.
+def check_resume(cfg: TrainerProcessConfig, checkpoint_dir: Path) -> list[str]:
+    """Compare ``cfg`` (``RunConfig.trainer_process()``) with the fingerprint stored in a checkpoint.
 
     Returns:
         The safe changes (``"field: old -> new"``), which the resumed run applies; each is logged.

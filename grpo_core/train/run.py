@@ -6,7 +6,7 @@ import logging
 
 import torch.distributed as dist
 
-from grpo_core.config import RunConfig
+from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import ConfigError
 from grpo_core.metrics import JsonlSink
 from grpo_core.models import resolve_model_dir
@@ -36,7 +36,7 @@ def server_backend(url: str, api_key: str | None = None) -> str:
     return "embedded" if info.get("backend") == "embedded" else "vllm"
 
 
-def make_weight_sync(cfg: RunConfig, server_urls: list[str]):
+def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]):
     """The weight sync for the servers: LoRA adapters (either server), full weights through a
     folder (embedded server) or vLLM's weight transfer (``server.weight_transfer_backend``)."""
     if not server_urls:
@@ -58,11 +58,12 @@ def make_weight_sync(cfg: RunConfig, server_urls: list[str]):
         raise ConfigError("server.weight_transfer_backend is None: vLLM servers need 'ipc' (same GPU) or 'nccl'")
     from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
 
-    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=cfg.serves_lora(),
-                                  model_dir=model_dir, api_key=api_key)
+    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=tc.lora.enabled,
+                                  model_dir=model_dir, api_key=api_key, control_retry_s=cfg.server.control_retry_s,
+                                  control_timeout_s=cfg.server.control_timeout_s)
 
 
-def make_source(cfg: RunConfig, resume: ResumeState | None):
+def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None):
     """The sample source: an Arrow IPC file (offline) or the rollout process's Flight server."""
     tc = cfg.train
     if tc.samples_path is not None:
@@ -75,8 +76,9 @@ def make_source(cfg: RunConfig, resume: ResumeState | None):
                         timeout_s=cfg.rollout.rollout_worker_timeout_s)
 
 
-def run_trainer(cfg: RunConfig, server_urls: list[str] | None = None, sink=None) -> ResumeState | None:
-    """Train per ``cfg`` on this process's rank; returns the final resume state on rank 0.
+def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None, sink=None) -> ResumeState | None:
+    """Train per ``cfg`` (the trainer's sub-config, ``RunConfig.trainer_process()``) on this process's rank;
+    returns the final resume state on rank 0.
 
     Rank 0 holds the run folder's lock (:class:`grpo_core.run_lock.RunLock`) until it returns. A resume
     compares the config with the checkpoint's fingerprint first (:func:`~grpo_core.train.fingerprint.check_resume`).

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.config import RunConfig
+from grpo_core.config import TrainerProcessConfig
 from grpo_core.durable import JsonlAppender
 from grpo_core.errors import NothingToTrainError
 from grpo_core.metrics import MetricsSink, MetricWindow
@@ -69,9 +69,10 @@ def lr_lambda(kind: str, warmup: int, total: int):
 
 
 class Trainer:
-    """See module docs. ``source`` and ``sink`` are used on rank 0 only."""
+    """See module docs. ``cfg``: the trainer's sub-config (``RunConfig.trainer_process()``); ``source`` and ``sink``
+    are used on rank 0 only."""
 
-    def __init__(self, cfg: RunConfig, world: World, source: SampleSource | None = None,
+    def __init__(self, cfg: TrainerProcessConfig, world: World, source: SampleSource | None = None,
                  weight_sync: WeightSync | None = None, sink: MetricsSink | None = None):
         self.cfg, self.world, self.sink = cfg, world, sink
         tc = cfg.train
@@ -87,7 +88,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps))
         self.loss_settings = LossSettings(tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high)
-        self.token_budget = cfg.token_budget()
+        self.token_budget = cfg.token_budget
         self.flex = FlexTreeMasks(world.device) if on_cuda else None
         # static shapes for compiled layers and FlexAttention: rows are padded to a few lengths
         multiple = self.flex.block_size if self.flex is not None else 16
@@ -120,7 +121,7 @@ class Trainer:
         policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype),
                               device=self.world.device, lora=tc.lora, temperature=cfg.rollout.temperature,
                               chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024),
-                              max_len=cfg.token_budget(), fp32_logits=tc.fp32_logits)
+                              max_len=cfg.token_budget, fp32_logits=tc.fp32_logits)
         apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled,
                              tc.compile_backend)
         policy.compile_head = self.compiled and on_cuda  # the head's kernels are only worth compiling on GPUs

@@ -9,6 +9,14 @@ once; per sync ``/pause?mode=keep`` → ``/start_weight_update`` → the tensors
   (``finish_reason: "abort"``, seen on vLLM 0.25.1); keep freezes them and they continue on the
   new weights after ``/resume`` (vLLM recomputes their KV, so no cache of the old weights is
   reused). Whatever fails, every server that was paused gets finish and resume.
+* Several replicas: a fan-out. Every replica is paused and started at once, all or nothing (a refused
+  pause is retried every ``server.control_retry_s`` until ``server.control_timeout_s``; then the sync
+  fails before any weight moves, naming the replica, and the paused ones are resumed); the update goes
+  to every replica; a replica it failed on is fenced off before its resume (``POST /grpo/stale``, see
+  :mod:`grpo_core.serving.guard`: 503 on ``/health`` and generation requests, so every router routes
+  around it and counts it) until a later sync reaches it, while the others serve the new version
+  (``weight_sync/failed_replica_count``). The sync fails only when the update reached no replica.
+  Full weights cannot be rolled back (the trainer holds only the new ones), unlike LoRA loads.
 * ``ipc`` (trainer and server on the same GPU): every rank calls vLLM's
   ``IPCWeightTransferEngine.trainer_send_weights`` with full tensors on its own GPU and a
   send callable; rank 0 frames the update as vLLM's HTTP transport does
@@ -42,6 +50,7 @@ import torch
 
 from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import ServingError
+from grpo_core.serving.guard import STALE_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -92,21 +101,36 @@ def ipc_update_body(update_info: Any) -> dict[str, Any]:
 
 class VllmWeightTransferSync:
     """See module docs. ``urls``: the vLLM servers; ``backend``: ``ipc`` or ``nccl``; ``model_dir``: the
-    checkpoint the servers loaded, whose tensor names the sync sends (None = the trainer's names)."""
+    checkpoint the servers loaded, whose tensor names the sync sends (None = the trainer's names);
+    ``control_retry_s`` / ``control_timeout_s``: retries of a refused pause (``server.control_retry_s``,
+    ``server.control_timeout_s``).
+
+    Attributes:
+        stale: ``{url: reason}`` of the replicas fenced off after a failed update (out of routing until an update
+            reaches them).
+    """
 
     def __init__(self, urls: list[str], backend: str = "ipc", lora_names: bool = False, timeout_s: float = 600.0,
-                 model_dir: str | Path | None = None, api_key: str | None = None):
+                 model_dir: str | Path | None = None, api_key: str | None = None, control_retry_s: float = 0.5,
+                 control_timeout_s: float = 60.0):
         if backend not in ("ipc", "nccl"):
             raise ValueError(f"server.weight_transfer_backend must be 'ipc' or 'nccl', got {backend!r}")
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
         self.http = httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key or run_token()))  # or the run's
+        self.control_retry_s, self.control_timeout_s = control_retry_s, control_timeout_s
         self.groups: list = []
         self.initialised = False
+        self.stale: dict[str, str] = {}
+        self._fences_unknown = True  # a fence an earlier trainer raised (before a restart) comes down on our first sync
+        self._failed: dict[str, str] = {}  # replicas whose update failed in the sync under way
 
     def _post(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
-        r = self.http.post(url + path, json=body, params=params)
+        try:
+            r = self.http.post(url + path, json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise ServingError(f"POST {url}{path}: {type(exc).__name__}: {exc}") from None
         if r.status_code >= 400:
             raise ServingError(f"POST {url}{path} answered {r.status_code}: {r.text[:300]}")
         return r.json() if r.content else {}
@@ -136,9 +160,20 @@ class VllmWeightTransferSync:
     def sync(self, policy, version: int, rank: int) -> dict[str, float]:
         """Push the policy's weights to every server as version ``version`` (collective).
 
+        A fan-out over the replicas: every replica is paused (keep) and started (all or nothing: a replica that
+        still refuses after ``control_timeout_s`` of retries fails the sync before any weight moves), the update goes
+        to every replica, then every paused replica is finished, reset and resumed whatever happened. A replica whose
+        update failed is fenced off first (``POST /grpo/stale``, :mod:`grpo_core.serving.guard`: out of every
+        router's set until an update reaches it, or it restarts); the others serve the new version.
+
+        Returns:
+            (rank 0) ``perf/weight_sync_transfer_s`` and ``weight_sync/failed_replica_count`` (replicas the update
+            failed on, fenced off; the run's total is the metric's sum).
+
         Raises:
-            ServingError: a server refused a step (its answer is in the message); every paused server
-                was still sent finish, prefix-cache reset and resume.
+            ControlFanOutError: a replica refused the pause or start (names it); every paused replica was resumed.
+            ServingError: the update failed on every replica (nothing serves the new version), or the clean-up
+                failed; every paused server was still sent finish, prefix-cache reset and resume.
         """
         t0 = time.perf_counter()
         if self.name_map is None and self.model_dir is not None:
@@ -147,14 +182,12 @@ class VllmWeightTransferSync:
             self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
         paused: list[str] = []
         error: BaseException | None = None
+        self._failed = {}
         try:
             if rank == 0:
                 if not self.initialised:
                     self._initialise()
-                for url in self.urls:
-                    paused.append(url)  # from here on it gets finish and resume, whatever happens
-                    self._post(url, "/pause", params=PAUSE_KEEP)
-                    self._post(url, "/start_weight_update", {"is_checkpoint_format": True})
+                self._pause_all(paused, version)
         except BaseException as exc:  # the other ranks still meet us at the barrier and in the gather
             error = exc
         if torch.distributed.is_initialized():
@@ -168,21 +201,102 @@ class VllmWeightTransferSync:
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
             if rank == 0:
-                error = self._finish(paused, error)
+                error = self._settle(paused, version, error)
         if error is not None:
             raise error
-        return {"perf/weight_sync_transfer_s": time.perf_counter() - t0} if rank == 0 else {}
+        if rank != 0:
+            return {}
+        return {"perf/weight_sync_transfer_s": time.perf_counter() - t0,
+                "weight_sync/failed_replica_count": float(len(self._failed))}
+
+    def _retry(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> None:
+        """``_post`` retried every ``control_retry_s`` until ``control_timeout_s``; raises the last error."""
+        deadline = time.monotonic() + self.control_timeout_s
+        while True:
+            try:
+                self._post(url, path, body, params)
+                return
+            except ServingError as exc:
+                if time.monotonic() + self.control_retry_s > deadline:
+                    raise
+                logger.warning("%s; retrying in %.1f s", exc, self.control_retry_s)
+                time.sleep(self.control_retry_s)
+
+    def _pause_all(self, paused: list[str], version: int) -> None:
+        """Pause (keep) and start the update on every replica at once, all or nothing.
+
+        Raises:
+            ControlFanOutError: some replica refused (names it); the caller resumes every one in ``paused``.
+        """
+        from grpo_core.serving.routing import ControlFanOutError
+
+        def pause(url: str) -> str | None:
+            paused.append(url)  # from here on it gets finish and resume, whatever happens
+            try:
+                self._retry(url, "/pause", params=PAUSE_KEEP)
+                self._retry(url, "/start_weight_update", {"is_checkpoint_format": True})
+            except ServingError as exc:
+                return str(exc)
+            return None
+
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            refused = {u: e for u, e in zip(self.urls, pool.map(pause, self.urls)) if e is not None}
+        if refused:
+            raise ControlFanOutError(
+                f"weight sync v{version}: pause failed on {len(refused)} of {len(self.urls)} replicas after retrying "
+                f"for {self.control_timeout_s:.0f} s (server.control_timeout_s): "
+                + "; ".join(f"{u}: {e}" for u, e in refused.items())
+                + f"; no weights were sent, every paused replica is resumed ({', '.join(paused)})", refused, paused)
+
+    def _settle(self, paused: list[str], version: int, error: BaseException | None) -> BaseException | None:
+        """After the update: fence off the replicas it failed on, finish and resume every paused one, lift the fence
+        of those it reached; returns the error to raise (the first one), or None."""
+        if error is None:
+            for url, reason in self._failed.items():
+                self.stale[url] = f"weight update to policy version {version} failed: {reason}"
+                try:  # before its resume: it must not serve a version it does not hold
+                    self._post(url, STALE_PATH, {"stale": True, "reason": self.stale[url]})
+                except ServingError as exc:
+                    logger.error("could not fence off %s (is grpo_core.serving.guard installed?): %s", url, exc)
+            if self._failed:
+                logger.error("weight sync v%d failed on %d of %d replicas; out of routing until an update reaches "
+                             "them: %s", version, len(self._failed), len(self.urls), "; ".join(
+                                 f"{u}: {e}" for u, e in self._failed.items()))
+            if self._failed and len(self._failed) == len(self.urls):
+                error = ServingError(f"weight sync v{version} failed on every replica: "
+                                     + "; ".join(f"{u}: {e}" for u, e in self._failed.items()))
+        error = self._finish(paused, error)
+        if error is not None:
+            return error
+        for url in [u for u in paused if u not in self._failed and (u in self.stale or self._fences_unknown)]:
+            try:
+                self._post(url, STALE_PATH, {"stale": False})
+            except ServingError as exc:
+                logger.log(logging.ERROR if url in self.stale else logging.INFO, "could not lift the fence of %s "
+                           "(grpo_core.serving.guard answers it): %s", url, exc)
+                continue
+            if self.stale.pop(url, None) is not None:
+                logger.warning("replica %s holds policy version %d again; it rejoins the routing", url, version)
+        self._fences_unknown = False
+        return None
 
     def _finish(self, paused: list[str], error: BaseException | None) -> BaseException | None:
         """Finish, reset and resume every paused server, even after a failure; returns the first error."""
-        for url in paused:
+        def finish(url: str) -> BaseException | None:
+            first = None
             for path, params in (("/finish_weight_update", None), ("/reset_prefix_cache", RESET_ALL),
                                  ("/resume", None)):
                 try:
                     self._post(url, path, params=params)
-                except (ServingError, httpx.HTTPError) as exc:
+                except ServingError as exc:
                     logger.error("weight sync clean-up %s%s failed: %s", url, path, exc)
-                    error = error or exc
+                    first = first or exc
+            return first
+
+        if paused:
+            with ThreadPoolExecutor(len(paused)) as pool:
+                for failed in pool.map(finish, list(paused)):
+                    error = error or failed
         return error
 
     def _send(self, policy, rank: int, skip_post: bool = False) -> None:
@@ -195,20 +309,24 @@ class VllmWeightTransferSync:
         tensors = list(full_tensors(policy, self.lora_names, self.name_map))  # full_tensor is collective: every rank gathers
         if rank != 0 or skip_post:
             return
-        for index, url in enumerate(self.urls):
-            self._send_nccl(tensors, index, url)
+        for index, url in enumerate(self.urls):  # one NCCL group per replica; a failure moves on to the next
+            try:
+                self._send_nccl(tensors, index, url)
+            except Exception as exc:  # noqa: BLE001 - that replica's update failed (HTTP answer or its broadcast)
+                self._failed[url] = f"{type(exc).__name__}: {exc}"
 
     def _post_ipc_update(self, update_info: Any) -> None:
-        """Rank 0's send callable: the same framed update to every server (all are tried; first error raised)."""
+        """Rank 0's send callable: the same framed update to every server at once (failures go to ``_failed``)."""
         body = ipc_update_body(update_info)
-        errors = []
-        for url in self.urls:
+
+        def post(url: str) -> None:
             try:
                 self._post(url, "/update_weights", body)
             except ServingError as exc:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+                self._failed[url] = str(exc)
+
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            list(pool.map(post, self.urls))
 
     def _send_nccl(self, tensors: list[tuple[str, torch.Tensor]], index: int, url: str) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine

@@ -18,7 +18,9 @@ Several servers: all or nothing (``ReplicaSet.fan_out``): each server is retried
 ``server.control_retry_s`` until ``server.control_timeout_s`` (an adapter on shared storage may
 reach a server host late); if one still fails, the new version is removed again from the servers
 that took it (adapters are unloaded; full weights are restored from the previous version's folder)
-and the error is raised. Pause/resume brackets every update. ``sync`` is collective: every rank
+and the error is raised. Full weights: every server is paused first (all or nothing), then updated,
+then resumed, whatever failed. vLLM's full weights (:mod:`.vllm_sync`) cannot be restored and are
+fenced off instead. ``sync`` is collective: every rank
 calls it (gathering a full state dict needs all ranks); rank 0 talks to servers.
 """
 
@@ -34,7 +36,7 @@ from typing import Protocol
 import torch
 from safetensors.torch import save_file
 
-from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR, ServerConfig
+from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR, ServerConfig, TrainerServerView
 from grpo_core.errors import ServingError
 
 from .adapter_store import AdapterStore
@@ -84,14 +86,25 @@ class _Servers:
 
     Args:
         urls: the servers' base URLs.
-        server: the ``ServerConfig`` whose bearer token and control retry settings apply; None = defaults.
+        server: the server settings whose bearer token and control retry settings apply (the trainer's
+            ``TrainerProcessConfig.server``, or a ``ServerConfig``); None = defaults.
         timeout_s: per-request timeout in seconds.
     """
 
-    def __init__(self, urls: list[str], server: ServerConfig | None = None, timeout_s: float = 600.0):
+    def __init__(self, urls: list[str], server: TrainerServerView | ServerConfig | None = None, timeout_s: float = 600.0):
         self.urls = urls
         self.server = server or ServerConfig()
         self.timeout_s = timeout_s
+
+    def run(self, work) -> None:
+        """``await work(replica_set)`` over the servers (a ``ReplicaSet`` with the server settings)."""
+        from grpo_core.serving.routing import ReplicaSet
+
+        async def run_all():
+            async with ReplicaSet.from_config(self.server, self.urls, max_connections=4, timeout_s=self.timeout_s) as rs:
+                await work(rs)
+
+        asyncio.run(run_all())
 
     def fan_out(self, name: str, call, undo=None) -> None:
         """``await call(client)`` on every server; on a failure ``undo`` where it succeeded.
@@ -99,20 +112,14 @@ class _Servers:
         Raises:
             ControlFanOutError: a server kept failing ``call`` (a ``ServingError``).
         """
-        from grpo_core.serving.routing import ReplicaSet
-
-        async def run_all():
-            async with ReplicaSet.from_config(self.server, self.urls, max_connections=4, timeout_s=self.timeout_s) as rs:
-                await rs.fan_out(name, call, undo)
-
-        asyncio.run(run_all())
+        self.run(lambda rs: rs.fan_out(name, call, undo))
 
 
 class DiskFullWeightSync:
     """Full weights through a shared folder (embedded server). See module docs."""
 
     def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None,
-                 server: ServerConfig | None = None):
+                 server: TrainerServerView | ServerConfig | None = None):
         self.servers = _Servers(urls, server)
         self.root = Path(output_dir) / WEIGHTS_DIR
         self.keep = max(keep, 2)
@@ -120,7 +127,16 @@ class DiskFullWeightSync:
         self.name_map: dict[str, str] | None = None
 
     def sync(self, policy, version: int, rank: int) -> dict[str, float]:
-        """Gather, write ``v{version}``, then pause → update → resume on every server."""
+        """Gather, write ``v{version}``, then pause every server, update every one, resume every one.
+
+        Each phase is a fan-out, all or nothing: a refused pause resumes the servers paused and fails the sync;
+        an update refused somewhere (the embedded server checks every tensor before it changes one, so that
+        server keeps its weights) restores the previous version on the servers that took it, then fails it. Every
+        paused server is resumed, whatever failed.
+
+        Raises:
+            ControlFanOutError: a server kept refusing the pause or the update (named), or the resume.
+        """
         t0 = time.perf_counter()
         sd = full_state_dict(policy)
         if rank != 0:
@@ -139,19 +155,19 @@ class DiskFullWeightSync:
         folder = publish(tmp, self.root / f"v{version}")
         t2 = time.perf_counter()
         previous = self.root / f"v{version - 1}"
-        undo = (lambda c: self._update(c, str(previous))) if previous.exists() else None
-        self.servers.fan_out(f"weight sync v{version}", lambda c: self._update(c, str(folder)), undo)
+        undo = (lambda c: c.update_weights_from_path(str(previous))) if previous.exists() else None
+
+        async def phases(rs) -> None:
+            await rs.fan_out(f"pause for weight sync v{version}", lambda c: c.pause(), undo=lambda c: c.resume())
+            try:
+                await rs.fan_out(f"weight sync v{version}", lambda c: c.update_weights_from_path(str(folder)), undo)
+            finally:  # never leave a server paused (a failed resume is raised, with the update's error as context)
+                await rs.fan_out(f"resume after weight sync v{version}", lambda c: c.resume())
+
+        self.servers.run(phases)
         self._prune(version)
         return {"perf/weight_sync_gather_s": t1 - t0, "perf/weight_sync_write_s": t2 - t1,
                 "perf/weight_sync_load_s": time.perf_counter() - t2}
-
-    @staticmethod
-    async def _update(client, path: str) -> None:
-        await client.pause()
-        try:
-            await client.update_weights_from_path(path)
-        finally:
-            await client.resume()
 
     def _prune(self, version: int) -> None:
         for p in self.root.glob("v*"):
@@ -163,7 +179,8 @@ class LoraAdapterSync:
     """PEFT adapter versions on every server. See module docs."""
 
     def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int,
-                 model_dir: str | Path | None = None, server: ServerConfig | None = None, store=None):
+                 model_dir: str | Path | None = None, server: TrainerServerView | ServerConfig | None = None,
+                 store=None):
         self.servers = _Servers(urls, server)
         self.store = store if store is not None else AdapterStore(None)
         self.root = Path(output_dir) / ADAPTER_DIR
