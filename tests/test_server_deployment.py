@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flow_helpers import ROOT, Api, tiny_overrides, with_changes
+from flow_helpers import ROOT, Api, tiny_overrides
 from flows.serve import PrefectStack
 from grpo_core.config import RunConfig
 
