@@ -222,14 +222,16 @@ class ServerRun:
     Args:
         config: the run config (``server.deployment`` set).
         train_flow_run_id: this flow run's id (tags the servers' run; the servers watch its state).
-        token: the run's bearer token (to the servers through the credentials block, never a parameter).
+        token: the run's bearer token; the replicas require ``server.api_key`` (or ``GRPO_SERVER_API_KEY``) instead
+            when set, as that is what the run's clients send. It reaches the servers through the credentials block,
+            never a parameter.
         run_secrets: the config's secret values (``grpo_core.redact.secret_values``), through the same block.
         log: the run logger.
     """
 
     def __init__(self, config: Any, train_flow_run_id: str, token: str, run_secrets: dict[str, str], log: Any):
-        self.config, self.train_id, self.token, self.secrets, self.log = (config, train_flow_run_id, token,
-                                                                          run_secrets, log)
+        self.config, self.train_id, self.secrets, self.log = config, train_flow_run_id, run_secrets, log
+        self.token = config.server.resolved_api_key() or token
         key = secrets.token_hex(8)
         self.credentials, self.lifeline = f"grpo-run-credentials-{key}", f"grpo-lifeline-{key}"
         self.flow_run_id: str | None = None

@@ -172,7 +172,7 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         *tiny_overrides(tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
-        "server.lifeline_timeout_s=4", "server.startup_timeout_s=120"])
+        "server.lifeline_timeout_s=2", "server.startup_timeout_s=120"])
     gpu_worker, log = stack.workers[SERVERS_POOL], logging.getLogger("test")
     with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
         with get_client(sync_client=True) as client:
