@@ -15,6 +15,8 @@
 #                  benchmarks/trainer.py sweep, then benchmarks/trainer_hybrid.py --check; they use the GPU
 #                  while later calls only copy parts and unpack, so their timings are not shared
 #   benches-wait   wait (at most 420 s) until the detached benchmarks have ended, then print their tables
+#   parity         benchmarks/logprob_parity.py on the rollout dump of the last e2e run made with DUMP=1 (trainer path,
+#                  Hugging Face fp32/bf16 and the sampler's log-probs of the same tokens; then again with --stale-masks)
 #   qwen35         scripts/gpu_qwen35.sh vllm: a tiny Qwen3.5 served by real vLLM, log-probs across an IPC sync
 # STEPS (default 30) sets the steps of every run; E2E_ARGS adds gpu_e2e.py arguments (e.g. "--set train.compile=false"). Results accumulate in /tmp/grpo-results across the calls
 # of one warm machine ($OUT is emptied before each call) and are copied to OUT (at most 8 files) at the end.
@@ -78,10 +80,16 @@ for step in "$@"; do
         collect) collect ;;
         setup) setup || { rc=$?; echo "setup failed ($rc)"; exit $rc; } ;;
         long) timeout 300 "$PY" benchmarks/long_generation_sync.py --config configs/gpu-1xh200.yaml --out "$RES" || rc=1 ;;
-        e2e=*) timeout 560 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" \
+        e2e=*) [ "${DUMP:-0}" = 1 ] && export GRPO_DEBUG_ROLLOUT_DUMP=$RES/rollout_dump.jsonl
+               timeout 560 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" \
                    ${E2E_ARGS:-} || rc=1 ;;
         trl|trl=*) g=${step#trl}; g=${g#=}; timeout 560 "$PY" benchmarks/trl_async_grpo.py --gpus "${g:-1}" \
                        --steps "$STEPS" --out "$RES" --compare "$RES/summary.json" || rc=1 ;;
+        parity) model=$("$PY" -c "from grpo_core.config import ModelConfig; from grpo_core.models import resolve_model_dir; print(resolve_model_dir(ModelConfig()))")
+                timeout 240 "$PY" benchmarks/logprob_parity.py --dump "$RES/rollout_dump.jsonl" --model-dir "$model" \
+                    --config configs/gpu-1xh200.yaml --out "$RES/parity.json" || rc=1
+                timeout 200 "$PY" benchmarks/logprob_parity.py --dump "$RES/rollout_dump.jsonl" --model-dir "$model" \
+                    --config configs/gpu-1xh200.yaml --stale-masks --skip-bf16 --out "$RES/parity_stale_masks.json" || rc=1 ;;
         benches) benches || rc=1 ;;
         benches-wait) benches_wait ;;
         qwen35) OUT=$RES timeout 400 bash scripts/gpu_qwen35.sh vllm || rc=1 ;;

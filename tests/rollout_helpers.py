@@ -272,3 +272,39 @@ class PlainRenderLoop(RolloutLoop):
 
     def render(self, messages, tool_schemas_=None):
         return self.tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=False)
+
+
+def run_count_groups(server_url: str, num_prompts: int, **rollout):
+    """Run the real rollout loop in this process for ``num_prompts`` "Count to i." prompts (one group each,
+    in order) against ``server_url`` (the tiny-qwen3 model, ``rollout_helpers:even_share`` reward,
+    ``rollout`` fields on top: temperature, num_sampler_logprobs, ...); returns ``(samples, loop)``: the queued
+    samples as one Sample-schema ``RecordBatch`` and the loop that made them."""
+    import pyarrow as pa
+
+    from grpo_core.config import ModelConfig, RunConfig
+    from grpo_core.rollout.build import build_loop
+    from grpo_core.rollout.pace import TokenAllowance
+    from grpo_core.rollout.process import RolloutJob
+    from grpo_core.rollout.window import MetricWindow
+    from grpo_core.transport.flight_server import SampleQueue
+
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(num_prompts)]
+    cfg = RunConfig(model=ModelConfig(name="tiny-qwen3"), server={"backend": "embedded", "max_model_len": 256},
+                    rollout={"dataset": "rollout_helpers:rows_of", "dataset_kwargs": {"rows": rows},
+                             "reward_functions": ["rollout_helpers:even_share"], **rollout})
+    job = RolloutJob(config=cfg.rollout_process(), server_urls=[server_url])
+
+    async def go():
+        queue = SampleQueue(TokenAllowance(1, 10**9), with_topk=cfg.rollout.num_sampler_logprobs > 0)
+        loop = await build_loop(job, queue, MetricWindow())
+        try:
+            for i, row in enumerate(rows):
+                await loop.run_group(i, i, 0, row)
+        finally:
+            loop.executor.shutdown()
+            await loop.runtime.server.aclose()
+        batches, *_ = queue.take(0, 0.0)
+        return batches, loop
+
+    batches, loop = asyncio.run(go())
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0], loop

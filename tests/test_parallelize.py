@@ -102,3 +102,34 @@ def test_layer_plan_and_names_unchanged(base_and_row):
     apply_layer_wrappers(policy, "full", compile_layers=True, backend="aot_eager")
     assert [n for n, _ in policy.named_parameters()] == names  # weight sync and checkpoints see the same names
     assert len(decoder_layers(policy)) == LAYERS
+
+
+def test_mixed_precision_keeps_the_sampler_logprobs_fp32(base_and_row):
+    """Under FSDP2 mixed precision (bf16 compute, the trainer's CUDA default) the fused head must see the
+    sampler's log μ as given: the per-term ratio equals exp(log π − log μ) with the fp32 μ, not a bf16-rounded
+    one (FSDP2 casts float inputs of a module's forward, dataclass fields included, unless told not to)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from grpo_core.train.parallelize import shard
+
+    base, rt = base_and_row
+    mu = rt.sampler_logprob.clone()
+    assert not torch.equal(mu.to(torch.bfloat16).float(), mu)  # bf16 would round these log-probs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        policy = shard(Policy(copy.deepcopy(base)), mixed_precision=True)
+        res = policy.grpo_loss(rt, LossSettings(score_centering=False), float(rt.num_terms))
+        assert policy.lm.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # sharded fp32 master
+        expected = (res.logprobs.logprobs.double() - mu.double()).exp()
+        torch.testing.assert_close(res.stats["ratio"].double(), expected, atol=1e-6, rtol=1e-6)
+        res.loss.backward()
+    finally:
+        if owned:
+            dist.destroy_process_group()

@@ -9,54 +9,25 @@ held 0.9993-1.0004 on GPUs).
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 
-import pyarrow as pa
 import pytest
 import yaml
+from rollout_helpers import run_count_groups
 from serving_helpers import embedded_server
 from trainer_helpers import read_jsonl, torchrun, trainer_config
 
-from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.packing import write_samples_ipc
-from grpo_core.rollout.build import build_loop
-from grpo_core.rollout.pace import TokenAllowance
-from grpo_core.rollout.process import RolloutJob
-from grpo_core.rollout.window import MetricWindow
-from grpo_core.transport.flight_server import SampleQueue
 
 pytestmark = pytest.mark.slow
 
 TEMPERATURE, TOP, COMPLETION = 0.7, 4, 40
 
 
-def sample_groups(server_url: str, num_prompts: int) -> pa.RecordBatch:
-    rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(num_prompts)]
-    cfg = RunConfig(model=ModelConfig(name="tiny-qwen3"), server={"backend": "embedded", "max_model_len": 256},
-                    rollout={"max_completion_length": COMPLETION, "num_sampler_logprobs": TOP, "num_generations": 4,
-                             "temperature": TEMPERATURE, "dataset": "rollout_helpers:rows_of",
-                             "dataset_kwargs": {"rows": rows}, "reward_functions": ["rollout_helpers:even_share"]})
-    job = RolloutJob(config=cfg.rollout_process(), server_urls=[server_url])
-
-    async def go():
-        queue = SampleQueue(TokenAllowance(1, 10**9), with_topk=True)
-        loop = await build_loop(job, queue, MetricWindow())
-        try:
-            for i, row in enumerate(rows):
-                await loop.run_group(i, i, 0, row)
-        finally:
-            loop.executor.shutdown()
-            await loop.runtime.server.aclose()
-        batches, *_ = queue.take(0, 0.0)
-        return batches
-
-    return pa.Table.from_batches(asyncio.run(go())).combine_chunks().to_batches()[0]
-
-
 def test_staleness0_ratio_is_one_on_the_embedded_server_in_fp32(tmp_path):
     with embedded_server(tmp_path / "server") as server:  # model.dtype auto: float32 on CPU
-        samples = sample_groups(server.url, num_prompts=4)
+        samples, _ = run_count_groups(server.url, 4, max_completion_length=COMPLETION, num_sampler_logprobs=TOP,
+                                      num_generations=4, temperature=TEMPERATURE)
     assert samples.num_rows == 16 and set(samples.column("policy_version").to_pylist()) == {0}
     write_samples_ipc(tmp_path / "samples.arrow", samples)
     config = trainer_config(tmp_path, tmp_path / "samples.arrow", max_steps=1, score_centering=True)

@@ -138,3 +138,40 @@ def compare_block_masks(seed: int) -> int:
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
         assert torch.equal(getattr(mine, name), getattr(ref, name)), name
     return int(ref.full_kv_num_blocks.sum())
+
+
+def test_a_flex_mask_overwritten_by_a_later_row_of_its_bucket_is_refused():
+    """Every row of a length bucket shares one subtree_end buffer: building row B after row A makes A's
+    mask_mod read B's tree (A's tokens would attend to the wrong context). The policy refuses A's mask then,
+    and the mask built last evaluates to its own row's dense tree mask at every (query, key) pair."""
+    from grpo_core.train.attention import FlexTreeMasks, dense_tree_mask
+    from grpo_core.train.policy import Policy
+
+    length = 32
+    rows = []
+    for seed in (0, 1):
+        rng = np.random.default_rng(seed)
+        prompt = rng.integers(0, VOCAB, int(rng.integers(2, 8))).tolist()
+        samples = []
+        for i in range(2):
+            completion = rng.integers(0, VOCAB, int(rng.integers(2, 8))).tolist()
+            samples.append(Sample.build(prompt + completion, [0] * len(prompt) + [1] * len(completion),
+                                        sample_id=i, group_id=0, advantage=1.0))
+        rows.append(get_packer("python").pack_row(samples, 4096))
+    ends = [pad_subtree_end(torch.from_numpy(r.column("subtree_end").astype(np.int32)), length) for r in rows]
+    assert not torch.equal(ends[0], ends[1])  # two different trees
+    flex = FlexTreeMasks(torch.device("cpu"), block_size=16)
+    first = flex.build(ends[0], length)
+    second = flex.build(ends[1], length)
+    q, k = torch.meshgrid(torch.arange(length), torch.arange(length), indexing="ij")
+    seen_by_first = first.block_mask.mask_mod(0, 0, q, k)
+    assert torch.equal(seen_by_first, dense_tree_mask(ends[1])[0, 0])  # the hazard: the first now reads row 2
+    assert torch.equal(second.block_mask.mask_mod(0, 0, q, k), dense_tree_mask(ends[1])[0, 0])
+    second.check_current()
+    policy = Policy(tiny(LlamaConfig))
+    ids, pos = torch.zeros(length, dtype=torch.long), torch.arange(length)
+    with pytest.raises(RuntimeError, match="stale FlexAttention tree mask"):
+        policy(ids, pos, first, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    third = flex.build(ends[0], length)  # built again just before its forward: current, and row 1's tree
+    third.check_current()
+    assert torch.equal(third.block_mask.mask_mod(0, 0, q, k), dense_tree_mask(ends[0])[0, 0])

@@ -25,6 +25,7 @@ from grpo_core.config import RolloutConfig
 from grpo_core.errors import RolloutError, ServerRequestError, UserCodeError, UserCodeTimeout
 from grpo_core.transport.types import ResumeState
 
+from .debug_dump import RolloutDump
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards
 from .scoring import completion_rows, group_samples, group_tokens, log_completions, score_group
@@ -114,6 +115,7 @@ class RolloutLoop:
         self.generated_tokens = 0
         self.failed_groups = 0
         self.unfinished_rollouts = 0  # rollouts of started groups not yet finished (running or waiting for a slot)
+        self.debug_dump = RolloutDump.from_env(config)  # $GRPO_DEBUG_ROLLOUT_DUMP; None = off
 
     # ----- hooks ---------------------------------------------------------------------------------
 
@@ -284,6 +286,8 @@ class RolloutLoop:
                                  prompts=prompts, rollouts=rollouts, sequences=sequences, policy_version=version,
                                  started_at=started, trainer_step=trainer_step,
                                  environments=[env for _, env in envs])
+            if self.debug_dump is not None:
+                self.debug_dump.add_group(group)
             await score_group(group, self.runtime.reward_functions, self.executor, self.window,
                               self.config.reward_timeout_s)
         except UserCodeError as exc:

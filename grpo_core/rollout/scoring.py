@@ -139,7 +139,7 @@ def completion_rows(group: RolloutGroup, advantages: np.ndarray) -> list[dict[st
     return rows
 
 
-def _token_lists(entries: list[dict[int, float]] | list[list[int]]) -> TokenLists:
+def token_lists(entries: list[dict[int, float]] | list[list[int]]) -> TokenLists:
     """CSR ``TokenLists`` from one entry per token: ``{id: logprob}`` (top-k) or a list of ids (candidate set)."""
     offsets = np.zeros(len(entries) + 1, dtype=np.int32)
     offsets[1:] = np.cumsum([len(e) for e in entries])
@@ -156,9 +156,9 @@ def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advan
                           group_id=group.group_id, prompt_index=group.prompt_index, advantage=advantage,
                           policy_version=group.policy_version)
     if with_topk:
-        sample.sampler_topk = _token_lists(seq.topk or [{} for _ in seq.input_ids])
+        sample.sampler_topk = token_lists(seq.topk or [{} for _ in seq.input_ids])
     if seq.candidates is not None:
-        sample.sampling_mask = _token_lists(seq.candidates)
+        sample.sampling_mask = token_lists(seq.candidates)
     return sample
 
 

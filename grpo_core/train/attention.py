@@ -10,6 +10,9 @@ both paths, registered as the transformers attention implementation
 * CUDA: compiled FlexAttention with a block mask whose ``mask_mod`` reads a
   persistent ``subtree_end`` buffer of the padded length, so rows of the same
   length bucket reuse one compiled kernel and never recompile (DESIGN.md §9).
+  Building the next row of a bucket overwrites that buffer, so a row's mask is
+  valid only until then: build it just before the row's forward and backward
+  (:meth:`TreeMask.check_current` refuses a mask whose buffer was overwritten).
 
 The mask is passed to the model as the ``tree_mask`` keyword of ``forward``;
 transformers forwards it to every attention layer.
@@ -39,12 +42,32 @@ class TreeMask:
         block_mask: FlexAttention ``BlockMask`` on CUDA, or None.
         recurrence: recurrent-layer plans of this row by convolution kernel size, filled on first
             use by ``grpo_core.train.recurrent`` (Gated DeltaNet hybrids).
+        owner: the :class:`FlexTreeMasks` whose shared bucket buffer ``subtree_end`` is, or None.
+        generation: which build of that bucket this mask is (see :meth:`check_current`).
     """
 
     subtree_end: Tensor
     dense: Tensor | None = None
     block_mask: object | None = None
     recurrence: dict = field(default_factory=dict)
+    owner: object | None = None
+    generation: int = 0
+
+    def check_current(self) -> None:
+        """Refuse a flex mask whose bucket buffer a later :meth:`FlexTreeMasks.build` overwrote.
+
+        The ``mask_mod`` of every row of a length bucket reads one buffer, so a mask built before
+        another row of the same bucket would attend with that other row's tree (wrong context for
+        its tokens, silently). A host-side check, no device work.
+
+        Raises:
+            RuntimeError: the buffer now holds another row.
+        """
+        if self.owner is not None and self.owner.generation(self.length) != self.generation:
+            raise RuntimeError(
+                f"stale FlexAttention tree mask: another row of length bucket {self.length} was built after it and "
+                "overwrote the shared subtree_end buffer; build each row's mask (FlexTreeMasks.build) just before "
+                "its forward and backward")
 
     @property
     def length(self) -> int:
@@ -120,9 +143,18 @@ class FlexTreeMasks:
         self.device = device
         self.block_size = block_size
         self._buffers: dict[int, tuple[Tensor, object]] = {}
+        self._generations: dict[int, int] = {}
+
+    def generation(self, length: int) -> int:
+        """How many rows of bucket ``length`` were built so far (the latest mask's ``generation``)."""
+        return self._generations.get(length, 0)
 
     def build(self, subtree_end: Tensor, length: int) -> TreeMask:
-        """A TreeMask for a row padded to ``length`` (a bucket, a multiple of the block size)."""
+        """A TreeMask for a row padded to ``length`` (a bucket, a multiple of the block size).
+
+        Valid until the next ``build`` of the same ``length`` (it overwrites the bucket's buffer):
+        run the row's forward and backward before building another row of that bucket.
+        """
         from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
 
         if length not in self._buffers:
@@ -136,7 +168,8 @@ class FlexTreeMasks:
         buf.copy_(pad_subtree_end(subtree_end.to(self.device, torch.int32), length))
         block_mask = _create_sparse_block_from_block_mask(
             tree_block_masks(buf, self.block_size), mask_mod, (length, length), self.block_size, self.block_size)
-        return TreeMask(subtree_end=buf, block_mask=block_mask)
+        self._generations[length] = self.generation(length) + 1
+        return TreeMask(subtree_end=buf, block_mask=block_mask, owner=self, generation=self._generations[length])
 
 
 @functools.cache

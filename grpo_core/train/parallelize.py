@@ -124,7 +124,8 @@ def shard(policy: nn.Module, mixed_precision: bool, reshard_after_forward: bool 
 
     Args:
         policy: the (checkpointed, compiled) policy, unsharded.
-        mixed_precision: bf16 parameters in compute, fp32 gradient reduction.
+        mixed_precision: bf16 parameters in compute, fp32 gradient reduction; the root's inputs (the
+            sampler's log-probs, advantages) stay as given (fp32).
         reshard_after_forward: free each layer's gathered parameters after its forward
             (and all-gather them again in backward); False keeps them until the backward
             pass (more memory, one all-gather per layer and step less). The last layer and
@@ -139,7 +140,12 @@ def shard(policy: nn.Module, mixed_precision: bool, reshard_after_forward: bool 
     layers = decoder_layers(policy)
     for i, layer in enumerate(layers):
         fully_shard(layer, reshard_after_forward=reshard_after_forward and i < len(layers) - 1, **kwargs)
-    fully_shard(policy, reshard_after_forward=False, **kwargs)
+    # The root's inputs are token ids, the tree mask and the loss inputs: FSDP2 would cast every float tensor in
+    # them (dataclass fields included) to bf16, rounding the sampler's log-probs by up to 1/32 nat at log μ ≈ -10
+    # before the importance ratio; only the layers (hidden states) compute in bf16.
+    root = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                              cast_forward_inputs=False)} if mp is not None else {}
+    fully_shard(policy, reshard_after_forward=False, **root)
     if prefetch > 0 and layers:
         policy.set_modules_to_forward_prefetch(layers[:prefetch])
         for i, layer in enumerate(layers):

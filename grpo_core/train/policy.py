@@ -82,6 +82,7 @@ class Policy(nn.Module):
         (:meth:`grpo_loss` wraps it).
         """
         base = self.base()
+        tree_mask.check_current()
         if tree_mask.dense is None and tree_mask.block_mask is None:
             tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end),
                                  recurrence=tree_mask.recurrence)

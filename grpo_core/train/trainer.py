@@ -218,18 +218,30 @@ class Trainer:
         return [scatter_rows(self.world, mb) for mb in mbs], n[2:2 + n[1]], planned
 
     def _tensors(self, row):
+        """A row on the device, padded to its length bucket (the FlexAttention mask comes later:
+        :meth:`forward_backward`)."""
         if self.buckets is None:
             return to_tensors(row, self.world.device)
-        length = bucket_length(max(row.num_forwarded, 1), self.buckets)
-        rt = to_tensors(row, self.world.device, length)
-        if self.flex is not None:
-            rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
-        return rt
+        return to_tensors(row, self.world.device, bucket_length(max(row.num_forwarded, 1), self.buckets))
+
+    def row_loss(self, rt, num_terms_global: int, num_micro_batches: int):
+        """Forward one row of a micro-batch through the fused head: its :class:`~grpo_core.train.logprobs.HeadLoss`
+        (loss ready for backward, per-term log-probs and statistics), as training computes it.
+
+        On CUDA the row's FlexAttention mask is built here, just before its forward: every row of a
+        length bucket shares one ``subtree_end`` buffer (:class:`~grpo_core.train.attention.FlexTreeMasks`),
+        so masks built for all micro-batches up front would give every earlier row of the bucket the
+        tree of the last one. Run the backward before the next row's ``row_loss``.
+        """
+        if self.flex is not None and rt.tree_mask.block_mask is None:
+            rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, rt.tree_mask.length)
+        normaliser = max(num_terms_global, 1) * num_micro_batches / self.world.world_size
+        return self.policy.grpo_loss(rt, self.loss_settings, normaliser)
 
     def forward_backward(self, rt, num_terms_global: int, num_micro_batches: int) -> dict:
-        """One micro-batch on this rank: fused head loss, backward; returns its statistics as device tensors."""
-        normaliser = max(num_terms_global, 1) * num_micro_batches / self.world.world_size
-        res = self.policy.grpo_loss(rt, self.loss_settings, normaliser)
+        """One micro-batch on this rank: fused head loss (:meth:`row_loss`), backward; returns its statistics as
+        device tensors."""
+        res = self.row_loss(rt, num_terms_global, num_micro_batches)
         res.loss.backward()
         st, n = res.stats, rt.num_terms
         staleness = (self.policy_version - rt.policy_version).float()
