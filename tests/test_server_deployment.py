@@ -67,6 +67,15 @@ def _embedded_under(pid: int) -> list:
     return out
 
 
+def _listening(process) -> set[int]:
+    import psutil
+
+    try:
+        return {c.laddr.port for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    except psutil.NoSuchProcess:
+        return set()
+
+
 def _servers_runs(api: Api, train_run_id: str) -> list[dict]:
     response = api.http.post("/flow_runs/filter", json={"flow_runs": {"tags": {"all_": [
         f"grpo-train-run:{train_run_id}"]}}})
@@ -154,7 +163,7 @@ def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
 @pytest.mark.slow
 def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_frees_them(stack, api, tmp):
     """Two attempts of one train flow run: the second's start cancels the first's servers' run (its replica
-    stops); then the second attempt dies without cancelling anything (its lifeline thread stops, as when its
+    stops); a replica of the second that is killed is started again on its port; then the second attempt dies without cancelling anything (its lifeline thread stops, as when its
     process is killed) and its servers stop by themselves after ``server.lifeline_timeout_s``."""
     import logging
 
@@ -188,6 +197,17 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in first_replicas)
         second_replicas = _embedded_under(gpu_worker.pid)
         assert len(second_replicas) == 1 and second_replicas[0].pid != first_replicas[0].pid
+        port = _listening(second_replicas[0])
+        assert port == {int(second.url.rsplit(":", 1)[1])}
+        second_replicas[0].kill()  # a replica dies: the servers' run starts it again on its port (URL unchanged)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            again = [p for p in _embedded_under(gpu_worker.pid) if p.pid != second_replicas[0].pid]
+            if again and _listening(again[0]) == port:
+                break
+            time.sleep(0.3)
+        assert again and _listening(again[0]) == port, "the killed replica was not started again on its port"
+        second_replicas = again
         first._beating.set()
         second._beating.set()  # the train flow's process is gone: no beat, no cancellation
         run = api.wait(second.flow_run_id, timeout_s=90)
