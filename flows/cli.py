@@ -3,8 +3,8 @@
 * ``grpo train --config FILE [--set key=value …]`` runs the ``grpo-train`` flow here, on Prefect's
   embedded API (or the server ``PREFECT_API_URL`` names), with a progress bar, and ends with a
   summary table;
-* ``grpo deploy`` starts a Prefect server and a process worker on loopback, registers the
-  deployments and prints the UI URL (Ctrl-C stops them all);
+* ``grpo deploy`` starts a Prefect server and process workers (``grpo-process``, and ``server.work_pool``
+  for the servers' deployment) on loopback, registers the deployments and prints the UI URL (Ctrl-C stops them all);
 * ``grpo resume RUN_ID`` starts a new run from the latest checkpoint of an MLflow run;
 * ``grpo ui`` prints the Prefect and MLflow UI URLs, and with ``--mlflow`` serves the MLflow UI;
 * ``grpo validate --config FILE`` runs every check of the flow's ``prepare`` task without starting
@@ -301,8 +301,10 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 
     from grpo_core.allowlist import ALLOWED_MODULES_ENV, trust_config
 
-    allowed = {ALLOWED_MODULES_ENV: ",".join(trust_config(_load(demo_config, [])))}  # the deployment's own file
-    stack = PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots, extra_env=allowed)
+    demo = _load(demo_config, [])
+    allowed = {ALLOWED_MODULES_ENV: ",".join(trust_config(demo))}  # the deployment's own file
+    stack = PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots, extra_env=allowed,
+                         server_pool=demo.server.work_pool)
     try:
         prepare_home(Path(os.environ["PREFECT_HOME"]))
         stack.start()
@@ -312,7 +314,7 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
     with stack:
         stack.register(demo_config, cron)
         console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
-                      "grpo-train/nightly-retrain; Ctrl-C stops the server and the worker); the UI asks for the "
+                      f"grpo-train/nightly-retrain, grpo-servers/gpu on pool {demo.server.work_pool}; Ctrl-C stops the server and the worker); the UI asks for the "
                       f"API auth string: it is in {stack.auth_file} (or PREFECT_SERVER_API_AUTH_STRING when set)")
         try:
             stack.wait()

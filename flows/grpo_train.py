@@ -168,8 +168,9 @@ def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 
 @task(name="provision_servers", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
       retry_condition_fn=server_start_failed)
 def provision_servers(run_dir: str) -> list[str]:
-    """Start the generation server replicas (vLLM on GPUs, else embedded), or wait for the external ones of
-    ``server.urls``; start the router in front of them when ``server.router_port`` is set; returns the URLs.
+    """Start the generation server replicas (vLLM on GPUs, else embedded), or have ``server.deployment`` start them
+    in a flow run on another work pool (``flows.grpo_servers``), or wait for the external ones of ``server.urls``;
+    start the router in front of them when ``server.router_port`` is set; returns the URLs.
 
     Retried (``server.start_retries`` times, see :func:`server_start_failed`) when a replica fails to start.
     """
@@ -178,7 +179,14 @@ def provision_servers(run_dir: str) -> list[str]:
     from grpo_core.serving.vllm import choose_backend, provision
 
     log, procs, cfg = get_run_logger(), REGISTRY[run_dir], _config(run_dir)
-    if cfg.server.urls:
+    if cfg.server.deployment:  # replicas in a flow run of their own, on the servers' work pool
+        from flows.grpo_servers import ServerRun
+
+        server_run = ServerRun(cfg, str(runtime.flow_run.id), procs.token, _SECRETS.get(run_dir, {}), log)
+        procs.servers.append(server_run)  # stopped (its flow run cancelled) with the run's processes
+        urls = server_run.start()
+        log.info("replicas of %s healthy: %s", cfg.server.deployment, ", ".join(urls))
+    elif cfg.server.urls:
         urls = wait_external(cfg.server)
         log.info("external generation servers healthy: %s", ", ".join(urls))
     else:
@@ -443,7 +451,7 @@ def run_slots(config: RunConfig) -> int:
     servers' and the trainer's, counted once)."""
     if config.flow.concurrency_slots is not None:
         return config.flow.concurrency_slots
-    if config.server.urls:  # the servers run on other hosts: only the trainer's ranks here
+    if config.server.urls or config.server.deployment:  # the servers run elsewhere: only the trainer's ranks here
         return config.train.num_ranks
     from grpo_core.serving.vllm import choose_backend, replica_gpus
 

@@ -1,4 +1,4 @@
-"""A Prefect server and a process worker on loopback, as one object (``grpo deploy``, ``make serve``, tests).
+"""A Prefect server and process workers on loopback, as one object (``grpo deploy``, ``make serve``, tests).
 
 The server requires a basic-auth string (``PREFECT_SERVER_API_AUTH_STRING``: the environment's, or a fresh
 random one written to ``<home>/api_auth_string`` with mode 0600 for the UI's login); the worker, the
@@ -26,6 +26,8 @@ import httpx
 logger = logging.getLogger(__name__)
 
 WORK_POOL = "grpo-process"
+SERVER_POOL = "grpo-gpu"
+"""Work pool of the ``grpo-servers`` deployment (``server.work_pool``'s default)."""
 GPU_LIMIT = "gpu"
 
 
@@ -43,6 +45,8 @@ class PrefectStack:
         port: server port on 127.0.0.1 (0 = a free port).
         home: ``PREFECT_HOME`` of the server (its SQLite database) and of the worker.
         pool: process work pool the worker serves (created when missing).
+        server_pool: a second process pool with its own worker, for the ``grpo-servers`` deployment
+            (``server.work_pool``); None = none.
         worker_poll_s: seconds between the worker's polls for scheduled runs.
         extra_env: environment added for the server, the worker and its flow runs.
         gpu_slots: slots of the global concurrency limit ``gpu``; None = the GPUs visible here (at least 1).
@@ -50,15 +54,17 @@ class PrefectStack:
 
     def __init__(self, port: int = 4200, home: Path = Path("runs/prefect"), pool: str = WORK_POOL,
                  worker_poll_s: float = 2.0, startup_timeout_s: float = 240.0, extra_env: dict[str, str] | None = None,
-                 gpu_slots: int | None = None):
+                 gpu_slots: int | None = None, server_pool: str | None = SERVER_POOL):
         self.port = port or _free_port()
-        self.home, self.pool = Path(home).resolve(), pool
+        self.home, self.pool, self.server_pool = Path(home).resolve(), pool, server_pool
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.ui_url = f"http://127.0.0.1:{self.port}"
         self.worker_poll_s, self.startup_timeout_s = worker_poll_s, startup_timeout_s
         self.extra_env = dict(extra_env or {})
         self.gpu_slots = gpu_slots
         self.processes: list[subprocess.Popen] = []
+        self.workers: dict[str, subprocess.Popen] = {}
+        """The worker process of each pool (its flow runs are its descendants)."""
         from flows.local_api import AUTH_SERVER_ENV, local_auth_env
 
         self._auth_env = local_auth_env()
@@ -129,11 +135,15 @@ class PrefectStack:
         except BaseException:
             self.stop()
             raise
-        self.ensure_pool()
+        pools = [self.pool] + ([self.server_pool] if self.server_pool and self.server_pool != self.pool else [])
+        for pool in pools:
+            self.ensure_pool(pool)
         self.ensure_gpu_limit()
-        self._spawn(["worker", "start", "--pool", self.pool, "--type", "process", "--name", f"{self.pool}-worker"],
-                    "worker.log")
-        logger.info("Prefect server at %s, process worker on pool %s", self.ui_url, self.pool)
+        for pool in pools:
+            self.workers[pool] = self._spawn(["worker", "start", "--pool", pool, "--type", "process", "--name",
+                                              f"{pool}-worker"], "worker.log" if pool == self.pool else
+                                             f"worker-{pool}.log")
+        logger.info("Prefect server at %s, process workers on pools %s", self.ui_url, ", ".join(pools))
         return self
 
     def client(self):  # noqa: ANN201 - prefect's SyncPrefectClient, imported lazily
@@ -142,16 +152,16 @@ class PrefectStack:
 
         return SyncPrefectClient(self.api_url, auth_string=self.auth_string)
 
-    def ensure_pool(self) -> None:
-        """Create the process work pool with Prefect's client (kept as it is when it exists)."""
+    def ensure_pool(self, pool: str | None = None) -> None:
+        """Create a process work pool (default ``pool``) with Prefect's client (kept as it is when it exists)."""
         from prefect.client.schemas.actions import WorkPoolCreate
         from prefect.exceptions import ObjectAlreadyExists
 
         with self.client() as client:
             try:
-                client.create_work_pool(WorkPoolCreate(name=self.pool, type="process"))
+                client.create_work_pool(WorkPoolCreate(name=pool or self.pool, type="process"))
             except ObjectAlreadyExists:
-                logger.info("work pool %s exists", self.pool)
+                logger.info("work pool %s exists", pool or self.pool)
 
     def ensure_gpu_limit(self) -> None:
         """Create (or resize) the global concurrency limit ``gpu`` with ``gpu_slots`` slots.
@@ -185,7 +195,7 @@ class PrefectStack:
         """Stop the worker (and its flow runs), then the server: SIGTERM to each group, SIGKILL after 15 s."""
         for process in reversed(self.processes):
             _stop_group(process)
-        self.processes = []
+        self.processes, self.workers = [], {}
 
     def __enter__(self) -> PrefectStack:
         return self if self.processes else self.start()

@@ -203,6 +203,21 @@ class ServerConfig(_ServerKey):
     control_timeout_s: float = Field(default=60.0, gt=0)
     """Seconds a control call keeps retrying on a replica before the fan-out fails and the replicas that took
     it are rolled back."""
+    deployment: str | None = None
+    """Prefect deployment (``flow/deployment``) that starts the replicas in its own flow run on another work pool,
+    e.g. ``grpo-servers/gpu`` (``grpo deploy`` registers it on ``work_pool``): the train flow runs it, waits up to
+    ``startup_timeout_s`` for the replicas' URLs (an artifact of that flow run), routes over them and cancels the
+    run when it ends, so GPU hosts run only Prefect workers. None = the flow starts the replicas itself (or uses
+    ``urls``). The launch settings (``backend``, ``num_replicas``, ``port``, ...) apply on the server's host."""
+    work_pool: str = "grpo-gpu"
+    """Prefect work pool of the servers' deployment (``grpo deploy`` registers ``grpo-servers/gpu`` there and starts
+    a process worker for it); on several hosts each GPU host runs ``prefect worker start --pool grpo-gpu``."""
+    advertise_host: str | None = None
+    """Host name in the URLs a servers' flow run publishes (``deployment``); None = ``host``, or this host's name
+    when ``host`` binds every interface (``0.0.0.0``, ``::``). Must be reachable from the trainer's host."""
+    lifeline_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds a servers' flow run (``deployment``) keeps its replicas after the train flow run stopped beating
+    (it beats every quarter of this; a train flow run that ends, fails or crashes is seen at the next beat)."""
     router_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the OpenAI-compatible router (``python -m grpo_core.serving.router``) the flow starts in front
     of the replicas for outside clients (evaluation, a single-endpoint trainer); 0 = a free port; None = none."""
@@ -214,6 +229,13 @@ class ServerConfig(_ServerKey):
             if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
                 raise ValueError(f"server.urls: {url!r} is not an http(s) base URL; write e.g. 'http://gpu-1:8000'")
         return [u.rstrip("/") for u in urls]
+
+    @field_validator("deployment")
+    @classmethod
+    def _check_deployment(cls, name: str | None) -> str | None:
+        if name is not None and not re.fullmatch(r"[^/\s]+/[^/\s]+", name):
+            raise ValueError(f"server.deployment: {name!r} is not 'flow/deployment'; write e.g. 'grpo-servers/gpu'")
+        return name
 
 
 class RolloutConfig(_CandidateFilter):
@@ -769,6 +791,9 @@ class RunConfig(_Strict):
                 "packing.token_budget (%d) < server.max_model_len (%d): samples longer than the budget are dropped",
                 self.packing.token_budget, server.max_model_len,
             )
+        if server.deployment and server.urls:
+            raise ConfigError(f"server.deployment ({server.deployment!r}) starts the replicas and server.urls names "
+                              "replicas already running; set one of them")
         needed = server.num_replicas * server.tensor_parallel_size
         if server.gpu_ids is not None and len(set(server.gpu_ids)) < needed:
             raise ConfigError(

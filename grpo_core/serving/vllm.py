@@ -438,8 +438,8 @@ def check_gpu_layout(config: RunConfig) -> None:
         ConfigError: the layout cannot work; the message names the fields and the fix.
     """
     server, train = config.server, config.train
-    if train.lora.enabled or server.weight_transfer_backend is None:
-        return
+    if train.lora.enabled or server.weight_transfer_backend is None or server.deployment:
+        return  # (server.deployment: the replicas' flow run may run on another host, whose GPUs are not the trainer's)
     trainer = set(train.gpu_ids[:train.num_ranks] if train.gpu_ids is not None else range(train.num_ranks))
     replicas = {g for r in range(server.num_replicas) for g in replica_gpus(config, r)}
     if server.weight_transfer_backend == "nccl" and trainer & replicas:
@@ -485,6 +485,29 @@ def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]
         teardown(handles)
         raise
     return handles
+
+
+def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle:
+    """Start a replica whose process exited again, on the port it served (its URL stays valid, so a router that
+    routed around it re-admits it once ``/health`` answers); the same argv with that port and a fresh nonce.
+
+    Raises:
+        PortInUseError: another server took the port meanwhile.
+        ServerStartError: the new process exited or missed ``server.startup_timeout_s`` (the log's tail).
+    """
+    import dataclasses
+
+    port = int(handle.url.rsplit(":", 1)[1])
+    argv = list(handle.spec.argv)
+    argv[argv.index("--port") + 1] = str(port)
+    nonce = secrets.token_hex(16)
+    spec = dataclasses.replace(handle.spec, argv=argv, port=port, port_file=None, nonce=nonce,
+                               env={**handle.spec.env, NONCE_ENV: nonce})
+    handle.stop()  # closes its log file
+    new = launch(spec, token)
+    wait_healthy(new, config.server.startup_timeout_s, token)
+    logger.info("%s replica %d started again at %s", spec.backend, spec.replica, new.url)
+    return new
 
 
 def teardown(handles: list[ServerHandle]) -> None:

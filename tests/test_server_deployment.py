@@ -1,0 +1,220 @@
+"""Replicas started by the ``grpo-servers`` deployment on a second work pool (issue 13 step 3).
+
+A real Prefect server with two process work pools, each with its own worker: ``grpo-process`` runs the
+``grpo-train`` flow run, ``grpo-test-gpu`` (``server.work_pool``) runs the ``grpo-servers`` flow run that
+``server.deployment`` names, which starts the 2 embedded replicas. The test checks where the replicas ran
+(descendants of the servers' worker, owned by the process Prefect records as that flow run's
+infrastructure, listening on the ports the flow run published), that the train run completed, and that after
+it no replica is left and the servers' run is final.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from flow_helpers import ROOT, Api, tiny_overrides
+from flows.serve import PrefectStack
+from grpo_core.config import RunConfig
+
+SERVERS_POOL = "grpo-test-gpu"
+EMBEDDED = "grpo_core.serving.embedded"
+
+
+def test_deployment_name_and_urls_are_checked_at_load():
+    with pytest.raises(ValueError, match="server.deployment"):
+        RunConfig.model_validate({"server": {"deployment": "no-slash"}})
+    with pytest.raises(ValueError, match="server.deployment .* server.urls"):
+        RunConfig.model_validate({"server": {"deployment": "grpo-servers/gpu", "urls": ["http://gpu-1:8000"]}})
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp):
+    env = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    with PrefectStack(port=0, home=tmp / "prefect", extra_env=env, server_pool=SERVERS_POOL, worker_poll_s=1,
+                      gpu_slots=1) as s:
+        s.register(ROOT / "configs" / "tiny.yaml", overrides=[
+            *tiny_overrides(tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
+            "server.num_replicas=2", "train.max_steps=2", "train.save_steps=2"])
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(stack) -> Api:
+    return Api(stack.api_url, stack.auth_headers())
+
+
+def _embedded_under(pid: int) -> list:
+    import psutil
+
+    from trainer_helpers import process_tree
+
+    out = []
+    for p in process_tree(pid):
+        try:
+            if EMBEDDED in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _listening(process) -> set[int]:
+    import psutil
+
+    try:
+        return {c.laddr.port for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _servers_runs(api: Api, train_run_id: str) -> list[dict]:
+    response = api.http.post("/flow_runs/filter", json={"flow_runs": {"tags": {"all_": [
+        f"grpo-train-run:{train_run_id}"]}}})
+    response.raise_for_status()
+    return response.json()
+
+
+@pytest.mark.slow
+def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
+    import psutil
+
+    deployment = api.http.get("/deployments/name/grpo-servers/gpu").json()
+    assert deployment["work_pool_name"] == SERVERS_POOL
+    gpu_worker, train_worker = stack.workers[SERVERS_POOL], stack.workers[stack.pool]
+    response = api.run_deployment("demo", api.deployment("demo")["parameters"])
+    assert response.status_code in (200, 201), response.text
+    train_id = response.json()["id"]
+    replicas, deadline = [], time.monotonic() + 240
+    while len(replicas) < 2 and time.monotonic() < deadline:  # the replicas serve while the run trains
+        replicas = _embedded_under(gpu_worker.pid)
+        assert not _embedded_under(train_worker.pid), "a replica runs under the train flow's worker"
+        if api.flow_run(train_id)["state_type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            break
+        time.sleep(0.3)
+    servers = _servers_runs(api, train_id)
+    assert len(replicas) == 2, (f"found {len(replicas)} replica processes under the servers' worker; train run "
+                                f"{api.flow_run(train_id)['state']}\n{api.logs(train_id)[-3000:]}\nservers' runs "
+                                + "\n".join(f"{r['state']}\n{api.logs(r['id'])[-2000:]}" for r in servers))
+    assert len(servers) == 1, servers
+    server_run = api.flow_run(servers[0]["id"])
+    infra_pid = int(str(server_run["infrastructure_pid"]).rsplit(":", 1)[-1])
+    infra = psutil.Process(infra_pid)  # the servers' flow-run process, as its worker recorded it
+    ports = set()
+    for p in replicas:
+        owner = p.environ()["GRPO_OWNER"].split(":")[0]  # grpo_core.lifeline: the process that launched it
+        assert int(owner) == infra_pid, (owner, infra_pid)
+        assert infra_pid in {a.pid for a in p.parents()}
+        assert gpu_worker.pid in {a.pid for a in p.parents()}
+    published, deadline = [], time.monotonic() + 120
+    while not published and time.monotonic() < deadline:  # published once both answer /health
+        published = api.http.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {
+            "any_": [server_run["id"]]}}}).json()
+        time.sleep(0.3)
+    urls = [row["url"] for row in json.loads(published[0]["data"])]
+    for p in replicas:  # each listens on a published port (the ports are bound before the URLs are published)
+        ports |= {c.laddr.port for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    assert {int(u.rsplit(":", 1)[1]) for u in urls} == ports, (urls, ports)
+
+    run = api.wait(train_id, timeout_s=400)
+    assert run["state_type"] == "COMPLETED", run["state"]["message"] + "\n" + api.logs(train_id)[-3000:]
+    for p in replicas:  # gone when the train run ends (reaped: its launcher is gone too)
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p
+    assert not _embedded_under(gpu_worker.pid)
+    try:
+        infra.wait(timeout=60)  # the servers' flow-run process exits once its run is final
+    except psutil.NoSuchProcess:
+        pass
+    assert api.flow_run(server_run["id"])["state_type"] in ("CANCELLED", "COMPLETED")
+    variables = api.http.post("/variables/filter", json={}).json()
+    assert not [v for v in variables if v["name"].startswith("grpo-lifeline-")], "a lifeline variable is left"
+    blocks = api.http.post("/block_documents/filter", json={}).json()
+    assert not [b for b in blocks if (b.get("name") or "").startswith("grpo-run-credentials-")]
+
+
+def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
+    """What the train flow's ``provision_servers`` calls: refused at once, before any flow run or secret exists."""
+    import logging
+
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    from flows.grpo_servers import ServerRun
+    from grpo_core.errors import ConfigError
+
+    cfg = RunConfig.model_validate({"server": {"deployment": "grpo-servers/nope"}})
+    train_id = "00000000-0000-0000-0000-000000000013"
+    run = ServerRun(cfg, train_id, "a-token", {}, logging.getLogger("test"))
+    with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
+        with pytest.raises(ConfigError, match=r"server.deployment='grpo-servers/nope': no such deployment"):
+            run.start()
+    assert _servers_runs(api, train_id) == []
+    blocks = api.http.post("/block_documents/filter", json={}).json()
+    assert not [b for b in blocks if (b.get("name") or "") == run.credentials]
+
+
+@pytest.mark.slow
+def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_frees_them(stack, api, tmp):
+    """Two attempts of one train flow run: the second's start cancels the first's servers' run (its replica
+    stops); a replica of the second that is killed is started again on its port; then the second attempt dies without cancelling anything (its lifeline thread stops, as when its
+    process is killed) and its servers stop by themselves after ``server.lifeline_timeout_s``."""
+    import logging
+
+    import psutil
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    from flows.grpo_servers import ServerRun
+    from grpo_core.config import load_config
+
+    @flow(name="stand-in-train")
+    def stand_in() -> None:  # only its flow run is used: it stays Scheduled, never final
+        pass
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
+        *tiny_overrides(tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
+        "server.lifeline_timeout_s=2", "server.startup_timeout_s=120"])
+    gpu_worker, log = stack.workers[SERVERS_POOL], logging.getLogger("test")
+    with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
+        with get_client(sync_client=True) as client:
+            train_id = str(client.create_flow_run(stand_in).id)
+        first = ServerRun(cfg, train_id, "token-1", {}, log)
+        first.start()
+        first_replicas = _embedded_under(gpu_worker.pid)
+        assert len(first_replicas) == 1
+        second = ServerRun(cfg, train_id, "token-2", {}, log)  # the retry: cancels the first attempt's run
+        second.start()
+        assert api.wait(first.flow_run_id, timeout_s=60)["state_type"] == "CANCELLED"
+        psutil.wait_procs(first_replicas, timeout=30)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in first_replicas)
+        second_replicas = _embedded_under(gpu_worker.pid)
+        assert len(second_replicas) == 1 and second_replicas[0].pid != first_replicas[0].pid
+        port = _listening(second_replicas[0])
+        assert port == {int(second.url.rsplit(":", 1)[1])}
+        second_replicas[0].kill()  # a replica dies: the servers' run starts it again on its port (URL unchanged)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            again = [p for p in _embedded_under(gpu_worker.pid) if p.pid != second_replicas[0].pid]
+            if again and _listening(again[0]) == port:
+                break
+            time.sleep(0.3)
+        assert again and _listening(again[0]) == port, "the killed replica was not started again on its port"
+        second_replicas = again
+        first._beating.set()
+        second._beating.set()  # the train flow's process is gone: no beat, no cancellation
+        run = api.wait(second.flow_run_id, timeout_s=90)
+    assert run["state_type"] == "COMPLETED", run["state"]
+    deadline = time.monotonic() + 30  # the run's last log lines reach the API after its final state
+    while "stopped beating its lifeline" not in api.logs(second.flow_run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "stopped beating its lifeline" in api.logs(second.flow_run_id)
+    psutil.wait_procs(second_replicas, timeout=30)
+    assert not _embedded_under(gpu_worker.pid)
