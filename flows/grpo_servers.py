@@ -347,6 +347,28 @@ class ServerRun:
         self._thread = threading.Thread(target=context.run, args=(beat,), name="grpo-servers-lifeline", daemon=True)
         self._thread.start()
 
+    def watch(self, register: Any) -> None:
+        """Fail the attempt (``register.fail``, a ``flows.processes.RunProcesses``) as soon as the servers' flow run
+        ends on its own (crashed, failed, cancelled by someone else) while this flow run still needs it; polled every
+        second on a daemon thread in the flow run's Prefect context."""
+        from prefect.client.orchestration import get_client
+
+        def poll() -> None:
+            while not self._beating.wait(_POLL_S):
+                try:
+                    with get_client(sync_client=True) as client:
+                        state = client.read_flow_run(self.flow_run_id).state
+                except Exception as exc:  # noqa: BLE001 - the API is briefly unreachable: ask again
+                    self.log.warning("servers' flow run %s: state not read: %s", self.flow_run_id, exc)
+                    continue
+                if state is not None and state.is_final() and not self._beating.is_set():
+                    register.fail(f"the servers' flow run {self.flow_run_id} ({self.config.server.deployment}) ended "
+                                  f"{state.name}: {state.message or 'no message'}")
+                    return
+
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(poll,), name="grpo-servers-watch", daemon=True).start()
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop beating, cancel the servers' flow run and wait (``timeout_s``) until it is final; delete the
         credentials block and the lifeline variable. Idempotent."""

@@ -224,8 +224,12 @@ def wait_child(process: subprocess.Popen, register: RunProcesses, name: str, log
 
 def watch_servers(register: RunProcesses) -> None:
     """Fail the attempt as soon as a generation server replica or the router the flow started exits on its own
-    (:func:`wait_child` on a daemon thread each); the flow's own stop (``register.stopping``) is not a failure."""
+    (:func:`wait_child` on a daemon thread each), or the ``grpo-servers`` flow run serving it ends (its handle's own
+    ``watch``); the flow's own stop (``register.stopping``) is not a failure."""
     for handle in register.servers:
+        if not hasattr(handle, "process"):  # replicas of another flow run: no process of ours to wait for
+            handle.watch(register)
+            continue
         spec = handle.spec
         name = "router" if spec.backend == "router" else f"generation server {spec.backend} replica {spec.replica}"
         threading.Thread(target=wait_child, args=(handle.process, register, name, spec.log_path),
