@@ -7,8 +7,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.serving.guard import ADAPTER_DIR_ENV, WEIGHTS_DIR_ENV
 from grpo_core.serving.vllm import ServerHandle, provision, teardown
@@ -94,3 +97,10 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[i
         keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
     masked = logits.masked_fill(~keep, float("-inf"))
     return masked.log_softmax(-1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def generated_tokens(url: str) -> float:
+    """The server's own count of generated tokens (``vllm:generation_tokens_total`` from ``/metrics``)."""
+    text = httpx.get(url + "/metrics", headers=bearer_headers(run_token()), timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:generation_tokens_total")

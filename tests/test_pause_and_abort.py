@@ -11,13 +11,12 @@ every weight sync pauses in keep mode, so a long generation survives a sync inta
 from __future__ import annotations
 
 import asyncio
-import re
 import shutil
 import time
 
 import httpx
 import pytest
-from serving_helpers import TINY, embedded_server, run, weights_dir
+from serving_helpers import TINY, embedded_server, generated_tokens, run, weights_dir
 
 from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import RolloutConfig
@@ -35,12 +34,6 @@ LONG = 200  # tokens: the tiny model needs a good fraction of a second for them 
 def server(tmp_path_factory):
     with embedded_server(tmp_path_factory.mktemp("abort-server")) as handle:
         yield handle
-
-
-def generated_tokens(url: str) -> float:
-    """``vllm:generation_tokens_total`` from ``/metrics`` (cumulative)."""
-    text = httpx.get(url + "/metrics", headers=bearer_headers(run_token())).text
-    return float(re.search(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)", text, re.M).group(1))
 
 
 async def freeze_mid_generation(c: GenerationClient, url: str, task: asyncio.Task, start: float) -> None:
@@ -210,7 +203,7 @@ def test_long_generation_survives_a_full_weight_sync_intact(server):
             task = asyncio.create_task(c.complete(PROMPT, model=TINY, max_tokens=LONG, seed=3, ignore_eos=True))
             while generated_tokens(server.url) <= start:
                 await asyncio.sleep(0.01)
-            await DiskFullWeightSync._update(c, folder)  # what every sync does: pause, update, resume
+            await DiskFullWeightSync.phases(ReplicaSet([c]), folder, "v1")  # what every sync does
             return (await task)[0]
     out = run(go())
     assert out.finish_reason == "length" and len(out.token_ids) == LONG

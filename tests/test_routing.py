@@ -18,8 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import TINY, run
+from serving_helpers import TINY, generated_tokens as generated, run
 
 from grpo_core.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.config import ModelConfig, RunConfig
@@ -112,13 +111,6 @@ def replicas(tmp_path_factory, store_url):
         yield handles
     finally:
         teardown(handles)
-
-
-def generated(url: str) -> float:
-    """The server's own count of generated tokens."""
-    text = httpx.get(url + "/metrics", headers=bearer_headers(run_token()), timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "vllm:generation_tokens_total")
 
 
 async def _group(rs: ReplicaSet, key, n: int, tokens: int = T) -> list:

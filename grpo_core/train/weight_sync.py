@@ -31,7 +31,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -157,17 +157,25 @@ class DiskFullWeightSync:
         previous = self.root / f"v{version - 1}"
         undo = (lambda c: c.update_weights_from_path(str(previous))) if previous.exists() else None
 
-        async def phases(rs) -> None:
-            await rs.fan_out(f"pause for weight sync v{version}", lambda c: c.pause(), undo=lambda c: c.resume())
-            try:
-                await rs.fan_out(f"weight sync v{version}", lambda c: c.update_weights_from_path(str(folder)), undo)
-            finally:  # never leave a server paused (a failed resume is raised, with the update's error as context)
-                await rs.fan_out(f"resume after weight sync v{version}", lambda c: c.resume())
-
-        self.servers.run(phases)
+        self.servers.run(lambda rs: self.phases(rs, str(folder), f"v{version}", undo))
         self._prune(version)
         return {"perf/weight_sync_gather_s": t1 - t0, "perf/weight_sync_write_s": t2 - t1,
                 "perf/weight_sync_load_s": time.perf_counter() - t2}
+
+    @staticmethod
+    async def phases(rs: Any, folder: str, label: str, undo: Any = None) -> None:
+        """Pause every server of ``rs`` (a ``ReplicaSet``; keep mode: requests in flight wait), update each from
+        ``folder``, resume each; every phase all or nothing, and every paused server resumed whatever failed.
+        ``undo(client)`` restores a server that took the update when another refused it (None = nothing to restore).
+
+        Raises:
+            ControlFanOutError: a server kept refusing the pause, the update or the resume (named).
+        """
+        await rs.fan_out(f"pause for weight sync {label}", lambda c: c.pause(), undo=lambda c: c.resume())
+        try:
+            await rs.fan_out(f"weight sync {label}", lambda c: c.update_weights_from_path(folder), undo)
+        finally:  # never leave a server paused (a failed resume is raised, with the update's error as context)
+            await rs.fan_out(f"resume after weight sync {label}", lambda c: c.resume())
 
     def _prune(self, version: int) -> None:
         for p in self.root.glob("v*"):
