@@ -21,7 +21,7 @@ import pytest
 import rollout_helpers as h
 import yaml
 import torch
-from serving_helpers import TINY, adapter_dir, embedded_server, run
+from serving_helpers import TINY, adapter_dir, embedded_server, generated_tokens, run
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
@@ -256,6 +256,7 @@ def test_reward_functions_get_trainer_state_log_metric_and_the_environments(serv
                      dataset="rollout_helpers:rows_of", dataset_kwargs={"rows": prompts})
     resume = ResumeState(policy_version=3, step=7)
     with rollout(server, tmp_path, config, resume=resume) as source:
+        source.synced(3)  # the resumed trainer's first sync (the rollout waits for it)
         samples, consumed, metrics = drain(source, policy_version=3)
     assert metrics["state_reward/group_count"] == 3
     assert metrics["trainer_state/step"] == 7 and metrics["trainer_state/policy_version"] == 3
@@ -295,6 +296,13 @@ def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
     resume = ResumeState(policy_version=3, first_untrained_prompt_index=2, trained_above=[3])
     config = _config(num_generations=4, **rows(5), reward_functions=["rollout_helpers:curriculum_reward"])
     with rollout(server, tmp_path, config, resume=resume) as source:
+        # The server holds the base weights until the resumed trainer syncs version 3: nothing may be sampled
+        # before (those tokens would be tagged version 3); the trainer says so with ``synced``.
+        before = generated_tokens(server.url)
+        early = source.pull(3, timeout_s=4)
+        assert early.samples.num_rows == 0 and not early.consumed_prompt_indices and not early.exhausted
+        assert generated_tokens(server.url) == before, "sampled before the trainer synced the resumed version"
+        source.synced(3)
         samples, consumed, metrics = drain(source, policy_version=3)
     assert sorted({s.prompt_index for s in samples} | set(consumed)) == [2, 4]
     assert metrics["rollout/group_count"] == 2, "no group generated for the trained prompts"

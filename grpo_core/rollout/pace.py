@@ -52,6 +52,9 @@ class TokenAllowance:
         self.factor = max(max_staleness, 1)
         self.step_tokens = first_step_tokens
         self.policy_version = 0
+        # The newest policy version the servers are known to serve: fresh servers hold the base weights (0)
+        # until the trainer says it synced (``synced``, or a step ``report``).
+        self.served_version = 0
         self.trainer_step = 0  # optimizer steps done: one report per step (set from the resume state)
         self.queued_tokens = 0
         self.in_flight_groups = 0
@@ -69,8 +72,14 @@ class TokenAllowance:
         with self._lock:
             self.trainer_step += 1
             self.policy_version = max(self.policy_version, policy_version)
+            self.served_version = max(self.served_version, policy_version)
             if tokens_consumed > 0:
                 self.step_tokens = tokens_consumed
+
+    def synced(self, policy_version: int) -> None:
+        """The trainer pushed ``policy_version`` to every server outside a step (a resumed trainer's first sync)."""
+        with self._lock:
+            self.served_version = max(self.served_version, policy_version)
 
     def expected_group_tokens(self) -> float:
         """Tokens a group in flight may queue: the mean raw tokens of the last ``YIELD_WINDOW_GROUPS`` completed

@@ -234,12 +234,27 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
 
 
 async def _wait_for_served_version(rollout_loop: Any, queue: Any, timeout_s: float) -> None:
-    """A resumed LoRA run samples from adapter ``{name}-v{N}``, which fresh servers get from the
-    trainer's first sync: wait until every server lists it (heartbeats continue meanwhile)."""
-    name = rollout_loop.served_model(queue.allowance.policy_version)
-    if name == rollout_loop.runtime.model_name:
-        return
+    """A resumed run samples policy version N, which fresh servers get from the trainer's first sync (they start
+    with the base weights): wait for it, heartbeats continuing meanwhile. A LoRA run waits until every server lists
+    adapter ``{name}-v{N}``; a full-weight run, whose servers serve every version under one name, until the trainer
+    says it synced (``FlightSource.synced``) — sampling before would tag base-weight tokens with version N.
+
+    Raises:
+        TransportError: the version did not arrive within ``timeout_s`` (``rollout.rollout_worker_timeout_s``).
+    """
+    allowance = queue.allowance
+    name = rollout_loop.served_model(allowance.policy_version)
     deadline = time.monotonic() + timeout_s
+    if name == rollout_loop.runtime.model_name:
+        if allowance.served_version < allowance.policy_version:
+            logger.info("waiting for the trainer to sync policy version %d to the servers", allowance.policy_version)
+        while allowance.served_version < allowance.policy_version:
+            if time.monotonic() > deadline:
+                raise TransportError(f"the trainer never synced policy version {allowance.policy_version} to the "
+                                     f"servers within {timeout_s:.0f} s; it does so when it resumes")
+            queue.beat()
+            await asyncio.sleep(0.2)
+        return
     for client in rollout_loop.runtime.server.clients:
         while name not in await _listed(client):
             if time.monotonic() > deadline:

@@ -307,6 +307,8 @@ class Trainer:
         tc = self.cfg.train
         if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
             self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
+            if self.world.is_main:  # the rollout of a full-weight run waits for this before it samples
+                self.source.synced(self.policy_version)
         self.warmup()
         while self.step < tc.max_steps:
             if not self.train_step():

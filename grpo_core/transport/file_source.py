@@ -57,6 +57,10 @@ class ArrowFileSource:
         """Recorded for tests; a file has no pace to set."""
         self.reports.append((policy_version, tokens_consumed))
 
+    def synced(self, policy_version: int) -> None:
+        """Recorded for tests (as a report of no tokens); a file has no servers to wait for."""
+        self.reports.append((policy_version, 0))
+
     def metrics(self) -> dict[str, float]:
         """No rollout-side metrics."""
         return {}

@@ -203,6 +203,11 @@ class FlightSource:
         """
         self._action("report", {"policy_version": policy_version, "tokens_consumed": tokens_consumed})
 
+    def synced(self, policy_version: int) -> None:
+        """The servers hold ``policy_version`` now (a resumed trainer's first sync): the rollout, which waits for this
+        before sampling a full-weight run's resumed version, may start."""
+        self._action("synced", {"policy_version": policy_version})
+
     def metrics(self) -> dict[str, float]:
         """The rollout metric window since the last call, plus ``sample/dropped_stale_count``."""
         out = {k: float(v) for k, v in self._action("metrics").items()}

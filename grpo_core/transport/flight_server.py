@@ -186,6 +186,7 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return [("report", "trainer feedback: policy version, tokens consumed by the last step"),
+                ("synced", "the trainer pushed a policy version to the servers outside a step (a resume)"),
                 ("metrics", "rollout metric window as JSON"),
                 ("completions", "the window's sampled completion rows as JSON"),
                 ("heartbeat", "liveness of the rollout loop"),
@@ -196,6 +197,9 @@ class RolloutFlightServer(flight.FlightServerBase):
         if action.type == "report":
             self.queue.allowance.report(int(body["policy_version"]), int(body["tokens_consumed"]))
             answer: object = {"ok": True}
+        elif action.type == "synced":
+            self.queue.allowance.synced(int(body["policy_version"]))
+            answer = {"ok": True}
         elif action.type == "metrics":
             answer = self._metrics()
         elif action.type == "completions":

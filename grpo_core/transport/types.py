@@ -44,6 +44,10 @@ class SampleSource(Protocol):
         """Feedback for the token allowance: the policy version and tokens used by the last step."""
         ...
 
+    def synced(self, policy_version: int) -> None:
+        """The servers hold ``policy_version`` now (the trainer synced it outside a step: a resume)."""
+        ...
+
     def metrics(self) -> dict[str, float]:
         """The rollout side's metrics since the last call."""
         ...
