@@ -202,28 +202,39 @@ def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunC
     return summary
 
 
+def _checked(cfg):  # noqa: ANN001, ANN202 - RunConfig, imported lazily
+    """``cfg`` after every check of the flow's ``prepare`` task (``preflight.check_run``).
+
+    Raises:
+        typer.Exit: code 2 after a one-line error naming the field, before any flow run, server, process or MLflow
+            run starts (a flow would only fail the same way on every retry).
+    """
+    from grpo_core import preflight
+    from grpo_core.errors import ConfigError
+
+    try:
+        preflight.check_run(cfg)
+    except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
+        console.print(f"[red]config error[/red]: {exc}")
+        raise typer.Exit(2) from None
+    return cfg
+
+
 @app.command()
 def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
           set_: SetOption = [], retries: RetriesOption = None) -> None:  # noqa: B006 - typer reads the default
     """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary; the code the
-    file names (reward functions, dataset, loop class, ...) joins the allow-list of this run."""
-    run_locally(_load(config, set_, trusted=True), retries)
+    file names (reward functions, dataset, loop class, ...) joins the allow-list of this run. The config is
+    checked first, as ``grpo validate`` does."""
+    run_locally(_checked(_load(config, set_, trusted=True)), retries)
 
 
 @app.command()
 def validate(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
              set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
     """Run every check of the flow's ``prepare`` task (config, model, dataset columns, reward functions,
-    tools, export options) without starting a server, a process or an MLflow run."""
-    from grpo_core import preflight
-    from grpo_core.errors import ConfigError
-
-    cfg = _load(config, set_, trusted=True)
-    try:
-        preflight.check_run(cfg)
-    except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
-        console.print(f"[red]config error[/red]: {exc}")
-        raise typer.Exit(2) from None
+    tools, export options, the ``resume_from`` run) without starting a server, a process or an MLflow run."""
+    cfg = _checked(_load(config, set_, trusted=True))
     console.print(f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.dataset}, "
                   f"{cfg.train.max_steps} steps)")
 
@@ -253,9 +264,17 @@ def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue
     (fetched from MLflow) is checked like a run parameter: the code it names must be in GRPO_ALLOWED_MODULES;
     a --config file of yours joins the allow-list."""
     trusted = config is not None
+    cfg = _checked(_load(config, [*set_, f"resume_from={run_id}"], trusted=trusted)) if trusted else None
     if config is None:
-        config = _run_config_of(run_id, set_)
-    run_locally(_load(config, [*set_, f"resume_from={run_id}"], trusted=trusted), retries)
+        from grpo_core.errors import ConfigError
+
+        try:
+            config = _run_config_of(run_id, set_)
+        except ConfigError as exc:
+            console.print(f"[red]config error[/red]: {exc}")
+            raise typer.Exit(2) from None
+        cfg = _checked(_load(config, [*set_, f"resume_from={run_id}"], trusted=False))
+    run_locally(cfg, retries)
 
 
 def _run_config_of(run_id: str, overrides: list[str]) -> Path:
@@ -265,8 +284,17 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
 
     from grpo_core import tracking
 
+    from mlflow.exceptions import MlflowException
+
+    from grpo_core.errors import ConfigError
+
     tc = _load(None, overrides).tracking
-    path = Path(tracking.client(tc).download_artifacts(run_id, "config/run_config.json", tempfile.mkdtemp()))
+    try:
+        path = Path(tracking.client(tc).download_artifacts(run_id, "config/run_config.json", tempfile.mkdtemp()))
+    except (MlflowException, OSError) as exc:
+        raise ConfigError(f"run {run_id!r}: its config (config/run_config.json) cannot be read from the MLflow store "
+                          f"{tc.shown_tracking_uri()} ({type(exc).__name__}); check the id (grpo ui --mlflow lists the "
+                          "runs) or the tracking settings (--set tracking.dir=... / tracking.tracking_uri=...)") from None
     data = json.loads(path.read_text())
     data["tracking"]["run_id"] = None
     data["resume_from"] = None

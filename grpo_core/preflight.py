@@ -103,6 +103,30 @@ def check_tracking(cfg: RunConfig) -> None:
         ensure_dir(Path(artifacts.removeprefix("file://")), "tracking.artifact_location (MLflow artifacts)")
 
 
+def check_resume_from(cfg: RunConfig) -> None:
+    """``resume_from`` names a run of the MLflow store, before the flow opens a run of its own.
+
+    Raises:
+        ConfigError: no such run (or tracking is off), naming the id, the store and the fix.
+    """
+    if not cfg.resume_from:
+        return
+    tc = cfg.tracking
+    if not tc.enabled:
+        raise ConfigError(f"resume_from={cfg.resume_from!r} needs tracking.enabled: true (the checkpoint is found "
+                          "through the MLflow run)")
+    from mlflow.exceptions import MlflowException
+
+    from grpo_core import tracking
+
+    try:
+        tracking.client(tc).get_run(cfg.resume_from)
+    except MlflowException:
+        raise ConfigError(f"resume_from={cfg.resume_from!r}: no such run in the MLflow store "
+                          f"{tc.shown_tracking_uri()}; copy the id from the MLflow UI (grpo ui --mlflow) or point "
+                          "tracking.dir / tracking.tracking_uri at the store that holds it") from None
+
+
 def check_model(cfg: RunConfig) -> None:
     """Resolve ``model.name`` (find a folder or download a Hub id; registry names need nothing) and
     check that every layer of it can run on packed tree rows (built on the meta device, no weights read).
@@ -256,6 +280,7 @@ def check_run(cfg: RunConfig) -> None:
     check_code_references(cfg)  # before anything is imported or called
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
+    check_resume_from(cfg)
     check_model(cfg)
     if cfg.server.backend == "vllm" and not cfg.server.urls:
         from grpo_core.serving.vllm import choose_backend

@@ -75,3 +75,30 @@ def test_trainer_entry_point_takes_set_overrides(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2
     assert "train.max_steps" in done.stderr
+
+
+def test_train_and_resume_refuse_a_bad_config_before_any_flow_or_mlflow_run(tmp_path):
+    """A problem only the flow's ``prepare`` found (a reward function that does not exist, a ``resume_from`` run the
+    store lacks) used to start the flow, fail it on every retry with pages of tracebacks and exit 1, leaving MLflow
+    runs RUNNING; it is a config error, exit 2, before anything starts."""
+    runs, mlflow_dir = tmp_path / "runs", tmp_path / "mlflow"
+    where = sum((["--set", w] for w in (f"train.output_dir={runs}", f"tracking.dir={mlflow_dir}")), [])
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    bad_reward = _invoke("train", "--config", tiny, *where, "--set",
+                         "rollout.reward_functions=[grpo_core.demo_rewards:no_such_reward]")
+    assert bad_reward.exit_code == 2, bad_reward.output
+    assert "rollout.reward_functions" in bad_reward.output and "Traceback" not in bad_reward.output
+    for args in (("resume", "0123456789abcdef", "--config", tiny), ("validate", "--config", tiny, "--set",
+                                                                        "resume_from=0123456789abcdef")):
+        result = _invoke(*args, *where)
+        assert result.exit_code == 2, result.output
+        assert "resume_from='0123456789abcdef'" in result.output and "no such run" in result.output
+    own_config = _invoke("resume", "0123456789abcdef", *where)  # the run's own config is fetched from MLflow
+    assert own_config.exit_code == 2, own_config.output
+    assert "'0123456789abcdef'" in own_config.output and "Traceback" not in own_config.output
+    assert not [p for p in runs.glob("*") if p.is_dir()], "a run folder was made"
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{mlflow_dir / 'mlflow.db'}"
+    if (mlflow_dir / "mlflow.db").exists():
+        assert not MlflowClient(store).search_runs([e.experiment_id for e in MlflowClient(store).search_experiments()])
