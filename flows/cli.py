@@ -307,13 +307,25 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
 
 
 @app.command()
-def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.0.1")] = 4200,
+def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.0.1 (0: a free one)", min=0,
+                                             max=65535)] = 4200,
            demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = DEMO_CONFIG,
            cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *",
            gpu_slots: Annotated[int | None, typer.Option(
-               help="slots of the global concurrency limit 'gpu' (default: the GPUs visible here, at least 1)")] = None,
+               help="slots of the global concurrency limit 'gpu' (default: the GPUs visible here, at least 1)",
+               min=1)] = None,
            ) -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
+    from pydantic import ValidationError
+
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron)  # before the server starts
+    except ValidationError:
+        console.print(f"[red]bad --cron[/red] {cron!r}: not a cron string (five fields: minute hour day month "
+                      "weekday, e.g. '0 2 * * *' for 02:00 every day)")
+        raise typer.Exit(2) from None
     set_env_defaults()
     import signal
 
@@ -353,7 +365,8 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 @app.command()
 def ui(config: Annotated[Path | None, typer.Option(help="run config (for its tracking settings)")] = None,
        mlflow: Annotated[bool, typer.Option("--mlflow", help="serve the MLflow UI on --mlflow-port")] = False,
-       mlflow_port: int = 5000, prefect_port: int = 4200) -> None:
+       mlflow_port: Annotated[int, typer.Option(min=1, max=65535)] = 5000,
+       prefect_port: Annotated[int, typer.Option(min=1, max=65535)] = 4200) -> None:
     """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C."""
     tc = _load(config, []).tracking
     shown = tc.shown_tracking_uri()

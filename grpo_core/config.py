@@ -448,7 +448,7 @@ class TrainConfig(_Strict):
     compile_backend: str = "inductor"
     """``torch.compile`` backend of the decoder layers (``inductor``; ``aot_eager`` compiles without a C++
     toolchain, for debugging)."""
-    learning_rate: float = Field(default=1e-6, gt=0)
+    learning_rate: float = Field(default=1e-6, gt=0, allow_inf_nan=False)
     """Peak AdamW learning rate."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warmup (to 0 at max_steps for linear/cosine)."""

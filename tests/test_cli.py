@@ -102,3 +102,19 @@ def test_train_and_resume_refuse_a_bad_config_before_any_flow_or_mlflow_run(tmp_
     store = f"sqlite:///{mlflow_dir / 'mlflow.db'}"
     if (mlflow_dir / "mlflow.db").exists():
         assert not MlflowClient(store).search_runs([e.experiment_id for e in MlflowClient(store).search_experiments()])
+
+
+@pytest.mark.parametrize("args, says", [
+    (("deploy", "--port", "99999"), "--port"), (("deploy", "--gpu-slots", "0"), "--gpu-slots"),
+    (("deploy", "--cron", "not a cron"), "--cron"), (("ui", "--mlflow", "--mlflow-port", "99999"), "--mlflow-port")])
+def test_bad_options_end_with_exit_2_before_a_server_starts(args, says):
+    result = _invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output
+
+
+def test_an_infinite_learning_rate_is_refused():
+    from grpo_core.config import RunConfig
+
+    with pytest.raises(ValueError, match="train.learning_rate|learning_rate"):
+        RunConfig.model_validate({"train": {"learning_rate": float("inf")}})
