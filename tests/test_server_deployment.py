@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from flow_helpers import ROOT, Api, tiny_overrides
@@ -207,6 +208,12 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
                 break
             time.sleep(0.3)
         assert again and _listening(again[0]) == port, "the killed replica was not started again on its port"
+        # It came back with the base weights: fenced (503) until the trainer's next weight sync lowers the fence.
+        deadline = time.monotonic() + 20
+        while (health := httpx.get(second.url + "/health", timeout=5)).status_code != 503:
+            assert time.monotonic() < deadline, f"the restarted replica serves before a weight sync: {health.text}"
+            time.sleep(0.2)
+        assert "base weights" in health.text
         second_replicas = again
         first._beating.set()
         second._beating.set()  # the train flow's process is gone: no beat, no cancellation

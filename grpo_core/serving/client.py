@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import ServerRequestError, ServerUnavailableError
+from grpo_core.serving.guard import STALE_PATH
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
 logger = logging.getLogger(__name__)
@@ -344,6 +345,11 @@ class GenerationClient:
         finally:
             await self.finish_weight_update()
         return result
+
+    async def set_stale(self, stale: bool, reason: str = "") -> None:
+        """Raise (``stale``) or lower the fence of a replica the run guards (``POST /grpo/stale``,
+        :mod:`grpo_core.serving.guard`): fenced, it answers 503 on ``/health`` and generation requests."""
+        await self._request("POST", STALE_PATH, {"stale": stale, "reason": reason})
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load the PEFT adapter in ``path`` as model ``name`` (vLLM needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""

@@ -123,7 +123,10 @@ class VllmWeightTransferSync:
         self.groups: list = []
         self.initialised = False
         self.stale: dict[str, str] = {}
-        self._fences_unknown = True  # a fence an earlier trainer raised (before a restart) comes down on our first sync
+        # A replica that took the update serves this version: its fence comes down whoever raised it (this trainer
+        # after a failed update, an earlier trainer, or the servers' flow after starting it again with the base
+        # weights). Replicas without our guard (404: an external vLLM) are not asked again.
+        self._unguarded: set[str] = set()
         self._failed: dict[str, str] = {}  # replicas whose update failed in the sync under way
 
     def _post(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
@@ -268,16 +271,17 @@ class VllmWeightTransferSync:
         error = self._finish(paused, error)
         if error is not None:
             return error
-        for url in [u for u in paused if u not in self._failed and (u in self.stale or self._fences_unknown)]:
+        for url in [u for u in paused if u not in self._failed and u not in self._unguarded]:
             try:
                 self._post(url, STALE_PATH, {"stale": False})
             except ServingError as exc:
+                if url not in self.stale and " 404" in str(exc):
+                    self._unguarded.add(url)
                 logger.log(logging.ERROR if url in self.stale else logging.INFO, "could not lift the fence of %s "
                            "(grpo_core.serving.guard answers it): %s", url, exc)
                 continue
             if self.stale.pop(url, None) is not None:
                 logger.warning("replica %s holds policy version %d again; it rejoins the routing", url, version)
-        self._fences_unknown = False
         return None
 
     def _finish(self, paused: list[str], error: BaseException | None) -> BaseException | None:

@@ -165,7 +165,8 @@ class DiskFullWeightSync:
     @staticmethod
     async def phases(rs: Any, folder: str, label: str, undo: Any = None) -> None:
         """Pause every server of ``rs`` (a ``ReplicaSet``; keep mode: requests in flight wait), update each from
-        ``folder``, resume each; every phase all or nothing, and every paused server resumed whatever failed.
+        ``folder``, lower every fence (``POST /grpo/stale``), resume each; every phase all or nothing, and every
+        paused server resumed whatever failed.
         ``undo(client)`` restores a server that took the update when another refused it (None = nothing to restore).
 
         Raises:
@@ -174,6 +175,9 @@ class DiskFullWeightSync:
         await rs.fan_out(f"pause for weight sync {label}", lambda c: c.pause(), undo=lambda c: c.resume())
         try:
             await rs.fan_out(f"weight sync {label}", lambda c: c.update_weights_from_path(folder), undo)
+            # every server holds this version now: a fence raised on one (started again with the base weights by
+            # the servers' flow, or by an earlier trainer) comes down
+            await rs.fan_out(f"lift fences after weight sync {label}", lambda c: c.set_stale(False))
         finally:  # never leave a server paused (a failed resume is raised, with the update's error as context)
             await rs.fan_out(f"resume after weight sync {label}", lambda c: c.resume())
 
