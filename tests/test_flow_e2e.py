@@ -362,7 +362,7 @@ def test_the_prefect_stack_requires_its_auth_string(stack):
     string gets 401 and creates nothing."""
     import httpx
 
-    assert stack.processes[0].poll() is None and len(stack.processes) == 2  # server and worker run
+    assert stack.processes[0].poll() is None and len(stack.processes) == 3  # the server and the workers of both pools run
     version = f"{stack.api_url}/admin/version"
     before = httpx.post(f"{stack.api_url}/work_pools/filter", headers=stack.auth_headers()).json()
     refused = [httpx.get(version), httpx.get(version, headers={"Authorization": "Basic Z3JwbzpndWVzcw=="}),
