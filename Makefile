@@ -28,7 +28,7 @@ test-rust:
 	cargo test --release -p packer_rs
 
 test-python: $(STAMPS)/install $(STAMPS)/chromium
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Debian's chromium for the browser test of the Prefect UI (as root on a fresh machine; else the test skips).
 $(STAMPS)/chromium:
