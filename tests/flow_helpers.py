@@ -1,4 +1,10 @@
-"""Helpers of the flow/deployment tests: a Prefect stack on loopback, the REST API, MLflow look-ups."""
+"""Helpers of the flow/deployment tests: a Prefect stack on loopback, the REST API, MLflow look-ups.
+
+The stack (a server and the workers of two process pools, ~30 s to start on 2 cores) is one per test session,
+shared by ``test_flow_e2e`` and ``test_server_deployment`` through the fixtures ``stack``, ``api`` and
+``stack_tmp`` (exported by conftest.py, which also runs the tests that use it one after another and stops it
+after the last of them).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,54 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
+from flows.serve import SERVER_POOL
 from grpo_core.serving.client import backoff_delay
 
 ROOT = Path(__file__).resolve().parents[1]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+CRON = "0 2 * * *"
+"""Schedule of the shared stack's ``grpo-train/nightly-retrain``."""
+SERVERS_POOL = SERVER_POOL
+"""The shared stack's second pool (``server.work_pool``'s default): its worker runs ``grpo-servers/gpu``."""
+_RUNNING: list = []
+
+
+@pytest.fixture(scope="session")
+def stack_tmp(tmp_path_factory) -> Path:
+    """Folder of the shared stack's runs: ``runs/`` (``train.output_dir``), ``mlflow/`` (``tracking.dir``)."""
+    return tmp_path_factory.mktemp("stack")
+
+
+@pytest.fixture(scope="session")
+def stack(stack_tmp):  # noqa: ANN201 - flows.serve.PrefectStack
+    """The session's Prefect stack: pools ``grpo-process`` (train runs) and ``grpo-gpu`` (servers' runs), each with
+    a worker polling every second, one ``gpu`` slot, the deployments registered from configs/tiny.yaml with
+    ``tiny_overrides(stack_tmp)`` and 2 steps. Tests change a run's parameters with ``with_changes``, never the
+    deployments."""
+    from flows.serve import PrefectStack
+
+    env = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+    with PrefectStack(port=0, home=stack_tmp / "prefect", extra_env=env, server_pool=SERVERS_POOL,
+                      worker_poll_s=1, gpu_slots=1) as s:
+        # 2 steps: what a test leaves at the default (the browser's run) only needs to complete
+        s.register(ROOT / "configs" / "tiny.yaml", CRON, overrides=[*tiny_overrides(stack_tmp), "train.max_steps=2"])
+        _RUNNING.append(s)
+        yield s
+        _RUNNING.remove(s)
+
+
+@pytest.fixture(scope="session")
+def api(stack) -> Api:
+    """The shared stack's REST API, with its auth string."""
+    return Api(stack.api_url, stack.auth_headers())
+
+
+def stop_shared_stack() -> None:
+    """Stop the session's stack now (conftest.py calls it after the last test that uses it)."""
+    for s in _RUNNING:
+        s.stop()
 
 
 def tiny_overrides(tmp: Path) -> list[str]:
@@ -57,10 +106,14 @@ class Api:
         response.raise_for_status()
         return response.json()
 
-    def run_deployment(self, name: str, parameters: dict) -> httpx.Response:
-        """Create a flow run of a deployment with parameters (the UI's Run with custom parameters)."""
-        return self.http.post(f"/deployments/{self.deployment(name)['id']}/create_flow_run",
-                              json={"parameters": parameters})
+    def run_deployment(self, name: str, parameters: dict, retries: int | None = None) -> httpx.Response:
+        """Create a flow run of a deployment with parameters (the UI's Run with custom parameters); ``retries``
+        replaces the flow's own (``@flow(retries=1)``) for this run (its empirical policy), e.g. 0 for a run that
+        is meant to fail."""
+        body: dict = {"parameters": parameters}
+        if retries is not None:
+            body["empirical_policy"] = {"retries": retries}
+        return self.http.post(f"/deployments/{self.deployment(name)['id']}/create_flow_run", json=body)
 
     def flow_run(self, flow_run_id: str) -> dict:
         """One flow run."""
@@ -95,10 +148,17 @@ class Api:
         raise TimeoutError(f"no new flow run of deployment {deployment_id} within {timeout_s} s")
 
     def logs(self, flow_run_id: str) -> str:
-        """The flow run's log lines, joined."""
-        response = self.http.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                                                         "limit": 200, "sort": "TIMESTAMP_DESC"})
-        return "\n".join(r["message"] for r in reversed(response.json()))
+        """All the flow run's log lines, oldest first, joined (read in pages of the API's limit of 200)."""
+        lines: list[str] = []
+        while True:
+            response = self.http.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                                             "limit": 200, "offset": len(lines),
+                                                             "sort": "TIMESTAMP_ASC"})
+            response.raise_for_status()
+            page = [r["message"] for r in response.json()]
+            lines += page
+            if len(page) < 200:
+                return "\n".join(lines)
 
 
 def with_changes(parameters: dict, **sections: dict) -> dict:

@@ -1,7 +1,8 @@
 """Replicas started by the ``grpo-servers`` deployment on a second work pool (issue 13 step 3).
 
-A real Prefect server with two process work pools, each with its own worker: ``grpo-process`` runs the
-``grpo-train`` flow run, ``grpo-test-gpu`` (``server.work_pool``) runs the ``grpo-servers`` flow run that
+A real Prefect server with two process work pools, each with its own worker (the session's stack,
+``flow_helpers.stack``, shared with test_flow_e2e): ``grpo-process`` runs the ``grpo-train`` flow run,
+``grpo-gpu`` (``server.work_pool``) runs the ``grpo-servers`` flow run that
 ``server.deployment`` names, which starts the 2 embedded replicas. The test checks where the replicas ran
 (descendants of the servers' worker, owned by the process Prefect records as that flow run's
 infrastructure, listening on the ports the flow run published), that the train run completed, and that after
@@ -12,16 +13,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from flow_helpers import ROOT, Api, tiny_overrides
-from flows.serve import PrefectStack
+from flow_helpers import ROOT, SERVERS_POOL, Api, tiny_overrides, with_changes
 from grpo_core.config import RunConfig
 
-SERVERS_POOL = "grpo-test-gpu"
 EMBEDDED = "grpo_core.serving.embedded"
 
 
@@ -30,27 +28,6 @@ def test_deployment_name_and_urls_are_checked_at_load():
         RunConfig.model_validate({"server": {"deployment": "no-slash"}})
     with pytest.raises(ValueError, match="server.deployment .* server.urls"):
         RunConfig.model_validate({"server": {"deployment": "grpo-servers/gpu", "urls": ["http://gpu-1:8000"]}})
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("servers")
-
-
-@pytest.fixture(scope="module")
-def stack(tmp):
-    env = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    with PrefectStack(port=0, home=tmp / "prefect", extra_env=env, server_pool=SERVERS_POOL, worker_poll_s=1,
-                      gpu_slots=1) as s:
-        s.register(ROOT / "configs" / "tiny.yaml", overrides=[
-            *tiny_overrides(tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
-            "server.num_replicas=2", "train.max_steps=2", "train.save_steps=2"])
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api(stack) -> Api:
-    return Api(stack.api_url, stack.auth_headers())
 
 
 def _embedded_under(pid: int) -> list:
@@ -91,7 +68,9 @@ def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
     deployment = api.http.get("/deployments/name/grpo-servers/gpu").json()
     assert deployment["work_pool_name"] == SERVERS_POOL
     gpu_worker, train_worker = stack.workers[SERVERS_POOL], stack.workers[stack.pool]
-    response = api.run_deployment("demo", api.deployment("demo")["parameters"])
+    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 2, "save_steps": 2},
+                          server={"deployment": "grpo-servers/gpu", "num_replicas": 2})
+    response = api.run_deployment("demo", params)
     assert response.status_code in (200, 201), response.text
     train_id = response.json()["id"]
     replicas, deadline = [], time.monotonic() + 240
@@ -162,7 +141,7 @@ def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
 
 
 @pytest.mark.slow
-def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_frees_them(stack, api, tmp):
+def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_frees_them(stack, api, stack_tmp):
     """Two attempts of one train flow run: the second's start cancels the first's servers' run (its replica
     stops); a replica of the second that is killed is started again on its port; then the second attempt dies without cancelling anything (its lifeline thread stops, as when its
     process is killed) and its servers stop by themselves after ``server.lifeline_timeout_s``."""
@@ -181,7 +160,7 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
         pass
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
-        *tiny_overrides(tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
+        *tiny_overrides(stack_tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
         "server.lifeline_timeout_s=2", "server.startup_timeout_s=120"])
     gpu_worker, log = stack.workers[SERVERS_POOL], logging.getLogger("test")
     with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
@@ -209,9 +188,15 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
             time.sleep(0.3)
         assert again and _listening(again[0]) == port, "the killed replica was not started again on its port"
         # It came back with the base weights: fenced (503) until the trainer's next weight sync lowers the fence.
-        deadline = time.monotonic() + 20
-        while (health := httpx.get(second.url + "/health", timeout=5)).status_code != 503:
-            assert time.monotonic() < deadline, f"the restarted replica serves before a weight sync: {health.text}"
+        # A request that times out (the replica still loading on a loaded machine) is no answer yet: asked again.
+        deadline, health = time.monotonic() + 60, None
+        while health is None or health.status_code != 503:
+            assert time.monotonic() < deadline, ("the restarted replica serves before a weight sync: "
+                                                 f"{health.text if health is not None else 'no answer'}")
+            try:
+                health = httpx.get(second.url + "/health", timeout=10)
+            except httpx.TimeoutException:
+                health = None
             time.sleep(0.2)
         assert "base weights" in health.text
         second_replicas = again
