@@ -44,9 +44,8 @@ def test_trains_every_prompt_once_and_logs_metrics(tmp_path, nproc):
 
 
 def test_resume_after_hard_kill_neither_skips_nor_repeats(tmp_path):
-    reference = run_to_end(tmp_path / "ref", 2, max_steps=50, save_steps=2)
-    expected = sorted(trained_prompts(reference))
-
+    # The uninterrupted run of the same config (2 ranks, save_steps 2) trains every prompt once: that is
+    # test_trains_every_prompt_once_and_logs_metrics[2], so the resumed run is held to the same list.
     run = tmp_path / "killed"
     run.mkdir()
     samples = write_samples(run / "samples.arrow", NUM_PROMPTS)
@@ -68,6 +67,6 @@ def test_resume_after_hard_kill_neither_skips_nor_repeats(tmp_path):
     assert "resumed from" in log2
     got = trained_prompts(run / "out")
     assert [p for p, n in collections.Counter(got).items() if n > 1] == []  # no prompt trained twice
-    assert sorted(got) == expected == list(range(NUM_PROMPTS))  # and none skipped
+    assert sorted(got) == list(range(NUM_PROMPTS))  # and none skipped
     steps = [m["step"] for m in read_jsonl(run / "out/metrics.jsonl")]
     assert steps == sorted(set(steps))  # metrics continue without duplicate steps
