@@ -32,10 +32,7 @@ from grpo_core.durable import read_jsonl
 
 # --- the whole flow: trainer, rollout process and generation server, each SIGKILLed ---------------------------
 
-# 5 steps: checkpoints after steps 2 and 4; the rollout and server kills come after step 3 or 4 (drawn), before the
-# last step, so resumes start mid-run (after step 4 of an attempt that resumed there: as soon as its trainer has cut
-# the step logs back to its checkpoint). More steps only repeat the same moments.
-FLOW_STEPS, FLOW_SAVE_STEPS, FLOW_RANKS = 5, 2, 2
+FLOW_STEPS, FLOW_SAVE_STEPS, FLOW_RANKS = 6, 2, 2
 ROLES = {"server": "grpo_core.serving.embedded", "rollout": "grpo_core.rollout", "trainer": "grpo_core.train.launch"}
 
 
