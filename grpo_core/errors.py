@@ -110,7 +110,8 @@ class UserCodeError(RolloutError):
 
 
 class UserCodeTimeout(UserCodeError):
-    """A call into user code took longer than its ``rollout.*_timeout_s``; it may still run in its thread."""
+    """A call into user code took longer than its ``rollout.*_timeout_s``; a sync one is interrupted in its thread
+    (``grpo_core.rollout.usercode``: at once in Python code, when a blocking C call returns otherwise)."""
 
 
 class CheckpointError(GrpoError):
