@@ -443,7 +443,11 @@ def _retry_only_curable():
         yield
     except Exception as exc:
         if not retry_can_cure(exc):
-            _no_more_retries(exc)
+            try:
+                _no_more_retries(exc)
+            except Exception as api_exc:  # noqa: BLE001 - the run's own error must surface, not this one
+                get_run_logger().warning("could not stop the flow run's retries (%s); a retry may repeat: %s",
+                                         api_exc, exc)
         raise
 
 
