@@ -65,7 +65,6 @@ def measure(config: RunConfig, server_url: str, server_pid: int, run_dir: Path) 
     source = FlightSource(started.wait_location(), max_staleness=config.rollout.max_staleness, timeout_s=600,
                           process=process, error_path=started.error_path)
     samples = trained = 0
-    rewards: list[float] = []
     try:
         source.wait_running()
         source.metrics()  # starts the generated-token rate window now
@@ -76,8 +75,6 @@ def measure(config: RunConfig, server_url: str, server_pid: int, run_dir: Path) 
             for s in samples_from_arrow(batch.samples):
                 samples += 1
                 trained += s.num_trained
-                if s.reward == s.reward:  # NaN = not known
-                    rewards.append(s.reward)
             if batch.exhausted:
                 break
         wall_s = time.perf_counter() - start
@@ -94,7 +91,7 @@ def measure(config: RunConfig, server_url: str, server_pid: int, run_dir: Path) 
         "samples": samples,
         "trained_tokens": trained,
         "completion_mean_length": round(metrics.get("completions/mean_length", 0.0), 1),
-        "reward": round(sum(rewards) / len(rewards) if rewards else float("nan"), 3),  # of the trainable samples
+        "reward": round(metrics.get("reward", float("nan")), 3),
         "frac_reward_zero_std": round(metrics.get("frac_reward_zero_std", float("nan")), 3),
         "concurrency_cap": metrics.get("rollout/concurrency_cap"),
         "kv_cache_usage_frac": round(metrics.get("rollout/vllm_kv_cache_usage_frac", 0.0), 3),

@@ -116,8 +116,7 @@ class UserCodeError(RolloutError):
 
 
 class UserCodeTimeout(UserCodeError):
-    """A call into user code took longer than its ``rollout.*_timeout_s``; a sync one is interrupted in its thread
-    (``grpo_core.rollout.usercode``: at once in Python code, when a blocking C call returns otherwise)."""
+    """A call into user code took longer than its ``rollout.*_timeout_s``; it may still run in its thread."""
 
 
 class CheckpointError(GrpoError):

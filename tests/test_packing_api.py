@@ -34,13 +34,13 @@ BOTH = [pytest.param(RUST, id="rust"), pytest.param(PYTHON, id="python")]
 def _samples() -> list[Sample]:
     """Three samples, two with top-k / sampling-mask lists; every value exact in the schema's dtypes."""
     a = Sample.build([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0, 0, -0.5, -1.25, -2.0], sample_id=2**40, group_id=7,
-                     prompt_index=3, advantage=0.75, policy_version=4, reward=1.5)
+                     prompt_index=3, advantage=0.75, policy_version=4)
     a.sampler_topk = TokenLists(np.array([0, 0, 0, 2, 3, 3], np.int32), np.array([3, 8, 4], np.int32),
                                 np.array([-0.5, -1.5, -1.25], np.float32))
     b = Sample.build([1, 2, 3, 6, 2**31 - 1], [0, 0, 1, 1, 1], [0, 0, -0.5, -3.0, -0.125], sample_id=-1, group_id=7,
-                     prompt_index=3, advantage=-1.5, policy_version=2**31 - 1, reward=-0.25)
+                     prompt_index=3, advantage=-1.5, policy_version=2**31 - 1)
     b.sampling_mask = TokenLists(np.array([0, 1, 1, 1, 4, 4], np.int32), np.array([9, 6, 7, 8], np.int32))
-    c = Sample.build([9, 2], [0, 1], [0, -0.25], sample_id=5, group_id=8, prompt_index=4, advantage=0.0, reward=2.0)
+    c = Sample.build([9, 2], [0, 1], [0, -0.25], sample_id=5, group_id=8, prompt_index=4, advantage=0.0)
     return [a, b, c]
 
 
@@ -58,21 +58,6 @@ def test_sample_arrow_round_trip_is_exact():
     assert back[2].sampler_topk is None and back[2].sampling_mask is None
     plain = samples_to_arrow(samples[2:])
     assert plain.schema == sample_schema() and samples_from_arrow(plain) == samples[2:]
-
-
-def test_reward_rides_with_the_sample_and_a_batch_without_it_reads_as_unknown():
-    samples = _samples()[:2] + [Sample.build([9, 2], [0, 1], sample_id=5, group_id=8)]  # rewards 1.5, -0.25, unknown
-    batch = samples_to_arrow(samples)
-    assert batch.column("reward").to_pylist()[:2] == [1.5, -0.25] and np.isnan(batch.column("reward")[2].as_py())
-    assert samples_from_arrow(batch) == samples  # NaN, "not known", compares equal to itself
-    older = batch.drop_columns(["reward"])  # a samples file or checkpoint written before the column
-    assert all(np.isnan(s.reward) for s in samples_from_arrow(older))
-    for packer in (RUST, PYTHON):  # each row's samples part carries the rewards of its samples
-        batcher = packer.batcher(1, 64)
-        rows = [row for mb in batcher.push_samples(samples) + batcher.finish() for row in mb]
-        got = {i: r for row in rows for i, r in zip(row.samples.column("sample_id").to_pylist(),
-                                                     row.samples.column("reward").to_pylist(), strict=True)}
-        assert got[2**40] == 1.5 and got[-1] == -0.25 and np.isnan(got[5]), packer
 
 
 def test_advantage_round_trips_when_not_float32_exact():

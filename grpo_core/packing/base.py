@@ -12,7 +12,6 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 import packer_rs
 
@@ -65,7 +64,7 @@ class PackedRow:
             sample has them, ``sampler_topk_ids``/``sampler_topk_logprobs`` and
             ``sampling_mask`` as ``list<…>`` columns.
         samples: one row per sample: ``sample_id``, ``group_id``,
-            ``prompt_index``, ``policy_version``, ``num_tokens``, ``num_trained``, ``reward``.
+            ``prompt_index``, ``policy_version``, ``num_tokens``, ``num_trained``.
         num_forwarded: ``N``. num_trained: ``M``. num_raw: sum of sample lengths.
         num_samples: samples in the row. load: attention cost, sum over
             forwarded tokens of depth + 1.
@@ -104,27 +103,10 @@ class PackedRow:
         return self.num_raw / self.num_forwarded if self.num_forwarded else 1.0
 
     def equals(self, other: PackedRow) -> bool:
-        """Exact equality of every record batch and count (a NaN equals a NaN: e.g. a reward not known)."""
-        return all(_same_batch(getattr(self, p), getattr(other, p)) for p in ROW_PARTS) and all(
+        """Exact equality of every record batch and count."""
+        return all(getattr(self, p).equals(getattr(other, p)) for p in ROW_PARTS) and all(
             getattr(self, k) == getattr(other, k) for k in ROW_COUNTS
         )
-
-
-def _same_batch(a: pa.RecordBatch, b: pa.RecordBatch) -> bool:
-    """``a.equals(b)``, except that NaNs in the same places of a float column count as equal."""
-    if a.equals(b):
-        return True
-    if a.schema != b.schema or a.num_rows != b.num_rows:
-        return False
-    for x, y in zip(a.columns, b.columns, strict=True):
-        if x.equals(y):
-            continue
-        if not pa.types.is_floating(x.type) or not x.is_null().equals(y.is_null()):
-            return False
-        nan_x, nan_y = pc.is_nan(x), pc.is_nan(y)
-        if not (nan_x.equals(nan_y) and x.filter(pc.invert(nan_x)).equals(y.filter(pc.invert(nan_y)))):
-            return False
-    return True
 
 
 #: A micro-batch: one packed row per data-parallel rank.

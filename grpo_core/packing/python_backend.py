@@ -12,7 +12,6 @@ sample is predicted at the packed position of its token ``t - 1``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -162,7 +161,6 @@ class TreeRow:
             for name, value in (
                 ("sample_id", s.sample_id), ("group_id", s.group_id), ("prompt_index", s.prompt_index),
                 ("policy_version", s.policy_version), ("num_tokens", s.num_tokens), ("num_trained", s.num_trained),
-                ("reward", s.reward),
             ):
                 cols[name].append(value)
         parts = {part: _batch(part, cols) for part in ROW_PARTS}
@@ -298,8 +296,7 @@ def samples_from_pyarrow(batch: pa.RecordBatch) -> list[Sample]:
             sampling = _to_lists(r["sampling_mask"], None)
         s = Sample.build(r["input_ids"], r["completion_mask"], r["sampler_logprobs"], sample_id=r["sample_id"],
                          group_id=r["group_id"], prompt_index=r["prompt_index"], advantage=r["advantage"],
-                         policy_version=r["policy_version"],
-                         reward=math.nan if r.get("reward") is None else r["reward"])
+                         policy_version=r["policy_version"])
         s.sampler_topk, s.sampling_mask = topk, sampling
         out.append(s)
     return out

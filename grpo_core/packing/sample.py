@@ -7,7 +7,6 @@ The encoding itself runs in packer_rs; this module is its typed face.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
@@ -71,9 +70,6 @@ class Sample:
             (vLLM ``processed_logprobs``; 0 where not trained).
         advantage: group-normalised advantage of every trained token.
         policy_version: number of weight syncs before it was generated.
-        reward: float32 reward of the rollout the sample comes from (the sum over its reward sources,
-            DESIGN.md §5); NaN when not known. Metrics only (the trainer's ``reward``): the loss uses
-            ``advantage``.
         sampler_topk: optional sampler top-k log-probs per token.
         sampling_mask: optional candidate set per token (top-k / top-p / min-p).
     """
@@ -86,14 +82,12 @@ class Sample:
     sampler_logprobs: np.ndarray
     advantage: float
     policy_version: int = 0
-    reward: float = math.nan
     sampler_topk: TokenLists | None = field(default=None)
     sampling_mask: TokenLists | None = field(default=None)
 
     def __post_init__(self) -> None:
         # The schema stores float32: keep the value it will round-trip to.
         self.advantage = float(np.float32(self.advantage))
-        self.reward = float(np.float32(self.reward))
 
     @classmethod
     def build(
@@ -107,7 +101,6 @@ class Sample:
         prompt_index: int = 0,
         advantage: float = 0.0,
         policy_version: int = 0,
-        reward: float = math.nan,
     ) -> Sample:
         """A sample from any array-likes, converted to the schema's dtypes.
 
@@ -124,7 +117,6 @@ class Sample:
             sampler_logprobs=np.asarray(logprobs, dtype=np.float32),
             advantage=float(advantage),
             policy_version=policy_version,
-            reward=float(reward),
         )
 
     @property
@@ -142,8 +134,7 @@ class Sample:
             return NotImplemented
         scalars = ("sample_id", "group_id", "prompt_index", "advantage", "policy_version", "sampler_topk", "sampling_mask")
         arrays = ("input_ids", "completion_mask", "sampler_logprobs")
-        same_reward = self.reward == other.reward or (math.isnan(self.reward) and math.isnan(other.reward))
-        return same_reward and all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
+        return all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
             np.array_equal(getattr(self, k), getattr(other, k)) for k in arrays
         )
 

@@ -179,14 +179,12 @@ def group_advantages(rewards: np.ndarray) -> np.ndarray:
 
 
 def log_group_rewards(window: MetricWindow, group: RolloutGroup, dropped: bool) -> None:
-    """Reward metrics of one scored group, logged when it is scored (seed manual, "logged metrics"):
-    reward_kept|dropped, reward_group_std, frac_reward_zero_std, rewards/{name}/mean|group_std.
-
-    ``reward`` itself is the trainer's: the mean reward of the samples each step trained (the Sample's
-    ``reward``), so every step that trained carries it whether or not a group was scored meanwhile."""
+    """Reward metrics of one scored group (seed manual, "logged metrics"): reward, reward_kept|dropped,
+    reward_group_std, frac_reward_zero_std, rewards/{name}/mean|group_std."""
     rewards = group.rewards
     assert rewards is not None
     scored = rewards[~np.isnan(rewards)]
+    window.add_many("reward", scored.tolist())
     window.add("frac_reward_zero_std", float(dropped))
     num_samples = sum(len(s) for s in group.sequences)
     if dropped:

@@ -150,11 +150,11 @@ def token_lists(entries: list[dict[int, float]] | list[list[int]]) -> TokenLists
     return TokenLists(offsets=offsets, ids=ids)
 
 
-def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advantage: float, reward: float,
+def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advantage: float,
             with_topk: bool) -> Sample:
     sample = Sample.build(seq.input_ids, seq.completion_mask, seq.sampler_logprobs, sample_id=sample_id,
                           group_id=group.group_id, prompt_index=group.prompt_index, advantage=advantage,
-                          policy_version=group.policy_version, reward=reward)
+                          policy_version=group.policy_version)
     if with_topk:
         sample.sampler_topk = token_lists(seq.topk or [{} for _ in seq.input_ids])
     if seq.candidates is not None:
@@ -163,7 +163,7 @@ def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advan
 
 
 def group_samples(group: RolloutGroup, advantages: np.ndarray, with_topk: bool) -> list[Sample]:
-    """The group's samples: every sequence of every scored rollout, with its rollout's advantage and reward.
+    """The group's samples: every sequence of every scored rollout, with its rollout's advantage.
 
     Unscored rollouts (NaN reward) have advantage 0 and carry no gradient, so they are left out.
     """
@@ -174,8 +174,7 @@ def group_samples(group: RolloutGroup, advantages: np.ndarray, with_topk: bool) 
             continue
         for seq in seqs:
             samples.append(_sample(seq, sample_id=group.group_id * SAMPLE_ID_STRIDE + len(samples), group=group,
-                                   advantage=float(advantages[i]), reward=float(group.rewards[i]),
-                                   with_topk=with_topk))
+                                   advantage=float(advantages[i]), with_topk=with_topk))
     return samples
 
 

@@ -64,12 +64,6 @@ class PlannedStep:
     rollout_wait_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def rewards(self) -> list[float]:
-        """The reward of each sample the step trains (its rollout's, from the Sample's ``reward``; NaN = not
-        known), one entry per sample, in row order."""
-        return [r for mb in self.micro_batches for row in mb for r in row.samples.column("reward").to_pylist()]
-
 
 class Planner:
     """See module docs.
@@ -157,8 +151,7 @@ class Planner:
                        f"samples ({c.oversize_groups} whole groups) longer than packing.token_budget="
                        f"{self.token_budget}"]
         rollout = {k: v for k, v in self.source.metrics().items() if k in
-                   ("frac_reward_zero_std", "reward_dropped", "reward_kept", "completions/mean_length",
-                    "rollout/filtered_prompt_count")}
+                   ("frac_reward_zero_std", "reward", "completions/mean_length", "rollout/filtered_prompt_count")}
         if rollout:
             parts.append("Rollout metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(rollout.items())))
         todo = []

@@ -467,8 +467,6 @@ class Trainer:
                   "sample/staleness_max": v["staleness_max"], "policy_version": self.policy_version,
                   "grad_norm": v["grad_norm"], "perf/rollout_wait_s": planned.rollout_wait_s, **planned.stats,
                   **extra})
-        for reward in planned.rewards:  # per trained sample, so the window's mean is over samples (§7)
-            w.add("reward", reward)
         if self.warmup_s is not None:  # reported once, with the first step after it
             w.add("perf/compile_warmup_s", self.warmup_s)
             self.warmup_s = None

@@ -25,8 +25,6 @@ use crate::trie::{PackedRow, TreeRow};
 pub const TOPK_IDS: &str = "sampler_topk_ids";
 pub const TOPK_LOGPROBS: &str = "sampler_topk_logprobs";
 pub const SAMPLING_MASK: &str = "sampling_mask";
-/// The rollout's reward; NaN or null = not known. Optional when decoding, so files written before it still read.
-pub const REWARD: &str = "reward";
 
 fn list_of(dt: DataType) -> DataType {
     DataType::List(Arc::new(Field::new_list_field(dt, true)))
@@ -44,7 +42,6 @@ pub fn sample_schema(with_topk: bool, with_mask: bool) -> SchemaRef {
         Field::new("sampler_logprobs", list_of(DataType::Float32), false),
         Field::new("advantage", DataType::Float32, false),
         Field::new("policy_version", DataType::Int32, false),
-        Field::new(REWARD, DataType::Float32, true),
     ];
     if with_topk {
         fields.push(Field::new(TOPK_IDS, list_of(list_of(DataType::Int32)), true));
@@ -121,7 +118,6 @@ pub fn encode(samples: &[Sample]) -> Result<RecordBatch> {
         flat::<Float32Type>(samples, |s| &s.sampler_logprobs),
         Arc::new(Float32Array::from_iter_values(samples.iter().map(|s| s.advantage))),
         Arc::new(Int32Array::from_iter_values(samples.iter().map(|s| s.policy_version))),
-        Arc::new(Float32Array::from_iter_values(samples.iter().map(|s| s.reward))),
     ];
     if with_topk {
         columns.push(nested_ids(samples, |s| s.sampler_topk.as_ref()));
@@ -204,15 +200,6 @@ pub fn decode(batch: &RecordBatch) -> Result<Vec<Sample>> {
     let prompt_index = scalar::<Int64Type>(batch, "prompt_index")?;
     let advantage = scalar::<Float32Type>(batch, "advantage")?;
     let policy_version = scalar::<Int32Type>(batch, "policy_version")?;
-    let reward: Vec<f32> = match column(batch, REWARD, false)? {
-        Some(c) => c
-            .as_primitive_opt::<Float32Type>()
-            .ok_or_else(|| schema_err(REWARD, format!("has type {}, expected {}", c.data_type(), DataType::Float32)))?
-            .iter()
-            .map(|v| v.unwrap_or(f32::NAN))
-            .collect(),
-        None => vec![f32::NAN; batch.num_rows()],
-    };
     let input_ids = lists_of::<Int32Type>(batch, "input_ids")?;
     let mask = lists_of::<Int8Type>(batch, "completion_mask")?;
     let logprobs = lists_of::<Float32Type>(batch, "sampler_logprobs")?;
@@ -255,7 +242,6 @@ pub fn decode(batch: &RecordBatch) -> Result<Vec<Sample>> {
             sampler_logprobs: lp,
             advantage: advantage[i],
             policy_version: policy_version[i],
-            reward: reward[i],
             sampler_topk,
             sampling_mask,
         };
@@ -297,7 +283,7 @@ pub const ROW_PARTS: [(&str, &[&str]); 5] = [
     ("segments", &["cu_seqlens_q", "cu_seqlens_k"]),
     ("kv", &["kv_index"]),
     ("loss", &["token_index", "target_id", "sampler_logprob", "advantage", "sample_index"]),
-    ("samples", &["sample_id", "group_id", "prompt_index", "policy_version", "num_tokens", "num_trained", "reward"]),
+    ("samples", &["sample_id", "group_id", "prompt_index", "policy_version", "num_tokens", "num_trained"]),
 ];
 
 /// The counts of a packed row, in order: forwarded tokens `N`, loss terms `M`, raw tokens
@@ -307,7 +293,7 @@ pub const ROW_COUNTS: [&str; 5] = ["num_forwarded", "num_trained", "num_raw", "n
 fn row_column_type(name: &str) -> DataType {
     match name {
         "sample_id" | "group_id" | "prompt_index" => DataType::Int64,
-        "sampler_logprob" | "advantage" | REWARD => DataType::Float32,
+        "sampler_logprob" | "advantage" => DataType::Float32,
         TOPK_IDS | SAMPLING_MASK => list_of(DataType::Int32),
         TOPK_LOGPROBS => list_of(DataType::Float32),
         _ => DataType::Int32,
@@ -404,7 +390,6 @@ pub fn encode_row(row: &TreeRow) -> RowBatches {
                 i32_column(samples.iter().map(|s| s.policy_version).collect()),
                 i32_column(samples.iter().map(|s| s.len() as i32).collect()),
                 i32_column(samples.iter().map(|s| s.num_trained() as i32).collect()),
-                Arc::new(Float32Array::from_iter_values(samples.iter().map(|s| s.reward))) as ArrayRef,
             ],
             false,
             false,
@@ -428,7 +413,6 @@ mod tests {
             sampler_logprobs: vec![-0.25; n],
             advantage: 0.5,
             policy_version: 3,
-            reward: 0.75,
             sampler_topk: topk.then(|| TokenLists {
                 offsets: (0..=n as u32).map(|i| 2 * i).collect(),
                 ids: (0..2 * n as i32).collect(),

@@ -109,10 +109,6 @@ mod bindings {
                 .map_err(|_| bad_input("advantage", "`advantage` must be a float".into()))? as f32,
             policy_version: i32::try_from(int("policy_version")?)
                 .map_err(|_| bad_input("policy_version", "`policy_version` must fit in int32".into()))?,
-            reward: match obj.getattr("reward") {
-                Ok(v) => v.extract::<f64>().map_err(|_| bad_input("reward", "`reward` must be a float".into()))? as f32,
-                Err(_) => f32::NAN,
-            },
             sampler_topk: token_lists(obj, "sampler_topk", true)?,
             sampling_mask: token_lists(obj, "sampling_mask", false)?,
         };
@@ -300,7 +296,6 @@ mod bindings {
             d.set_item("sampler_logprobs", np(py, s.sampler_logprobs))?;
             d.set_item("advantage", s.advantage)?;
             d.set_item("policy_version", s.policy_version)?;
-            d.set_item("reward", s.reward)?;
             d.set_item("sampler_topk", lists_to_py(py, s.sampler_topk)?)?;
             d.set_item("sampling_mask", lists_to_py(py, s.sampling_mask)?)?;
             out.append(d)?;

@@ -72,10 +72,6 @@ pub struct Sample {
     pub advantage: f32,
     /// Policy version (number of weight syncs) that generated the sample.
     pub policy_version: i32,
-    /// Reward of the rollout the sample comes from (sum over its reward sources, DESIGN.md §5);
-    /// NaN when not known (samples written before the column existed). Carried for metrics only:
-    /// the loss uses `advantage`.
-    pub reward: f32,
     /// Optional sampler top-k log-probs per token (score centering).
     pub sampler_topk: Option<TokenLists>,
     /// Optional sampling mask per token (top-k / top-p / min-p candidate set).

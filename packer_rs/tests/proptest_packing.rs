@@ -31,7 +31,6 @@ fn samples_strategy() -> impl Strategy<Value = Vec<Sample>> {
                         completion_mask: mask,
                         advantage: i as f32 - 3.0,
                         policy_version: (i % 3) as i32,
-                        reward: i as f32 * 0.5,
                         sampler_topk,
                         sampling_mask: None,
                     }
