@@ -126,3 +126,30 @@ class CheckpointError(GrpoError):
 
 class RunLockedError(GrpoError):
     """Another process holds the run folder's lock (the message names its pid)."""
+
+
+#: Errors that an attempt meets again on a retry: the same config, data and code fail the same way (bad input:
+#: every ``ValueError``, ConfigError, NothingToTrainError and pydantic's ValidationError among them; user code
+#: that raises or times out; a checkpoint that cannot be used), and programming errors. Everything else (a
+#: process killed, a server or the network gone, a transport timeout, a held run lock) a retry may cure.
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, RolloutError, CheckpointError, TypeError, AttributeError, ImportError, NameError, SyntaxError,
+    KeyError, IndexError, AssertionError, NotImplementedError, ZeroDivisionError,
+)
+
+
+def _names(cls: type) -> set[str]:
+    return {cls.__name__} | {n for sub in cls.__subclasses__() for n in _names(sub)}
+
+
+def is_deterministic(exc: BaseException | str) -> bool:
+    """Whether a retry would meet ``exc`` again (see :data:`DETERMINISTIC_ERRORS`).
+
+    Args:
+        exc: an exception, or the class name of one raised in a child process (``ConfigError``, or qualified
+            ``grpo_core.errors.ConfigError``), as the trainer's error file and the rollout's traceback record it.
+    """
+    if isinstance(exc, str):
+        name = exc.rsplit(".", 1)[-1]
+        return any(name in _names(cls) for cls in DETERMINISTIC_ERRORS)
+    return isinstance(exc, DETERMINISTIC_ERRORS)
