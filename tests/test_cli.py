@@ -118,3 +118,30 @@ def test_an_infinite_learning_rate_is_refused():
 
     with pytest.raises(ValueError, match="train.learning_rate|learning_rate"):
         RunConfig.model_validate({"train": {"learning_rate": float("inf")}})
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("passwd", "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n", "line 1 is not JSON"),
+    ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n', "line 3 is not JSON"),
+    ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
+    ("latin1.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "line 2 is not UTF-8"),
+    ("array.json", '[{"prompt": "a"},\n', "the datasets json loader cannot read"),
+    ("missing.jsonl", None, "no such file"),
+    ("folder", "DIR", "is a folder"),
+])
+def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_path, name, text, says):
+    """``rollout.dataset=json:FILE`` with FILE missing or not JSON lines used to end in a HF datasets traceback
+    (exit 1) or an error not naming the field: it names ``rollout.dataset``, the file and the line, exit 2."""
+    path = tmp_path / name
+    if text == "DIR":
+        path.mkdir()
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
+             f"rollout.dataset=json:{path}"]
+    result = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"), *sum((["--set", w] for w in where), []))
+    assert result.exit_code == 2, result.output
+    assert f"rollout.dataset='json:{path}'" in result.output and says in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
