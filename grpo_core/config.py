@@ -222,6 +222,11 @@ class ServerConfig(_ServerKey):
     """Port of the OpenAI-compatible router (``python -m grpo_core.serving.router``) the flow starts in front
     of the replicas for outside clients (evaluation, a single-endpoint trainer); 0 = a free port; None = none."""
 
+    def starts_here(self) -> bool:
+        """Whether the flow's host starts the replicas itself (neither ``urls`` nor ``deployment`` is set): only then
+        does this host need what the launch settings (``backend``, ``num_replicas``, ``gpu_ids``, ...) ask for."""
+        return not self.urls and not self.deployment
+
     @field_validator("urls")
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:

@@ -145,3 +145,22 @@ def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_pa
     assert result.exit_code == 2, result.output
     assert f"rollout.dataset='json:{path}'" in result.output and says in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tmp_path):
+    """On this CPU box every shipped config validates, except those that start vLLM on the flow's own host while
+    vLLM is not installed: they name the host they need. Servers elsewhere (``server.urls``, ``server.deployment``,
+    e.g. multihost-pools.yaml) need no vLLM here."""
+    import importlib.util
+
+    server = (yaml.safe_load(path.read_text()) or {}).get("server", {})
+    needs_vllm_here = server.get("backend") == "vllm" and not server.get("urls") and not server.get("deployment")
+    where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}"]
+    result = _invoke("validate", "--config", str(path), *sum((["--set", w] for w in where), []))
+    if needs_vllm_here and importlib.util.find_spec("vllm") is None:
+        assert result.exit_code == 2, result.output
+        assert "this host starts the replicas" in result.output and "GPU host with vLLM" in result.output
+    else:
+        assert result.exit_code == 0, result.output
+        assert "valid" in result.output
