@@ -123,6 +123,17 @@ class ModelConfig(_Strict):
         return self.cache_dir if self.cache_dir is not None else default_cache_dir()
 
 
+#: Server settings that only the servers the flow starts read (ignored with ``server.urls``).
+SERVER_LAUNCH_FIELDS = ("backend", "port", "tensor_parallel_size", "gpu_ids", "max_num_seqs", "kv_cache_size_tokens",
+                        "api_server_count", "gpu_memory_utilization", "enforce_eager", "embedded_num_threads",
+                        "max_pause_s", "extra_args")
+#: Server settings only the embedded server reads; only vLLM reads; only a servers' deployment reads.
+EMBEDDED_ONLY_FIELDS = ("kv_cache_size_tokens", "embedded_num_threads")
+VLLM_ONLY_FIELDS = ("tensor_parallel_size", "api_server_count", "gpu_memory_utilization", "enforce_eager",
+                    "extra_args")
+DEPLOYMENT_ONLY_FIELDS = ("advertise_host", "lifeline_timeout_s")
+
+
 class ServerConfig(_ServerKey):
     """The generation server(s): real vLLM on GPUs, or the embedded server."""
 
@@ -138,7 +149,8 @@ class ServerConfig(_ServerKey):
     port: int = Field(default=8000, ge=0, le=65535)
     """Port of replica 0; replica i uses port + i. 0 = a free port chosen at start."""
     num_replicas: int = Field(default=1, ge=1)
-    """Number of server replicas (data parallel), each on its own GPUs."""
+    """Number of server replicas the flow (or ``deployment``) starts (data parallel), each on its own GPUs; with
+    ``urls`` each URL is a replica (leave it unset; a value other than the number of URLs is refused)."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs per replica (vLLM ``--tensor-parallel-size``)."""
     gpu_ids: list[int] | None = None
@@ -188,8 +200,9 @@ class ServerConfig(_ServerKey):
         return split_secret_flags(args)
     urls: list[str] = Field(default_factory=list)
     """External generation servers (``http://host:port``, one per replica) started elsewhere; when set the flow
-    starts no server and routes over these (``num_replicas``, ``backend`` and the launch settings are ignored;
-    the trainer asks each server what it is)."""
+    starts no server and routes over these (the trainer asks each server what it is). The launch settings
+    (``SERVER_LAUNCH_FIELDS``: ``backend``, ``port``, ``gpu_ids``, ...) have no effect then and are warned about;
+    ``num_replicas`` other than the number of URLs is refused."""
     api_key: SecretStr | None = None
     """Bearer token of external servers, sent as ``Authorization: Bearer`` on every request and control call;
     None = the ``GRPO_SERVER_API_KEY`` environment variable, else the run's own token (``GRPO_RUN_TOKEN``, which
@@ -221,6 +234,39 @@ class ServerConfig(_ServerKey):
     router_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the OpenAI-compatible router (``python -m grpo_core.serving.router``) the flow starts in front
     of the replicas for outside clients (evaluation, a single-endpoint trainer); 0 = a free port; None = none."""
+
+    @model_validator(mode="after")
+    def _check_unused_settings(self) -> ServerConfig:
+        if self.urls and self.num_replicas not in (1, len(self.urls)):  # 1: the default (a saved config holds it)
+            raise ConfigError(f"server.num_replicas ({self.num_replicas}) applies to servers the flow starts, but "
+                              f"server.urls lists {len(self.urls)} running server(s): with server.urls list every "
+                              "replica's URL and delete server.num_replicas")
+        unused = self.unused_settings()
+        if unused:
+            logger.warning("these settings have no effect here; delete them: %s",
+                           "; ".join(f"server.{name} ({why})" for name, why in unused.items()))
+        return self
+
+    def unused_settings(self) -> dict[str, str]:
+        """Settings off their defaults that nothing reads with the rest of this section: field name -> why (launch
+        settings with ``urls``, embedded-only ones on vLLM and vLLM-only ones on the embedded server,
+        ``deployment``-only ones without it). A default is never reported, so a saved config (every field
+        written) reports what its source did."""
+        fields = type(self).model_fields
+        given = {name for name in fields if getattr(self, name) != fields[name].get_default(call_default_factory=True)}
+        unused: dict[str, str] = {}
+        if self.urls:
+            why = "server.urls names servers started elsewhere; their own launch flags apply"
+            unused.update({name: why for name in SERVER_LAUNCH_FIELDS if name in given})
+        elif self.backend == "vllm":
+            unused.update({name: "embedded server only; server.backend is 'vllm'" for name in EMBEDDED_ONLY_FIELDS
+                           if name in given})
+        elif self.backend == "embedded":
+            unused.update({name: "vLLM only; server.backend is 'embedded'" for name in VLLM_ONLY_FIELDS
+                           if name in given})
+        if not self.deployment:
+            unused.update({name: "server.deployment only" for name in DEPLOYMENT_ONLY_FIELDS if name in given})
+        return unused
 
     def starts_here(self) -> bool:
         """Whether the flow's host starts the replicas itself (neither ``urls`` nor ``deployment`` is set): only then

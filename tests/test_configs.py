@@ -110,3 +110,34 @@ def test_the_checkpoint_fingerprint_keeps_the_run_config_paths():
     assert set(fp["config"]) - {k for k, v in fp["config"].items() if v is not None} <= {"model.revision",
                                                                                          "train.epsilon_high",
                                                                                          "train.save_total_limit"}
+
+
+@pytest.mark.parametrize("urls", [["http://gpu-1:8000"], ["http://gpu-1:8000", "http://gpu-2:8000", "http://gpu-3:8000"]])
+def test_num_replicas_that_contradicts_server_urls_is_refused(urls):
+    """``server.num_replicas`` counts the servers the flow starts; with ``server.urls`` each URL is a replica, so
+    another count was silently ignored: refused, naming both fields and the fix."""
+    with pytest.raises(ValueError, match=r"server.num_replicas \(2\).*server.urls lists %d.*list every replica's URL"
+                                          % len(urls)):
+        RunConfig.model_validate({"server": {"urls": urls, "num_replicas": 2}})
+    assert RunConfig.model_validate({"server": {"urls": urls[:2], "num_replicas": len(urls[:2])}}).server.urls
+    assert RunConfig.model_validate({"server": {"urls": urls}}).server.num_replicas == 1  # unset: the URLs count
+
+
+@pytest.mark.parametrize("server, field, why", [
+    ({"urls": ["http://gpu-1:8000"], "gpu_ids": [0, 1]}, "gpu_ids", "server.urls"),
+    ({"urls": ["http://gpu-1:8000"], "backend": "vllm"}, "backend", "server.urls"),
+    ({"backend": "embedded", "extra_args": ["--worker-cls", "evil.mod:W"]}, "extra_args", "vLLM only"),
+    ({"backend": "vllm", "embedded_num_threads": 2}, "embedded_num_threads", "embedded server only"),
+    ({"lifeline_timeout_s": 5}, "lifeline_timeout_s", "server.deployment only"),
+])
+def test_a_server_setting_that_has_no_effect_is_warned_about(caplog, server, field, why):
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RunConfig.model_validate({"server": server})
+    assert f"server.{field} ({why}" in caplog.text
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_set_nothing_that_has_no_effect(path, caplog):
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        load_config(path)
+    assert "no effect" not in caplog.text, caplog.text
