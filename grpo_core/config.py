@@ -241,10 +241,11 @@ class ServerConfig(_ServerKey):
             raise ConfigError(f"server.num_replicas ({self.num_replicas}) applies to servers the flow starts, but "
                               f"server.urls lists {len(self.urls)} running server(s): with server.urls list every "
                               "replica's URL and delete server.num_replicas")
-        unused = self.unused_settings()
-        if unused:
-            logger.warning("these settings have no effect here; delete them: %s",
-                           "; ".join(f"server.{name} ({why})" for name, why in unused.items()))
+        by_cause: dict[str, list[str]] = {}
+        for name, why in self.unused_settings().items():
+            by_cause.setdefault(why, []).append(f"server.{name}")
+        for why, names in by_cause.items():
+            logger.warning("%s: no effect (%s); delete them", ", ".join(names), why)
         return self
 
     def unused_settings(self) -> dict[str, str]:
@@ -964,6 +965,72 @@ def _read_config(path: str | Path) -> dict:
     return data
 
 
+def _section_model(kind: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model of the section at ``loc`` (field names; list indices and union tags are stepped over), or None."""
+    model: Any = kind
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            continue
+        model = next((t for t in (fields[part].annotation, *getattr(fields[part].annotation, "__args__", ()))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _field_path(kind: type[BaseModel], loc: tuple) -> str:
+    """``loc`` as the dotted path a user writes: field names and list indices (``extra_args[2]``), without
+    pydantic's union-member tags (``list[str]``, ``literal['all-linear']``)."""
+    path, model = "", kind
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif model is not None:  # a section: ``part`` is one of its fields (past a leaf field: a union tag)
+            path += f".{part}" if path else str(part)
+            model = _section_model(model, (part,))
+    return path
+
+
+def _error_lines(kind: type[BaseModel], errors: list[dict]) -> list[str]:
+    """One line per field of a pydantic ValidationError: ``path: message``. An unknown key gets the section's
+    closest field names; a ConfigError from a cross-field check is its own message (it names its fields); the
+    failed members of a union are joined on one line."""
+    from grpo_core.errors import did_you_mean
+
+    lines: dict[str, list[str]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            lines.setdefault(str(cause), [])
+            continue
+        path = _field_path(kind, loc)
+        if err["type"] == "extra_forbidden":
+            section = _section_model(kind, loc[:-1])
+            names = section.model_fields if section is not None else ()
+            prefix = f"{_field_path(kind, loc[:-1])}." if loc[:-1] else ""
+            path = f"{prefix}{loc[-1]}"
+            msg = "unknown key" + did_you_mean(str(loc[-1]), names, prefix)
+        elif err["type"] == "value_error" and cause is not None:
+            msg = str(cause)
+            if path and msg.startswith(path):  # the validator's message names the field already
+                lines.setdefault(msg, [])
+                continue
+        else:
+            msg = err["msg"]
+        if msg not in lines.setdefault(path or "config", []):
+            lines[path or "config"].append(msg)
+    return [f"{path}: {', or '.join(msgs)} (got {_shown(errors, path, kind)})" if len(msgs) > 1
+            else f"{path}: {msgs[0]}" if msgs else path for path, msgs in lines.items()]
+
+
+def _shown(errors: list[dict], path: str, kind: type[BaseModel]) -> str:
+    """The input at ``path`` of the first error there, for a union's joined line."""
+    for err in errors:
+        if _field_path(kind, tuple(err["loc"])) == path:
+            return repr(err.get("input"))[:80]
+    return "?"
+
+
 def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None,
               hint: str = "") -> Any:
     """``kind`` validated from ``data`` after ``secrets`` and ``key.sub=value`` overrides (see :func:`load_config`)."""
@@ -981,6 +1048,12 @@ def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secr
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, value = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"override {item!r}: the key before '=' is empty; write key.sub=value, e.g. "
+                              "train.max_steps=5")
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: the key {key!r} has an empty part; write section.field=value, "
+                              "e.g. train.max_steps=5")
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as e:
@@ -990,7 +1063,7 @@ def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secr
     try:
         return kind.model_validate(data)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
+        lines = _error_lines(kind, e.errors())
         extra = hint if any(err["type"] == "extra_forbidden" for err in e.errors()) else ""
         what = "trainer sub-config" if kind is TrainerProcessConfig else "run config"
         raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines) + extra) from None

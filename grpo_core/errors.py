@@ -5,6 +5,10 @@ Every error caused by bad input or config is a ``ValueError`` subclass, so calle
 transient failures. Messages name the offending field and say how to fix it.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class GrpoError(Exception):
     """Base class of every error grpo-flow raises on purpose."""
@@ -120,3 +124,18 @@ class CheckpointError(GrpoError):
 
 class RunLockedError(GrpoError):
     """Another process holds the run folder's lock (the message names its pid)."""
+
+
+def did_you_mean(name: str, choices: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean PREFIX+a or PREFIX+b?"`` for the choices closest to a misspelt ``name`` (difflib's
+    ratio >= 0.6, at most 3, best first), or ``""`` when none is close.
+
+    Args:
+        name: what the user wrote (a field or task name).
+        choices: the valid names.
+        prefix: put before each suggestion, e.g. ``"train."`` for a field of the train section.
+    """
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""

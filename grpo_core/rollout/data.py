@@ -23,7 +23,7 @@ from typing import Any
 
 from grpo_core.allowlist import import_object
 from grpo_core.config import RolloutConfig
-from grpo_core.errors import ConfigError
+from grpo_core.errors import ConfigError, did_you_mean
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 RG_SYSTEM_PROMPT = ("Solve the problem. Think briefly, then give only the final answer inside "
@@ -39,11 +39,20 @@ def reasoning_gym_dataset(task: str, size: int, seed: int, **task_config: Any) -
     """
     import datasets
     import reasoning_gym
+    from reasoning_gym.factory import DATASETS
 
+    spec = f"rollout.dataset='{REASONING_GYM_PREFIX}{task}'"
+    if task not in DATASETS:
+        hint = did_you_mean(task, DATASETS, REASONING_GYM_PREFIX) or f"; the tasks: {', '.join(sorted(DATASETS))}"
+        raise ConfigError(f"{spec}: no such reasoning-gym task{hint}")
     try:
         source = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_config)
-    except (KeyError, ValueError) as exc:
-        raise ConfigError(f"rollout.dataset='reasoning_gym:{task}': unknown reasoning-gym task ({exc})") from exc
+    except TypeError as exc:  # an option the task's config class does not take
+        options = sorted(getattr(DATASETS[task][1], "__dataclass_fields__", ()))
+        raise ConfigError(f"{spec}: rollout.dataset_kwargs {task_config} are not all options of the task ({exc}); "
+                          f"its options: {', '.join(options)}") from None
+    except (KeyError, ValueError, AssertionError) as exc:  # the task's config refuses a value
+        raise ConfigError(f"{spec} with rollout.dataset_kwargs {task_config}: {exc}") from None
     rows = [{
         "prompt": [{"role": "system", "content": RG_SYSTEM_PROMPT}, {"role": "user", "content": e["question"]}],
         "answer": str(e["answer"]),
