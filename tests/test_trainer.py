@@ -2,12 +2,13 @@
 after a hard kill (DESIGN.md §5, resume)."""
 
 import collections
+import os
 import subprocess
 import time
 
 import pytest
 
-from trainer_helpers import kill_all, process_tree, read_jsonl, torchrun, trainer_config, write_samples
+from trainer_helpers import ROOT, kill_all, process_tree, read_jsonl, torchrun, trainer_config, write_samples
 
 NUM_PROMPTS = 14
 
@@ -41,6 +42,30 @@ def test_trains_every_prompt_once_and_logs_metrics(tmp_path, nproc):
     assert first["batch/packing_ratio"] > 1.0  # prompts are shared inside groups
     assert sum(m["batch/samples_per_step"] for m in metrics) == 4 * NUM_PROMPTS
     assert (out / "checkpoints").is_dir()
+
+
+def test_a_finished_rank_exits_0_whatever_the_interpreter_teardown_does(tmp_path):
+    """Native threads parked in torch/gloo/Arrow can abort a rank in the interpreter's teardown after the run
+    has finished (CI once: rank 1 "terminate called without an active exception", SIGABRT, after its last
+    checkpoint: the whole run reported failed). Model that teardown with an ``atexit`` hook that aborts, in
+    every rank: the finished ranks must still exit 0, with the run's files complete."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "if 'LOCAL_RANK' in os.environ:  # torchrun's ranks, not torchrun itself\n"
+        "    open(os.path.join(os.environ['HOOK_DIR'], f\"rank{os.environ['RANK']}\"), 'w').close()\n"
+        "    atexit.register(os.abort)\n")
+    samples = write_samples(tmp_path / "samples.arrow", NUM_PROMPTS)
+    config = trainer_config(tmp_path, samples, max_steps=2)
+    env = {"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", str(ROOT))]),
+           "HOOK_DIR": str(hooks)}
+    with open(tmp_path / "log", "w") as log:
+        code = torchrun(config, 2, env=env, stdout=log, stderr=subprocess.STDOUT).wait(timeout=600)
+    assert sorted(p.name for p in hooks.glob("rank*")) == ["rank0", "rank1"]  # the hook really ran in both ranks
+    assert code == 0, (tmp_path / "log").read_text()[-4000:]
+    assert [m["step"] for m in read_jsonl(tmp_path / "out/metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "out/final_model/config.json").is_file()
 
 
 def test_resume_after_hard_kill_neither_skips_nor_repeats(tmp_path):

@@ -51,9 +51,11 @@ def trainer_config(tmp: Path, samples: Path, server: dict | None = None, **train
     return path
 
 
-def torchrun(config: Path, nproc: int, server_urls: list[str] = (), **popen) -> subprocess.Popen:
-    """Start ``torchrun --nproc-per-node N -m grpo_core.train --config FILE [--server-url URL …]``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def torchrun(config: Path, nproc: int, server_urls: list[str] = (), env: dict[str, str] | None = None,
+             **popen) -> subprocess.Popen:
+    """Start ``torchrun --nproc-per-node N -m grpo_core.train --config FILE [--server-url URL …]`` (``env``: extra
+    environment entries)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(nproc),
            "-m", "grpo_core.train", "--config", str(config)]
     for url in server_urls:

@@ -112,6 +112,8 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
         state = trainer.run()
         if source is not None:
             source.close()
+        if world.world_size > 1:  # leave together: no rank tears its process group down under a peer still exporting
+            dist.barrier(group=world.control)
         return state
     finally:
         if sink is not None:
