@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, create_model, field_serializer, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, create_model, field_serializer,
+                      field_validator, model_validator)
 
 from grpo_core.errors import ConfigError
 from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_secret_flags
@@ -49,8 +50,30 @@ def default_cache_dir() -> Path:
     return Path(xdg) / "grpo-flow"
 
 
+def _number_field(annotation: Any) -> bool:
+    """Whether a field's type takes numbers (int or float, alone, in a union or as list items) but no bool."""
+    leaves, todo = set(), [annotation]
+    while todo:
+        t = todo.pop()
+        args = typing.get_args(t)
+        leaves.add(t) if not args else todo.extend(args)
+    return bool not in leaves and bool(leaves & {int, float})
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _refuse_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic takes ``true`` as 1 for an int or float field (``train.max_steps: true`` trained 1 step):
+        a bool, alone or in a list, is refused where a number is expected."""
+        items = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(v, bool) for v in items) and _number_field(cls.model_fields[info.field_name].annotation):
+            if isinstance(value, bool):
+                raise ValueError(f"{str(value).lower()} is a boolean, not a number; write a number")
+            raise ValueError("holds a boolean (true/false) where a number goes; write numbers")
+        return value
 
 
 def _view(owner: type[_Strict], names: tuple[str, ...], base: type[_Strict], doc: str) -> type[_Strict]:
@@ -921,6 +944,38 @@ def _yaml_where(e: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last silently).
+
+    Raises:
+        yaml.YAMLError: malformed YAML, or a duplicate key (its ``problem_mark`` is the second key's line).
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice (first on line {seen[key]}); keep one",
+                        key_node.start_mark)
+                if isinstance(key, typing.Hashable):
+                    seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    duplicate = next((k for k in keys if keys.count(k) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"the key {duplicate!r} is given twice in one object; keep one")
+    return dict(pairs)
+
+
 def _parse(path: Path, text: str) -> Any:
     """The data of a config file by its suffix (``.toml``, ``.json``, else YAML).
 
@@ -936,21 +991,24 @@ def _parse(path: Path, text: str) -> Any:
         if path.suffix == ".toml":
             return tomllib.loads(text)
         if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text) or {}
+            return json.loads(text, object_pairs_hook=_unique_json_keys)
+        return _yaml_load(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"config file {path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_where(e)}") from None
+    except ValueError as e:  # a duplicate key of a JSON object
+        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
 
 
 def _read_config(path: str | Path) -> dict:
     """The mapping of a config file (YAML, JSON or TOML by suffix).
 
     Raises:
-        ConfigError: unreadable, not UTF-8, unparsable (names the line) or not a mapping.
+        ConfigError: unreadable, not UTF-8, empty, unparsable or a key given twice (names the line), or not a
+            mapping.
     """
     p = Path(path)
     try:
@@ -959,7 +1017,10 @@ def _read_config(path: str | Path) -> dict:
         raise ConfigError(f"config file {p}: {e.strerror}; check the --config path") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    data = _parse(p, text)
+    data = _parse(p, text) if text.strip() else None
+    if data is None:
+        raise ConfigError(f"config file {p} is empty (or holds only comments); give it the run's sections, e.g. "
+                          "configs/tiny.yaml, or leave out --config to use the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
     return data
@@ -1055,7 +1116,7 @@ def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secr
             raise ConfigError(f"override {item!r}: the key {key!r} has an empty part; write section.field=value, "
                               "e.g. train.max_steps=5")
         try:
-            parsed = yaml.safe_load(value)
+            parsed = _yaml_load(value)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
                               "quote it, e.g. key='text: with colon'") from None

@@ -210,3 +210,48 @@ def test_a_bad_reasoning_gym_task_names_the_tasks_or_options(task, kwargs, says)
         assert all(name in message for name in DATASETS)
     if kwargs.get("max_digitz"):
         assert "max_digits" in message and "min_terms" in message
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.max_steps=true", "train.max_steps"), ("train.learning_rate=false", "train.learning_rate"),
+    ("rollout.num_generations=true", "rollout.num_generations"), ("server.port=false", "server.port"),
+    ("server.gpu_ids=[0, true]", "server.gpu_ids"), ("train.adam_betas=[true, 0.9]", "train.adam_betas"),
+    ("train.selective_checkpointing=true", "train.selective_checkpointing"), ("packing.token_budget=true",
+                                                                              "packing.token_budget"),
+])
+def test_a_boolean_where_a_number_goes_is_refused(override, field):
+    """pydantic took ``true`` as 1 (``train.max_steps=true`` trained one step)."""
+    with pytest.raises(ConfigError, match=re.escape(f"{field}: ") + ".*boolean"):
+        load_config(overrides=[override])
+
+
+def test_booleans_still_reach_bool_fields():
+    cfg = load_config(overrides=["train.lora.enabled=true", "train.gradient_checkpointing=true",
+                                 "train.mixed_precision=false", "train.compile=false"])
+    assert cfg.train.lora.enabled and cfg.train.gradient_checkpointing == "full"
+    assert cfg.train.mixed_precision is False and cfg.train.compile is False
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("top.yaml", "model:\n  name: tiny-qwen3\ntrain:\n  max_steps: 2\nmodel:\n  name: other\n",
+     "line 5, column 1: the key 'model' is given twice (first on line 1)"),
+    ("nested.yaml", "train:\n  max_steps: 2\n  lora:\n    r: 4\n    r: 8\n",
+     "line 5, column 5: the key 'r' is given twice (first on line 4)"),
+    ("flow.yaml", "rollout: {dataset_kwargs: {a: 1, a: 2}}\n", "the key 'a' is given twice"),
+    ("twice.json", '{"train": {"max_steps": 1, "max_steps": 2}}', "the key 'max_steps' is given twice"),
+])
+def test_a_key_given_twice_is_refused_naming_the_key_and_line(tmp_path, name, text, says):
+    """PyYAML and json keep the last of two equal keys silently (the first ``model:`` section was lost)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name, text", [("empty.yaml", ""), ("comments.yaml", "# nothing yet\n\n"),
+                                        ("blank.json", "\n"), ("empty.toml", "")])
+def test_an_empty_config_file_says_it_is_empty(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"config file {path} is empty")):
+        load_config(path)
