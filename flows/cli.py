@@ -30,8 +30,11 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
-config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect the run config.")
+# Docstrings are rST: markdown mode shows ``code`` as text (rich mode printed the backticks) and reflows lines.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0],
+                  rich_markup_mode="markdown")
+config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect the run config.",
+                         rich_markup_mode="markdown")
 app.add_typer(config_app, name="config")
 console = Console(stderr=True)
 #: Libraries whose versions ``grpo --version`` reports (read from package metadata, nothing imported).

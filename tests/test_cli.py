@@ -141,7 +141,8 @@ def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_pa
         path.write_text(text)
     where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
              f"rollout.dataset=json:{path}"]
-    result = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"), *sum((["--set", w] for w in where), []))
+    result = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                     *sum((["--set", w] for w in where), []))
     assert result.exit_code == 2, result.output
     assert f"rollout.dataset='json:{path}'" in result.output and says in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
@@ -164,3 +165,24 @@ def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tm
     else:
         assert result.exit_code == 0, result.output
         assert "valid" in result.output
+
+
+def _command_paths(group, prefix=()):
+    for name, command in group.commands.items():
+        yield (*prefix, name)
+        if getattr(command, "commands", None):  # a group (typer's own click)
+            yield from _command_paths(command, (*prefix, name))
+
+
+def test_help_shows_docstrings_as_text_without_rst_backticks():
+    """Command docstrings are written in rST (``grpo validate``); ``--help`` used to print the double backticks."""
+    import typer
+
+    paths = [(), *_command_paths(typer.main.get_command(app))]
+    assert {("validate",), ("train",), ("resume",), ("config", "show")} <= set(paths)
+    for path in paths:
+        result = _invoke(*path, "--help")
+        assert result.exit_code == 0, (path, result.output)
+        assert "``" not in result.output, (path, result.output)
+    validate_help = " ".join(_invoke("validate", "--help").output.split())
+    assert "every check of the flow's prepare task" in validate_help  # the words kept, the markup gone

@@ -113,7 +113,8 @@ def test_the_checkpoint_fingerprint_keeps_the_run_config_paths():
                                                                                          "train.save_total_limit"}
 
 
-@pytest.mark.parametrize("urls", [["http://gpu-1:8000"], ["http://gpu-1:8000", "http://gpu-2:8000", "http://gpu-3:8000"]])
+@pytest.mark.parametrize("urls", [["http://gpu-1:8000"],
+                                  ["http://gpu-1:8000", "http://gpu-2:8000", "http://gpu-3:8000"]])
 def test_num_replicas_that_contradicts_server_urls_is_refused(urls):
     """``server.num_replicas`` counts the servers the flow starts; with ``server.urls`` each URL is a replica, so
     another count was silently ignored: refused, naming both fields and the fix."""
@@ -157,9 +158,9 @@ def test_an_unknown_key_names_the_closest_fields_of_its_section(override, says):
     assert says in str(info.value)
 
 
-@pytest.mark.parametrize("override, says", [("=5", "the key before '=' is empty"), (" =5", "the key before '=' is empty"),
-                                            ("train..max_steps=5", "has an empty part"),
-                                            ("train.=5", "has an empty part")])
+@pytest.mark.parametrize("override, says", [
+    ("=5", "the key before '=' is empty"), (" =5", "the key before '=' is empty"),
+    ("train..max_steps=5", "has an empty part"), ("train.=5", "has an empty part")])
 def test_an_override_without_a_key_says_so(override, says):
     with pytest.raises(ConfigError, match=re.escape(says)) as info:
         load_config(overrides=[override])

@@ -97,7 +97,8 @@ def reasoning_gym_reward(completions: list[list[dict[str, Any]]], rg_task: list[
 
 
 JSON_PREFIX = "json:"
-_JSON_FIX = "write one JSON object per line ({\"prompt\": [{\"role\": \"user\", \"content\": \"...\"}]}), or fix the path"
+_JSON_FIX = ("write one JSON object per line ({\"prompt\": [{\"role\": \"user\", \"content\": \"...\"}]}), or fix "
+             "the path")
 
 
 def _json_lines_files(pattern: str) -> list[Path]:
