@@ -956,6 +956,8 @@ def _yaml_load(text: str) -> Any:
         def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
             seen: dict[Any, int] = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: explicit keys may override it
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 if isinstance(key, typing.Hashable) and key in seen:
                     raise yaml.constructor.ConstructorError(

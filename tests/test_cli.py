@@ -186,3 +186,19 @@ def test_help_shows_docstrings_as_text_without_rst_backticks():
         assert "``" not in result.output, (path, result.output)
     validate_help = " ".join(_invoke("validate", "--help").output.split())
     assert "every check of the flow's prepare task" in validate_help  # the words kept, the markup gone
+
+
+def test_json_datasets_datasets_reads_still_load(tmp_path):
+    """The JSON-lines check leaves alone what the datasets json loader reads: a compressed file, one JSON array,
+    a glob over several files."""
+    import gzip
+
+    from grpo_core.rollout.data import iter_rows, json_lines_dataset
+
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    for i, row in enumerate(rows):
+        (tmp_path / f"part-{i}.jsonl").write_text(json.dumps(row) + "\n")
+    for pattern in ("rows.jsonl.gz", "array.json", "part-*.jsonl"):
+        assert list(iter_rows(json_lines_dataset(str(tmp_path / pattern)))) == rows, pattern

@@ -256,3 +256,9 @@ def test_an_empty_config_file_says_it_is_empty(tmp_path, name, text):
     path.write_text(text)
     with pytest.raises(ConfigError, match=re.escape(f"config file {path} is empty")):
         load_config(path)
+
+
+def test_a_yaml_merge_key_may_be_overridden_by_an_explicit_key(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("train:\n  <<: {max_steps: 2, save_steps: 1}\n  max_steps: 3\n")
+    assert (load_config(path).train.max_steps, load_config(path).train.save_steps) == (3, 1)

@@ -101,13 +101,19 @@ _JSON_FIX = ("write one JSON object per line ({\"prompt\": [{\"role\": \"user\",
              "the path")
 
 
+#: Compressed files the datasets json loader opens (fsspec's compression by suffix).
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
+
+
 def _json_lines_files(pattern: str) -> list[Path]:
-    """The files a ``json:`` dataset names: the path, or every match of a glob pattern.
+    """The local files a ``json:`` dataset names: the path, or every match of a glob pattern ([] for a URL).
 
     Raises:
         ConfigError: nothing matches, or the path is a folder (names ``rollout.dataset`` and the fix).
     """
     spec = f"rollout.dataset='{JSON_PREFIX}{pattern}'"
+    if "://" in pattern:
+        return []  # a URL (https://, hf://, s3://): datasets fetches and reads it
     path = Path(pattern).expanduser()
     if glob.has_magic(pattern):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
@@ -124,7 +130,10 @@ def _json_lines_files(pattern: str) -> list[Path]:
 
 def _json_lines_problem(path: Path) -> str | None:
     """Where ``path`` stops being JSON lines (``line N is ...``); None when every non-blank line is a JSON object, or
-    the file starts with ``[`` (one JSON array, which ``datasets`` reads and checks itself)."""
+    the file starts with ``[`` (one JSON array) or is compressed (``.gz``, ...), which ``datasets`` reads and checks
+    itself."""
+    if path.suffix.lower() in COMPRESSED_SUFFIXES:
+        return None
     try:
         with path.open("rb") as f:
             if f.read(4096).lstrip().startswith(b"["):
@@ -169,11 +178,12 @@ def json_lines_dataset(pattern: str) -> Any:
     loader_log.setLevel(logging.CRITICAL)
     datasets.utils.disable_progress_bars()
     try:
-        return datasets.load_dataset("json", data_files=[str(f) for f in files], split="train")
+        return datasets.load_dataset("json", data_files=[str(f) for f in files] or pattern, split="train")
     except Exception as exc:  # noqa: BLE001 - pyarrow/datasets raise many types; each is reported as bad input
         cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise ConfigError(f"rollout.dataset='{JSON_PREFIX}{pattern}': the datasets json loader cannot read "
-                          f"{', '.join(map(str, files))} ({type(exc).__name__}: {cause}); {_JSON_FIX}") from None
+        where = ", ".join(map(str, files)) or pattern
+        raise ConfigError(f"rollout.dataset='{JSON_PREFIX}{pattern}': the datasets json loader cannot read {where} "
+                          f"({type(exc).__name__}: {cause}); {_JSON_FIX}") from None
     finally:
         loader_log.setLevel(level)
         if not bars_off:
