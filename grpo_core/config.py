@@ -60,6 +60,22 @@ def _number_field(annotation: Any) -> bool:
     return bool not in leaves and bool(leaves & {int, float})
 
 
+def _changed(model: BaseModel) -> set[str]:
+    """The fields of ``model`` whose values differ from their defaults (what a config set, even a saved config that
+    writes every field)."""
+    fields = type(model).model_fields
+    return {name for name in fields if getattr(model, name) != fields[name].get_default(call_default_factory=True)}
+
+
+def _warn_unused(unused: dict[str, str]) -> None:
+    """Log one warning per cause for settings that have no effect (``{field path: why}``)."""
+    by_cause: dict[str, list[str]] = {}
+    for path, why in unused.items():
+        by_cause.setdefault(why, []).append(path)
+    for why, paths in by_cause.items():
+        logger.warning("%s: no effect (%s); delete them", ", ".join(paths), why)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -264,11 +280,7 @@ class ServerConfig(_ServerKey):
             raise ConfigError(f"server.num_replicas ({self.num_replicas}) applies to servers the flow starts, but "
                               f"server.urls lists {len(self.urls)} running server(s): with server.urls list every "
                               "replica's URL and delete server.num_replicas")
-        by_cause: dict[str, list[str]] = {}
-        for name, why in self.unused_settings().items():
-            by_cause.setdefault(why, []).append(f"server.{name}")
-        for why, names in by_cause.items():
-            logger.warning("%s: no effect (%s); delete them", ", ".join(names), why)
+        _warn_unused({f"server.{name}": why for name, why in self.unused_settings().items()})
         return self
 
     def unused_settings(self) -> dict[str, str]:
@@ -276,9 +288,7 @@ class ServerConfig(_ServerKey):
         settings with ``urls``, embedded-only ones on vLLM and vLLM-only ones on the embedded server,
         ``deployment``-only ones without it). A default is never reported, so a saved config (every field
         written) reports what its source did."""
-        fields = type(self).model_fields
-        given = {name for name in fields if getattr(self, name) != fields[name].get_default(call_default_factory=True)}
-        unused: dict[str, str] = {}
+        given, unused = _changed(self), {}
         if self.urls:
             why = "server.urls names servers started elsewhere; their own launch flags apply"
             unused.update({name: why for name in SERVER_LAUNCH_FIELDS if name in given})
@@ -812,6 +822,11 @@ class TrainerProcessConfig(_Strict):
         return self
 
 
+#: Tracking settings only an MLflow-tracked run reads (``tracking.enabled``).
+TRACKING_ONLY_FIELDS = ("registered_model_name", "registered_model_alias", "log_model", "log_completions",
+                        "log_system_metrics", "system_metrics_interval_s", "checkpoint_artifact_max_mib")
+
+
 class RunConfig(_Strict):
     """Root config of one grpo-flow run."""
 
@@ -875,7 +890,39 @@ class RunConfig(_Strict):
                 f"server.gpu_ids lists {len(set(server.gpu_ids))} distinct GPUs but server.num_replicas * "
                 f"server.tensor_parallel_size = {needed}; list more GPUs or lower num_replicas"
             )
+        _warn_unused(self.unused_settings())
         return self
+
+    def unused_settings(self) -> dict[str, str]:
+        """Settings off their defaults that nothing reads with the rest of the run config: field path -> why
+        (``server.*`` ones: :meth:`ServerConfig.unused_settings`). Warned about at validation."""
+        rollout, train, unused = self.rollout, self.train, {}
+        generated = (rollout.dataset or "").startswith("reasoning_gym:")
+        if not generated and "dataset_seed" in _changed(rollout):
+            unused["rollout.dataset_seed"] = "reasoning_gym: datasets only"
+        if rollout.dataset is not None and not generated and "dataset_size" in _changed(rollout):
+            unused["rollout.dataset_size"] = "reasoning_gym: datasets, or an environment's epoch without a dataset"
+        if (rollout.dataset or "").startswith("json:") and rollout.dataset_kwargs:
+            unused["rollout.dataset_kwargs"] = "reasoning_gym: and module:callable datasets only"
+        if train.gradient_checkpointing != "selective" and "selective_checkpointing" in _changed(train):
+            unused["train.selective_checkpointing"] = "with train.gradient_checkpointing: selective only"
+        if train.nnodes == 1 and train.rdzv_endpoint:
+            unused["train.rdzv_endpoint"] = "with train.nnodes > 1 only"
+        if not train.lora.enabled:
+            why = "train.lora.enabled is false"
+            unused.update({f"train.lora.{name}": why for name in sorted(_changed(train.lora))})
+            unused.update({f"train.{name}": why for name in ("adapter_store", "adapter_store_served_as")
+                           if getattr(train, name)})
+        if not self.export.push_to_hub:
+            unused.update({f"export.{name}": "export.push_to_hub is false" for name in ("hub_private_repo",
+                                                                                        "hub_revision")
+                           if name in _changed(self.export)})
+        if not self.tracking.enabled:
+            unused.update({f"tracking.{name}": "tracking.enabled is false" for name in TRACKING_ONLY_FIELDS
+                           if name in _changed(self.tracking)})
+        if self.flow.concurrency_limit is None and self.flow.concurrency_slots is not None:
+            unused["flow.concurrency_slots"] = "flow.concurrency_limit is None"
+        return unused
 
     def token_budget(self) -> int:
         """Row token budget actually used: ``packing.token_budget`` or ``server.max_model_len``."""

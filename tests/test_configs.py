@@ -262,3 +262,26 @@ def test_a_yaml_merge_key_may_be_overridden_by_an_explicit_key(tmp_path):
     path = tmp_path / "merge.yaml"
     path.write_text("train:\n  <<: {max_steps: 2, save_steps: 1}\n  max_steps: 3\n")
     assert (load_config(path).train.max_steps, load_config(path).train.save_steps) == (3, 1)
+
+
+@pytest.mark.parametrize("data, path, why", [
+    ({"rollout": {"dataset": "json:rows.jsonl", "dataset_kwargs": {"a": 1}}}, "rollout.dataset_kwargs",
+     "module:callable datasets only"),
+    ({"rollout": {"dataset": "json:rows.jsonl", "dataset_seed": 3}}, "rollout.dataset_seed", "reasoning_gym:"),
+    ({"train": {"selective_checkpointing": 2}}, "train.selective_checkpointing", "selective only"),
+    ({"train": {"rdzv_endpoint": "trainer-0:29400"}}, "train.rdzv_endpoint", "train.nnodes > 1 only"),
+    ({"train": {"lora": {"r": 8}}}, "train.lora.r", "train.lora.enabled is false"),
+    ({"train": {"adapter_store": "/mnt/a"}}, "train.adapter_store", "train.lora.enabled is false"),
+    ({"export": {"hub_revision": "dev"}}, "export.hub_revision", "export.push_to_hub is false"),
+    ({"tracking": {"enabled": False, "registered_model_name": "m"}}, "tracking.registered_model_name",
+     "tracking.enabled is false"),
+    ({"flow": {"concurrency_limit": None, "concurrency_slots": 2}}, "flow.concurrency_slots", "concurrency_limit"),
+])
+def test_a_run_setting_that_has_no_effect_is_warned_about(caplog, data, path, why):
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RunConfig.model_validate(data)
+    assert re.search(rf"{re.escape(path)}(, [\w.]+)*: no effect \([^)]*{re.escape(why)}", caplog.text), caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RunConfig()  # defaults: nothing to warn about
+    assert "no effect" not in caplog.text
