@@ -92,6 +92,12 @@ class ServerUnavailableError(ServingError):
     """The generation server did not answer (connection errors, timeouts, 5xx) within the retry budget."""
 
 
+class ReplicaBehindError(ServerUnavailableError):
+    """A replica refused a generation request for a policy version it does not hold: no weight sync of the run
+    reached it since its process started (a restart; ``grpo_core.serving.guard``, 503 ``PolicyVersionBehind``).
+    Not retried on that replica: it serves again once the trainer syncs its weights to it."""
+
+
 class NothingToTrainError(GrpoError, ValueError):
     """The run cannot form an optimizer step: every group came back untrainable, or the samples ran out.
 

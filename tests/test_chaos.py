@@ -229,8 +229,16 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
     # the outage was met: by the rollout's requests, or by the trainer's weight update (the rollout may be idle,
     # waiting for the step that update holds up)
     retries = sum(r.get("rollout/vllm_retry_count", 0.0) for r in records)
-    updates = log.read_text(errors="replace").count(f"control call on {handle.url} failed")
+    trainer_log = log.read_text(errors="replace")
+    updates = trainer_log.count(f"control call on {handle.url} failed")
     assert retries + updates > 0, "neither the rollout nor the trainer met the server gone"
+    # The server came back with the base weights. A request for a later version that reached it before the
+    # trainer's next sync was refused by its guard (never sampled there); the trainer synced again only for that.
+    refused = "no weight sync of the run reached it" in (tmp_path / "second" / "embedded-replica0.log").read_text(
+        errors="replace")
+    resynced = "replicas behind it" in trainer_log
+    assert refused or not resynced, "the trainer synced again for a replica behind it, but none refused a version"
     print(f"chaos seed {seed}: server {victims[0].pid} killed {when}, back after {pause_s:.1f} s; "  # noqa: T201
           f"{FLOW_STEPS} steps, {len(trained)} prompts trained, {retries:.0f} request retries, {updates} "
-          "weight-update retries, duplicates 0, skipped 0")
+          f"weight-update retries, base-weight server refused a later version and was synced again: {refused}, "
+          "duplicates 0, skipped 0")

@@ -203,7 +203,7 @@ def test_long_generation_survives_a_full_weight_sync_intact(server):
             task = asyncio.create_task(c.complete(PROMPT, model=TINY, max_tokens=LONG, seed=3, ignore_eos=True))
             while generated_tokens(server.url) <= start:
                 await asyncio.sleep(0.01)
-            await DiskFullWeightSync.phases(ReplicaSet([c]), folder, "v1")  # what every sync does
+            await DiskFullWeightSync.phases(ReplicaSet([c]), folder, 1)  # what every sync does
             return (await task)[0]
     out = run(go())
     assert out.finish_reason == "length" and len(out.token_ids) == LONG

@@ -76,3 +76,27 @@ def test_micro_batches_planned_beyond_the_step_stay_pending():
     assert len(planner.ready) >= 1  # the one push closed more micro-batches than the step took
     pending = set(planner.pending_samples().column("sample_id").to_pylist())
     assert pending == set(big.column("sample_id").to_pylist()) - trained
+
+
+def test_replicas_behind_end_the_plan_early_keeping_what_was_pulled_and_the_header_asks_one_resync():
+    """A pull reporting replicas behind the policy version (restarted with the base weights: their guard refuses the
+    rollout's requests) ends ``next_step`` before the step is full, so the trainer can sync them; the samples pulled
+    stay planned, and the trainer pushes its weights again once per policy version (``step_header``)."""
+    from grpo_core.train.distributed import RESYNC, ROW, STOP
+    from grpo_core.train.trainer import step_header
+
+    behind = ["http://gpu-2:8000"]
+    source = ScriptedSource([PulledBatch(group(0), servers_behind=behind), PulledBatch(group(1)),
+                             PulledBatch(group(2), exhausted=True)])
+    planner = Planner(source, num_ranks=1, token_budget=8, backend="rust", tracker=PromptTracker(),
+                      flush_after_s=0.01)
+    assert planner.next_step(2, policy_version=3) is None and planner.servers_behind == behind
+    assert len(source.script) == 2, "it stopped pulling at the report"
+    assert step_header(None, planner.servers_behind, resynced_version=-1, policy_version=3) == [RESYNC, 0]
+    assert step_header(None, planner.servers_behind, resynced_version=3, policy_version=3) is None  # pull again
+    step = planner.next_step(2, policy_version=3)  # the sync reached them: nothing behind, the step fills
+    assert planner.servers_behind == [] and step is not None
+    assert {p for mb in step.micro_batches for r in mb for p in r.samples.column("prompt_index").to_pylist()} == {0, 1}
+    header = step_header(step, [], resynced_version=3, policy_version=3)
+    assert header == [ROW, 2, 4, 4]  # per micro-batch: one group, 2 samples x 2 loss-mask ones
+    assert step_header(None, [], resynced_version=3, policy_version=3) == [STOP, 0]

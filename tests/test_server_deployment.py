@@ -208,12 +208,16 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
                 break
             time.sleep(0.3)
         assert again and _listening(again[0]) == port, "the killed replica was not started again on its port"
-        # It came back with the base weights: fenced (503) until the trainer's next weight sync lowers the fence.
-        deadline = time.monotonic() + 20
-        while (health := httpx.get(second.url + "/health", timeout=5)).status_code != 503:
-            assert time.monotonic() < deadline, f"the restarted replica serves before a weight sync: {health.text}"
+        # It came back with the base weights: a request for a later policy version is refused, not sampled from
+        # them, and the replica stays fenced (503) until the trainer's next weight sync lowers the fence.
+        deadline = time.monotonic() + 60
+        while httpx.get(second.url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the restarted replica never answered /health"
             time.sleep(0.2)
-        assert "base weights" in health.text
+        asked = httpx.post(second.url + "/v1/completions", timeout=30, json={"prompt": [1], "max_tokens": 1},
+                           headers={"Authorization": "Bearer token-2", "X-GRPO-Policy-Version": "3"})
+        assert asked.status_code == 503 and "PolicyVersionBehind" in asked.text and "base weights" in asked.text
+        assert httpx.get(second.url + "/health", timeout=5).status_code == 503
         second_replicas = again
         first._beating.set()
         second._beating.set()  # the train flow's process is gone: no beat, no cancellation

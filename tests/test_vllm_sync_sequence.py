@@ -265,7 +265,7 @@ def test_update_failing_on_one_replica_fences_it_off_until_an_update_reaches_it(
     out = sync.sync(tiny_policy(), 2, rank=0)
     assert out["weight_sync/failed_replica_count"] == 0 and not sync.stale and bad.guard.stale is None
     assert bad.paths()[-len(per_sync()):] == per_sync()  # ending with the fence lifted
-    assert bad.calls[-1][3] == {"stale": False}
+    assert bad.calls[-1][3] == {"stale": False, "version": 2}  # the fence comes down naming the version it holds
     healthy, served, down = asyncio.run(route(8))
     assert healthy and set(served) == {bad.url, good.url} and down == 0
 
@@ -372,3 +372,68 @@ def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_
         names = [p for p, _ in server.paths()]
         assert names.count("/pause") == 1 and names[-1] == "/resume" and names.count("/resume") == 1
     assert [p for p, _ in bad.paths()].count("/update_weights") >= 2  # retried before the fan-out gave up
+
+
+# --- a replica that restarted holds the base weights: it refuses later policy versions until a sync reaches it ---
+
+def test_a_guard_no_sync_reached_refuses_later_policy_versions_until_a_sync_names_one(servers):
+    import httpx
+
+    from grpo_core.serving.guard import POLICY_VERSION_HEADER
+
+    server = servers()  # a process just started: it holds the base weights (policy version 0)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def ask(version: str) -> httpx.Response:
+        return httpx.post(server.url + "/v1/completions", json={"prompt": [1]}, timeout=30,
+                          headers={**auth, POLICY_VERSION_HEADER: version})
+
+    assert ask("0").status_code == 200  # the base weights are policy version 0 of a fresh run
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": [1]}, headers=auth).status_code == 200
+    assert ask("x").status_code == 400
+    refused = ask("3")
+    assert refused.status_code == 503 and "PolicyVersionBehind" in refused.text and "base weights" in refused.text
+    assert httpx.get(server.url + "/health").status_code == 503  # out of every router until a sync reaches it
+    assert ask("0").status_code == 503
+    lifted = httpx.post(server.url + "/grpo/stale", json={"stale": False, "version": 3}, headers=auth)
+    assert lifted.status_code == 200 and lifted.json() == {"stale": False, "policy_version": 3}
+    assert httpx.get(server.url + "/health").status_code == 200
+    # a request for the next version may arrive while that sync still runs: a replica a sync reached is not behind
+    assert ask("4").status_code == 200 and ask("3").status_code == 200
+    for bad in ({"stale": False, "version": -1}, {"stale": False, "version": "3"}, {"stale": False, "version": True}):
+        assert httpx.post(server.url + "/grpo/stale", json=bad, headers=auth).status_code == 400, bad
+    assert server.guard.policy_version == 3
+
+
+def test_routing_sends_a_refused_version_to_a_replica_that_holds_it_and_reports_the_one_behind(servers):
+    import httpx
+
+    from grpo_core.errors import ReplicaBehindError
+    from grpo_core.serving.guard import POLICY_VERSION_HEADER
+    from grpo_core.serving.routing import ReplicaSet
+
+    behind, synced = servers(), servers()
+    httpx.post(synced.url + "/grpo/stale", json={"stale": False, "version": 2},
+               headers={"Authorization": f"Bearer {TOKEN}"}).raise_for_status()
+    body, version = {"model": "m", "prompt": [1], "n": 1}, {POLICY_VERSION_HEADER: "2"}
+
+    async def route():
+        async with ReplicaSet([behind.url, synced.url], api_key=TOKEN, max_retries=3, behind_wait_s=0.0) as rs:
+            rs.policy.inflight[1] = 100  # the key's first choice is the replica behind
+            served = await rs.routed(("group", 0), lambda c: _served_with(c, body, version))
+            seen_behind = set(rs.behind)
+            rs.policy.inflight[1] = 0
+            async with ReplicaSet([behind.url], api_key=TOKEN, max_retries=1, behind_wait_s=0.0) as alone:
+                with pytest.raises(ReplicaBehindError):
+                    await alone.clients[0].call("POST", "/v1/completions", body, headers=version)
+            return served, seen_behind
+
+    served, seen_behind = asyncio.run(route())
+    assert served == synced.url and seen_behind == {0}
+    model_calls = [c for c in behind.calls if c[1] == "/v1/completions"]
+    assert model_calls and behind.guard.stale is not None and "policy version 2" in behind.guard.stale
+
+
+async def _served_with(client, body, headers) -> str:
+    await client.call("POST", "/v1/completions", body, headers=headers)
+    return client.base_url

@@ -78,7 +78,8 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
     if not job.server_urls:
         raise ConfigError("the rollout needs at least one generation server URL")
     server = ReplicaSet.from_config(run.server, job.server_urls, max_connections=rollout.max_concurrent_rollouts,
-                                    timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries, sink=window)
+                                    timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries,
+                                    behind_wait_s=rollout.rollout_worker_timeout_s, sink=window)
     try:
         max_model_len = await server.max_model_len()
     except (ValueError, KeyError):

@@ -199,7 +199,9 @@ class RolloutLoop:
                 (out,) = await server.complete(list(prompt_ids) + ids, affinity_key=(group_id, sampled_version),
                                                model=model, max_tokens=budget - len(ids),
                                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                               min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs)
+                                               min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs,
+                                               # full weights: a replica holding no weights of this version refuses
+                                               policy_version=None if self.runtime.lora_name else sampled_version)
             except ServerRequestError:
                 if await self._retired(server, model):  # vLLM: 404 for an unknown model (vllm-h200/README.md)
                     raise AdapterRetired(f"group {group_id}: adapter {model} was unloaded by a newer weight sync "

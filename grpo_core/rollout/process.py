@@ -204,9 +204,13 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(loop)])
 
+    def servers_behind() -> list[str]:
+        replicas = state["rollout_loop"].runtime.server if "rollout_loop" in state else None
+        return [replicas.urls[i] for i in sorted(replicas.behind)] if hasattr(replicas, "behind") else []
+
     server = RolloutFlightServer(f"grpc://{rollout.flight_host}:{rollout.flight_port}", queue, window,
                                  lambda: state["rollout_loop"].generated_tokens if "rollout_loop" in state else 0,
-                                 shutdown, completions)
+                                 shutdown, completions, servers_behind=servers_behind)
     # Bound to every interface: advertise this host's name, which a trainer elsewhere can resolve.
     host = socket.getfqdn() if rollout.flight_host in ("0.0.0.0", "::", "") else rollout.flight_host
     location = f"grpc://{host}:{server.port}"

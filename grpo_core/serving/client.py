@@ -28,8 +28,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_core.auth import bearer_headers, run_token
-from grpo_core.errors import ServerRequestError, ServerUnavailableError
-from grpo_core.serving.guard import STALE_PATH
+from grpo_core.errors import ReplicaBehindError, ServerRequestError, ServerUnavailableError
+from grpo_core.serving.guard import BEHIND_ERROR_TYPE, POLICY_VERSION_HEADER, STALE_PATH
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
 logger = logging.getLogger(__name__)
@@ -175,16 +175,18 @@ class GenerationClient:
         await self._http.aclose()
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                       params: dict[str, Any] | None = None) -> httpx.Response:
+                       params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
         last: str = ""
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self._http.request(method, path, json=body, params=params)
+                response = await self._http.request(method, path, json=body, params=params, headers=headers)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
                 if response.status_code < 400:
                     return response
+                if response.status_code == 503 and BEHIND_ERROR_TYPE in response.text:
+                    raise ReplicaBehindError(f"{method} {self.base_url}{path}: HTTP 503: {response.text[:300]}")
                 if response.status_code == 401:
                     raise ServerRequestError(
                         f"{self.base_url}{path} answered {response.status_code} (unauthorized): the server checks a "
@@ -206,14 +208,15 @@ class GenerationClient:
         )
 
     async def call(self, method: str, path: str, body: dict[str, Any] | None = None,
-                   params: dict[str, Any] | None = None) -> httpx.Response:
+                   params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
         """One JSON request with this client's retries (any endpoint; the router forwards control calls with it).
 
         Raises:
             ServerRequestError: a 4xx answer (not retried).
+            ReplicaBehindError: the replica's guard refused the request's policy version (not retried).
             ServerUnavailableError: connection errors, timeouts or 5xx answers past the retries.
         """
-        return await self._request(method, path, body, params)
+        return await self._request(method, path, body, params, headers)
 
     async def open_stream(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         """Send one request and return the answer with its body not yet read (one attempt; a 4xx is returned as
@@ -235,7 +238,7 @@ class GenerationClient:
     async def complete(self, prompt_ids: list[int], *, model: str, max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None, n: int = 1,
                        stop_token_ids: list[int] | None = None, num_logprobs: int = 0,
-                       ignore_eos: bool = False) -> list[Completion]:
+                       ignore_eos: bool = False, policy_version: int | None = None) -> list[Completion]:
         """Sample ``n`` continuations of one token-id prompt.
 
         Every sampling field is sent explicitly (top-k "off" as ``-1``, penalties at their neutral
@@ -253,6 +256,15 @@ class GenerationClient:
             stop_token_ids: extra ids ending a continuation (kept in ``token_ids``).
             num_logprobs: top log-probs per token to return besides the sampled token's; 0 = none.
             ignore_eos: continue past EOS.
+            policy_version: the full-weight policy version the tokens are tagged with, sent as
+                ``X-GRPO-Policy-Version``: a guarded replica that holds no synced version of the run (restarted
+                with the base weights) refuses it instead of sampling (``grpo_core.serving.guard``); None = not sent
+                (LoRA runs name the version in ``model``).
+
+        Raises:
+            ReplicaBehindError: the replica holds no weights of ``policy_version`` (not retried here).
+            ServerUnavailableError: no answer, or 5xx answers, past the retries.
+            ServerRequestError: a 4xx answer.
 
         Returns:
             ``n`` ``Completion`` objects in choice order; ``finish_reason`` ``"abort"`` (or another value
@@ -264,7 +276,8 @@ class GenerationClient:
             "logprobs": num_logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
             "ignore_eos": ignore_eos, "stop_token_ids": list(stop_token_ids or ()),
         }
-        data = (await self._request("POST", "/v1/completions", body)).json()
+        version = None if policy_version is None else {POLICY_VERSION_HEADER: str(policy_version)}
+        data = (await self._request("POST", "/v1/completions", body, headers=version)).json()
         choices = sorted(data["choices"], key=lambda c: c["index"])
         return [_parse_choice(c, num_logprobs > 0) for c in choices]
 
@@ -346,10 +359,14 @@ class GenerationClient:
             await self.finish_weight_update()
         return result
 
-    async def set_stale(self, stale: bool, reason: str = "") -> None:
+    async def set_stale(self, stale: bool, reason: str = "", version: int | None = None) -> None:
         """Raise (``stale``) or lower the fence of a replica the run guards (``POST /grpo/stale``,
-        :mod:`grpo_core.serving.guard`): fenced, it answers 503 on ``/health`` and generation requests."""
-        await self._request("POST", STALE_PATH, {"stale": stale, "reason": reason})
+        :mod:`grpo_core.serving.guard`): fenced, it answers 503 on ``/health`` and generation requests. ``version``
+        (lowering): the policy version the replica holds from now on."""
+        body: dict[str, Any] = {"stale": stale, "reason": reason}
+        if version is not None:
+            body["version"] = version
+        await self._request("POST", STALE_PATH, body)
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load the PEFT adapter in ``path`` as model ``name`` (vLLM needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""

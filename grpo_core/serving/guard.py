@@ -22,6 +22,12 @@ fallback). It:
   answer whose first chunk went out before is not cut), so every
   router (the rollout's, ``grpo_core.serving.router``) routes around the replica, counts it, and re-admits it when
   ``/health`` answers 200 again;
+* knows which policy version it serves: every full-weight sync that reaches it lowers its fence naming the version
+  (``{"stale": false, "version": v}``); a generation request tagged ``X-GRPO-Policy-Version: v`` with ``v`` > 0
+  that reaches a guard no sync has reached since its process started (a replica restarted by its owner, or by
+  the servers' flow: it holds the base weights, i.e. policy version 0) raises the fence at once and is answered
+  503 of type ``PolicyVersionBehind``, so no base-weight token is tagged with a later version; the rollout then
+  asks the trainer to sync its current weights again (``grpo_core.train.trainer``), which lowers the fence;
 * caps a pause: ``max_pause_s`` seconds after ``POST /pause`` (or ``/start_weight_update``) with no
   ``POST /resume`` since, it resumes the server itself (an internal ``POST /resume``) and logs a
   warning, so a stray pause cannot stall a run for longer.
@@ -49,6 +55,10 @@ WEIGHTS_DIR_ENV = "GRPO_WEIGHTS_DIR"
 PAUSE_PATHS = frozenset({"/pause", "/start_weight_update"})
 RESUME_PATH = "/resume"
 STALE_PATH = "/grpo/stale"
+#: Request header naming the policy version the client samples for (full-weight runs; see the module docstring).
+POLICY_VERSION_HEADER = "X-GRPO-Policy-Version"
+#: Error ``type`` of the 503 a replica behind the run's policy version answers.
+BEHIND_ERROR_TYPE = "PolicyVersionBehind"
 #: Generation routes the stale fence answers 503 on (vLLM's and the embedded server's OpenAI routes).
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 DEFAULT_MAX_PAUSE_S = 300.0
@@ -125,6 +135,9 @@ class RunGuardMiddleware:
         self._pause_generation = 0
         self.stale: str | None = None  # why the replica is fenced off (a failed weight update); None = serving
         self._stale_epoch = 0  # times the fence went up: a request that saw another epoch at its start is fenced
+        self._behind = False  # the fence is up because a request asked for a version this process never received
+        # the policy version the last full-weight sync that reached this process named; None = none since it started
+        self.policy_version: int | None = None
         self._pause_timer: asyncio.TimerHandle | None = None
         self._expiry: asyncio.Task | None = None
 
@@ -147,6 +160,18 @@ class RunGuardMiddleware:
         if path == STALE_PATH and scope["type"] == "http":
             await self._set_stale(receive, send)
             return
+        if path in GENERATION_PATHS and POLICY_VERSION_HEADER.lower() in headers:
+            wanted = headers[POLICY_VERSION_HEADER.lower()]
+            if not wanted.isdigit():
+                await _send_json(send, 400, _error(f"{POLICY_VERSION_HEADER} must be a policy version (an integer "
+                                                   f">= 0), got {wanted!r}", 400, "BadRequest"))
+                return
+            if self.policy_version is None and int(wanted) > 0 and self.stale is None:
+                self.stale = (f"no weight sync of the run reached it since it started (restarted?): it holds the base "
+                              f"weights, not policy version {wanted}")
+                self._stale_epoch += 1
+                self._behind = True
+                logger.error("fenced off (503 on /health and generation requests): %s", self.stale)
         if self.stale is not None and (path == "/health" or path in GENERATION_PATHS):
             await _send_json(send, 503, self._stale_error())
             return
@@ -164,10 +189,11 @@ class RunGuardMiddleware:
 
     def _stale_error(self) -> dict[str, Any]:
         return _error(f"this replica is out of routing: {self.stale}; it rejoins once a weight update reaches it "
-                      "(or it restarts)", 503, "ServiceUnavailable")
+                      "(or it restarts)", 503, BEHIND_ERROR_TYPE if self._behind else "ServiceUnavailable")
 
     async def _set_stale(self, receive: Any, send: Any) -> None:
-        """``POST /grpo/stale {"stale": bool, "reason": str}``: raise or lower the fence (see the module docstring)."""
+        """``POST /grpo/stale {"stale": bool, "reason": str, "version": int}``: raise or lower the fence (see the
+        module docstring); ``version`` (with ``"stale": false``): the policy version the sync that lowers it sent."""
         body = await _read_body(receive)
         if body is None:
             return
@@ -175,18 +201,25 @@ class RunGuardMiddleware:
             data = json.loads(body or b"{}")
         except ValueError:
             data = None
-        if not isinstance(data, dict) or not isinstance(data.get("stale"), bool):
-            await _send_json(send, 400, _error('body must be {"stale": true|false, "reason": "..."}', 400,
-                                               "BadRequest"))
+        version = data.get("version") if isinstance(data, dict) else None
+        if (not isinstance(data, dict) or not isinstance(data.get("stale"), bool)
+                or not (version is None or (type(version) is int and version >= 0))):
+            await _send_json(send, 400, _error('body must be {"stale": true|false, "reason": "...", "version": '
+                                               '<policy version, optional>}', 400, "BadRequest"))
             return
         if data["stale"]:
             self.stale = str(data.get("reason") or "a weight update failed")
             self._stale_epoch += 1
+            self._behind = False
             logger.error("fenced off (503 on /health and generation requests): %s", self.stale)
-        elif self.stale is not None:
-            logger.warning("fence lowered: the replica holds the current weights again")
-            self.stale = None
-        await _send_json(send, 200, {"stale": self.stale is not None})
+        else:
+            if version is not None:
+                self.policy_version = version
+            if self.stale is not None:
+                logger.warning("fence lowered: the replica holds the current weights again%s",
+                               "" if version is None else f" (policy version {version})")
+            self.stale, self._behind = None, False
+        await _send_json(send, 200, {"stale": self.stale is not None, "policy_version": self.policy_version})
 
     async def _fenced(self, scope: dict, receive: Any, send: Any) -> None:
         """Pass a generation request on; if the fence went up since it started, answer 503 instead of its result."""

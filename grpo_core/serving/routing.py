@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from grpo_core.errors import ServerStartError, ServerUnavailableError, ServingError
+from grpo_core.errors import ReplicaBehindError, ServerStartError, ServerUnavailableError, ServingError
 from grpo_core.serving.client import Completion, GenerationClient, ServerMetrics, backoff_delay
 
 logger = logging.getLogger(__name__)
@@ -167,13 +167,16 @@ class ReplicaSet:
         max_retries: re-routes of a completion after a replica failed it (connection error, timeout, 5xx).
         backoff_s, max_backoff_s: retry delay bounds in seconds (:func:`backoff_delay`), used when no replica
             is healthy.
+        behind_wait_s: how long a request waits, on top of ``max_retries``, while the replicas that refuse it are
+            behind the run's policy version (:class:`~grpo_core.errors.ReplicaBehindError`: the trainer syncs them
+            when it next pulls samples; the rollout passes ``rollout.rollout_worker_timeout_s``).
         sink: where routing metrics go: any object with ``add(name, value)`` (a ``MetricWindow``); None = none.
     """
 
     def __init__(self, urls: Sequence[str | GenerationClient], *, api_key: str | None = None, route_imbalance: int = 8,
                  control_retry_s: float = 0.5, control_timeout_s: float = 60.0, max_connections: int = 512,
                  timeout_s: float = 1800.0, max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 sink: Any = None) -> None:
+                 behind_wait_s: float = 300.0, sink: Any = None) -> None:
         if not urls:
             raise ServingError("no generation server URL: set server.urls or let the flow start server.num_replicas")
         self.clients = [GenerationClient(u, api_key=api_key, max_connections=max_connections, timeout_s=timeout_s,
@@ -182,9 +185,13 @@ class ReplicaSet:
         self.policy = RoutingPolicy(len(urls), route_imbalance)
         self.control_retry_s, self.control_timeout_s = control_retry_s, control_timeout_s
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self.behind_wait_s = behind_wait_s
         self.retry_count = 0
         self.sink = sink
         self._probes: dict[int, asyncio.Task] = {}
+        #: replicas that refused a request for a policy version they do not hold (restarted with the base weights,
+        #: :class:`~grpo_core.errors.ReplicaBehindError`), until they rejoin: the trainer's next sync reaches them
+        self.behind: set[int] = set()
 
     @classmethod
     def from_config(cls, server: Any, urls: Sequence[str], **kwargs: Any) -> ReplicaSet:
@@ -242,6 +249,7 @@ class ReplicaSet:
         while not await self.clients[replica].health():
             await asyncio.sleep(PROBE_INTERVAL_S)
         self.policy.mark_up(replica)
+        self.behind.discard(replica)
         logger.info("replica %d (%s) healthy again; it rejoins the routing", replica, self.urls[replica])
 
     async def routed(self, key: Hashable | None, send: Callable[[GenerationClient], Awaitable[T]],
@@ -254,23 +262,31 @@ class ReplicaSet:
             ServerRequestError: a replica refused the request (4xx; not retried).
         """
         tried: list[str] = []
-        for attempt in range(self.max_retries + 1):
+        attempt, behind_deadline = 0, time.monotonic() + self.behind_wait_s
+        while True:
             replica, kind = self.policy.choose(key, count)
             if count:
                 self._record(kind)
             self.policy.inflight[replica] += 1
+            behind = False
             try:
                 return await send(self.clients[replica])
             except ServerUnavailableError as exc:
                 tried.append(f"{self.urls[replica]}: {exc}")
+                behind = isinstance(exc, ReplicaBehindError)
+                if behind:
+                    self.behind.add(replica)
                 await self.failed(replica, exc)
             finally:
                 self.policy.inflight[replica] -= 1
-            if attempt == self.max_retries:
+            # a replica behind the policy version is being healed (the trainer syncs it): wait, not an attempt
+            waiting = behind and time.monotonic() < behind_deadline
+            if attempt == self.max_retries and not waiting:
                 break
             self.retry_count += 1
             if not any(self.policy.healthy):
                 await asyncio.sleep(backoff_delay(attempt, self.backoff_s, self.max_backoff_s))
+            attempt += 0 if waiting else 1
         raise ServerUnavailableError(
             f"request failed on every attempt ({self.max_retries + 1}); last errors: {'; '.join(tried[-3:])}. "
             "Are the generation servers running and reachable?")

@@ -50,7 +50,7 @@ from grpo_core.auth import NONCE_ENV, NONCE_PATH, TOKEN_ENV, bearer_headers, che
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
 from grpo_core.redact import redact_argv, reveal
-from grpo_core.serving.guard import ADAPTER_DIR_ENV, MAX_PAUSE_ENV, STALE_PATH, WEIGHTS_DIR_ENV
+from grpo_core.serving.guard import ADAPTER_DIR_ENV, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
 from grpo_core.serving.sampling_defaults import sampling_problems
 
 logger = logging.getLogger(__name__)
@@ -493,10 +493,11 @@ def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle
     """Start a replica whose process exited again, on the port it served (its URL stays valid, so a router that
     routed around it re-admits it once ``/health`` answers); the same argv with that port and a fresh nonce.
 
-    It comes back with the base weights: in a full-weight run (no ``train.lora``) it is fenced at once
-    (``POST /grpo/stale``, :mod:`grpo_core.serving.guard`: 503 on ``/health`` and generation requests) until the
-    trainer's next weight sync reaches it and lowers the fence, so no token of the base weights is tagged with the
-    run's policy version. A LoRA run needs no fence: the adapter versions it samples are loaded by the next sync.
+    It comes back with the base weights: in a full-weight run its guard (:mod:`grpo_core.serving.guard`) refuses
+    the first request tagged with a later policy version and fences itself (503 on ``/health`` and generation
+    requests); the rollout reports it and the trainer syncs its current weights, which lowers the fence, so no
+    token of the base weights is tagged with a later version. A LoRA run needs neither: the adapter versions it
+    samples are loaded by the next sync.
 
     Raises:
         PortInUseError: another server took the port meanwhile.
@@ -513,12 +514,8 @@ def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle
     handle.stop()  # closes its log file
     new = launch(spec, token)
     wait_healthy(new, config.server.startup_timeout_s, token)
-    if not config.serves_lora():
-        httpx.post(new.url + STALE_PATH, headers=bearer_headers(token), timeout=10.0, json={
-            "stale": True, "reason": "started again with the base weights; it rejoins when the trainer's next weight "
-                                     "sync reaches it"}).raise_for_status()
     logger.info("%s replica %d started again at %s%s", spec.backend, spec.replica, new.url,
-                "" if config.serves_lora() else " (fenced until the next weight sync)")
+                "" if config.serves_lora() else " (it refuses later policy versions until a weight sync reaches it)")
     return new
 
 

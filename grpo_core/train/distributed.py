@@ -25,6 +25,7 @@ from .rows import row_from_bytes, row_to_bytes
 # Header commands.
 ROW = 0
 STOP = 1
+RESYNC = 2  # sync the current weights to the servers again (a replica came back with the base weights)
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,8 @@ class Planner:
         self.trained: set[int] = set()  # trained sample ids of the held batches
         self.exhausted = False
         self.dropped_oversize_count = 0
+        #: replicas the last pull reported behind the run's policy version (``PulledBatch.servers_behind``)
+        self.servers_behind: list[str] = []
         if pending is not None and pending.num_rows:
             self._push(pending)
 
@@ -170,12 +172,16 @@ class Planner:
         self.ready.extend(micro_batches)
 
     def next_step(self, num_micro_batches: int, policy_version: int) -> PlannedStep | None:
-        """Up to ``num_micro_batches`` micro-batches (fewer at the end); None when all is trained."""
+        """Up to ``num_micro_batches`` micro-batches (fewer at the end); None when all is trained, or when a pull
+        reported generation replicas behind the policy version while the step is not full (:attr:`servers_behind`
+        is then set: the caller syncs them and asks again; what was pulled is kept)."""
         wait = 0.0
+        self.servers_behind = []
         while len(self.ready) < num_micro_batches and not self.exhausted:
             t0 = time.perf_counter()
             pulled = self.source.pull(policy_version, timeout_s=self.flush_after_s)
             wait += time.perf_counter() - t0
+            self.servers_behind = list(getattr(pulled, "servers_behind", ()))
             starved = not (pulled.samples.num_rows or pulled.consumed_prompt_indices or pulled.exhausted)
             if starved:  # train what there is rather than wait for rows the rollout may never fill
                 self._emit(self.batcher.finish())
@@ -191,6 +197,8 @@ class Planner:
             if pulled.exhausted:
                 self.exhausted = True
                 self._emit(self.batcher.finish())
+            if self.servers_behind and len(self.ready) < num_micro_batches and not self.exhausted:
+                return None
         if not self.ready:
             return None
         step, self.ready = self.ready[:num_micro_batches], self.ready[num_micro_batches:]

@@ -31,7 +31,7 @@ from grpo_core.transport.types import ResumeState, SampleSource
 
 from . import checkpoint
 from .attention import FlexTreeMasks
-from .distributed import ROW, STOP, World, broadcast_header, scatter_rows
+from .distributed import RESYNC, ROW, STOP, World, broadcast_header, scatter_rows
 from .loss import LossSettings
 from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, shard
 from .planner import PlannedStep, Planner
@@ -68,6 +68,21 @@ def lr_lambda(kind: str, warmup: int, total: int):
     return f
 
 
+def step_header(planned: PlannedStep | None, servers_behind: list[str], resynced_version: int,
+                policy_version: int) -> list[int] | None:
+    """Rank 0's header for the other ranks (``grpo_core.train.distributed``) after a plan: ``[ROW, n, terms…]`` (a
+    step of ``n`` micro-batches), ``[RESYNC, 0]`` (push the weights again: the rollout reports replicas behind
+    ``policy_version``, e.g. restarted with the base weights, and none was pushed again at this version yet),
+    ``[STOP, 0]`` (all trained), or None (pull again: replicas are still behind after a sync at this version, and
+    their guard lets them rejoin once the sync reached them)."""
+    if planned:
+        terms = [sum(r.num_trained for r in mb) for mb in planned.micro_batches]
+        return [ROW, len(terms), *terms]
+    if servers_behind:
+        return [RESYNC, 0] if resynced_version != policy_version else None
+    return [STOP, 0]
+
+
 class Trainer:
     """See module docs. ``cfg``: the trainer's sub-config (``RunConfig.trainer_process()``); ``source`` and ``sink``
     are used on rank 0 only."""
@@ -100,6 +115,7 @@ class Trainer:
         self.warmup_s: float | None = None
         self.graphs = 0  # compiled graphs seen so far (see compiled_graphs)
         self.step, self.policy_version = 0, 0
+        self._resynced_version = -1  # the policy version last pushed again for replicas behind it (collect_step)
         self._saved: Path | None = None  # the checkpoint of the current step, once written or loaded
         tracker, pending = self._resume()
         self.planner = None
@@ -200,18 +216,34 @@ class Trainer:
         return self.warmup_s
 
     # -- one step ------------------------------------------------------------------------
+    def sync_servers(self, why: str) -> None:
+        """Push the current weights (``policy_version``) to every generation server outside a step, then tell the
+        rollout (collective: every rank calls it). Run when a resumed trainer starts (fresh servers hold the base
+        weights) and when the rollout reports replicas behind the policy version (restarted by their owner; their
+        guard refuses requests for a later version until a sync reaches them, ``grpo_core.serving.guard``)."""
+        logger.info("syncing policy version %d to the generation servers (%s)", self.policy_version, why)
+        self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
+        if self.world.is_main:  # the rollout of a full-weight run waits for this before it samples
+            self.source.synced(self.policy_version)
+
     def collect_step(self) -> tuple[list, list[int], PlannedStep | None]:
         """Rank 0 plans the step; every rank gets its row of each micro-batch ([] = stop) and the
-        micro-batches' loss terms summed over ranks (the loss normalisers)."""
-        planned, gas = None, self.cfg.train.gradient_accumulation_steps
-        header = None
-        if self.world.is_main:
-            planned = self.planner.next_step(gas, self.policy_version)
-            header = [STOP, 0]
-            if planned:
-                terms = [sum(r.num_trained for r in mb) for mb in planned.micro_batches]
-                header = [ROW, len(terms), *terms]
-        n = broadcast_header(self.world, header, size=2 + gas)
+        micro-batches' loss terms summed over ranks (the loss normalisers). Replicas the rollout reports behind
+        the policy version are synced first (:meth:`sync_servers`, at most once per policy version)."""
+        gas = self.cfg.train.gradient_accumulation_steps
+        while True:
+            planned, header = None, None
+            if self.world.is_main:
+                planned = self.planner.next_step(gas, self.policy_version)
+                header = step_header(planned, self.planner.servers_behind, self._resynced_version, self.policy_version)
+                if header is None:
+                    continue
+            n = broadcast_header(self.world, header, size=2 + gas)
+            if n[0] != RESYNC:
+                break
+            self._resynced_version = self.policy_version
+            self.sync_servers("replicas behind it: " + ", ".join(self.planner.servers_behind)
+                              if self.world.is_main else "replicas behind it")
         if n[0] == STOP:
             return [], [], None
         mbs = planned.micro_batches if planned else [None] * n[1]
@@ -306,9 +338,7 @@ class Trainer:
         """
         tc = self.cfg.train
         if self.policy_version > 0:  # resumed: servers may be fresh, give them the checkpoint's policy
-            self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
-            if self.world.is_main:  # the rollout of a full-weight run waits for this before it samples
-                self.source.synced(self.policy_version)
+            self.sync_servers("resumed")
         self.warmup()
         while self.step < tc.max_steps:
             if not self.train_step():

@@ -273,7 +273,7 @@ class VllmWeightTransferSync:
             return error
         for url in [u for u in paused if u not in self._failed and u not in self._unguarded]:
             try:
-                self._post(url, STALE_PATH, {"stale": False})
+                self._post(url, STALE_PATH, {"stale": False, "version": version})
             except ServingError as exc:
                 if url not in self.stale and " 404" in str(exc):
                     self._unguarded.add(url)

@@ -157,27 +157,28 @@ class DiskFullWeightSync:
         previous = self.root / f"v{version - 1}"
         undo = (lambda c: c.update_weights_from_path(str(previous))) if previous.exists() else None
 
-        self.servers.run(lambda rs: self.phases(rs, str(folder), f"v{version}", undo))
+        self.servers.run(lambda rs: self.phases(rs, str(folder), version, undo))
         self._prune(version)
         return {"perf/weight_sync_gather_s": t1 - t0, "perf/weight_sync_write_s": t2 - t1,
                 "perf/weight_sync_load_s": time.perf_counter() - t2}
 
     @staticmethod
-    async def phases(rs: Any, folder: str, label: str, undo: Any = None) -> None:
+    async def phases(rs: Any, folder: str, version: int, undo: Any = None) -> None:
         """Pause every server of ``rs`` (a ``ReplicaSet``; keep mode: requests in flight wait), update each from
-        ``folder``, lower every fence (``POST /grpo/stale``), resume each; every phase all or nothing, and every
-        paused server resumed whatever failed.
+        ``folder`` (policy version ``version``), lower every fence naming the version (``POST /grpo/stale``),
+        resume each; every phase all or nothing, and every paused server resumed whatever failed.
         ``undo(client)`` restores a server that took the update when another refused it (None = nothing to restore).
 
         Raises:
             ControlFanOutError: a server kept refusing the pause, the update or the resume (named).
         """
+        label = f"v{version}"
         await rs.fan_out(f"pause for weight sync {label}", lambda c: c.pause(), undo=lambda c: c.resume())
         try:
             await rs.fan_out(f"weight sync {label}", lambda c: c.update_weights_from_path(folder), undo)
             # every server holds this version now: a fence raised on one (started again with the base weights by
             # the servers' flow, or by an earlier trainer) comes down
-            await rs.fan_out(f"lift fences after weight sync {label}", lambda c: c.set_stale(False))
+            await rs.fan_out(f"lift fences after weight sync {label}", lambda c: c.set_stale(False, version=version))
         finally:  # never leave a server paused (a failed resume is raised, with the update's error as context)
             await rs.fan_out(f"resume after weight sync {label}", lambda c: c.resume())
 

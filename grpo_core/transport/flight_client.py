@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 META_CONSUMED = b"grpo.consumed"
 META_EXHAUSTED = b"grpo.exhausted"
+META_SERVERS_BEHIND = b"grpo.servers_behind"
 POLL_S = 1.0
 STARTUP_TIMEOUT_S = 600.0
 
@@ -142,29 +143,32 @@ class FlightSource:
         while True:
             self._check_heartbeat()
             wait_s = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic()))
-            table, more_consumed, exhausted = self._get(policy_version, min_samples - kept, wait_s)
+            table, more_consumed, exhausted, behind = self._get(policy_version, min_samples - kept, wait_s)
             table, stale_consumed, num_dropped = self._drop_stale(table, policy_version)
             tables.append(table)
             consumed += more_consumed + stale_consumed
             dropped += num_dropped
             kept += table.num_rows
-            if kept >= min_samples or exhausted or (deadline is not None and time.monotonic() >= deadline):
+            if (kept >= min_samples or exhausted or behind
+                    or (deadline is not None and time.monotonic() >= deadline)):
                 break
         self._dropped_since_metrics += dropped
         merged = pa.concat_tables(tables, promote_options="default").combine_chunks()
         batches = merged.to_batches()
         samples = batches[0] if len(batches) == 1 else pa.RecordBatch.from_pylist([], schema=merged.schema)
         return PulledBatch(samples=samples, consumed_prompt_indices=consumed, dropped_stale_count=dropped,
-                           exhausted=exhausted)
+                           exhausted=exhausted, servers_behind=behind)
 
-    def _get(self, policy_version: int, min_samples: int, wait_s: float) -> tuple[pa.Table, list[int], bool]:
+    def _get(self, policy_version: int, min_samples: int,
+             wait_s: float) -> tuple[pa.Table, list[int], bool, list[str]]:
         ticket = flight.Ticket(json.dumps({"policy_version": policy_version, "min_samples": max(min_samples, 1),
                                            "wait_s": wait_s}).encode())
         options = self._options(wait_s + 60.0)
         table = self._rpc(lambda: self._client.do_get(ticket, options=options).read_all())
         meta = table.schema.metadata or {}
         consumed = json.loads(meta.get(META_CONSUMED, b"[]"))
-        return table.replace_schema_metadata(None), consumed, meta.get(META_EXHAUSTED) == b"1"
+        behind = json.loads(meta.get(META_SERVERS_BEHIND, b"[]"))
+        return table.replace_schema_metadata(None), consumed, meta.get(META_EXHAUSTED) == b"1", behind
 
     def _drop_stale(self, table: pa.Table, policy_version: int) -> tuple[pa.Table, list[int], int]:
         """Drop samples more than ``max_staleness`` versions old; prompts left with no sample count as consumed."""

@@ -6,7 +6,9 @@ Flight server (its own gRPC threads) serves them to the trainer:
 - ``DoGet`` ticket ``{"policy_version", "min_samples", "wait_s"}`` (JSON): waits up to
   ``wait_s`` for ``min_samples`` queued samples (or the end), then streams every queued
   group as one Sample-schema batch (whole groups only). The schema metadata carries
-  ``grpo.consumed`` (JSON list of prompts finished without a sample) and ``grpo.exhausted``.
+  ``grpo.consumed`` (JSON list of prompts finished without a sample), ``grpo.exhausted`` and
+  ``grpo.servers_behind`` (JSON list of the replicas that refused a request for a policy version they do not
+  hold, e.g. restarted with the base weights: the trainer syncs its weights again).
 - ``DoAction``: ``report`` ``{"policy_version", "tokens_consumed"}`` (token allowance),
   ``metrics`` (JSON metric window), ``completions`` (JSON list of the window's sampled
   completion rows; empty unless ``tracking.log_completions``), ``heartbeat`` (seconds since the
@@ -35,7 +37,7 @@ import pyarrow.flight as flight
 from grpo_core.auth import TOKEN_ENV, authorized, check_port_free, run_token
 from grpo_core.errors import TransportError
 from grpo_core.packing import Sample, sample_schema, samples_to_arrow
-from grpo_core.transport.flight_client import META_CONSUMED, META_EXHAUSTED
+from grpo_core.transport.flight_client import META_CONSUMED, META_EXHAUSTED, META_SERVERS_BEHIND
 
 if TYPE_CHECKING:  # the rollout engine passes these in; the transport never imports it at run time
     from grpo_core.rollout.pace import TokenAllowance
@@ -150,6 +152,8 @@ class RolloutFlightServer(flight.FlightServerBase):
         on_shutdown: called when the trainer asks the process to stop.
         completions: the completion-table sample (drained by ``completions``), or None.
         token: the bearer token every call must carry; default ``GRPO_RUN_TOKEN``.
+        servers_behind: returns the URLs of the replicas behind the run's policy version (the routing's
+            ``ReplicaSet.behind``); None = never any.
 
     Raises:
         TransportError: no token is given or set (the server must not start unguarded).
@@ -158,7 +162,8 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def __init__(self, location: str, queue: SampleQueue, window: MetricWindow,
                  generated_tokens: Callable[[], int], on_shutdown: Callable[[], None],
-                 completions: CompletionSample | None = None, token: str | None = None) -> None:
+                 completions: CompletionSample | None = None, token: str | None = None,
+                 servers_behind: Callable[[], list[str]] | None = None) -> None:
         token = token or run_token()
         if not token:
             raise TransportError(f"the rollout Flight server needs the run's bearer token: set {TOKEN_ENV}")
@@ -170,6 +175,7 @@ class RolloutFlightServer(flight.FlightServerBase):
         self.completions = completions
         self.generated_tokens = generated_tokens
         self.on_shutdown = on_shutdown
+        self.servers_behind = servers_behind or list
         self._rate_mark = (time.monotonic(), 0)
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
@@ -177,7 +183,8 @@ class RolloutFlightServer(flight.FlightServerBase):
         batches, consumed, exhausted, queued = self.queue.take(int(request.get("min_samples", 1)),
                                                               float(request.get("wait_s", 1.0)))
         self.window.add("rollout/queue_size", queued)
-        metadata = {META_CONSUMED: json.dumps(consumed).encode(), META_EXHAUSTED: b"1" if exhausted else b"0"}
+        metadata = {META_CONSUMED: json.dumps(consumed).encode(), META_EXHAUSTED: b"1" if exhausted else b"0",
+                    META_SERVERS_BEHIND: json.dumps(list(self.servers_behind())).encode()}
         if batches:  # groups may differ in optional columns (sampling masks): missing ones become null
             table = pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="default")
         else:

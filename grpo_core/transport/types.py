@@ -25,12 +25,16 @@ class PulledBatch:
             any trainable sample (filtered, zero-std group, all stale).
         dropped_stale_count: samples dropped for staleness in this pull.
         exhausted: the dataset (or max_steps) is done and all was delivered.
+        servers_behind: URLs of generation replicas that refused a request for a policy version they do not
+            hold (started again with the base weights): the trainer syncs its weights again
+            (:meth:`grpo_core.train.trainer.Trainer.sync_servers`).
     """
 
     samples: pa.RecordBatch
     consumed_prompt_indices: list[int] = field(default_factory=list)
     dropped_stale_count: int = 0
     exhausted: bool = False
+    servers_behind: list[str] = field(default_factory=list)
 
 
 class SampleSource(Protocol):
