@@ -519,7 +519,7 @@ def run_slots(config: RunConfig) -> int:
     servers' and the trainer's, counted once)."""
     if config.flow.concurrency_slots is not None:
         return config.flow.concurrency_slots
-    if config.server.urls or config.server.deployment:  # the servers run elsewhere: only the trainer's ranks here
+    if not config.server.starts_here():  # the servers run elsewhere: only the trainer's ranks here
         return config.train.num_ranks
     from grpo_core.serving.vllm import choose_backend, replica_gpus
 

@@ -5,6 +5,10 @@ Every error caused by bad input or config is a ``ValueError`` subclass, so calle
 transient failures. Messages name the offending field and say how to fix it.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class GrpoError(Exception):
     """Base class of every error grpo-flow raises on purpose."""
@@ -153,3 +157,18 @@ def is_deterministic(exc: BaseException | str) -> bool:
         name = exc.rsplit(".", 1)[-1]
         return any(name in _names(cls) for cls in DETERMINISTIC_ERRORS)
     return isinstance(exc, DETERMINISTIC_ERRORS)
+
+
+def did_you_mean(name: str, choices: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean PREFIX+a or PREFIX+b?"`` for the choices closest to a misspelt ``name`` (difflib's
+    ratio >= 0.6, at most 3, best first), or ``""`` when none is close.
+
+    Args:
+        name: what the user wrote (a field or task name).
+        choices: the valid names.
+        prefix: put before each suggestion, e.g. ``"train."`` for a field of the train section.
+    """
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
