@@ -30,8 +30,11 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
-config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect the run config.")
+# Docstrings are rST: markdown mode shows ``code`` as text (rich mode printed the backticks) and reflows lines.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0],
+                  rich_markup_mode="markdown")
+config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect the run config.",
+                         rich_markup_mode="markdown")
 app.add_typer(config_app, name="config")
 console = Console(stderr=True)
 #: Libraries whose versions ``grpo --version`` reports (read from package metadata, nothing imported).
@@ -72,6 +75,14 @@ def _start_prefect_api() -> None:
         raise typer.Exit(EXIT_FAILED) from None
 
 
+def config_error(exc: BaseException) -> None:
+    """Print ``config error: <message>`` on stderr: the message verbatim (no rich markup or emoji codes, e.g. the
+    ``:x:`` of a quoted ``/etc/passwd`` line) and unwrapped, so each error stays one line in a log or a pipe."""
+    from rich.text import Text
+
+    console.print(Text.assemble(("config error", "red"), ": ", str(exc)), soft_wrap=True)
+
+
 def _load(config: Path | None, overrides: list[str], trusted: bool | None = None):
     """Load and validate a config. ``trusted=True``: the caller's own file and overrides, whose code names join
     the allow-list of this process and its children (``grpo_core.allowlist.trust_config``); ``False`` (a config
@@ -89,7 +100,7 @@ def _load(config: Path | None, overrides: list[str], trusted: bool | None = None
             allowlist.check_code_references(cfg)
         return cfg
     except ConfigError as exc:
-        console.print(f"[red]config error[/red]: {exc}")
+        config_error(exc)
         raise typer.Exit(EXIT_CONFIG) from None
 
 
@@ -215,7 +226,7 @@ def _checked(cfg):  # noqa: ANN001, ANN202 - RunConfig, imported lazily
     try:
         preflight.check_run(cfg)
     except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
-        console.print(f"[red]config error[/red]: {exc}")
+        config_error(exc)
         raise typer.Exit(2) from None
     return cfg
 
@@ -271,7 +282,7 @@ def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue
         try:
             config = _run_config_of(run_id, set_)
         except ConfigError as exc:
-            console.print(f"[red]config error[/red]: {exc}")
+            config_error(exc)
             raise typer.Exit(2) from None
         cfg = _checked(_load(config, [*set_, f"resume_from={run_id}"], trusted=False))
     run_locally(cfg, retries)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import sys
 import time
@@ -37,11 +38,21 @@ RESOLVED_CONFIG = "run_config.json"
 TRAIN_CONFIG = "train_config.json"  # the trainer's sub-config (``RunConfig.trainer_process()``)
 
 
-class TrainerError(RuntimeError):
+class RunChildError(RuntimeError):
+    """A child process of the run failed. ``causes``: the class names of the exceptions that ended it, as it
+    recorded them (empty when it recorded none: killed, or died without a traceback); they decide whether a
+    retry may cure the failure (:func:`retry_can_cure`)."""
+
+    def __init__(self, message: str, causes: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.causes = list(causes or [])
+
+
+class TrainerError(RunChildError):
     """The trainer process failed; the message holds the tail of its output."""
 
 
-class RolloutProcessError(RuntimeError):
+class RolloutProcessError(RunChildError):
     """The rollout process failed to start or exited with an error; the message holds its log's tail."""
 
 
@@ -255,7 +266,9 @@ def _raise_if_failed(error_file: Path, log_file: Path, how: object) -> None:
         return
     lines = [line for line in error_file.read_text(errors="replace").splitlines() if line.strip()]
     cause = lines[-1] if lines else "no traceback"
-    raise RolloutProcessError(f"rollout process failed ({how}): {cause}; traceback in {error_file}, log {log_file}")
+    causes = [m.group(1)] if (m := re.match(r"([\w.]+)(?::|$)", cause)) else []  # `module.Type: message`
+    raise RolloutProcessError(f"rollout process failed ({how}): {cause}; traceback in {error_file}, log {log_file}",
+                              causes)
 
 
 def _await_location(run_dir: str, rollout_run) -> str:  # noqa: ANN001 - a PrefectFuture
@@ -329,8 +342,9 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
                              + (f"; log {failure_log}:\n{log_tail(failure_log)}" if failure_log else ""))
     if code != 0:
         cause = read_trainer_error(root)
+        causes = re.findall(r"^rank \d+: ([\w.]+):", cause, flags=re.M)  # `rank R: Type: message` per rank
         raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")
-                           + f"\nlast output:\n{tail}")
+                           + f"\nlast output:\n{tail}", causes)
     return str(latest_checkpoint(root))
 
 
@@ -391,6 +405,52 @@ def _track_final(cfg: RunConfig, run_id: str, png: Path | None, model_dir: Path 
     return out
 
 
+def retry_can_cure(exc: BaseException) -> bool:
+    """Whether a flow retry may cure ``exc`` (the flow's retry condition; Prefect's ``retry_condition_fn`` is for
+    tasks only). No when it is deterministic (``grpo_core.errors.is_deterministic``: bad config, a resume refused,
+    nothing to train, user code that raises, ...) or a child process recorded such an error as its cause; yes for
+    the rest: a process killed, a server or the network gone, a timeout, a held run lock."""
+    from grpo_core.errors import is_deterministic
+
+    causes = getattr(exc, "causes", None)
+    if causes:
+        return not any(is_deterministic(name) for name in causes)
+    return not is_deterministic(exc)
+
+
+def _no_more_retries(exc: BaseException) -> None:
+    """Lower this flow run's retries to the attempts made, so the Failed state this attempt proposes is final (the
+    server's retry rule reads the run's ``empirical_policy``); a later Retry from the UI still works."""
+    from prefect.client.orchestration import get_client
+
+    flow_run_id = runtime.flow_run.id
+    if not flow_run_id:
+        return
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        policy = run.empirical_policy
+        if policy.retries is None or run.run_count > policy.retries:
+            return  # no retry was left anyway
+        client.update_flow_run(flow_run_id, empirical_policy=policy.model_copy(
+            update={"retries": max(run.run_count - 1, 0)}))
+    get_run_logger().error("not retrying the flow run: %s is not a failure a retry can cure", type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _retry_only_curable():
+    """Let the flow's retries (``@flow(retries=...)``) run only after a failure that :func:`retry_can_cure`."""
+    try:
+        yield
+    except Exception as exc:
+        if not retry_can_cure(exc):
+            try:
+                _no_more_retries(exc)
+            except Exception as api_exc:  # noqa: BLE001 - the run's own error must surface, not this one
+                get_run_logger().warning("could not stop the flow run's retries (%s); a retry may repeat: %s",
+                                         api_exc, exc)
+        raise
+
+
 @contextlib.contextmanager
 def _sigterm_raises():
     """Turn SIGTERM (cancellation by the worker) into an exception so ``finally`` stops every process."""
@@ -419,8 +479,16 @@ def grpo_train(config: RunConfig) -> dict:
     Returns:
         The run summary: steps, first/last five rewards, throughputs (tokens/s), MLflow run id and
         URI, checkpoint and reward-curve paths.
+
+    A failed attempt is retried (``retries``) only when a retry may cure it (:func:`retry_can_cure`).
     """
     setup_logging()
+    with _retry_only_curable():
+        return _attempt(config)
+
+
+def _attempt(config: RunConfig) -> dict:
+    """One attempt of :func:`grpo_train`."""
     flow_run_id = str(runtime.flow_run.id or f"local-{int(time.time())}")
     deployment = runtime.deployment.name
     run = prepare(config, flow_run_id, deployment)
@@ -451,7 +519,7 @@ def run_slots(config: RunConfig) -> int:
     servers' and the trainer's, counted once)."""
     if config.flow.concurrency_slots is not None:
         return config.flow.concurrency_slots
-    if config.server.urls or config.server.deployment:  # the servers run elsewhere: only the trainer's ranks here
+    if not config.server.starts_here():  # the servers run elsewhere: only the trainer's ranks here
         return config.train.num_ranks
     from grpo_core.serving.vllm import choose_backend, replica_gpus
 

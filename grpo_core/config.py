@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, create_model, field_serializer, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, create_model, field_serializer,
+                      field_validator, model_validator)
 
 from grpo_core.errors import ConfigError
 from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_secret_flags
@@ -49,8 +50,46 @@ def default_cache_dir() -> Path:
     return Path(xdg) / "grpo-flow"
 
 
+def _number_field(annotation: Any) -> bool:
+    """Whether a field's type takes numbers (int or float, alone, in a union or as list items) but no bool."""
+    leaves, todo = set(), [annotation]
+    while todo:
+        t = todo.pop()
+        args = typing.get_args(t)
+        leaves.add(t) if not args else todo.extend(args)
+    return bool not in leaves and bool(leaves & {int, float})
+
+
+def _changed(model: BaseModel) -> set[str]:
+    """The fields of ``model`` whose values differ from their defaults (what a config set, even a saved config that
+    writes every field)."""
+    fields = type(model).model_fields
+    return {name for name in fields if getattr(model, name) != fields[name].get_default(call_default_factory=True)}
+
+
+def _warn_unused(unused: dict[str, str]) -> None:
+    """Log one warning per cause for settings that have no effect (``{field path: why}``)."""
+    by_cause: dict[str, list[str]] = {}
+    for path, why in unused.items():
+        by_cause.setdefault(why, []).append(path)
+    for why, paths in by_cause.items():
+        logger.warning("%s: no effect (%s); delete them", ", ".join(paths), why)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _refuse_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic takes ``true`` as 1 for an int or float field (``train.max_steps: true`` trained 1 step):
+        a bool, alone or in a list, is refused where a number is expected."""
+        items = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(v, bool) for v in items) and _number_field(cls.model_fields[info.field_name].annotation):
+            if isinstance(value, bool):
+                raise ValueError(f"{str(value).lower()} is a boolean, not a number; write a number")
+            raise ValueError("holds a boolean (true/false) where a number goes; write numbers")
+        return value
 
 
 def _view(owner: type[_Strict], names: tuple[str, ...], base: type[_Strict], doc: str) -> type[_Strict]:
@@ -123,6 +162,17 @@ class ModelConfig(_Strict):
         return self.cache_dir if self.cache_dir is not None else default_cache_dir()
 
 
+#: Server settings that only the servers the flow starts read (ignored with ``server.urls``).
+SERVER_LAUNCH_FIELDS = ("backend", "port", "tensor_parallel_size", "gpu_ids", "max_num_seqs", "kv_cache_size_tokens",
+                        "api_server_count", "gpu_memory_utilization", "enforce_eager", "embedded_num_threads",
+                        "max_pause_s", "extra_args")
+#: Server settings only the embedded server reads; only vLLM reads; only a servers' deployment reads.
+EMBEDDED_ONLY_FIELDS = ("kv_cache_size_tokens", "embedded_num_threads")
+VLLM_ONLY_FIELDS = ("tensor_parallel_size", "api_server_count", "gpu_memory_utilization", "enforce_eager",
+                    "extra_args")
+DEPLOYMENT_ONLY_FIELDS = ("advertise_host", "lifeline_timeout_s")
+
+
 class ServerConfig(_ServerKey):
     """The generation server(s): real vLLM on GPUs, or the embedded server."""
 
@@ -138,7 +188,8 @@ class ServerConfig(_ServerKey):
     port: int = Field(default=8000, ge=0, le=65535)
     """Port of replica 0; replica i uses port + i. 0 = a free port chosen at start."""
     num_replicas: int = Field(default=1, ge=1)
-    """Number of server replicas (data parallel), each on its own GPUs."""
+    """Number of server replicas the flow (or ``deployment``) starts (data parallel), each on its own GPUs; with
+    ``urls`` each URL is a replica (leave it unset; a value other than the number of URLs is refused)."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs per replica (vLLM ``--tensor-parallel-size``)."""
     gpu_ids: list[int] | None = None
@@ -188,8 +239,9 @@ class ServerConfig(_ServerKey):
         return split_secret_flags(args)
     urls: list[str] = Field(default_factory=list)
     """External generation servers (``http://host:port``, one per replica) started elsewhere; when set the flow
-    starts no server and routes over these (``num_replicas``, ``backend`` and the launch settings are ignored;
-    the trainer asks each server what it is)."""
+    starts no server and routes over these (the trainer asks each server what it is). The launch settings
+    (``SERVER_LAUNCH_FIELDS``: ``backend``, ``port``, ``gpu_ids``, ...) have no effect then and are warned about;
+    ``num_replicas`` other than the number of URLs is refused."""
     api_key: SecretStr | None = None
     """Bearer token of external servers, sent as ``Authorization: Bearer`` on every request and control call;
     None = the ``GRPO_SERVER_API_KEY`` environment variable, else the run's own token (``GRPO_RUN_TOKEN``, which
@@ -221,6 +273,39 @@ class ServerConfig(_ServerKey):
     router_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the OpenAI-compatible router (``python -m grpo_core.serving.router``) the flow starts in front
     of the replicas for outside clients (evaluation, a single-endpoint trainer); 0 = a free port; None = none."""
+
+    @model_validator(mode="after")
+    def _check_unused_settings(self) -> ServerConfig:
+        if self.urls and self.num_replicas not in (1, len(self.urls)):  # 1: the default (a saved config holds it)
+            raise ConfigError(f"server.num_replicas ({self.num_replicas}) applies to servers the flow starts, but "
+                              f"server.urls lists {len(self.urls)} running server(s): with server.urls list every "
+                              "replica's URL and delete server.num_replicas")
+        _warn_unused({f"server.{name}": why for name, why in self.unused_settings().items()})
+        return self
+
+    def unused_settings(self) -> dict[str, str]:
+        """Settings off their defaults that nothing reads with the rest of this section: field name -> why (launch
+        settings with ``urls``, embedded-only ones on vLLM and vLLM-only ones on the embedded server,
+        ``deployment``-only ones without it). A default is never reported, so a saved config (every field
+        written) reports what its source did."""
+        given, unused = _changed(self), {}
+        if self.urls:
+            why = "server.urls names servers started elsewhere; their own launch flags apply"
+            unused.update({name: why for name in SERVER_LAUNCH_FIELDS if name in given})
+        elif self.backend == "vllm":
+            unused.update({name: "embedded server only; server.backend is 'vllm'" for name in EMBEDDED_ONLY_FIELDS
+                           if name in given})
+        elif self.backend == "embedded":
+            unused.update({name: "vLLM only; server.backend is 'embedded'" for name in VLLM_ONLY_FIELDS
+                           if name in given})
+        if not self.deployment:
+            unused.update({name: "server.deployment only" for name in DEPLOYMENT_ONLY_FIELDS if name in given})
+        return unused
+
+    def starts_here(self) -> bool:
+        """Whether the flow's host starts the replicas itself (neither ``urls`` nor ``deployment`` is set): only then
+        does this host need what the launch settings (``backend``, ``num_replicas``, ``gpu_ids``, ...) ask for."""
+        return not self.urls and not self.deployment
 
     @field_validator("urls")
     @classmethod
@@ -737,6 +822,11 @@ class TrainerProcessConfig(_Strict):
         return self
 
 
+#: Tracking settings only an MLflow-tracked run reads (``tracking.enabled``).
+TRACKING_ONLY_FIELDS = ("registered_model_name", "registered_model_alias", "log_model", "log_completions",
+                        "log_system_metrics", "system_metrics_interval_s", "checkpoint_artifact_max_mib")
+
+
 class RunConfig(_Strict):
     """Root config of one grpo-flow run."""
 
@@ -800,7 +890,39 @@ class RunConfig(_Strict):
                 f"server.gpu_ids lists {len(set(server.gpu_ids))} distinct GPUs but server.num_replicas * "
                 f"server.tensor_parallel_size = {needed}; list more GPUs or lower num_replicas"
             )
+        _warn_unused(self.unused_settings())
         return self
+
+    def unused_settings(self) -> dict[str, str]:
+        """Settings off their defaults that nothing reads with the rest of the run config: field path -> why
+        (``server.*`` ones: :meth:`ServerConfig.unused_settings`). Warned about at validation."""
+        rollout, train, unused = self.rollout, self.train, {}
+        generated = (rollout.dataset or "").startswith("reasoning_gym:")
+        if not generated and "dataset_seed" in _changed(rollout):
+            unused["rollout.dataset_seed"] = "reasoning_gym: datasets only"
+        if rollout.dataset is not None and not generated and "dataset_size" in _changed(rollout):
+            unused["rollout.dataset_size"] = "reasoning_gym: datasets, or an environment's epoch without a dataset"
+        if (rollout.dataset or "").startswith("json:") and rollout.dataset_kwargs:
+            unused["rollout.dataset_kwargs"] = "reasoning_gym: and module:callable datasets only"
+        if train.gradient_checkpointing != "selective" and "selective_checkpointing" in _changed(train):
+            unused["train.selective_checkpointing"] = "with train.gradient_checkpointing: selective only"
+        if train.nnodes == 1 and train.rdzv_endpoint:
+            unused["train.rdzv_endpoint"] = "with train.nnodes > 1 only"
+        if not train.lora.enabled:
+            why = "train.lora.enabled is false"
+            unused.update({f"train.lora.{name}": why for name in sorted(_changed(train.lora))})
+            unused.update({f"train.{name}": why for name in ("adapter_store", "adapter_store_served_as")
+                           if getattr(train, name)})
+        if not self.export.push_to_hub:
+            unused.update({f"export.{name}": "export.push_to_hub is false" for name in ("hub_private_repo",
+                                                                                        "hub_revision")
+                           if name in _changed(self.export)})
+        if not self.tracking.enabled:
+            unused.update({f"tracking.{name}": "tracking.enabled is false" for name in TRACKING_ONLY_FIELDS
+                           if name in _changed(self.tracking)})
+        if self.flow.concurrency_limit is None and self.flow.concurrency_slots is not None:
+            unused["flow.concurrency_slots"] = "flow.concurrency_limit is None"
+        return unused
 
     def token_budget(self) -> int:
         """Row token budget actually used: ``packing.token_budget`` or ``server.max_model_len``."""
@@ -869,6 +991,40 @@ def _yaml_where(e: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last silently).
+
+    Raises:
+        yaml.YAMLError: malformed YAML, or a duplicate key (its ``problem_mark`` is the second key's line).
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: explicit keys may override it
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice (first on line {seen[key]}); keep one",
+                        key_node.start_mark)
+                if isinstance(key, typing.Hashable):
+                    seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    duplicate = next((k for k in keys if keys.count(k) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"the key {duplicate!r} is given twice in one object; keep one")
+    return dict(pairs)
+
+
 def _parse(path: Path, text: str) -> Any:
     """The data of a config file by its suffix (``.toml``, ``.json``, else YAML).
 
@@ -884,21 +1040,24 @@ def _parse(path: Path, text: str) -> Any:
         if path.suffix == ".toml":
             return tomllib.loads(text)
         if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text) or {}
+            return json.loads(text, object_pairs_hook=_unique_json_keys)
+        return _yaml_load(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"config file {path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {_yaml_where(e)}") from None
+    except ValueError as e:  # a duplicate key of a JSON object
+        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
 
 
 def _read_config(path: str | Path) -> dict:
     """The mapping of a config file (YAML, JSON or TOML by suffix).
 
     Raises:
-        ConfigError: unreadable, not UTF-8, unparsable (names the line) or not a mapping.
+        ConfigError: unreadable, not UTF-8, empty, unparsable or a key given twice (names the line), or not a
+            mapping.
     """
     p = Path(path)
     try:
@@ -907,10 +1066,79 @@ def _read_config(path: str | Path) -> dict:
         raise ConfigError(f"config file {p}: {e.strerror}; check the --config path") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    data = _parse(p, text)
+    data = _parse(p, text) if text.strip() else None
+    if data is None:
+        raise ConfigError(f"config file {p} is empty (or holds only comments); give it the run's sections, e.g. "
+                          "configs/tiny.yaml, or leave out --config to use the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def _section_model(kind: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model of the section at ``loc`` (field names; list indices and union tags are stepped over), or None."""
+    model: Any = kind
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            continue
+        model = next((t for t in (fields[part].annotation, *getattr(fields[part].annotation, "__args__", ()))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _field_path(kind: type[BaseModel], loc: tuple) -> str:
+    """``loc`` as the dotted path a user writes: field names and list indices (``extra_args[2]``), without
+    pydantic's union-member tags (``list[str]``, ``literal['all-linear']``)."""
+    path, model = "", kind
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif model is not None:  # a section: ``part`` is one of its fields (past a leaf field: a union tag)
+            path += f".{part}" if path else str(part)
+            model = _section_model(model, (part,))
+    return path
+
+
+def _error_lines(kind: type[BaseModel], errors: list[dict]) -> list[str]:
+    """One line per field of a pydantic ValidationError: ``path: message``. An unknown key gets the section's
+    closest field names; a ConfigError from a cross-field check is its own message (it names its fields); the
+    failed members of a union are joined on one line."""
+    from grpo_core.errors import did_you_mean
+
+    lines: dict[str, list[str]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            lines.setdefault(str(cause), [])
+            continue
+        path = _field_path(kind, loc)
+        if err["type"] == "extra_forbidden":
+            section = _section_model(kind, loc[:-1])
+            names = section.model_fields if section is not None else ()
+            prefix = f"{_field_path(kind, loc[:-1])}." if loc[:-1] else ""
+            path = f"{prefix}{loc[-1]}"
+            msg = "unknown key" + did_you_mean(str(loc[-1]), names, prefix)
+        elif err["type"] == "value_error" and cause is not None:
+            msg = str(cause)
+            if path and msg.startswith(path):  # the validator's message names the field already
+                lines.setdefault(msg, [])
+                continue
+        else:
+            msg = err["msg"]
+        if msg not in lines.setdefault(path or "config", []):
+            lines[path or "config"].append(msg)
+    return [f"{path}: {', or '.join(msgs)} (got {_shown(errors, path, kind)})" if len(msgs) > 1
+            else f"{path}: {msgs[0]}" if msgs else path for path, msgs in lines.items()]
+
+
+def _shown(errors: list[dict], path: str, kind: type[BaseModel]) -> str:
+    """The input at ``path`` of the first error there, for a union's joined line."""
+    for err in errors:
+        if _field_path(kind, tuple(err["loc"])) == path:
+            return repr(err.get("input"))[:80]
+    return "?"
 
 
 def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None,
@@ -930,8 +1158,14 @@ def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secr
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, value = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(f"override {item!r}: the key before '=' is empty; write key.sub=value, e.g. "
+                              "train.max_steps=5")
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError(f"override {item!r}: the key {key!r} has an empty part; write section.field=value, "
+                              "e.g. train.max_steps=5")
         try:
-            parsed = yaml.safe_load(value)
+            parsed = _yaml_load(value)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
                               "quote it, e.g. key='text: with colon'") from None
@@ -939,7 +1173,7 @@ def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secr
     try:
         return kind.model_validate(data)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
+        lines = _error_lines(kind, e.errors())
         extra = hint if any(err["type"] == "extra_forbidden" for err in e.errors()) else ""
         what = "trainer sub-config" if kind is TrainerProcessConfig else "run config"
         raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines) + extra) from None

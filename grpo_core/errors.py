@@ -5,6 +5,10 @@ Every error caused by bad input or config is a ``ValueError`` subclass, so calle
 transient failures. Messages name the offending field and say how to fix it.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class GrpoError(Exception):
     """Base class of every error grpo-flow raises on purpose."""
@@ -126,3 +130,45 @@ class CheckpointError(GrpoError):
 
 class RunLockedError(GrpoError):
     """Another process holds the run folder's lock (the message names its pid)."""
+
+
+#: Errors that an attempt meets again on a retry: the same config, data and code fail the same way (bad input:
+#: every ``ValueError``, ConfigError, NothingToTrainError and pydantic's ValidationError among them; user code
+#: that raises or times out; a checkpoint that cannot be used), and programming errors. Everything else (a
+#: process killed, a server or the network gone, a transport timeout, a held run lock) a retry may cure.
+DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, RolloutError, CheckpointError, TypeError, AttributeError, ImportError, NameError, SyntaxError,
+    KeyError, IndexError, AssertionError, NotImplementedError, ZeroDivisionError,
+)
+
+
+def _names(cls: type) -> set[str]:
+    return {cls.__name__} | {n for sub in cls.__subclasses__() for n in _names(sub)}
+
+
+def is_deterministic(exc: BaseException | str) -> bool:
+    """Whether a retry would meet ``exc`` again (see :data:`DETERMINISTIC_ERRORS`).
+
+    Args:
+        exc: an exception, or the class name of one raised in a child process (``ConfigError``, or qualified
+            ``grpo_core.errors.ConfigError``), as the trainer's error file and the rollout's traceback record it.
+    """
+    if isinstance(exc, str):
+        name = exc.rsplit(".", 1)[-1]
+        return any(name in _names(cls) for cls in DETERMINISTIC_ERRORS)
+    return isinstance(exc, DETERMINISTIC_ERRORS)
+
+
+def did_you_mean(name: str, choices: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean PREFIX+a or PREFIX+b?"`` for the choices closest to a misspelt ``name`` (difflib's
+    ratio >= 0.6, at most 3, best first), or ``""`` when none is close.
+
+    Args:
+        name: what the user wrote (a field or task name).
+        choices: the valid names.
+        prefix: put before each suggestion, e.g. ``"train."`` for a field of the train section.
+    """
+    import difflib
+
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""

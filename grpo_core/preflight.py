@@ -282,10 +282,10 @@ def check_run(cfg: RunConfig) -> None:
     check_tracking(cfg)
     check_resume_from(cfg)
     check_model(cfg)
-    if cfg.server.backend == "vllm" and not cfg.server.urls:
+    if cfg.server.backend == "vllm" and cfg.server.starts_here():
         from grpo_core.serving.vllm import choose_backend
 
-        choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for external server.urls)
+        choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for server.urls / deployment)
     loop_class_and_config(cfg.rollout)
     for name in cfg.rollout.tools:
         import_object(name, "rollout.tools")

@@ -407,6 +407,9 @@ class MlflowSink:
         self.names = MetricNames()
         self._refused: set[str] = set()
         self._queue: queue.Queue = queue.Queue()
+        self._held_lock = threading.Lock()
+        self._pending: dict[Path, int] = {}  # checkpoint folder → uploads queued or running
+        self._uploaded: Path | None = None  # the last checkpoint uploaded completely
         missing = [r for r in trained if r["step"] > self.skip_through]
         if missing:
             logger.info("MLflow run %s lacks trained steps %d-%d (a killed attempt's upload): logging them from "
@@ -436,7 +439,16 @@ class MlflowSink:
 
     def on_checkpoint(self, path: Path, step: int) -> None:
         """Queue a checkpoint folder for upload (called by the trainer after each save)."""
+        with self._held_lock:
+            self._pending[Path(path)] = self._pending.get(Path(path), 0) + 1
         self._queue.put(("checkpoint", step, Path(path)))
+
+    def held_checkpoints(self) -> set[Path]:
+        """Checkpoint folders that ``train.save_total_limit`` must not delete yet: those queued or being uploaded,
+        and the last one uploaded (the tag ``grpo.latest_checkpoint_step`` names it; a checkpoint logged as its
+        URI only is read from that folder)."""
+        with self._held_lock:
+            return set(self._pending) | ({self._uploaded} if self._uploaded is not None else set())
 
     def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Queue one logging window's completion sample as the table ``completions/step_NNNNNNN.json``."""
@@ -464,9 +476,16 @@ class MlflowSink:
                     mc.log_table(self.run_id, data=table, artifact_file=f"completions/step_{step:07d}.json")
                 else:
                     log_checkpoint(self.tc, self.run_id, payload)
+                    self._uploaded = payload
             except Exception as exc:  # noqa: BLE001 - tracking must not stop training; counted and logged
                 self.num_errors += 1
                 logger.warning("MLflow %s upload of step %d failed: %s", kind, step, exc)
+            finally:
+                if kind == "checkpoint":
+                    with self._held_lock:
+                        self._pending[payload] -= 1
+                        if not self._pending[payload]:
+                            del self._pending[payload]
 
     def _log_metrics(self, mc: MlflowClient, step: int, payload: Mapping[str, float]) -> None:
         """Log one step's finite metrics under MLflow-safe names, in batches.

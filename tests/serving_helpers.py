@@ -60,6 +60,13 @@ def weights_dir(handle: ServerHandle) -> Path:
     return Path(handle.spec.env[WEIGHTS_DIR_ENV])
 
 
+def holds_version(url: str, version: int) -> None:
+    """Tell ``url``'s guard it holds policy ``version``: the last call of every full-weight sync (a test playing the
+    trainer sends it with ``report``/``synced``, or the guard refuses the rollout's requests for ``version``)."""
+    httpx.post(url + "/grpo/stale", json={"stale": False, "version": version}, headers=bearer_headers(run_token()),
+               timeout=10).raise_for_status()
+
+
 def run(coro):  # noqa: ANN001, ANN201 - thin asyncio.run alias for readability
     """Run a coroutine to completion in a fresh event loop."""
     return asyncio.run(coro)

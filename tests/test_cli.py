@@ -118,3 +118,87 @@ def test_an_infinite_learning_rate_is_refused():
 
     with pytest.raises(ValueError, match="train.learning_rate|learning_rate"):
         RunConfig.model_validate({"train": {"learning_rate": float("inf")}})
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("passwd", "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n", "line 1 is not JSON"),
+    ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n', "line 3 is not JSON"),
+    ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
+    ("latin1.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "line 2 is not UTF-8"),
+    ("array.json", '[{"prompt": "a"},\n', "the datasets json loader cannot read"),
+    ("missing.jsonl", None, "no such file"),
+    ("folder", "DIR", "is a folder"),
+])
+def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_path, name, text, says):
+    """``rollout.dataset=json:FILE`` with FILE missing or not JSON lines used to end in a HF datasets traceback
+    (exit 1) or an error not naming the field: it names ``rollout.dataset``, the file and the line, exit 2."""
+    path = tmp_path / name
+    if text == "DIR":
+        path.mkdir()
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
+             f"rollout.dataset=json:{path}"]
+    result = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                     *sum((["--set", w] for w in where), []))
+    assert result.exit_code == 2, result.output
+    assert f"rollout.dataset='json:{path}'" in result.output and says in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tmp_path):
+    """On this CPU box every shipped config validates, except those that start vLLM on the flow's own host while
+    vLLM is not installed: they name the host they need. Servers elsewhere (``server.urls``, ``server.deployment``,
+    e.g. multihost-pools.yaml) need no vLLM here."""
+    import importlib.util
+
+    server = (yaml.safe_load(path.read_text()) or {}).get("server", {})
+    needs_vllm_here = server.get("backend") == "vllm" and not server.get("urls") and not server.get("deployment")
+    where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}"]
+    result = _invoke("validate", "--config", str(path), *sum((["--set", w] for w in where), []))
+    if needs_vllm_here and importlib.util.find_spec("vllm") is None:
+        assert result.exit_code == 2, result.output
+        assert "this host starts the replicas" in result.output and "GPU host with vLLM" in result.output
+    else:
+        assert result.exit_code == 0, result.output
+        assert "valid" in result.output
+
+
+def _command_paths(group, prefix=()):
+    for name, command in group.commands.items():
+        yield (*prefix, name)
+        if getattr(command, "commands", None):  # a group (typer's own click)
+            yield from _command_paths(command, (*prefix, name))
+
+
+def test_help_shows_docstrings_as_text_without_rst_backticks():
+    """Command docstrings are written in rST (``grpo validate``); ``--help`` used to print the double backticks."""
+    import typer
+
+    paths = [(), *_command_paths(typer.main.get_command(app))]
+    assert {("validate",), ("train",), ("resume",), ("config", "show")} <= set(paths)
+    for path in paths:
+        result = _invoke(*path, "--help")
+        assert result.exit_code == 0, (path, result.output)
+        assert "``" not in result.output, (path, result.output)
+    validate_help = " ".join(_invoke("validate", "--help").output.split())
+    assert "every check of the flow's prepare task" in validate_help  # the words kept, the markup gone
+
+
+def test_json_datasets_datasets_reads_still_load(tmp_path):
+    """The JSON-lines check leaves alone what the datasets json loader reads: a compressed file, one JSON array,
+    a glob over several files."""
+    import gzip
+
+    from grpo_core.rollout.data import iter_rows, json_lines_dataset
+
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    for i, row in enumerate(rows):
+        (tmp_path / f"part-{i}.jsonl").write_text(json.dumps(row) + "\n")
+    for pattern in ("rows.jsonl.gz", "array.json", "part-*.jsonl"):
+        assert list(iter_rows(json_lines_dataset(str(tmp_path / pattern)))) == rows, pattern

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,177 @@ def test_the_checkpoint_fingerprint_keeps_the_run_config_paths():
     assert set(fp["config"]) - {k for k, v in fp["config"].items() if v is not None} <= {"model.revision",
                                                                                          "train.epsilon_high",
                                                                                          "train.save_total_limit"}
+
+
+@pytest.mark.parametrize("urls", [["http://gpu-1:8000"],
+                                  ["http://gpu-1:8000", "http://gpu-2:8000", "http://gpu-3:8000"]])
+def test_num_replicas_that_contradicts_server_urls_is_refused(urls):
+    """``server.num_replicas`` counts the servers the flow starts; with ``server.urls`` each URL is a replica, so
+    another count was silently ignored: refused, naming both fields and the fix."""
+    with pytest.raises(ValueError, match=r"server.num_replicas \(2\).*server.urls lists %d.*list every replica's URL"
+                                          % len(urls)):
+        RunConfig.model_validate({"server": {"urls": urls, "num_replicas": 2}})
+    assert RunConfig.model_validate({"server": {"urls": urls[:2], "num_replicas": len(urls[:2])}}).server.urls
+    assert RunConfig.model_validate({"server": {"urls": urls}}).server.num_replicas == 1  # unset: the URLs count
+
+
+@pytest.mark.parametrize("server, field, why", [
+    ({"urls": ["http://gpu-1:8000"], "gpu_ids": [0, 1]}, "gpu_ids", "server.urls"),
+    ({"urls": ["http://gpu-1:8000"], "backend": "vllm"}, "backend", "server.urls"),
+    ({"backend": "embedded", "extra_args": ["--worker-cls", "evil.mod:W"]}, "extra_args", "vLLM only"),
+    ({"backend": "vllm", "embedded_num_threads": 2}, "embedded_num_threads", "embedded server only"),
+    ({"lifeline_timeout_s": 5}, "lifeline_timeout_s", "server.deployment only"),
+])
+def test_a_server_setting_that_has_no_effect_is_warned_about(caplog, server, field, why):
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RunConfig.model_validate({"server": server})
+    assert re.search(rf"server\.{field}(, server\.\w+)*: no effect \({why}", caplog.text), caplog.text
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_set_nothing_that_has_no_effect(path, caplog):
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        load_config(path)
+    assert "no effect" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("override, says", [
+    ("train.max_stepz=3", "train.max_stepz: unknown key; did you mean train.max_steps"),
+    ("trian.max_steps=3", "trian: unknown key; did you mean train"),
+    ("server.num_replica=2", "server.num_replica: unknown key; did you mean server.num_replicas?"),
+    ("train.lora.rr=3", "train.lora.rr: unknown key; did you mean train.lora.r?"),
+    ("rollout.temprature=1", "did you mean rollout.temperature?"),
+])
+def test_an_unknown_key_names_the_closest_fields_of_its_section(override, says):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert says in str(info.value)
+
+
+@pytest.mark.parametrize("override, says", [
+    ("=5", "the key before '=' is empty"), (" =5", "the key before '=' is empty"),
+    ("train..max_steps=5", "has an empty part"), ("train.=5", "has an empty part")])
+def test_an_override_without_a_key_says_so(override, says):
+    with pytest.raises(ConfigError, match=re.escape(says)) as info:
+        load_config(overrides=[override])
+    assert "config" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["train.clip_min=9"], "train.clip_min (9.0) must be below train.clip_max"),
+    (["server.urls=[http://gpu-1:8000]", "server.num_replicas=3"], "server.num_replicas (3) applies"),
+    (["rollout.top_p=0.5"], "rollout.top_p < 1 needs rollout.top_k > 0"),
+    (["server.urls=[ftp://x]"], "server.urls: 'ftp://x' is not an http(s) base URL"),
+])
+def test_a_cross_field_error_is_its_own_message_without_pydantic_prefixes(overrides, says):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    lines = str(info.value).splitlines()
+    assert lines[1].strip().startswith(says), lines
+    assert "Value error" not in str(info.value) and not any(line.strip().startswith("config:") for line in lines)
+
+
+def test_a_union_field_error_is_one_line_without_pydantic_member_tags():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["train.lora.target_modules=x"])
+    lines = str(info.value).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].strip().startswith("train.lora.target_modules: ") and "(got 'x')" in lines[0]
+    assert "literal[" not in lines[0] and "list[str]" not in lines[0]
+    with pytest.raises(ConfigError, match=r"server.extra_args\[1\]: Input should be a valid string$"):
+        load_config(overrides=["server.extra_args=[--enforce-eager, 2]"])
+
+
+@pytest.mark.parametrize("task, kwargs, says", [
+    ("chain_summ", {}, "did you mean reasoning_gym:chain_sum"),
+    ("no_such_task", {}, "the tasks: "),  # nothing close: every task is listed
+    ("chain_sum", {"max_digitz": 2}, "its options: "),
+    ("chain_sum", {"min_terms": 5, "max_terms": 2}, "max_terms must be >= min_terms"),
+])
+def test_a_bad_reasoning_gym_task_names_the_tasks_or_options(task, kwargs, says):
+    from reasoning_gym.factory import DATASETS
+
+    from grpo_core.rollout.data import load_dataset
+
+    cfg = RunConfig.model_validate({"rollout": {"dataset": f"reasoning_gym:{task}", "dataset_kwargs": kwargs}})
+    with pytest.raises(ConfigError, match=re.escape(says)) as info:
+        load_dataset(cfg.rollout)
+    message = str(info.value)
+    assert message.startswith(f"rollout.dataset='reasoning_gym:{task}'")
+    if task == "no_such_task":
+        assert all(name in message for name in DATASETS)
+    if kwargs.get("max_digitz"):
+        assert "max_digits" in message and "min_terms" in message
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.max_steps=true", "train.max_steps"), ("train.learning_rate=false", "train.learning_rate"),
+    ("rollout.num_generations=true", "rollout.num_generations"), ("server.port=false", "server.port"),
+    ("server.gpu_ids=[0, true]", "server.gpu_ids"), ("train.adam_betas=[true, 0.9]", "train.adam_betas"),
+    ("train.selective_checkpointing=true", "train.selective_checkpointing"), ("packing.token_budget=true",
+                                                                              "packing.token_budget"),
+])
+def test_a_boolean_where_a_number_goes_is_refused(override, field):
+    """pydantic took ``true`` as 1 (``train.max_steps=true`` trained one step)."""
+    with pytest.raises(ConfigError, match=re.escape(f"{field}: ") + ".*boolean"):
+        load_config(overrides=[override])
+
+
+def test_booleans_still_reach_bool_fields():
+    cfg = load_config(overrides=["train.lora.enabled=true", "train.gradient_checkpointing=true",
+                                 "train.mixed_precision=false", "train.compile=false"])
+    assert cfg.train.lora.enabled and cfg.train.gradient_checkpointing == "full"
+    assert cfg.train.mixed_precision is False and cfg.train.compile is False
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("top.yaml", "model:\n  name: tiny-qwen3\ntrain:\n  max_steps: 2\nmodel:\n  name: other\n",
+     "line 5, column 1: the key 'model' is given twice (first on line 1)"),
+    ("nested.yaml", "train:\n  max_steps: 2\n  lora:\n    r: 4\n    r: 8\n",
+     "line 5, column 5: the key 'r' is given twice (first on line 4)"),
+    ("flow.yaml", "rollout: {dataset_kwargs: {a: 1, a: 2}}\n", "the key 'a' is given twice"),
+    ("twice.json", '{"train": {"max_steps": 1, "max_steps": 2}}', "the key 'max_steps' is given twice"),
+])
+def test_a_key_given_twice_is_refused_naming_the_key_and_line(tmp_path, name, text, says):
+    """PyYAML and json keep the last of two equal keys silently (the first ``model:`` section was lost)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name, text", [("empty.yaml", ""), ("comments.yaml", "# nothing yet\n\n"),
+                                        ("blank.json", "\n"), ("empty.toml", "")])
+def test_an_empty_config_file_says_it_is_empty(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(f"config file {path} is empty")):
+        load_config(path)
+
+
+def test_a_yaml_merge_key_may_be_overridden_by_an_explicit_key(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("train:\n  <<: {max_steps: 2, save_steps: 1}\n  max_steps: 3\n")
+    assert (load_config(path).train.max_steps, load_config(path).train.save_steps) == (3, 1)
+
+
+@pytest.mark.parametrize("data, path, why", [
+    ({"rollout": {"dataset": "json:rows.jsonl", "dataset_kwargs": {"a": 1}}}, "rollout.dataset_kwargs",
+     "module:callable datasets only"),
+    ({"rollout": {"dataset": "json:rows.jsonl", "dataset_seed": 3}}, "rollout.dataset_seed", "reasoning_gym:"),
+    ({"train": {"selective_checkpointing": 2}}, "train.selective_checkpointing", "selective only"),
+    ({"train": {"rdzv_endpoint": "trainer-0:29400"}}, "train.rdzv_endpoint", "train.nnodes > 1 only"),
+    ({"train": {"lora": {"r": 8}}}, "train.lora.r", "train.lora.enabled is false"),
+    ({"train": {"adapter_store": "/mnt/a"}}, "train.adapter_store", "train.lora.enabled is false"),
+    ({"export": {"hub_revision": "dev"}}, "export.hub_revision", "export.push_to_hub is false"),
+    ({"tracking": {"enabled": False, "registered_model_name": "m"}}, "tracking.registered_model_name",
+     "tracking.enabled is false"),
+    ({"flow": {"concurrency_limit": None, "concurrency_slots": 2}}, "flow.concurrency_slots", "concurrency_limit"),
+])
+def test_a_run_setting_that_has_no_effect_is_warned_about(caplog, data, path, why):
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RunConfig.model_validate(data)
+    assert re.search(rf"{re.escape(path)}(, [\w.]+)*: no effect \([^)]*{re.escape(why)}", caplog.text), caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RunConfig()  # defaults: nothing to warn about
+    assert "no effect" not in caplog.text

@@ -21,7 +21,7 @@ import pytest
 import rollout_helpers as h
 import yaml
 import torch
-from serving_helpers import TINY, adapter_dir, embedded_server, generated_tokens, run
+from serving_helpers import TINY, adapter_dir, embedded_server, generated_tokens, holds_version, run
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import TransportError
@@ -122,6 +122,7 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
                 metrics[metric] = max(metrics.get(metric, value), value)
             if batch.exhausted:
                 break
+            holds_version(server.url, version)
             source.report(version, step_tokens)
             version += 2  # the trainer syncs weights twice per pull: older samples go stale
             time.sleep(0.3)
@@ -256,6 +257,7 @@ def test_reward_functions_get_trainer_state_log_metric_and_the_environments(serv
                      dataset="rollout_helpers:rows_of", dataset_kwargs={"rows": prompts})
     resume = ResumeState(policy_version=3, step=7)
     with rollout(server, tmp_path, config, resume=resume) as source:
+        holds_version(server.url, 3)
         source.synced(3)  # the resumed trainer's first sync (the rollout waits for it)
         samples, consumed, metrics = drain(source, policy_version=3)
     assert metrics["state_reward/group_count"] == 3

@@ -54,15 +54,6 @@ def _listening(process) -> set[int]:
         return set()
 
 
-def _health_status(url: str) -> int | None:
-    """``GET /health``'s status; None when the request timed out (a replica still loading on a loaded machine
-    has not answered yet: asked again)."""
-    try:
-        return httpx.get(url + "/health", timeout=10).status_code
-    except httpx.TimeoutException:
-        return None
-
-
 def _servers_runs(api: Api, train_run_id: str) -> list[dict]:
     response = api.http.post("/flow_runs/filter", json={"flow_runs": {"tags": {"all_": [
         f"grpo-train-run:{train_run_id}"]}}})
@@ -198,14 +189,14 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
         assert again and _listening(again[0]) == port, "the killed replica was not started again on its port"
         # It came back with the base weights: a request for a later policy version is refused, not sampled from
         # them, and the replica stays fenced (503) until the trainer's next weight sync lowers the fence.
-        deadline = time.monotonic() + 60
-        while _health_status(second.url) != 200:
+        deadline = time.monotonic() + 90
+        while _health(second.url) != 200:  # it listens before its model is loaded: a request may time out
             assert time.monotonic() < deadline, "the restarted replica never answered /health"
             time.sleep(0.2)
         asked = httpx.post(second.url + "/v1/completions", timeout=30, json={"prompt": [1], "max_tokens": 1},
                            headers={"Authorization": "Bearer token-2", "X-GRPO-Policy-Version": "3"})
         assert asked.status_code == 503 and "PolicyVersionBehind" in asked.text and "base weights" in asked.text
-        assert httpx.get(second.url + "/health", timeout=5).status_code == 503
+        assert _health(second.url) == 503
         second_replicas = again
         first._beating.set()
         second._beating.set()  # the train flow's process is gone: no beat, no cancellation
@@ -217,3 +208,11 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
     assert "stopped beating its lifeline" in api.logs(second.flow_run_id)
     psutil.wait_procs(second_replicas, timeout=30)
     assert not _embedded_under(gpu_worker.pid)
+
+
+def _health(url: str) -> int | None:
+    """The status ``GET /health`` answers, None when it does not answer within 5 s (a server still starting)."""
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,50 @@ def test_a_resume_logs_each_step_to_mlflow_once_whatever_the_killed_attempt_uplo
         resumed.log(step, {"loss": float(step)})
     resumed.close()
     assert [(m.step, m.value) for m in mc.get_metric_history(run_id, "loss")] == [(s, float(s)) for s in range(1, 6)]
+
+
+def test_save_total_limit_keeps_a_checkpoint_until_its_upload_is_done_and_the_tag_moved_on(tmp_path, monkeypatch):
+    # Checkpoints over checkpoint_artifact_max_mib are logged as their folder's URI: deleting such a folder while
+    # the run's latest-checkpoint tag names it leaves MLflow pointing at nothing; deleting one mid-upload leaves a
+    # partial copy. Uploads are held here by events (a slow upload) while the trainer's rotation runs.
+    from grpo_core.train.trainer import rotate_checkpoints
+
+    cfg = _cfg(tmp_path, checkpoint_artifact_max_mib=0.5)
+    run_id, _ = tracking.start_run(cfg, "flow-rotate")
+    out = tmp_path / "out"
+    release = {2: threading.Event(), 4: threading.Event()}
+    started = {2: threading.Event(), 4: threading.Event()}
+    uploaded = {2: threading.Event(), 4: threading.Event()}
+    real_upload = tracking.log_checkpoint
+
+    def slow_upload(tc, rid, path):  # noqa: ANN001
+        step = int(Path(path).name[5:])
+        started[step].set()
+        assert release[step].wait(120), "the test never released the upload"
+        real_upload(tc, rid, path)
+        uploaded[step].set()
+
+    monkeypatch.setattr(tracking, "log_checkpoint", slow_upload)
+    mc = tracking.client(cfg.tracking)
+    sink = tracking.MlflowSink(cfg.tracking, run_id)
+    try:
+        step2 = _checkpoint(out, 2, payload_bytes=2**20)  # over 0.5 MiB: logged as its URI
+        sink.on_checkpoint(step2, 2)
+        assert rotate_checkpoints(out, 1, step2, sink) == []
+        step4 = _checkpoint(out, 4)
+        sink.on_checkpoint(step4, 4)
+        assert started[2].wait(120)
+        assert rotate_checkpoints(out, 1, step4, sink) == [] and step2.is_dir(), "deleted while uploading"
+        release[2].set()
+        assert uploaded[2].wait(120) and started[4].wait(120)
+        assert mc.get_run(run_id).data.tags[tracking.LATEST_STEP_TAG] == "2"
+        assert rotate_checkpoints(out, 1, step4, sink) == [] and step2.is_dir(), "deleted while the tag names it"
+        release[4].set()
+    finally:
+        for event in release.values():
+            event.set()
+        sink.close()
+    assert mc.get_run(run_id).data.tags[tracking.LATEST_STEP_TAG] == "4"
+    assert rotate_checkpoints(out, 1, None, sink) == [step2] and not step2.exists() and step4.is_dir()
+    got = tracking.download_latest_checkpoint(cfg.tracking, run_id, tmp_path / "fresh")
+    assert got is not None and got.name == step4.name

@@ -17,6 +17,7 @@ from grpo_core.errors import RolloutError, ServingError
 
 from .data import iter_rows, num_rows
 from .loop import RolloutLoop
+from .usercode import running_after_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ async def poll_concurrency(loop: RolloutLoop, first: bool = False) -> None:
         loop._preemptions = preemptions
     window.add("rollout/concurrency_cap", cap.cap)
     window.add("rollout/concurrency", cap.in_flight)
+    window.add("rollout/timed_out_calls_running_max", running_after_timeout())  # blocked in C past their limit
 
 
 async def _poll_forever(loop: RolloutLoop) -> None:

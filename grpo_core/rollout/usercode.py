@@ -2,13 +2,22 @@
 
 Sync functions run in the loop's thread pool, async ones are awaited; each call can carry a time
 limit (``rollout.reward_timeout_s``, ``rollout.tool_timeout_s``).
+
+A sync call past its limit (or whose caller was cancelled) is interrupted: its worker thread gets an
+exception raised asynchronously (CPython's ``PyThreadState_SetAsyncExc``, the one way to stop Python code
+running in another thread), which stops Python code at its next bytecode, so a function looping in Python
+stops consuming the run. Code blocked inside a C call (``time.sleep``, a socket read, a C extension) sees it
+only when that call returns; until then it holds its worker thread, and :func:`running_after_timeout` counts
+it (``rollout/timed_out_calls_running_max``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -25,20 +34,93 @@ def is_async(func: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
 
 
+class _Interrupted(BaseException):
+    """Raised inside a sync user call's thread at its timeout (a BaseException: a user's ``except Exception``
+    does not swallow it)."""
+
+
+_stuck_lock = threading.Lock()
+_stuck = 0  # sync calls interrupted at their timeout that have not returned yet
+
+
+def running_after_timeout() -> int:
+    """Sync user calls interrupted at their timeout (or cancelled) that are still running: blocked in a C call."""
+    return _stuck
+
+
+def _async_raise(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in thread ``thread_id`` at its next bytecode (None withdraws one not raised yet)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exc) if exc is not None else None)
+
+
+class _SyncCall:
+    """One sync user call for a worker thread, which :meth:`interrupt` can stop while (and only while) it runs."""
+
+    def __init__(self, func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self.func, self.kwargs = func, kwargs
+        self.lock = threading.Lock()
+        self.state = "queued"  # → running → done, or → cancelled (before it ran), or running → interrupted → done
+        self.thread_id = 0
+
+    def __call__(self) -> Any:
+        with self.lock:
+            if self.state == "cancelled":
+                raise TimeoutError("the call timed out before a worker thread took it")
+            self.state, self.thread_id = "running", threading.get_ident()
+        try:
+            return self.func(**self.kwargs)
+        except _Interrupted:
+            raise TimeoutError("interrupted at its timeout") from None
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """Mark the call done; an interrupt sent but not raised yet is withdrawn (one raised here is retried over)."""
+        global _stuck
+        while True:
+            try:
+                with self.lock:
+                    if self.state == "interrupted":
+                        with _stuck_lock:
+                            _stuck -= 1
+                        _async_raise(self.thread_id, None)
+                    self.state = "done"
+                return
+            except _Interrupted:
+                continue
+
+    def interrupt(self) -> None:
+        """Stop the call: never start it if no thread took it yet, else raise ``_Interrupted`` in its thread."""
+        global _stuck
+        with self.lock:
+            if self.state == "queued":
+                self.state = "cancelled"
+            elif self.state == "running":
+                self.state = "interrupted"
+                with _stuck_lock:
+                    _stuck += 1
+                _async_raise(self.thread_id, _Interrupted)
+
+
 async def call_user(func: Callable[..., Any], kwargs: dict[str, Any], executor: Executor,
                     timeout_s: float | None = None) -> Any:
     """``func(**kwargs)``: awaited when async, else in ``executor``; at most ``timeout_s`` seconds (None = no limit).
 
     Raises:
-        TimeoutError: the call took longer than ``timeout_s``. An async call is cancelled; a sync call
-            keeps its worker thread until it returns (Python cannot stop a thread).
+        TimeoutError: the call took longer than ``timeout_s``. An async call is cancelled; a sync call is
+            interrupted in its thread (see the module docs: Python code stops at once, a blocking C call when it
+            returns).
         Exception: whatever ``func`` raised.
     """
     if is_async(func):
-        call = func(**kwargs)
-    else:
-        call = asyncio.get_running_loop().run_in_executor(executor, functools.partial(func, **kwargs))
-    return await asyncio.wait_for(call, timeout_s)
+        return await asyncio.wait_for(func(**kwargs), timeout_s)
+    call = _SyncCall(func, kwargs)
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, call), timeout_s)
+    except (TimeoutError, asyncio.CancelledError):
+        call.interrupt()
+        raise
 
 
 def check_arguments(what: str, func: Callable[..., Any], kwargs: dict[str, Any]) -> None:

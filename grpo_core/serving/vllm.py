@@ -141,8 +141,10 @@ def choose_backend(config: RunConfig) -> str:
         ConfigError: ``server.backend`` is ``vllm`` but vLLM is not installed (no retry could fix that).
     """
     if config.server.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("server.backend is 'vllm' but vllm is not installed here; install it "
-                          "(pip install vllm) or set server.backend to 'auto' or 'embedded'")
+        raise ConfigError("server.backend is 'vllm' and this host starts the replicas (no server.urls or "
+                          "server.deployment), but vllm is not installed here: run it on a GPU host with vLLM "
+                          "(pip install vllm), point server.urls / server.deployment at GPU hosts that serve the "
+                          "replicas, or set server.backend to 'auto' or 'embedded' (CPU)")
     if config.server.backend != "auto":
         return config.server.backend
     if vllm_available():

@@ -28,6 +28,7 @@ import logging
 import re
 import shutil
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -155,16 +156,18 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
-def rotate(output_dir: Path, keep: int | None, protect: Path | None = None) -> list[Path]:
+def rotate(output_dir: Path, keep: int | None, protect: Path | Iterable[Path] | None = None) -> list[Path]:
     """Delete the oldest checkpoints so that ``keep`` remain (``train.save_total_limit``); returns those deleted.
 
-    ``protect`` (the checkpoint just written) is never deleted. Damaged (``.bad``) and unfinished (``.tmp``)
-    folders older than the oldest kept checkpoint go too.
+    ``protect`` (the checkpoint just written, or several: e.g. those still being uploaded) is never deleted, so more
+    than ``keep`` may remain until a later call. Damaged (``.bad``) and unfinished (``.tmp``) folders older than the
+    oldest kept checkpoint go too.
     """
     if keep is None:
         return []
+    kept = {Path(protect).resolve()} if isinstance(protect, (str, Path)) else {Path(p).resolve() for p in protect or ()}
     found = checkpoints(output_dir)
-    drop = [p for p in found[:max(len(found) - keep, 0)] if p != protect]
+    drop = [p for p in found[:max(len(found) - keep, 0)] if p.resolve() not in kept]
     if found[-keep:]:
         oldest_kept = int(found[-keep:][0].name[5:])
         root = Path(output_dir) / "checkpoints"

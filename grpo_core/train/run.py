@@ -17,7 +17,7 @@ from grpo_core.transport.types import ResumeState
 from .adapter_store import AdapterStore
 from .distributed import init_world
 from .fingerprint import check_resume
-from .trainer import Trainer
+from .trainer import Trainer, rotate_checkpoints
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
     finally:
         if sink is not None:
             sink.close()
+            if world.is_main and cfg.train.save_total_limit is not None:  # uploads done: what they held may go now
+                rotate_checkpoints(cfg.train.output_dir, cfg.train.save_total_limit, None, sink)
         if dist.is_initialized():
             dist.destroy_process_group()
         if lock is not None:

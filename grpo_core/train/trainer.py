@@ -68,6 +68,15 @@ def lr_lambda(kind: str, warmup: int, total: int):
     return f
 
 
+def rotate_checkpoints(output_dir: Path, keep: int | None, saved: Path | None, sink: object) -> list[Path]:
+    """Keep the newest ``keep`` checkpoints (``train.save_total_limit``), never deleting ``saved`` (just written) nor
+    a checkpoint the sink still holds (``held_checkpoints()``: an MLflow upload queued or running, or the folder
+    the run's latest-checkpoint tag names); those go at a later call. Returns the folders deleted."""
+    held = getattr(sink, "held_checkpoints", None)
+    protect = {saved} if saved is not None else set()
+    return checkpoint.rotate(output_dir, keep, protect=protect | (held() if held is not None else set()))
+
+
 def step_header(planned: PlannedStep | None, servers_behind: list[str], resynced_version: int,
                 policy_version: int) -> list[int] | None:
     """Rank 0's header for the other ranks (``grpo_core.train.distributed``) after a plan: ``[ROW, n, terms…]`` (a
@@ -512,8 +521,8 @@ class Trainer:
         extra = {FINGERPRINT_FILE: fingerprint_text(self.cfg)} if self.world.is_main else None
         checkpoint.save(path, self.policy, self.optimizer, self.scheduler, state, pending, self.world.rank, extra)
         self._saved = path
-        if self.world.is_main:
-            checkpoint.rotate(self.output_dir, self.cfg.train.save_total_limit, protect=path)
         on_checkpoint = getattr(self.sink, "on_checkpoint", None)  # e.g. MLflow artifacts (grpo_core.tracking)
         if self.world.is_main and on_checkpoint is not None:
             on_checkpoint(path, self.step)
+        if self.world.is_main:
+            rotate_checkpoints(self.output_dir, self.cfg.train.save_total_limit, path, self.sink)

@@ -1,0 +1,87 @@
+"""The grpo-train flow retries only failures a retry can cure (``flows.grpo_train.retry_can_cure``).
+
+A deterministic failure (bad config met inside the flow, nothing to train, a refused resume, user code that
+raises) used to be retried by ``@flow(retries=1)``: the retry met the same error and printed its tracebacks again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+from flows.grpo_train import ChildDiedError, RolloutProcessError, TrainerError, _raise_if_failed, retry_can_cure
+from grpo_core.errors import (ConfigError, NothingToTrainError, PortInUseError, ServerUnavailableError,
+                              TransportError, UserCodeError)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_deterministic_errors_are_not_retried_and_transient_ones_are():
+    for exc in (ConfigError("train.max_steps"), NothingToTrainError("no step"), UserCodeError("reward raised"),
+                TypeError("bad call"), ModuleNotFoundError("no module")):
+        assert not retry_can_cure(exc), exc
+    for exc in (TransportError("rollout unreachable"), ServerUnavailableError("503"), PortInUseError("port"),
+                TimeoutError("slow"), ConnectionResetError(), ChildDiedError("server replica 0 exited with -9")):
+        assert retry_can_cure(exc), exc
+    # The trainer's own record (`rank R: Type: message`, grpo_core.report.write_trainer_error) decides for it.
+    assert not retry_can_cure(TrainerError("exit 1", ["NothingToTrainError"]))
+    assert not retry_can_cure(TrainerError("exit 1", ["TransportError", "ConfigError"]))
+    assert retry_can_cure(TrainerError("exit 1", ["TransportError"]))
+    assert retry_can_cure(TrainerError("killed by SIGKILL, nothing recorded"))
+
+
+def test_the_rollout_process_traceback_names_its_cause(tmp_path):
+    error_file = tmp_path / "rollout_error.txt"
+    for exc, curable in ((ConfigError("rollout.dataset: no such file"), False), (TransportError("gone"), True)):
+        try:
+            raise exc
+        except Exception:  # noqa: BLE001 - the rollout process writes its traceback like this
+            error_file.write_text(traceback.format_exc())
+        try:
+            _raise_if_failed(error_file, tmp_path / "rollout.log", "exited with code 1")
+        except RolloutProcessError as err:
+            assert err.causes == [f"grpo_core.errors.{type(exc).__name__}"]
+            assert retry_can_cure(err) is curable
+        else:
+            raise AssertionError("no RolloutProcessError")
+
+
+SCRIPT = """
+import json, sys
+from flows.cli import set_env_defaults
+set_env_defaults()
+from flows.local_api import start_local_api
+start_local_api()
+from prefect.client.orchestration import get_client
+from flows.grpo_train import grpo_train
+from grpo_core.config import load_config
+cfg = load_config(sys.argv[1], sys.argv[2:])
+state = grpo_train(cfg, return_state=True)
+with get_client(sync_client=True) as client:
+    run = client.read_flow_run(state.state_details.flow_run_id)
+print("RESULT " + json.dumps({"state": state.type.value, "run_count": run.run_count, "retries": run.empirical_policy.retries,
+                              "message": state.message}))
+"""
+
+
+def test_a_config_error_met_inside_the_flow_ends_after_one_attempt(tmp_path):
+    # The CLI's own checks run before the flow; calling the flow directly meets the error in its prepare task.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1",
+           "PREFECT_LOGGING_LEVEL": "INFO"}
+    overrides = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
+                 "rollout.reward_functions=[no_such_module_anywhere:reward]"]
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "configs" / "tiny.yaml"), *overrides], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, output[-4000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["state"] == "FAILED", result
+    assert result["run_count"] == 1, ("the deterministic failure was retried", result, output[-4000:])
+    assert "ConfigError" in result["message"] and "no_such_module_anywhere" in result["message"]
+    assert "not retrying the flow run: ConfigError" in output
+    assert output.count("Retrying") == 0 and "AwaitingRetry" not in output
