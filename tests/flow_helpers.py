@@ -188,17 +188,27 @@ def mlflow_run(tracking_dir: Path, flow_run_id: str, experiment: str = "grpo-tin
     return tracking.client(tc), run_id
 
 
+#: Metrics the trainer computes for every step it trains (the rollout's windowed ones, ``rollout/*``, ``router/*``,
+#: ``reward*`` …, are absent from a step whose window saw no such event).
+TRAINER_STEP_METRICS = ("loss", "entropy", "grad_norm", "learning_rate", "policy_version", "perf/step_s",
+                        "batch/samples_per_step", "batch/trained_tokens_per_step",
+                        "sampling/importance_sampling_ratio/mean")
+
+
 def assert_mlflow_steps_once(mc, run_id: str, metrics_file: Path, max_steps: int) -> int:  # noqa: ANN001
     """Read back from the MLflow store, each training metric of the run's ``metrics.jsonl`` has each step at most
-    once, within ``1..max_steps``, and those the file has at every step (``loss``, ``grad_norm``, ...) have exactly
-    steps ``1..max_steps``: none twice, none missing. ``system/*`` (MLflow's sampler, its own step counter) is not
-    a training metric. Returns the number of metrics checked.
+    once, within ``1..max_steps``, and the trainer's own (:data:`TRAINER_STEP_METRICS`) have exactly steps
+    ``1..max_steps``: none twice, none missing. A step a killed attempt logged and the resumed one trained again
+    keeps the first attempt's values in MLflow (no duplicate steps), whose rollout window may have lacked a metric
+    the file's record has. ``system/*`` (MLflow's sampler, its own step counter) is not a training metric. Returns
+    the number of metrics checked.
     """
     from grpo_core.durable import read_jsonl
     from grpo_core.tracking import MetricNames
 
     records, names = read_jsonl(metrics_file), MetricNames()
-    every_step = set.intersection(*(set(r) for r in records))
+    every_step = set.intersection(*(set(r) for r in records)) & set(TRAINER_STEP_METRICS)
+    assert every_step == set(TRAINER_STEP_METRICS), f"the trainer did not log at every step: {sorted(every_step)}"
     for key in sorted(set().union(*records) - {"step"}):
         steps = sorted(m.step for m in mc.get_metric_history(run_id, names(key)))
         assert len(steps) == len(set(steps)), f"MLflow metric {names(key)!r}: a step logged twice: {steps}"
