@@ -181,7 +181,7 @@ class Planner:
             t0 = time.perf_counter()
             pulled = self.source.pull(policy_version, timeout_s=self.flush_after_s)
             wait += time.perf_counter() - t0
-            self.servers_behind = list(getattr(pulled, "servers_behind", ()))
+            self.servers_behind = list(pulled.servers_behind)
             starved = not (pulled.samples.num_rows or pulled.consumed_prompt_indices or pulled.exhausted)
             if starved:  # train what there is rather than wait for rows the rollout may never fill
                 self._emit(self.batcher.finish())
