@@ -10,6 +10,8 @@ Only pydantic and the standard library are imported here (STYLE.md, module bound
 
 from __future__ import annotations
 
+from collections import Counter
+
 import logging
 import os
 import re
@@ -193,7 +195,10 @@ class ServerConfig(_ServerKey):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs per replica (vLLM ``--tensor-parallel-size``)."""
     gpu_ids: list[int] | None = None
-    """CUDA device indices to spread replicas over; None = 0 .. num_replicas*tensor_parallel_size-1."""
+    """CUDA device indices of the replicas, ``tensor_parallel_size`` consecutive entries per replica (replica i
+    takes entries ``i*tp .. (i+1)*tp-1``); None = 0 .. num_replicas*tensor_parallel_size-1. A GPU listed again
+    for another replica holds both (each takes ``gpu_memory_utilization`` of it, e.g. ``[0, 0]`` with 0.2; such
+    replicas start one after another, as vLLM's memory profiling needs)."""
     max_model_len: int = Field(default=4096, ge=16)
     """Longest prompt + completion a request may hold, in tokens (``--max-model-len``)."""
     max_num_seqs: int = Field(default=64, ge=1)
@@ -885,11 +890,25 @@ class RunConfig(_Strict):
             raise ConfigError(f"server.deployment ({server.deployment!r}) starts the replicas and server.urls names "
                               "replicas already running; set one of them")
         needed = server.num_replicas * server.tensor_parallel_size
-        if server.gpu_ids is not None and len(set(server.gpu_ids)) < needed:
+        if server.gpu_ids is not None and len(server.gpu_ids) < needed:
             raise ConfigError(
-                f"server.gpu_ids lists {len(set(server.gpu_ids))} distinct GPUs but server.num_replicas * "
-                f"server.tensor_parallel_size = {needed}; list more GPUs or lower num_replicas"
+                f"server.gpu_ids lists {len(server.gpu_ids)} GPUs but server.num_replicas * "
+                f"server.tensor_parallel_size = {needed} (one entry per replica GPU; a GPU may be listed again "
+                "to hold another replica): list more GPUs or lower num_replicas"
             )
+        if server.gpu_ids is not None:
+            tp = server.tensor_parallel_size
+            for replica in range(server.num_replicas):
+                own = server.gpu_ids[replica * tp:(replica + 1) * tp]
+                if len(set(own)) < len(own):
+                    raise ConfigError(f"server.gpu_ids gives replica {replica} the GPUs {own}: the "
+                                      f"tensor_parallel_size ({tp}) GPUs of one replica must differ")
+            if server.num_replicas > 1 and len(set(server.gpu_ids[:needed])) < needed \
+                    and server.gpu_memory_utilization * max(Counter(server.gpu_ids[:needed]).values()) > 0.95:
+                raise ConfigError(
+                    f"server.gpu_ids puts {max(Counter(server.gpu_ids[:needed]).values())} replicas on one GPU, "
+                    f"each taking server.gpu_memory_utilization ({server.gpu_memory_utilization}) of it: lower "
+                    "gpu_memory_utilization so that they fit together")
         _warn_unused(self.unused_settings())
         return self
 

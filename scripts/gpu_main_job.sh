@@ -7,6 +7,12 @@
 #   setup          reassemble and verify the vLLM 0.25.1 bundle (shared/vllm-h200/stage_vllm.sh) into /tmp/site
 #                  and the wheelhouse (scripts/wheelhouse.py) into /tmp/grpo-site, link packer_rs's extension
 #                  into the checkout, convert SmolLM2 once, and check that everything imports
+#   probe          benchmarks/rollout.py on configs/gpu-1xh200.yaml's vLLM without a trainer, 30 s per variant: as
+#                  configured (top-8 sampler log-probs) and without sampler log-probs; where the rollout's time goes
+#                  (CPU seconds of the rollout, vLLM's API server and engine core; running requests)
+#   probe2         the same with two vLLM replicas on GPU 0 (gpu_ids [0, 0], 15% of its memory each, eager): prefix
+#                  affinity routing as configured vs route_imbalance 0 (every imbalance spills: least-loaded routing),
+#                  vLLM's own prefix-cache hit rate per replica
 #   long           benchmarks/long_generation_sync.py: a 1500-token generation across a weight sync (real vLLM)
 #   e2e=RUNS       benchmarks/gpu_e2e.py --runs RUNS (comma-separated: 1xh200,1xh200-lora,2xh200,qwen3-0.6b-random)
 #   trl[=GPUS]     benchmarks/trl_async_grpo.py on the gpu-1xh200 config (GPUS 1 or 2) against e2e's summary
@@ -79,6 +85,13 @@ for step in "$@"; do
     case $step in
         collect) collect ;;
         setup) setup || { rc=$?; echo "setup failed ($rc)"; exit $rc; } ;;
+        probe) timeout 400 "$PY" benchmarks/rollout.py --config configs/gpu-1xh200.yaml --seconds 30 --variant "" \
+                   --variant rollout.num_sampler_logprobs=0,train.score_centering=false \
+                   --out "$RES/rollout_probe.json" || rc=1 ;;
+        probe2) timeout 480 "$PY" benchmarks/rollout.py --config configs/gpu-1xh200.yaml --seconds 30 \
+                    --set server.num_replicas=2 --set "server.gpu_ids=[0, 0]" --set server.gpu_memory_utilization=0.15 \
+                    --set server.enforce_eager=true --variant "" --variant server.route_imbalance=0 \
+                    --out "$RES/rollout_probe_2replicas.json" || rc=1 ;;
         long) timeout 300 "$PY" benchmarks/long_generation_sync.py --config configs/gpu-1xh200.yaml --out "$RES" || rc=1 ;;
         e2e=*) [ "${DUMP:-0}" = 1 ] && export GRPO_DEBUG_ROLLOUT_DUMP=$RES/rollout_dump.jsonl
                timeout 560 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" \

@@ -16,7 +16,9 @@ from grpo_core.serving.vllm import (
     choose_backend,
     embedded_command,
     max_lora_rank_for,
+    provision,
     replica_gpus,
+    shares_gpu,
     vllm_command,
 )
 
@@ -102,6 +104,55 @@ def test_replicas_get_disjoint_gpus_and_ports():
     assert [s.port for s in specs] == [9000, 9001]
     assert flag(specs[1].argv, "--tensor-parallel-size") == "2"
     assert specs[0].log_path != specs[1].log_path
+
+
+def test_replicas_may_share_a_gpu_listed_once_per_replica():
+    cfg = config(num_replicas=3, gpu_ids=[0, 0, 1], gpu_memory_utilization=0.3)
+    assert [replica_gpus(cfg, i) for i in range(3)] == [[0], [0], [1]]
+    assert [vllm_command(cfg, i).env["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "0", "1"]
+    assert [shares_gpu(cfg, i) for i in range(3)] == [False, True, False]
+    tp = config(num_replicas=2, tensor_parallel_size=2, gpu_ids=[2, 3, 3, 2], gpu_memory_utilization=0.4)
+    assert replica_gpus(tp, 1) == [3, 2] and shares_gpu(tp, 1)
+
+
+@pytest.mark.parametrize("server, match", [
+    ({"num_replicas": 2, "gpu_ids": [0]}, r"server.gpu_ids lists 1 GPUs but .* = 2"),
+    ({"num_replicas": 1, "tensor_parallel_size": 2, "gpu_ids": [1, 1]}, r"replica 0 the GPUs \[1, 1\]"),
+    ({"num_replicas": 2, "gpu_ids": [0, 0], "gpu_memory_utilization": 0.5}, r"puts 2 replicas on one GPU"),
+])
+def test_replica_gpu_lists_that_cannot_work_are_refused(server, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [f"server.{k}={json.dumps(v)}" for k, v in server.items()])
+
+
+@pytest.mark.parametrize("gpu_ids, expected", [
+    ([0, 0], ["launch 0", "healthy 0", "launch 1", "healthy 1"]),  # shared GPU: one after the other
+    ([0, 1], ["launch 0", "launch 1", "healthy 0", "healthy 1"]),  # own GPUs: together
+])
+def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeypatch, gpu_ids, expected):
+    """vLLM sizes its KV cache from the memory free while it profiles: a neighbour starting meanwhile would
+    change it, so replicas on one GPU start in turn (the order of launches and health checks shows it)."""
+    import grpo_core.serving.vllm as vllm_mod
+
+    events = []
+
+    class Handle:
+        def __init__(self, spec):
+            self.spec, self.url = spec, f"http://127.0.0.1:{9000 + spec.replica}"
+
+        def stop(self):
+            events.append(f"stop {self.spec.replica}")
+
+    monkeypatch.setattr(vllm_mod, "choose_backend", lambda cfg: "embedded")
+    monkeypatch.setattr(vllm_mod, "launch", lambda spec, token: events.append(f"launch {spec.replica}") or Handle(spec))
+    monkeypatch.setattr(vllm_mod, "wait_healthy", lambda h, timeout, token: events.append(f"healthy {h.spec.replica}"))
+
+    async def checked(url, cfg, token):
+        return None
+
+    monkeypatch.setattr(vllm_mod, "check_server", checked)
+    handles = provision(config(num_replicas=2, gpu_ids=gpu_ids, gpu_memory_utilization=0.3), token="t")
+    assert events == expected and [h.spec.replica for h in handles] == [0, 1]
 
 
 @pytest.mark.parametrize("kwargs, fields", [

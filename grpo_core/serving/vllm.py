@@ -1,6 +1,6 @@
 """Provisioning of generation servers: ``vllm serve`` command lines, launch, health, checks, teardown.
 
-``provision(config)`` starts ``server.num_replicas`` replicas, each on its own GPUs
+``provision(config)`` starts ``server.num_replicas`` replicas, each on its GPUs (several may share one)
 (``CUDA_VISIBLE_DEVICES``), in its own process group, logging to a file under
 ``server.log_dir``; waits for ``/health``; checks each running server against the
 training config; and returns handles whose ``stop()`` sends SIGTERM, then SIGKILL.
@@ -118,11 +118,19 @@ def max_lora_rank_for(rank: int) -> int:
 
 
 def replica_gpus(config: RunConfig, replica: int) -> list[int]:
-    """CUDA device indices of ``replica``: disjoint slices of ``server.gpu_ids`` (or 0..N-1)."""
+    """CUDA device indices of ``replica``: entries ``replica*tp .. (replica+1)*tp-1`` of ``server.gpu_ids`` (or
+    of 0..N-1); a GPU listed for two replicas holds both."""
     server = config.server
     tp = server.tensor_parallel_size
     gpus = server.gpu_ids if server.gpu_ids is not None else list(range(server.num_replicas * tp))
-    return list(dict.fromkeys(gpus))[replica * tp:(replica + 1) * tp]
+    return list(gpus)[replica * tp:(replica + 1) * tp]
+
+
+def shares_gpu(config: RunConfig, replica: int) -> bool:
+    """Whether ``replica`` is on a GPU an earlier replica also uses (it must start after that one is up:
+    vLLM sizes its KV cache from the memory free while it profiles, which a neighbour's start would change)."""
+    earlier = {g for r in range(replica) for g in replica_gpus(config, r)}
+    return bool(earlier & set(replica_gpus(config, replica)))
 
 
 def vllm_available() -> bool:
@@ -477,16 +485,31 @@ def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]
     for spec in specs:
         if config.server.port:
             check_port_free(spec.host, spec.port)
-    handles = [launch(spec, token) for spec in specs]
+    handles: list[ServerHandle] = []
+    ready: set[int] = set()
     try:
-        for handle in handles:
-            wait_healthy(handle, config.server.startup_timeout_s, token)
-            asyncio.run(check_server(handle.url, config, token))
-            logger.info("%s replica %d healthy at %s", backend, handle.spec.replica, handle.url)
+        # replicas on GPUs of their own start together; one sharing a GPU waits until the earlier ones are up
+        for i, spec in enumerate(specs):
+            if shares_gpu(config, i):
+                _wait_all_healthy(handles, ready, config, token, backend)
+            handles.append(launch(spec, token))
+        _wait_all_healthy(handles, ready, config, token, backend)
     except BaseException:
         teardown(handles)
         raise
     return handles
+
+
+def _wait_all_healthy(handles: list[ServerHandle], ready: set[int], config: RunConfig, token: str,
+                      backend: str) -> None:
+    """Wait until every handle not in ``ready`` (indices) is healthy and verified; adds them to ``ready``."""
+    for i, handle in enumerate(handles):
+        if i in ready:
+            continue
+        wait_healthy(handle, config.server.startup_timeout_s, token)
+        asyncio.run(check_server(handle.url, config, token))
+        ready.add(i)
+        logger.info("%s replica %d healthy at %s", backend, handle.spec.replica, handle.url)
 
 
 def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle:
