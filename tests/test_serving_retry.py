@@ -11,6 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from grpo_core.errors import ServerUnavailableError
@@ -125,3 +126,38 @@ def test_a_dropped_connection_to_a_healthy_replica_is_retried_not_routed_around(
     assert out[0].token_ids == [7, 8] and out[0].logprobs == [-0.5, -0.25]
     assert healthy == [True] and down == 0, "a replica whose /health answers stays in the routing"
     assert retries == 1
+
+
+def test_generation_requests_spread_over_small_pools_by_fewest_in_flight():
+    """httpcore's pool walks all its connections per request (encode/httpcore#1035): no pool may exceed
+    POOL_CONNECTIONS, the pools together hold max_connections, and concurrent completions land on the pool
+    with the fewest in flight (so they spread evenly)."""
+    from grpo_core.serving import client as client_mod
+
+    async def go() -> tuple[list[int], list[int]]:
+        c = GenerationClient("http://127.0.0.1:9", max_connections=100, max_retries=0)
+        sizes = [pool._transport._pool._max_connections for pool in c._pools]
+        peak = [0] * len(c._pools)
+        release = asyncio.Event()
+
+        def fake(i):
+            async def request(method, path, **kwargs):
+                peak[i] = max(peak[i], c._in_flight[i])
+                await release.wait()
+                return httpx.Response(200, json={"choices": [{"index": 0, "token_ids": [1], "finish_reason": "stop",
+                                                              "logprobs": {"token_logprobs": [-0.5]}}]})
+            return request
+
+        for i, pool in enumerate(c._pools):
+            pool.request = fake(i)
+        tasks = [asyncio.create_task(c.complete([1, 2], model="m", max_tokens=1)) for _ in range(40)]
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(*tasks)
+        assert all(r[0].token_ids == [1] for r in results) and c._in_flight == [0] * len(c._pools)
+        await c.aclose()
+        return sizes, peak
+
+    sizes, peak = asyncio.run(go())
+    assert max(sizes) <= client_mod.POOL_CONNECTIONS and sum(sizes) >= 100 and len(sizes) == 4
+    assert peak == [10, 10, 10, 10]

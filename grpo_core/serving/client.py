@@ -37,6 +37,12 @@ logger = logging.getLogger(__name__)
 #: Seconds an idle pooled connection is kept for reuse: below every server keep-alive timeout we meet
 #: (uvicorn and vLLM default to 5 s), so the client never reuses a connection the server is closing.
 KEEPALIVE_EXPIRY_S = 2.0
+#: Most connections of one httpx pool. httpcore's pool walks every connection it holds on each request and each
+#: release (``_assign_requests_to_connections``: ``has_expired`` polls every socket; encode/httpcore#1035, open), so
+#: one pool of 512 connections spent about half of the rollout process's CPU on bookkeeping and held the rollout to
+#: ~2.5k generated tok/s on an H200 (``benchmarks/rollout.py``); generation requests are spread over pools of at
+#: most this many connections (each request to the pool with the fewest in flight).
+POOL_CONNECTIONS = 32
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
@@ -139,7 +145,8 @@ class GenerationClient:
 
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
-        max_connections: connection pool size; set it to the rollout concurrency cap.
+        max_connections: connections in all (generation requests spread over pools of at most
+            ``POOL_CONNECTIONS``); set it to the rollout concurrency cap.
         timeout_s: per-request timeout in seconds (a timed-out request is retried).
         max_retries: retries after connection errors, timeouts and 5xx answers.
         backoff_s: upper bound of the first retry delay in seconds; doubles per retry up to
@@ -159,10 +166,15 @@ class GenerationClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.retry_count = 0
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                             keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
-                                       headers=bearer_headers(api_key or run_token()))
+        num_pools = -(-max(max_connections, 1) // POOL_CONNECTIONS)
+        per_pool = -(-max(max_connections, 1) // num_pools)
+        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        headers = bearer_headers(api_key or run_token())
+        self._pools = [httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
+                                         headers=headers) for _ in range(num_pools)]
+        self._in_flight = [0] * num_pools
+        self._http = self._pools[0]  # control calls, health, streams
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -171,15 +183,29 @@ class GenerationClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self._http.aclose()
+        """Close the connection pools."""
+        for pool in self._pools:
+            await pool.aclose()
+
+    async def _send(self, method: str, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None,
+                    headers: dict[str, str] | None, spread: bool) -> httpx.Response:
+        """One attempt; ``spread``: on the pool with the fewest requests in flight (generation requests)."""
+        if not spread:
+            return await self._http.request(method, path, json=body, params=params, headers=headers)
+        i = min(range(len(self._pools)), key=self._in_flight.__getitem__)
+        self._in_flight[i] += 1
+        try:
+            return await self._pools[i].request(method, path, json=body, params=params, headers=headers)
+        finally:
+            self._in_flight[i] -= 1
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                       params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
+                       params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                       spread: bool = False) -> httpx.Response:
         last: str = ""
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self._http.request(method, path, json=body, params=params, headers=headers)
+                response = await self._send(method, path, body, params, headers, spread)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
@@ -277,7 +303,7 @@ class GenerationClient:
             "ignore_eos": ignore_eos, "stop_token_ids": list(stop_token_ids or ()),
         }
         version = None if policy_version is None else {POLICY_VERSION_HEADER: str(policy_version)}
-        data = (await self._request("POST", "/v1/completions", body, headers=version)).json()
+        data = (await self._request("POST", "/v1/completions", body, headers=version, spread=True)).json()
         choices = sorted(data["choices"], key=lambda c: c["index"])
         return [_parse_choice(c, num_logprobs > 0) for c in choices]
 
