@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from grpo_core.auth import bearer_headers, run_token  # noqa: E402
+from grpo_core.auth import bearer_headers, ensure_run_token, run_token  # noqa: E402
 from grpo_core.config import RunConfig, load_config  # noqa: E402
 from grpo_core.models import resolve_model_dir  # noqa: E402
 
@@ -197,9 +197,52 @@ def blockers(gpus: int, attention: str) -> list[str]:
     if gpus == 1:
         found.append("default weight sync is NCCL (weight_transfer.py:WeightTransferClient), which refuses vLLM and "
                      "the trainer on one GPU: replaced by IpcWeightTransfer (WeightTransferProtocol)")
+    found.append("the rollout worker's aiohttp session sends no Authorization header (async_rollout_worker.py), "
+                 "and grpo-flow's servers require the run's bearer token (401 on every request): "
+                 "trl_sends_run_token() gives TRL's processes a sitecustomize that adds it")
     if importlib.util.find_spec("vllm") is None:
         found.append("vllm is not importable: TRL's weight transfer and this script's IPC sync need it (the vLLM bundle)")
     return found
+
+
+#: ``sitecustomize`` for TRL's processes (the trainer and its spawned rollout worker): every aiohttp session sends
+#: the run's bearer token, which grpo-flow's servers require (``grpo_core.serving.guard``) and TRL's worker, whose
+#: ``aiohttp.ClientSession`` has no headers (async_rollout_worker.py), does not send: every request answered 401.
+_SEND_TOKEN = """
+import os
+_token = os.environ.get("GRPO_RUN_TOKEN")
+if _token:
+    import aiohttp
+    _init = aiohttp.ClientSession.__init__
+
+    def _with_token(self, *args, headers=None, **kwargs):
+        _init(self, *args, headers={"Authorization": "Bearer " + _token, **dict(headers or {})}, **kwargs)
+
+    aiohttp.ClientSession.__init__ = _with_token
+"""
+
+
+def trl_sends_run_token(folder: Path) -> dict[str, str]:
+    """Write the ``sitecustomize`` above to ``folder``; returns the environment that makes every process started
+    with it (``PYTHONPATH`` first) send the run's token from its aiohttp sessions; this process too from now."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_SEND_TOKEN)
+    exec(compile(_SEND_TOKEN, str(folder / "sitecustomize.py"), "exec"), {})  # this process (spawn children: env)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+def check_sends_run_token(env: dict[str, str]) -> bool:
+    """Whether a fresh interpreter with ``env`` gives a new aiohttp session the run's bearer header."""
+    import subprocess
+
+    code = ("import asyncio, aiohttp, os\n"
+            "async def main():\n"
+            "    async with aiohttp.ClientSession() as s:\n"
+            "        print(s.headers.get('Authorization') == 'Bearer ' + os.environ['GRPO_RUN_TOKEN'])\n"
+            "asyncio.run(main())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120)
+    return out.stdout.strip() == "True"
 
 
 def summarize(history: list[dict], wall_s: float, steps: int) -> dict:
@@ -242,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = trl_tokenizer(model_dir)
         report["tokenizer_eos"] = tokenizer.eos_token
         report["parsed_completion"] = parse_like_trl(tokenizer)
+        ensure_run_token()
+        report["trl_sends_run_token"] = check_sends_run_token(trl_sends_run_token(args.out / "trl_site"))
         print(json.dumps(report, indent=1))
         return 0
     if args.gpus == 2:
@@ -250,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 
     handles = provision(cfg)
     try:
+        os.environ.update(trl_sends_run_token(args.out / "trl_site"))  # after vLLM started: TRL's processes only
         from trl.experimental.async_grpo import AsyncGRPOTrainer, packing
 
         if args.attention == "torch-varlen":
