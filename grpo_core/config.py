@@ -206,7 +206,10 @@ class ServerConfig(_ServerKey):
     kv_cache_size_tokens: int | None = Field(default=None, ge=16)
     """Embedded server only: KV-cache capacity in tokens; None = max_num_seqs * max_model_len."""
     api_server_count: int = Field(default=1, ge=1)
-    """vLLM API server processes (``--api-server-count``); more helps top-k log-prob serialisation."""
+    """vLLM API server processes (``--api-server-count``). Only 1 for servers the run starts: the run's guard
+    (``grpo_core.serving.guard``) keeps a replica's fence and policy version in its process, and several API
+    server processes would each hold their own (a sync's fence-lowering call reaches one of them). For more
+    front-end capacity start more replicas (``num_replicas``)."""
     max_logprobs: int = Field(default=20, ge=0)
     """Most log-probs per token a request may ask for (``--max-logprobs``)."""
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
@@ -285,6 +288,11 @@ class ServerConfig(_ServerKey):
             raise ConfigError(f"server.num_replicas ({self.num_replicas}) applies to servers the flow starts, but "
                               f"server.urls lists {len(self.urls)} running server(s): with server.urls list every "
                               "replica's URL and delete server.num_replicas")
+        if self.api_server_count > 1 and not self.urls:
+            raise ConfigError(f"server.api_server_count ({self.api_server_count}) > 1: the run's guard keeps each "
+                              "replica's fence and policy version in its API server process, and several processes "
+                              "would disagree (a weight sync reaches one of them); set it to 1 and raise "
+                              "server.num_replicas for more front-end capacity")
         _warn_unused({f"server.{name}": why for name, why in self.unused_settings().items()})
         return self
 

@@ -32,12 +32,12 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def test_base_command_line_and_env():
-    spec = vllm_command(config(port=8100, max_model_len=1024, api_server_count=4))
+    spec = vllm_command(config(port=8100, max_model_len=1024))
     argv = spec.argv
     assert argv[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and argv[4].endswith("tiny-llama-seed0")
     assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8100"
     assert flag(argv, "--max-model-len") == "1024" and flag(argv, "--dtype") == "auto"
-    assert flag(argv, "--logprobs-mode") == "processed_logprobs" and flag(argv, "--api-server-count") == "4"
+    assert flag(argv, "--logprobs-mode") == "processed_logprobs" and flag(argv, "--api-server-count") == "1"
     assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "nccl"}
     assert flag(argv, "--served-model-name") == "tiny-llama"
     assert {k: spec.env[k] for k in ("VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")} == {
@@ -116,6 +116,7 @@ def test_replicas_may_share_a_gpu_listed_once_per_replica():
 
 
 @pytest.mark.parametrize("server, match", [
+    ({"api_server_count": 2}, r"server.api_server_count \(2\) > 1: the run's guard keeps each replica's fence"),
     ({"num_replicas": 2, "gpu_ids": [0]}, r"server.gpu_ids lists 1 GPUs but .* = 2"),
     ({"num_replicas": 1, "tensor_parallel_size": 2, "gpu_ids": [1, 1]}, r"replica 0 the GPUs \[1, 1\]"),
     ({"num_replicas": 2, "gpu_ids": [0, 0], "gpu_memory_utilization": 0.5}, r"puts 2 replicas on one GPU"),
