@@ -26,6 +26,13 @@ What TRL 1.16.0 needs that an offline host lacks (read from its source,
    ``WeightTransferProtocol``) an IPC implementation: vLLM's ``IPCWeightTransferEngine`` framed
    by grpo-flow's ``ipc_update_body``, pause in keep mode. With ``--gpus 2`` TRL's own NCCL client
    is used (vLLM on GPU 0, TRL on GPU 1).
+4. **No bearer token.** The rollout worker's ``aiohttp.ClientSession`` sends no headers, and grpo-flow's
+   servers answer 401 without the run's token (every request failed on the H200). ``trl_sends_run_token``
+   gives TRL's processes a ``sitecustomize`` whose aiohttp sessions send it (``--dry-run`` checks it).
+
+Counting: TRL trains every group, also those whose rewards all tie (advantages 0, no gradient), while
+grpo-flow drops them before its trainer; besides TRL's own trained tokens/s the report gives the tokens/s of
+the samples TRL pulled with a non-zero advantage (``signal_tokens_per_s_wall``) and the speed-up against each.
 
     python benchmarks/trl_async_grpo.py --config configs/gpu-1xh200.yaml --steps 30 --out $OUT --compare $OUT/summary.json
     python benchmarks/trl_async_grpo.py --dry-run            # CPU: builds everything but the trainer; lists blockers
@@ -245,11 +252,55 @@ def check_sends_run_token(env: dict[str, str]) -> bool:
     return out.stdout.strip() == "True"
 
 
+#: Completion tokens of the samples TRL's trainer took from its rollout queue, by whether their advantage is 0.
+#: TRL trains every group, also one whose rewards all tie (every advantage 0: no gradient); grpo-flow drops such
+#: groups before the trainer (``frac_reward_zero_std``), so its trained tokens all carry a learning signal. The
+#: comparison reports both counts of TRL's.
+PULLED = {"signal": 0, "zero_advantage": 0}
+
+
+def count_pulled_tokens(dataset_class: type) -> None:
+    """Wrap ``RolloutQueueDataset.__iter__`` (trl/experimental/async_grpo) to add each sample's completion tokens
+    (``sum(completion_mask)``) to :data:`PULLED`, under ``zero_advantage`` when its advantage is 0."""
+    original = dataset_class.__iter__
+
+    def counting(self):
+        for item in original(self):
+            PULLED["zero_advantage" if float(item["advantage"]) == 0.0 else "signal"] += int(
+                sum(item["completion_mask"]))
+            yield item
+
+    dataset_class.__iter__ = counting
+
+
+def check_counts_pulled_tokens() -> bool:
+    """CPU check of :func:`count_pulled_tokens` on TRL's own dataset class, fed two samples through its queue."""
+    import queue
+    from types import SimpleNamespace
+
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+
+    count_pulled_tokens(RolloutQueueDataset)
+    q: queue.Queue = queue.Queue()
+    for advantage, mask in ((0.0, [0, 1, 1]), (0.7, [0, 0, 1, 1, 1])):
+        q.put(SimpleNamespace(input_ids=[1] * len(mask), completion_mask=mask, old_log_probs=[0.0] * len(mask),
+                              advantage=advantage, group_id=0, metrics={}, model_version=0, enqueued_at=None))
+    before = dict(PULLED)
+    it = iter(RolloutQueueDataset(q, lambda: 0, lambda s: None, 60, {"sample/rollout_queue_size": [],
+                                  "sample/staleness_mean": [], "sample/staleness_max": []}, max_staleness=1))
+    next(it), next(it)
+    return (PULLED["zero_advantage"] - before["zero_advantage"], PULLED["signal"] - before["signal"]) == (2, 3)
+
+
 def summarize(history: list[dict], wall_s: float, steps: int) -> dict:
-    """Wall-clock and trained tokens/s of TRL's steps, from its own log history."""
+    """Wall-clock and trained tokens/s of TRL's steps, from its own log history; tokens/s of the samples it pulled
+    with a non-zero advantage (:data:`PULLED`)."""
     logs = [h for h in history if "perf/step_s" in h]
     trained = sum(h.get("batch/trained_tokens_per_step", 0.0) for h in logs)
+    pulled = PULLED["signal"] + PULLED["zero_advantage"]
     return {"steps": steps, "wall_s": round(wall_s, 1), "trained_tokens_per_s_wall": trained / wall_s if wall_s else 0,
+            "pulled_zero_advantage_token_frac": PULLED["zero_advantage"] / pulled if pulled else None,
+            "signal_tokens_per_s_wall": PULLED["signal"] / wall_s if wall_s else 0,
             "step_s_median": statistics.median([h["perf/step_s"] for h in logs]) if logs else None,
             "trl_trained_tok_s_wall_clock": statistics.fmean([h["perf/trained_tok_s_wall_clock"] for h in logs
                                                               if "perf/trained_tok_s_wall_clock" in h] or [0.0]),
@@ -287,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         report["parsed_completion"] = parse_like_trl(tokenizer)
         ensure_run_token()
         report["trl_sends_run_token"] = check_sends_run_token(trl_sends_run_token(args.out / "trl_site"))
+        report["trl_pulled_tokens_counted"] = check_counts_pulled_tokens()
         print(json.dumps(report, indent=1))
         return 0
     if args.gpus == 2:
@@ -300,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.attention == "torch-varlen":
             packing._flash_attn = torch_varlen_attention
+        from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+
+        count_pulled_tokens(RolloutQueueDataset)
         trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=rewards, train_dataset=dataset,
                                    processing_class=trl_tokenizer(model_dir),
                                    args=trl_args(cfg, handles[0].url, args.steps, args.out),
@@ -314,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         report["grpo_flow"] = {k: ours.get(k) for k in ("run", "wall_s", "trained_tokens_per_s", "step_s_median")}
         report["speedup_trained_tokens_per_s"] = (ours.get("trained_tokens_per_s") or 0) / max(
             report["trained_tokens_per_s_wall"], 1e-9)
+        # grpo-flow trains only groups whose rewards differ: against TRL's tokens that carry a learning signal
+        report["speedup_signal_tokens_per_s"] = (ours.get("trained_tokens_per_s") or 0) / max(
+            report["signal_tokens_per_s_wall"], 1e-9)
     (args.out / "trl_summary.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({k: v for k, v in report.items() if k != "reward"}, indent=1, default=str))
     return 0
