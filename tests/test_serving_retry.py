@@ -128,36 +128,84 @@ def test_a_dropped_connection_to_a_healthy_replica_is_retried_not_routed_around(
     assert retries == 1
 
 
-def test_generation_requests_spread_over_small_pools_by_fewest_in_flight():
-    """httpcore's pool walks all its connections per request (encode/httpcore#1035): no pool may exceed
-    POOL_CONNECTIONS, the pools together hold max_connections, and concurrent completions land on the pool
-    with the fewest in flight (so they spread evenly)."""
-    from grpo_core.serving import client as client_mod
+class _Generation(BaseHTTPRequestHandler):
+    """``POST /v1/completions``: records the headers and how many requests it holds at once; answers per
+    ``statuses`` (popped per request, then 200) after ``hold_s``."""
 
-    async def go() -> tuple[list[int], list[int]]:
-        c = GenerationClient("http://127.0.0.1:9", max_connections=100, max_retries=0)
-        sizes = [pool._transport._pool._max_connections for pool in c._pools]
-        peak = [0] * len(c._pools)
-        release = asyncio.Event()
+    protocol_version = "HTTP/1.1"
+    seen: list[dict[str, str]] = []
+    statuses: list[int] = []
+    hold_s = 0.0
+    holding = peak = 0
+    lock = threading.Lock()
 
-        def fake(i):
-            async def request(method, path, **kwargs):
-                peak[i] = max(peak[i], c._in_flight[i])
-                await release.wait()
-                return httpx.Response(200, json={"choices": [{"index": 0, "token_ids": [1], "finish_reason": "stop",
-                                                              "logprobs": {"token_logprobs": [-0.5]}}]})
-            return request
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["content-length"]))
+        cls = type(self)
+        with cls.lock:
+            cls.seen.append({k.lower(): v for k, v in self.headers.items()})
+            status = cls.statuses.pop(0) if cls.statuses else 200
+            cls.holding += 1
+            cls.peak = max(cls.peak, cls.holding)
+        time.sleep(cls.hold_s)
+        with cls.lock:
+            cls.holding -= 1
+        body = ({"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop",
+                              "logprobs": {"token_logprobs": [-0.5]}}]} if status == 200
+                else {"error": {"message": "nope", "type": "BadRequestError", "code": status}})
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-        for i, pool in enumerate(c._pools):
-            pool.request = fake(i)
-        tasks = [asyncio.create_task(c.complete([1, 2], model="m", max_tokens=1)) for _ in range(40)]
-        await asyncio.sleep(0.05)
-        release.set()
-        results = await asyncio.gather(*tasks)
-        assert all(r[0].token_ids == [1] for r in results) and c._in_flight == [0] * len(c._pools)
-        await c.aclose()
-        return sizes, peak
+    def log_message(self, *args):  # quiet
+        pass
 
-    sizes, peak = asyncio.run(go())
-    assert max(sizes) <= client_mod.POOL_CONNECTIONS and sum(sizes) >= 100 and len(sizes) == 4
-    assert peak == [10, 10, 10, 10]
+
+@pytest.fixture
+def generation_server():
+    _Generation.seen, _Generation.statuses, _Generation.hold_s = [], [], 0.0
+    _Generation.holding = _Generation.peak = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Generation)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_generation_requests_carry_the_token_and_version_and_retry_only_5xx(generation_server):
+    """Completions travel through aiohttp (httpx's pool costs ~6x the CPU per request with hundreds in flight,
+    encode/httpcore#1035): same headers, same retry rules as every other call of the client."""
+    from grpo_core.errors import ServerRequestError
+
+    _Generation.statuses = [503, 500, 200, 400]
+
+    async def go():
+        async with GenerationClient(generation_server, api_key="k", max_retries=2, backoff_s=0.01) as c:
+            out = await c.complete([1, 2], model="m", max_tokens=1, policy_version=3)
+            retries = c.retry_count
+            with pytest.raises(ServerRequestError, match="nope"):
+                await c.complete([1, 2], model="m", max_tokens=1)
+            return out, retries, c.retry_count
+
+    out, retries, after = asyncio.run(go())
+    assert out[0].token_ids == [5] and retries == 2 and after == 2, "5xx retried twice, the 400 not at all"
+    assert len(_Generation.seen) == 4
+    assert all(h["authorization"] == "Bearer k" for h in _Generation.seen)
+    assert [h.get("x-grpo-policy-version") for h in _Generation.seen] == ["3", "3", "3", None]
+
+
+def test_generation_requests_hold_at_most_max_connections(generation_server):
+    _Generation.hold_s = 0.2
+
+    async def go():
+        async with GenerationClient(generation_server, api_key="k", max_connections=8, max_retries=0) as c:
+            outs = await asyncio.gather(*(c.complete([1], model="m", max_tokens=1) for _ in range(40)))
+            return outs
+
+    outs = asyncio.run(go())
+    assert len(outs) == 40 and all(o[0].token_ids == [5] for o in outs)
+    assert _Generation.peak == 8, f"the server held {_Generation.peak} requests at once"

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,12 +38,8 @@ logger = logging.getLogger(__name__)
 #: Seconds an idle pooled connection is kept for reuse: below every server keep-alive timeout we meet
 #: (uvicorn and vLLM default to 5 s), so the client never reuses a connection the server is closing.
 KEEPALIVE_EXPIRY_S = 2.0
-#: Most connections of one httpx pool. httpcore's pool walks every connection it holds on each request and each
-#: release (``_assign_requests_to_connections``: ``has_expired`` polls every socket; encode/httpcore#1035, open), so
-#: one pool of 512 connections spent about half of the rollout process's CPU on bookkeeping and held the rollout to
-#: ~2.5k generated tok/s on an H200 (``benchmarks/rollout.py``); generation requests are spread over pools of at
-#: most this many connections (each request to the pool with the fewest in flight).
-POOL_CONNECTIONS = 32
+#: Errors of one attempt that are retried (connection lost or refused, timeouts), from either HTTP library.
+RETRIED_ERRORS = (httpx.TransportError, httpx.TimeoutException, aiohttp.ClientError, TimeoutError)
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
@@ -145,8 +142,7 @@ class GenerationClient:
 
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
-        max_connections: connections in all (generation requests spread over pools of at most
-            ``POOL_CONNECTIONS``); set it to the rollout concurrency cap.
+        max_connections: connection pool size; set it to the rollout concurrency cap.
         timeout_s: per-request timeout in seconds (a timed-out request is retried).
         max_retries: retries after connection errors, timeouts and 5xx answers.
         backoff_s: upper bound of the first retry delay in seconds; doubles per retry up to
@@ -166,15 +162,18 @@ class GenerationClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.retry_count = 0
-        num_pools = -(-max(max_connections, 1) // POOL_CONNECTIONS)
-        per_pool = -(-max(max_connections, 1) // num_pools)
-        limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool,
+        self.max_connections, self.timeout_s = max_connections, timeout_s
+        self._headers = bearer_headers(api_key or run_token())
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                               keepalive_expiry=KEEPALIVE_EXPIRY_S)
-        headers = bearer_headers(api_key or run_token())
-        self._pools = [httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
-                                         headers=headers) for _ in range(num_pools)]
-        self._in_flight = [0] * num_pools
-        self._http = self._pools[0]  # control calls, health, streams
+        # control calls, health, metrics and streams (the router passes answers on as they come)
+        self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
+                                       headers=self._headers)
+        # Generation requests go through aiohttp: httpcore's pool walks every connection it holds on each request
+        # and release (``_assign_requests_to_connections``, encode/httpcore#1035), and with hundreds of requests in
+        # flight httpx cost ~2.4 ms of CPU per request against aiohttp's ~0.4 ms: the rollout process ran at one
+        # CPU second per second on the H200 while vLLM idled (``benchmarks/rollout.py``).
+        self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> GenerationClient:
         return self
@@ -184,29 +183,37 @@ class GenerationClient:
 
     async def aclose(self) -> None:
         """Close the connection pools."""
-        for pool in self._pools:
-            await pool.aclose()
+        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    def _generation_session(self) -> aiohttp.ClientSession:
+        """The aiohttp session of generation requests, made in the running event loop at first use."""
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
 
     async def _send(self, method: str, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None,
-                    headers: dict[str, str] | None, spread: bool) -> httpx.Response:
-        """One attempt; ``spread``: on the pool with the fewest requests in flight (generation requests)."""
-        if not spread:
+                    headers: dict[str, str] | None, generation: bool) -> httpx.Response:
+        """One attempt: a generation request through aiohttp, anything else through httpx; the answer as an
+        ``httpx.Response`` either way."""
+        if not generation:
             return await self._http.request(method, path, json=body, params=params, headers=headers)
-        i = min(range(len(self._pools)), key=self._in_flight.__getitem__)
-        self._in_flight[i] += 1
-        try:
-            return await self._pools[i].request(method, path, json=body, params=params, headers=headers)
-        finally:
-            self._in_flight[i] -= 1
+        async with self._generation_session().request(method, self.base_url + path, json=body, params=params,
+                                                       headers=headers) as answer:
+            content = await answer.read()
+        return httpx.Response(answer.status, content=content)
 
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                        params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
-                       spread: bool = False) -> httpx.Response:
+                       generation: bool = False) -> httpx.Response:
         last: str = ""
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self._send(method, path, body, params, headers, spread)
-            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                response = await self._send(method, path, body, params, headers, generation)
+            except RETRIED_ERRORS as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
                 if response.status_code < 400:
@@ -303,7 +310,7 @@ class GenerationClient:
             "ignore_eos": ignore_eos, "stop_token_ids": list(stop_token_ids or ()),
         }
         version = None if policy_version is None else {POLICY_VERSION_HEADER: str(policy_version)}
-        data = (await self._request("POST", "/v1/completions", body, headers=version, spread=True)).json()
+        data = (await self._request("POST", "/v1/completions", body, headers=version, generation=True)).json()
         choices = sorted(data["choices"], key=lambda c: c["index"])
         return [_parse_choice(c, num_logprobs > 0) for c in choices]
 
