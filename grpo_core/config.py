@@ -363,6 +363,11 @@ class RolloutConfig(_CandidateFilter):
     """Most policy versions a sample may lag the trainer before it is dropped."""
     max_concurrent_rollouts: int = Field(default=512, ge=1)
     """Most rollouts in flight at once (also the HTTP connection pool size)."""
+    batch_group_prompts: bool = False
+    """Send the first requests of a group's rollouts that start together as one request with ``n`` choices
+    instead of ``n`` requests (``grpo_core.rollout.coalesce``): on a small model vLLM's API server spends its CPU
+    mostly per request. Each rollout keeps its own seed either way; the router then sees one request per group
+    (``router/affinity_hit_frac`` counts requests, so it falls towards 0)."""
     server_timeout_s: float = Field(default=1800.0, gt=0)
     """Seconds a single request to the server may take before it is retried."""
     max_retries: int = Field(default=5, ge=0)

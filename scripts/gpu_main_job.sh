@@ -7,8 +7,9 @@
 #   setup          reassemble and verify the vLLM 0.25.1 bundle (shared/vllm-h200/stage_vllm.sh) into /tmp/site
 #                  and the wheelhouse (scripts/wheelhouse.py) into /tmp/grpo-site, link packer_rs's extension
 #                  into the checkout, convert SmolLM2 once, and check that everything imports
-#   probe          benchmarks/rollout.py on configs/gpu-1xh200.yaml's vLLM without a trainer, 30 s per variant: with
-#                  top-8 sampler log-probs (score centering) and as configured (none); where the rollout's time goes
+#   probe          benchmarks/rollout.py on configs/gpu-1xh200.yaml's vLLM without a trainer, 30 s per variant: as
+#                  configured, with a group's first requests as one (rollout.batch_group_prompts), and with top-8
+#                  sampler log-probs (score centering); where the rollout's time goes
 #                  (CPU seconds of the rollout, vLLM's API server and engine core; running requests)
 #   probe2         the same with two vLLM replicas on GPU 0 (gpu_ids [0, 0], 15% of its memory each, eager): prefix
 #                  affinity routing as configured vs route_imbalance 0 (every imbalance spills: least-loaded routing),
@@ -85,8 +86,9 @@ for step in "$@"; do
     case $step in
         collect) collect ;;
         setup) setup || { rc=$?; echo "setup failed ($rc)"; exit $rc; } ;;
-        probe) timeout 400 "$PY" benchmarks/rollout.py --config configs/gpu-1xh200.yaml --seconds 30 \
-                   --variant rollout.num_sampler_logprobs=8,train.score_centering=true --variant "" \
+        probe) timeout 400 "$PY" benchmarks/rollout.py --config configs/gpu-1xh200.yaml --seconds 30 --variant "" \
+                   --variant rollout.batch_group_prompts=true \
+                   --variant rollout.num_sampler_logprobs=8,train.score_centering=true \
                    --out "$RES/rollout_probe.json" || rc=1 ;;
         probe2) timeout 480 "$PY" benchmarks/rollout.py --config configs/gpu-1xh200.yaml --seconds 30 \
                     --set server.num_replicas=2 --set "server.gpu_ids=[0, 0]" --set server.gpu_memory_utilization=0.15 \

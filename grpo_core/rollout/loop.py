@@ -25,6 +25,7 @@ from grpo_core.config import RolloutConfig
 from grpo_core.errors import RolloutError, ServerRequestError, UserCodeError, UserCodeTimeout
 from grpo_core.transport.types import ResumeState
 
+from .coalesce import TurnCoalescer
 from .debug_dump import RolloutDump
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards
@@ -61,6 +62,13 @@ def request_seed(base: int, group_id: int, rollout: int, turn: int) -> int:
     x ^= x >> 31
     x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
     return int(x ^ (x >> 32)) & 0x7FFFFFFF
+
+
+def group_seed_base(base: int, group_id: int) -> int:
+    """Seed of rollout 0's first request of a group when ``rollout.batch_group_prompts`` is on (rollout i: base +
+    i, so a request with ``n`` choices for rollouts a.. is seeded base + a; ``grpo_core.rollout.coalesce``); below
+    2**31 - 2**16 so base + i stays a 31-bit seed."""
+    return request_seed(base, group_id, 0, 0) % (2**31 - 2**16)
 
 
 @dataclass
@@ -116,6 +124,7 @@ class RolloutLoop:
         self.failed_groups = 0
         self.unfinished_rollouts = 0  # rollouts of started groups not yet finished (running or waiting for a slot)
         self.debug_dump = RolloutDump.from_env(config)  # $GRPO_DEBUG_ROLLOUT_DUMP; None = off
+        self.coalescer = TurnCoalescer() if config.batch_group_prompts else None
 
     # ----- hooks ---------------------------------------------------------------------------------
 
@@ -191,17 +200,29 @@ class RolloutLoop:
         logprobs: list[float] = []
         tops: list[dict[int, float]] | None = [] if cfg.num_sampler_logprobs > 0 else None
         for attempt in range(cfg.max_abort_retries + 1):
+            first_request = counter[0] == 0
             seed = request_seed(cfg.seed, group_id, rollout, counter[0])
             counter[0] += 1
             sampled_version = version if attempt == 0 else self.runtime.allowance.policy_version
             model = self.served_model(sampled_version)
+            prompt = list(prompt_ids) + ids
+
+            def send(first: int, n: int, seed: int = seed) -> Any:
+                return server.complete(prompt, affinity_key=(group_id, sampled_version), model=model,
+                                       max_tokens=budget - len(ids), n=n, temperature=cfg.temperature,
+                                       top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=seed,
+                                       num_logprobs=cfg.num_sampler_logprobs,
+                                       # full weights: a replica holding no weights of this version refuses
+                                       policy_version=None if self.runtime.lora_name else sampled_version)
+
             try:
-                (out,) = await server.complete(list(prompt_ids) + ids, affinity_key=(group_id, sampled_version),
-                                               model=model, max_tokens=budget - len(ids),
-                                               temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                               min_p=cfg.min_p, seed=seed, num_logprobs=cfg.num_sampler_logprobs,
-                                               # full weights: a replica holding no weights of this version refuses
-                                               policy_version=None if self.runtime.lora_name else sampled_version)
+                if self.coalescer is not None and first_request:  # a group's rollouts open with one prompt
+                    base = group_seed_base(cfg.seed, group_id)
+                    key = (group_id, sampled_version, model, budget, tuple(prompt))
+                    out = await self.coalescer.complete(
+                        key, rollout, lambda first, n: send(first, n, seed=base + first))
+                else:
+                    (out,) = await send(rollout, 1)
             except ServerRequestError:
                 if await self._retired(server, model):  # vLLM: 404 for an unknown model (vllm-h200/README.md)
                     raise AdapterRetired(f"group {group_id}: adapter {model} was unloaded by a newer weight sync "
