@@ -191,7 +191,8 @@ class GenerationClient:
         """The aiohttp session of generation requests, made in the running event loop at first use."""
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers,
+            # trust_env: HTTP(S)_PROXY / NO_PROXY apply as they do to httpx's control calls
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, trust_env=True,
                                                   timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
