@@ -10,12 +10,11 @@ Only pydantic and the standard library are imported here (STYLE.md, module bound
 
 from __future__ import annotations
 
-from collections import Counter
-
 import logging
 import os
 import re
 import typing
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
