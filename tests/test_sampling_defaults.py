@@ -106,10 +106,10 @@ def test_vllm_server_info_defaults_follow_the_generation_config_mode(tmp_path):
 class OmittingClient(GenerationClient):
     """The client before the fix: it left out ``top_k`` when top-k was off."""
 
-    async def _request(self, method, path, body=None, params=None, headers=None):
+    async def _request(self, method, path, body=None, params=None, headers=None, **kwargs):
         if body is not None and "prompt" in body and body.get("top_k", 0) <= 0:
             body = {k: v for k, v in body.items() if k != "top_k"}
-        return await super()._request(method, path, body, params, headers)
+        return await super()._request(method, path, body, params, headers, **kwargs)
 
 
 @pytest.fixture(scope="module")
