@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,8 +102,6 @@ class RunningPoller:
     The embedded server and vLLM both export ``vllm:num_requests_running`` (``parse_metrics``)."""
 
     def __init__(self, urls: list[str], period_s: float = 0.5) -> None:
-        import threading
-
         self.urls, self.period_s = urls, period_s
         self.running: list[float] = []
         self.kv: list[float] = []

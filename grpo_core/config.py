@@ -915,10 +915,10 @@ class RunConfig(_Strict):
                 if len(set(own)) < len(own):
                     raise ConfigError(f"server.gpu_ids gives replica {replica} the GPUs {own}: the "
                                       f"tensor_parallel_size ({tp}) GPUs of one replica must differ")
-            if server.num_replicas > 1 and len(set(server.gpu_ids[:needed])) < needed \
-                    and server.gpu_memory_utilization * max(Counter(server.gpu_ids[:needed]).values()) > 0.95:
+            sharing = max(Counter(server.gpu_ids[:needed]).values())  # replicas on the busiest GPU
+            if sharing > 1 and server.gpu_memory_utilization * sharing > 0.95:
                 raise ConfigError(
-                    f"server.gpu_ids puts {max(Counter(server.gpu_ids[:needed]).values())} replicas on one GPU, "
+                    f"server.gpu_ids puts {sharing} replicas on one GPU, "
                     f"each taking server.gpu_memory_utilization ({server.gpu_memory_utilization}) of it: lower "
                     "gpu_memory_utilization so that they fit together")
         _warn_unused(self.unused_settings())

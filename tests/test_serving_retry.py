@@ -11,7 +11,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 
 from grpo_core.errors import ServerUnavailableError
@@ -74,11 +73,26 @@ def test_clients_failing_together_do_not_retry_in_lockstep():
     assert max(delays) - min(delays) > 0.05, f"retries in lockstep: {sorted(delays)}"
 
 
-class _DropsFirstCompletion(BaseHTTPRequestHandler):
+class _JsonHandler(BaseHTTPRequestHandler):
+    """HTTP/1.1 handler answering JSON bytes, quietly."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self, status: int, data: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+class _DropsFirstCompletion(_JsonHandler):
     """``/health`` answers 200; the first ``POST /v1/completions`` loses its connection without an answer (as
     a request sent on a keep-alive connection the server is closing does), later ones answer."""
 
-    protocol_version = "HTTP/1.1"
     completions = 0
 
     def do_GET(self):  # noqa: N802 - http.server's name
@@ -94,15 +108,6 @@ class _DropsFirstCompletion(BaseHTTPRequestHandler):
                              "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5, -0.25]}}]}
         self._answer(200, json.dumps(body).encode())
 
-    def _answer(self, status: int, data: bytes) -> None:
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):  # quiet
-        pass
 
 
 def test_a_dropped_connection_to_a_healthy_replica_is_retried_not_routed_around():
@@ -128,11 +133,10 @@ def test_a_dropped_connection_to_a_healthy_replica_is_retried_not_routed_around(
     assert retries == 1
 
 
-class _Generation(BaseHTTPRequestHandler):
+class _Generation(_JsonHandler):
     """``POST /v1/completions``: records the headers and how many requests it holds at once; answers per
     ``statuses`` (popped per request, then 200) after ``hold_s``."""
 
-    protocol_version = "HTTP/1.1"
     seen: list[dict[str, str]] = []
     statuses: list[int] = []
     hold_s = 0.0
@@ -153,15 +157,7 @@ class _Generation(BaseHTTPRequestHandler):
         body = ({"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop",
                               "logprobs": {"token_logprobs": [-0.5]}}]} if status == 200
                 else {"error": {"message": "nope", "type": "BadRequestError", "code": status}})
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):  # quiet
-        pass
+        self._answer(status, json.dumps(body).encode())
 
 
 @pytest.fixture
