@@ -9,10 +9,17 @@ watched, so any failure ends the command within seconds with an error naming the
 A server started here requires a basic-auth string (``PREFECT_SERVER_API_AUTH_STRING``; its clients send
 ``PREFECT_API_AUTH_STRING``): the environment's, or a fresh random one; and it is used only once it proves to
 be the process started here (:func:`verify_own_server`), never another server that answers on its port.
+
+The temporary server runs in its own session, owned by this process (``grpo_core.lifeline``): a Ctrl-C in the
+terminal (SIGINT to the foreground process group) reaches the flow, which records its crash on the still-running
+server and stops its children, and Prefect stops the server at exit; were the server in the flow's group, it
+would die first and the flow would retry its final state on a dead API for minutes. A SIGKILLed command takes
+the server with it within a second.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -152,6 +159,49 @@ def _own_auth() -> str | None:
     return os.environ[AUTH_SERVER_ENV]
 
 
+@functools.cache
+def _owned_server_class() -> type:
+    """Prefect's ``SubprocessASGIServer`` whose process starts in its own session under ``python -m
+    grpo_core.lifeline`` (see the module docstring); built on first use (Prefect's import is slow)."""
+    import types
+
+    import prefect.server.api.server as prefect_server
+
+    from grpo_core.lifeline import owner_env
+
+    class OwnedASGIServer(prefect_server.SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> Any:
+            real = prefect_server.subprocess
+
+            def popen(args: list[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> Any:
+                args = list(args)
+                if args[1:3] == ["-m", "uvicorn"]:  # Prefect's command: run it under our lifeline
+                    args[1:3] = ["-m", "grpo_core.lifeline", "uvicorn"]
+                env = {**(os.environ if env is None else env), **owner_env()}
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                                  env.get("PYTHONPATH")]))
+                return real.Popen(args, env=env, start_new_session=True, **kwargs)
+
+            prefect_server.subprocess = types.SimpleNamespace(Popen=popen)  # this module's name only
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                prefect_server.subprocess = real
+
+    return OwnedASGIServer
+
+
+def _owned_server() -> Any:
+    """The temporary API server object: Prefect keeps one per port (``SubprocessASGIServer._instances``), so the
+    flow engine, which asks for ``SubprocessASGIServer()`` itself, finds this one; an unstarted plain one made
+    earlier in this process is replaced."""
+    owned = _owned_server_class()
+    instances = owned._instances
+    if None in instances and not isinstance(instances[None], owned) and instances[None].server_process is None:
+        del instances[None]
+    return owned()
+
+
 def start_local_api() -> str:
     """Make Prefect's API ready for a flow run in this process; returns its URL.
 
@@ -169,9 +219,7 @@ def start_local_api() -> str:
         return os.environ["PREFECT_API_URL"]
     home = prepare_home(Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser())
     auth = _own_auth()
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
+    server = _owned_server()
     failure: list[BaseException] = []
 
     def start() -> None:

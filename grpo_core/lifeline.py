@@ -110,3 +110,24 @@ def die_with_parent() -> None:
     ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing). Runs in the child between fork and exec."""
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def run_owned_module(argv: list[str]) -> None:
+    """Run ``python -m MODULE ARGS...`` (``argv = [MODULE, *ARGS]``) in this process under :func:`watch`: for a
+    program that is not grpo-flow's, launched from a thread that does not outlive it (where
+    :func:`die_with_parent` cannot serve), e.g. Prefect's temporary API server (``flows.local_api``).
+
+    Raises:
+        SystemExit: no module named (code 2), or whatever the module's own ``__main__`` raises.
+    """
+    import runpy
+
+    if not argv:
+        raise SystemExit("usage: python -m grpo_core.lifeline MODULE [ARGS...]")
+    watch()
+    sys.argv = list(argv)
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    run_owned_module(sys.argv[1:])

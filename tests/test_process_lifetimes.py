@@ -154,3 +154,74 @@ def test_rollout_linger_returns_when_its_parent_died_before_it_began(tmp_path):
         if child.is_running():
             child.kill()
     assert out.read_text() == "returned"
+
+
+def _descendants_until(parent: psutil.Process, done, timeout_s: float = 300) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs = parent.children(recursive=True)
+        if done(procs):
+            return procs
+        time.sleep(0.5)
+    raise AssertionError(f"not reached in {timeout_s} s: {[p.cmdline()[:4] for p in parent.children(recursive=True)]}")
+
+
+def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path):
+    # Ctrl-C in a terminal is SIGINT to the whole foreground process group. Before: Prefect's temporary API server
+    # was in that group, died first, and the flow retried its final state on the dead API for minutes (seen on
+    # the H200: a stopped run needed SIGKILL, 60 s after SIGTERM to the group).
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--set", f"train.output_dir={out}", "--set", f"tracking.dir={tmp_path / 'mlflow'}",
+           "--set", "train.max_steps=10000", "--set", "rollout.num_epochs=null"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "400",
+           "OMP_NUM_THREADS": "1"}
+    log = (tmp_path / "cli.log").open("w")
+    cli = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        procs = _descendants_until(psutil.Process(cli.pid), lambda ps: any(
+            "grpo_core.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()) for p in ps))
+        deadline = time.monotonic() + 300
+        while not list(out.glob("*/metrics.jsonl")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert list(out.glob("*/metrics.jsonl")), "no step was trained before the interrupt"
+        procs = psutil.Process(cli.pid).children(recursive=True)
+        (api,) = [p for p in procs if "prefect.server.api.server:create_app" in " ".join(p.cmdline())]
+        assert os.getsid(api.pid) != os.getsid(cli.pid), "the API server must be out of the terminal's group"
+        os.killpg(cli.pid, signal.SIGINT)
+        code = cli.wait(timeout=60)  # before: still retrying after 100 s
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+    output = " ".join((tmp_path / "cli.log").read_text(errors="replace").split())
+    assert code == 130, output[-3000:]
+    assert "Flow run" in output and "Finished in state Crashed" in output, output[-3000:]
+    assert "Stopping temporary server" in output
+    _, alive = psutil.wait_procs(procs, timeout=DEATH_BOUND_S)
+    assert not alive, f"outlived the interrupted command: {[p.cmdline()[:4] for p in alive]}"
+
+
+API_OWNER = """
+import sys, time
+from flows.local_api import start_local_api
+print(start_local_api(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_temporary_prefect_api_dies_with_its_sigkilled_command(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    owner = subprocess.Popen([sys.executable, "-c", API_OWNER], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        url = owner.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        (api,) = psutil.Process(owner.pid).children(recursive=True)
+        assert "grpo_core.lifeline" in api.cmdline() and os.getsid(api.pid) == api.pid, api.cmdline()
+    finally:
+        owner.kill()
+        owner.wait()
+    _, alive = psutil.wait_procs([api], timeout=DEATH_BOUND_S)
+    assert not alive, "Prefect's temporary API server outlived the SIGKILLed command"
