@@ -13,7 +13,9 @@ reward curve. Prints a table; writes ``summary.json`` and one PNG per run under 
     python benchmarks/gpu_e2e.py --runs 2xh200 --steps 30 --out $OUT                # two H200s
     python benchmarks/gpu_e2e.py --cpu-smoke --runs 1xh200 --out /tmp/e2e           # CPU: embedded server, tiny model
 
-Steady-state rates leave out the first ``--warmup-steps`` steps (compilation, vLLM warm-up).
+Steady-state rates leave out the first ``--warmup-steps`` steps (compilation, vLLM warm-up). A run over
+``--timeout-s``, or this script stopped by SIGTERM or Ctrl-C, gets SIGINT (as Ctrl-C: the flow records its crash and
+stops its processes); the steps it trained are still summarized, and ``summary.json`` is written after every run.
 """
 
 from __future__ import annotations
@@ -100,8 +102,8 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
                                 env={**os.environ, TOKEN_ENV: ensure_run_token()})
         try:
             code = proc.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)  # the flow's finally stops vLLM, rollout and trainer
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # over time, or this benchmark was stopped
+            os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C: the flow's finally stops vLLM, rollout and trainer
             try:
                 code = proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -258,16 +260,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown run {unknown}; choose from {list(RUNS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (ROOT / "runs" / "prefect").mkdir(parents=True, exist_ok=True)  # PREFECT_HOME of the CLI's embedded API
+    # SIGTERM (a wrapping `timeout`) stops the running flow as Ctrl-C does; the figures measured so far are kept.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     results = []
     for name in names:
         result = run_flow(name, args)
         plot(result, args.out / f"{name}.png")
         results.append(result)
         print(f"{name}: exit {result['exit_code']} after {result['wall_s']} s", flush=True)
-    summary = args.out / "summary.json"
-    previous = json.loads(summary.read_text()) if summary.exists() else {}
-    previous.update({r["run"]: r for r in results})
-    summary.write_text(json.dumps(previous, indent=1, default=str))
+        summary = args.out / "summary.json"  # written after every run: a later run's stop loses nothing
+        previous = json.loads(summary.read_text()) if summary.exists() else {}
+        previous[name] = result
+        summary.write_text(json.dumps(previous, indent=1, default=str))
     print(table(results))
     for r in results:
         if "error" in r:
