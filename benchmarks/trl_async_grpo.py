@@ -32,7 +32,8 @@ What TRL 1.16.0 needs that an offline host lacks (read from its source,
 
 Counting: TRL trains every group, also those whose rewards all tie (advantages 0, no gradient), while
 grpo-flow drops them before its trainer; besides TRL's own trained tokens/s the report gives the tokens/s of
-the samples TRL pulled with a non-zero advantage (``signal_tokens_per_s_wall``) and the speed-up against each.
+the samples TRL pulled with a non-zero advantage (``signal_tokens_per_s_*``) and the speed-up against each, both
+over TRL's steady steps (``*_steady``), as grpo-flow's rates are; ``*_wall`` also counts TRL's start-up.
 
     python benchmarks/trl_async_grpo.py --config configs/gpu-1xh200.yaml --steps 30 --out $OUT --compare $OUT/summary.json
     python benchmarks/trl_async_grpo.py --dry-run            # CPU: builds everything but the trainer; lists blockers
@@ -292,15 +293,23 @@ def check_counts_pulled_tokens() -> bool:
     return (PULLED["zero_advantage"] - before["zero_advantage"], PULLED["signal"] - before["signal"]) == (2, 3)
 
 
-def summarize(history: list[dict], wall_s: float, steps: int) -> dict:
-    """Wall-clock and trained tokens/s of TRL's steps, from its own log history; tokens/s of the samples it pulled
-    with a non-zero advantage (:data:`PULLED`)."""
+def summarize(history: list[dict], wall_s: float, steps: int, warmup_steps: int = 3) -> dict:
+    """Trained tokens/s of TRL's steps from its own log history, and of the samples it pulled with a non-zero
+    advantage (:data:`PULLED`): over the whole ``trainer.train()`` wall clock (``*_wall``: TRL's model load and
+    worker start-up included) and over its steady steps (``*_steady``: the steps after ``warmup_steps``, the
+    same rule as ``benchmarks/gpu_e2e.py``, whose rates are steady ones: compare those)."""
     logs = [h for h in history if "perf/step_s" in h]
     trained = sum(h.get("batch/trained_tokens_per_step", 0.0) for h in logs)
+    steady = logs[warmup_steps:] or logs
+    steady_s = sum(h["perf/step_s"] for h in steady)
+    steady_rate = sum(h.get("batch/trained_tokens_per_step", 0.0) for h in steady) / steady_s if steady_s else 0.0
     pulled = PULLED["signal"] + PULLED["zero_advantage"]
+    zero_frac = PULLED["zero_advantage"] / pulled if pulled else None
     return {"steps": steps, "wall_s": round(wall_s, 1), "trained_tokens_per_s_wall": trained / wall_s if wall_s else 0,
-            "pulled_zero_advantage_token_frac": PULLED["zero_advantage"] / pulled if pulled else None,
+            "trained_tokens_per_s_steady": steady_rate,
+            "pulled_zero_advantage_token_frac": zero_frac,
             "signal_tokens_per_s_wall": PULLED["signal"] / wall_s if wall_s else 0,
+            "signal_tokens_per_s_steady": steady_rate * (1 - zero_frac) if zero_frac is not None else None,
             "step_s_median": statistics.median([h["perf/step_s"] for h in logs]) if logs else None,
             "trl_trained_tok_s_wall_clock": statistics.fmean([h["perf/trained_tok_s_wall_clock"] for h in logs
                                                               if "perf/trained_tok_s_wall_clock" in h] or [0.0]),
@@ -367,11 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare and args.compare.exists():
         ours = next(iter(json.loads(args.compare.read_text()).values()))
         report["grpo_flow"] = {k: ours.get(k) for k in ("run", "wall_s", "trained_tokens_per_s", "step_s_median")}
+        # steady against steady (gpu_e2e's rates leave out its warm-up steps); grpo-flow trains only groups whose
+        # rewards differ, so also against TRL's tokens that carry a learning signal
         report["speedup_trained_tokens_per_s"] = (ours.get("trained_tokens_per_s") or 0) / max(
-            report["trained_tokens_per_s_wall"], 1e-9)
-        # grpo-flow trains only groups whose rewards differ: against TRL's tokens that carry a learning signal
+            report["trained_tokens_per_s_steady"], 1e-9)
         report["speedup_signal_tokens_per_s"] = (ours.get("trained_tokens_per_s") or 0) / max(
-            report["signal_tokens_per_s_wall"], 1e-9)
+            report["signal_tokens_per_s_steady"] or 0, 1e-9)
     (args.out / "trl_summary.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({k: v for k, v in report.items() if k != "reward"}, indent=1, default=str))
     return 0
