@@ -196,7 +196,9 @@ def test_nccl_sync_bodies_on_two_servers(monkeypatch, servers):
     a, b = servers(), servers()
     sync = VllmWeightTransferSync([a.url, b.url], "nccl", api_key=TOKEN)
     for version in (1, 2):
-        assert "perf/weight_sync_transfer_s" in sync.sync(tiny_policy(), version, rank=0)
+        stats = sync.sync(tiny_policy(), version, rank=0)
+        phases = [stats[f"perf/weight_sync_{p}_s"] for p in ("pause", "update", "settle")]
+        assert min(phases) >= 0 and sum(phases) == pytest.approx(stats["perf/weight_sync_transfer_s"], abs=1e-6)
     for server in (a, b):
         assert [(m, p) for m, p, _, _ in server.calls][:2] == [("GET", "/get_world_size"),
                                                               ("POST", "/init_weight_transfer_engine")]

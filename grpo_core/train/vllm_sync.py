@@ -170,7 +170,9 @@ class VllmWeightTransferSync:
         router's set until an update reaches it, or it restarts); the others serve the new version.
 
         Returns:
-            (rank 0) ``perf/weight_sync_transfer_s`` and ``weight_sync/failed_replica_count`` (replicas the update
+            (rank 0) ``perf/weight_sync_transfer_s`` (seconds, split into ``perf/weight_sync_pause_s``: pause and
+            start on every replica, ``perf/weight_sync_update_s``: gather and send, ``perf/weight_sync_settle_s``:
+            finish, prefix-cache reset and resume) and ``weight_sync/failed_replica_count`` (replicas the update
             failed on, fenced off; the run's total is the metric's sum).
 
         Raises:
@@ -193,8 +195,10 @@ class VllmWeightTransferSync:
                 self._pause_all(paused, version)
         except BaseException as exc:  # the other ranks still meet us at the barrier and in the gather
             error = exc
+        t_paused = time.perf_counter()
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
+        t_sent = None
         try:
             # Gathering full tensors is collective, so every rank takes part even when rank 0 already failed.
             self._send(policy, rank, skip_post=error is not None)
@@ -203,13 +207,18 @@ class VllmWeightTransferSync:
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.barrier()
+            t_sent = time.perf_counter()
             if rank == 0:
                 error = self._settle(paused, version, error)
         if error is not None:
             raise error
         if rank != 0:
             return {}
-        return {"perf/weight_sync_transfer_s": time.perf_counter() - t0,
+        end = time.perf_counter()
+        # the phases, to tell a slow keep-mode pause (requests finishing their engine step) from a slow transfer
+        # or a slow finish/reset/resume
+        return {"perf/weight_sync_transfer_s": end - t0, "perf/weight_sync_pause_s": t_paused - t0,
+                "perf/weight_sync_update_s": t_sent - t_paused, "perf/weight_sync_settle_s": end - t_sent,
                 "weight_sync/failed_replica_count": float(len(self._failed))}
 
     def _retry(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> None:
