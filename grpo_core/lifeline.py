@@ -10,7 +10,9 @@ original parent where asked (a trainer rank watches torchrun, which torch 2.11 s
 apart from: its own session), and SIGKILLs this process's group (or this process alone when it
 leads none) once one of them is gone. Programs that are not grpo-flow's (vLLM, torchrun itself)
 get :func:`die_with_parent` as ``preexec_fn``: Linux's ``PR_SET_PDEATHSIG``, which fires when the
-launching *thread* ends, so they must be launched from a thread that lives as long as they should.
+launching *thread* ends, so they must be launched from a thread that lives as long as they should; one launched
+from a short-lived thread (Prefect's temporary API server) runs as ``python -m grpo_core.lifeline MODULE ...``
+(:func:`run_owned_module`: the module in-process under :func:`watch`).
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ def run_owned_module(argv: list[str]) -> None:
     :func:`die_with_parent` cannot serve), e.g. Prefect's temporary API server (``flows.local_api``).
 
     Raises:
-        SystemExit: no module named (code 2), or whatever the module's own ``__main__`` raises.
+        SystemExit: no module named (a usage message, exit code 1), or whatever the module's own ``__main__``
+            raises.
     """
     import runpy
 
