@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Mapping
@@ -162,43 +163,57 @@ def _own_auth() -> str | None:
 @functools.cache
 def _owned_server_class() -> type:
     """Prefect's ``SubprocessASGIServer`` whose process starts in its own session under ``python -m
-    grpo_core.lifeline`` (see the module docstring); built on first use (Prefect's import is slow)."""
+    grpo_core.lifeline`` (see the module docstring); built on first use (Prefect's import is slow). Should Prefect's
+    command ever not be ``python -m uvicorn …``, the server starts as Prefect starts it, with a warning."""
     import types
 
     import prefect.server.api.server as prefect_server
 
     from grpo_core.lifeline import owner_env
 
+    def popen(args: list[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
+        args = list(args)
+        if args[1:3] != ["-m", "uvicorn"]:
+            logger.warning("Prefect's temporary API server command is not `python -m uvicorn …` (%s): started in this "
+                           "command's process group, so a Ctrl-C reaches it too", args[:3])
+            return subprocess.Popen(args, env=env, **kwargs)
+        env = {**(os.environ if env is None else env), **owner_env()}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
+                                                          env.get("PYTHONPATH")]))
+        return subprocess.Popen([args[0], "-m", "grpo_core.lifeline", "uvicorn", *args[3:]], env=env,
+                                start_new_session=True, **kwargs)
+
+    # Prefect's server module sees this in place of the subprocess module while it starts the server, nothing else
+    owned_subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+
     class OwnedASGIServer(prefect_server.SubprocessASGIServer):
-        def _run_uvicorn_command(self) -> Any:
-            real = prefect_server.subprocess
-
-            def popen(args: list[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> Any:
-                args = list(args)
-                if args[1:3] == ["-m", "uvicorn"]:  # Prefect's command: run it under our lifeline
-                    args[1:3] = ["-m", "grpo_core.lifeline", "uvicorn"]
-                env = {**(os.environ if env is None else env), **owner_env()}
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
-                                                                  env.get("PYTHONPATH")]))
-                return real.Popen(args, env=env, start_new_session=True, **kwargs)
-
-            prefect_server.subprocess = types.SimpleNamespace(Popen=popen)  # this module's name only
-            try:
-                return super()._run_uvicorn_command()
-            finally:
-                prefect_server.subprocess = real
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            with _PATCH_LOCK:
+                prefect_server.subprocess = owned_subprocess
+                try:
+                    return super()._run_uvicorn_command()
+                finally:
+                    prefect_server.subprocess = subprocess
 
     return OwnedASGIServer
 
 
+_PATCH_LOCK = threading.Lock()
+
+
 def _owned_server() -> Any:
     """The temporary API server object: Prefect keeps one per port (``SubprocessASGIServer._instances``), so the
-    flow engine, which asks for ``SubprocessASGIServer()`` itself, finds this one; an unstarted plain one made
-    earlier in this process is replaced."""
+    flow engine, which asks for ``SubprocessASGIServer()`` itself, finds this one; a plain one made earlier in
+    this process and never started is replaced, a started one is kept (with a warning: a Ctrl-C reaches it)."""
     owned = _owned_server_class()
     instances = owned._instances
-    if None in instances and not isinstance(instances[None], owned) and instances[None].server_process is None:
-        del instances[None]
+    plain = instances.get(None)
+    if plain is not None and not isinstance(plain, owned):
+        if plain.server_process is None and not plain.running:
+            del instances[None]
+        else:
+            logger.warning("Prefect's temporary API server was started before grpo-flow's: it runs in this "
+                           "command's process group, so a Ctrl-C reaches it too")
     return owned()
 
 

@@ -7,6 +7,7 @@ asserts that none lives after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -156,14 +157,15 @@ def test_rollout_linger_returns_when_its_parent_died_before_it_began(tmp_path):
     assert out.read_text() == "returned"
 
 
-def _descendants_until(parent: psutil.Process, done, timeout_s: float = 300) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        procs = parent.children(recursive=True)
-        if done(procs):
-            return procs
-        time.sleep(0.5)
-    raise AssertionError(f"not reached in {timeout_s} s: {[p.cmdline()[:4] for p in parent.children(recursive=True)]}")
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:  # it ended meanwhile
+        return ""
+
+
+def _trained_steps(out: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in out.glob("*/metrics.jsonl"))
 
 
 def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path):
@@ -176,30 +178,36 @@ def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path)
            "--set", "train.max_steps=10000", "--set", "rollout.num_epochs=null"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "400",
            "OMP_NUM_THREADS": "1"}
-    log = (tmp_path / "cli.log").open("w")
-    cli = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        procs = _descendants_until(psutil.Process(cli.pid), lambda ps: any(
-            "grpo_core.train" in " ".join(p.cmdline()) and "launch" not in " ".join(p.cmdline()) for p in ps))
-        deadline = time.monotonic() + 300
-        while not list(out.glob("*/metrics.jsonl")) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert list(out.glob("*/metrics.jsonl")), "no step was trained before the interrupt"
-        procs = psutil.Process(cli.pid).children(recursive=True)
-        (api,) = [p for p in procs if "prefect.server.api.server:create_app" in " ".join(p.cmdline())]
-        assert os.getsid(api.pid) != os.getsid(cli.pid), "the API server must be out of the terminal's group"
-        os.killpg(cli.pid, signal.SIGINT)
-        code = cli.wait(timeout=60)  # before: still retrying after 100 s
-    finally:
-        if cli.poll() is None:
-            os.killpg(cli.pid, signal.SIGKILL)
-            cli.wait()
+    env.pop("PREFECT_API_URL", None)  # the command's own temporary API server is the case
+    procs: list[psutil.Process] = []
+    with (tmp_path / "cli.log").open("w") as log:
+        cli = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)  # leads its group, as a terminal's foreground job does
+        try:
+            deadline = time.monotonic() + 300
+            while _trained_steps(out) < 1 and cli.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert _trained_steps(out) >= 1, "no step was trained before the interrupt"
+            procs = psutil.Process(cli.pid).children(recursive=True)
+            (api,) = [p for p in procs if "prefect.server.api.server:create_app" in _cmdline(p)]
+            assert os.getsid(api.pid) != os.getsid(cli.pid), "the API server must be out of the terminal's group"
+            assert any("grpo_core.train" in _cmdline(p) for p in procs), "the trainer runs at the interrupt"
+            os.killpg(cli.pid, signal.SIGINT)
+            code = cli.wait(timeout=60)  # before: still retrying after 100 s
+        finally:
+            if cli.poll() is None:
+                os.killpg(cli.pid, signal.SIGKILL)
+                cli.wait()
+            _, alive = psutil.wait_procs(procs, timeout=DEATH_BOUND_S)
+            survivors = [_cmdline(p)[:200] for p in alive]
+            for p in alive:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
     output = " ".join((tmp_path / "cli.log").read_text(errors="replace").split())
     assert code == 130, output[-3000:]
     assert "Flow run" in output and "Finished in state Crashed" in output, output[-3000:]
     assert "Stopping temporary server" in output
-    _, alive = psutil.wait_procs(procs, timeout=DEATH_BOUND_S)
-    assert not alive, f"outlived the interrupted command: {[p.cmdline()[:4] for p in alive]}"
+    assert not survivors, f"outlived the interrupted command: {survivors}"
 
 
 API_OWNER = """
