@@ -15,7 +15,8 @@ reward curve. Prints a table; writes ``summary.json`` and one PNG per run under 
 
 Steady-state rates leave out the first ``--warmup-steps`` steps (compilation, vLLM warm-up). A run over
 ``--timeout-s``, or this script stopped by SIGTERM or Ctrl-C, gets SIGINT (as Ctrl-C: the flow records its crash and
-stops its processes); the steps it trained are still summarized, and ``summary.json`` is written after every run.
+stops its processes; SIGKILL after ``--stop-grace-s``); the steps it trained are still summarized, ``summary.json`` is
+written after every run, and a stopped script starts no further run.
 """
 
 from __future__ import annotations
@@ -83,8 +84,28 @@ class Sampler(threading.Thread):
             self.series.append(point)
 
 
+def _stop_flow(proc: subprocess.Popen, grace_s: float) -> int:
+    """Stop the flow's process group as Ctrl-C does (SIGINT: the flow records its crash and stops vLLM, rollout and
+    trainer), SIGKILL after ``grace_s``; further SIGINT/SIGTERM to this script are ignored meanwhile, so the
+    stop always completes. Returns the flow's exit code."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+    except ProcessLookupError:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_flow(name: str, args: argparse.Namespace) -> dict:
-    """One ``grpo train`` run under a wall-clock limit; returns its figures (and ``error`` when it failed)."""
+    """One ``grpo train`` run under a wall-clock limit; returns its figures (and ``error`` when it failed;
+    ``interrupted``: this script was stopped during the run)."""
     out_dir = Path(args.work) / name
     sets = [f"train.max_steps={args.steps}", "tracking.log_model=false", f"train.output_dir={out_dir}",
             f"tracking.dir={Path(args.work) / 'mlflow'}"] + (CPU_SMOKE if args.cpu_smoke else []) + args.set
@@ -96,22 +117,22 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
     started = time.monotonic()
     log = Path(args.work) / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    interrupted = False
     with log.open("w") as f:
         # The run's token comes from here (the flow uses GRPO_RUN_TOKEN when set), so the sampler may read /metrics.
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 env={**os.environ, TOKEN_ENV: ensure_run_token()})
         try:
             code = proc.wait(timeout=args.timeout_s)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # over time, or this benchmark was stopped
-            os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C: the flow's finally stops vLLM, rollout and trainer
-            try:
-                code = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                code = proc.wait()
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:  # over time, or this benchmark was stopped
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            code = _stop_flow(proc, args.stop_grace_s)
+        finally:
+            if proc.poll() is None:  # an error of this script itself: the flow must not outlive it
+                _stop_flow(proc, args.stop_grace_s)
     sampler.stop_event.set()
     result = {"run": name, "exit_code": code, "wall_s": round(time.monotonic() - started, 1),
-              "gpu_peak_mib": sampler.gpu_peak_mib, "vllm_series": sampler.series}
+              "gpu_peak_mib": sampler.gpu_peak_mib, "vllm_series": sampler.series, "interrupted": interrupted}
     metrics = sorted(out_dir.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
     if metrics:
         result.update(figures(JsonlSink.read(metrics[-1]), args.warmup_steps))
@@ -250,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=420, help="wall-clock limit per run")
+    p.add_argument("--stop-grace-s", type=float, default=30,
+                   help="after the SIGINT that stops a run (over time, or this script stopped), SIGKILL it this late")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu-e2e")))
     p.add_argument("--work", default=str(ROOT / "runs" / "gpu-e2e"), help="run folders and logs")
     p.add_argument("--cpu-smoke", action="store_true", help="embedded server and tiny model on CPU (same code path)")
@@ -266,18 +289,23 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in names:
         result = run_flow(name, args)
-        plot(result, args.out / f"{name}.png")
         results.append(result)
         print(f"{name}: exit {result['exit_code']} after {result['wall_s']} s", flush=True)
-        summary = args.out / "summary.json"  # written after every run: a later run's stop loses nothing
+        summary = args.out / "summary.json"  # written after every run (whole or not at all): a stop loses nothing
         previous = json.loads(summary.read_text()) if summary.exists() else {}
         previous[name] = result
-        summary.write_text(json.dumps(previous, indent=1, default=str))
+        partial = summary.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(previous, indent=1, default=str))
+        os.replace(partial, summary)
+        plot(result, args.out / f"{name}.png")
+        if result["interrupted"]:
+            print(f"stopped during {name}: the runs after it were not started", flush=True)
+            break
     print(table(results))
     for r in results:
         if "error" in r:
             print(f"--- {r['run']} failed; log tail:\n{r['error'][-2500:]}")
-    return 1 if any(r["exit_code"] != 0 for r in results) else 0
+    return 1 if any(r["exit_code"] != 0 or r["interrupted"] for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -374,14 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         teardown(handles)
     if args.compare and args.compare.exists():
-        ours = next(iter(json.loads(args.compare.read_text()).values()))
+        runs = json.loads(args.compare.read_text())
+        # gpu_e2e's run of this config (configs/gpu-1xh200.yaml -> "1xh200"), else its only run
+        ours = runs.get(Path(args.config).stem.removeprefix("gpu-")) or (next(iter(runs.values())) if len(runs) == 1
+                                                                         else {})
         report["grpo_flow"] = {k: ours.get(k) for k in ("run", "wall_s", "trained_tokens_per_s", "step_s_median")}
         # steady against steady (gpu_e2e's rates leave out its warm-up steps); grpo-flow trains only groups whose
-        # rewards differ, so also against TRL's tokens that carry a learning signal
-        report["speedup_trained_tokens_per_s"] = (ours.get("trained_tokens_per_s") or 0) / max(
-            report["trained_tokens_per_s_steady"], 1e-9)
-        report["speedup_signal_tokens_per_s"] = (ours.get("trained_tokens_per_s") or 0) / max(
-            report["signal_tokens_per_s_steady"] or 0, 1e-9)
+        # rewards differ, so also against TRL's tokens that carry a learning signal; None where a side has no rate
+        rate = ours.get("trained_tokens_per_s")
+        for key, theirs in (("speedup_trained_tokens_per_s", report["trained_tokens_per_s_steady"]),
+                            ("speedup_signal_tokens_per_s", report["signal_tokens_per_s_steady"])):
+            report[key] = rate / theirs if rate and theirs else None
     (args.out / "trl_summary.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({k: v for k, v in report.items() if k != "reward"}, indent=1, default=str))
     return 0

@@ -96,7 +96,7 @@ for step in "$@"; do
                     --out "$RES/rollout_probe_2replicas.json" || rc=1 ;;
         long) timeout 300 "$PY" benchmarks/long_generation_sync.py --config configs/gpu-1xh200.yaml --out "$RES" || rc=1 ;;
         e2e=*) [ "${DUMP:-0}" = 1 ] && export GRPO_DEBUG_ROLLOUT_DUMP=$RES/rollout_dump.jsonl
-               timeout -k 25 560 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" \
+               timeout -k 45 550 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" \
                    ${E2E_ARGS:-} || rc=1 ;;
         trl|trl=*) g=${step#trl}; g=${g#=}; timeout 560 "$PY" benchmarks/trl_async_grpo.py --gpus "${g:-1}" \
                        --steps "$STEPS" --out "$RES" --compare "$RES/summary.json" || rc=1 ;;

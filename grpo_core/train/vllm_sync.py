@@ -170,9 +170,10 @@ class VllmWeightTransferSync:
         router's set until an update reaches it, or it restarts); the others serve the new version.
 
         Returns:
-            (rank 0) ``perf/weight_sync_transfer_s`` (seconds, split into ``perf/weight_sync_pause_s``: pause and
-            start on every replica, ``perf/weight_sync_update_s``: gather and send, ``perf/weight_sync_settle_s``:
-            finish, prefix-cache reset and resume) and ``weight_sync/failed_replica_count`` (replicas the update
+            (rank 0) ``perf/weight_sync_transfer_s`` (seconds, split into ``perf/weight_sync_pause_s``: the name
+            map and transfer-engine set-up on first use, pause and start on every replica;
+            ``perf/weight_sync_update_s``: the barriers, gather and send; ``perf/weight_sync_settle_s``: finish,
+            prefix-cache reset and resume) and ``weight_sync/failed_replica_count`` (replicas the update
             failed on, fenced off; the run's total is the metric's sum).
 
         Raises:
@@ -198,7 +199,6 @@ class VllmWeightTransferSync:
         t_paused = time.perf_counter()
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        t_sent = None
         try:
             # Gathering full tensors is collective, so every rank takes part even when rank 0 already failed.
             self._send(policy, rank, skip_post=error is not None)
