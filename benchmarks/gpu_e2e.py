@@ -120,8 +120,11 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
     interrupted = False
     with log.open("w") as f:
         # The run's token comes from here (the flow uses GRPO_RUN_TOKEN when set), so the sampler may read /metrics.
+        # SIGINT's default action in the flow, which _stop_flow relies on, even when this script runs as a background
+        # job (which inherits SIGINT ignored, and Python keeps it ignored).
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, TOKEN_ENV: ensure_run_token()})
+                                env={**os.environ, TOKEN_ENV: ensure_run_token()},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             code = proc.wait(timeout=args.timeout_s)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:  # over time, or this benchmark was stopped

@@ -181,8 +181,10 @@ def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path)
     env.pop("PREFECT_API_URL", None)  # the command's own temporary API server is the case
     procs: list[psutil.Process] = []
     with (tmp_path / "cli.log").open("w") as log:
+        # It leads its group and takes SIGINT's default action, as a terminal's foreground job does (a background
+        # job of a script, e.g. a CI runner's, inherits SIGINT ignored, and Python keeps it ignored).
         cli = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)  # leads its group, as a terminal's foreground job does
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 300
             while _trained_steps(out) < 1 and cli.poll() is None and time.monotonic() < deadline:
