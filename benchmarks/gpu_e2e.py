@@ -39,6 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from grpo_core.auth import TOKEN_ENV, bearer_headers, ensure_run_token, run_token  # noqa: E402
+from grpo_core.lifeline import interruptible  # noqa: E402
 from grpo_core.metrics import JsonlSink  # noqa: E402
 from grpo_core.serving.client import parse_metrics  # noqa: E402
 
@@ -120,11 +121,10 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
     interrupted = False
     with log.open("w") as f:
         # The run's token comes from here (the flow uses GRPO_RUN_TOKEN when set), so the sampler may read /metrics.
-        # SIGINT's default action in the flow, which _stop_flow relies on, even when this script runs as a background
-        # job (which inherits SIGINT ignored, and Python keeps it ignored).
+        # SIGINT's default action in the flow, which _stop_flow relies on, even when this script is a background job
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
                                 env={**os.environ, TOKEN_ENV: ensure_run_token()},
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                preexec_fn=interruptible)
         try:
             code = proc.wait(timeout=args.timeout_s)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:  # over time, or this benchmark was stopped

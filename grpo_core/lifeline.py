@@ -114,6 +114,13 @@ def die_with_parent() -> None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def interruptible() -> None:
+    """``preexec_fn`` for a child meant to be stopped with SIGINT as Ctrl-C stops it: SIGINT's default action. A
+    script's background job (a CI runner's ``make test``) inherits SIGINT ignored, and Python keeps an inherited
+    ignore, so the child would never see the interrupt. Runs in the child between fork and exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_owned_module(argv: list[str]) -> None:
     """Run ``python -m MODULE ARGS...`` (``argv = [MODULE, *ARGS]``) in this process under :func:`watch`: for a
     program that is not grpo-flow's, launched from a thread that does not outlive it (where

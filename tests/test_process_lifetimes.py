@@ -23,6 +23,7 @@ from trainer_helpers import ROOT, trainer_config, write_samples
 
 from flows.processes import RunProcesses, child_env, stream, wait_child, watch_servers
 from grpo_core.auth import TOKEN_ENV
+from grpo_core.lifeline import interruptible
 from grpo_core.rollout.process import start_rollout_process
 
 pytestmark = pytest.mark.slow
@@ -46,8 +47,15 @@ def _rank(torchrun: psutil.Process, timeout_s: float = 240) -> psutil.Process:
     raise AssertionError("torchrun started no rank")
 
 
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:  # it ended meanwhile
+        return ""
+
+
 def _named(procs: list[psutil.Process], marker: str) -> psutil.Process:
-    (proc,) = [p for p in procs if marker in " ".join(p.cmdline())]
+    (proc,) = [p for p in procs if marker in _cmdline(p)]
     return proc
 
 
@@ -157,13 +165,6 @@ def test_rollout_linger_returns_when_its_parent_died_before_it_began(tmp_path):
     assert out.read_text() == "returned"
 
 
-def _cmdline(proc: psutil.Process) -> str:
-    try:
-        return " ".join(proc.cmdline())
-    except psutil.Error:  # it ended meanwhile
-        return ""
-
-
 def _trained_steps(out: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in out.glob("*/metrics.jsonl"))
 
@@ -184,7 +185,7 @@ def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path)
         # It leads its group and takes SIGINT's default action, as a terminal's foreground job does (a background
         # job of a script, e.g. a CI runner's, inherits SIGINT ignored, and Python keeps it ignored).
         cli = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               start_new_session=True, preexec_fn=interruptible)
         try:
             deadline = time.monotonic() + 300
             while _trained_steps(out) < 1 and cli.poll() is None and time.monotonic() < deadline:
