@@ -95,6 +95,18 @@ def _prefix_cache(text: str) -> tuple[float, float]:
     return queried, hit
 
 
+def reset_prefix_caches(urls: list[str]) -> None:
+    """``POST /reset_prefix_cache`` on every replica, so that a variant's prefix-cache hits are its own (the
+    variants replay the same prompts; a cache still holding the previous variant's prefixes would count them).
+
+    Raises:
+        httpx.HTTPStatusError: a replica refused the reset.
+    """
+    with httpx.Client(headers=bearer_headers(run_token()), timeout=30) as client:
+        for url in urls:
+            client.post(url + "/reset_prefix_cache").raise_for_status()
+
+
 class RunningPoller:
     """Polls every replica's ``/metrics`` every ``period_s`` in a thread: running requests summed over the
     replicas (mean, max), KV usage (max) and the prefix-cache hit rate of the polled window.
@@ -267,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = []
         try:
             for i, (label, config) in enumerate(runs):
+                reset_prefix_caches([h.url for h in handles])
                 figures = measure(config, [h.url for h in handles], [h.process.pid for h in handles],
                                   Path(tmp) / f"rollout{i}", args.seconds)
                 results.append({"variant": label, **figures})
