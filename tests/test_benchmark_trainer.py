@@ -10,6 +10,9 @@ import numpy as np
 
 from trainer_helpers import ROOT
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from trainer_sweep import tree_flop_ceiling  # noqa: E402
+
 
 def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):
     cmd = [sys.executable, "benchmarks/trainer.py", "sweep", "--shapes", "tiny", "--modes", "eager", "--budget", "384",
@@ -29,3 +32,22 @@ def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):
         assert np.isclose(r["raw_tokens_per_s"], r["forwarded_tokens_per_s"] * r["packing_ratio"])
         assert 0.0 <= r["pad_frac"] < 1.0 and r["warmup_s"] > 0
     assert np.isclose(tree["tree_over_ratio_x_plain"], tree["forwarded_tokens_per_s"] / plain["forwarded_tokens_per_s"])
+    # A tree row trains a larger share of what it forwards, so its ceiling is below 1.
+    assert tree["trained_tokens_per_s"] / tree["forwarded_tokens_per_s"] > plain["trained_tokens_per_s"] / plain[
+        "forwarded_tokens_per_s"]
+    assert 0.0 < tree["tree_flop_ceiling"] < 1.0
+
+
+def test_tree_flop_ceiling_of_qwen3_shapes():
+    """By hand from the Qwen3 configs (hidden, layers, intermediate, q/kv heads × 128, vocabulary 151,936, tied
+    embeddings) and the H200 sweep's trained ÷ forwarded shares (0.3587 plain, 0.7912 tree)."""
+    def body(hidden, layers, inter, q_heads, kv_heads):
+        q, kv = q_heads * 128, kv_heads * 128
+        return layers * (2 * hidden * q + 2 * hidden * kv + 3 * hidden * inter)
+
+    vocab = 151_936
+    # 0.6B: (440.5M + 155.6M·0.3587) / (440.5M + 155.6M·0.7912) = 496.3 / 563.6
+    assert abs(tree_flop_ceiling(body(1024, 28, 3072, 16, 8), vocab * 1024, 0.3587, 0.7912) - 0.8806) < 1e-3
+    # 4B: (3,632M + 389.0M·0.3587) / (3,632M + 389.0M·0.7912)
+    assert abs(tree_flop_ceiling(body(2560, 36, 9728, 32, 8), vocab * 2560, 0.3587, 0.7912) - 0.9573) < 1e-3
+    assert tree_flop_ceiling(10, 5, 0.5, 0.5) == 1.0  # the same share trained: no head penalty
