@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import typing
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -174,6 +175,42 @@ VLLM_ONLY_FIELDS = ("tensor_parallel_size", "api_server_count", "gpu_memory_util
 DEPLOYMENT_ONLY_FIELDS = ("advertise_host", "lifeline_timeout_s")
 
 
+def check_server_urls(urls: list[str], field: str = "server.urls") -> list[str]:
+    """The replicas' base URLs without trailing slashes, each a distinct server.
+
+    Args:
+        urls: ``http(s)://host[:port][/prefix]`` strings, one per replica.
+        field: how the caller names them in errors (``server.urls``, the router's ``--url``).
+
+    Raises:
+        ValueError: a URL that is not an http(s) base URL (no host, a bad port, a query or fragment, the OpenAI path
+            ``/v1`` that the client adds itself), or one replica listed twice (compared without case in the scheme
+            and host, with default ports and trailing slashes dropped): requests and control calls would reach it
+            twice (a LoRA load fanned out twice, its load counted twice).
+    """
+    seen: dict[tuple[str, str, int, str], str] = {}
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if (not re.fullmatch(r"https?://[^/\s?#]+(/\S*)?", url, re.IGNORECASE) or not parts.hostname or port == -1
+                or parts.query or parts.fragment or "?" in url or "#" in url):
+            raise ValueError(f"{field}: {url!r} is not an http(s) base URL; write e.g. 'http://gpu-1:8000'")
+        path = parts.path.rstrip("/")
+        if path.lower().endswith("/v1"):
+            base = url.rstrip("/")[:-3].rstrip("/")
+            raise ValueError(f"{field}: {url!r} ends in /v1, which the client adds to every request; write the "
+                             f"server's base URL {base!r}")
+        scheme = parts.scheme.lower()
+        key = (scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80), path)
+        if key in seen:
+            raise ValueError(f"{field} lists one server twice ({seen[key]!r} and {url!r}): give each replica once")
+        seen[key] = url
+    return [u.rstrip("/") for u in urls]
+
+
 class ServerConfig(_ServerKey):
     """The generation server(s): real vLLM on GPUs, or the embedded server."""
 
@@ -252,7 +289,8 @@ class ServerConfig(_ServerKey):
     api_key: SecretStr | None = None
     """Bearer token of external servers, sent as ``Authorization: Bearer`` on every request and control call;
     None = the ``GRPO_SERVER_API_KEY`` environment variable, else the run's own token (``GRPO_RUN_TOKEN``, which
-    the servers the flow starts check). A secret: masked in saved configs, logs and MLflow."""
+    the servers the flow starts check; they check this key instead when it, or the variable, is set). A secret:
+    masked in saved configs, logs and MLflow."""
     route_imbalance: int = Field(default=8, ge=0)
     """Requests in flight a group's replica may hold beyond the least loaded one before the group's requests
     spill to the least loaded (prefix-affinity routing over several replicas)."""
@@ -322,10 +360,7 @@ class ServerConfig(_ServerKey):
     @field_validator("urls")
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
-                raise ValueError(f"server.urls: {url!r} is not an http(s) base URL; write e.g. 'http://gpu-1:8000'")
-        return [u.rstrip("/") for u in urls]
+        return check_server_urls(urls)
 
     @field_validator("deployment")
     @classmethod

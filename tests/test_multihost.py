@@ -36,6 +36,47 @@ def test_bad_server_url_names_the_field(url):
         load_config(overrides=[f"server.urls=['{url}']"])
 
 
+@pytest.mark.parametrize("urls, says", [
+    (["http://gpu-1:8000", "http://gpu-1:8000/"], "server.urls lists one server twice ('http://gpu-1:8000' and "
+                                                  "'http://gpu-1:8000/')"),
+    (["http://gpu-1", "HTTP://GPU-1:80"], "server.urls lists one server twice ('http://gpu-1' and 'HTTP://GPU-1:80')"),
+    (["https://gpu-1:443/", "https://gpu-1"], "server.urls lists one server twice"),
+    (["http://gpu-1:8000/v1"], "server.urls: 'http://gpu-1:8000/v1' ends in /v1, which the client adds to every "
+                               "request; write the server's base URL 'http://gpu-1:8000'"),
+    (["http://gpu-1:8000/v1/"], "server.urls: 'http://gpu-1:8000/v1/' ends in /v1, which the client adds to every "
+                                "request; write the server's base URL 'http://gpu-1:8000'"),
+    (["http://gpu-1:99999"], "server.urls: 'http://gpu-1:99999' is not an http(s) base URL"),
+    (["http://gpu-1:8000?key=1"], "server.urls: 'http://gpu-1:8000?key=1' is not an http(s) base URL"),
+])
+def test_a_replica_listed_twice_or_an_openai_base_url_is_refused_naming_the_fix(urls, says):
+    """One server under two spellings would get every control call twice (an adapter loaded twice, a pause counted
+    twice) and half the groups as if it were two replicas; ``/v1`` doubles in every request path (404)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"server.urls={urls!r}"])
+    assert str(info.value).splitlines()[1].strip().startswith(says), str(info.value)
+    distinct = ["http://gpu-1:8000/", "http://gpu-1:8001", "https://gpu-1:8000", "http://gpu-2:8000/proxy/"]
+    assert RunConfig(server={"urls": distinct}).server.urls == ["http://gpu-1:8000", "http://gpu-1:8001",
+                                                                "https://gpu-1:8000", "http://gpu-2:8000/proxy"]
+
+
+def test_a_server_key_left_in_the_shell_is_what_the_runs_own_replicas_check(tmp_path, monkeypatch):
+    """``GRPO_SERVER_API_KEY`` (or ``server.api_key``) is what every client of the run sends, so the replicas the run
+    starts itself check it instead of the run's token (before: every request 401, the run failed)."""
+    import httpx
+    from serving_helpers import embedded_server
+
+    from grpo_core.auth import bearer_headers, ensure_run_token
+
+    run = ensure_run_token()
+    monkeypatch.setenv(SERVER_API_KEY_ENV, "left-from-a-multihost-run")
+    key = RunConfig().server.resolved_api_key()
+    assert key == "left-from-a-multihost-run" != run
+    with embedded_server(tmp_path) as server:
+        ok = httpx.get(f"{server.url}/v1/models", headers=bearer_headers(key), timeout=30)
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny-qwen3"
+        assert httpx.get(f"{server.url}/v1/models", headers=bearer_headers(run), timeout=30).status_code == 401
+
+
 def test_several_trainer_hosts_need_a_rendezvous_endpoint():
     with pytest.raises(ConfigError, match="train.rdzv_endpoint"):
         load_config(overrides=["train.nnodes=2"])

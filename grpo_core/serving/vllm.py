@@ -470,13 +470,16 @@ def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]
     Args:
         config: the run config.
         token: the run's bearer token; default ``GRPO_RUN_TOKEN``, generated (and set in this process's
-            environment, for the clients and children of this process) when missing.
+            environment, for the clients and children of this process) when missing. The replicas require
+            ``server.api_key`` (else ``$GRPO_SERVER_API_KEY``) instead when set, as that is what every client of the
+            run sends (``ServerConfig.resolved_api_key``; a key left in the shell from a run on external servers
+            would otherwise get every request refused with 401).
 
     Raises:
         ConfigError: vLLM's GPUs and the trainer's do not suit the weight transfer (``check_gpu_layout``).
         PortInUseError: a fixed port (``server.port`` + replica) is taken, or another server answers there.
     """
-    token = token or ensure_run_token()
+    token = config.server.resolved_api_key() or token or ensure_run_token()
     backend = choose_backend(config)
     if backend == "vllm":
         check_gpu_layout(config)
