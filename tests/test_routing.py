@@ -294,6 +294,43 @@ def test_router_cli_help_is_instant():
     assert out.returncode == 0 and "--url" in out.stdout
 
 
+def _router(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([os.sys.executable, "-m", "grpo_core.serving.router", *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--url", "ftp://gpu-1"], "--url: 'ftp://gpu-1' is not an http(s) base URL; write e.g. 'http://gpu-1:8000'"),
+    (["--url", "http://gpu-1:8000", "--url", "http://GPU-1:8000/"],
+     "--url lists one server twice ('http://gpu-1:8000' and 'http://GPU-1:8000/'): give each replica once"),
+    (["--url", "http://gpu-1:8000/v1"], "--url: 'http://gpu-1:8000/v1' ends in /v1"),
+    (["--url", "http://gpu-1:8000", "--route-imbalance", "-1", "--control-timeout-s", "0"],
+     "--route-imbalance: Input should be greater than or equal to 0; --control-timeout-s: Input should be greater "
+     "than 0"),
+])
+def test_router_cli_refuses_bad_arguments_in_one_line_naming_the_flag(args, says):
+    out = _router([*args, "--port", "0"], {**os.environ, "GRPO_RUN_TOKEN": "t"})
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and last.startswith(f"python -m grpo_core.serving.router: error: {says}"), out.stderr
+    assert "Traceback" not in out.stderr and "pydantic" not in out.stderr
+
+
+def test_router_cli_on_a_taken_port_or_without_a_token_says_so_in_one_line():
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GRPO_RUN_TOKEN", "GRPO_SERVER_API_KEY")}
+    bare = _router(["--url", "http://127.0.0.1:9", "--port", "0"], env)
+    assert bare.returncode == 1 and bare.stderr.strip().startswith(
+        "neither GRPO_RUN_TOKEN nor GRPO_SERVER_API_KEY is set"), bare.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _router(["--url", "http://127.0.0.1:9", "--port", str(port)], {**env, "GRPO_SERVER_API_KEY": "k"})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"cannot listen on 127.0.0.1:{port}: Address already in use")
+
+
 def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
     import socket
 
@@ -316,7 +353,10 @@ def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
         assert "no generation replica answered (2 behind this router; 0 healthy)" in error["message"]
         assert dead[0] in error["message"] or dead[1] in error["message"]
         done = client.post("/v1/completions", headers=auth, json={"model": "m", "prompt": "hi"})
-        assert done.status_code == 503 and "no generation replica answered" in done.json()["error"]["message"]
+        message = done.json()["error"]["message"]
+        assert done.status_code == 503 and "no generation replica answered" in message
+        named = [url for url in dead if f"{url}: POST {url}/v1/completions" in message]  # each with its own error
+        assert named and f"on {len(named)} of 2 replica(s); the last error of each: " in message, message
         assert client.get("/health").status_code == 503
         bad = client.post("/v1/completions", headers=auth, content=b"{not json")
         assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]

@@ -76,6 +76,20 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """:func:`bind_socket` for a command-line server (``--host``, ``--port``).
+
+    Raises:
+        SystemExit: the address cannot be bound (the port is taken, the host is not this machine's); the message
+            names it and the fix.
+    """
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process holds the port, or "
+                 "--host is not an address of this machine?); stop it, or choose another --port (0 = a free one)")
+
+
 def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerConfig) -> None:
     """Load the model, start the engine and run uvicorn on an already-bound socket.
 
@@ -86,11 +100,7 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
         sys.exit(f"{TOKEN_ENV} is not set: the embedded server answers only requests carrying the run's bearer "
                  f"token; set it in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
                  "print(secrets.token_urlsafe(32))'))")
-    try:
-        sock = bind_socket(server_cfg.host, server_cfg.port)
-    except OSError as exc:
-        sys.exit(f"cannot listen on {server_cfg.host}:{server_cfg.port}: {exc.strerror or exc} (another process holds "
-                 "the port?); stop it, or choose another --port (0 = a free one)")
+    sock = listen(server_cfg.host, server_cfg.port)
     port = sock.getsockname()[1]
     if args.port_file:
         atomic_write_text(args.port_file, str(port))

@@ -30,7 +30,7 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, authorized, run_token
+from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, TOKEN_ENV, authorized, run_token
 from grpo_core.config import SERVER_API_KEY_ENV
 
 logger = logging.getLogger(__name__)
@@ -251,21 +251,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Bind, then serve the router until stopped (tokens from ``$GRPO_SERVER_API_KEY`` and ``$GRPO_RUN_TOKEN``)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from grpo_core.config import ServerConfig
+    from pydantic import ValidationError
+
+    from grpo_core.config import ServerConfig, _error_lines, check_server_urls
 
     try:
-        server = ServerConfig(urls=args.url, route_imbalance=args.route_imbalance,
+        urls = check_server_urls(args.url, "--url")
+        server = ServerConfig(urls=urls, route_imbalance=args.route_imbalance,
                               control_retry_s=args.control_retry_s, control_timeout_s=args.control_timeout_s)
+    except ValidationError as exc:  # one line per flag, named as on the command line
+        lines = [line.split(": ", 1) for line in _error_lines(ServerConfig, exc.errors())]
+        parser.error("; ".join(f"--{field.replace('_', '-')}: {why}" for field, why in lines))
     except ValueError as exc:
-        sys.exit(f"invalid argument: {exc}")
+        parser.error(str(exc))
+    if not run_token() and not os.environ.get(SERVER_API_KEY_ENV):
+        sys.exit(f"neither {TOKEN_ENV} nor {SERVER_API_KEY_ENV} is set: the router answers only requests carrying a "
+                 "bearer token and sends one to the replicas; set the replicas' token in the environment (e.g. "
+                 f"{TOKEN_ENV}=... as the embedded servers were started with, or {SERVER_API_KEY_ENV}=... for vLLM "
+                 "servers started with --api-key)")
     import uvicorn
 
-    from grpo_core.serving.embedded import bind_socket
+    from grpo_core.serving.embedded import listen
     from grpo_core.serving.routing import ReplicaSet
 
-    sock = bind_socket(args.host, args.port)
+    sock = listen(args.host, args.port)
     if args.port_file:
         args.port_file.write_text(str(sock.getsockname()[1]))
     replicas = ReplicaSet.from_config(server, server.urls)

@@ -258,10 +258,11 @@ class ReplicaSet:
         ``count``: a generation request, counted in the routing metrics (reads such as ``/v1/models`` are not).
 
         Raises:
-            ServerUnavailableError: every attempt (``max_retries + 1``) failed; names the URLs tried.
+            ServerUnavailableError: every attempt (``max_retries + 1``) failed; names each replica tried, with its
+                last error.
             ServerRequestError: a replica refused the request (4xx; not retried).
         """
-        tried: list[str] = []
+        tried: dict[str, str] = {}  # replica URL -> its last error, in the order first tried
         attempt, behind_deadline = 0, time.monotonic() + self.behind_wait_s
         while True:
             replica, kind = self.policy.choose(key, count)
@@ -272,7 +273,7 @@ class ReplicaSet:
             try:
                 return await send(self.clients[replica])
             except ServerUnavailableError as exc:
-                tried.append(f"{self.urls[replica]}: {exc}")
+                tried[self.urls[replica]] = str(exc)
                 behind = isinstance(exc, ReplicaBehindError)
                 if behind:
                     self.behind.add(replica)
@@ -288,7 +289,8 @@ class ReplicaSet:
                 await asyncio.sleep(backoff_delay(attempt, self.backoff_s, self.max_backoff_s))
             attempt += 0 if waiting else 1
         raise ServerUnavailableError(
-            f"request failed on every attempt ({self.max_retries + 1}); last errors: {'; '.join(tried[-3:])}. "
+            f"request failed on every attempt ({self.max_retries + 1}) on {len(tried)} of {len(self.urls)} "
+            f"replica(s); the last error of each: {'; '.join(f'{u}: {e}' for u, e in tried.items())}. "
             "Are the generation servers running and reachable?")
 
     async def complete(self, prompt_ids: list[int], *, affinity_key: Hashable | None = None, model: str,
