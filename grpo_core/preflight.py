@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 import sqlite3
 from pathlib import Path
 
@@ -267,6 +268,45 @@ def check_chat_template(cfg: RunConfig) -> None:
                           "chat_template to its tokenizer files, or override render() in rollout.loop_class")
 
 
+def check_adapter_store(cfg: RunConfig) -> None:
+    """``train.adapter_store`` (a LoRA run's shared folder or fsspec URL) is usable from this host before anything
+    starts: a known fsspec protocol whose package is installed, not a URL with one slash (``s3:/bucket``, else a local
+    folder named ``s3:``), and a folder (not a file) whose parent exists (a missing parent is most often a shared
+    mount that is not there: the trainer would fill a local folder no server host sees).
+
+    Raises:
+        ConfigError: naming ``train.adapter_store``, the problem and the fix.
+    """
+    import fsspec
+    from fsspec.core import split_protocol
+
+    url = cfg.train.adapter_store
+    if url is None or not cfg.train.lora.enabled:
+        return
+    what = f"train.adapter_store={url!r}"
+    protocol, path = split_protocol(url)
+    if protocol is None and re.match(r"[A-Za-z][\w+.-]+:/(?!/)", url):
+        raise ConfigError(f"{what} looks like a URL with one slash; write {url.replace(':/', '://', 1)!r}, or a folder")
+    if protocol not in (None, "file", "local"):
+        if protocol not in fsspec.available_protocols():
+            raise ConfigError(f"{what}: unknown fsspec protocol {protocol!r}; write a shared folder (e.g. "
+                              "/mnt/grpo-adapters/run) or an fsspec URL such as 's3://bucket/run' or 'gs://bucket/run'")
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            raise ConfigError(f"{what}: {exc} (fsspec's {protocol!r} protocol needs it installed in this "
+                              "environment)") from None
+        return
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{what} is a file; give a folder every server host sees (a shared mount) or an fsspec URL")
+    if not folder.exists() and not folder.absolute().parent.is_dir():
+        raise ConfigError(f"{what}: {folder.absolute().parent} does not exist on this host; mount the shared store "
+                          "there (or create it), or fix the path")
+    if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what}: the folder is not writable; point the setting at a writable shared folder")
+
+
 def check_run(cfg: RunConfig) -> None:
     """Every check that can run before a server starts.
 
@@ -278,6 +318,7 @@ def check_run(cfg: RunConfig) -> None:
     from grpo_core.rollout.tools import resolve_response_template
 
     check_code_references(cfg)  # before anything is imported or called
+    check_adapter_store(cfg)  # before any folder is made
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_resume_from(cfg)

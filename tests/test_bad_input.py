@@ -130,3 +130,28 @@ def test_reward_function_needing_log_extra_is_refused_in_prepare(tmp_path):
                     train={"output_dir": tmp_path / "runs"}, tracking={"dir": tmp_path / "mlflow"})
     with pytest.raises(ConfigError, match="needs_log_extra needs 'log_extra', which grpo-flow does not supply"):
         preflight.check_run(cfg)
+
+
+@pytest.mark.parametrize("store, says", [
+    ("{tmp}/no-mount/run", "train.adapter_store='{tmp}/no-mount/run': {tmp}/no-mount does not exist on this host; "
+                           "mount the shared store there (or create it), or fix the path"),
+    ("{tmp}/a-file", "train.adapter_store='{tmp}/a-file' is a file; give a folder every server host sees"),
+    ("foo://bucket/run", "train.adapter_store='foo://bucket/run': unknown fsspec protocol 'foo'; write a shared folder"),
+    ("s3:/bucket/run", "train.adapter_store='s3:/bucket/run' looks like a URL with one slash; write 's3://bucket/run'"),
+])
+def test_an_adapter_store_this_host_cannot_use_is_refused_before_anything_starts(tmp_path, store, says):
+    """A missing mount, a file, an unknown protocol or a one-slash URL would fail the trainer at its first adapter
+    (after the servers started), or fill a local folder no server host sees."""
+    (tmp_path / "a-file").write_text("not a folder")
+    cfg = RunConfig(train={"output_dir": tmp_path / "runs", "lora": {"enabled": True},
+                           "adapter_store": store.format(tmp=tmp_path)}, tracking={"dir": tmp_path / "mlflow"})
+    with pytest.raises(ConfigError) as info:
+        preflight.check_run(cfg)
+    assert str(info.value).startswith(says.format(tmp=tmp_path)), str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"], "nothing created (no run folder, no 's3:')"
+    assert (tmp_path / "a-file").read_text() == "not a folder"
+    usable = tmp_path / "mnt" / "adapters"  # a new folder below an existing mount, a file:// URL
+    (tmp_path / "mnt").mkdir()
+    for good in (str(usable), f"file://{usable}"):
+        preflight.check_adapter_store(cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"adapter_store": good})}))
