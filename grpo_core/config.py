@@ -94,6 +94,31 @@ class _Strict(BaseModel):
         return value
 
 
+def _check_fixed_ports(cfg: RunConfig) -> None:
+    """Refuse two of the run's listeners on one fixed port of the flow's host: the replicas it starts
+    (``server.port`` + i) or those of ``server.urls`` on loopback, the router (``server.router_port``) and the rollout's Flight server
+    (``rollout.flight_port``); the later one would fail to start after the others (0 = a free port, never shared).
+
+    Raises:
+        ConfigError: naming both settings and the port.
+    """
+    server, taken = cfg.server, {}
+    if server.starts_here() and server.port:
+        taken.update({server.port + i: "server.port" if i == 0 else f"server.port + {i} (replica {i})"
+                      for i in range(server.num_replicas)})
+    for i, url in enumerate(server.urls):  # a replica on this host
+        parts = urllib.parse.urlsplit(url)
+        if parts.hostname in ("127.0.0.1", "localhost", "::1"):
+            taken[parts.port or (443 if parts.scheme.lower() == "https" else 80)] = f"the port of server.urls[{i}]"
+    for port, name in ((server.router_port, "server.router_port"), (cfg.rollout.flight_port, "rollout.flight_port")):
+        if not port:
+            continue
+        if port in taken:
+            raise ConfigError(f"{name} ({port}) is also {taken[port]}: two of the run's listeners cannot share a "
+                              f"port; choose another {name} (0 = a free one)")
+        taken[port] = name
+
+
 def _view(owner: type[_Strict], names: tuple[str, ...], base: type[_Strict], doc: str) -> type[_Strict]:
     """A model holding only the fields ``names`` of the section ``owner`` (their types, bounds, defaults and
     docstrings taken from the owner, so each field is defined once): what a process reads of a section it does
@@ -943,6 +968,12 @@ class RunConfig(_Strict):
                 f"server.tensor_parallel_size = {needed} (one entry per replica GPU; a GPU may be listed again "
                 "to hold another replica): list more GPUs or lower num_replicas"
             )
+        if server.gpu_ids is not None and len(server.gpu_ids) > needed and not server.urls:  # urls: warned unused
+            raise ConfigError(
+                f"server.gpu_ids lists {len(server.gpu_ids)} GPUs but server.num_replicas * "
+                f"server.tensor_parallel_size = {needed}: the last {len(server.gpu_ids) - needed} would hold no "
+                f"replica; list {needed}, or raise server.num_replicas to use them")
+        _check_fixed_ports(self)
         if server.gpu_ids is not None:
             tp = server.tensor_parallel_size
             for replica in range(server.num_replicas):

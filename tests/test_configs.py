@@ -125,6 +125,38 @@ def test_num_replicas_that_contradicts_server_urls_is_refused(urls):
     assert RunConfig.model_validate({"server": {"urls": urls}}).server.num_replicas == 1  # unset: the URLs count
 
 
+@pytest.mark.parametrize("overrides, says", [
+    (["server.port=8000", "server.num_replicas=2", "server.router_port=8001"],
+     "server.router_port (8001) is also server.port + 1 (replica 1): two of the run's listeners cannot share a port; "
+     "choose another server.router_port (0 = a free one)"),
+    (["server.port=8000", "server.router_port=8000"], "server.router_port (8000) is also server.port:"),
+    (["server.router_port=8100", "rollout.flight_port=8100"], "rollout.flight_port (8100) is also server.router_port:"),
+    (["server.port=9000", "server.num_replicas=3", "rollout.flight_port=9002"],
+     "rollout.flight_port (9002) is also server.port + 2 (replica 2):"),
+    (["server.urls=[http://localhost:8000]", "server.router_port=8000"],
+     "server.router_port (8000) is also the port of server.urls[0]:"),
+    (["server.num_replicas=2", "server.gpu_ids=[0, 1, 2]"],
+     "server.gpu_ids lists 3 GPUs but server.num_replicas * server.tensor_parallel_size = 2: the last 1 would hold "
+     "no replica; list 2, or raise server.num_replicas to use them"),
+])
+def test_replica_ports_and_gpus_the_run_could_not_use_are_refused(overrides, says):
+    """Two listeners on one port: the later (the router, after every replica) failed at start with the replica's
+    setting named; GPUs beyond the replicas were silently left idle."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    assert str(info.value).splitlines()[1].strip().startswith(says), str(info.value)
+
+
+def test_ports_and_gpus_that_fit_the_replicas_are_kept():
+    cfg = load_config(overrides=["server.port=8000", "server.num_replicas=2", "server.router_port=8002",
+                                 "rollout.flight_port=8003", "server.gpu_ids=[0, 0]",
+                                 "server.gpu_memory_utilization=0.4"])
+    assert (cfg.server.router_port, cfg.rollout.flight_port, cfg.server.gpu_ids) == (8002, 8003, [0, 0])
+    assert load_config(overrides=["server.port=0", "server.router_port=0", "rollout.flight_port=0"]).server.port == 0
+    elsewhere = load_config(overrides=["server.urls=[http://gpu-1:8000]", "server.router_port=8000"])
+    assert elsewhere.server.router_port == 8000  # the replica's port is on another host
+
+
 @pytest.mark.parametrize("server, field, why", [
     ({"urls": ["http://gpu-1:8000"], "gpu_ids": [0, 1]}, "gpu_ids", "server.urls"),
     ({"urls": ["http://gpu-1:8000"], "backend": "vllm"}, "backend", "server.urls"),
