@@ -259,7 +259,7 @@ class ServerConfig(_ServerKey):
     """CUDA device indices of the replicas, ``tensor_parallel_size`` consecutive entries per replica (replica i
     takes entries ``i*tp .. (i+1)*tp-1``); None = 0 .. num_replicas*tensor_parallel_size-1. A GPU listed again
     for another replica holds both (each takes ``gpu_memory_utilization`` of it, e.g. ``[0, 0]`` with 0.2; such
-    replicas start one after another, as vLLM's memory profiling needs)."""
+    replicas start one after another, as vLLM's memory profiling needs). A shorter or longer list is refused."""
     max_model_len: int = Field(default=4096, ge=16)
     """Longest prompt + completion a request may hold, in tokens (``--max-model-len``)."""
     max_num_seqs: int = Field(default=64, ge=1)
