@@ -10,7 +10,7 @@ import numpy as np
 
 from trainer_helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # last: its module names (trainer, rollout, ...) shadow nothing
 from trainer_sweep import tree_flop_ceiling  # noqa: E402
 
 
