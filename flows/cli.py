@@ -194,6 +194,8 @@ def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunC
     """
     set_env_defaults()
     _start_prefect_api()
+    if cfg.server.deployment:
+        _check_servers_deployment(cfg, online=True)
     from flows.grpo_train import grpo_train
 
     done, started = threading.Event(), time.time()
@@ -213,8 +215,39 @@ def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunC
     return summary
 
 
-def _checked(cfg):  # noqa: ANN001, ANN202 - RunConfig, imported lazily
-    """``cfg`` after every check of the flow's ``prepare`` task (``preflight.check_run``).
+def _check_servers_deployment(cfg, online: bool = False) -> None:  # noqa: ANN001 - RunConfig, imported lazily
+    """A run here with ``server.deployment`` needs the Prefect server that holds it (``PREFECT_API_URL``; Prefect's
+    temporary server of ``grpo train`` has no deployments and no workers) and, ``online``, the deployment there.
+
+    Raises:
+        typer.Exit: code 2 after a one-line error naming ``server.deployment``, before any flow run or MLflow run.
+    """
+    from grpo_core.errors import ConfigError
+
+    name = cfg.server.deployment
+    if not name:
+        return
+    try:
+        if not online and not os.environ.get("PREFECT_API_URL"):
+            raise ConfigError(f"server.deployment={name!r} needs the Prefect server where `grpo deploy` registered "
+                              "it and a worker of server.work_pool runs: set PREFECT_API_URL (e.g. "
+                              "http://127.0.0.1:4200/api); without it `grpo train` runs on a temporary Prefect server "
+                              "that has no deployments (or unset server.deployment to start the replicas here)")
+        if online:
+            from prefect.client.orchestration import get_client
+
+            from flows.grpo_servers import check_deployment
+
+            with get_client(sync_client=True) as client:
+                check_deployment(client, name)
+    except ConfigError as exc:
+        config_error(exc)
+        raise typer.Exit(EXIT_CONFIG) from None
+
+
+def _checked(cfg, runs_here: bool = True):  # noqa: ANN001, ANN202 - RunConfig, imported lazily
+    """``cfg`` after every check of the flow's ``prepare`` task (``preflight.check_run``); ``runs_here``: also that a
+    run of it can start from this command (``server.deployment`` needs ``PREFECT_API_URL``).
 
     Raises:
         typer.Exit: code 2 after a one-line error naming the field, before any flow run, server, process or MLflow
@@ -223,6 +256,8 @@ def _checked(cfg):  # noqa: ANN001, ANN202 - RunConfig, imported lazily
     from grpo_core import preflight
     from grpo_core.errors import ConfigError
 
+    if runs_here:
+        _check_servers_deployment(cfg)
     try:
         preflight.check_run(cfg)
     except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
@@ -245,7 +280,7 @@ def validate(config: Annotated[Path, typer.Option(help="run config (YAML, JSON o
              set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
     """Run every check of the flow's ``prepare`` task (config, model, dataset columns, reward functions,
     tools, export options, the ``resume_from`` run) without starting a server, a process or an MLflow run."""
-    cfg = _checked(_load(config, set_, trusted=True))
+    cfg = _checked(_load(config, set_, trusted=True), runs_here=False)  # may run elsewhere (a deployment)
     console.print(f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.dataset}, "
                   f"{cfg.train.max_steps} steps)")
 

@@ -214,6 +214,28 @@ def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: s
 # ----- the train flow's side ---------------------------------------------------------------------------------------
 
 
+def check_deployment(client: Any, name: str) -> None:
+    """Refuse a ``server.deployment`` that the Prefect server ``client`` talks to does not hold.
+
+    Args:
+        client: a synchronous Prefect client (``get_client(sync_client=True)``).
+        name: ``flow/deployment``.
+
+    Raises:
+        ConfigError: no such deployment (names the field and how to register it).
+    """
+    from prefect.exceptions import ObjectNotFound
+
+    from grpo_core.errors import ConfigError
+
+    try:
+        client.read_deployment_by_name(name)
+    except ObjectNotFound:
+        raise ConfigError(f"server.deployment={name!r}: no such deployment on the Prefect server; register it "
+                          f"(`grpo deploy` registers {FLOW_NAME}/{DEFAULT_DEPLOYMENT} on server.work_pool) or fix "
+                          "the name") from None
+
+
 class ServerRun:
     """The train flow's handle on the ``grpo-servers`` flow run serving it: start, URLs, lifeline, stop.
 
@@ -251,20 +273,12 @@ class ServerRun:
         from prefect.blocks.system import Secret
         from prefect.client.orchestration import get_client
         from prefect.deployments import run_deployment
-        from prefect.exceptions import ObjectNotFound
-
-        from grpo_core.errors import ConfigError
 
         server = self.config.server
         deadline = time.monotonic() + server.startup_timeout_s
         with get_client(sync_client=True) as client:
             cancel_servers_of(client, self.train_id, "a new attempt of the train flow run starts its own servers")
-            try:
-                client.read_deployment_by_name(server.deployment)
-            except ObjectNotFound:
-                raise ConfigError(f"server.deployment={server.deployment!r}: no such deployment on the Prefect server; "
-                                  f"register it (`grpo deploy` registers {FLOW_NAME}/{DEFAULT_DEPLOYMENT} on "
-                                  f"server.work_pool) or fix the name") from None
+            check_deployment(client, server.deployment)
         Secret(value={"token": self.token, "secrets": self.secrets}).save(self.credentials, overwrite=True)
         self._beat_once(0)
         params = {"config": self.config.model_dump(mode="json"), "train_flow_run_id": self.train_id,

@@ -151,15 +151,22 @@ def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_pa
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tmp_path):
     """On this CPU box every shipped config validates, except those that start vLLM on the flow's own host while
-    vLLM is not installed: they name the host they need. Servers elsewhere (``server.urls``, ``server.deployment``,
-    e.g. multihost-pools.yaml) need no vLLM here."""
+    vLLM is not installed, and those whose LoRA adapter store is a shared mount this box lacks: they name the host
+    they need. Servers elsewhere (``server.urls``, ``server.deployment``, e.g. multihost-pools.yaml) need no vLLM
+    here."""
     import importlib.util
 
-    server = (yaml.safe_load(path.read_text()) or {}).get("server", {})
+    data = yaml.safe_load(path.read_text()) or {}
+    server, train = data.get("server", {}), data.get("train", {})
     needs_vllm_here = server.get("backend") == "vllm" and not server.get("urls") and not server.get("deployment")
+    store = train.get("adapter_store") if (train.get("lora") or {}).get("enabled") else None
     where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}"]
     result = _invoke("validate", "--config", str(path), *sum((["--set", w] for w in where), []))
-    if needs_vllm_here and importlib.util.find_spec("vllm") is None:
+    if store and "://" not in store and not Path(store).parent.is_dir():
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith(f"config error: train.adapter_store={store!r}: {Path(store).parent} does not "
+                                        "exist on this host; mount the shared store there"), result.output
+    elif needs_vllm_here and importlib.util.find_spec("vllm") is None:
         assert result.exit_code == 2, result.output
         assert "this host starts the replicas" in result.output and "GPU host with vLLM" in result.output
     else:
@@ -202,3 +209,21 @@ def test_json_datasets_datasets_reads_still_load(tmp_path):
         (tmp_path / f"part-{i}.jsonl").write_text(json.dumps(row) + "\n")
     for pattern in ("rows.jsonl.gz", "array.json", "part-*.jsonl"):
         assert list(iter_rows(json_lines_dataset(str(tmp_path / pattern)))) == rows, pattern
+
+
+def test_train_with_a_servers_deployment_but_no_prefect_server_to_hold_it_stops_before_anything(tmp_path, monkeypatch):
+    """Without ``PREFECT_API_URL`` ``grpo train`` runs on Prefect's temporary server, which holds no deployment:
+    the run failed in ``provision_servers`` after its MLflow run and folder existed. ``validate`` still passes the
+    config (a deployment's run may start it elsewhere)."""
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    runs, mlflow_dir = tmp_path / "runs", tmp_path / "mlflow"
+    where = ["--set", f"train.output_dir={runs}", "--set", f"tracking.dir={mlflow_dir}",
+             "--set", "server.deployment=grpo-servers/gpu"]
+    result = _invoke("train", "--config", str(ROOT / "configs" / "tiny.yaml"), *where)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("config error: server.deployment='grpo-servers/gpu' needs the Prefect server "
+                                    "where `grpo deploy` registered it"), result.output
+    assert "set PREFECT_API_URL" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not runs.exists() and not mlflow_dir.exists(), "nothing was created"
+    ok = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"), *where)
+    assert ok.exit_code == 0, ok.output
