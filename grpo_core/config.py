@@ -561,6 +561,15 @@ class TrainConfig(_Strict):
             raise ValueError(f"train.selective_checkpointing must be 'op' or an integer >= 1, got {v}")
         return v
 
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_and_port(cls, v: str | None) -> str | None:
+        match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", v) if v is not None else None
+        if v is not None and (match is None or not 0 < int(match.group(2)) <= 65535):
+            raise ValueError(f"train.rdzv_endpoint: {v!r} is not 'host:port' (no scheme, a port 1-65535); write e.g. "
+                             "'trainer-0:29400'")
+        return v
+
     output_dir: Path = Path("runs/train")
     """Folder for checkpoints, metrics and synced weights."""
     num_ranks: int = Field(default=1, ge=1)

@@ -82,6 +82,19 @@ def test_several_trainer_hosts_need_a_rendezvous_endpoint():
         load_config(overrides=["train.nnodes=2"])
 
 
+@pytest.mark.parametrize("endpoint", ["trainer-0", "http://trainer-0:29400", "trainer-0:0", "trainer-0:70000",
+                                      "trainer-0:", ":29400"])
+def test_a_rendezvous_endpoint_that_is_not_host_and_port_is_refused(endpoint):
+    """torchrun got ``--master-addr`` / ``--master-port`` split from it (``'trainer-0'``: the port 'trainer-0')."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["train.nnodes=2", f"train.rdzv_endpoint='{endpoint}'"])
+    assert str(info.value).splitlines()[1].strip() == (
+        f"train.rdzv_endpoint: {endpoint!r} is not 'host:port' (no scheme, a port 1-65535); write e.g. "
+        "'trainer-0:29400'")
+    for good in ("trainer-0:29400", "10.0.0.7:1", "[fd00::7]:29400"):
+        assert load_config(overrides=["train.nnodes=2", f"train.rdzv_endpoint='{good}'"]).train.rdzv_endpoint == good
+
+
 def test_trainer_command_per_host():
     one = trainer_command(RunConfig(train={"num_ranks": 2}), Path("c.json"), ["http://a:1"])
     assert one[1:3] == ["-m", "grpo_core.train.launch"] and "--nnodes" not in one  # stores on loopback
