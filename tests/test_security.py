@@ -171,6 +171,45 @@ def test_a_fixed_port_taken_by_another_server_is_a_clear_error_and_nothing_is_se
     assert not (tmp_path / "embedded-replica0.log").exists()  # no server was started
 
 
+def _taken_after_a_free_port() -> tuple[socket.socket, int]:
+    """A listening socket on port p + 1 where p is free now: ``(socket, p)``."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        taken = socket.socket()
+        try:
+            taken.bind(("127.0.0.1", free + 1))
+        except OSError:
+            taken.close()
+            continue
+        taken.listen()
+        return taken, free
+    raise RuntimeError("no free pair of ports")
+
+
+def test_a_taken_port_of_a_later_replica_or_of_the_router_names_its_setting_and_starts_nothing(tmp_path):
+    """Replica i listens on server.port + i; the router on server.router_port (it said 'router replica 1 exited'
+    and '--port' before, after launching)."""
+    from grpo_core.serving.router import start_router
+
+    taken, port = _taken_after_a_free_port()
+    with taken:
+        config = RunConfig(model={"name": TINY}, server={"backend": "embedded", "port": port, "num_replicas": 2,
+                                                         "log_dir": tmp_path, "startup_timeout_s": 60})
+        with pytest.raises(PortInUseError) as info:
+            provision(config)
+        assert str(info.value).startswith(f"127.0.0.1:{port + 1} is already in use")
+        assert str(info.value).endswith("set server.port (replica 1 listens on server.port + 1) to a free port "
+                                        "(0 = pick one)"), str(info.value)
+        router = config.server.model_copy(update={"router_port": port + 1, "port": 0})
+        with pytest.raises(PortInUseError) as info:
+            start_router(router, ["http://127.0.0.1:9"], token="t")
+        assert str(info.value).startswith(f"127.0.0.1:{port + 1} is already in use")
+        assert str(info.value).endswith("set server.router_port to a free port (0 = pick one)"), str(info.value)
+    assert list(tmp_path.iterdir()) == [], "no replica or router was launched (no log file)"
+
+
 def _sleeper(port: int, tmp_path: Path, nonce: str = "ours") -> ServerHandle:
     """A live process of 'ours' that never listens, as a replica still loading while another server holds its port."""
     spec = LaunchSpec([sys.executable, "-c", "import time; time.sleep(120)"], {}, "vllm", 0, "127.0.0.1", port,

@@ -214,12 +214,15 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
         A ``ServerHandle`` (``url``, ``stop()``) the flow tears down with the replicas.
 
     Raises:
+        PortInUseError: ``server.router_port`` is taken (nothing is started).
         ServerStartError: the router exited or was not healthy within ``server.startup_timeout_s``.
     """
     import secrets
 
+    from grpo_core.auth import check_port_free
     from grpo_core.serving.vllm import LaunchSpec, launch, wait_healthy
 
+    check_port_free(server.host, server.router_port, "server.router_port")  # taken: no launch, the setting named
     port_file = server.log_dir / "router.port"
     argv = [sys.executable, "-m", "grpo_core.serving.router", "--host", server.host, "--port", str(server.router_port),
             "--port-file", str(port_file), "--route-imbalance", str(server.route_imbalance),

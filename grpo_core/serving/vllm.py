@@ -487,7 +487,8 @@ def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]
              for i in range(config.server.num_replicas)]
     for spec in specs:
         if config.server.port:
-            check_port_free(spec.host, spec.port)
+            check_port_free(spec.host, spec.port, "server.port" if not spec.replica else
+                            f"server.port (replica {spec.replica} listens on server.port + {spec.replica})")
     handles: list[ServerHandle] = []
     ready: set[int] = set()
     try:
