@@ -315,7 +315,7 @@ def test_router_cli_refuses_bad_arguments_in_one_line_naming_the_flag(args, says
     assert "Traceback" not in out.stderr and "pydantic" not in out.stderr
 
 
-def test_router_cli_on_a_taken_port_or_without_a_token_says_so_in_one_line():
+def test_router_cli_on_a_taken_port_without_a_token_or_in_front_of_itself_says_so_in_one_line():
     import socket
 
     env = {k: v for k, v in os.environ.items() if k not in ("GRPO_RUN_TOKEN", "GRPO_SERVER_API_KEY")}
@@ -329,6 +329,11 @@ def test_router_cli_on_a_taken_port_or_without_a_token_says_so_in_one_line():
         out = _router(["--url", "http://127.0.0.1:9", "--port", str(port)], {**env, "GRPO_SERVER_API_KEY": "k"})
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"cannot listen on 127.0.0.1:{port}: Address already in use")
+    # the port is free again: a --url naming the router itself (each request would come back to it) is refused
+    self_loop = _router(["--url", f"http://localhost:{port}", "--port", str(port)], {**env, "GRPO_SERVER_API_KEY": "k"})
+    assert self_loop.returncode == 2 and self_loop.stderr.strip().splitlines()[-1] == (
+        f"python -m grpo_core.serving.router: error: --url: 'http://localhost:{port}' is this router "
+        f"(127.0.0.1:{port}); give the replicas' URLs"), self_loop.stderr
 
 
 def test_router_answers_503_naming_the_cause_when_every_replica_is_down():

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import sys
+import urllib.parse
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -281,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
     from grpo_core.serving.routing import ReplicaSet
 
     sock = listen(args.host, args.port)
+    port = sock.getsockname()[1]
+    for url in server.urls:  # a request would come back to this router, again and again
+        parts = urllib.parse.urlsplit(url)
+        if parts.port == port and parts.hostname in {"127.0.0.1", "localhost", "::1", "0.0.0.0", args.host}:
+            sock.close()
+            parser.error(f"--url: {url!r} is this router ({args.host}:{port}); give the replicas' URLs")
     if args.port_file:
         args.port_file.write_text(str(sock.getsockname()[1]))
     replicas = ReplicaSet.from_config(server, server.urls)
