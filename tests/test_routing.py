@@ -246,6 +246,25 @@ def test_adapter_load_retries_until_the_store_shows_it(replicas, store_url, tmp_
     assert [listed(u) for u in urls] == [[TINY]] * 3
 
 
+def test_a_refusal_no_retry_changes_fails_the_fan_out_at_once(replicas, caplog):
+    """A 403 (a path outside every replica's allowed folder) was retried for the whole server.control_timeout_s
+    (60 s) before the same error; it now fails on the first answer, with no retry logged."""
+    urls = [h.url for h in replicas]
+
+    async def go():
+        async with ReplicaSet(urls, control_retry_s=0.2, control_timeout_s=600) as rs:
+            with pytest.raises(ControlFanOutError) as refused:
+                await rs.fan_out("load outside", lambda c: c.load_lora_adapter("outside", "/etc"),
+                                 undo=lambda c: c.unload_lora_adapter("outside"))
+            return refused.value
+    with caplog.at_level("WARNING", logger="grpo_core.serving.routing"):
+        refused = run(go())
+    assert sorted(refused.failed) == sorted(urls) and not refused.rolled_back
+    assert all("answered 403" in e and "not retried: a 403 does not change" in e for e in refused.failed.values())
+    assert "retrying" not in caplog.text
+    assert [listed(u) for u in urls] == [[TINY]] * 3
+
+
 def _restart(handle: ServerHandle) -> ServerHandle:
     port = int(handle.url.rsplit(":", 1)[1])
     argv = list(handle.spec.argv)

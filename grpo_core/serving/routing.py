@@ -37,7 +37,8 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from grpo_core.errors import ReplicaBehindError, ServerStartError, ServerUnavailableError, ServingError
+from grpo_core.errors import (ReplicaBehindError, ServerRequestError, ServerStartError, ServerUnavailableError,
+                              ServingError)
 from grpo_core.serving.client import Completion, GenerationClient, ServerMetrics, backoff_delay
 
 logger = logging.getLogger(__name__)
@@ -344,8 +345,8 @@ class ReplicaSet:
                       undo: Callable[[GenerationClient], Awaitable[Any]] | None = None) -> None:
         """Run a control call on every replica, all or nothing.
 
-        Each replica is retried every ``control_retry_s`` seconds (any error: a path on shared storage
-        may not be visible yet) until ``control_timeout_s``. If one still fails, ``undo`` runs (with the
+        Each replica is retried every ``control_retry_s`` seconds (any error but 401/403: a path on shared
+        storage may not be visible yet) until ``control_timeout_s``. If one still fails, ``undo`` runs (with the
         same retries, errors logged) on the replicas that succeeded.
 
         Raises:
@@ -369,7 +370,8 @@ class ReplicaSet:
             + (f"; rolled back on {', '.join(rolled)}" if rolled else "; nothing to roll back"), failed, rolled)
 
     async def _retry(self, client: GenerationClient, call: Callable[[GenerationClient], Awaitable[Any]]) -> str | None:
-        """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text."""
+        """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text. A refusal
+        that no retry changes (401 wrong token, 403 a path outside the replica's allowed folder) ends it at once."""
         deadline = time.monotonic() + self.control_timeout_s
         while True:
             try:
@@ -377,6 +379,8 @@ class ReplicaSet:
                 return None
             except ServingError as exc:
                 error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if isinstance(exc, ServerRequestError) and exc.status in (401, 403):
+                    return f"{error} (not retried: a {exc.status} does not change)"
             if time.monotonic() + self.control_retry_s > deadline:
                 return error
             logger.warning("control call on %s failed (%s); retrying in %.1f s", client.base_url, error,
