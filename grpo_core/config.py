@@ -75,7 +75,7 @@ def _warn_unused(unused: dict[str, str]) -> None:
     for path, why in unused.items():
         by_cause.setdefault(why, []).append(path)
     for why, paths in by_cause.items():
-        logger.warning("%s: no effect (%s); delete them", ", ".join(paths), why)
+        logger.warning("%s: no effect (%s); delete %s", ", ".join(paths), why, "it" if len(paths) == 1 else "them")
 
 
 class _Strict(BaseModel):
@@ -375,6 +375,8 @@ class ServerConfig(_ServerKey):
                            if name in given})
         if not self.deployment:
             unused.update({name: "server.deployment only" for name in DEPLOYMENT_ONLY_FIELDS if name in given})
+        if (len(self.urls) or self.num_replicas) == 1 and "route_imbalance" in given:
+            unused["route_imbalance"] = "one replica, nothing to route between; with server.num_replicas > 1 only"
         return unused
 
     def starts_here(self) -> bool:

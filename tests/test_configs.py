@@ -163,11 +163,14 @@ def test_ports_and_gpus_that_fit_the_replicas_are_kept():
     ({"backend": "embedded", "extra_args": ["--worker-cls", "evil.mod:W"]}, "extra_args", "vLLM only"),
     ({"backend": "vllm", "embedded_num_threads": 2}, "embedded_num_threads", "embedded server only"),
     ({"lifeline_timeout_s": 5}, "lifeline_timeout_s", "server.deployment only"),
+    ({"route_imbalance": 2}, "route_imbalance", "one replica, nothing to route between"),
+    ({"urls": ["http://gpu-1:8000"], "route_imbalance": 0}, "route_imbalance", "one replica"),
 ])
 def test_a_server_setting_that_has_no_effect_is_warned_about(caplog, server, field, why):
     with caplog.at_level("WARNING", logger="grpo_core.config"):
         RunConfig.model_validate({"server": server})
     assert re.search(rf"server\.{field}(, server\.\w+)*: no effect \({why}", caplog.text), caplog.text
+    assert caplog.text.rstrip().endswith("delete them" if ", server." in caplog.text else "delete it"), caplog.text
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
