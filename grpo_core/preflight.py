@@ -270,9 +270,10 @@ def check_chat_template(cfg: RunConfig) -> None:
 
 def check_adapter_store(cfg: RunConfig) -> None:
     """``train.adapter_store`` (a LoRA run's shared folder or fsspec URL) is usable from this host before anything
-    starts: a known fsspec protocol whose package is installed, not a URL with one slash (``s3:/bucket``, else a local
-    folder named ``s3:``), and a folder (not a file) whose parent exists (a missing parent is most often a shared
-    mount that is not there: the trainer would fill a local folder no server host sees).
+    starts: a known fsspec protocol whose package is installed (not ``memory://``, one process's), not a URL with
+    one slash (``s3:/bucket``, else a local folder named ``s3:``), and a folder (not a file) whose parent exists (a
+    missing parent is most often a shared mount that is not there: the trainer would fill a local folder no server
+    host sees).
 
     Raises:
         ConfigError: naming ``train.adapter_store``, the problem and the fix.
@@ -288,6 +289,9 @@ def check_adapter_store(cfg: RunConfig) -> None:
     if protocol is None and re.match(r"[A-Za-z][\w+.-]+:/(?!/)", url):
         raise ConfigError(f"{what} looks like a URL with one slash; write {url.replace(':/', '://', 1)!r}, or a folder")
     if protocol not in (None, "file", "local"):
+        if protocol == "memory":
+            raise ConfigError(f"{what}: fsspec's memory filesystem lives inside one process, and the servers are "
+                              "other processes; write a shared folder or an object-store URL ('s3://bucket/run')")
         if protocol not in fsspec.available_protocols():
             raise ConfigError(f"{what}: unknown fsspec protocol {protocol!r}; write a shared folder (e.g. "
                               "/mnt/grpo-adapters/run) or an fsspec URL such as 's3://bucket/run' or 'gs://bucket/run'")

@@ -138,6 +138,7 @@ def test_reward_function_needing_log_extra_is_refused_in_prepare(tmp_path):
     ("{tmp}/a-file", "train.adapter_store='{tmp}/a-file' is a file; give a folder every server host sees"),
     ("foo://bucket/run", "train.adapter_store='foo://bucket/run': unknown fsspec protocol 'foo'; write a shared folder"),
     ("s3:/bucket/run", "train.adapter_store='s3:/bucket/run' looks like a URL with one slash; write 's3://bucket/run'"),
+    ("memory://run", "train.adapter_store='memory://run': fsspec's memory filesystem lives inside one process"),
 ])
 def test_an_adapter_store_this_host_cannot_use_is_refused_before_anything_starts(tmp_path, store, says):
     """A missing mount, a file, an unknown protocol or a one-slash URL would fail the trainer at its first adapter
