@@ -1233,6 +1233,8 @@ def _error_lines(kind: type[BaseModel], errors: list[dict]) -> list[str]:
             if path and msg.startswith(path):  # the validator's message names the field already
                 lines.setdefault(msg, [])
                 continue
+        elif err["type"] == "list_type" and isinstance(err.get("input"), str | int | float):  # one value, no list
+            msg = f"{err['msg']}; write [{err['input']}] for one item"
         else:
             msg = err["msg"]
         if msg not in lines.setdefault(path or "config", []):

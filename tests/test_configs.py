@@ -216,6 +216,17 @@ def test_a_cross_field_error_is_its_own_message_without_pydantic_prefixes(overri
     assert "Value error" not in str(info.value) and not any(line.strip().startswith("config:") for line in lines)
 
 
+@pytest.mark.parametrize("override, says", [
+    ("server.urls=http://gpu-1:8000", "server.urls: Input should be a valid list; write [http://gpu-1:8000] for one item"),
+    ("server.gpu_ids=3", "server.gpu_ids: Input should be a valid list; write [3] for one item"),
+])
+def test_one_value_where_a_list_goes_says_how_to_write_the_list(override, says):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert str(info.value).splitlines()[1:] == [f"  {says}"], str(info.value)
+    assert load_config(overrides=[f"{override.split('=')[0]}={says.split('write ')[1].split(' for')[0]}"])
+
+
 def test_a_union_field_error_is_one_line_without_pydantic_member_tags():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.lora.target_modules=x"])
