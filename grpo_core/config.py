@@ -94,6 +94,19 @@ class _Strict(BaseModel):
         return value
 
 
+#: Host names of this machine's loopback interface, as a URL may spell them.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def url_port(parts: urllib.parse.SplitResult) -> int:
+    """The port a split http(s) URL reaches: its own, else the scheme's default (443 for https, 80 for http).
+
+    Raises:
+        ValueError: the URL's port is not a number in 0-65535.
+    """
+    return parts.port or (443 if parts.scheme.lower() == "https" else 80)
+
+
 def _check_fixed_ports(cfg: RunConfig) -> None:
     """Refuse two of the run's listeners on one fixed port of the flow's host: the replicas it starts
     (``server.port`` + i) or those of ``server.urls`` on loopback, the router (``server.router_port``) and the rollout's Flight server
@@ -108,8 +121,8 @@ def _check_fixed_ports(cfg: RunConfig) -> None:
                       for i in range(server.num_replicas)})
     for i, url in enumerate(server.urls):  # a replica on this host
         parts = urllib.parse.urlsplit(url)
-        if parts.hostname in ("127.0.0.1", "localhost", "::1"):
-            taken[parts.port or (443 if parts.scheme.lower() == "https" else 80)] = f"the port of server.urls[{i}]"
+        if parts.hostname in LOOPBACK_HOSTS:
+            taken[url_port(parts)] = f"the port of server.urls[{i}]"
     for port, name in ((server.router_port, "server.router_port"), (cfg.rollout.flight_port, "rollout.flight_port")):
         if not port:
             continue
@@ -229,7 +242,7 @@ def check_server_urls(urls: list[str], field: str = "server.urls") -> list[str]:
             raise ValueError(f"{field}: {url!r} ends in /v1, which the client adds to every request; write the "
                              f"server's base URL {base!r}")
         scheme = parts.scheme.lower()
-        key = (scheme, parts.hostname.lower(), port or (443 if scheme == "https" else 80), path)
+        key = (scheme, parts.hostname.lower(), url_port(parts), path)
         if key in seen:
             raise ValueError(f"{field} lists one server twice ({seen[key]!r} and {url!r}): give each replica once")
         seen[key] = url

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pydantic import ValidationError
 
-    from grpo_core.config import ServerConfig, _error_lines, check_server_urls
+    from grpo_core.config import LOOPBACK_HOSTS, ServerConfig, _error_lines, check_server_urls
 
     try:
         urls = check_server_urls(args.url, "--url")
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     port = sock.getsockname()[1]
     for url in server.urls:  # a request would come back to this router, again and again
         parts = urllib.parse.urlsplit(url)
-        if parts.port == port and parts.hostname in {"127.0.0.1", "localhost", "::1", "0.0.0.0", args.host}:
+        if parts.port == port and parts.hostname in LOOPBACK_HOSTS | {"0.0.0.0", args.host}:
             sock.close()
             parser.error(f"--url: {url!r} is this router ({args.host}:{port}); give the replicas' URLs")
     if args.port_file:
