@@ -204,8 +204,13 @@ def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: s
                 restarts[i] += 1
                 log.warning("replica %d exited with code %s; starting it again on %s (%d of %d)", i,
                             handle.process.returncode, handle.url, restarts[i], cfg.server.start_retries)
-                procs.servers[i] = restart(handle, cfg, procs.token)
-            if all(h.process.poll() is not None for h in procs.servers):
+                try:
+                    procs.servers[i] = restart(handle, cfg, procs.token)
+                except ServerStartError as exc:  # its process is stopped: the next pass tries again while restarts last
+                    log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i],
+                                cfg.server.start_retries, exc)
+            if all(h.process.poll() is not None and n >= cfg.server.start_retries
+                   for h, n in zip(procs.servers, restarts)):
                 raise ServerStartError(f"every replica exited and server.start_retries ({cfg.server.start_retries}) "
                                        "restarts each are spent; logs in " + str(cfg.server.log_dir))
             time.sleep(period)

@@ -231,6 +231,28 @@ def test_a_server_answering_on_our_port_is_never_adopted(who, foreign, server, t
     assert not any(s.startswith("POST") for s in _Foreign.seen)  # nothing pushed
 
 
+def test_a_replica_fenced_before_its_launcher_saw_it_healthy_is_adopted_at_once(server, tmp_path):
+    """A restarted replica can be fenced (a request for a later policy version reached it through the router) before
+    its launcher's first ``/health`` poll; the launcher must adopt it then, not wait ``startup_timeout_s`` for a 200
+    that only the next weight sync brings (a servers' flow run stuck in that wait missed its lifeline)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    ours, theirs = _sleeper(port, tmp_path, nonce=server.spec.nonce), _sleeper(port, tmp_path, nonce="not ours")
+    fence = _authed(server.url, "POST", "/grpo/stale", json={"stale": True, "reason": "a test fenced it"})
+    assert fence.status_code == 200, fence.text
+    try:
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "a test fenced it" in health.text  # the fence is really up
+        # the fence stays up all along: waiting for a 200 would end in ServerStartError after 20 s
+        assert wait_healthy(ours, 20, run_token()) == server.url
+        with pytest.raises(PortInUseError, match="does not report this launch's nonce"):
+            wait_healthy(theirs, 60, run_token())  # a fenced server of another launch is still never adopted
+    finally:
+        _authed(server.url, "POST", "/grpo/stale", json={"stale": False})
+        for handle in (ours, theirs):
+            handle.stop()
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_prefect_stack_on_a_taken_port_starts_nothing(tmp_path):
     from flows.serve import PrefectStack
 

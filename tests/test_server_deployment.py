@@ -216,3 +216,74 @@ def _health(url: str) -> int | None:
         return httpx.get(url + "/health", timeout=5).status_code
     except httpx.TransportError:
         return None
+
+
+class _Lifeline:
+    """Just enough of Prefect's sync client for ``_keep``: the train flow run beats until ``done``, then completes."""
+
+    def __init__(self) -> None:
+        self.beats, self.done = 0, False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def read_flow_run(self, flow_run_id: str):
+        from types import SimpleNamespace
+
+        from prefect.states import Completed, Running
+
+        return SimpleNamespace(state=Completed() if flow_run_id == "train" and self.done else Running())
+
+    def read_variable_by_name(self, name: str):
+        from types import SimpleNamespace
+
+        self.beats += 1
+        return SimpleNamespace(value=self.beats)
+
+
+@pytest.mark.parametrize("start_retries", [1, 2])
+def test_a_replica_that_fails_to_start_again_is_retried_while_restarts_last(start_retries, tmp_path, monkeypatch):
+    """A dead replica whose restart fails (say a slow load missed ``server.startup_timeout_s``) is tried again on the
+    next pass while ``server.start_retries`` lasts; only when every replica is dead with its restarts spent does the
+    servers' flow run fail."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import flows.grpo_servers as servers
+    import grpo_core.serving.vllm as vllm_mod
+    from grpo_core.errors import ServerStartError
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lifeline, calls, live, warned = _Lifeline(), [], [], []
+    log = SimpleNamespace(warning=lambda msg, *args: warned.append(msg % args), info=lambda *a: None)
+
+    def restart(handle, cfg, token):
+        calls.append(handle.url)
+        if len(calls) == 1:
+            raise ServerStartError("replica 0 not healthy after 1 s (server.startup_timeout_s)")
+        live.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        lifeline.done = True  # the train flow run ends once the replica is back
+        return SimpleNamespace(process=live[-1], url=handle.url)
+
+    monkeypatch.setattr(vllm_mod, "restart", restart)
+    monkeypatch.setattr("prefect.client.orchestration.get_client", lambda sync_client: lifeline)
+    cfg = RunConfig.model_validate({"server": {"start_retries": start_retries, "lifeline_timeout_s": 2,
+                                               "log_dir": str(tmp_path)}})
+    procs = SimpleNamespace(servers=[SimpleNamespace(process=dead, url="http://127.0.0.1:9")], token="t")
+    try:
+        if start_retries == 1:
+            with pytest.raises(ServerStartError, match=r"server.start_retries \(1\) restarts each are spent"):
+                servers._keep(cfg, procs, "own", "train", "lifeline", log)
+        else:
+            assert servers._keep(cfg, procs, "own", "train", "lifeline", log) == "train flow run train is Completed"
+            assert procs.servers[0].process is live[0] and live[0].poll() is None
+    finally:
+        for process in live:
+            process.kill()
+    assert calls == ["http://127.0.0.1:9"] * start_retries
+    assert any(w.startswith(f"replica 0 did not start again (1 of {start_retries})") for w in warned), warned

@@ -57,6 +57,9 @@ RESUME_PATH = "/resume"
 STALE_PATH = "/grpo/stale"
 #: Request header naming the policy version the client samples for (full-weight runs; see the module docstring).
 POLICY_VERSION_HEADER = "X-GRPO-Policy-Version"
+#: Header of every 503 the fence answers (value ``up``): the replica is loaded and ours, only out of routing, so a
+#: launcher waiting for it to come up (``grpo_core.serving.vllm.wait_healthy``) need not wait for the next sync.
+FENCE_HEADER = "X-GRPO-Fence"
 #: Error ``type`` of the 503 a replica behind the run's policy version answers.
 BEHIND_ERROR_TYPE = "PolicyVersionBehind"
 #: Generation routes the stale fence answers 503 on (vLLM's and the embedded server's OpenAI routes).
@@ -77,10 +80,12 @@ def inside(path: str, root: str | Path | None) -> bool:
     return Path(path).resolve().is_relative_to(Path(root).resolve())
 
 
-async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+async def _send_json(send: Any, status: int, body: dict[str, Any],
+                     extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *extra]})
     await send({"type": "http.response.body", "body": data})
 
 
@@ -173,7 +178,7 @@ class RunGuardMiddleware:
                 self._behind = True
                 logger.error("fenced off (503 on /health and generation requests): %s", self.stale)
         if self.stale is not None and (path == "/health" or path in GENERATION_PATHS):
-            await _send_json(send, 503, self._stale_error())
+            await _send_json(send, 503, self._stale_error(), ((FENCE_HEADER.lower().encode(), b"up"),))
             return
         if path in GENERATION_PATHS and scope["type"] == "http":
             await self._fenced(scope, receive, send)

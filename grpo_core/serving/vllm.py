@@ -50,7 +50,7 @@ from grpo_core.auth import NONCE_ENV, NONCE_PATH, TOKEN_ENV, bearer_headers, che
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
 from grpo_core.redact import redact_argv, reveal
-from grpo_core.serving.guard import ADAPTER_DIR_ENV, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
+from grpo_core.serving.guard import ADAPTER_DIR_ENV, FENCE_HEADER, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
 from grpo_core.serving.sampling_defaults import sampling_problems
 
 logger = logging.getLogger(__name__)
@@ -318,7 +318,9 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
 def wait_healthy(handle: ServerHandle, timeout_s: float, token: str) -> str:
     """Wait until the replica we started answers; returns its base URL.
 
-    Accepted only when our process is alive, ``/health`` answers 200, and the authenticated
+    Accepted only when our process is alive, ``/health`` answers 200 (or the guard's fence 503: a restarted
+    replica that a request for a later policy version reached before this poll is loaded, only out of routing
+    until the next weight sync), and the authenticated
     ``GET /grpo/run_nonce`` (``grpo_core.serving.guard``) returns this launch's nonce: a server of another
     run (other token: 401; no guard: 404) or of an earlier launch (other nonce) on the same port is never
     adopted, and no weights are ever pushed to it.
@@ -344,7 +346,11 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str) -> str:
         if port:
             url = f"http://{spec.host}:{port}"
             try:
-                healthy = httpx.get(url + "/health", timeout=2.0).status_code == 200
+                health = httpx.get(url + "/health", timeout=2.0)
+                # 503 from the guard's fence: loaded, only out of routing (a restarted replica a request for a
+                # later policy version reached first); its nonce still tells whether it is ours
+                healthy = health.status_code == 200 or (health.status_code == 503 and
+                                                        health.headers.get(FENCE_HEADER) == "up")
                 answer = httpx.get(url + NONCE_PATH, headers=bearer_headers(token), timeout=5.0) if healthy else None
             except httpx.HTTPError:
                 answer = None
