@@ -311,6 +311,23 @@ def check_adapter_store(cfg: RunConfig) -> None:
         raise ConfigError(f"{what}: the folder is not writable; point the setting at a writable shared folder")
 
 
+def check_trainer_hosts(cfg: RunConfig) -> None:
+    """With ``train.nnodes`` > 1 the run's token must come from this environment (``GRPO_RUN_TOKEN``): every trainer
+    rank proves it holds it (:func:`grpo_core.train.distributed.check_members`), and a token the flow would draw at
+    random no other trainer host could know.
+
+    Raises:
+        ConfigError: ``train.nnodes`` > 1 and ``GRPO_RUN_TOKEN`` unset here.
+    """
+    from grpo_core.auth import TOKEN_ENV, run_token
+
+    if cfg.train.nnodes > 1 and run_token() is None:
+        raise ConfigError(f"train.nnodes={cfg.train.nnodes} needs {TOKEN_ENV} in this environment (the worker's, or "
+                          "the shell of `grpo train`) and the same value on every trainer host: each trainer rank "
+                          "proves it holds the run's token before anything is trained, since torchrun's rendezvous "
+                          f"has no authentication. Export e.g. {TOKEN_ENV}=$(openssl rand -hex 32) on each host")
+
+
 def check_run(cfg: RunConfig) -> None:
     """Every check that can run before a server starts.
 
@@ -323,6 +340,7 @@ def check_run(cfg: RunConfig) -> None:
 
     check_code_references(cfg)  # before anything is imported or called
     check_adapter_store(cfg)  # before any folder is made
+    check_trainer_hosts(cfg)
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_resume_from(cfg)

@@ -108,6 +108,54 @@ def test_trainer_command_per_host():
         assert cmd[-2:] == ["--server-url", "http://a:1"]
 
 
+@pytest.mark.parametrize("node1", ["the run's token", "no token", "another token"])
+def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp_path):
+    """Two trainer hosts (two torchrun nodes of one rank each, the commands ``trainer_command`` builds, joined at
+    ``train.rdzv_endpoint``): with the run's token on both they train; a node with no token or another one stops
+    both nodes before the first step (torchrun's rendezvous itself lets anyone in), each naming the cause."""
+    import os
+    import subprocess
+
+    from serving_helpers import free_port
+    from trainer_helpers import ROOT, read_jsonl, trainer_config, write_samples
+
+    from grpo_core.auth import TOKEN_ENV
+
+    config = trainer_config(tmp_path, write_samples(tmp_path / "samples.arrow", 4), max_steps=2, save_steps=2,
+                            nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
+    cfg = load_config(config)
+    tokens = ["run-token-0123", {"the run's token": "run-token-0123", "no token": None,
+                                 "another token": "someone-elses-token"}[node1]]
+    procs, logs = [], [tmp_path / f"node{n}.log" for n in (0, 1)]
+    for node, (token, log) in enumerate(zip(tokens, logs)):
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **({TOKEN_ENV: token} if token else {})})
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(trainer_command(cfg, config, [], node_rank=node), cwd=ROOT, env=env,
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    text = [log.read_text() for log in logs]
+    steps = read_jsonl(tmp_path / "out" / "metrics.jsonl") if (tmp_path / "out" / "metrics.jsonl").exists() else []
+    if node1 == "the run's token":
+        assert codes == [0, 0], text[0][-3000:] + text[1][-3000:]
+        assert "every trainer rank proved it holds the run's token (2 ranks)" in text[0]
+        assert [r["step"] for r in steps if "step" in r][-1] == 2
+        return
+    assert codes[0] != 0 and codes[1] != 0, text
+    assert not any("step" in r for r in steps), "a step was trained with an unproven rank"
+    assert "trainer rank 1 (host " in text[0] and f"did not prove it holds the run's token ({TOKEN_ENV}" in text[0]
+    assert tokens[0] not in text[0] + text[1] and "someone-elses-token" not in text[0] + text[1]
+    if node1 == "no token":
+        assert f"{TOKEN_ENV} is not set on trainer host" in text[1] and "(rank 1)" in text[1]
+    else:
+        assert "rank 0 at train.rdzv_endpoint did not prove it holds this host's" in text[1]
+
+
 def _adapter_folder(path: Path) -> dict[str, bytes]:
     path.mkdir(parents=True)
     files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": bytes(range(256)) * 64}
@@ -127,3 +175,19 @@ def test_adapter_store_publishes_complete_versions(tmp_path):
     store.remove("policy-v1")
     assert not published.exists()
     assert AdapterStore(None).publish(tmp_path / "local" / "policy-v1", "policy-v1") == str(tmp_path / "local" / "policy-v1")
+
+
+def test_several_trainer_hosts_need_the_run_token_from_the_environment(monkeypatch, tmp_path):
+    from grpo_core import preflight
+    from grpo_core.auth import TOKEN_ENV
+
+    cfg = load_config(overrides=["train.nnodes=2", "train.rdzv_endpoint=trainer-0:29400",
+                                 f"train.output_dir={tmp_path}"])
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(ConfigError, match=f"train.nnodes=2 needs {TOKEN_ENV} in this environment .* same value on "
+                                          "every trainer host"):
+        preflight.check_run(cfg)
+    assert list(tmp_path.iterdir()) == []  # refused before any folder was made
+    monkeypatch.setenv(TOKEN_ENV, "shared")
+    preflight.check_trainer_hosts(cfg)  # passes
+    preflight.check_trainer_hosts(load_config(overrides=[f"train.output_dir={tmp_path}"]))  # one host: no need

@@ -10,7 +10,12 @@ previous step.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import os
+import secrets
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,6 +26,8 @@ import torch.distributed as dist
 from grpo_core.packing import PackedRow
 
 from .rows import row_from_bytes, row_to_bytes
+
+logger = logging.getLogger(__name__)
 
 # Header commands.
 ROW = 0
@@ -73,6 +80,86 @@ def init_world(device: str = "auto", timeout_s: float = 1800.0) -> World:
                                 timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if use_cuda else None
     return World(rank, world_size, local_rank, dev, control)
+
+
+_DIGEST = 32  # bytes of an HMAC-SHA256
+_HOST = 64  # bytes of a rank's host name in the member check (UTF-8, cut, zero-padded)
+
+
+def _tag(token: str, nonce: bytes, what: bytes) -> bytes:
+    return hmac.new(token.encode(), nonce + what, hashlib.sha256).digest()
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.tolist())
+
+
+def check_members(world: World, token: str | None) -> None:
+    """Every rank proves it holds the run's token before any model data moves; raise on every rank otherwise.
+
+    torchrun's c10d rendezvous (``train.rdzv_endpoint`` with ``train.nnodes`` > 1) has no authentication: any
+    process that reaches the port can take a node's place. So, right after the process group forms, rank 0
+    broadcasts a random 32-byte nonce; each rank answers ``HMAC-SHA256(token, nonce ‖ "member" ‖ rank)`` (bound to
+    its rank, so one rank's answer is no other's) with its host name; rank 0 checks each answer and broadcasts the
+    verdict (one flag per rank) under ``HMAC(token, nonce ‖ "verdict" ‖ flags)``, which proves rank 0 holds the
+    token too: a trainer host that joined another run's rendezvous (or an impostor's) stops. Only fixed-size
+    ``uint8`` tensors travel (no pickles: an impostor's bytes are never unpickled). What it does not cover: the
+    collectives' own traffic (gloo/NCCL) is not encrypted; keep the trainer hosts on a private network.
+
+    Args:
+        world: the joined process group (:func:`init_world`); a one-rank world passes at once.
+        token: the run's token (``GRPO_RUN_TOKEN``); None when this host has none (it still answers, so its peers
+            stop at once instead of at the collective timeout, and it raises naming the variable).
+
+    Raises:
+        ConfigError: on every rank when any rank lacks the token or holds another one, naming the ranks and
+            their hosts (rank 0), or that rank 0 did not prove the token (other ranks), and the fix.
+    """
+    from grpo_core.auth import TOKEN_ENV
+    from grpo_core.errors import ConfigError
+
+    if world.world_size == 1:
+        return
+    group, host = world.control, socket.gethostname()
+    nonce = torch.zeros(_DIGEST, dtype=torch.uint8)
+    if world.is_main:
+        nonce = torch.tensor(list(secrets.token_bytes(_DIGEST)), dtype=torch.uint8)
+    dist.broadcast(nonce, 0, group=group)
+    seed = _bytes(nonce)
+    mine = torch.zeros(_DIGEST + _HOST, dtype=torch.uint8)
+    if token:
+        mine[:_DIGEST] = torch.tensor(list(_tag(token, seed, b"member" + world.rank.to_bytes(4, "big"))),
+                                      dtype=torch.uint8)
+    name = host.encode()[:_HOST]
+    mine[_DIGEST:_DIGEST + len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+    answers = [torch.zeros_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(answers, mine, group=group)
+    verdict = torch.zeros(world.world_size + _DIGEST, dtype=torch.uint8)
+    if world.is_main:
+        flags = bytes(0 if token and hmac.compare_digest(_bytes(a[:_DIGEST]), _tag(
+            token, seed, b"member" + r.to_bytes(4, "big"))) else 1 for r, a in enumerate(answers))
+        verdict[:world.world_size] = torch.tensor(list(flags), dtype=torch.uint8)
+        if token:
+            verdict[world.world_size:] = torch.tensor(list(_tag(token, seed, b"verdict" + flags)), dtype=torch.uint8)
+    dist.broadcast(verdict, 0, group=group)
+    flags = _bytes(verdict[:world.world_size])
+    fix = (f"export the same {TOKEN_ENV} (the token the flow's run uses: set it in the environment of trainer-0's "
+           "worker or `grpo train`) on every trainer host before torchrun")
+    if not token:
+        raise ConfigError(f"{TOKEN_ENV} is not set on trainer host {host} (rank {world.rank}): with train.nnodes > 1 "
+                          f"every trainer rank proves it holds the run's token before any model data moves; {fix}")
+    if not hmac.compare_digest(_bytes(verdict[world.world_size:]), _tag(token, seed, b"verdict" + flags)):
+        raise ConfigError(f"rank 0 at train.rdzv_endpoint did not prove it holds this host's {TOKEN_ENV} (trainer "
+                          f"host {host}, rank {world.rank}): another run's rendezvous, or another token; {fix}")
+    bad = [r for r, f in enumerate(flags) if f]
+    if bad:
+        hosts = [_bytes(answers[r][_DIGEST:]).rstrip(b"\0").decode(errors="replace") for r in bad]
+        who = ", ".join(f"rank {r} (host {h or '?'})" for r, h in zip(bad, hosts)) if world.is_main else \
+            ", ".join(f"rank {r}" for r in bad)
+        raise ConfigError(f"trainer {who} did not prove it holds the run's token ({TOKEN_ENV} missing or another): "
+                          f"torchrun's rendezvous has no authentication, so nothing is trained with it; {fix}")
+    if world.is_main:
+        logger.info("every trainer rank proved it holds the run's token (%d ranks)", world.world_size)
 
 
 def broadcast_header(world: World, values: list[int] | None, size: int = 4) -> list[int]:

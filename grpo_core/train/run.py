@@ -15,7 +15,7 @@ from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState
 
 from .adapter_store import AdapterStore
-from .distributed import init_world
+from .distributed import check_members, init_world
 from .fingerprint import check_resume
 from .trainer import Trainer, rotate_checkpoints
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
@@ -89,6 +89,10 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
         ConfigError: the config trains a different run than the checkpoint it would resume (a diff).
     """
     world = init_world(cfg.train.device)
+    if cfg.train.nnodes > 1:  # torchrun's rendezvous has no authentication: prove the token before any data moves
+        from grpo_core.auth import run_token
+
+        check_members(world, run_token())
     lock = RunLock(cfg.train.output_dir, "trainer", cfg.train.run_lock_timeout_s) if world.is_main else None
     try:
         from . import checkpoint
