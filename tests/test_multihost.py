@@ -108,11 +108,13 @@ def test_trainer_command_per_host():
         assert cmd[-2:] == ["--server-url", "http://a:1"]
 
 
-@pytest.mark.parametrize("node1", ["the run's token", "no token", "another token"])
+@pytest.mark.parametrize("node1", ["the run's token", "no token", "another token", "its own output folder"])
 def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp_path):
     """Two trainer hosts (two torchrun nodes of one rank each, the commands ``trainer_command`` builds, joined at
     ``train.rdzv_endpoint``): with the run's token on both they train; a node with no token or another one stops
-    both nodes before the first step (torchrun's rendezvous itself lets anyone in), each naming the cause."""
+    both nodes before the first step (torchrun's rendezvous itself lets anyone in), each naming the cause; so does
+    a node whose ``train.output_dir`` is not the folder rank 0 writes in (each rank writes its checkpoint shards
+    there)."""
     import os
     import subprocess
 
@@ -124,14 +126,15 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
     config = trainer_config(tmp_path, write_samples(tmp_path / "samples.arrow", 4), max_steps=2, save_steps=2,
                             nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
     cfg = load_config(config)
-    tokens = ["run-token-0123", {"the run's token": "run-token-0123", "no token": None,
-                                 "another token": "someone-elses-token"}[node1]]
+    tokens = ["run-token-0123", {"no token": None, "another token": "someone-elses-token"}.get(node1, "run-token-0123")]
+    own = ["--set", f"train.output_dir={tmp_path / 'node1-out'}"] if node1 == "its own output folder" else []
     procs, logs = [], [tmp_path / f"node{n}.log" for n in (0, 1)]
     for node, (token, log) in enumerate(zip(tokens, logs)):
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **({TOKEN_ENV: token} if token else {})})
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(trainer_command(cfg, config, [], node_rank=node), cwd=ROOT, env=env,
+            procs.append(subprocess.Popen(trainer_command(cfg, config, [], node_rank=node) + (own if node else []),
+                                          cwd=ROOT, env=env,
                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
     try:
         codes = [p.wait(timeout=400) for p in procs]
@@ -148,6 +151,11 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
         return
     assert codes[0] != 0 and codes[1] != 0, text
     assert not any("step" in r for r in steps), "a step was trained with an unproven rank"
+    if node1 == "its own output folder":
+        for text_of_node in text:
+            assert "is not one folder shared by every trainer host: rank 1 (host " in text_of_node
+        assert not list((tmp_path / "out").glob(".grpo-shared-*")), "rank 0's probe file was left behind"
+        return
     assert "trainer rank 1 (host " in text[0] and f"did not prove it holds the run's token ({TOKEN_ENV}" in text[0]
     assert tokens[0] not in text[0] + text[1] and "someone-elses-token" not in text[0] + text[1]
     if node1 == "no token":

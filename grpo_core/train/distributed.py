@@ -18,6 +18,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -160,6 +161,56 @@ def check_members(world: World, token: str | None) -> None:
                           f"torchrun's rendezvous has no authentication, so nothing is trained with it; {fix}")
     if world.is_main:
         logger.info("every trainer rank proved it holds the run's token (%d ranks)", world.world_size)
+
+
+def check_shared_folder(world: World, folder: Path, field: str = "train.output_dir") -> None:
+    """Every rank sees the files rank 0 writes in ``folder``; raise on every rank otherwise.
+
+    The checkpoint is sharded (``torch.distributed.checkpoint``: each rank writes its own shard files into the
+    folder rank 0 made and later renames), so with several trainer hosts ``train.output_dir`` must be one shared
+    folder (an NFS or Lustre mount at the same path), else the first checkpoint fails or lacks shards. Rank 0 writes
+    a file named by a random nonce; every rank looks for it, and the ranks that miss it are named.
+
+    Args:
+        world: the joined process group; a one-rank world passes at once.
+        folder: the folder that must be shared (made by rank 0 when missing).
+        field: its config path, for the message.
+
+    Raises:
+        ConfigError: on every rank when any rank does not see rank 0's file, naming the ranks and their hosts.
+    """
+    from grpo_core.errors import ConfigError
+
+    if world.world_size == 1:
+        return
+    group, host = world.control, socket.gethostname()
+    nonce = torch.zeros(16, dtype=torch.uint8)
+    marker = None
+    if world.is_main:
+        nonce = torch.tensor(list(secrets.token_bytes(16)), dtype=torch.uint8)
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = folder / f".grpo-shared-{_bytes(nonce).hex()}"
+        marker.write_bytes(_bytes(nonce))
+    dist.broadcast(nonce, 0, group=group)  # after the write: the file exists on rank 0's side before anyone looks
+    path = folder / f".grpo-shared-{_bytes(nonce).hex()}"
+    try:
+        seen = path.read_bytes() == _bytes(nonce)
+    except OSError:
+        seen = False
+    mine = torch.zeros(1 + _HOST, dtype=torch.uint8)
+    mine[0] = int(seen)
+    name = host.encode()[:_HOST]
+    mine[1:1 + len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+    answers = [torch.zeros_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(answers, mine, group=group)
+    if marker is not None:
+        marker.unlink(missing_ok=True)
+    missing = [(r, _bytes(a[1:]).rstrip(b"\0").decode(errors="replace")) for r, a in enumerate(answers) if not a[0]]
+    if missing:
+        who = ", ".join(f"rank {r} (host {h or '?'})" for r, h in missing)
+        raise ConfigError(f"{field}={folder} is not one folder shared by every trainer host: {who} does not see the "
+                          "file rank 0 wrote there. Each rank writes its own checkpoint shards into it: mount one "
+                          f"shared folder (NFS, Lustre, …) at the same path on every trainer host and set {field} there")
 
 
 def broadcast_header(world: World, values: list[int] | None, size: int = 4) -> list[int]:

@@ -15,7 +15,7 @@ from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState
 
 from .adapter_store import AdapterStore
-from .distributed import check_members, init_world
+from .distributed import check_members, check_shared_folder, init_world
 from .fingerprint import check_resume
 from .trainer import Trainer, rotate_checkpoints
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
@@ -93,6 +93,7 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
         from grpo_core.auth import run_token
 
         check_members(world, run_token())
+        check_shared_folder(world, cfg.train.output_dir)  # every rank writes its checkpoint shards there
     lock = RunLock(cfg.train.output_dir, "trainer", cfg.train.run_lock_timeout_s) if world.is_main else None
     try:
         from . import checkpoint
