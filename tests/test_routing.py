@@ -421,6 +421,13 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
                              json={"lora_name": "policy-v9", "lora_path": wide})
         assert refused.status_code == 502 and urls[2] in refused.json()["error"]["message"]
         assert [listed(u) for u in urls] == [[TINY]] * 3
+        # every replica refuses alike (a path outside the adapter folder, 403 from each guard): the client's fault,
+        # answered with that status as one server would, not as a gateway failure
+        outside = httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60,
+                             json={"lora_name": "outside", "lora_path": "/etc"})
+        assert outside.status_code == 403, outside.text
+        assert all(f"{u}: ServerRequestError" in outside.json()["error"]["message"] for u in urls)
+        assert [listed(u) for u in urls] == [[TINY]] * 3
 
         async def through_client():  # the project's client with server.api_key, as the rollout talks to a remote set
             async with GenerationClient(base, api_key=run_token(), max_retries=0) as c:

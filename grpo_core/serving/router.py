@@ -188,8 +188,8 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
 
         try:
             await replicas.fan_out(path, call, _undo(path, body))
-        except ControlFanOutError as exc:
-            return error(502, str(exc), "ControlFanOutError")
+        except ControlFanOutError as exc:  # every replica refused alike: the request's fault, said as one server would
+            return error(exc.common_refusal or 502, str(exc), "ControlFanOutError")
         return JSONResponse({"status": "ok", "replicas": len(replicas.urls)})
 
     for path in ROUTED:

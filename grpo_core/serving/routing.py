@@ -56,12 +56,25 @@ class ControlFanOutError(ServingError):
     Attributes:
         failed: ``{url: error text}`` of the replicas that never succeeded.
         rolled_back: URLs of the replicas the rollback was applied to.
+        statuses: ``{url: HTTP status}`` of the failed replicas' last answers (None: no answer, e.g. unreachable).
     """
 
-    def __init__(self, message: str, failed: dict[str, str], rolled_back: list[str]) -> None:
+    def __init__(self, message: str, failed: dict[str, str], rolled_back: list[str],
+                 statuses: dict[str, int | None] | None = None) -> None:
         super().__init__(message)
         self.failed = failed
         self.rolled_back = rolled_back
+        self.statuses = statuses or {}
+
+    @property
+    def common_refusal(self) -> int | None:
+        """The 4xx every replica answered when none took the call (the request itself is at fault, as a single
+        server would say), else None (replicas disagree or were unreachable: a gateway fault)."""
+        codes = set(self.statuses.values())
+        if self.rolled_back or len(self.statuses) != len(self.failed) or len(codes) != 1:
+            return None
+        code = codes.pop()
+        return code if code is not None and 400 <= code < 500 else None
 
 
 @dataclass
@@ -353,25 +366,29 @@ class ReplicaSet:
             ControlFanOutError: some replica never succeeded; names each and the rollback.
         """
         results = await asyncio.gather(*(self._retry(c, call) for c in self.clients))
-        failed = {u: r for u, r in zip(self.urls, results) if r is not None}
+        failed = {u: r[0] for u, r in zip(self.urls, results) if r is not None}
         if not failed:
             return
+        statuses = {u: r[1] for u, r in zip(self.urls, results) if r is not None}
         took = [c for c, r in zip(self.clients, results) if r is None]
         if undo is not None and took:
             undone = await asyncio.gather(*(self._retry(c, undo) for c in took))
             for client, error in zip(took, undone):
                 if error is not None:
-                    logger.error("rollback of %s on %s failed: %s", name, client.base_url, error)
+                    logger.error("rollback of %s on %s failed: %s", name, client.base_url, error[0])
         rolled = [c.base_url for c in took] if undo is not None else []
         raise ControlFanOutError(
             f"{name} failed on {len(failed)} of {len(self.urls)} replicas after retrying for "
             f"{self.control_timeout_s:.0f} s (server.control_timeout_s): "
             + "; ".join(f"{u}: {e}" for u, e in failed.items())
-            + (f"; rolled back on {', '.join(rolled)}" if rolled else "; nothing to roll back"), failed, rolled)
+            + (f"; rolled back on {', '.join(rolled)}" if rolled else "; nothing to roll back"), failed, rolled,
+            statuses)
 
-    async def _retry(self, client: GenerationClient, call: Callable[[GenerationClient], Awaitable[Any]]) -> str | None:
-        """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text. A refusal
-        that no retry changes (401 wrong token, 403 a path outside the replica's allowed folder) ends it at once."""
+    async def _retry(self, client: GenerationClient,
+                     call: Callable[[GenerationClient], Awaitable[Any]]) -> tuple[str, int | None] | None:
+        """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text and HTTP
+        status (None: no answer). A refusal that no retry changes (401 wrong token, 403 a path outside the
+        replica's allowed folder) ends it at once."""
         deadline = time.monotonic() + self.control_timeout_s
         while True:
             try:
@@ -379,10 +396,11 @@ class ReplicaSet:
                 return None
             except ServingError as exc:
                 error = f"{type(exc).__name__}: {str(exc)[:300]}"
-                if isinstance(exc, ServerRequestError) and exc.status in (401, 403):
-                    return f"{error} (not retried: a {exc.status} does not change)"
+                status = exc.status if isinstance(exc, ServerRequestError) else None
+                if status in (401, 403):
+                    return f"{error} (not retried: a {status} does not change)", status
             if time.monotonic() + self.control_retry_s > deadline:
-                return error
+                return error, status
             logger.warning("control call on %s failed (%s); retrying in %.1f s", client.base_url, error,
                            self.control_retry_s)
             await asyncio.sleep(self.control_retry_s)
