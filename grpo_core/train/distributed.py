@@ -84,7 +84,9 @@ def init_world(device: str = "auto", timeout_s: float = 1800.0) -> World:
 
 
 _DIGEST = 32  # bytes of an HMAC-SHA256
-_HOST = 64  # bytes of a rank's host name in the member check (UTF-8, cut, zero-padded)
+_HOST = 64  # bytes of a rank's host name in the checks below (UTF-8, cut, zero-padded)
+#: Seconds a rank looks for rank 0's file in a shared folder (an NFS client may cache "no such file" that long).
+SHARED_WAIT_S = 30.0
 
 
 def _tag(token: str, nonce: bytes, what: bytes) -> bytes:
@@ -93,6 +95,31 @@ def _tag(token: str, nonce: bytes, what: bytes) -> bytes:
 
 def _bytes(t: torch.Tensor) -> bytes:
     return bytes(t.tolist())
+
+
+def _u8(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8)
+
+
+def _from_main(world: World, size: int, data: bytes | None) -> bytes:
+    """Rank 0's ``size`` bytes (``data``, on rank 0) on every rank, over the control group."""
+    t = _u8(data) if world.is_main else torch.zeros(size, dtype=torch.uint8)
+    dist.broadcast(t, 0, group=world.control)
+    return _bytes(t)
+
+
+def _gather_with_hosts(world: World, data: bytes) -> list[tuple[bytes, str]]:
+    """Every rank's ``data`` (one fixed length on all ranks) and host name, in rank order, on every rank. Only
+    ``uint8`` tensors travel: nothing a peer sends is unpickled."""
+    mine = torch.zeros(len(data) + _HOST, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = _u8(data)
+    host = socket.gethostname().encode()[:_HOST]
+    mine[len(data):len(data) + len(host)] = _u8(host)
+    answers = [torch.zeros_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(answers, mine, group=world.control)
+    return [(_bytes(a[:len(data)]), _bytes(a[len(data):]).rstrip(b"\0").decode(errors="replace") or "?")
+            for a in answers]
 
 
 def check_members(world: World, token: str | None) -> None:
@@ -121,96 +148,87 @@ def check_members(world: World, token: str | None) -> None:
 
     if world.world_size == 1:
         return
-    group, host = world.control, socket.gethostname()
-    nonce = torch.zeros(_DIGEST, dtype=torch.uint8)
+    n = world.world_size
+    nonce = _from_main(world, _DIGEST, secrets.token_bytes(_DIGEST) if world.is_main else None)
+
+    def member(rank: int) -> bytes:
+        return _tag(token, nonce, b"member" + rank.to_bytes(4, "big"))
+
+    answers = _gather_with_hosts(world, member(world.rank) if token else bytes(_DIGEST))
+    verdict = None
     if world.is_main:
-        nonce = torch.tensor(list(secrets.token_bytes(_DIGEST)), dtype=torch.uint8)
-    dist.broadcast(nonce, 0, group=group)
-    seed = _bytes(nonce)
-    mine = torch.zeros(_DIGEST + _HOST, dtype=torch.uint8)
-    if token:
-        mine[:_DIGEST] = torch.tensor(list(_tag(token, seed, b"member" + world.rank.to_bytes(4, "big"))),
-                                      dtype=torch.uint8)
-    name = host.encode()[:_HOST]
-    mine[_DIGEST:_DIGEST + len(name)] = torch.tensor(list(name), dtype=torch.uint8)
-    answers = [torch.zeros_like(mine) for _ in range(world.world_size)]
-    dist.all_gather(answers, mine, group=group)
-    verdict = torch.zeros(world.world_size + _DIGEST, dtype=torch.uint8)
-    if world.is_main:
-        flags = bytes(0 if token and hmac.compare_digest(_bytes(a[:_DIGEST]), _tag(
-            token, seed, b"member" + r.to_bytes(4, "big"))) else 1 for r, a in enumerate(answers))
-        verdict[:world.world_size] = torch.tensor(list(flags), dtype=torch.uint8)
-        if token:
-            verdict[world.world_size:] = torch.tensor(list(_tag(token, seed, b"verdict" + flags)), dtype=torch.uint8)
-    dist.broadcast(verdict, 0, group=group)
-    flags = _bytes(verdict[:world.world_size])
+        flags = bytes(0 if token and hmac.compare_digest(a, member(r)) else 1 for r, (a, _) in enumerate(answers))
+        verdict = flags + (_tag(token, nonce, b"verdict" + flags) if token else bytes(_DIGEST))
+    verdict = _from_main(world, n + _DIGEST, verdict)
+    flags = verdict[:n]
     fix = (f"export the same {TOKEN_ENV} (the token the flow's run uses: set it in the environment of trainer-0's "
            "worker or `grpo train`) on every trainer host before torchrun")
+    host = answers[world.rank][1]
     if not token:
         raise ConfigError(f"{TOKEN_ENV} is not set on trainer host {host} (rank {world.rank}): with train.nnodes > 1 "
                           f"every trainer rank proves it holds the run's token before any model data moves; {fix}")
-    if not hmac.compare_digest(_bytes(verdict[world.world_size:]), _tag(token, seed, b"verdict" + flags)):
+    if not hmac.compare_digest(verdict[n:], _tag(token, nonce, b"verdict" + flags)):
         raise ConfigError(f"rank 0 at train.rdzv_endpoint did not prove it holds this host's {TOKEN_ENV} (trainer "
                           f"host {host}, rank {world.rank}): another run's rendezvous, or another token; {fix}")
     bad = [r for r, f in enumerate(flags) if f]
-    if bad:
-        hosts = [_bytes(answers[r][_DIGEST:]).rstrip(b"\0").decode(errors="replace") for r in bad]
-        who = ", ".join(f"rank {r} (host {h or '?'})" for r, h in zip(bad, hosts)) if world.is_main else \
-            ", ".join(f"rank {r}" for r in bad)
+    if bad:  # host names as each rank gave them (unproven: for the message only)
+        who = ", ".join(f"rank {r} (host {answers[r][1]})" for r in bad)
         raise ConfigError(f"trainer {who} did not prove it holds the run's token ({TOKEN_ENV} missing or another): "
                           f"torchrun's rendezvous has no authentication, so nothing is trained with it; {fix}")
     if world.is_main:
-        logger.info("every trainer rank proved it holds the run's token (%d ranks)", world.world_size)
+        logger.info("every trainer rank proved it holds the run's token (%d ranks)", n)
 
 
-def check_shared_folder(world: World, folder: Path, field: str = "train.output_dir") -> None:
-    """Every rank sees the files rank 0 writes in ``folder``; raise on every rank otherwise.
+def check_shared_folder(world: World, folder: Path, field: str = "train.output_dir",
+                        wait_s: float = SHARED_WAIT_S) -> None:
+    """Every rank sees the file rank 0 writes in ``folder``; raise on every rank otherwise.
 
     The checkpoint is sharded (``torch.distributed.checkpoint``: each rank writes its own shard files into the
     folder rank 0 made and later renames), so with several trainer hosts ``train.output_dir`` must be one shared
     folder (an NFS or Lustre mount at the same path), else the first checkpoint fails or lacks shards. Rank 0 writes
-    a file named by a random nonce; every rank looks for it, and the ranks that miss it are named.
+    a file named by a random nonce; every rank looks for it (up to ``wait_s`` seconds: an NFS client may cache a
+    missing name that long), and the ranks that miss it are named.
 
     Args:
         world: the joined process group; a one-rank world passes at once.
         folder: the folder that must be shared (made by rank 0 when missing).
         field: its config path, for the message.
+        wait_s: seconds a rank keeps looking for the file.
 
     Raises:
         ConfigError: on every rank when any rank does not see rank 0's file, naming the ranks and their hosts.
     """
+    import time
+
     from grpo_core.errors import ConfigError
 
     if world.world_size == 1:
         return
-    group, host = world.control, socket.gethostname()
-    nonce = torch.zeros(16, dtype=torch.uint8)
     marker = None
     if world.is_main:
-        nonce = torch.tensor(list(secrets.token_bytes(16)), dtype=torch.uint8)
+        nonce = secrets.token_bytes(16)
         folder.mkdir(parents=True, exist_ok=True)
-        marker = folder / f".grpo-shared-{_bytes(nonce).hex()}"
-        marker.write_bytes(_bytes(nonce))
-    dist.broadcast(nonce, 0, group=group)  # after the write: the file exists on rank 0's side before anyone looks
-    path = folder / f".grpo-shared-{_bytes(nonce).hex()}"
-    try:
-        seen = path.read_bytes() == _bytes(nonce)
-    except OSError:
-        seen = False
-    mine = torch.zeros(1 + _HOST, dtype=torch.uint8)
-    mine[0] = int(seen)
-    name = host.encode()[:_HOST]
-    mine[1:1 + len(name)] = torch.tensor(list(name), dtype=torch.uint8)
-    answers = [torch.zeros_like(mine) for _ in range(world.world_size)]
-    dist.all_gather(answers, mine, group=group)
+        marker = folder / f".grpo-shared-{nonce.hex()}"
+        marker.write_bytes(nonce)
+    nonce = _from_main(world, 16, nonce if world.is_main else None)  # after the write: it exists on rank 0's side
+    path, deadline = folder / f".grpo-shared-{nonce.hex()}", time.monotonic() + wait_s
+    while True:
+        try:
+            seen = path.read_bytes() == nonce
+        except OSError:
+            seen = False
+        if seen or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    answers = _gather_with_hosts(world, bytes([seen]))
     if marker is not None:
         marker.unlink(missing_ok=True)
-    missing = [(r, _bytes(a[1:]).rstrip(b"\0").decode(errors="replace")) for r, a in enumerate(answers) if not a[0]]
+    missing = [f"rank {r} (host {h})" for r, (a, h) in enumerate(answers) if not a[0]]
     if missing:
-        who = ", ".join(f"rank {r} (host {h or '?'})" for r, h in missing)
-        raise ConfigError(f"{field}={folder} is not one folder shared by every trainer host: {who} does not see the "
-                          "file rank 0 wrote there. Each rank writes its own checkpoint shards into it: mount one "
-                          f"shared folder (NFS, Lustre, …) at the same path on every trainer host and set {field} there")
+        raise ConfigError(f"{field}={folder} is not one folder shared by every trainer host: {', '.join(missing)} "
+                          "does not see the file rank 0 wrote there. Each rank writes its own checkpoint shards into "
+                          f"it: mount one shared folder (NFS, Lustre, …) at the same path on every trainer host and "
+                          f"set {field} there")
 
 
 def broadcast_header(world: World, values: list[int] | None, size: int = 4) -> list[int]:
