@@ -355,6 +355,16 @@ def test_router_cli_on_a_taken_port_without_a_token_or_in_front_of_itself_says_s
         f"(127.0.0.1:{port}); give the replicas' URLs"), self_loop.stderr
 
 
+def test_router_with_a_token_the_replicas_refuse_does_not_start(replicas):
+    """Its clients would all get 401 whatever token they hold: the router says whose token is wrong instead."""
+    env = {**{k: v for k, v in os.environ.items() if k != "GRPO_SERVER_API_KEY"}, "GRPO_RUN_TOKEN": "not-theirs"}
+    out = _router([a for h in replicas for a in ("--url", h.url)] + ["--port", "0"], env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"{replicas[0].url} refuses the bearer token this router sends to the replicas (GRPO_RUN_TOKEN of the "
+        "router's environment)"), out.stderr
+
+
 def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
     import socket
 
@@ -428,6 +438,17 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
         assert outside.status_code == 403, outside.text
         assert all(f"{u}: ServerRequestError" in outside.json()["error"]["message"] for u in urls)
         assert [listed(u) for u in urls] == [[TINY]] * 3
+        # bodies every replica would refuse alike: 400 at once, nothing fanned out (no retries for the timeout)
+        for path, content, says in [
+                ("/v1/load_lora_adapter", b"[1, 2]", "must be a JSON object, got list"),
+                ("/v1/load_lora_adapter", b'{"lora_name": "x"}', "needs 'lora_path' (a non-empty string)"),
+                ("/v1/load_lora_adapter", b"", "needs 'lora_name' and 'lora_path'"),
+                ("/v1/unload_lora_adapter", b'{"lora_name": 7}', "needs 'lora_name'"),
+                ("/pause", b'"x"', "must be a JSON object, got str")]:
+            bad = httpx.post(base + path, headers=auth, content=content, timeout=60)
+            assert bad.status_code == 400 and says in bad.json()["error"]["message"], (path, bad.text)
+        gone = httpx.post(base + "/v1/unload_lora_adapter", headers=auth, timeout=60, json={"lora_name": "typo"})
+        assert gone.status_code == 404 and "no replica holds the LoRA adapter 'typo'" in gone.text, gone.text
 
         async def through_client():  # the project's client with server.api_key, as the rollout talks to a remote set
             async with GenerationClient(base, api_key=run_token(), max_retries=0) as c:

@@ -70,6 +70,24 @@ def _undo(path: str, body: dict[str, Any] | None):  # noqa: ANN202 - a client ->
     return None
 
 
+#: Fields a control route's JSON body must hold (strings), as vLLM's own request models require them.
+CONTROL_FIELDS = {"/v1/load_lora_adapter": ("lora_name", "lora_path"), "/v1/unload_lora_adapter": ("lora_name",)}
+
+
+def control_body_problem(path: str, body: Any) -> str | None:
+    """Why a control call's body is refused before it is fanned out (None when it is not): a body that is not a
+    JSON object, or a LoRA load/unload without its string fields. The replicas would refuse it alike, but only
+    after ``server.control_timeout_s`` of retries (kept for a store whose adapter files are not visible yet)."""
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        return f"the request body of {path} must be a JSON object, got {type(body).__name__}"
+    missing = [f for f in CONTROL_FIELDS.get(path, ()) if not isinstance(body.get(f), str) or not body[f]]
+    if missing:
+        return f"{path} needs {' and '.join(repr(f) for f in missing)} (a non-empty string) in its JSON body"
+    return None
+
+
 def metrics_text(replicas: Any) -> str:
     """Prometheus text of the routing counts, in-flight requests and health per replica."""
     counts, policy = replicas.policy.counts, replicas.policy
@@ -178,6 +196,10 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         except ValueError as exc:
             return error(400, f"the request body is not JSON: {exc}", "BadRequestError")
         path, params = request.url.path, dict(request.query_params)
+        problem = control_body_problem(path, body)
+        if problem is not None:  # refused here at once: the replicas would refuse it alike after every retry
+            return error(400, problem, "BadRequestError")
+        absent: list[str] = []
 
         async def call(c: Any) -> None:
             try:
@@ -185,11 +207,15 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
             except ServerRequestError as exc:  # an adapter a replica does not hold is as good as unloaded there
                 if not (path == "/v1/unload_lora_adapter" and exc.status == 404):
                     raise
+                absent.append(c.base_url)
 
         try:
             await replicas.fan_out(path, call, _undo(path, body))
         except ControlFanOutError as exc:  # every replica refused alike: the request's fault, said as one server would
             return error(exc.common_refusal or 502, str(exc), "ControlFanOutError")
+        if path == "/v1/unload_lora_adapter" and len(set(absent)) == len(replicas.urls):
+            return error(404, f"no replica holds the LoRA adapter {body['lora_name']!r} (each answered 404)",
+                         "NotFoundError")
         return JSONResponse({"status": "ok", "replicas": len(replicas.urls)})
 
     for path in ROUTED:
@@ -237,6 +263,23 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
     wait_healthy(handle, server.startup_timeout_s, token)
     logger.info("router over %d replicas at %s (OpenAI-compatible)", len(urls), handle.url)
     return handle
+
+
+def token_refused_by(urls: list[str], token: str | None) -> str | None:
+    """The first replica that answers an authenticated ``GET /v1/models`` with 401/403 (None when none does; a
+    replica that does not answer yet is skipped: the routing waits for it)."""
+    import httpx
+
+    from grpo_core.auth import bearer_headers
+
+    for url in urls:
+        try:
+            answer = httpx.get(url.rstrip("/") + "/v1/models", headers=bearer_headers(token), timeout=10.0)
+        except httpx.HTTPError:
+            continue
+        if answer.status_code in (401, 403):
+            return url
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,8 +333,15 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--url: {url!r} is this router ({args.host}:{port}); give the replicas' URLs")
     if args.port_file:
         args.port_file.write_text(str(sock.getsockname()[1]))
-    replicas = ReplicaSet.from_config(server, server.urls)
     api_key = os.environ.get(SERVER_API_KEY_ENV) or None
+    refused = token_refused_by(server.urls, api_key or run_token())
+    if refused is not None:
+        sock.close()
+        sys.exit(f"{refused} refuses the bearer token this router sends to the replicas "
+                 f"({SERVER_API_KEY_ENV if api_key else TOKEN_ENV} of the router's environment): every request "
+                 f"would be answered 401 whatever token its client holds; start the router with the replicas' token "
+                 f"in {SERVER_API_KEY_ENV} (vLLM started with --api-key) or {TOKEN_ENV} (servers a run started)")
+    replicas = ReplicaSet.from_config(server, server.urls)
     logger.info("router on http://%s:%d over %s", args.host, sock.getsockname()[1], ", ".join(server.urls))
     config = uvicorn.Config(create_router_app(replicas, api_key), log_level="warning", timeout_keep_alive=60)
     uvicorn.Server(config).run(sockets=[sock])

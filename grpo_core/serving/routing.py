@@ -378,8 +378,8 @@ class ReplicaSet:
                     logger.error("rollback of %s on %s failed: %s", name, client.base_url, error[0])
         rolled = [c.base_url for c in took] if undo is not None else []
         raise ControlFanOutError(
-            f"{name} failed on {len(failed)} of {len(self.urls)} replicas after retrying for "
-            f"{self.control_timeout_s:.0f} s (server.control_timeout_s): "
+            f"{name} failed on {len(failed)} of {len(self.urls)} replicas (each retried up to "
+            f"{self.control_timeout_s:.0f} s, server.control_timeout_s, unless said otherwise): "
             + "; ".join(f"{u}: {e}" for u, e in failed.items())
             + (f"; rolled back on {', '.join(rolled)}" if rolled else "; nothing to roll back"), failed, rolled,
             statuses)
