@@ -337,8 +337,9 @@ class ServerRun:
         from grpo_core.serving.routing import wait_external
 
         left = max(deadline - time.monotonic(), 5.0)
-        wait_external(self.config.server.model_copy(update={"urls": urls, "api_key": SecretStr(self.token),
-                                                            "startup_timeout_s": left}))
+        # the replicas check server.api_key when set (as every client of the run sends it), else the run's token
+        key = {} if self.config.server.resolved_api_key() else {"api_key": SecretStr(self.token)}
+        wait_external(self.config.server.model_copy(update={"urls": urls, "startup_timeout_s": left, **key}))
 
     def _beat_once(self, count: int) -> None:
         from prefect.client.orchestration import get_client

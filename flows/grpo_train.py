@@ -290,8 +290,14 @@ def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], n
     One host: ``grpo_core.train.launch`` (torchrun with its stores on loopback only). Several: torchrun's static
     rendezvous at ``train.rdzv_endpoint`` (node 0 hosts the store and holds global rank 0, the rank that pulls
     samples, syncs the servers and writes checkpoints); that store must be reachable from the other trainer hosts.
+
+    Raises:
+        ValueError: ``node_rank`` outside ``0 .. train.nnodes - 1``.
     """
     tc = cfg.train
+    if not 0 <= node_rank < tc.nnodes:
+        raise ValueError(f"node_rank={node_rank} is not a trainer host of train.nnodes={tc.nnodes} (0 to "
+                         f"{tc.nnodes - 1}); raise train.nnodes to add a host")
     if tc.nnodes == 1:
         cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
     else:

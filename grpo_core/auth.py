@@ -33,6 +33,22 @@ OPEN_PATHS = frozenset({"/health"})
 """HTTP paths answered without a token (they reveal nothing but liveness)."""
 
 
+#: Fewest characters of a token that several trainer hosts share (``train.nnodes`` > 1).
+MIN_SHARED_TOKEN_CHARS = 16
+
+
+def token_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a bearer token (None when it can): it travels in HTTP ``Authorization`` headers,
+    which take printable ASCII only, and a blank one would turn authentication off."""
+    if not value.strip():
+        return "it is empty or blank"
+    bad = sorted({c for c in value if not "!" <= c <= "~"})
+    if bad:
+        return (f"it holds {len(bad)} character(s) an HTTP header cannot carry (spaces, non-ASCII or control "
+                "characters); use printable ASCII, e.g. the output of `openssl rand -hex 32`")
+    return None
+
+
 def new_token() -> str:
     """A fresh random token: 32 bytes from ``secrets`` (256 bits), URL-safe base64 (43 characters)."""
     return secrets.token_urlsafe(32)

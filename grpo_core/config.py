@@ -241,6 +241,11 @@ def check_server_urls(urls: list[str], field: str = "server.urls") -> list[str]:
             base = url.rstrip("/")[:-3].rstrip("/")
             raise ValueError(f"{field}: {url!r} ends in /v1, which the client adds to every request; write the "
                              f"server's base URL {base!r}")
+        if parts.username is not None or parts.password is not None:
+            shown = url.replace(parts.netloc, parts.netloc.rsplit("@", 1)[1])
+            raise ValueError(f"{field}: a URL of {shown!r} carries a user name or password, which would be saved "
+                             "with the run's config; give the servers' bearer token as server.api_key (a secret) "
+                             "or GRPO_SERVER_API_KEY instead")
         scheme = parts.scheme.lower()
         key = (scheme, parts.hostname.lower(), url_port(parts), path)
         if key in seen:
@@ -401,6 +406,17 @@ class ServerConfig(_ServerKey):
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:
         return check_server_urls(urls)
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, key: SecretStr | None) -> SecretStr | None:
+        from grpo_core.auth import token_problem
+
+        problem = None if key is None else token_problem(key.get_secret_value())
+        if problem is not None:  # "" would turn authentication off, a space would break every request
+            raise ValueError(f"server.api_key: {problem}; unset it (then GRPO_SERVER_API_KEY, else the run's token "
+                             "is sent) or give the servers' key")
+        return key
 
     @field_validator("deployment")
     @classmethod
@@ -576,10 +592,17 @@ class TrainConfig(_Strict):
             raise ValueError(f"train.selective_checkpointing must be 'op' or an integer >= 1, got {v}")
         return v
 
+    @field_validator("adapter_store", "adapter_store_served_as")
+    @classmethod
+    def _not_blank(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and not v.strip():  # "" would be the current folder on each host, not unset
+            raise ValueError(f"train.{info.field_name} is empty; unset it (null) or give a folder or fsspec URL")
+        return v
+
     @field_validator("rdzv_endpoint")
     @classmethod
     def _host_and_port(cls, v: str | None) -> str | None:
-        match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", v) if v is not None else None
+        match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,5})", v) if v is not None else None
         if v is not None and (match is None or not 0 < int(match.group(2)) <= 65535):
             raise ValueError(f"train.rdzv_endpoint: {v!r} is not 'host:port' (no scheme, a port 1-65535); write e.g. "
                              "'trainer-0:29400'")
@@ -859,6 +882,10 @@ def _check_trainer_fields(config: Any) -> None:
     if train.nnodes > 1 and not train.rdzv_endpoint:
         raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
                           "reachable from every trainer host, e.g. 'trainer-0:29400')")
+    if train.nnodes > 1 and train.rdzv_endpoint.rpartition(":")[0].strip("[]").lower() in LOOPBACK_HOSTS:
+        logger.warning("train.rdzv_endpoint=%s is a loopback address: only trainer hosts on this machine can join "
+                       "(train.nnodes=%d); give the host name the other trainer hosts reach", train.rdzv_endpoint,
+                       train.nnodes)
     if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
         raise ConfigError(
             f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "

@@ -311,21 +311,34 @@ def check_adapter_store(cfg: RunConfig) -> None:
         raise ConfigError(f"{what}: the folder is not writable; point the setting at a writable shared folder")
 
 
-def check_trainer_hosts(cfg: RunConfig) -> None:
-    """With ``train.nnodes`` > 1 the run's token must come from this environment (``GRPO_RUN_TOKEN``): every trainer
-    rank proves it holds it (:func:`grpo_core.train.distributed.check_members`), and a token the flow would draw at
-    random no other trainer host could know.
+def check_tokens(cfg: RunConfig) -> None:
+    """The bearer tokens this environment gives the run are usable, and several trainer hosts can share one.
+
+    ``GRPO_RUN_TOKEN`` and ``GRPO_SERVER_API_KEY`` travel in HTTP ``Authorization`` headers (printable ASCII, not
+    blank: :func:`grpo_core.auth.token_problem`). With ``train.nnodes`` > 1 the run's token must come from this
+    environment: every trainer rank proves it holds it (:func:`grpo_core.train.distributed.check_members`), a token
+    the flow drew at random no other trainer host could know, and a short one would be guessable.
 
     Raises:
-        ConfigError: ``train.nnodes`` > 1 and ``GRPO_RUN_TOKEN`` unset here.
+        ConfigError: a token that cannot travel in a header, or ``train.nnodes`` > 1 without a ``GRPO_RUN_TOKEN`` of
+            at least :data:`~grpo_core.auth.MIN_SHARED_TOKEN_CHARS` characters here.
     """
-    from grpo_core.auth import TOKEN_ENV, run_token
+    from grpo_core.auth import MIN_SHARED_TOKEN_CHARS, TOKEN_ENV, token_problem
+    from grpo_core.config import SERVER_API_KEY_ENV
 
-    if cfg.train.nnodes > 1 and run_token() is None:
+    for name in (TOKEN_ENV, SERVER_API_KEY_ENV):
+        value = os.environ.get(name)
+        problem = token_problem(value) if value else None  # unset or "": not given
+        if problem is not None:
+            raise ConfigError(f"{name} (environment): {problem}; every request of the run would fail")
+    token = os.environ.get(TOKEN_ENV) or ""
+    if cfg.train.nnodes > 1 and len(token) < MIN_SHARED_TOKEN_CHARS:
+        given = "is not set" if not token else f"has {len(token)} characters (fewer than {MIN_SHARED_TOKEN_CHARS})"
         raise ConfigError(f"train.nnodes={cfg.train.nnodes} needs {TOKEN_ENV} in this environment (the worker's, or "
-                          "the shell of `grpo train`) and the same value on every trainer host: each trainer rank "
-                          "proves it holds the run's token before anything is trained, since torchrun's rendezvous "
-                          f"has no authentication. Export e.g. {TOKEN_ENV}=$(openssl rand -hex 32) on each host")
+                          f"the shell of `grpo train`) and the same value on every trainer host; it {given}. Each "
+                          "trainer rank proves it holds the run's token before anything is trained, since torchrun's "
+                          f"rendezvous has no authentication. Export e.g. {TOKEN_ENV}=$(openssl rand -hex 32) on "
+                          "each host")
 
 
 def check_run(cfg: RunConfig) -> None:
@@ -340,7 +353,7 @@ def check_run(cfg: RunConfig) -> None:
 
     check_code_references(cfg)  # before anything is imported or called
     check_adapter_store(cfg)  # before any folder is made
-    check_trainer_hosts(cfg)
+    check_tokens(cfg)
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
     check_tracking(cfg)
     check_resume_from(cfg)

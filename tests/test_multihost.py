@@ -106,6 +106,9 @@ def test_trainer_command_per_host():
         assert (args["--nnodes"], args["--node-rank"], args["--nproc-per-node"]) == ("3", str(rank), "4")
         assert (args["--master-addr"], args["--master-port"]) == ("trainer-0", "29400")
         assert cmd[-2:] == ["--server-url", "http://a:1"]
+    for outside in (-1, 3):  # a host beyond train.nnodes would wait at the rendezvous until torch's timeout
+        with pytest.raises(ValueError, match=f"node_rank={outside} is not a trainer host of train.nnodes=3"):
+            trainer_command(cfg, Path("c.json"), [], node_rank=outside)
 
 
 @pytest.mark.parametrize("node1", ["the run's token", "no token", "another token", "its own output folder"])
@@ -193,9 +196,39 @@ def test_several_trainer_hosts_need_the_run_token_from_the_environment(monkeypat
                                  f"train.output_dir={tmp_path}"])
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     with pytest.raises(ConfigError, match=f"train.nnodes=2 needs {TOKEN_ENV} in this environment .* same value on "
-                                          "every trainer host"):
+                                          "every trainer host; it is not set"):
         preflight.check_run(cfg)
     assert list(tmp_path.iterdir()) == []  # refused before any folder was made
-    monkeypatch.setenv(TOKEN_ENV, "shared")
-    preflight.check_trainer_hosts(cfg)  # passes
-    preflight.check_trainer_hosts(load_config(overrides=[f"train.output_dir={tmp_path}"]))  # one host: no need
+    monkeypatch.setenv(TOKEN_ENV, "short-token")
+    with pytest.raises(ConfigError, match="it has 11 characters \\(fewer than 16\\)"):
+        preflight.check_tokens(cfg)
+    monkeypatch.setenv(TOKEN_ENV, "0123456789abcdef")
+    preflight.check_tokens(cfg)  # passes
+    monkeypatch.delenv(TOKEN_ENV)
+    preflight.check_tokens(load_config(overrides=[f"train.output_dir={tmp_path}"]))  # one host: a drawn token
+
+
+@pytest.mark.parametrize("name", ["GRPO_RUN_TOKEN", "GRPO_SERVER_API_KEY"])
+@pytest.mark.parametrize("value, says", [(" ", "it is empty or blank"), ("tök-secret", "it holds 1 character(s) an HTTP header"),
+                                         ("two secret-words", "it holds 1 character(s) an HTTP header")])
+def test_a_token_that_cannot_travel_in_a_header_is_refused_naming_its_variable(name, value, says, monkeypatch):
+    from grpo_core import preflight
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        preflight.check_tokens(load_config())
+    assert str(info.value).startswith(f"{name} (environment): {says}") and "secret" not in str(info.value)
+
+
+@pytest.mark.parametrize("override, says", [
+    ("server.api_key=''", "server.api_key: it is empty or blank"),
+    ("server.api_key='a key'", "server.api_key: it holds 1 character(s) an HTTP header cannot carry"),
+    ("server.urls=['http://user:hunter22@gpu-1:8000']", "server.urls: a URL of 'http://gpu-1:8000' carries a user "
+                                                        "name or password"),
+    ("train.adapter_store=''", "train.adapter_store is empty; unset it"),
+    ("train.rdzv_endpoint=-x:29400", "train.rdzv_endpoint: '-x:29400' is not 'host:port'"),
+])
+def test_bad_remote_settings_are_refused_without_echoing_secrets(override, says):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert says in str(info.value) and "hunter22" not in str(info.value) and "a key" not in str(info.value)

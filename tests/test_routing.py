@@ -341,6 +341,10 @@ def test_router_cli_on_a_taken_port_without_a_token_or_in_front_of_itself_says_s
     bare = _router(["--url", "http://127.0.0.1:9", "--port", "0"], env)
     assert bare.returncode == 1 and bare.stderr.strip().startswith(
         "neither GRPO_RUN_TOKEN nor GRPO_SERVER_API_KEY is set"), bare.stderr
+    accented = _router(["--url", "http://127.0.0.1:9", "--port", "0"], {**env, "GRPO_SERVER_API_KEY": "tök-secret"})
+    assert accented.returncode == 1 and accented.stderr.strip().startswith(
+        "GRPO_SERVER_API_KEY: it holds 1 character(s) an HTTP header cannot carry"), accented.stderr
+    assert "Traceback" not in accented.stderr and "tök-secret" not in accented.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -353,6 +357,20 @@ def test_router_cli_on_a_taken_port_without_a_token_or_in_front_of_itself_says_s
     assert self_loop.returncode == 2 and self_loop.stderr.strip().splitlines()[-1] == (
         f"python -m grpo_core.serving.router: error: --url: 'http://localhost:{port}' is this router "
         f"(127.0.0.1:{port}); give the replicas' URLs"), self_loop.stderr
+
+
+def test_external_servers_that_refuse_the_runs_token_fail_the_start_naming_the_setting(replicas):
+    """``/health`` needs no token, so healthy servers that refuse the run's key would fail every request later."""
+    from grpo_core.config import ServerConfig
+    from grpo_core.errors import ConfigError
+    from grpo_core.serving.routing import wait_external
+
+    urls = [h.url for h in replicas]
+    assert wait_external(ServerConfig(urls=urls, startup_timeout_s=30)) == urls  # the replicas' token: accepted
+    with pytest.raises(ConfigError) as info:
+        wait_external(ServerConfig(urls=urls, api_key="not-their-key-123", startup_timeout_s=30))
+    assert str(info.value).startswith(f"server.urls: {urls[0]} refuses the bearer token this run sends (HTTP 401); "
+                                      "set server.api_key") and "not-their-key-123" not in str(info.value)
 
 
 def test_router_with_a_token_the_replicas_refuse_does_not_start(replicas):

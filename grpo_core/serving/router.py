@@ -319,6 +319,12 @@ def main(argv: list[str] | None = None) -> None:
                  "bearer token and sends one to the replicas; set the replicas' token in the environment (e.g. "
                  f"{TOKEN_ENV}=... as the embedded servers were started with, or {SERVER_API_KEY_ENV}=... for vLLM "
                  "servers started with --api-key)")
+    from grpo_core.auth import token_problem
+
+    for name in (TOKEN_ENV, SERVER_API_KEY_ENV):
+        value = os.environ.get(name)
+        if value and (problem := token_problem(value)) is not None:
+            sys.exit(f"{name}: {problem}")
     import uvicorn
 
     from grpo_core.serving.embedded import listen

@@ -406,6 +406,21 @@ class ReplicaSet:
             await asyncio.sleep(self.control_retry_s)
 
 
+async def _check_token(rs: ReplicaSet) -> None:
+    """Refuse servers that refuse the token this run sends (``/health`` needs none, every other route does)."""
+    from grpo_core.errors import ConfigError
+
+    for url, client in zip(rs.urls, rs.clients):
+        try:
+            await client.models()
+        except ServerRequestError as exc:
+            if exc.status in (401, 403):
+                raise ConfigError(f"server.urls: {url} refuses the bearer token this run sends (HTTP {exc.status}); "
+                                  "set server.api_key (or GRPO_SERVER_API_KEY) to the key its server was started "
+                                  "with (vLLM --api-key), or GRPO_RUN_TOKEN to the token its guard checks") from None
+            raise
+
+
 def wait_external(server: Any) -> list[str]:
     """Wait until every server of ``server.urls`` (a ``ServerConfig``; started elsewhere) answers ``/health``.
 
@@ -414,6 +429,7 @@ def wait_external(server: Any) -> list[str]:
 
     Raises:
         ServerStartError: some URL did not answer 200 within ``server.startup_timeout_s``; names them.
+        ConfigError: a server refuses the run's bearer token (401/403 on ``/v1/models``), naming it and the fix.
     """
     async def go() -> list[str]:
         async with ReplicaSet.from_config(server, server.urls) as rs:
@@ -421,6 +437,7 @@ def wait_external(server: Any) -> list[str]:
             while True:
                 states = await asyncio.gather(*(c.health() for c in rs.clients))
                 if all(states):
+                    await _check_token(rs)
                     return rs.urls
                 if time.monotonic() > deadline:
                     down = [u for u, ok in zip(rs.urls, states) if not ok]

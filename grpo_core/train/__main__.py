@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)  # noqa: T201 - command-line error before logging is set up
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(process)d] %(name)s: %(message)s")
+    rank = os.environ.get("RANK", "0")  # the global rank torchrun gave (the PID would read as a rank)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     from .run import run_trainer
 
     try:
