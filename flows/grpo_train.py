@@ -304,7 +304,7 @@ def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], n
         host, _, port = tc.rdzv_endpoint.rpartition(":")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.num_ranks),
                "--nnodes", str(tc.nnodes), "--node-rank", str(node_rank), "--master-addr", host or tc.rdzv_endpoint,
-               "--master-port", port or "29400"]
+               "--master-port", port or "29400", "--rdzv-conf", f"timeout={tc.rdzv_timeout_s}"]
     cmd += ["-m", "grpo_core.train", "--config", str(config_path)]
     return cmd + [arg for url in server_urls for arg in ("--server-url", url)]
 
@@ -330,6 +330,11 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     config_path, sub = root / TRAIN_CONFIG, cfg.trainer_process()  # the trainer reads only its sub-config
     write_private(config_path, sub.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
     cmd = trainer_command(cfg, config_path, server_urls)
+    if cfg.train.nnodes > 1:  # torchrun says nothing while it waits for the other hosts
+        log.info("trainer host 0 of %d: waiting up to %d s (train.rdzv_timeout_s) at %s for trainer hosts 1..%d; on "
+                 "each run %s with its --node-rank and a copy of %s (README, Across hosts)", cfg.train.nnodes,
+                 cfg.train.rdzv_timeout_s, cfg.train.rdzv_endpoint, cfg.train.nnodes - 1,
+                 " ".join(trainer_command(cfg, Path(TRAIN_CONFIG), server_urls, node_rank=1)[1:]), config_path)
     env = _child_env(run_dir, secret_values(sub))
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))

@@ -618,6 +618,9 @@ class TrainConfig(_Strict):
     rdzv_endpoint: str | None = None
     """``host:port`` of torchrun's c10d rendezvous when ``nnodes`` > 1 (on the flow's host, reachable from every
     trainer host; e.g. ``trainer-0:29400``)."""
+    rdzv_timeout_s: int = Field(default=900, ge=1)
+    """Seconds each trainer host waits at ``rdzv_endpoint`` for the others (``nnodes`` > 1; torchrun's static
+    rendezvous ``--rdzv-conf timeout``); then its torchrun fails saying how many hosts joined."""
     adapter_store: str | None = None
     """Where LoRA adapter versions are published for the servers: a folder every server host mounts, or an fsspec
     URL (``s3://bucket/run``); None = ``<output_dir>/.vllm_lora`` (servers on this host)."""
@@ -1056,6 +1059,8 @@ class RunConfig(_Strict):
             unused["train.selective_checkpointing"] = "with train.gradient_checkpointing: selective only"
         if train.nnodes == 1 and train.rdzv_endpoint:
             unused["train.rdzv_endpoint"] = "with train.nnodes > 1 only"
+        if train.nnodes == 1 and "rdzv_timeout_s" in _changed(train):
+            unused["train.rdzv_timeout_s"] = "with train.nnodes > 1 only"
         if not train.lora.enabled:
             why = "train.lora.enabled is false"
             unused.update({f"train.lora.{name}": why for name in sorted(_changed(train.lora))})

@@ -105,6 +105,7 @@ def test_trainer_command_per_host():
         assert cmd[1:3] == ["-m", "torch.distributed.run"]
         assert (args["--nnodes"], args["--node-rank"], args["--nproc-per-node"]) == ("3", str(rank), "4")
         assert (args["--master-addr"], args["--master-port"]) == ("trainer-0", "29400")
+        assert args["--rdzv-conf"] == "timeout=900"  # train.rdzv_timeout_s: a host missing fails the wait then
         assert cmd[-2:] == ["--server-url", "http://a:1"]
     for outside in (-1, 3):  # a host beyond train.nnodes would wait at the rendezvous until torch's timeout
         with pytest.raises(ValueError, match=f"node_rank={outside} is not a trainer host of train.nnodes=3"):
