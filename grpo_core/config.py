@@ -885,6 +885,10 @@ def _check_trainer_fields(config: Any) -> None:
     if train.nnodes > 1 and not train.rdzv_endpoint:
         raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
                           "reachable from every trainer host, e.g. 'trainer-0:29400')")
+    if train.nnodes > 1 and not train.output_dir.is_absolute():
+        logger.warning("train.output_dir=%s is relative: each trainer host resolves it against its own working "
+                       "folder (train.nnodes=%d); give the shared folder's absolute path", train.output_dir,
+                       train.nnodes)
     if train.nnodes > 1 and train.rdzv_endpoint.rpartition(":")[0].strip("[]").lower() in LOOPBACK_HOSTS:
         logger.warning("train.rdzv_endpoint=%s is a loopback address: only trainer hosts on this machine can join "
                        "(train.nnodes=%d); give the host name the other trainer hosts reach", train.rdzv_endpoint,

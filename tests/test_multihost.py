@@ -112,7 +112,8 @@ def test_trainer_command_per_host():
             trainer_command(cfg, Path("c.json"), [], node_rank=outside)
 
 
-@pytest.mark.parametrize("node1", ["the run's token", "no token", "another token", "its own output folder"])
+@pytest.mark.parametrize("node1", ["the run's token", "no token", "another token", "its own output folder",
+                                   "another learning rate"])
 def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp_path):
     """Two trainer hosts (two torchrun nodes of one rank each, the commands ``trainer_command`` builds, joined at
     ``train.rdzv_endpoint``): with the run's token on both they train; a node with no token or another one stops
@@ -131,7 +132,8 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
                             nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
     cfg = load_config(config)
     tokens = ["run-token-0123", {"no token": None, "another token": "someone-elses-token"}.get(node1, "run-token-0123")]
-    own = ["--set", f"train.output_dir={tmp_path / 'node1-out'}"] if node1 == "its own output folder" else []
+    own = {"its own output folder": ["--set", f"train.output_dir={tmp_path / 'node1-out'}"],
+           "another learning rate": ["--set", "train.learning_rate=0.5", "--set", "train.gpu_ids=[3]"]}.get(node1, [])
     procs, logs = [], [tmp_path / f"node{n}.log" for n in (0, 1)]
     for node, (token, log) in enumerate(zip(tokens, logs)):
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
@@ -155,6 +157,12 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
         return
     assert codes[0] != 0 and codes[1] != 0, text
     assert not any("step" in r for r in steps), "a step was trained with an unproven rank"
+    if node1 == "another learning rate":  # named on both hosts; gpu_ids (each host's own) is not compared
+        for text_of_node in text:
+            assert "the trainer hosts train with different configs" in text_of_node
+            assert "rank 1 (host " in text_of_node and "): train.learning_rate: 0.001 (rank 0) -> 0.5" in text_of_node
+            assert "gpu_ids" not in text_of_node.split("different configs")[1][:400]
+        return
     if node1 == "its own output folder":
         for text_of_node in text:
             assert "is not one folder shared by every trainer host: rank 1 (host " in text_of_node

@@ -467,6 +467,16 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
             assert bad.status_code == 400 and says in bad.json()["error"]["message"], (path, bad.text)
         gone = httpx.post(base + "/v1/unload_lora_adapter", headers=auth, timeout=60, json={"lora_name": "typo"})
         assert gone.status_code == 404 and "no replica holds the LoRA adapter 'typo'" in gone.text, gone.text
+        # a refusal no retry changes (the name is taken on every replica): the 400 at once, the adapter kept
+        narrow = _published(store_url, tmp_path, "router-r4", 4)
+        body = {"lora_name": "router-r4", "lora_path": narrow}
+        assert httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60, json=body).status_code == 200
+        twice = httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60, json=body)
+        assert twice.status_code == 400 and twice.text.count("has already been loaded") == 3, twice.text
+        assert twice.text.count("(not retried: a 400 does not change)") == 3
+        assert [listed(u) for u in urls] == [[TINY, "router-r4"]] * 3  # nothing rolled back: no replica took it
+        assert httpx.post(base + "/v1/unload_lora_adapter", headers=auth, timeout=60,
+                          json={"lora_name": "router-r4"}).status_code == 200
 
         async def through_client():  # the project's client with server.api_key, as the rollout talks to a remote set
             async with GenerationClient(base, api_key=run_token(), max_retries=0) as c:

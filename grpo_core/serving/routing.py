@@ -50,6 +50,12 @@ HIT, UNMATCHED, SPILL = "hit", "unmatched", "spill"
 PROBE_INTERVAL_S = 1.0
 
 
+#: Phrases of a 400 that no retry changes (vLLM's own messages, which the embedded server repeats): the adapter name
+#: is taken, its rank exceeds the server's, a field is missing. Other 400s are retried: a LoRA folder on shared storage
+#: can show its config before its weights ("doesn't contain tensors").
+PERMANENT_400 = ("has already been loaded", "is greater than max_lora_rank", "must be provided")
+
+
 class ControlFanOutError(ServingError):
     """A control call failed on some replica after its retries; the replicas that took it were rolled back.
 
@@ -388,7 +394,7 @@ class ReplicaSet:
                      call: Callable[[GenerationClient], Awaitable[Any]]) -> tuple[str, int | None] | None:
         """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text and HTTP
         status (None: no answer). A refusal that no retry changes (401 wrong token, 403 a path outside the
-        replica's allowed folder) ends it at once."""
+        replica's allowed folder, 422, a 400 of :data:`PERMANENT_400`) ends it at once."""
         deadline = time.monotonic() + self.control_timeout_s
         while True:
             try:
@@ -397,7 +403,7 @@ class ReplicaSet:
             except ServingError as exc:
                 error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 status = exc.status if isinstance(exc, ServerRequestError) else None
-                if status in (401, 403):
+                if status in (401, 403, 422) or (status == 400 and any(p in str(exc) for p in PERMANENT_400)):
                     return f"{error} (not retried: a {status} does not change)", status
             if time.monotonic() + self.control_retry_s > deadline:
                 return error, status

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -19,6 +20,7 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -177,6 +179,59 @@ def check_members(world: World, token: str | None) -> None:
                           f"torchrun's rendezvous has no authentication, so nothing is trained with it; {fix}")
     if world.is_main:
         logger.info("every trainer rank proved it holds the run's token (%d ranks)", n)
+
+
+def _leaves(value: Any, path: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` of nested JSON objects (lists are leaves)."""
+    if not isinstance(value, dict):
+        return {path: value}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(_leaves(item, f"{path}.{key}" if path else key))
+    return out
+
+
+def check_same_config(world: World, config: dict[str, Any]) -> None:
+    """Every rank trains with rank 0's config; raise on every rank otherwise, naming the fields that differ.
+
+    Each trainer host reads its own copy of ``train_config.json`` (and may add ``--set``): a copy from another run
+    or one override more would train its shard with another learning rate, budget or step count, and a rank
+    stepping past the others waits in a collective until its timeout. The ranks compare a SHA-256 of the config's
+    canonical JSON; when one differs, the texts are exchanged (``uint8`` tensors, parsed as JSON) to name the fields.
+
+    Args:
+        world: the joined process group (after :func:`check_members`); a one-rank world passes at once.
+        config: what must be equal on every rank (JSON values; host-specific fields left out by the caller).
+
+    Raises:
+        ConfigError: on every rank when a rank's config differs from rank 0's: ``field: rank 0's -> that rank's``.
+    """
+    from grpo_core.errors import ConfigError
+
+    if world.world_size == 1:
+        return
+    text = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    answers = _gather_with_hosts(world, hashlib.sha256(text).digest())
+    differ = [r for r, (digest, _) in enumerate(answers) if digest != answers[0][0]]
+    if not differ:
+        return
+    size = torch.tensor([len(text)], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(world.world_size)]
+    dist.all_gather(sizes, size, group=world.control)
+    longest = max(int(n.item()) for n in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(text)] = _u8(text)
+    texts = [torch.zeros_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(texts, mine, group=world.control)
+    ours = _leaves(json.loads(_bytes(texts[0][:int(sizes[0].item())])))
+    lines = []
+    for r in differ:
+        theirs = _leaves(json.loads(_bytes(texts[r][:int(sizes[r].item())])))
+        fields = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        lines += [f"  rank {r} (host {answers[r][1]}): {k}: {ours.get(k)!r} (rank 0) -> {theirs.get(k)!r}"
+                  for k in fields]
+    raise ConfigError("the trainer hosts train with different configs (each must read the same train_config.json, "
+                      "the run folder's, with no --set of its own):\n" + "\n".join(lines))
 
 
 def check_shared_folder(world: World, folder: Path, field: str = "train.output_dir",

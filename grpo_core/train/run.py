@@ -15,7 +15,7 @@ from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState
 
 from .adapter_store import AdapterStore
-from .distributed import check_members, check_shared_folder, init_world
+from .distributed import check_members, check_same_config, check_shared_folder, init_world
 from .fingerprint import check_resume
 from .trainer import Trainer, rotate_checkpoints
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
@@ -93,6 +93,12 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
         from grpo_core.auth import run_token
 
         check_members(world, run_token())
+        # what rank 0 alone reads (tracking, the servers, the export, the sample source) or each host sets for its
+        # own GPUs and mounts may differ (the output folder is checked by what each rank sees in it, below);
+        # everything that shapes a rank's step must not
+        check_same_config(world, cfg.model_dump(mode="json", exclude={
+            "tracking": True, "server": True, "export": True,
+            "train": {"rollout_location", "samples_path", "gpu_ids", "rdzv_timeout_s", "output_dir"}}))
         check_shared_folder(world, cfg.train.output_dir)  # every rank writes its checkpoint shards there
     lock = RunLock(cfg.train.output_dir, "trainer", cfg.train.run_lock_timeout_s) if world.is_main else None
     try:
