@@ -331,6 +331,9 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     write_private(config_path, sub.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
     cmd = trainer_command(cfg, config_path, server_urls)
     if cfg.train.nnodes > 1:  # torchrun says nothing while it waits for the other hosts
+        from grpo_core.preflight import check_rendezvous_host
+
+        check_rendezvous_host(cfg)
         log.info("trainer host 0 of %d: waiting up to %d s (train.rdzv_timeout_s) at %s for trainer hosts 1..%d; on "
                  "each run %s with its --node-rank and a copy of %s (README, Across hosts)", cfg.train.nnodes,
                  cfg.train.rdzv_timeout_s, cfg.train.rdzv_endpoint, cfg.train.nnodes - 1,

@@ -341,6 +341,37 @@ def check_tokens(cfg: RunConfig) -> None:
                           "each host")
 
 
+def check_rendezvous_host(cfg: RunConfig) -> None:
+    """On the flow's host, before torchrun node 0 starts: ``train.rdzv_endpoint``'s host resolves and names this
+    host (node 0 serves the rendezvous store there; a typo made torchrun retry its lookup until
+    ``train.rdzv_timeout_s``, and another host's name would leave every trainer host waiting). Not part of
+    :func:`check_run`, which ``grpo validate`` also runs elsewhere.
+
+    Raises:
+        ConfigError: the host does not resolve, or none of its addresses belongs to this host.
+    """
+    import socket
+
+    if cfg.train.nnodes == 1 or not cfg.train.rdzv_endpoint:
+        return
+    host = cfg.train.rdzv_endpoint.rpartition(":")[0].strip("[]")
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except OSError as exc:
+        raise ConfigError(f"train.rdzv_endpoint={cfg.train.rdzv_endpoint}: {host!r} does not resolve on this host "
+                          f"({exc}); give this host's name as the other trainer hosts reach it") from None
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, 0))  # only an address of this host binds
+                return
+            except OSError:
+                continue
+    raise ConfigError(f"train.rdzv_endpoint={cfg.train.rdzv_endpoint}: {host!r} ({', '.join(sorted(addresses))}) is "
+                      "not this host, which runs trainer node 0 and its rendezvous store; give this host's name")
+
+
 def check_run(cfg: RunConfig) -> None:
     """Every check that can run before a server starts.
 

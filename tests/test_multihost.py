@@ -241,3 +241,19 @@ def test_bad_remote_settings_are_refused_without_echoing_secrets(override, says)
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[override])
     assert says in str(info.value) and "hunter22" not in str(info.value) and "a key" not in str(info.value)
+
+
+def test_the_rendezvous_host_must_resolve_to_this_host():
+    import socket
+
+    from grpo_core.preflight import check_rendezvous_host
+
+    def cfg(endpoint: str) -> RunConfig:
+        return RunConfig(train={"nnodes": 2, "rdzv_endpoint": endpoint})
+
+    check_rendezvous_host(cfg("127.0.0.1:29400"))
+    check_rendezvous_host(cfg(f"{socket.gethostname()}:29400"))  # this host by name
+    with pytest.raises(ConfigError, match="'nosuchhost-zz.invalid' does not resolve on this host"):
+        check_rendezvous_host(cfg("nosuchhost-zz.invalid:29400"))
+    with pytest.raises(ConfigError, match=r"'192.0.2.7' \(192.0.2.7\) is not this host"):  # TEST-NET-1: nobody's
+        check_rendezvous_host(cfg("192.0.2.7:29400"))
