@@ -21,6 +21,7 @@ run's token.
 """
 
 import argparse
+import asyncio
 import hashlib
 import json
 import logging
@@ -265,23 +266,6 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
     return handle
 
 
-def token_refused_by(urls: list[str], token: str | None) -> str | None:
-    """The first replica that answers an authenticated ``GET /v1/models`` with 401/403 (None when none does; a
-    replica that does not answer yet is skipped: the routing waits for it)."""
-    import httpx
-
-    from grpo_core.auth import bearer_headers
-
-    for url in urls:
-        try:
-            answer = httpx.get(url.rstrip("/") + "/v1/models", headers=bearer_headers(token), timeout=10.0)
-        except httpx.HTTPError:
-            continue
-        if answer.status_code in (401, 403):
-            return url
-    return None
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(prog="python -m grpo_core.serving.router", description=__doc__.splitlines()[0])
@@ -328,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from grpo_core.serving.embedded import listen
-    from grpo_core.serving.routing import ReplicaSet
+    from grpo_core.serving.routing import ReplicaSet, token_refused
 
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
@@ -340,10 +324,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.port_file:
         args.port_file.write_text(str(sock.getsockname()[1]))
     api_key = os.environ.get(SERVER_API_KEY_ENV) or None
-    refused = token_refused_by(server.urls, api_key or run_token())
+
+    async def probe() -> tuple[str, int] | None:  # a set of its own: its clients belong to this event loop only
+        async with ReplicaSet.from_config(server, server.urls, timeout_s=10.0) as rs:
+            return await token_refused(rs)
+    refused = asyncio.run(probe())
     if refused is not None:
         sock.close()
-        sys.exit(f"{refused} refuses the bearer token this router sends to the replicas "
+        sys.exit(f"{refused[0]} refuses the bearer token this router sends to the replicas "
                  f"({SERVER_API_KEY_ENV if api_key else TOKEN_ENV} of the router's environment): every request "
                  f"would be answered 401 whatever token its client holds; start the router with the replicas' token "
                  f"in {SERVER_API_KEY_ENV} (vLLM started with --api-key) or {TOKEN_ENV} (servers a run started)")

@@ -412,19 +412,19 @@ class ReplicaSet:
             await asyncio.sleep(self.control_retry_s)
 
 
-async def _check_token(rs: ReplicaSet) -> None:
-    """Refuse servers that refuse the token this run sends (``/health`` needs none, every other route does)."""
-    from grpo_core.errors import ConfigError
-
+async def token_refused(rs: ReplicaSet) -> tuple[str, int] | None:
+    """The first replica that refuses the set's bearer token (401/403 on ``GET /v1/models``; ``/health`` needs no
+    token, so a healthy server can still refuse every request) and its status; None when none does. A replica that
+    does not answer is skipped: the routing waits for it."""
     for url, client in zip(rs.urls, rs.clients):
         try:
             await client.models()
         except ServerRequestError as exc:
             if exc.status in (401, 403):
-                raise ConfigError(f"server.urls: {url} refuses the bearer token this run sends (HTTP {exc.status}); "
-                                  "set server.api_key (or GRPO_SERVER_API_KEY) to the key its server was started "
-                                  "with (vLLM --api-key), or GRPO_RUN_TOKEN to the token its guard checks") from None
-            raise
+                return url, exc.status
+        except ServingError:
+            continue
+    return None
 
 
 def wait_external(server: Any) -> list[str]:
@@ -437,13 +437,20 @@ def wait_external(server: Any) -> list[str]:
         ServerStartError: some URL did not answer 200 within ``server.startup_timeout_s``; names them.
         ConfigError: a server refuses the run's bearer token (401/403 on ``/v1/models``), naming it and the fix.
     """
+    from grpo_core.errors import ConfigError
+
     async def go() -> list[str]:
         async with ReplicaSet.from_config(server, server.urls) as rs:
             deadline = time.monotonic() + server.startup_timeout_s
             while True:
                 states = await asyncio.gather(*(c.health() for c in rs.clients))
                 if all(states):
-                    await _check_token(rs)
+                    refused = await token_refused(rs)
+                    if refused is not None:
+                        raise ConfigError(
+                            f"server.urls: {refused[0]} refuses the bearer token this run sends (HTTP {refused[1]}); "
+                            "set server.api_key (or GRPO_SERVER_API_KEY) to the key its server was started with "
+                            "(vLLM --api-key), or GRPO_RUN_TOKEN to the token its guard checks")
                     return rs.urls
                 if time.monotonic() > deadline:
                     down = [u for u, ok in zip(rs.urls, states) if not ok]
