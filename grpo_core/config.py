@@ -864,7 +864,8 @@ def _refuse_masked(config: BaseModel) -> None:
         if MASK in secret.get_secret_value():
             raise ConfigError(f"{path} holds a redacted value ({MASK!r}: a config grpo-flow saved or logged "
                               f"keeps no secret); set the real value, e.g. --set {path.split('.')[0]}."
-                              f"{'.'.join(path.split('.')[1:2])}=...")
+                              f"{'.'.join(path.split('.')[1:2])}=..., or, off the command line (a trainer host "
+                              f"started by hand), export GRPO_RUN_SECRETS='{{\"{path}\": \"...\"}}'")
 
 
 def _check_trainer_fields(config: Any) -> None:
