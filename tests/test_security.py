@@ -23,7 +23,7 @@ from serving_helpers import TINY, adapter_dir, embedded_server, run, weights_dir
 
 from grpo_core.auth import NONCE_PATH, bearer_headers, run_token
 from grpo_core.config import ModelConfig, RunConfig
-from grpo_core.errors import PortInUseError, ServerRequestError
+from grpo_core.errors import PortInUseError, ServerRequestError, ServerStartError
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.vllm import LaunchSpec, ServerHandle, provision, wait_healthy
 
@@ -237,18 +237,23 @@ def test_a_replica_fenced_before_its_launcher_saw_it_healthy_is_adopted_at_once(
     that only the next weight sync brings (a servers' flow run stuck in that wait missed its lifeline)."""
     port = int(server.url.rsplit(":", 1)[1])
     ours, theirs = _sleeper(port, tmp_path, nonce=server.spec.nonce), _sleeper(port, tmp_path, nonce="not ours")
+    checked = _sleeper(port, tmp_path, nonce=server.spec.nonce)
     fence = _authed(server.url, "POST", "/grpo/stale", json={"stale": True, "reason": "a test fenced it"})
     assert fence.status_code == 200, fence.text
     try:
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and "a test fenced it" in health.text  # the fence is really up
-        # the fence stays up all along: waiting for a 200 would end in ServerStartError after 20 s
-        assert wait_healthy(ours, 20, run_token()) == server.url
+        # the fence stays up all along: waiting for a 200 would end in ServerStartError after 20 s (what restart()
+        # does, with fenced_ok: nothing it runs next needs the replica to generate)
+        assert wait_healthy(ours, 20, run_token(), fenced_ok=True) == server.url
         with pytest.raises(PortInUseError, match="does not report this launch's nonce"):
-            wait_healthy(theirs, 60, run_token())  # a fenced server of another launch is still never adopted
+            wait_healthy(theirs, 60, run_token(), fenced_ok=True)  # a fenced server of another launch: never ours
+        # a start that probes the replica with a generation request next (provision) waits for the fence to drop
+        with pytest.raises(ServerStartError, match="not healthy after 3 s"):
+            wait_healthy(checked, 3, run_token())
     finally:
         _authed(server.url, "POST", "/grpo/stale", json={"stale": False})
-        for handle in (ours, theirs):
+        for handle in (ours, theirs, checked):
             handle.stop()
     assert httpx.get(server.url + "/health").status_code == 200
 

@@ -315,12 +315,12 @@ def log_tail(path: Path, num_lines: int = 40) -> str:
         return ""
 
 
-def wait_healthy(handle: ServerHandle, timeout_s: float, token: str) -> str:
+def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: bool = False) -> str:
     """Wait until the replica we started answers; returns its base URL.
 
-    Accepted only when our process is alive, ``/health`` answers 200 (or the guard's fence 503: a restarted
-    replica that a request for a later policy version reached before this poll is loaded, only out of routing
-    until the next weight sync), and the authenticated
+    Accepted only when our process is alive, ``/health`` answers 200 (or, with ``fenced_ok``, the guard's fence
+    503: a replica restarted on a port its clients know, which a request for a later policy version reached before
+    this poll, is loaded and only out of routing until the next weight sync; :func:`restart`), and the authenticated
     ``GET /grpo/run_nonce`` (``grpo_core.serving.guard``) returns this launch's nonce: a server of another
     run (other token: 401; no guard: 404) or of an earlier launch (other nonce) on the same port is never
     adopted, and no weights are ever pushed to it.
@@ -329,6 +329,8 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str) -> str:
         handle: the launched replica.
         timeout_s: seconds to wait (``server.startup_timeout_s``).
         token: the run's bearer token.
+        fenced_ok: adopt a fenced replica (no generation request follows: a start that checks the server with
+            one, :func:`provision`, waits for the fence to drop instead).
 
     Raises:
         PortInUseError: another server answers on the replica's port (the replica is stopped).
@@ -349,7 +351,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str) -> str:
                 health = httpx.get(url + "/health", timeout=2.0)
                 # 503 from the guard's fence: loaded, only out of routing (a restarted replica a request for a
                 # later policy version reached first); its nonce still tells whether it is ours
-                healthy = health.status_code == 200 or (health.status_code == 503 and
+                healthy = health.status_code == 200 or (fenced_ok and health.status_code == 503 and
                                                         health.headers.get(FENCE_HEADER) == "up")
                 answer = httpx.get(url + NONCE_PATH, headers=bearer_headers(token), timeout=5.0) if healthy else None
             except httpx.HTTPError:
@@ -546,7 +548,7 @@ def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle
                                env={**handle.spec.env, NONCE_ENV: nonce})
     handle.stop()  # closes its log file
     new = launch(spec, token)
-    wait_healthy(new, config.server.startup_timeout_s, token)
+    wait_healthy(new, config.server.startup_timeout_s, token, fenced_ok=True)  # no generation check follows
     logger.info("%s replica %d started again at %s%s", spec.backend, spec.replica, new.url,
                 "" if config.serves_lora() else " (it refuses later policy versions until a weight sync reaches it)")
     return new
