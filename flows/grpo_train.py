@@ -17,6 +17,7 @@ to the MLflow run, training progress, the summary table, the reward curve) are i
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import signal
@@ -552,7 +553,9 @@ def gpu_slots(config: RunConfig):
     Raises:
         ConfigError: the run needs more slots than the limit has (it would wait forever).
     """
+    import httpx
     from prefect.client.orchestration import get_client
+    from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
     from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectNotFound
 
@@ -574,10 +577,22 @@ def gpu_slots(config: RunConfig):
         raise ConfigError(f"the run needs {slots} slots of the global concurrency limit {name!r}, which has "
                           f"{limit.limit}; raise it (`prefect gcl update {name} --limit {slots}`) or set "
                           "flow.concurrency_slots")
-    if limit.active_slots + slots > limit.limit:
-        log.info("waiting for %d slot(s) of the global concurrency limit %r (%d of %d in use)", slots, name,
-                 limit.active_slots, limit.limit)
-    with concurrency(name, occupy=slots, strict=True, raise_on_lease_renewal_failure=False):
+    hold = functools.partial(concurrency, name, occupy=slots, strict=True, raise_on_lease_renewal_failure=False)
+    with contextlib.ExitStack() as stack:
+        # One attempt first: the "waiting" line is logged when the server really refuses the slots (423), not from a
+        # read of the limit made before asking (two runs started together both read it free, and one then waited
+        # silently).
+        try:
+            stack.enter_context(hold(max_retries=0))
+        except ConcurrencySlotAcquisitionError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423):
+                raise
+            with get_client(sync_client=True) as client:
+                limit = client.read_global_concurrency_limit_by_name(name)
+            log.info("waiting for %d slot(s) of the global concurrency limit %r (%d of %d in use)", slots, name,
+                     limit.active_slots, limit.limit)
+            stack.enter_context(hold())
         log.info("holding %d slot(s) of the global concurrency limit %r", slots, name)
         yield
 

@@ -233,6 +233,83 @@ def test_gpu_limit_serialises_two_simultaneous_runs(api, two_runs):
     assert "waiting for 1 slot(s) of the global concurrency limit 'gpu'" in logs
 
 
+_SLOT_PROBE = """
+import json, logging, sys, threading, time
+from prefect import flow
+from prefect.concurrency.sync import concurrency
+from flows.grpo_train import gpu_slots
+from grpo_core.config import RunConfig
+
+events = []
+class Record(logging.Handler):
+    def emit(self, record):
+        events.append((time.time(), record.getMessage()))
+logging.getLogger("prefect.flow_runs").addHandler(Record())
+
+@flow
+def take(tag: str, hold_s: float = 1.5):
+    events.append((time.time(), "asking " + tag))
+    with gpu_slots(RunConfig()):
+        events.append((time.time(), "inside " + tag))
+        time.sleep(hold_s)
+    events.append((time.time(), "left " + tag))
+
+def phase(fn):
+    events.clear()
+    fn()
+    return [(t, m) for t, m in events if "slot" in m or m.startswith(("asking", "inside", "left", "released"))]
+
+def held():
+    def holder():
+        with concurrency("gpu", occupy=1, strict=True):
+            time.sleep(3)
+        events.append((time.time(), "released"))
+    t = threading.Thread(target=holder); t.start(); time.sleep(1); take("a"); t.join()
+
+if sys.argv[1] == "alone":
+    print(json.dumps({"free": phase(lambda: take("a")), "held": phase(held)}))
+else:  # one of two processes asking at the same moment (argv: tag, time.time() to ask at)
+    time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+    print(json.dumps(phase(lambda: take(sys.argv[1], hold_s=8))))
+"""
+
+
+def test_a_run_says_it_waits_for_the_gpu_limit_exactly_when_the_server_refuses_its_slots(stack):
+    """The stack's ``gpu`` limit has 1 slot. A run that finds it free holds it without a waiting line; a run that
+    finds it held says it waits (before the holder lets go) and enters only after; of two runs (processes) asking at
+    the same moment, the one refused says so (the line came from a read of the limit made before asking: both read
+    it free, and the second then waited silently -- CI of 859ddf8)."""
+    import subprocess
+    import sys
+
+    def probe(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", _SLOT_PROBE, *args], env=stack.env(), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(process: subprocess.Popen):  # noqa: ANN202 - the probe's JSON
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        return json.loads(out.strip().splitlines()[-1])
+
+    waiting = "waiting for 1 slot(s) of the global concurrency limit 'gpu' (1 of 1 in use)"
+    holding = "holding 1 slot(s) of the global concurrency limit 'gpu'"
+    phases = result(probe("alone"))
+    assert [m for _, m in phases["free"]] == ["asking a", holding, "inside a", "left a"], phases["free"]
+    when = {m: t for t, m in phases["held"]}
+    assert [m for _, m in phases["held"]] == ["asking a", waiting, "released", holding, "inside a", "left a"], \
+        phases["held"]
+    assert when[waiting] < when["released"] <= when[holding]
+
+    at = str(time.time() + 15)  # both processes have imported Prefect and torch by then (2 cores)
+    runs = [result(process) for process in [probe("a", at), probe("b", at)]]
+    first, second = sorted((({m.split()[0]: t for t, m in events}, [m for _, m in events]) for events in runs),
+                           key=lambda run: run[0]["inside"])
+    assert second[0]["asking"] < first[0]["left"], f"the runs did not ask at the same time: {first}, {second}"
+    assert second[0]["inside"] >= first[0]["left"], f"both runs held the slot at once: {first}, {second}"
+    assert [m.split()[0] for m in first[1]] == ["asking", "holding", "inside", "left"], first
+    assert second[1][1:3] == [waiting, holding], second
+
+
 def test_rollout_task_runs_beside_train_for_the_whole_run(api, two_runs):
     run = two_runs[0]
     tasks = _task_runs(api, run["id"])
