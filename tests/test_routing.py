@@ -227,7 +227,8 @@ def test_adapter_load_retries_until_the_store_shows_it(replicas, store_url, tmp_
     async def go():
         async with ReplicaSet(urls, control_retry_s=0.2, control_timeout_s=120) as rs:
             load = asyncio.create_task(rs.fan_out("load policy-v5", lambda c: c.load_lora_adapter("policy-v5", url),
-                                                  undo=lambda c: c.unload_lora_adapter("policy-v5")))
+                                                  undo=lambda c: c.unload_lora_adapter("policy-v5"),
+                                                  reads_storage=True))
             await asyncio.sleep(1.5)
             waiting = not load.done()
             await asyncio.to_thread(store.publish, local, "policy-v5")
@@ -465,6 +466,10 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
                 ("/pause", b'"x"', "must be a JSON object, got str")]:
             bad = httpx.post(base + path, headers=auth, content=content, timeout=60)
             assert bad.status_code == 400 and says in bad.json()["error"]["message"], (path, bad.text)
+        # a query every replica refuses (400): not retried, as only calls that read shared storage are
+        bogus = httpx.post(base + "/pause", params={"mode": "bogus"}, headers=auth, timeout=60)
+        assert bogus.status_code == 400 and bogus.text.count("(not retried: a 400 does not change)") == 3, bogus.text
+        assert "mode" in bogus.json()["error"]["message"]
         gone = httpx.post(base + "/v1/unload_lora_adapter", headers=auth, timeout=60, json={"lora_name": "typo"})
         assert gone.status_code == 404 and "no replica holds the LoRA adapter 'typo'" in gone.text, gone.text
         # a refusal no retry changes (the name is taken on every replica): the 400 at once, the adapter kept

@@ -71,6 +71,9 @@ def _undo(path: str, body: dict[str, Any] | None):  # noqa: ANN202 - a client ->
     return None
 
 
+#: Control routes that load files a replica may not see yet on shared storage: their 400s are retried.
+READS_STORAGE = ("/v1/load_lora_adapter", "/update_weights")
+
 #: Fields a control route's JSON body must hold (strings), as vLLM's own request models require them.
 CONTROL_FIELDS = {"/v1/load_lora_adapter": ("lora_name", "lora_path"), "/v1/unload_lora_adapter": ("lora_name",)}
 
@@ -211,7 +214,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
                 absent.append(c.base_url)
 
         try:
-            await replicas.fan_out(path, call, _undo(path, body))
+            await replicas.fan_out(path, call, _undo(path, body), reads_storage=path in READS_STORAGE)
         except ControlFanOutError as exc:  # every replica refused alike: the request's fault, said as one server would
             return error(exc.common_refusal or 502, str(exc), "ControlFanOutError")
         if path == "/v1/unload_lora_adapter" and len(set(absent)) == len(replicas.urls):

@@ -51,8 +51,9 @@ PROBE_INTERVAL_S = 1.0
 
 
 #: Phrases of a 400 that no retry changes (vLLM's own messages, which the embedded server repeats): the adapter name
-#: is taken, its rank exceeds the server's, a field is missing. Other 400s are retried: a LoRA folder on shared storage
-#: can show its config before its weights ("doesn't contain tensors").
+#: is taken, its rank exceeds the server's, a field is missing. Other 400s of a call that reads files from storage
+#: (``fan_out(..., reads_storage=True)``) are retried: a LoRA folder on shared storage can show its config before its
+#: weights ("doesn't contain tensors"). A 400 of any other call (a bad ``/pause?mode=``) ends it at once.
 PERMANENT_400 = ("has already been loaded", "is greater than max_lora_rank", "must be provided")
 
 
@@ -361,17 +362,19 @@ class ReplicaSet:
         return snaps
 
     async def fan_out(self, name: str, call: Callable[[GenerationClient], Awaitable[Any]],
-                      undo: Callable[[GenerationClient], Awaitable[Any]] | None = None) -> None:
+                      undo: Callable[[GenerationClient], Awaitable[Any]] | None = None,
+                      reads_storage: bool = False) -> None:
         """Run a control call on every replica, all or nothing.
 
-        Each replica is retried every ``control_retry_s`` seconds (any error but 401/403: a path on shared
-        storage may not be visible yet) until ``control_timeout_s``. If one still fails, ``undo`` runs (with the
-        same retries, errors logged) on the replicas that succeeded.
+        Each replica is retried every ``control_retry_s`` seconds until ``control_timeout_s``: an unreachable
+        replica and a 5xx always; a 400 only when ``reads_storage`` (the call loads files a replica may not see yet
+        on shared storage) and not one of :data:`PERMANENT_400`; never a 401/403/422. If one still fails, ``undo``
+        runs (with the same retries, errors logged) on the replicas that succeeded.
 
         Raises:
             ControlFanOutError: some replica never succeeded; names each and the rollback.
         """
-        results = await asyncio.gather(*(self._retry(c, call) for c in self.clients))
+        results = await asyncio.gather(*(self._retry(c, call, reads_storage) for c in self.clients))
         failed = {u: r[0] for u, r in zip(self.urls, results) if r is not None}
         if not failed:
             return
@@ -390,11 +393,12 @@ class ReplicaSet:
             + (f"; rolled back on {', '.join(rolled)}" if rolled else "; nothing to roll back"), failed, rolled,
             statuses)
 
-    async def _retry(self, client: GenerationClient,
-                     call: Callable[[GenerationClient], Awaitable[Any]]) -> tuple[str, int | None] | None:
+    async def _retry(self, client: GenerationClient, call: Callable[[GenerationClient], Awaitable[Any]],
+                     reads_storage: bool = False) -> tuple[str, int | None] | None:
         """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text and HTTP
         status (None: no answer). A refusal that no retry changes (401 wrong token, 403 a path outside the
-        replica's allowed folder, 422, a 400 of :data:`PERMANENT_400`) ends it at once."""
+        replica's allowed folder, 422, a 400 unless ``reads_storage``, a 400 of :data:`PERMANENT_400`) ends it at
+        once."""
         deadline = time.monotonic() + self.control_timeout_s
         while True:
             try:
@@ -403,7 +407,8 @@ class ReplicaSet:
             except ServingError as exc:
                 error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 status = exc.status if isinstance(exc, ServerRequestError) else None
-                if status in (401, 403, 422) or (status == 400 and any(p in str(exc) for p in PERMANENT_400)):
+                if status in (401, 403, 422) or (status == 400 and (
+                        not reads_storage or any(p in str(exc) for p in PERMANENT_400))):
                     return f"{error} (not retried: a {status} does not change)", status
             if time.monotonic() + self.control_retry_s > deadline:
                 return error, status

@@ -106,13 +106,14 @@ class _Servers:
 
         asyncio.run(run_all())
 
-    def fan_out(self, name: str, call, undo=None) -> None:
-        """``await call(client)`` on every server; on a failure ``undo`` where it succeeded.
+    def fan_out(self, name: str, call, undo=None, reads_storage: bool = False) -> None:
+        """``await call(client)`` on every server; on a failure ``undo`` where it succeeded (``reads_storage``: the
+        call loads files from shared storage, so its 400s are retried; ``ReplicaSet.fan_out``).
 
         Raises:
             ControlFanOutError: a server kept failing ``call`` (a ``ServingError``).
         """
-        self.run(lambda rs: rs.fan_out(name, call, undo))
+        self.run(lambda rs: rs.fan_out(name, call, undo, reads_storage))
 
 
 class DiskFullWeightSync:
@@ -175,7 +176,8 @@ class DiskFullWeightSync:
         label = f"v{version}"
         await rs.fan_out(f"pause for weight sync {label}", lambda c: c.pause(), undo=lambda c: c.resume())
         try:
-            await rs.fan_out(f"weight sync {label}", lambda c: c.update_weights_from_path(folder), undo)
+            await rs.fan_out(f"weight sync {label}", lambda c: c.update_weights_from_path(folder), undo,
+                             reads_storage=True)
             # every server holds this version now: a fence raised on one (started again with the base weights by
             # the servers' flow, or by an earlier trainer) comes down
             await rs.fan_out(f"lift fences after weight sync {label}", lambda c: c.set_stale(False, version=version))
@@ -262,7 +264,7 @@ class LoraAdapterSync:
         try:
             path = self.store.publish(folder, name)
             self.servers.fan_out(f"LoRA load {name}", lambda c: self._load(c, name, path),
-                                 undo=lambda c: c.unload_lora_adapter(name))
+                                 undo=lambda c: c.unload_lora_adapter(name), reads_storage=True)
         except ServingError:
             shutil.rmtree(folder, ignore_errors=True)
             self.store.remove(name)
