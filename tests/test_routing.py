@@ -80,6 +80,19 @@ def test_a_down_replica_is_routed_around_counted_and_rejoins():
     assert policy.choose("d") == (0, UNMATCHED)
 
 
+def test_with_every_replica_down_each_retry_tries_the_next_replica():
+    """No replica healthy: a request must go somewhere, and its retries go round every replica (one of them may be
+    back before its probe says so) instead of knocking on the key's home each time; the home is kept."""
+    policy = RoutingPolicy(3)
+    assert policy.choose("a") == (0, UNMATCHED)
+    for replica in range(3):
+        policy.mark_down(replica)
+    assert [policy.choose("a")[0] for _ in range(6)] == [1, 2, 0, 1, 2, 0]
+    assert policy.homes["a"] == 0
+    policy.mark_up(0)
+    assert policy.choose("a") == (0, HIT)
+
+
 # ----- three embedded replicas ---------------------------------------------------------------------
 
 

@@ -133,15 +133,20 @@ class RoutingPolicy:
     def choose(self, key: Hashable | None, count: bool = True) -> tuple[int, str]:
         """The replica for a request with affinity ``key`` (None = no affinity) and how it was chosen.
 
-        When no replica is healthy every replica is a candidate (a request must go somewhere; the
-        caller's retries and backoff take over).
+        When no replica is healthy every replica is a candidate, taken in turn without affinity (a request must
+        go somewhere; the caller's retries and backoff take over, and each retry tries the next replica, not the
+        key's home again); the key keeps its home for when replicas are back.
 
         Returns:
             ``(replica index, HIT | UNMATCHED | SPILL)``; the count of that outcome is incremented when
             ``count`` (generation requests; not ``/v1/models`` and other reads).
         """
         counts = self.counts if count else RouteCounts()
-        candidates = [i for i, ok in enumerate(self.healthy) if ok] or list(range(len(self.healthy)))
+        healthy = [i for i, ok in enumerate(self.healthy) if ok]
+        candidates = healthy or list(range(len(self.healthy)))
+        if not healthy:
+            counts.unmatched += 1
+            return self._least_loaded(candidates), UNMATCHED
         home = self.homes.get(key) if key is not None else None
         if home is not None and home in candidates:
             self.homes.move_to_end(key)
