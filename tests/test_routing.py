@@ -93,6 +93,23 @@ def test_with_every_replica_down_each_retry_tries_the_next_replica():
     assert policy.choose("a") == (0, HIT)
 
 
+@pytest.mark.parametrize("status, text, reads_storage, final", [
+    (None, "connection refused", False, False),  # no answer: the replica may be restarting
+    (503, "fenced", False, False), (500, "internal", True, False),
+    (429, "too many requests", False, False), (408, "request timeout", True, False),  # HTTP: come back later
+    (400, "mode must be one of keep, wait, abort", False, True),  # /pause?mode=bogus: the same on every retry
+    (404, "Not Found", False, True),  # a route the server does not have (vLLM without dev mode)
+    (401, "Unauthorized", True, True), (403, "outside the adapter folder", True, True), (422, "invalid", True, True),
+    (400, "adapter folder doesn't contain tensors", True, False),  # shared storage lags: retried
+    (404, "No adapter found for s3://b/policy-v3", True, False),
+    (400, "The lora adapter 'policy-v3' has already been loaded.", True, True),
+    (409, "conflict", True, True)])
+def test_which_control_refusals_are_retried(status, text, reads_storage, final):
+    from grpo_core.serving.routing import refusal_is_final
+
+    assert refusal_is_final(status, text, reads_storage) is final
+
+
 # ----- three embedded replicas ---------------------------------------------------------------------
 
 

@@ -53,8 +53,29 @@ PROBE_INTERVAL_S = 1.0
 #: Phrases of a 400 that no retry changes (vLLM's own messages, which the embedded server repeats): the adapter name
 #: is taken, its rank exceeds the server's, a field is missing. Other 400s of a call that reads files from storage
 #: (``fan_out(..., reads_storage=True)``) are retried: a LoRA folder on shared storage can show its config before its
-#: weights ("doesn't contain tensors"). A 400 of any other call (a bad ``/pause?mode=``) ends it at once.
+#: weights ("doesn't contain tensors"). A 4xx of any other call (a bad ``/pause?mode=``) ends it at once
+#: (:func:`refusal_is_final`).
 PERMANENT_400 = ("has already been loaded", "is greater than max_lora_rank", "must be provided")
+
+
+def refusal_is_final(status: int | None, text: str, reads_storage: bool) -> bool:
+    """Whether a control call's error is a refusal no retry changes (ends its fan-out at once).
+
+    Args:
+        status: the HTTP status of the answer (None: no answer, e.g. a replica that is restarting; retried).
+        text: the error's message (a 400 naming one of :data:`PERMANENT_400` is final).
+        reads_storage: the call loads files from shared storage, which can lag: its 400 and 404 ("no adapter
+            found") are retried.
+
+    Returns:
+        True for a 4xx but 408/429 (the server asks to come back), unless ``reads_storage`` and a 400/404 not of
+        :data:`PERMANENT_400`; False for no answer or a 5xx.
+    """
+    if status is None or not 400 <= status < 500 or status in (408, 429):
+        return False
+    if reads_storage and status in (400, 404):
+        return any(phrase in text for phrase in PERMANENT_400)
+    return True
 
 
 class ControlFanOutError(ServingError):
@@ -372,9 +393,10 @@ class ReplicaSet:
         """Run a control call on every replica, all or nothing.
 
         Each replica is retried every ``control_retry_s`` seconds until ``control_timeout_s``: an unreachable
-        replica and a 5xx always; a 400 only when ``reads_storage`` (the call loads files a replica may not see yet
-        on shared storage) and not one of :data:`PERMANENT_400`; never a 401/403/422. If one still fails, ``undo``
-        runs (with the same retries, errors logged) on the replicas that succeeded.
+        replica, a 5xx, a 408/429 always; a 400/404 only when ``reads_storage`` (the call loads files a replica may
+        not see yet on shared storage) and not one of :data:`PERMANENT_400`; no other 4xx
+        (:func:`refusal_is_final`). If one still fails, ``undo`` runs (with the same retries, errors logged) on the
+        replicas that succeeded.
 
         Raises:
             ControlFanOutError: some replica never succeeded; names each and the rollback.
@@ -401,9 +423,8 @@ class ReplicaSet:
     async def _retry(self, client: GenerationClient, call: Callable[[GenerationClient], Awaitable[Any]],
                      reads_storage: bool = False) -> tuple[str, int | None] | None:
         """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text and HTTP
-        status (None: no answer). A refusal that no retry changes (401 wrong token, 403 a path outside the
-        replica's allowed folder, 422, a 400 unless ``reads_storage``, a 400 of :data:`PERMANENT_400`) ends it at
-        once."""
+        status (None: no answer). A refusal that no retry changes (:func:`refusal_is_final`: 401 wrong token, 403 a
+        path outside the replica's allowed folder, ...) ends it at once."""
         deadline = time.monotonic() + self.control_timeout_s
         while True:
             try:
@@ -412,8 +433,7 @@ class ReplicaSet:
             except ServingError as exc:
                 error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 status = exc.status if isinstance(exc, ServerRequestError) else None
-                if status in (401, 403, 422) or (status == 400 and (
-                        not reads_storage or any(p in str(exc) for p in PERMANENT_400))):
+                if refusal_is_final(status, str(exc), reads_storage):
                     return f"{error} (not retried: a {status} does not change)", status
             if time.monotonic() + self.control_retry_s > deadline:
                 return error, status
