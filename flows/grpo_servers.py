@@ -166,15 +166,32 @@ def _publish(handles: list[Any], urls: list[str], train_flow_run_id: str) -> Non
 
 
 def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: str, log: Any) -> str:
-    """Health-check the replicas until a reason to stop; returns the reason."""
+    """Health-check the replicas until a reason to stop; returns the reason.
+
+    A replica that exits is started again on its port (``relaunch``, here: vLLM dies with the thread that launched
+    it) while ``server.start_retries`` lasts; the wait for it to serve (up to ``server.startup_timeout_s``, minutes
+    for a large model) runs on a thread, so the lifeline, the train flow run and a cancellation are still checked
+    every pass meanwhile. The servers' run fails only when every replica is dead with its restarts spent.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=max(1, len(procs.servers)), thread_name_prefix="replica-start")
+    try:
+        return _watch(cfg, procs, own_id, train_id, lifeline, log, pool)
+    finally:  # a wait still going ends within 0.5 s of the teardown stopping its replica
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: str, log: Any, pool: Any) -> str:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from grpo_core.errors import ServerStartError
-    from grpo_core.serving.vllm import restart
+    from grpo_core.errors import ServerStartError, ServingError
+    from grpo_core.serving.vllm import relaunch, wait_healthy
 
     period = min(2.0, cfg.server.lifeline_timeout_s / 4)
     restarts = [0] * len(procs.servers)
+    starting: dict[int, Any] = {}  # replica -> the Future of its wait_healthy after a relaunch
     last_beat, last_change = None, time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
@@ -197,6 +214,17 @@ def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: s
                 return (f"train flow run {train_id} stopped beating its lifeline for "
                         f"{cfg.server.lifeline_timeout_s:.0f} s (server.lifeline_timeout_s)")
             for i, handle in enumerate(procs.servers):
+                if i in starting:
+                    if not starting[i].done():
+                        continue
+                    try:
+                        starting.pop(i).result()
+                        log.info("replica %d serves again at %s%s", i, handle.url, "" if cfg.serves_lora() else
+                                 " (it refuses later policy versions until a weight sync reaches it)")
+                    except ServerStartError as exc:  # its process is stopped: tried again while restarts last
+                        log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i],
+                                    cfg.server.start_retries, exc)
+                    continue
                 if handle.process.poll() is None or handle.url == "":
                     continue
                 if restarts[i] >= cfg.server.start_retries:
@@ -205,12 +233,15 @@ def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: s
                 log.warning("replica %d exited with code %s; starting it again on %s (%d of %d)", i,
                             handle.process.returncode, handle.url, restarts[i], cfg.server.start_retries)
                 try:
-                    procs.servers[i] = restart(handle, cfg, procs.token)
-                except ServerStartError as exc:  # its process is stopped: the next pass tries again while restarts last
+                    procs.servers[i] = relaunch(handle, procs.token)
+                except ServingError as exc:  # nothing started (its log cannot be written)
                     log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i],
                                 cfg.server.start_retries, exc)
-            if all(h.process.poll() is not None and n >= cfg.server.start_retries
-                   for h, n in zip(procs.servers, restarts)):
+                    continue
+                starting[i] = pool.submit(wait_healthy, procs.servers[i], cfg.server.startup_timeout_s, procs.token,
+                                          fenced_ok=True)  # no generation check follows
+            if not starting and all(h.process.poll() is not None and n >= cfg.server.start_retries
+                                    for h, n in zip(procs.servers, restarts)):
                 raise ServerStartError(f"every replica exited and server.start_retries ({cfg.server.start_retries}) "
                                        "restarts each are spent; logs in " + str(cfg.server.log_dir))
             time.sleep(period)

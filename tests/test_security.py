@@ -243,8 +243,8 @@ def test_a_replica_fenced_before_its_launcher_saw_it_healthy_is_adopted_at_once(
     try:
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and "a test fenced it" in health.text  # the fence is really up
-        # the fence stays up all along: waiting for a 200 would end in ServerStartError after 20 s (what restart()
-        # does, with fenced_ok: nothing it runs next needs the replica to generate)
+        # the fence stays up all along: waiting for a 200 would end in ServerStartError after 20 s (the servers' flow
+        # waits so for a relaunched replica, with fenced_ok: nothing it runs next needs the replica to generate)
         assert wait_healthy(ours, 20, run_token(), fenced_ok=True) == server.url
         with pytest.raises(PortInUseError, match="does not report this launch's nonce"):
             wait_healthy(theirs, 60, run_token(), fenced_ok=True)  # a fenced server of another launch: never ours

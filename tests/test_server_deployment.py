@@ -262,15 +262,22 @@ def test_a_replica_that_fails_to_start_again_is_retried_while_restarts_last(star
     lifeline, calls, live, warned = _Lifeline(), [], [], []
     log = SimpleNamespace(warning=lambda msg, *args: warned.append(msg % args), info=lambda *a: None)
 
-    def restart(handle, cfg, token):
+    def relaunch(handle, token):
         calls.append(handle.url)
-        if len(calls) == 1:
-            raise ServerStartError("replica 0 not healthy after 1 s (server.startup_timeout_s)")
-        live.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
-        lifeline.done = True  # the train flow run ends once the replica is back
-        return SimpleNamespace(process=live[-1], url=handle.url)
+        process = subprocess.Popen([sys.executable, "-c", "pass" if len(calls) == 1 else "import time; time.sleep(60)"])
+        live.append(process)
+        return SimpleNamespace(process=process, url=handle.url)
 
-    monkeypatch.setattr(vllm_mod, "restart", restart)
+    def wait_healthy(handle, timeout_s, token, fenced_ok=False):
+        try:
+            handle.process.wait(timeout=1)  # the first start's process exits during its load
+        except subprocess.TimeoutExpired:  # the second one serves
+            lifeline.done = True  # the train flow run ends once the replica is back
+            return handle.url
+        raise ServerStartError("replica 0 exited with code 0 during its load")
+
+    monkeypatch.setattr(vllm_mod, "relaunch", relaunch)
+    monkeypatch.setattr(vllm_mod, "wait_healthy", wait_healthy)
     monkeypatch.setattr("prefect.client.orchestration.get_client", lambda sync_client: lifeline)
     cfg = RunConfig.model_validate({"server": {"start_retries": start_retries, "lifeline_timeout_s": 2,
                                                "log_dir": str(tmp_path)}})
@@ -281,9 +288,60 @@ def test_a_replica_that_fails_to_start_again_is_retried_while_restarts_last(star
                 servers._keep(cfg, procs, "own", "train", "lifeline", log)
         else:
             assert servers._keep(cfg, procs, "own", "train", "lifeline", log) == "train flow run train is Completed"
-            assert procs.servers[0].process is live[0] and live[0].poll() is None
+            assert procs.servers[0].process is live[1] and live[1].poll() is None
     finally:
         for process in live:
             process.kill()
     assert calls == ["http://127.0.0.1:9"] * start_retries
     assert any(w.startswith(f"replica 0 did not start again (1 of {start_retries})") for w in warned), warned
+
+
+def test_the_lifeline_is_still_checked_while_a_replica_starts_again(tmp_path, monkeypatch):
+    """A relaunched replica may load for minutes (up to ``server.startup_timeout_s``). Meanwhile the servers' flow
+    keeps checking its lifeline: a train flow run that stops beating frees the GPUs after
+    ``server.lifeline_timeout_s``, with the start still going (it ended only with the teardown); the start waited
+    on the flow's own thread before, blind to the lifeline until the load ended."""
+    import subprocess
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    import flows.grpo_servers as servers
+    import grpo_core.serving.vllm as vllm_mod
+    from grpo_core.errors import ServerStartError
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lifeline, loading, loaded = _Lifeline(), threading.Event(), threading.Event()
+    beats = lifeline.read_variable_by_name
+    lifeline.read_variable_by_name = lambda name: SimpleNamespace(value=0) if loading.is_set() else beats(name)
+    slow = []
+
+    def relaunch(handle, token):
+        slow.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+        return SimpleNamespace(process=slow[-1], url=handle.url)
+
+    def wait_healthy(handle, timeout_s, token, fenced_ok=False):  # a load that ends only when its process does
+        loading.set()  # ... and the train flow run stops beating its lifeline from now on
+        try:
+            handle.process.wait(timeout=timeout_s)
+            raise ServerStartError("replica 0 exited with code -9")
+        finally:
+            loaded.set()
+
+    monkeypatch.setattr(vllm_mod, "relaunch", relaunch)
+    monkeypatch.setattr(vllm_mod, "wait_healthy", wait_healthy)
+    monkeypatch.setattr("prefect.client.orchestration.get_client", lambda sync_client: lifeline)
+    cfg = RunConfig.model_validate({"server": {"start_retries": 1, "lifeline_timeout_s": 2, "startup_timeout_s": 600,
+                                               "log_dir": str(tmp_path)}})
+    procs = SimpleNamespace(servers=[SimpleNamespace(process=dead, url="http://127.0.0.1:9")], token="t")
+    log = SimpleNamespace(warning=lambda *a: None, info=lambda *a: None)
+    try:
+        reason = servers._keep(cfg, procs, "own", "train", "lifeline", log)
+        assert loading.is_set() and not loaded.is_set(), "the replica's start had to be going when the run stopped"
+        assert reason == "train flow run train stopped beating its lifeline for 2 s (server.lifeline_timeout_s)"
+        assert procs.servers[0].process is slow[0], "the starting replica must be in the teardown's hands"
+    finally:
+        for process in slow:
+            process.kill()  # the teardown
+    assert loaded.wait(10), "the wait for the replica did not end with its process"

@@ -320,7 +320,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
 
     Accepted only when our process is alive, ``/health`` answers 200 (or, with ``fenced_ok``, the guard's fence
     503: a replica restarted on a port its clients know, which a request for a later policy version reached before
-    this poll, is loaded and only out of routing until the next weight sync; :func:`restart`), and the authenticated
+    this poll, is loaded and only out of routing until the next weight sync; :func:`relaunch`), and the authenticated
     ``GET /grpo/run_nonce`` (``grpo_core.serving.guard``) returns this launch's nonce: a server of another
     run (other token: 401; no guard: 404) or of an earlier launch (other nonce) on the same port is never
     adopted, and no weights are ever pushed to it.
@@ -524,9 +524,10 @@ def _wait_all_healthy(handles: list[ServerHandle], ready: set[int], config: RunC
         logger.info("%s replica %d healthy at %s", backend, handle.spec.replica, handle.url)
 
 
-def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle:
+def relaunch(handle: ServerHandle, token: str) -> ServerHandle:
     """Start a replica whose process exited again, on the port it served (its URL stays valid, so a router that
-    routed around it re-admits it once ``/health`` answers); the same argv with that port and a fresh nonce.
+    routed around it re-admits it once ``/health`` answers): the same argv with that port and a fresh nonce. Returns
+    at once, with ``url`` already set; :func:`wait_healthy` (``fenced_ok=True``) tells when it serves.
 
     It comes back with the base weights: in a full-weight run its guard (:mod:`grpo_core.serving.guard`) refuses
     the first request tagged with a later policy version and fences itself (503 on ``/health`` and generation
@@ -534,9 +535,10 @@ def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle
     token of the base weights is tagged with a later version. A LoRA run needs neither: the adapter versions it
     samples are loaded by the next sync.
 
+    Call it from the thread that keeps the replicas (vLLM dies with the thread that launched it).
+
     Raises:
-        PortInUseError: another server took the port meanwhile.
-        ServerStartError: the new process exited or missed ``server.startup_timeout_s`` (the log's tail).
+        ServingError: its log cannot be written (nothing started).
     """
     import dataclasses
 
@@ -548,9 +550,7 @@ def restart(handle: ServerHandle, config: RunConfig, token: str) -> ServerHandle
                                env={**handle.spec.env, NONCE_ENV: nonce})
     handle.stop()  # closes its log file
     new = launch(spec, token)
-    wait_healthy(new, config.server.startup_timeout_s, token, fenced_ok=True)  # no generation check follows
-    logger.info("%s replica %d started again at %s%s", spec.backend, spec.replica, new.url,
-                "" if config.serves_lora() else " (it refuses later policy versions until a weight sync reaches it)")
+    new.url = handle.url
     return new
 
 
