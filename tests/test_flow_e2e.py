@@ -268,13 +268,18 @@ def held():
 
 if sys.argv[1] == "alone":
     print(json.dumps({"free": phase(lambda: take("a")), "held": phase(held)}))
-else:  # one of two processes asking at the same moment (argv: tag, time.time() to ask at)
-    time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+else:  # one of two processes asking at the same moment (argv: tag, a folder where both say they are ready)
+    import pathlib
+    ready = pathlib.Path(sys.argv[2])
+    (ready / sys.argv[1]).touch()
+    deadline = time.time() + 240
+    while len(list(ready.iterdir())) < 2 and time.time() < deadline:
+        time.sleep(0.02)
     print(json.dumps(phase(lambda: take(sys.argv[1], hold_s=8))))
 """
 
 
-def test_a_run_says_it_waits_for_the_gpu_limit_exactly_when_the_server_refuses_its_slots(stack):
+def test_a_run_says_it_waits_for_the_gpu_limit_exactly_when_the_server_refuses_its_slots(stack, tmp_path):
     """The stack's ``gpu`` limit has 1 slot. A run that finds it free holds it without a waiting line; a run that
     finds it held says it waits (before the holder lets go) and enters only after; of two runs (processes) asking at
     the same moment, the one refused says so (the line came from a read of the limit made before asking: both read
@@ -300,8 +305,9 @@ def test_a_run_says_it_waits_for_the_gpu_limit_exactly_when_the_server_refuses_i
         phases["held"]
     assert when[waiting] < when["released"] <= when[holding]
 
-    at = str(time.time() + 15)  # both processes have imported Prefect and torch by then (2 cores)
-    runs = [result(process) for process in [probe("a", at), probe("b", at)]]
+    ready = tmp_path / "ready"  # each probe, its imports done, waits there for the other
+    ready.mkdir()
+    runs = [result(process) for process in [probe("a", str(ready)), probe("b", str(ready))]]
     first, second = sorted((({m.split()[0]: t for t, m in events}, [m for _, m in events]) for events in runs),
                            key=lambda run: run[0]["inside"])
     assert second[0]["asking"] < first[0]["left"], f"the runs did not ask at the same time: {first}, {second}"
