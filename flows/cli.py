@@ -247,7 +247,8 @@ def _check_servers_deployment(cfg, online: bool = False) -> None:  # noqa: ANN00
 
 def _checked(cfg, runs_here: bool = True):  # noqa: ANN001, ANN202 - RunConfig, imported lazily
     """``cfg`` after every check of the flow's ``prepare`` task (``preflight.check_run``); ``runs_here``: also that a
-    run of it can start from this command (``server.deployment`` needs ``PREFECT_API_URL``).
+    run of it can start from this command (``server.deployment`` needs ``PREFECT_API_URL``), and its folders and
+    MLflow store are created (not for ``grpo validate``, which creates nothing).
 
     Raises:
         typer.Exit: code 2 after a one-line error naming the field, before any flow run, server, process or MLflow
@@ -259,7 +260,7 @@ def _checked(cfg, runs_here: bool = True):  # noqa: ANN001, ANN202 - RunConfig, 
     if runs_here:
         _check_servers_deployment(cfg)
     try:
-        preflight.check_run(cfg)
+        preflight.check_run(cfg, create=runs_here)
     except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
         config_error(exc)
         raise typer.Exit(2) from None
@@ -279,7 +280,8 @@ def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or T
 def validate(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
              set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
     """Run every check of the flow's ``prepare`` task (config, model, dataset columns, reward functions,
-    tools, export options, the ``resume_from`` run) without starting a server, a process or an MLflow run."""
+    tools, export options, the ``resume_from`` run) without starting a server, a process or an MLflow run, and
+    without creating the run folder or the MLflow store (only that the run could create them is checked)."""
     cfg = _checked(_load(config, set_, trusted=True), runs_here=False)  # may run elsewhere (a deployment)
     console.print(f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.dataset}, "
                   f"{cfg.train.max_steps} steps)")

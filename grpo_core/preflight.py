@@ -26,12 +26,14 @@ from grpo_core.redact import mask_values, redact_text
 
 logger = logging.getLogger(__name__)
 
-def ensure_dir(path: Path, what: str) -> Path:
+def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
     """Create ``path`` with its parents and check that files can be written in it.
 
     Args:
         path: the folder.
         what: what the folder is for and which setting names it, e.g. ``"tracking.dir (the MLflow store)"``.
+        create: False (``grpo validate``): create nothing; a folder that does not exist yet passes when its
+            nearest existing parent is a writable folder (the run could create it).
 
     Returns:
         ``path``, resolved.
@@ -40,26 +42,45 @@ def ensure_dir(path: Path, what: str) -> Path:
         ConfigError: the folder cannot be created or written (names ``what``, the path and the cause).
     """
     path = Path(path).expanduser().resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot create the folder {path}: {exc.strerror or exc}; "
-                          "point the setting at a writable folder") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what}: the folder {path} is not writable; point the setting at a writable folder")
+    target = path
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{what}: cannot create the folder {path}: {exc.strerror or exc}; "
+                              "point the setting at a writable folder") from None
+    else:
+        while not target.exists():
+            target = target.parent
+        if not target.is_dir():
+            raise ConfigError(f"{what}: cannot create the folder {path}: {target} is a file; "
+                              "point the setting at a writable folder")
+    if not os.access(target, os.W_OK | os.X_OK):
+        where = "" if target == path else f" (it would be made in {target})"
+        raise ConfigError(f"{what}: the folder {target} is not writable{where}; point the setting at a writable "
+                          "folder")
     return path
 
 
-def check_sqlite(path: Path, what: str) -> None:
+def check_sqlite(path: Path, what: str, create: bool = True) -> None:
     """Create ``path``'s folder and open (or create) the SQLite database there once.
+
+    Args:
+        path: the database file.
+        what: the setting that names it (for errors).
+        create: False (``grpo validate``): create nothing; an existing database is opened read-only, a missing one
+            passes when :func:`ensure_dir` ``(create=False)`` passes for its folder.
 
     Raises:
         ConfigError: the folder or the database cannot be opened (names ``what``, the path and the cause).
     """
     path = Path(path).expanduser()
-    ensure_dir(path.parent, what)
+    ensure_dir(path.parent, what, create)
+    if not create and not path.exists():
+        return
     try:
-        with contextlib.closing(sqlite3.connect(path, timeout=10)) as db:
+        target = f"file:{path.resolve()}?mode=ro" if not create else str(path)
+        with contextlib.closing(sqlite3.connect(target, timeout=10, uri=not create)) as db:
             db.execute("PRAGMA schema_version").fetchone()
     except sqlite3.Error as exc:
         raise ConfigError(f"{what}: cannot open the SQLite database {path.resolve()}: {exc}") from None
@@ -74,8 +95,9 @@ def sqlite_path(url: str) -> Path | None:
     return Path(file) if file and file != ":memory:" else None
 
 
-def check_tracking(cfg: RunConfig) -> None:
-    """The MLflow store can be used: its SQLite file and artifact folder (local), or its server answers.
+def check_tracking(cfg: RunConfig, create: bool = True) -> None:
+    """The MLflow store can be used: its SQLite file and artifact folder (local), or its server answers
+    (``create``: False creates neither; :func:`ensure_dir`).
 
     Raises:
         ConfigError: a folder or database that cannot be created or opened, or a tracking server that
@@ -87,7 +109,7 @@ def check_tracking(cfg: RunConfig) -> None:
     uri = tc.resolved_tracking_uri()
     db = sqlite_path(uri)
     if db is not None:
-        check_sqlite(db, "tracking.dir / tracking.tracking_uri (the MLflow store)")
+        check_sqlite(db, "tracking.dir / tracking.tracking_uri (the MLflow store)", create)
     elif uri.startswith(("http://", "https://")):
         import httpx
 
@@ -99,9 +121,10 @@ def check_tracking(cfg: RunConfig) -> None:
                               f"/health ({type(exc).__name__}: {cause}); start it or fix the URI") from None
     artifacts = tc.resolved_artifact_location()
     if artifacts and "://" not in artifacts:
-        ensure_dir(Path(artifacts), "tracking.artifact_location (MLflow artifacts)")
+        ensure_dir(Path(artifacts), "tracking.artifact_location (MLflow artifacts)", create)
     elif artifacts and artifacts.startswith("file://"):
-        ensure_dir(Path(artifacts.removeprefix("file://")), "tracking.artifact_location (MLflow artifacts)")
+        ensure_dir(Path(artifacts.removeprefix("file://")), "tracking.artifact_location (MLflow artifacts)",
+                   create)
 
 
 def check_resume_from(cfg: RunConfig) -> None:
@@ -120,7 +143,10 @@ def check_resume_from(cfg: RunConfig) -> None:
 
     from grpo_core import tracking
 
+    db = sqlite_path(tc.resolved_tracking_uri())
     try:
+        if db is not None and not db.expanduser().is_file():  # no store holds no run (and opening one creates it)
+            raise MlflowException(f"no MLflow store at {db}")
         tracking.client(tc).get_run(cfg.resume_from)
     except MlflowException:
         raise ConfigError(f"resume_from={cfg.resume_from!r}: no such run in the MLflow store "
@@ -372,8 +398,12 @@ def check_rendezvous_host(cfg: RunConfig) -> None:
                       "not this host, which runs trainer node 0 and its rendezvous store; give this host's name")
 
 
-def check_run(cfg: RunConfig) -> None:
+def check_run(cfg: RunConfig, create: bool = True) -> None:
     """Every check that can run before a server starts.
+
+    Args:
+        cfg: the run config.
+        create: False (``grpo validate``): create no folder and no MLflow store; check that the run could.
 
     Raises:
         ConfigError: the first problem found, naming the field and the fix.
@@ -385,8 +415,8 @@ def check_run(cfg: RunConfig) -> None:
     check_code_references(cfg)  # before anything is imported or called
     check_adapter_store(cfg)  # before any folder is made
     check_tokens(cfg)
-    ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)")
-    check_tracking(cfg)
+    ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)", create)
+    check_tracking(cfg, create)
     check_resume_from(cfg)
     check_model(cfg)
     if cfg.server.backend == "vllm" and cfg.server.starts_here():

@@ -64,9 +64,17 @@ def test_validate_passes_a_good_config_and_names_a_missing_column_without_starti
                   *sum((["--set", w] for w in where), []))
     assert bad.exit_code == 2
     assert "'prompt' column" in bad.output
-    # Folders may be checked for writability, but nothing runs: no run folder, no MLflow run or artifact.
-    assert not [p for p in runs.glob("*") if p.is_dir()], "validate created a run folder"
-    assert not list(mlflow_dir.glob("artifacts/*")), "validate logged to MLflow"
+    # Nothing runs and nothing is made: no run folder, no MLflow store (only that the run could make them).
+    assert not runs.exists(), "validate created train.output_dir"
+    assert not mlflow_dir.exists(), "validate created the MLflow store"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for field in ("train.output_dir", "tracking.dir"):
+        cannot = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                         *sum((["--set", w] for w in where), []), "--set", f"{field}={blocker / 'below'}")
+        assert cannot.exit_code == 2 and f"{blocker} is a file" in " ".join(cannot.output.split()), cannot.output
+        assert ("train.output_dir" if field == "train.output_dir" else "tracking.dir") in cannot.output
+    assert not runs.exists() and not mlflow_dir.exists()
 
 
 def test_trainer_entry_point_takes_set_overrides(tmp_path):
