@@ -79,7 +79,7 @@ def check_sqlite(path: Path, what: str, create: bool = True) -> None:
     if not create and not path.exists():
         return
     try:
-        target = f"file:{path.resolve()}?mode=ro" if not create else str(path)
+        target = path.resolve().as_uri() + "?mode=ro" if not create else str(path)  # as_uri: '?', '#' escaped
         with contextlib.closing(sqlite3.connect(target, timeout=10, uri=not create)) as db:
             db.execute("PRAGMA schema_version").fetchone()
     except sqlite3.Error as exc:

@@ -77,6 +77,27 @@ def test_validate_passes_a_good_config_and_names_a_missing_column_without_starti
     assert not runs.exists() and not mlflow_dir.exists()
 
 
+def test_validate_opens_an_existing_store_read_only_whatever_its_path(tmp_path):
+    """An existing MLflow store is opened read-only by ``grpo validate`` (nothing written), also below a folder whose
+    name holds URI characters (a raw ``file:`` URI cut the path at the '?' and created a stray database)."""
+    import sqlite3
+
+    from grpo_core.errors import ConfigError
+    from grpo_core.preflight import check_sqlite
+
+    folder = tmp_path / "runs ?#%20"
+    folder.mkdir()
+    db = folder / "mlflow.db"
+    sqlite3.connect(db).close()
+    before = db.stat().st_mtime_ns
+    check_sqlite(db, "tracking.dir", create=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs ?#%20"]
+    assert sorted(p.name for p in folder.iterdir()) == ["mlflow.db"] and db.stat().st_mtime_ns == before
+    db.write_bytes(b"not a database" * 100)
+    with pytest.raises(ConfigError, match="tracking.dir: cannot open the SQLite database"):
+        check_sqlite(db, "tracking.dir", create=False)
+
+
 def test_trainer_entry_point_takes_set_overrides(tmp_path):
     cmd = [sys.executable, "-m", "grpo_core.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--set", "train.max_steps=0"]
