@@ -791,6 +791,15 @@ class TrackingConfig(_Strict):
     """Base URL of the MLflow UI that links point to; None = ``tracking_uri`` when it is an http(s) server, else
     ``http://127.0.0.1:5000`` (what ``grpo ui --mlflow`` serves)."""
 
+    @field_validator("dir")
+    @classmethod
+    def _check_dir(cls, folder: Path) -> Path:
+        shown = folder.expanduser().resolve()
+        if "?" in str(shown) or "%" in str(shown):  # SQLAlchemy cuts the URL at '?' and decodes '%XX'
+            raise ValueError(f"tracking.dir: {shown} holds a '?' or '%', which the SQLite URL MLflow opens "
+                             "(sqlite:///<dir>/mlflow.db) cannot carry; choose a folder without them")
+        return folder
+
     @field_serializer("tracking_uri", "artifact_location", when_used="json")
     def _shown_url(self, url: SecretUrl | None) -> str | None:
         return None if url is None else str(url)

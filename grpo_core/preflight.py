@@ -50,8 +50,12 @@ def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
             raise ConfigError(f"{what}: cannot create the folder {path}: {exc.strerror or exc}; "
                               "point the setting at a writable folder") from None
     else:
-        while not target.exists():
-            target = target.parent
+        try:
+            while not target.exists():
+                target = target.parent
+        except OSError as exc:  # a parent this user cannot search
+            raise ConfigError(f"{what}: cannot check the folder {path}: {exc.strerror or exc}; "
+                              "point the setting at a writable folder") from None
         if not target.is_dir():
             raise ConfigError(f"{what}: cannot create the folder {path}: {target} is a file; "
                               "point the setting at a writable folder")
@@ -127,8 +131,10 @@ def check_tracking(cfg: RunConfig, create: bool = True) -> None:
                    create)
 
 
-def check_resume_from(cfg: RunConfig) -> None:
-    """``resume_from`` names a run of the MLflow store, before the flow opens a run of its own.
+def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
+    """``resume_from`` names a run of the MLflow store, before the flow opens a run of its own (``create``: False,
+    ``grpo validate``: a local SQLite store is read read-only, MLflow's ``runs`` table, instead of through an MLflow
+    client, which makes its folder and lock file and migrates its schema).
 
     Raises:
         ConfigError: no such run (or tracking is off), naming the id, the store and the fix.
@@ -147,7 +153,17 @@ def check_resume_from(cfg: RunConfig) -> None:
     try:
         if db is not None and not db.expanduser().is_file():  # no store holds no run (and opening one creates it)
             raise MlflowException(f"no MLflow store at {db}")
-        tracking.client(tc).get_run(cfg.resume_from)
+        if db is not None and not create:
+            try:
+                uri = db.expanduser().resolve().as_uri() + "?mode=ro"
+                with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=10)) as store:
+                    found = store.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (cfg.resume_from,)).fetchone()
+            except sqlite3.Error as exc:  # not a database, or no runs table yet
+                raise MlflowException(str(exc)) from None
+            if found is None:
+                raise MlflowException(f"no run {cfg.resume_from}")
+        else:
+            tracking.client(tc).get_run(cfg.resume_from)
     except MlflowException:
         raise ConfigError(f"resume_from={cfg.resume_from!r}: no such run in the MLflow store "
                           f"{tc.shown_tracking_uri()}; copy the id from the MLflow UI (grpo ui --mlflow) or point "
@@ -417,7 +433,7 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     check_tokens(cfg)
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)", create)
     check_tracking(cfg, create)
-    check_resume_from(cfg)
+    check_resume_from(cfg, create)
     check_model(cfg)
     if cfg.server.backend == "vllm" and cfg.server.starts_here():
         from grpo_core.serving.vllm import choose_backend

@@ -98,6 +98,38 @@ def test_validate_opens_an_existing_store_read_only_whatever_its_path(tmp_path):
         check_sqlite(db, "tracking.dir", create=False)
 
 
+def test_validate_finds_the_resume_from_run_without_touching_the_store(tmp_path):
+    """``grpo validate --set resume_from=ID`` looks the run up read-only: an MLflow client would make the store's lock
+    file and migrate its schema. A run the store lacks, and a store that does not exist, are named."""
+    import mlflow
+
+    store = tmp_path / "mlflow"
+    store.mkdir()
+    client = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    before = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
+    where = ["--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={store}"]
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    ok = _invoke("validate", "--config", tiny, *where, "--set", f"resume_from={run_id}")
+    assert ok.exit_code == 0, ok.output
+    missing = _invoke("validate", "--config", tiny, *where, "--set", "resume_from=0123456789abcdef0123456789abcdef")
+    assert missing.exit_code == 2 and "no such run in the MLflow store" in " ".join(missing.output.split())
+    assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before, "validate wrote to the store"
+    elsewhere = _invoke("validate", "--config", tiny, "--set", f"tracking.dir={tmp_path / 'none'}",
+                        "--set", f"resume_from={run_id}")
+    assert elsewhere.exit_code == 2 and "no such run" in " ".join(elsewhere.output.split())
+    assert not (tmp_path / "none").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("folder", ["runs?x/mlflow", "runs%20x/mlflow"])
+def test_a_tracking_dir_the_sqlite_url_cannot_carry_is_refused(folder, tmp_path):
+    from grpo_core.config import RunConfig
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"tracking.dir: .* holds a '\?' or '%'"):
+        RunConfig.model_validate({"tracking": {"dir": str(tmp_path / folder)}})
+
+
 def test_trainer_entry_point_takes_set_overrides(tmp_path):
     cmd = [sys.executable, "-m", "grpo_core.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--set", "train.max_steps=0"]

@@ -240,10 +240,12 @@ from prefect.concurrency.sync import concurrency
 from flows.grpo_train import gpu_slots
 from grpo_core.config import RunConfig
 
-events = []
+events, said_waiting = [], threading.Event()
 class Record(logging.Handler):
     def emit(self, record):
         events.append((time.time(), record.getMessage()))
+        if record.getMessage().startswith("waiting for"):
+            said_waiting.set()
 logging.getLogger("prefect.flow_runs").addHandler(Record())
 
 @flow
@@ -260,11 +262,13 @@ def phase(fn):
     return [(t, m) for t, m in events if "slot" in m or m.startswith(("asking", "inside", "left", "released"))]
 
 def held():
-    def holder():
+    holding = threading.Event()
+    def holder():  # holds the slot until the run has said it waits (at most 120 s)
         with concurrency("gpu", occupy=1, strict=True):
-            time.sleep(3)
+            holding.set()
+            said_waiting.wait(120)
         events.append((time.time(), "released"))
-    t = threading.Thread(target=holder); t.start(); time.sleep(1); take("a"); t.join()
+    t = threading.Thread(target=holder); t.start(); holding.wait(120); take("a"); t.join()
 
 if sys.argv[1] == "alone":
     print(json.dumps({"free": phase(lambda: take("a")), "held": phase(held)}))

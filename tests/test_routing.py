@@ -102,6 +102,7 @@ def test_with_every_replica_down_each_retry_tries_the_next_replica():
     (401, "Unauthorized", True, True), (403, "outside the adapter folder", True, True), (422, "invalid", True, True),
     (400, "adapter folder doesn't contain tensors", True, False),  # shared storage lags: retried
     (404, "No adapter found for s3://b/policy-v3", True, False),
+    (404, "Not Found", True, True),  # vLLM started without runtime LoRA updating: the route is missing
     (400, "The lora adapter 'policy-v3' has already been loaded.", True, True),
     (409, "conflict", True, True)])
 def test_which_control_refusals_are_retried(status, text, reads_storage, final):

@@ -64,17 +64,20 @@ def refusal_is_final(status: int | None, text: str, reads_storage: bool) -> bool
     Args:
         status: the HTTP status of the answer (None: no answer, e.g. a replica that is restarting; retried).
         text: the error's message (a 400 naming one of :data:`PERMANENT_400` is final).
-        reads_storage: the call loads files from shared storage, which can lag: its 400 and 404 ("no adapter
-            found") are retried.
+        reads_storage: the call loads files from shared storage, which can lag: its 400s (not of
+            :data:`PERMANENT_400`) and its 404 "No adapter found" (vLLM's words, and the embedded server's, for a
+            LoRA folder it cannot see yet) are retried.
 
     Returns:
-        True for a 4xx but 408/429 (the server asks to come back), unless ``reads_storage`` and a 400/404 not of
-        :data:`PERMANENT_400`; False for no answer or a 5xx.
+        True for a 4xx but 408/429 (the server asks to come back) and the storage refusals above; False for no
+        answer or a 5xx. A plain 404 (a route the server lacks, e.g. vLLM without runtime LoRA updating) is final.
     """
     if status is None or not 400 <= status < 500 or status in (408, 429):
         return False
-    if reads_storage and status in (400, 404):
+    if reads_storage and status == 400:
         return any(phrase in text for phrase in PERMANENT_400)
+    if reads_storage and status == 404:
+        return "No adapter found" not in text
     return True
 
 
@@ -393,8 +396,8 @@ class ReplicaSet:
         """Run a control call on every replica, all or nothing.
 
         Each replica is retried every ``control_retry_s`` seconds until ``control_timeout_s``: an unreachable
-        replica, a 5xx, a 408/429 always; a 400/404 only when ``reads_storage`` (the call loads files a replica may
-        not see yet on shared storage) and not one of :data:`PERMANENT_400`; no other 4xx
+        replica, a 5xx, a 408/429 always; a 400 or a 404 "No adapter found" only when ``reads_storage`` (the call
+        loads files a replica may not see yet on shared storage), a 400 not of :data:`PERMANENT_400`; no other 4xx
         (:func:`refusal_is_final`). If one still fails, ``undo`` runs (with the same retries, errors logged) on the
         replicas that succeeded.
 
