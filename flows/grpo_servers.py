@@ -192,6 +192,9 @@ def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: 
     period = min(2.0, cfg.server.lifeline_timeout_s / 4)
     restarts = [0] * len(procs.servers)
     starting: dict[int, Any] = {}  # replica -> the Future of its wait_healthy after a relaunch
+
+    def failed_start(i: int, exc: Exception) -> None:  # tried again on a later pass while restarts last
+        log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i], cfg.server.start_retries, exc)
     last_beat, last_change = None, time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
@@ -221,9 +224,8 @@ def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: 
                         starting.pop(i).result()
                         log.info("replica %d serves again at %s%s", i, handle.url, "" if cfg.serves_lora() else
                                  " (it refuses later policy versions until a weight sync reaches it)")
-                    except ServerStartError as exc:  # its process is stopped: tried again while restarts last
-                        log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i],
-                                    cfg.server.start_retries, exc)
+                    except ServerStartError as exc:  # its process is stopped
+                        failed_start(i, exc)
                     continue
                 if handle.process.poll() is None or handle.url == "":
                     continue
@@ -235,8 +237,7 @@ def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: 
                 try:
                     procs.servers[i] = relaunch(handle, procs.token)
                 except ServingError as exc:  # nothing started (its log cannot be written)
-                    log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i],
-                                cfg.server.start_retries, exc)
+                    failed_start(i, exc)
                     continue
                 starting[i] = pool.submit(wait_healthy, procs.servers[i], cfg.server.startup_timeout_s, procs.token,
                                           fenced_ok=True)  # no generation check follows

@@ -66,6 +66,17 @@ def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
     return path
 
 
+def open_sqlite(path: Path, read_only: bool = False) -> contextlib.closing:
+    """A connection to the SQLite file ``path`` (closed on leaving the ``with``); ``read_only``: opened through its
+    ``file:`` URI with ``mode=ro`` (``Path.as_uri`` escapes a '?' or '#' of the path), which creates nothing.
+
+    Raises:
+        sqlite3.Error: it cannot be opened.
+    """
+    target = Path(path).expanduser().resolve().as_uri() + "?mode=ro" if read_only else str(path)
+    return contextlib.closing(sqlite3.connect(target, timeout=10, uri=read_only))
+
+
 def check_sqlite(path: Path, what: str, create: bool = True) -> None:
     """Create ``path``'s folder and open (or create) the SQLite database there once.
 
@@ -83,8 +94,7 @@ def check_sqlite(path: Path, what: str, create: bool = True) -> None:
     if not create and not path.exists():
         return
     try:
-        target = path.resolve().as_uri() + "?mode=ro" if not create else str(path)  # as_uri: '?', '#' escaped
-        with contextlib.closing(sqlite3.connect(target, timeout=10, uri=not create)) as db:
+        with open_sqlite(path, read_only=not create) as db:
             db.execute("PRAGMA schema_version").fetchone()
     except sqlite3.Error as exc:
         raise ConfigError(f"{what}: cannot open the SQLite database {path.resolve()}: {exc}") from None
@@ -155,8 +165,7 @@ def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
             raise MlflowException(f"no MLflow store at {db}")
         if db is not None and not create:
             try:
-                uri = db.expanduser().resolve().as_uri() + "?mode=ro"
-                with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=10)) as store:
+                with open_sqlite(db, read_only=True) as store:
                     found = store.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (cfg.resume_from,)).fetchone()
             except sqlite3.Error as exc:  # not a database, or no runs table yet
                 raise MlflowException(str(exc)) from None

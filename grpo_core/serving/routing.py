@@ -166,11 +166,10 @@ class RoutingPolicy:
             ``count`` (generation requests; not ``/v1/models`` and other reads).
         """
         counts = self.counts if count else RouteCounts()
-        healthy = [i for i, ok in enumerate(self.healthy) if ok]
-        candidates = healthy or list(range(len(self.healthy)))
-        if not healthy:
+        candidates = [i for i, ok in enumerate(self.healthy) if ok]
+        if not candidates:
             counts.unmatched += 1
-            return self._least_loaded(candidates), UNMATCHED
+            return self._least_loaded(list(range(len(self.healthy)))), UNMATCHED
         home = self.homes.get(key) if key is not None else None
         if home is not None and home in candidates:
             self.homes.move_to_end(key)
