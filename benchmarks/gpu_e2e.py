@@ -43,14 +43,31 @@ from grpo_core.lifeline import interruptible  # noqa: E402
 from grpo_core.metrics import JsonlSink  # noqa: E402
 from grpo_core.serving.client import parse_metrics  # noqa: E402
 
-RUNS = {"1xh200": "configs/gpu-1xh200.yaml", "1xh200-lora": "configs/gpu-1xh200-lora.yaml",
-        "2xh200": "configs/gpu-2xh200.yaml", "qwen3-0.6b-random": "configs/gpu-qwen3-0.6b-random.yaml"}
+RUNS = {
+    "1xh200": "configs/gpu-1xh200.yaml",
+    "1xh200-lora": "configs/gpu-1xh200-lora.yaml",
+    "2xh200": "configs/gpu-2xh200.yaml",
+    "qwen3-0.6b-random": "configs/gpu-qwen3-0.6b-random.yaml",
+}
 #: Overrides that turn a GPU config into a CPU smoke run of the same code path (embedded server, tiny model).
-CPU_SMOKE = ["model.name=tiny-qwen3", "model.dtype=auto", "server.backend=embedded", "server.gpu_ids=null",
-             "server.port=0", "server.max_model_len=256", "server.max_num_seqs=32", "server.embedded_num_threads=1",
-             "train.device=cpu", "train.gpu_ids=null", "rollout.max_completion_length=24", "rollout.dataset_size=64",
-             "rollout.first_step_tokens=1024", "packing.token_budget=512", "train.gradient_accumulation_steps=1",
-             "rollout.reward_functions=[grpo_core.demo_rewards:even_token_reward]"]
+CPU_SMOKE = [
+    "model.name=tiny-qwen3",
+    "model.dtype=auto",
+    "server.backend=embedded",
+    "server.gpu_ids=null",
+    "server.port=0",
+    "server.max_model_len=256",
+    "server.max_num_seqs=32",
+    "server.embedded_num_threads=1",
+    "train.device=cpu",
+    "train.gpu_ids=null",
+    "rollout.max_completion_length=24",
+    "rollout.dataset_size=64",
+    "rollout.first_step_tokens=1024",
+    "packing.token_budget=512",
+    "train.gradient_accumulation_steps=1",
+    "rollout.reward_functions=[grpo_core.demo_rewards:even_token_reward]",
+]
 
 
 class Sampler(threading.Thread):
@@ -66,8 +83,12 @@ class Sampler(threading.Thread):
         while not self.stop_event.wait(1.0):
             point = {"t_s": round(time.monotonic() - self.t0, 1)}
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=10).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
                 for line in out.strip().splitlines():
                     index, used = (x.strip() for x in line.split(","))
                     self.gpu_peak_mib[index] = max(self.gpu_peak_mib.get(index, 0.0), float(used))
@@ -76,10 +97,14 @@ class Sampler(threading.Thread):
                 pass
             if self.vllm_url:
                 try:
-                    snap = parse_metrics(httpx.get(self.vllm_url + "/metrics", headers=bearer_headers(run_token()),
-                                                   timeout=2).text)
-                    point.update(kv_usage=snap.kv_cache_usage_frac, running=snap.num_requests_running,
-                                 waiting=snap.num_requests_waiting)
+                    snap = parse_metrics(
+                        httpx.get(self.vllm_url + "/metrics", headers=bearer_headers(run_token()), timeout=2).text
+                    )
+                    point.update(
+                        kv_usage=snap.kv_cache_usage_frac,
+                        running=snap.num_requests_running,
+                        waiting=snap.num_requests_waiting,
+                    )
                 except (httpx.HTTPError, ValueError):
                     pass
             self.series.append(point)
@@ -109,8 +134,16 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
     ``stopped_at_window``: still running at ``--timeout-s``, stopped by this script, which is not a failure;
     ``interrupted``: this script was stopped during the run)."""
     out_dir = Path(args.work) / name
-    sets = [f"train.max_steps={args.steps}", "tracking.log_model=false", f"train.output_dir={out_dir}",
-            f"tracking.dir={Path(args.work) / 'mlflow'}"] + (CPU_SMOKE if args.cpu_smoke else []) + args.set
+    sets = (
+        [
+            f"train.max_steps={args.steps}",
+            "tracking.log_model=false",
+            f"train.output_dir={out_dir}",
+            f"tracking.dir={Path(args.work) / 'mlflow'}",
+        ]
+        + (CPU_SMOKE if args.cpu_smoke else [])
+        + args.set
+    )
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / RUNS[name])]
     cmd += [x for s in sets for x in ("--set", s)]
     port = None if args.cpu_smoke else 8000  # the GPU configs serve vLLM replica 0 on server.port 8000
@@ -123,9 +156,15 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
     with log.open("w") as f:
         # The run's token comes from here (the flow uses GRPO_RUN_TOKEN when set), so the sampler may read /metrics.
         # SIGINT's default action in the flow, which _stop_flow relies on, even when this script is a background job
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                env={**os.environ, TOKEN_ENV: ensure_run_token()},
-                                preexec_fn=interruptible)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, TOKEN_ENV: ensure_run_token()},
+            preexec_fn=interruptible,
+        )
         try:
             code = proc.wait(timeout=args.timeout_s)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:  # over time, or this benchmark was stopped
@@ -136,9 +175,15 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
             if proc.poll() is None:  # an error of this script itself: the flow must not outlive it
                 _stop_flow(proc, args.stop_grace_s)
     sampler.stop_event.set()
-    result = {"run": name, "exit_code": code, "wall_s": round(time.monotonic() - started, 1),
-              "gpu_peak_mib": sampler.gpu_peak_mib, "vllm_series": sampler.series, "interrupted": interrupted,
-              "stopped_at_window": stopped_at_window}
+    result = {
+        "run": name,
+        "exit_code": code,
+        "wall_s": round(time.monotonic() - started, 1),
+        "gpu_peak_mib": sampler.gpu_peak_mib,
+        "vllm_series": sampler.series,
+        "interrupted": interrupted,
+        "stopped_at_window": stopped_at_window,
+    }
     metrics = sorted(out_dir.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
     if metrics:
         result.update(figures(JsonlSink.read(metrics[-1]), args.warmup_steps))
@@ -149,9 +194,11 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
 
 
 #: Log lines that mark a start-up phase or a step (flow, server, rollout and trainer logs).
-TIMELINE = re.compile(r"Beginning flow run|Finished in state|healthy|Application startup complete|started the rollout"
-                      r"|Flight server listening|compiled \d+ length buckets|step \d+:|checkpoint step|Traceback"
-                      r"|Error|rank \d+.*(loaded|ready)|Starting vLLM|torch.compile|CUDA graph|init engine|KV cache")
+TIMELINE = re.compile(
+    r"Beginning flow run|Finished in state|healthy|Application startup complete|started the rollout"
+    r"|Flight server listening|compiled \d+ length buckets|step \d+:|checkpoint step|Traceback"
+    r"|Error|rank \d+.*(loaded|ready)|Starting vLLM|torch.compile|CUDA graph|init engine|KV cache"
+)
 
 
 def timeline(log: Path, out_dir: Path) -> str:
@@ -159,8 +206,9 @@ def timeline(log: Path, out_dir: Path) -> str:
     server, rollout and trainer output) and the rollout's own log, filtered by :data:`TIMELINE`."""
     lines = [f"== {log}"] + [x[:300] for x in log.read_text(errors="replace").splitlines() if TIMELINE.search(x)]
     for rollout_log in sorted(out_dir.glob("*/rollout.log")):
-        lines += [f"== {rollout_log}"] + [x[:300] for x in rollout_log.read_text(errors="replace").splitlines()
-                                          if TIMELINE.search(x)][:200]
+        lines += [f"== {rollout_log}"] + [
+            x[:300] for x in rollout_log.read_text(errors="replace").splitlines() if TIMELINE.search(x)
+        ][:200]
     return "\n".join(lines) + "\n"
 
 
@@ -172,13 +220,18 @@ def _mean(values: list[float]) -> float:
 def figures(records: list[dict], warmup: int) -> dict:
     """Steady-state figures of one run from its per-step metrics (DESIGN.md §7 names)."""
     steady = [r for r in records if r.get("step", 0) > warmup] or records
-    col = (lambda key, rs=steady: [r[key] for r in rs if key in r])
+    col = lambda key, rs=steady: [r[key] for r in rs if key in r]
     step_s = sum(col("perf/step_s"))
-    rate = (lambda key: sum(col(key)) / step_s if step_s else float("nan"))
+    rate = lambda key: sum(col(key)) / step_s if step_s else float("nan")
     staleness0 = col("sampling/importance_sampling_ratio/staleness0_mean", records)
-    fresh = [(r["sampling/importance_sampling_ratio/staleness0_mean"],
-              r.get("sampling/importance_sampling_ratio/staleness0_token_count", 1.0))
-             for r in records if "sampling/importance_sampling_ratio/staleness0_mean" in r]
+    fresh = [
+        (
+            r["sampling/importance_sampling_ratio/staleness0_mean"],
+            r.get("sampling/importance_sampling_ratio/staleness0_token_count", 1.0),
+        )
+        for r in records
+        if "sampling/importance_sampling_ratio/staleness0_mean" in r
+    ]
     fresh_tokens = sum(n for _, n in fresh)
     return {
         "steps": records[-1]["step"] if records else 0,
@@ -199,20 +252,40 @@ def figures(records: list[dict], warmup: int) -> dict:
         "running_requests_mean": _mean(col("rollout/vllm_running_requests")),
         "aborted_turns": sum(col("rollout/aborted_turn_count", records)),
         "aborted_groups": sum(col("rollout/aborted_group_count", records)),
-        "reward_first5": _mean(col("reward", records)[:5]), "reward_last5": _mean(col("reward", records)[-5:]),
-        "per_step": [{k: r.get(k) for k in ("step", "reward", "perf/step_s", "perf/trained_tokens_per_s",
-                                             "sampling/importance_sampling_ratio/mean",
-                                             "sampling/importance_sampling_ratio/staleness0_mean",
-                                             "sampling/importance_sampling_ratio/staleness0_token_count",
-                                             "sampling/importance_sampling_ratio/min",
-                                             "sampling/importance_sampling_ratio/max",
-                                             "sampling/sampling_logp_difference/mean",
-                                             "sampling/sampling_logp_difference/max", "perf/rollout_wait_s", "rollout/backpressure_s",
-                                             "rollout/concurrency", "rollout/queued_tokens", "rollout/token_allowance",
-                                             "rollout/group_count", "rollout/duration_s", "rollout/score_s",
-                                             "router/replica_down_count", "rollout/vllm_retry_count",
-                                             "rollout/vllm_kv_cache_usage_frac", "rollout/vllm_running_requests",
-                                             "rollout/concurrency_cap")} for r in records],
+        "reward_first5": _mean(col("reward", records)[:5]),
+        "reward_last5": _mean(col("reward", records)[-5:]),
+        "per_step": [
+            {
+                k: r.get(k)
+                for k in (
+                    "step",
+                    "reward",
+                    "perf/step_s",
+                    "perf/trained_tokens_per_s",
+                    "sampling/importance_sampling_ratio/mean",
+                    "sampling/importance_sampling_ratio/staleness0_mean",
+                    "sampling/importance_sampling_ratio/staleness0_token_count",
+                    "sampling/importance_sampling_ratio/min",
+                    "sampling/importance_sampling_ratio/max",
+                    "sampling/sampling_logp_difference/mean",
+                    "sampling/sampling_logp_difference/max",
+                    "perf/rollout_wait_s",
+                    "rollout/backpressure_s",
+                    "rollout/concurrency",
+                    "rollout/queued_tokens",
+                    "rollout/token_allowance",
+                    "rollout/group_count",
+                    "rollout/duration_s",
+                    "rollout/score_s",
+                    "router/replica_down_count",
+                    "rollout/vllm_retry_count",
+                    "rollout/vllm_kv_cache_usage_frac",
+                    "rollout/vllm_running_requests",
+                    "rollout/concurrency_cap",
+                )
+            }
+            for r in records
+        ],
     }
 
 
@@ -249,13 +322,25 @@ def plot(result: dict, path: Path) -> None:
 
 def table(results: list[dict]) -> str:
     """The printed comparison table."""
-    cols = [("run", "run", "{}"), ("exit", "exit_code", "{}"), ("steps", "steps", "{}"), ("wall s", "wall_s", "{:.0f}"),
-            ("gen tok/s", "generated_tokens_per_s", "{:.0f}"), ("train tok/s", "trained_tokens_per_s", "{:.0f}"),
-            ("fwd tok/s", "forwarded_tokens_per_s", "{:.0f}"), ("step s", "step_s_median", "{:.2f}"),
-            ("wait s", "rollout_wait_s_mean", "{:.2f}"), ("sync s", "weight_sync_s_mean", "{:.3f}"),
-            ("IS r st0", "is_ratio_staleness0_mean", "{:.4f}"), ("IS r", "is_ratio_mean", "{:.4f}"),
-            ("KV use", "kv_usage_mean", "{:.2f}"), ("running", "running_requests_mean", "{:.0f}"),
-            ("aborted", "aborted_turns", "{:.0f}"), ("reward 5→5", None, None), ("peak MiB", None, None)]
+    cols = [
+        ("run", "run", "{}"),
+        ("exit", "exit_code", "{}"),
+        ("steps", "steps", "{}"),
+        ("wall s", "wall_s", "{:.0f}"),
+        ("gen tok/s", "generated_tokens_per_s", "{:.0f}"),
+        ("train tok/s", "trained_tokens_per_s", "{:.0f}"),
+        ("fwd tok/s", "forwarded_tokens_per_s", "{:.0f}"),
+        ("step s", "step_s_median", "{:.2f}"),
+        ("wait s", "rollout_wait_s_mean", "{:.2f}"),
+        ("sync s", "weight_sync_s_mean", "{:.3f}"),
+        ("IS r st0", "is_ratio_staleness0_mean", "{:.4f}"),
+        ("IS r", "is_ratio_mean", "{:.4f}"),
+        ("KV use", "kv_usage_mean", "{:.2f}"),
+        ("running", "running_requests_mean", "{:.0f}"),
+        ("aborted", "aborted_turns", "{:.0f}"),
+        ("reward 5→5", None, None),
+        ("peak MiB", None, None),
+    ]
     lines = [" | ".join(h for h, _, _ in cols)]
     for r in results:
         cells = []
@@ -263,7 +348,9 @@ def table(results: list[dict]) -> str:
             if key is None:
                 continue
             value = r.get(key, "-")
-            cells.append(fmt.format(value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value))
+            cells.append(
+                fmt.format(value) if isinstance(value, int | float) and not isinstance(value, bool) else str(value)
+            )
         cells.append(f"{r.get('reward_first5', float('nan')):.2f}→{r.get('reward_last5', float('nan')):.2f}")
         cells.append(",".join(f"{k}:{v:.0f}" for k, v in sorted(r["gpu_peak_mib"].items())) or "-")
         lines.append(" | ".join(cells))
@@ -277,8 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup-steps", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=420, help="wall-clock limit per run")
-    p.add_argument("--stop-grace-s", type=float, default=30,
-                   help="after the SIGINT that stops a run (over time, or this script stopped), SIGKILL it this late")
+    p.add_argument(
+        "--stop-grace-s",
+        type=float,
+        default=30,
+        help="after the SIGINT that stops a run (over time, or this script stopped), SIGKILL it this late",
+    )
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/gpu-e2e")))
     p.add_argument("--work", default=str(ROOT / "runs" / "gpu-e2e"), help="run folders and logs")
     p.add_argument("--cpu-smoke", action="store_true", help="embedded server and tiny model on CPU (same code path)")
@@ -310,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     for r in results:
         if r["stopped_at_window"]:
-            print(f"--- {r['run']} still running at --timeout-s {args.timeout_s:g}: stopped after {r.get('steps', 0)} "
-                  f"steps (figures above are of those steps)")
+            print(
+                f"--- {r['run']} still running at --timeout-s {args.timeout_s:g}: stopped after {r.get('steps', 0)} "
+                f"steps (figures above are of those steps)"
+            )
         if "error" in r:
             print(f"--- {r['run']} failed; log tail:\n{r['error'][-2500:]}")
     return 1 if any(("error" in r) or r["interrupted"] for r in results) else 0

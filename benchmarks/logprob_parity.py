@@ -96,8 +96,17 @@ def read_dump(path: Path) -> tuple[list[Sequence], dict]:
             raise ValueError(f"{path}:{n + 1}: sampling {rec['sampling']} differs from the first line's {sampling}")
         sampling = rec["sampling"]
         for s in rec["sequences"]:
-            seqs.append(Sequence(s["input_ids"], s["completion_mask"], s["sampler_logprobs"], s.get("topk"),
-                                 rec["group_id"], rec["prompt_index"], n + 1))
+            seqs.append(
+                Sequence(
+                    s["input_ids"],
+                    s["completion_mask"],
+                    s["sampler_logprobs"],
+                    s.get("topk"),
+                    rec["group_id"],
+                    rec["prompt_index"],
+                    n + 1,
+                )
+            )
     if not seqs:
         raise ValueError(f"{path} holds no rollout; run the rollout with GRPO_DEBUG_ROLLOUT_DUMP={path}")
     return seqs, sampling
@@ -106,8 +115,9 @@ def read_dump(path: Path) -> tuple[list[Sequence], dict]:
 # -- (a), (b): plain Hugging Face forwards ---------------------------------------------------------------
 
 
-def hf_logprobs(model_dir: str, seqs: list[Sequence], dtype: torch.dtype, device: torch.device,
-                temperature: float, name: str) -> None:
+def hf_logprobs(
+    model_dir: str, seqs: list[Sequence], dtype: torch.dtype, device: torch.device, temperature: float, name: str
+) -> None:
     """log π of each sequence's trained tokens from one eager transformers forward per sequence
     (``log_softmax(logits.float() / T)``), stored as ``seq.logp[name]``."""
     from transformers import AutoModelForCausalLM
@@ -141,13 +151,20 @@ def run_config(args, sampling: dict, work: Path, with_topk: bool) -> RunConfig:
         data["rollout"].update({k: sampling[k] for k in ("temperature", "top_k", "top_p", "min_p")})
         data["packing"]["token_budget"] = args.token_budget
     elif not math.isclose(cfg.rollout.temperature, sampling["temperature"]):
-        raise ValueError(f"--config has rollout.temperature={cfg.rollout.temperature} but the dump was sampled "
-                         f"at {sampling['temperature']}; give the run's own config")
+        raise ValueError(
+            f"--config has rollout.temperature={cfg.rollout.temperature} but the dump was sampled "
+            f"at {sampling['temperature']}; give the run's own config"
+        )
     if not with_topk:
         data["rollout"]["num_sampler_logprobs"] = 0
         data["train"]["score_centering"] = False
-    data["train"].update(device=args.device, samples_path=str(work / "samples.arrow"), output_dir=str(work / "out"),
-                         max_steps=10**6, max_untrainable_groups=10**6)
+    data["train"].update(
+        device=args.device,
+        samples_path=str(work / "samples.arrow"),
+        output_dir=str(work / "out"),
+        max_steps=10**6,
+        max_untrainable_groups=10**6,
+    )
     return RunConfig.model_validate(data)
 
 
@@ -156,8 +173,16 @@ def to_samples(seqs: list[Sequence], with_topk: bool) -> list[Sample]:
     the log-probs)."""
     out = []
     for i, s in enumerate(seqs):
-        sample = Sample.build(s.input_ids, s.completion_mask, s.sampler_logprobs, sample_id=i, group_id=s.group_id,
-                              prompt_index=s.prompt_index, advantage=1.0, policy_version=0)
+        sample = Sample.build(
+            s.input_ids,
+            s.completion_mask,
+            s.sampler_logprobs,
+            sample_id=i,
+            group_id=s.group_id,
+            prompt_index=s.prompt_index,
+            advantage=1.0,
+            policy_version=0,
+        )
         if with_topk:  # as the rollout encodes them (grpo_core.rollout.scoring)
             sample.sampler_topk = token_lists([{int(k): v for k, v in e} for e in s.topk or [[] for _ in s.input_ids]])
         out.append(sample)
@@ -201,15 +226,29 @@ def trainer_logprobs(args, seqs: list[Sequence], sampling: dict) -> dict:
                 res = trainer.row_loss(rt, n, len(rows))
                 res.loss.backward()
                 trainer.optimizer.zero_grad(set_to_none=True)
-                _scatter(seqs, row, res.logprobs.logprobs.detach().double().cpu().numpy(),
-                         res.stats["ratio"].detach().double().cpu().numpy(), rows_done, rt.tree_mask.length)
+                _scatter(
+                    seqs,
+                    row,
+                    res.logprobs.logprobs.detach().double().cpu().numpy(),
+                    res.stats["ratio"].detach().double().cpu().numpy(),
+                    rows_done,
+                    rt.tree_mask.length,
+                )
                 rows_done += 1
             step += 1
-        facts = {"buckets": list(trainer.buckets or ()), "compiled": trainer.compiled,
-                 "flex_attention": trainer.flex is not None, "train_dtype": cfg.train.dtype,
-                 "mixed_precision": cfg.train.mixed_precision, "token_budget": cfg.token_budget(),
-                 "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps, "rows": rows_done,
-                 "fp32_logits": cfg.train.fp32_logits, "stale_masks": args.stale_masks, "row_steps": row_steps}
+        facts = {
+            "buckets": list(trainer.buckets or ()),
+            "compiled": trainer.compiled,
+            "flex_attention": trainer.flex is not None,
+            "train_dtype": cfg.train.dtype,
+            "mixed_precision": cfg.train.mixed_precision,
+            "token_budget": cfg.token_budget(),
+            "gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
+            "rows": rows_done,
+            "fp32_logits": cfg.train.fp32_logits,
+            "stale_masks": args.stale_masks,
+            "row_steps": row_steps,
+        }
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -254,12 +293,27 @@ def compare(seqs: list[Sequence], name: str, ref: str | None) -> dict:
         return {"tokens": 0}
     d = np.array([r[0] for r in rows])
     worst = np.argsort(-np.abs(d))[:WORST]
-    return {"tokens": len(d), "ratio_mean": float(np.mean(np.exp(d))), "abs_logp_diff_mean": float(np.mean(np.abs(d))),
-            "abs_logp_diff_max": float(np.max(np.abs(d))), "logp_diff_mean": float(np.mean(d)),
-            "worst": [{"delta_logp": float(rows[w][0]), "sequence": rows[w][1], "dump_line": rows[w][5],
-                       "seq_pos": rows[w][2], "token_id": int(rows[w][3]), "row": int(rows[w][4][0]),
-                       "row_pos": int(rows[w][4][1]), "row_len": int(rows[w][4][2]), "bucket": int(rows[w][4][3])}
-                      for w in worst]}
+    return {
+        "tokens": len(d),
+        "ratio_mean": float(np.mean(np.exp(d))),
+        "abs_logp_diff_mean": float(np.mean(np.abs(d))),
+        "abs_logp_diff_max": float(np.max(np.abs(d))),
+        "logp_diff_mean": float(np.mean(d)),
+        "worst": [
+            {
+                "delta_logp": float(rows[w][0]),
+                "sequence": rows[w][1],
+                "dump_line": rows[w][5],
+                "seq_pos": rows[w][2],
+                "token_id": int(rows[w][3]),
+                "row": int(rows[w][4][0]),
+                "row_pos": int(rows[w][4][1]),
+                "row_len": int(rows[w][4][2]),
+                "bucket": int(rows[w][4][3]),
+            }
+            for w in worst
+        ],
+    }
 
 
 def by_row(seqs: list[Sequence], ref: str, row_steps: list[list[int]]) -> list[dict]:
@@ -275,8 +329,19 @@ def by_row(seqs: list[Sequence], ref: str, row_steps: list[list[int]]) -> list[d
     out = []
     for r in sorted(rows):
         n, bucket, d = rows[r][0], rows[r][1], np.array(rows[r][2])
-        out.append({"row": r, "step": row_steps[r][0], "micro_batch": row_steps[r][1], "row_len": n, "bucket": bucket, "tokens": len(d), "ratio_mean": float(np.mean(np.exp(d))),
-                    "abs_logp_diff_mean": float(np.mean(np.abs(d))), "abs_logp_diff_max": float(np.max(np.abs(d)))})
+        out.append(
+            {
+                "row": r,
+                "step": row_steps[r][0],
+                "micro_batch": row_steps[r][1],
+                "row_len": n,
+                "bucket": bucket,
+                "tokens": len(d),
+                "ratio_mean": float(np.mean(np.exp(d))),
+                "abs_logp_diff_mean": float(np.mean(np.abs(d))),
+                "abs_logp_diff_max": float(np.max(np.abs(d))),
+            }
+        )
     return out
 
 
@@ -284,23 +349,33 @@ def print_report(results: dict) -> None:
     print(f"{'comparison':<22}{'tokens':>8}{'mean exp(Δ)':>14}{'mean |Δ|':>12}{'max |Δ|':>12}")
     for key, r in results["comparisons"].items():
         if r["tokens"]:
-            print(f"{key:<22}{r['tokens']:>8}{r['ratio_mean']:>14.6f}{r['abs_logp_diff_mean']:>12.2e}"
-                  f"{r['abs_logp_diff_max']:>12.2e}")
+            print(
+                f"{key:<22}{r['tokens']:>8}{r['ratio_mean']:>14.6f}{r['abs_logp_diff_mean']:>12.2e}"
+                f"{r['abs_logp_diff_max']:>12.2e}"
+            )
     for key in ("trainer_vs_hf_fp32", "hf_fp32_vs_sampler"):
         r = results["comparisons"].get(key)
         if not r or not r["tokens"]:
             continue
         print(f"\nworst tokens, {key}:")
-        print(f"{'Δlogp':>10}{'seq':>6}{'line':>6}{'seq_pos':>9}{'token':>8}{'row':>5}{'row_pos':>9}"
-              f"{'row_len':>9}{'bucket':>8}")
+        print(
+            f"{'Δlogp':>10}{'seq':>6}{'line':>6}{'seq_pos':>9}{'token':>8}{'row':>5}{'row_pos':>9}"
+            f"{'row_len':>9}{'bucket':>8}"
+        )
         for w in r["worst"]:
-            print(f"{w['delta_logp']:>10.2e}{w['sequence']:>6}{w['dump_line']:>6}{w['seq_pos']:>9}{w['token_id']:>8}"
-                  f"{w['row']:>5}{w['row_pos']:>9}{w['row_len']:>9}{w['bucket']:>8}")
+            print(
+                f"{w['delta_logp']:>10.2e}{w['sequence']:>6}{w['dump_line']:>6}{w['seq_pos']:>9}{w['token_id']:>8}"
+                f"{w['row']:>5}{w['row_pos']:>9}{w['row_len']:>9}{w['bucket']:>8}"
+            )
     print("\ntrainer vs hf_fp32 per packed row:")
-    print(f"{'row':>5}{'step':>5}{'mb':>4}{'row_len':>9}{'bucket':>8}{'tokens':>8}{'mean exp(Δ)':>14}{'mean |Δ|':>12}{'max |Δ|':>12}")
+    print(
+        f"{'row':>5}{'step':>5}{'mb':>4}{'row_len':>9}{'bucket':>8}{'tokens':>8}{'mean exp(Δ)':>14}{'mean |Δ|':>12}{'max |Δ|':>12}"
+    )
     for r in results["trainer_rows"]:
-        print(f"{r['row']:>5}{r['step']:>5}{r['micro_batch']:>4}{r['row_len']:>9}{r['bucket']:>8}{r['tokens']:>8}{r['ratio_mean']:>14.6f}"
-              f"{r['abs_logp_diff_mean']:>12.2e}{r['abs_logp_diff_max']:>12.2e}")
+        print(
+            f"{r['row']:>5}{r['step']:>5}{r['micro_batch']:>4}{r['row_len']:>9}{r['bucket']:>8}{r['tokens']:>8}{r['ratio_mean']:>14.6f}"
+            f"{r['abs_logp_diff_mean']:>12.2e}{r['abs_logp_diff_max']:>12.2e}"
+        )
     print("\nset-up:", json.dumps(results["setup"]))
 
 
@@ -311,9 +386,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--config", default=None, help="the run's config (token budget, buckets, dtype, compile...)")
     ap.add_argument("--token-budget", type=int, default=8192, help="row token budget without --config")
-    ap.add_argument("--stale-masks", action="store_true",
-                    help="CUDA: build every micro-batch's FlexAttention mask before the step's first forward, as the "
-                         "trainer did before the shared-bucket-buffer fix (shows what that ordering did)")
+    ap.add_argument(
+        "--stale-masks",
+        action="store_true",
+        help="CUDA: build every micro-batch's FlexAttention mask before the step's first forward, as the "
+        "trainer did before the shared-bucket-buffer fix (shows what that ordering did)",
+    )
     ap.add_argument("--skip-bf16", action="store_true", help="leave out the bf16 Hugging Face forward")
     ap.add_argument("--out", type=Path, default=None, help="JSON of the figures (default <dump>.parity.json)")
     args = ap.parse_args(argv)
@@ -324,9 +402,13 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_bf16:
         hf_logprobs(args.model_dir, seqs, torch.bfloat16, device, temperature, "hf_bf16")
     setup = trainer_logprobs(args, seqs, sampling)
-    setup.update(sampling=sampling, device=args.device, sequences=len(seqs),
-                 sampled_tokens=int(sum(len(s.trained) for s in seqs)),
-                 trainer_tokens=int(sum(np.isfinite(s.logp["trainer"]).sum() for s in seqs)))
+    setup.update(
+        sampling=sampling,
+        device=args.device,
+        sequences=len(seqs),
+        sampled_tokens=int(sum(len(s.trained) for s in seqs)),
+        trainer_tokens=int(sum(np.isfinite(s.logp["trainer"]).sum() for s in seqs)),
+    )
     comparisons = {"hf_fp32_vs_sampler": compare(seqs, "hf_fp32", None)}
     if not args.skip_bf16:
         comparisons["hf_bf16_vs_sampler"] = compare(seqs, "hf_bf16", None)

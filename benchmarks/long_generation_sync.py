@@ -40,8 +40,15 @@ from grpo_core.train.policy import Policy, build_policy  # noqa: E402
 from grpo_core.train.run import make_weight_sync  # noqa: E402
 
 PROMPT = [1, 9038, 2684, 28, 253, 1046, 314, 2117]
-CPU_SMOKE = ["model.name=tiny-qwen3", "model.dtype=auto", "server.backend=embedded", "server.gpu_ids=null",
-             "server.embedded_num_threads=1", "train.device=cpu", "train.gpu_ids=null"]
+CPU_SMOKE = [
+    "model.name=tiny-qwen3",
+    "model.dtype=auto",
+    "server.backend=embedded",
+    "server.gpu_ids=null",
+    "server.embedded_num_threads=1",
+    "train.device=cpu",
+    "train.gpu_ids=null",
+]
 
 
 def generated(url: str) -> float:
@@ -57,8 +64,15 @@ def trainer_policy(cfg: RunConfig) -> Policy:
     names, dtypes) as in a run."""
     tc = cfg.train
     device = torch.device("cuda" if tc.device == "cuda" else "cpu")
-    return build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype), device=device,
-                        lora=tc.lora, temperature=cfg.rollout.temperature, chunk_size=1024)
+    return build_policy(
+        str(resolve_model_dir(cfg.model)),
+        cfg.model,
+        dtype=getattr(torch, tc.dtype),
+        device=device,
+        lora=tc.lora,
+        temperature=cfg.rollout.temperature,
+        chunk_size=1024,
+    )
 
 
 def perturb(policy: torch.nn.Module, scale: float = 1e-3) -> None:
@@ -75,17 +89,25 @@ async def one_case(url: str, model: str, tokens: int, interrupt) -> dict:
     async with GenerationClient(url, timeout_s=600, max_retries=0) as client:
         start = generated(url)
         t0 = time.monotonic()
-        task = asyncio.create_task(client.complete(PROMPT, model=model, max_tokens=tokens, temperature=1.0, seed=7,
-                                                   ignore_eos=True, num_logprobs=1))
+        task = asyncio.create_task(
+            client.complete(
+                PROMPT, model=model, max_tokens=tokens, temperature=1.0, seed=7, ignore_eos=True, num_logprobs=1
+            )
+        )
         while generated(url) <= start + 8 and not task.done():
             await asyncio.sleep(0.02)
         at_s = time.monotonic() - t0
         await asyncio.to_thread(interrupt)
         in_flight = not task.done()
         (out,) = await task
-        return {"finish_reason": out.finish_reason, "tokens": len(out.token_ids), "asked": tokens,
-                "interrupt_at_s": round(at_s, 3), "in_flight_after_interrupt": in_flight,
-                "total_s": round(time.monotonic() - t0, 3)}
+        return {
+            "finish_reason": out.finish_reason,
+            "tokens": len(out.token_ids),
+            "asked": tokens,
+            "interrupt_at_s": round(at_s, 3),
+            "in_flight_after_interrupt": in_flight,
+            "total_s": round(time.monotonic() - t0, 3),
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[])
     args = p.parse_args(argv)
     work = args.out.resolve() / "run"  # servers' logs and the trainer output folder (synced weights)
-    cfg = load_config(args.config, (CPU_SMOKE if args.cpu_smoke else []) + [
-        "server.port=0", f"server.max_model_len={args.tokens + 64}", f"rollout.max_completion_length={args.tokens}",
-        f"server.log_dir={work / 'servers'}", f"train.output_dir={work}", "train.lora.enabled=false", *args.set])
+    cfg = load_config(
+        args.config,
+        (CPU_SMOKE if args.cpu_smoke else [])
+        + [
+            "server.port=0",
+            f"server.max_model_len={args.tokens + 64}",
+            f"rollout.max_completion_length={args.tokens}",
+            f"server.log_dir={work / 'servers'}",
+            f"train.output_dir={work}",
+            "train.lora.enabled=false",
+            *args.set,
+        ],
+    )
     handles = provision(cfg)
     try:
         url = handles[0].url
@@ -110,13 +142,27 @@ def main(argv: list[str] | None = None) -> int:
         name = cfg.served_model_name()
         keep = asyncio.run(one_case(url, name, args.tokens, lambda: sync.sync(policy, 1, rank=0)))
         auth = bearer_headers(run_token())
-        no_mode = asyncio.run(one_case(url, name, args.tokens, lambda: (httpx.post(url + "/pause", headers=auth, timeout=60),
-                                                                         httpx.post(url + "/resume", headers=auth, timeout=60))))
+        no_mode = asyncio.run(
+            one_case(
+                url,
+                name,
+                args.tokens,
+                lambda: (
+                    httpx.post(url + "/pause", headers=auth, timeout=60),
+                    httpx.post(url + "/resume", headers=auth, timeout=60),
+                ),
+            )
+        )
     finally:
         teardown(handles)
     ok = keep["finish_reason"] == "length" and keep["tokens"] == args.tokens and keep["in_flight_after_interrupt"]
-    result = {"server": handles[0].spec.backend, "sync": type(sync).__name__, "keep_mode_sync": keep,
-              "pause_without_mode": no_mode, "intact": ok}
+    result = {
+        "server": handles[0].spec.backend,
+        "sync": type(sync).__name__,
+        "keep_mode_sync": keep,
+        "pause_without_mode": no_mode,
+        "intact": ok,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "long_generation_sync.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -63,10 +63,17 @@ def make_grpo_workload(num_groups: int, group_size: int, system_prompt_len: int,
         prompt = np.concatenate([system, _tokens(rng, 256, 1024)])
         advantages = rng.standard_normal(group_size).astype(np.float32)
         for k in range(group_size):
-            samples.append(_sample(
-                [prompt, _tokens(rng, 64, 2048)], [False, True], rng, sample_id=len(samples),
-                group_id=g, prompt_index=g, advantage=float(advantages[k]),
-            ))
+            samples.append(
+                _sample(
+                    [prompt, _tokens(rng, 64, 2048)],
+                    [False, True],
+                    rng,
+                    sample_id=len(samples),
+                    group_id=g,
+                    prompt_index=g,
+                    advantage=float(advantages[k]),
+                )
+            )
     return samples
 
 
@@ -96,10 +103,17 @@ def make_multiturn_workload(num_groups: int, group_size: int, seed: int) -> list
             history: list[np.ndarray] = [prompt]
             for _ in range(rng.integers(2, 5)):
                 reasoning, answer = _tokens(rng, 64, 512), _tokens(rng, 16, 128)
-                samples.append(_sample(
-                    [*history, reasoning, answer], [False] * len(history) + [True, True], rng,
-                    sample_id=len(samples), group_id=g, prompt_index=g, advantage=float(advantages[k]),
-                ))
+                samples.append(
+                    _sample(
+                        [*history, reasoning, answer],
+                        [False] * len(history) + [True, True],
+                        rng,
+                        sample_id=len(samples),
+                        group_id=g,
+                        prompt_index=g,
+                        advantage=float(advantages[k]),
+                    )
+                )
                 history += [answer, _tokens(rng, 32, 256)]
     return samples
 
@@ -164,13 +178,16 @@ def to_trl_samples(samples: Sequence[Sample]) -> list[dict]:
     """Sample dicts as TRL's ``TokenBudgetBatcher`` reads them (torch tensors)."""
     import torch
 
-    return [{
-        "input_ids": torch.from_numpy(s.input_ids.astype(np.int64)),
-        "completion_mask": torch.from_numpy(s.completion_mask.astype(np.int64)),
-        "old_log_probs": torch.from_numpy(s.sampler_logprobs),
-        "advantage": s.advantage,
-        "group_id": s.group_id,
-    } for s in samples]
+    return [
+        {
+            "input_ids": torch.from_numpy(s.input_ids.astype(np.int64)),
+            "completion_mask": torch.from_numpy(s.completion_mask.astype(np.int64)),
+            "old_log_probs": torch.from_numpy(s.sampler_logprobs),
+            "advantage": s.advantage,
+            "group_id": s.group_id,
+        }
+        for s in samples
+    ]
 
 
 def pack_with_trl(samples: Sequence[dict], num_ranks: int, token_budget: int):
@@ -262,7 +279,7 @@ def bench_workload(name: str, samples: list[Sample], args: argparse.Namespace) -
     subsets = {"rust": samples, "python": groups_prefix(samples, args.python_groups)}
     results = []
     for backend, subset in subsets.items():
-        batches = [samples_to_arrow(subset[i:i + args.batch_size]) for i in range(0, len(subset), args.batch_size)]
+        batches = [samples_to_arrow(subset[i : i + args.batch_size]) for i in range(0, len(subset), args.batch_size)]
         if backend == "rust":  # warm-up (first-call allocations), untimed
             pack_with_grpo_flow(backend, batches[:2], args.ranks, args.budget)
         repeat = args.rust_repeat if backend == "rust" else 1
@@ -297,19 +314,42 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     from rich.table import Table
 
     table = Table(title=f"Packing: token budget {args.budget}, {args.ranks} ranks, seed {args.seed}")
-    for col in ("workload", "backend", "samples", "raw tokens", "raw tok/s", "samples/s", "rust ×",
-                "packing ratio", "(closed)", "row fill", "row imbalance", "(closed)", "rows", "dropped",
-                "peak RSS MiB"):
+    for col in (
+        "workload",
+        "backend",
+        "samples",
+        "raw tokens",
+        "raw tok/s",
+        "samples/s",
+        "rust ×",
+        "packing ratio",
+        "(closed)",
+        "row fill",
+        "row imbalance",
+        "(closed)",
+        "rows",
+        "dropped",
+        "peak RSS MiB",
+    ):
         table.add_column(col, justify="left" if col in ("workload", "backend") else "right")
     rust = {r["workload"]: r["raw_tokens_per_s"] for r in results if r["backend"] == "rust"}
     for r in results:
         table.add_row(
-            r["workload"], r["backend"], f"{r['samples']:,}", f"{r['raw_tokens']:,}",
-            f"{r['raw_tokens_per_s']:,.0f}", f"{r['samples_per_s']:,.0f}",
-            f"{rust[r['workload']] / r['raw_tokens_per_s']:.0f}×", f"{r['packing_ratio']:.3f}",
-            _fmt(r["packing_ratio_closed"]), f"{r['row_fill_frac']:.3f}", f"{r['row_imbalance']:.3f}",
-            _fmt(r["row_imbalance_closed"]), str(r["rows"]),
-            str(r["dropped_oversize_count"]), f"{r['peak_rss_mb']:.1f}",
+            r["workload"],
+            r["backend"],
+            f"{r['samples']:,}",
+            f"{r['raw_tokens']:,}",
+            f"{r['raw_tokens_per_s']:,.0f}",
+            f"{r['samples_per_s']:,.0f}",
+            f"{rust[r['workload']] / r['raw_tokens_per_s']:.0f}×",
+            f"{r['packing_ratio']:.3f}",
+            _fmt(r["packing_ratio_closed"]),
+            f"{r['row_fill_frac']:.3f}",
+            f"{r['row_imbalance']:.3f}",
+            _fmt(r["row_imbalance_closed"]),
+            str(r["rows"]),
+            str(r["dropped_oversize_count"]),
+            f"{r['peak_rss_mb']:.1f}",
         )
     Console(width=220).print(table)
     print(

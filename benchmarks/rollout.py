@@ -55,13 +55,26 @@ def run_config(args: argparse.Namespace, log_dir: Path) -> RunConfig:
     """The benchmark's run config (embedded server on loopback, reasoning-gym prompts)."""
     return RunConfig(
         model={"name": args.model},
-        server={"backend": "embedded", "port": 0, "max_model_len": args.max_model_len,
-                "max_num_seqs": args.max_num_seqs,
-                "embedded_num_threads": args.threads, "log_dir": log_dir, "startup_timeout_s": 600},
-        rollout={"dataset": f"reasoning_gym:{args.task}", "dataset_size": args.num_prompts, "dataset_seed": 0,
-                 "num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
-                 "num_sampler_logprobs": args.num_sampler_logprobs, "temperature": 1.0,
-                 "first_step_tokens": 1 << 20, "concurrency_poll_s": 2.0},
+        server={
+            "backend": "embedded",
+            "port": 0,
+            "max_model_len": args.max_model_len,
+            "max_num_seqs": args.max_num_seqs,
+            "embedded_num_threads": args.threads,
+            "log_dir": log_dir,
+            "startup_timeout_s": 600,
+        },
+        rollout={
+            "dataset": f"reasoning_gym:{args.task}",
+            "dataset_size": args.num_prompts,
+            "dataset_seed": 0,
+            "num_generations": args.num_generations,
+            "max_completion_length": args.max_completion_length,
+            "num_sampler_logprobs": args.num_sampler_logprobs,
+            "temperature": 1.0,
+            "first_step_tokens": 1 << 20,
+            "concurrency_poll_s": 2.0,
+        },
     )
 
 
@@ -146,24 +159,34 @@ class RunningPoller:
         mean = sum(self.running) / len(self.running) if self.running else 0.0
         per_replica = []
         for points in self.cache.values():
-            queried, hit = ((points[-1][0] - points[0][0], points[-1][1] - points[0][1]) if len(points) > 1
-                            else (0.0, 0.0))
+            queried, hit = (
+                (points[-1][0] - points[0][0], points[-1][1] - points[0][1]) if len(points) > 1 else (0.0, 0.0)
+            )
             per_replica.append((queried, hit))
         queried = sum(q for q, _ in per_replica)
-        return {"server_running_mean": round(mean, 1), "server_running_max": max(self.running, default=0.0),
-                "kv_usage_max": round(max(self.kv, default=0.0), 4),
-                "prefix_cache_hit_frac": round(sum(h for _, h in per_replica) / queried, 4) if queried else None,
-                "prefix_cache_hit_frac_per_replica": [round(h / q, 4) if q else None for q, h in per_replica]}
+        return {
+            "server_running_mean": round(mean, 1),
+            "server_running_max": max(self.running, default=0.0),
+            "kv_usage_max": round(max(self.kv, default=0.0), 4),
+            "prefix_cache_hit_frac": round(sum(h for _, h in per_replica) / queried, 4) if queried else None,
+            "prefix_cache_hit_frac_per_replica": [round(h / q, 4) if q else None for q, h in per_replica],
+        }
 
 
-def measure(config: RunConfig, server_urls: list[str], server_pids: list[int], run_dir: Path,
-            seconds: float | None = None) -> dict:
+def measure(
+    config: RunConfig, server_urls: list[str], server_pids: list[int], run_dir: Path, seconds: float | None = None
+) -> dict:
     """Pull every sample of the run (or for ``seconds``); returns the figures, CPU seconds of the rollout
     process, the server processes and the servers' child processes included."""
     started = start_rollout_process(config, server_urls, run_dir)
     process = started.process
-    source = FlightSource(started.wait_location(), max_staleness=config.rollout.max_staleness, timeout_s=600,
-                          process=process, error_path=started.error_path)
+    source = FlightSource(
+        started.wait_location(),
+        max_staleness=config.rollout.max_staleness,
+        timeout_s=600,
+        process=process,
+        error_path=started.error_path,
+    )
     samples = trained = 0
 
     def server_cpu() -> tuple[float, float]:
@@ -192,8 +215,11 @@ def measure(config: RunConfig, server_urls: list[str], server_pids: list[int], r
         source.close()
         started.stop()
     groups = metrics.get("rollout/group_count", 0.0)
-    router = {k.removeprefix("router/"): round(v, 4) for k, v in metrics.items()
-              if k in ("router/affinity_hit_frac", "router/unmatched_frac", "router/spill_frac")}
+    router = {
+        k.removeprefix("router/"): round(v, 4)
+        for k, v in metrics.items()
+        if k in ("router/affinity_hit_frac", "router/unmatched_frac", "router/spill_frac")
+    }
     return {
         "wall_s": round(wall_s, 2),
         "groups": int(groups),
@@ -238,8 +264,11 @@ def config_runs(args: argparse.Namespace, log_dir: Path) -> list[tuple[str, RunC
         SystemExit: a variant changes the server settings.
     """
     base = [*args.set, f"server.log_dir={log_dir}", "rollout.first_step_tokens=1048576"]
-    runs = [(v or "as configured", load_config(args.config, base + [o for o in (v or "").split(",") if o]))
-            for v in (args.variant or [""])]
+    runs = [
+        (v or "as configured", load_config(args.config, base + [o for o in (v or "").split(",") if o]))
+        for v in (args.variant or [""])
+    ]
+
     def started(cfg: RunConfig) -> object:  # what provision() reads; the routing settings are the rollout's
         return cfg.server.model_copy(update={"route_imbalance": 0})
 
@@ -261,12 +290,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--num-sampler-logprobs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads of the embedded server (1 avoids OpenMP spinning on a shared machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads of the embedded server (1 avoids OpenMP spinning on a shared machine)",
+    )
     p.add_argument("--config", help="a run config file: its server and rollout (the options above are ignored)")
     p.add_argument("--set", action="append", default=[], help="override of --config, key=value (repeatable)")
-    p.add_argument("--variant", action="append",
-                   help="comma-separated overrides of --config, one measurement each (repeatable)")
+    p.add_argument(
+        "--variant", action="append", help="comma-separated overrides of --config, one measurement each (repeatable)"
+    )
     p.add_argument("--seconds", type=float, help="measure this long per variant (default: the whole dataset)")
     p.add_argument("--out", type=Path, help="with --config: also write the report to this JSON file")
     args = p.parse_args(argv)
@@ -280,8 +314,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             for i, (label, config) in enumerate(runs):
                 reset_prefix_caches([h.url for h in handles])
-                figures = measure(config, [h.url for h in handles], [h.process.pid for h in handles],
-                                  Path(tmp) / f"rollout{i}", args.seconds)
+                figures = measure(
+                    config,
+                    [h.url for h in handles],
+                    [h.process.pid for h in handles],
+                    Path(tmp) / f"rollout{i}",
+                    args.seconds,
+                )
                 results.append({"variant": label, **figures})
                 if args.config and not args.json:
                     print(json.dumps(results[-1]), flush=True)
@@ -289,17 +328,27 @@ def main(argv: Sequence[str] | None = None) -> None:
             teardown(handles)
     if args.config:
         server = runs[0][1].server
-        report = {"hardware": f"cpu x{os.cpu_count()}", "config": args.config, "set": args.set,
-                  "server": f"{server.backend} max_num_seqs={server.max_num_seqs}", "commit": git_commit(),
-                  "results": results}
+        report = {
+            "hardware": f"cpu x{os.cpu_count()}",
+            "config": args.config,
+            "set": args.set,
+            "server": f"{server.backend} max_num_seqs={server.max_num_seqs}",
+            "commit": git_commit(),
+            "results": results,
+        }
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1))
         print(json.dumps(report) if args.json else json.dumps(report, indent=1))
         return
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "config", "set", "variant", "seconds", "out")}
-    result = {"hardware": f"cpu x{os.cpu_count()}", "server": "embedded", "commit": git_commit(), **settings,
-              **results[0]}
+    result = {
+        "hardware": f"cpu x{os.cpu_count()}",
+        "server": "embedded",
+        "commit": git_commit(),
+        **settings,
+        **results[0],
+    }
     del result["variant"]
     if args.json:
         print(json.dumps(result))

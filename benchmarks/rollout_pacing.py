@@ -86,8 +86,14 @@ class _Handler(BaseHTTPRequestHandler):
             srv.in_flight -= 1
             srv.generated += length
         ids = [7] * length
-        choice = {"index": 0, "text": "x" * length, "token_ids": ids, "prompt_token_ids": body["prompt"],
-                  "logprobs": {"token_logprobs": [-1.0] * length}, "finish_reason": "length"}
+        choice = {
+            "index": 0,
+            "text": "x" * length,
+            "token_ids": ids,
+            "prompt_token_ids": body["prompt"],
+            "logprobs": {"token_logprobs": [-1.0] * length},
+            "finish_reason": "length",
+        }
         self._answer(200, json.dumps({"choices": [choice]}).encode())
 
     def _answer(self, status: int, data: bytes) -> None:
@@ -116,8 +122,14 @@ class CountingAllowance(TokenAllowance):
         self.taken += tokens
 
 
-def consume(queue: SampleQueue, allowance: CountingAllowance, step_raw: int, train_s: float,
-            stop: threading.Event, waits: list[float]) -> None:
+def consume(
+    queue: SampleQueue,
+    allowance: CountingAllowance,
+    step_raw: int,
+    train_s: float,
+    stop: threading.Event,
+    waits: list[float],
+) -> None:
     """The trainer's side: take a step's raw tokens (everything queued, as the planner's pulls do), train, report."""
     version, base = 0, 0
     while not stop.is_set():
@@ -141,20 +153,33 @@ def run(args: argparse.Namespace) -> dict:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     rng = random.Random(0)
     rows = [{"prompt": f"What is {i} + {i + 1}?", "keep": rng.random() < args.kept} for i in range(100_000)]
-    cfg = RolloutConfig(num_generations=args.g, max_completion_length=args.max_tokens, num_sampler_logprobs=0,
-                        max_staleness=args.max_staleness, max_concurrent_rollouts=args.max_concurrent)
+    cfg = RolloutConfig(
+        num_generations=args.g,
+        max_completion_length=args.max_tokens,
+        num_sampler_logprobs=0,
+        max_staleness=args.max_staleness,
+        max_concurrent_rollouts=args.max_concurrent,
+    )
     allowance = CountingAllowance(cfg.max_staleness, args.first_step_tokens)
     queue = SampleQueue(allowance, with_topk=False)
     stop, waits, series = threading.Event(), [], []
 
     async def go() -> None:
-        client = GenerationClient(server.url, max_connections=cfg.max_concurrent_rollouts, timeout_s=300,
-                                  max_retries=0)
-        runtime = LoopRuntime(tokenizer=tokenizer, server=ReplicaSet([client]), model_name="m", max_model_len=2048,
-                              dataset=rows, queue=queue, allowance=allowance, reward_functions=[keep_pattern])
+        client = GenerationClient(server.url, max_connections=cfg.max_concurrent_rollouts, timeout_s=300, max_retries=0)
+        runtime = LoopRuntime(
+            tokenizer=tokenizer,
+            server=ReplicaSet([client]),
+            model_name="m",
+            max_model_len=2048,
+            dataset=rows,
+            queue=queue,
+            allowance=allowance,
+            reward_functions=[keep_pattern],
+        )
         task = asyncio.create_task(drive(RolloutLoop(cfg, runtime)))
-        consumer = threading.Thread(target=consume, args=(queue, allowance, args.step_raw, args.train_s, stop, waits),
-                                    daemon=True)
+        consumer = threading.Thread(
+            target=consume, args=(queue, allowance, args.step_raw, args.train_s, stop, waits), daemon=True
+        )
         consumer.start()
         t0 = time.monotonic()
         while time.monotonic() - t0 < args.seconds:
@@ -170,13 +195,21 @@ def run(args: argparse.Namespace) -> dict:
     asyncio.run(go())
     server.shutdown()
     steady = [n for t, n, _ in series if t >= args.seconds / 4]
-    return {"decode_tok_s_per_request": args.decode_tok_s, "g": args.g, "kept": args.kept,
-            "max_staleness": args.max_staleness, "step_raw_tokens": args.step_raw, "train_s": args.train_s,
-            "seconds": args.seconds, "steps": len(waits),
-            "in_flight_mean": statistics.fmean(steady), "in_flight_max": max(n for _, n, _ in series),
-            "generated_tok_s": (server.generated - generated0) / args.seconds,
-            "consumer_wait_s_median": statistics.median(waits) if waits else float("nan"),
-            "allowance_limit_last": series[-1][2]}
+    return {
+        "decode_tok_s_per_request": args.decode_tok_s,
+        "g": args.g,
+        "kept": args.kept,
+        "max_staleness": args.max_staleness,
+        "step_raw_tokens": args.step_raw,
+        "train_s": args.train_s,
+        "seconds": args.seconds,
+        "steps": len(waits),
+        "in_flight_mean": statistics.fmean(steady),
+        "in_flight_max": max(n for _, n, _ in series),
+        "generated_tok_s": (server.generated - generated0) / args.seconds,
+        "consumer_wait_s_median": statistics.median(waits) if waits else float("nan"),
+        "allowance_limit_last": series[-1][2],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,9 +62,19 @@ async def drive(rs: ReplicaSet, args: argparse.Namespace, model: str, tag: str =
 
     async def group(g: int) -> int:
         async with slots:
-            outs = await asyncio.gather(*(rs.complete(prompts[g], affinity_key=(tag, g), model=model,
-                                                      max_tokens=args.max_tokens, seed=i, ignore_eos=True)
-                                          for i in range(args.group_size)))
+            outs = await asyncio.gather(
+                *(
+                    rs.complete(
+                        prompts[g],
+                        affinity_key=(tag, g),
+                        model=model,
+                        max_tokens=args.max_tokens,
+                        seed=i,
+                        ignore_eos=True,
+                    )
+                    for i in range(args.group_size)
+                )
+            )
             return sum(len(o[0].token_ids) for o in outs)
 
     start = time.perf_counter()
@@ -74,13 +84,24 @@ async def drive(rs: ReplicaSet, args: argparse.Namespace, model: str, tag: str =
 
 def one(args: argparse.Namespace, num_replicas: int, log_dir: Path) -> dict:
     """Start ``num_replicas`` replicas, run the groups, stop them; one table row."""
-    config = RunConfig(model=ModelConfig(name=args.model), server={
-        "backend": "embedded", "port": 0, "num_replicas": num_replicas, "embedded_num_threads": args.threads,
-        "max_model_len": args.prompt_len + args.max_tokens + 16, "max_num_seqs": 64, "log_dir": log_dir,
-        "startup_timeout_s": 600}, rollout={"max_completion_length": args.max_tokens, "num_sampler_logprobs": 0},
-        train={"score_centering": False})
+    config = RunConfig(
+        model=ModelConfig(name=args.model),
+        server={
+            "backend": "embedded",
+            "port": 0,
+            "num_replicas": num_replicas,
+            "embedded_num_threads": args.threads,
+            "max_model_len": args.prompt_len + args.max_tokens + 16,
+            "max_num_seqs": 64,
+            "log_dir": log_dir,
+            "startup_timeout_s": 600,
+        },
+        rollout={"max_completion_length": args.max_tokens, "num_sampler_logprobs": 0},
+        train={"score_centering": False},
+    )
     handles = provision(config)
     try:
+
         async def go() -> tuple[int, float, object]:
             async with ReplicaSet([h.url for h in handles], route_imbalance=args.route_imbalance) as rs:
                 warm = argparse.Namespace(**{**vars(args), "groups": num_replicas})
@@ -88,12 +109,20 @@ def one(args: argparse.Namespace, num_replicas: int, log_dir: Path) -> dict:
                 rs.policy.counts = RouteCounts()  # count the measured run only
                 tokens, wall = await drive(rs, args, config.served_model_name())
                 return tokens, wall, rs.policy.counts
+
         tokens, wall, counts = asyncio.run(go())
     finally:
         teardown(handles)
-    return {"replicas": num_replicas, "requests": counts.total, "hit_frac": counts.hits / counts.total,
-            "unmatched_frac": counts.unmatched / counts.total, "spill_frac": counts.spills / counts.total,
-            "generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    return {
+        "replicas": num_replicas,
+        "requests": counts.total,
+        "hit_frac": counts.hits / counts.total,
+        "unmatched_frac": counts.unmatched / counts.total,
+        "spill_frac": counts.spills / counts.total,
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+    }
 
 
 def main() -> None:
@@ -104,22 +133,40 @@ def main() -> None:
     base = rows[0]["tokens_per_s"]
     for row in rows:
         row["speedup_vs_first"] = row["tokens_per_s"] / base
-    meta = {"commit": git_commit(), "host": platform.node(), "cpus": os.cpu_count(), "model": args.model,
-            "group_size": args.group_size, "groups": args.groups, "groups_in_flight": args.groups_in_flight,
-            "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "threads_per_replica": args.threads}
+    meta = {
+        "commit": git_commit(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "model": args.model,
+        "group_size": args.group_size,
+        "groups": args.groups,
+        "groups_in_flight": args.groups_in_flight,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "threads_per_replica": args.threads,
+    }
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"routing: G={args.group_size}, {args.groups} groups, {args.model}, "
-                        f"{args.threads} thread(s)/replica on {os.cpu_count()} CPUs, commit {meta['commit']}")
+    table = Table(
+        title=f"routing: G={args.group_size}, {args.groups} groups, {args.model}, "
+        f"{args.threads} thread(s)/replica on {os.cpu_count()} CPUs, commit {meta['commit']}"
+    )
     for col in ("replicas", "requests", "hits", "unmatched", "spills", "generated tok/s", "x first"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["replicas"]), str(r["requests"]), f"{r['hit_frac']:.1%}", f"{r['unmatched_frac']:.1%}",
-                      f"{r['spill_frac']:.1%}", f"{r['tokens_per_s']:.0f}", f"{r['speedup_vs_first']:.2f}")
+        table.add_row(
+            str(r["replicas"]),
+            str(r["requests"]),
+            f"{r['hit_frac']:.1%}",
+            f"{r['unmatched_frac']:.1%}",
+            f"{r['spill_frac']:.1%}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['speedup_vs_first']:.2f}",
+        )
     Console().print(table)
 
 

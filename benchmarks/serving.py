@@ -38,25 +38,38 @@ from grpo_core.serving.vllm import provision, teardown  # noqa: E402
 
 from common import git_commit  # noqa: E402
 
-QUESTIONS = ["What is the capital of France?", "Explain photosynthesis in one paragraph.",
-             "Write a short poem about the sea.", "How do I sort a list in Python?",
-             "What causes the seasons on Earth?", "Give three tips for learning a language.",
-             "Describe a cat to someone who has never seen one.", "Why is the sky blue?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in one paragraph.",
+    "Write a short poem about the sea.",
+    "How do I sort a list in Python?",
+    "What causes the seasons on Earth?",
+    "Give three tips for learning a language.",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+]
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:  # noqa: ANN001 - a transformers tokenizer
     """``count`` chat prompts (token ids), cycling through ``QUESTIONS``."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                                          add_generation_prompt=True, return_dict=True)["input_ids"]
-            for i in range(count)]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        for i in range(count)
+    ]
 
 
 async def burst(url: str, model: str, batch: list[list[int]], max_tokens: int) -> dict:
     """Send all prompts at once; returns generated tokens, wall seconds and tokens/s."""
     async with GenerationClient(url, max_connections=len(batch), timeout_s=3600) as client:
         start = time.perf_counter()
-        outs = await asyncio.gather(*(client.complete(p, model=model, max_tokens=max_tokens, seed=i, ignore_eos=True)
-                                      for i, p in enumerate(batch)))
+        outs = await asyncio.gather(
+            *(
+                client.complete(p, model=model, max_tokens=max_tokens, seed=i, ignore_eos=True)
+                for i, p in enumerate(batch)
+            )
+        )
         wall = time.perf_counter() - start
     tokens = sum(len(o[0].token_ids) for o in outs)
     return {"generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
@@ -74,8 +87,16 @@ def naive_loop(model_name: str, batch: list[list[int]], max_tokens: int, threads
     for i, prompt in enumerate(batch):
         torch.manual_seed(i)
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+        )
         tokens += out.shape[1] - ids.shape[1]
     wall = time.perf_counter() - start
     return {"generated_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
@@ -87,25 +108,41 @@ def run(args: argparse.Namespace) -> dict:
 
     tokenizer = load_tokenizer(ModelConfig(name=args.model))
     with tempfile.TemporaryDirectory() as tmp:
-        config = RunConfig(model={"name": args.model},
-                           server={"backend": "embedded", "port": 0, "max_model_len": args.max_model_len,
-                                   "max_num_seqs": max(args.concurrency), "embedded_num_threads": args.threads,
-                                   "log_dir": Path(tmp), "startup_timeout_s": 600},
-                           rollout={"max_completion_length": args.max_tokens})
+        config = RunConfig(
+            model={"name": args.model},
+            server={
+                "backend": "embedded",
+                "port": 0,
+                "max_model_len": args.max_model_len,
+                "max_num_seqs": max(args.concurrency),
+                "embedded_num_threads": args.threads,
+                "log_dir": Path(tmp),
+                "startup_timeout_s": 600,
+            },
+            rollout={"max_completion_length": args.max_tokens},
+        )
         handles = provision(config)
         try:
             url = handles[0].url
             asyncio.run(burst(url, args.model, prompts(tokenizer, 2), 8))  # warm-up
-            results = {f"embedded_c{c}": asyncio.run(burst(url, args.model, prompts(tokenizer, c), args.max_tokens))
-                       for c in args.concurrency}
+            results = {
+                f"embedded_c{c}": asyncio.run(burst(url, args.model, prompts(tokenizer, c), args.max_tokens))
+                for c in args.concurrency
+            }
         finally:
             teardown(handles)
     results["naive"] = naive_loop(args.model, prompts(tokenizer, args.naive_requests), args.max_tokens, args.threads)
     for name, row in results.items():
         row["speedup_vs_naive"] = row["tokens_per_s"] / results["naive"]["tokens_per_s"]
-    return {"benchmark": "serving", "model": args.model, "max_tokens": args.max_tokens, "threads": args.threads,
-            "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "commit": git_commit(),
-            "results": results}
+    return {
+        "benchmark": "serving",
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "commit": git_commit(),
+        "results": results,
+    }
 
 
 def print_table(report: dict) -> None:
@@ -113,13 +150,20 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Generation, {report['model']}, {report['max_tokens']} new tokens, "
-                        f"{report['threads']} threads ({report['hardware']}, {report['commit']})")
+    table = Table(
+        title=f"Generation, {report['model']}, {report['max_tokens']} new tokens, "
+        f"{report['threads']} threads ({report['hardware']}, {report['commit']})"
+    )
     for column in ("setting", "generated tokens", "wall s", "tokens/s", "× naive"):
         table.add_column(column, justify="right")
     for name, row in report["results"].items():
-        table.add_row(name, str(row["generated_tokens"]), f"{row['wall_s']:.1f}", f"{row['tokens_per_s']:.1f}",
-                      f"{row['speedup_vs_naive']:.2f}")
+        table.add_row(
+            name,
+            str(row["generated_tokens"]),
+            f"{row['wall_s']:.1f}",
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['speedup_vs_naive']:.2f}",
+        )
     Console().print(table)
 
 

@@ -46,14 +46,42 @@ from grpo_core.train.rows import to_tensors
 
 #: Model shapes (config.json of the Qwen/Qwen3-* checkpoints; weights random).
 SHAPES = {
-    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32),
-    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
+    "0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "1.7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
+    "4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    ),
 }
 #: Activation checkpointing per shape in ``auto`` mode: 4B's eager activations at 16k tokens outgrow 141 GB.
 AUTO_CHECKPOINTING = {"4b": "selective"}
@@ -74,8 +102,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def workload(num_groups: int, group_size: int, vocab: int, prompt_len: int = 1024,
-             completion_len: tuple[int, int] = (128, 1024), topk: int = 8, seed: int = 0) -> list[Sample]:
+def workload(
+    num_groups: int,
+    group_size: int,
+    vocab: int,
+    prompt_len: int = 1024,
+    completion_len: tuple[int, int] = (128, 1024),
+    topk: int = 8,
+    seed: int = 0,
+) -> list[Sample]:
     """GRPO groups: one ``prompt_len`` prompt per group, completions of uniform length in ``completion_len``,
     sampler log-probs and (``topk`` > 0) top-k ids and log-probs per token.
 
@@ -92,13 +127,21 @@ def workload(num_groups: int, group_size: int, vocab: int, prompt_len: int = 102
             ids = np.concatenate([prompt, completion]).astype(np.int32)
             mask = np.r_[np.zeros(prompt_len, np.int8), np.ones(len(completion), np.int8)]
             lp = np.where(mask == 1, uniform + rng.normal(0.0, 0.3, len(mask)), 0).astype(np.float32)
-            s = Sample(sample_id=len(out), group_id=g, prompt_index=g, input_ids=ids, completion_mask=mask,
-                       sampler_logprobs=lp, advantage=float(rng.normal()))
+            s = Sample(
+                sample_id=len(out),
+                group_id=g,
+                prompt_index=g,
+                input_ids=ids,
+                completion_mask=mask,
+                sampler_logprobs=lp,
+                advantage=float(rng.normal()),
+            )
             if topk:
                 top_ids = rng.integers(0, vocab, (len(ids), topk)).astype(np.int32)
                 top_lp = np.sort(uniform + rng.normal(0.0, 0.3, (len(ids), topk)), 1)[:, ::-1].astype(np.float32)
-                s.sampler_topk = TokenLists(np.arange(len(ids) + 1, dtype=np.int32) * topk, top_ids.ravel(),
-                                            top_lp.ravel())
+                s.sampler_topk = TokenLists(
+                    np.arange(len(ids) + 1, dtype=np.int32) * topk, top_ids.ravel(), top_lp.ravel()
+                )
             out.append(s)
     return out
 
@@ -162,8 +205,14 @@ def _concat(parts: list[PackedRow]) -> PackedRow:
                     arrays.append(col)
             cols[name] = pa.concat_arrays(arrays)
         batches[part] = pa.record_batch(cols)
-    return PackedRow(**batches, num_forwarded=int(offsets[-1]), num_trained=sum(p.num_trained for p in parts),
-                     num_raw=sum(p.num_raw for p in parts), num_samples=len(parts), load=sum(p.load for p in parts))
+    return PackedRow(
+        **batches,
+        num_forwarded=int(offsets[-1]),
+        num_trained=sum(p.num_trained for p in parts),
+        num_raw=sum(p.num_raw for p in parts),
+        num_samples=len(parts),
+        load=sum(p.load for p in parts),
+    )
 
 
 def prepare(row: PackedRow, length: int, flex):
@@ -184,16 +233,23 @@ def step(policy, rt, settings: LossSettings) -> float:
     return time.perf_counter() - t0
 
 
-def run_rows(policy, rows: list[PackedRow], budget: int, flex,
-             settings: LossSettings = LossSettings(score_centering=False)) -> dict:
+def run_rows(
+    policy, rows: list[PackedRow], budget: int, flex, settings: LossSettings = LossSettings(score_centering=False)
+) -> dict:
     """Every row padded to ``budget`` and timed alone (row building excluded: the trainer overlaps it).
 
     Returns:
         ``seconds`` (sum), ``step_times_s``, token totals ``forwarded`` / ``trained`` / ``raw``, ``rows``.
     """
     times = [step(policy, prepare(row, budget, flex), settings) for row in rows]
-    return {"seconds": sum(times), "step_times_s": times, "forwarded": sum(r.num_forwarded for r in rows),
-            "trained": sum(r.num_trained for r in rows), "raw": sum(r.num_raw for r in rows), "rows": len(rows)}
+    return {
+        "seconds": sum(times),
+        "step_times_s": times,
+        "forwarded": sum(r.num_forwarded for r in rows),
+        "trained": sum(r.num_trained for r in rows),
+        "raw": sum(r.num_raw for r in rows),
+        "rows": len(rows),
+    }
 
 
 def summarise(times: list[float]) -> dict:
@@ -211,8 +267,9 @@ def write_json(out_dir: str | None, name: str, results) -> None:
 
 def print_table(results: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """A plain text table: ``columns`` = (key, header, format)."""
-    rows = [[("" if r.get(k) is None else (f.format(r[k]) if f else str(r[k]))) for k, _, f in columns]
-            for r in results]
+    rows = [
+        [("" if r.get(k) is None else (f.format(r[k]) if f else str(r[k]))) for k, _, f in columns] for r in results
+    ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (_, h, _) in enumerate(columns)]
     print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
     for row in rows:

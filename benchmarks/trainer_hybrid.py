@@ -33,15 +33,44 @@ from grpo_core.train.policy import Policy
 from grpo_core.train.recurrent import install_tree_recurrence
 
 #: Qwen3.5-2B's language model (Qwen/Qwen3.5-2B config.json, text_config).
-QWEN35_2B = dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-                 num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
-                 linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-                 linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                                  "mrope_section": [11, 11, 10], "mrope_interleaved": True})
-TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=8192)
+QWEN35_2B = dict(
+    vocab_size=248320,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    tie_word_embeddings=True,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+)
+TINY = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=8192,
+)
 
 
 def model(shape: dict, dtype: torch.dtype) -> Policy:
@@ -78,14 +107,22 @@ def benchmark(args: argparse.Namespace) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
         r = run_rows(policy, rows, args.budget, flex)
         s = r["seconds"]
-        results.append({
-            "model": "qwen3.5-2b-shape" if not args.tiny else "qwen3.5-tiny", "rows": kind, "gdn_kernel": gdn_kernel(),
-            "num_rows": r["rows"], "samples": len(samples), "fwd_bwd_s": s,
-            "forwarded_tokens_per_s": r["forwarded"] / s, "raw_tokens_per_s": r["raw"] / s,
-            "trained_tokens_per_s": r["trained"] / s, "packing_ratio": r["raw"] / r["forwarded"],
-            "mfu": 6 * n_params * r["forwarded"] / s / H200_BF16_PEAK,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None,
-        })
+        results.append(
+            {
+                "model": "qwen3.5-2b-shape" if not args.tiny else "qwen3.5-tiny",
+                "rows": kind,
+                "gdn_kernel": gdn_kernel(),
+                "num_rows": r["rows"],
+                "samples": len(samples),
+                "fwd_bwd_s": s,
+                "forwarded_tokens_per_s": r["forwarded"] / s,
+                "raw_tokens_per_s": r["raw"] / s,
+                "trained_tokens_per_s": r["trained"] / s,
+                "packing_ratio": r["raw"] / r["forwarded"],
+                "mfu": 6 * n_params * r["forwarded"] / s / H200_BF16_PEAK,
+                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else None,
+            }
+        )
     return results
 
 
@@ -97,14 +134,23 @@ def _forks(rng, vocab: int) -> list[Sample]:
         prompt = system + rng.integers(0, vocab, 30).tolist()
         for _ in range(4):
             completion = rng.integers(0, vocab, int(rng.integers(5, 150))).tolist()
-            samples.append(Sample.build(prompt + completion, [0] * len(prompt) + [1] * len(completion),
-                                        sample_id=len(samples), group_id=g))
+            samples.append(
+                Sample.build(
+                    prompt + completion, [0] * len(prompt) + [1] * len(completion), sample_id=len(samples), group_id=g
+                )
+            )
     tool = rng.integers(0, vocab, 12).tolist()
     for _ in range(2):
         turn = rng.integers(0, vocab, int(rng.integers(5, 80))).tolist()
         first = samples[1]
-        samples.append(Sample.build(list(first.input_ids) + tool + turn, list(first.completion_mask) + [0] * 12
-                                    + [1] * len(turn), sample_id=len(samples), group_id=0))
+        samples.append(
+            Sample.build(
+                list(first.input_ids) + tool + turn,
+                list(first.completion_mask) + [0] * 12 + [1] * len(turn),
+                sample_id=len(samples),
+                group_id=0,
+            )
+        )
     return samples
 
 
@@ -131,9 +177,15 @@ def equivalence() -> dict:
             mine = packed[torch.as_tensor(row.column("sample_index") == i, device=DEVICE)]
             worst = max(worst, (mine - logp[t - 1, ids[0, t]]).abs().max().item())
         base.config._attn_implementation = TREE_ATTENTION
-    return {"check": "qwen3.5_packed_vs_alone_fp32_max_abs_diff", "device": DEVICE.type, "gdn_kernel": gdn_kernel(),
-            "max_abs_diff": worst, "trained_tokens": row.num_trained, "packing_ratio": row.packing_ratio,
-            "packed_forward_s": seconds}
+    return {
+        "check": "qwen3.5_packed_vs_alone_fp32_max_abs_diff",
+        "device": DEVICE.type,
+        "gdn_kernel": gdn_kernel(),
+        "max_abs_diff": worst,
+        "trained_tokens": row.num_trained,
+        "packing_ratio": row.packing_ratio,
+        "packed_forward_s": seconds,
+    }
 
 
 def main() -> None:

@@ -27,14 +27,24 @@ def add_ranks_args(q) -> None:
     q.add_argument("--shape", default="0.6b", help="tiny, 0.6b, 1.7b or 4b")
     q.add_argument("--nproc", default="1,2", help="comma-separated rank counts, each a run of its own")
     q.add_argument("--steps", type=int, default=10, help="optimizer steps per run, resume included")
-    q.add_argument("--resume-at", type=int, default=8,
-                   help="the largest rank count checkpoints here, stops and resumes (0 = no resume)")
+    q.add_argument(
+        "--resume-at",
+        type=int,
+        default=8,
+        help="the largest rank count checkpoints here, stops and resumes (0 = no resume)",
+    )
     q.add_argument("--resume-all", action="store_true", help="every rank count stops and resumes")
     q.add_argument("--length-buckets", type=int, default=4)
     q.add_argument("--workdir", default=None, help="model, samples and run folders (default: a temporary one)")
     q.add_argument("--timeout-s", type=float, default=270.0, help="limit of each torchrun")
-    q.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra train.KEY=VALUE (YAML scalar) for every run")
+    q.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra train.KEY=VALUE (YAML scalar) for every run",
+    )
     q.set_defaults(groups=72)  # 10 steps of 2 ranks × 16k-token tree rows (~3 groups of 8 each)
 
 
@@ -53,16 +63,27 @@ def make_model(shape: str, path: Path) -> Path:
 
 def run_config(args, work: Path, model: Path, out: Path, max_steps: int, save_steps: int) -> Path:
     """The trainer's YAML config for one run."""
-    train = {"output_dir": str(out), "samples_path": str(work / "samples.arrow"), "max_steps": max_steps,
-             "save_steps": save_steps, "logging_steps": 1, "score_centering": args.topk > 0,
-             "length_buckets": args.length_buckets, "learning_rate": 1e-6}
+    train = {
+        "output_dir": str(out),
+        "samples_path": str(work / "samples.arrow"),
+        "max_steps": max_steps,
+        "save_steps": save_steps,
+        "logging_steps": 1,
+        "score_centering": args.topk > 0,
+        "length_buckets": args.length_buckets,
+        "learning_rate": 1e-6,
+    }
     for kv in args.sets:
         key, _, value = kv.partition("=")
         train[key] = yaml.safe_load(value)
-    cfg = {"model": {"name": str(model)}, "server": {"max_model_len": 4096},
-           "rollout": {"max_completion_length": 1024, "num_sampler_logprobs": args.topk, "temperature": 1.0},
-           "packing": {"token_budget": args.budget, "backend": packer_name()}, "train": train,
-           "tracking": {"enabled": False}}
+    cfg = {
+        "model": {"name": str(model)},
+        "server": {"max_model_len": 4096},
+        "rollout": {"max_completion_length": 1024, "num_sampler_logprobs": args.topk, "temperature": 1.0},
+        "packing": {"token_budget": args.budget, "backend": packer_name()},
+        "train": train,
+        "tracking": {"enabled": False},
+    }
     path = out.parent / f"{out.name}-{max_steps}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -70,10 +91,24 @@ def run_config(args, work: Path, model: Path, out: Path, max_steps: int, save_st
 
 def torchrun(config: Path, nproc: int, log: Path, timeout_s: float) -> None:
     """``torchrun --nproc-per-node N -m grpo_core.train --config FILE``; raises with the log's tail on failure."""
-    env = {**os.environ, **NCCL_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        **NCCL_ENV,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+    }
     env.setdefault("OMP_NUM_THREADS", "4")
-    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(nproc),
-           "-m", "grpo_core.train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_core.train.launch",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "grpo_core.train",
+        "--config",
+        str(config),
+    ]
     with open(log, "a") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -93,16 +128,22 @@ def summary(metrics: list[dict], nproc: int, resume_at: int) -> dict:
     warm = {m["step"]: m["perf/compile_warmup_s"] for m in metrics if "perf/compile_warmup_s" in m}
     med = statistics.median(steps)
     mfu = [m["perf/fwd_bwd_mfu"] for m in metrics if "perf/fwd_bwd_mfu" in m]
-    return {"ranks": nproc, "steps": len(metrics),
-            "forwarded_tokens_per_s": sum(m["batch/forwarded_tokens_per_step"] for m in metrics) / total,
-            "trained_tokens_per_s": sum(m["batch/trained_tokens_per_step"] for m in metrics) / total,
-            "mfu": statistics.mean(mfu) if mfu else None, "warmup_s": warm.get(1),
-            "resume_warmup_s": warm.get(resume_at + 1) if resume_at else None,
-            "recompiles": sum(m.get("perf/recompile_count", 0) for m in metrics), "median_step_s": med,
-            "max_over_median": max(steps) / med, "slowest_step": metrics[steps.index(max(steps))]["step"],
-            "pad_frac": statistics.mean(m["batch/pad_frac"] for m in metrics),
-            "packing_ratio": statistics.mean(m["batch/packing_ratio"] for m in metrics),
-            "step_times_s": steps}
+    return {
+        "ranks": nproc,
+        "steps": len(metrics),
+        "forwarded_tokens_per_s": sum(m["batch/forwarded_tokens_per_step"] for m in metrics) / total,
+        "trained_tokens_per_s": sum(m["batch/trained_tokens_per_step"] for m in metrics) / total,
+        "mfu": statistics.mean(mfu) if mfu else None,
+        "warmup_s": warm.get(1),
+        "resume_warmup_s": warm.get(resume_at + 1) if resume_at else None,
+        "recompiles": sum(m.get("perf/recompile_count", 0) for m in metrics),
+        "median_step_s": med,
+        "max_over_median": max(steps) / med,
+        "slowest_step": metrics[steps.index(max(steps))]["step"],
+        "pad_frac": statistics.mean(m["batch/pad_frac"] for m in metrics),
+        "packing_ratio": statistics.mean(m["batch/packing_ratio"] for m in metrics),
+        "step_times_s": steps,
+    }
 
 
 def ranks(args) -> list[dict]:
@@ -138,9 +179,19 @@ def ranks(args) -> list[dict]:
     return results
 
 
-COLUMNS = [("ranks", "ranks", ""), ("steps", "steps", ""), ("forwarded_tokens_per_s", "fwd tok/s", "{:,.0f}"),
-           ("trained_tokens_per_s", "trained tok/s", "{:,.0f}"), ("scaling", "scaling", "{:.2f}"),
-           ("mfu", "MFU", "{:.1%}"), ("packing_ratio", "pack", "{:.2f}"), ("pad_frac", "pad", "{:.3f}"),
-           ("warmup_s", "warm-up s", "{:.1f}"), ("resume_warmup_s", "resume warm-up s", "{:.1f}"),
-           ("recompiles", "recompiles", ""), ("median_step_s", "median s", "{:.3f}"),
-           ("max_over_median", "max/med", "{:.2f}"), ("slowest_step", "slowest", "")]
+COLUMNS = [
+    ("ranks", "ranks", ""),
+    ("steps", "steps", ""),
+    ("forwarded_tokens_per_s", "fwd tok/s", "{:,.0f}"),
+    ("trained_tokens_per_s", "trained tok/s", "{:,.0f}"),
+    ("scaling", "scaling", "{:.2f}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("packing_ratio", "pack", "{:.2f}"),
+    ("pad_frac", "pad", "{:.3f}"),
+    ("warmup_s", "warm-up s", "{:.1f}"),
+    ("resume_warmup_s", "resume warm-up s", "{:.1f}"),
+    ("recompiles", "recompiles", ""),
+    ("median_step_s", "median s", "{:.3f}"),
+    ("max_over_median", "max/med", "{:.2f}"),
+    ("slowest_step", "slowest", ""),
+]

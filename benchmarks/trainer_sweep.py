@@ -13,8 +13,20 @@ from grpo_core.train.loss import LossSettings, grpo_loss
 from grpo_core.train.parallelize import apply_layer_wrappers, decoder_layers
 from grpo_core.train.policy import Policy
 from grpo_core.train.rows import synthetic_row
-from trainer import (AUTO_CHECKPOINTING, DEVICE, H200_BF16_PEAK, plain_rows, print_table, qwen3_config, run_rows,
-                     step, summarise, tree_rows, workload, write_json)
+from trainer import (
+    AUTO_CHECKPOINTING,
+    DEVICE,
+    H200_BF16_PEAK,
+    plain_rows,
+    print_table,
+    qwen3_config,
+    run_rows,
+    step,
+    summarise,
+    tree_rows,
+    workload,
+    write_json,
+)
 
 
 def add_sweep_args(q) -> None:
@@ -22,8 +34,12 @@ def add_sweep_args(q) -> None:
     q.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated: tiny, 0.6b, 1.7b, 4b")
     q.add_argument("--modes", default="eager,compiled", help="eager and/or compiled")
     q.add_argument("--steps", type=int, default=4, help="measured rows per row kind and mode")
-    q.add_argument("--time-budget-s", type=float, default=300.0,
-                   help="configurations that would start later are skipped (compiled ones run first)")
+    q.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=300.0,
+        help="configurations that would start later are skipped (compiled ones run first)",
+    )
     q.add_argument("--checkpointing", default="auto", help="none|selective|full, or auto (selective for 4b)")
     q.add_argument("--compile-backend", default="inductor", help="aot_eager compiles without a C++ toolchain")
     q.add_argument("--chunk-size", type=int, default=None, help="fused head chunk (default: the trainer's)")
@@ -38,15 +54,27 @@ def head_check(vocab: int, hidden: int, num_terms: int = 2048, topk: int = 8) ->
     w = (torch.randn(vocab, hidden, device=DEVICE, generator=g) * 0.05).to(dtype)
     targets = torch.randint(0, vocab, (num_terms,), device=DEVICE, generator=g)
     topk_ids = torch.randint(0, vocab, (num_terms, topk), device=DEVICE, generator=g)
-    terms = LossTerms(targets, torch.full((num_terms,), -12.0, device=DEVICE), torch.randn(num_terms, device=DEVICE),
-                      topk_ids, torch.full((num_terms, topk), -12.0, device=DEVICE))
+    terms = LossTerms(
+        targets,
+        torch.full((num_terms,), -12.0, device=DEVICE),
+        torch.randn(num_terms, device=DEVICE),
+        topk_ids,
+        torch.full((num_terms, topk), -12.0, device=DEVICE),
+    )
     h32, w32 = h.float().clone().requires_grad_(True), w.float().clone().requires_grad_(True)
     ref = projected_logprobs(h32, w32, targets, 0.9, topk_ids, chunk_size=1024)
-    loss, _ = grpo_loss(ref.logprobs, terms.sampler_logprobs, terms.advantages, num_terms, LossSettings(),
-                        ref.topk_logprobs, terms.sampler_topk_logprobs)
+    loss, _ = grpo_loss(
+        ref.logprobs,
+        terms.sampler_logprobs,
+        terms.advantages,
+        num_terms,
+        LossSettings(),
+        ref.topk_logprobs,
+        terms.sampler_topk_logprobs,
+    )
     loss.backward()
     out = {"check": "fused_head_vs_fp32", "dtype": str(dtype).removeprefix("torch.")}
-    for compiled in ((False, True) if DEVICE.type == "cuda" else (False,)):
+    for compiled in (False, True) if DEVICE.type == "cuda" else (False,):
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         res = fused_grpo_loss(hh, ww, terms, num_terms, LossSettings(), 0.9, 1024, compiled)
         res.loss.backward()
@@ -82,10 +110,16 @@ def measure(policy: Policy, rows, budget: int, settings: LossSettings, flex) -> 
     """Rates and step-time spread of :func:`trainer.run_rows` over ``rows``."""
     r = run_rows(policy, rows, budget, flex, settings)
     s = r["seconds"]
-    return {"rows": r["rows"], "forwarded_tokens_per_s": r["forwarded"] / s, "raw_tokens_per_s": r["raw"] / s,
-            "trained_tokens_per_s": r["trained"] / s, "packing_ratio": r["raw"] / r["forwarded"],
-            "pad_frac": 1 - r["forwarded"] / (budget * r["rows"]), **summarise(r["step_times_s"]),
-            "step_times_s": r["step_times_s"]}
+    return {
+        "rows": r["rows"],
+        "forwarded_tokens_per_s": r["forwarded"] / s,
+        "raw_tokens_per_s": r["raw"] / s,
+        "trained_tokens_per_s": r["trained"] / s,
+        "packing_ratio": r["raw"] / r["forwarded"],
+        "pad_frac": 1 - r["forwarded"] / (budget * r["rows"]),
+        **summarise(r["step_times_s"]),
+        "step_times_s": r["step_times_s"],
+    }
 
 
 def sweep(args) -> list[dict]:
@@ -128,7 +162,10 @@ def run_shape(args, shape: str, mode: str, policy: Policy, settings: LossSetting
     body_params = n_params - emb.numel() - (0 if head is emb else head.numel())  # tied: counted once in n_params
     lengths = dict(prompt_len=64, completion_len=(8, 64)) if shape == "tiny" else {}
     samples = workload(args.groups, args.group_size, vocab, topk=args.topk, **lengths)
-    rows = {"plain": plain_rows(samples, args.budget)[:args.steps], "tree": tree_rows(samples, args.budget)[:args.steps]}
+    rows = {
+        "plain": plain_rows(samples, args.budget)[: args.steps],
+        "tree": tree_rows(samples, args.budget)[: args.steps],
+    }
     ac = AUTO_CHECKPOINTING.get(shape, "none") if args.checkpointing == "auto" else args.checkpointing
     set_mode(policy, mode == "compiled", ac, args.compile_backend, args.chunk_size)
     base = {"shape": shape, "params_b": n_params / 1e9, "mode": mode, "checkpointing": ac}
@@ -168,8 +205,11 @@ def tree_vs_plain(results: list[dict], body_params: int, head_params: int) -> No
         if "error" not in t and "error" not in p:
             t["tree_over_ratio_x_plain"] = t["forwarded_tokens_per_s"] / p["forwarded_tokens_per_s"]
             t["tree_flop_ceiling"] = tree_flop_ceiling(
-                body_params, head_params, p["trained_tokens_per_s"] / p["forwarded_tokens_per_s"],
-                t["trained_tokens_per_s"] / t["forwarded_tokens_per_s"])
+                body_params,
+                head_params,
+                p["trained_tokens_per_s"] / p["forwarded_tokens_per_s"],
+                t["trained_tokens_per_s"] / t["forwarded_tokens_per_s"],
+            )
 
 
 def tree_flop_ceiling(body_params: int, head_params: int, plain_trained_frac: float, tree_trained_frac: float) -> float:
@@ -187,10 +227,22 @@ def tree_flop_ceiling(body_params: int, head_params: int, plain_trained_frac: fl
     return (body + head * plain_trained_frac) / (body + head * tree_trained_frac)
 
 
-COLUMNS = [("shape", "shape", ""), ("mode", "mode", ""), ("row_kind", "rows", ""), ("checkpointing", "ac", ""),
-           ("rows", "n", ""), ("forwarded_tokens_per_s", "fwd tok/s", "{:,.0f}"),
-           ("raw_tokens_per_s", "raw tok/s", "{:,.0f}"), ("trained_tokens_per_s", "trained tok/s", "{:,.0f}"),
-           ("packing_ratio", "pack", "{:.2f}"), ("tree_over_ratio_x_plain", "tree/(ratio·plain)", "{:.2f}"),
-           ("tree_flop_ceiling", "FLOP ceiling", "{:.2f}"),
-           ("mfu", "MFU", "{:.1%}"), ("peak_mem_gib", "peak GiB", "{:.1f}"), ("warmup_s", "warm-up s", "{:.1f}"),
-           ("median_step_s", "median s", "{:.3f}"), ("max_over_median", "max/med", "{:.2f}"), ("error", "error", "")]
+COLUMNS = [
+    ("shape", "shape", ""),
+    ("mode", "mode", ""),
+    ("row_kind", "rows", ""),
+    ("checkpointing", "ac", ""),
+    ("rows", "n", ""),
+    ("forwarded_tokens_per_s", "fwd tok/s", "{:,.0f}"),
+    ("raw_tokens_per_s", "raw tok/s", "{:,.0f}"),
+    ("trained_tokens_per_s", "trained tok/s", "{:,.0f}"),
+    ("packing_ratio", "pack", "{:.2f}"),
+    ("tree_over_ratio_x_plain", "tree/(ratio·plain)", "{:.2f}"),
+    ("tree_flop_ceiling", "FLOP ceiling", "{:.2f}"),
+    ("mfu", "MFU", "{:.1%}"),
+    ("peak_mem_gib", "peak GiB", "{:.1f}"),
+    ("warmup_s", "warm-up s", "{:.1f}"),
+    ("median_step_s", "median s", "{:.3f}"),
+    ("max_over_median", "max/med", "{:.2f}"),
+    ("error", "error", ""),
+]

@@ -65,8 +65,10 @@ def dataset_and_rewards(cfg: RunConfig):
     from grpo_core.rollout.build import config_rewards
     from grpo_core.rollout.data import iter_rows, load_dataset
 
-    rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str) else r["prompt"]}
-            for r in iter_rows(load_dataset(cfg.rollout))]
+    rows = [
+        {**r, "prompt": [{"role": "user", "content": r["prompt"]}] if isinstance(r["prompt"], str) else r["prompt"]}
+        for r in iter_rows(load_dataset(cfg.rollout))
+    ]
     return Dataset.from_list(rows), config_rewards(cfg.rollout)
 
 
@@ -100,7 +102,8 @@ class IpcWeightTransfer:
         try:
             IPCWeightTransferEngine.trainer_send_weights(
                 ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in iterator),
-                {"send_mode": lambda info: self._post("/update_weights", ipc_update_body(info))})
+                {"send_mode": lambda info: self._post("/update_weights", ipc_update_body(info))},
+            )
         finally:
             self._post("/finish_weight_update")
             self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})
@@ -120,12 +123,22 @@ def torch_varlen_attention():
     import torch
     from torch.nn.attention.varlen import varlen_attn
 
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
-                               window_size=(-1, -1), **_):
+    def flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1), **_
+    ):
         left = window_size[0]
         window = (left, 0) if causal else (left, window_size[1])
-        return varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k),
-                           scale=softmax_scale, window_size=window)
+        return varlen_attn(
+            q,
+            k,
+            v,
+            cu_q.to(torch.int32),
+            cu_k.to(torch.int32),
+            int(max_q),
+            int(max_k),
+            scale=softmax_scale,
+            window_size=window,
+        )
 
     return types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
 
@@ -136,13 +149,29 @@ def trl_args(cfg: RunConfig, url: str, steps: int, out: Path):
 
     r, t = cfg.rollout, cfg.train
     return AsyncGRPOConfig(
-        output_dir=str(out / "trl"), max_steps=steps, learning_rate=t.learning_rate, num_generations=r.num_generations,
-        max_completion_length=r.max_completion_length, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        min_p=r.min_p or None, token_budget=cfg.token_budget(), max_staleness=r.max_staleness,
-        weight_sync_steps=t.weight_sync_steps, gradient_accumulation_steps=t.gradient_accumulation_steps,
-        vllm_server_base_url=url, logging_steps=1, report_to="none", save_strategy="no", bf16=torch_cuda(),
+        output_dir=str(out / "trl"),
+        max_steps=steps,
+        learning_rate=t.learning_rate,
+        num_generations=r.num_generations,
+        max_completion_length=r.max_completion_length,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        min_p=r.min_p or None,
+        token_budget=cfg.token_budget(),
+        max_staleness=r.max_staleness,
+        weight_sync_steps=t.weight_sync_steps,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        vllm_server_base_url=url,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=torch_cuda(),
         use_cpu=not torch_cuda(),
-        gradient_checkpointing=t.gradient_checkpointing != "none", max_grad_norm=t.max_grad_norm, seed=t.seed)
+        gradient_checkpointing=t.gradient_checkpointing != "none",
+        max_grad_norm=t.max_grad_norm,
+        seed=t.seed,
+    )
 
 
 # TRL's rollout worker parses every completion with the tokenizer's response template and knows only the chat
@@ -180,8 +209,9 @@ def parse_like_trl(tokenizer) -> dict:
     prompt as prefix, async_rollout_worker.py): ``{"role": "assistant", "content": "42"}`` when the template fits."""
     from trl.chat_template_utils import parse_response
 
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "6 times 7?"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "6 times 7?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     completion = tokenizer.encode("42", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     return parse_response(tokenizer, completion, prefix=list(prompt))
 
@@ -195,21 +225,31 @@ def torch_cuda() -> bool:
 
 def blockers(gpus: int, attention: str) -> list[str]:
     """What stops TRL 1.16.0 here, as found in its source (see the module docstring)."""
-    found = ["tree attention fetches kernels-community/flash-attn3 from the Hugging Face Hub at the first forward "
-             "(trl/experimental/async_grpo/packing.py:_flash_attn -> kernels.get_kernel): no Hub is reachable"
-             + ("" if importlib.util.find_spec("kernels") else "; the 'kernels' package is not installed either")
-             + ("" if attention == "hub" else "; replaced by torch.nn.attention.varlen.varlen_attn (FA2 in torch)")]
-    found.append("the rollout worker parses completions with a response template it has only for the chat templates it "
-                 "lists (chat_template_utils.py:add_response_schema); SmolLM2's ChatML template is not one: "
-                 "trl_tokenizer() sets the ChatML form of TRL's Qwen3 template")
+    found = [
+        "tree attention fetches kernels-community/flash-attn3 from the Hugging Face Hub at the first forward "
+        "(trl/experimental/async_grpo/packing.py:_flash_attn -> kernels.get_kernel): no Hub is reachable"
+        + ("" if importlib.util.find_spec("kernels") else "; the 'kernels' package is not installed either")
+        + ("" if attention == "hub" else "; replaced by torch.nn.attention.varlen.varlen_attn (FA2 in torch)")
+    ]
+    found.append(
+        "the rollout worker parses completions with a response template it has only for the chat templates it "
+        "lists (chat_template_utils.py:add_response_schema); SmolLM2's ChatML template is not one: "
+        "trl_tokenizer() sets the ChatML form of TRL's Qwen3 template"
+    )
     if gpus == 1:
-        found.append("default weight sync is NCCL (weight_transfer.py:WeightTransferClient), which refuses vLLM and "
-                     "the trainer on one GPU: replaced by IpcWeightTransfer (WeightTransferProtocol)")
-    found.append("the rollout worker's aiohttp session sends no Authorization header (async_rollout_worker.py), "
-                 "and grpo-flow's servers require the run's bearer token (401 on every request): "
-                 "trl_sends_run_token() gives TRL's processes a sitecustomize that adds it")
+        found.append(
+            "default weight sync is NCCL (weight_transfer.py:WeightTransferClient), which refuses vLLM and "
+            "the trainer on one GPU: replaced by IpcWeightTransfer (WeightTransferProtocol)"
+        )
+    found.append(
+        "the rollout worker's aiohttp session sends no Authorization header (async_rollout_worker.py), "
+        "and grpo-flow's servers require the run's bearer token (401 on every request): "
+        "trl_sends_run_token() gives TRL's processes a sitecustomize that adds it"
+    )
     if importlib.util.find_spec("vllm") is None:
-        found.append("vllm is not importable: TRL's weight transfer and this script's IPC sync need it (the vLLM bundle)")
+        found.append(
+            "vllm is not importable: TRL's weight transfer and this script's IPC sync need it (the vLLM bundle)"
+        )
     return found
 
 
@@ -243,13 +283,16 @@ def check_sends_run_token(env: dict[str, str]) -> bool:
     """Whether a fresh interpreter with ``env`` gives a new aiohttp session the run's bearer header."""
     import subprocess
 
-    code = ("import asyncio, aiohttp, os\n"
-            "async def main():\n"
-            "    async with aiohttp.ClientSession() as s:\n"
-            "        print(s.headers.get('Authorization') == 'Bearer ' + os.environ['GRPO_RUN_TOKEN'])\n"
-            "asyncio.run(main())")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import asyncio, aiohttp, os\n"
+        "async def main():\n"
+        "    async with aiohttp.ClientSession() as s:\n"
+        "        print(s.headers.get('Authorization') == 'Bearer ' + os.environ['GRPO_RUN_TOKEN'])\n"
+        "asyncio.run(main())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
     return out.stdout.strip() == "True"
 
 
@@ -268,7 +311,8 @@ def count_pulled_tokens(dataset_class: type) -> None:
     def counting(self):
         for item in original(self):
             PULLED["zero_advantage" if float(item["advantage"]) == 0.0 else "signal"] += int(
-                sum(item["completion_mask"]))
+                sum(item["completion_mask"])
+            )
             yield item
 
     dataset_class.__iter__ = counting
@@ -284,11 +328,29 @@ def check_counts_pulled_tokens() -> bool:
     count_pulled_tokens(RolloutQueueDataset)
     q: queue.Queue = queue.Queue()
     for advantage, mask in ((0.0, [0, 1, 1]), (0.7, [0, 0, 1, 1, 1])):
-        q.put(SimpleNamespace(input_ids=[1] * len(mask), completion_mask=mask, old_log_probs=[0.0] * len(mask),
-                              advantage=advantage, group_id=0, metrics={}, model_version=0, enqueued_at=None))
+        q.put(
+            SimpleNamespace(
+                input_ids=[1] * len(mask),
+                completion_mask=mask,
+                old_log_probs=[0.0] * len(mask),
+                advantage=advantage,
+                group_id=0,
+                metrics={},
+                model_version=0,
+                enqueued_at=None,
+            )
+        )
     before = dict(PULLED)
-    it = iter(RolloutQueueDataset(q, lambda: 0, lambda s: None, 60, {"sample/rollout_queue_size": [],
-                                  "sample/staleness_mean": [], "sample/staleness_max": []}, max_staleness=1))
+    it = iter(
+        RolloutQueueDataset(
+            q,
+            lambda: 0,
+            lambda s: None,
+            60,
+            {"sample/rollout_queue_size": [], "sample/staleness_mean": [], "sample/staleness_max": []},
+            max_staleness=1,
+        )
+    )
     next(it), next(it)
     return (PULLED["zero_advantage"] - before["zero_advantage"], PULLED["signal"] - before["signal"]) == (2, 3)
 
@@ -305,15 +367,20 @@ def summarize(history: list[dict], wall_s: float, steps: int, warmup_steps: int 
     steady_rate = sum(h.get("batch/trained_tokens_per_step", 0.0) for h in steady) / steady_s if steady_s else 0.0
     pulled = PULLED["signal"] + PULLED["zero_advantage"]
     zero_frac = PULLED["zero_advantage"] / pulled if pulled else None
-    return {"steps": steps, "wall_s": round(wall_s, 1), "trained_tokens_per_s_wall": trained / wall_s if wall_s else 0,
-            "trained_tokens_per_s_steady": steady_rate,
-            "pulled_zero_advantage_token_frac": zero_frac,
-            "signal_tokens_per_s_wall": PULLED["signal"] / wall_s if wall_s else 0,
-            "signal_tokens_per_s_steady": steady_rate * (1 - zero_frac) if zero_frac is not None else None,
-            "step_s_median": statistics.median([h["perf/step_s"] for h in logs]) if logs else None,
-            "trl_trained_tok_s_wall_clock": statistics.fmean([h["perf/trained_tok_s_wall_clock"] for h in logs
-                                                              if "perf/trained_tok_s_wall_clock" in h] or [0.0]),
-            "reward": [h.get("reward") for h in logs]}
+    return {
+        "steps": steps,
+        "wall_s": round(wall_s, 1),
+        "trained_tokens_per_s_wall": trained / wall_s if wall_s else 0,
+        "trained_tokens_per_s_steady": steady_rate,
+        "pulled_zero_advantage_token_frac": zero_frac,
+        "signal_tokens_per_s_wall": PULLED["signal"] / wall_s if wall_s else 0,
+        "signal_tokens_per_s_steady": steady_rate * (1 - zero_frac) if zero_frac is not None else None,
+        "step_s_median": statistics.median([h["perf/step_s"] for h in logs]) if logs else None,
+        "trl_trained_tok_s_wall_clock": statistics.fmean(
+            [h["perf/trained_tok_s_wall_clock"] for h in logs if "perf/trained_tok_s_wall_clock" in h] or [0.0]
+        ),
+        "reward": [h.get("reward") for h in logs],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,13 +402,30 @@ def main(argv: list[str] | None = None) -> int:
     cfg.server.served_model_name = str(model_dir)  # TRL's rollout worker asks for the model by its path
     dataset, rewards = dataset_and_rewards(cfg)
     found = blockers(args.gpus, args.attention)
-    report = {"trl": __import__("trl").__version__, "blockers": found, "prompts": len(dataset),
-              "rewards": [f.__name__ for f in rewards], "config": args.config}
+    report = {
+        "trl": __import__("trl").__version__,
+        "blockers": found,
+        "prompts": len(dataset),
+        "rewards": [f.__name__ for f in rewards],
+        "config": args.config,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
-        report["trl_config"] = {k: v for k, v in vars(trl_args(cfg, "http://127.0.0.1:8000", args.steps, args.out)).items()
-                                if k in ("num_generations", "max_completion_length", "temperature", "top_k",
-                                         "token_budget", "max_steps", "learning_rate", "max_staleness")}
+        report["trl_config"] = {
+            k: v
+            for k, v in vars(trl_args(cfg, "http://127.0.0.1:8000", args.steps, args.out)).items()
+            if k
+            in (
+                "num_generations",
+                "max_completion_length",
+                "temperature",
+                "top_k",
+                "token_budget",
+                "max_steps",
+                "learning_rate",
+                "max_staleness",
+            )
+        }
         tokenizer = trl_tokenizer(model_dir)
         report["tokenizer_eos"] = tokenizer.eos_token
         report["parsed_completion"] = parse_like_trl(tokenizer)
@@ -364,10 +448,14 @@ def main(argv: list[str] | None = None) -> int:
         from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
 
         count_pulled_tokens(RolloutQueueDataset)
-        trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=rewards, train_dataset=dataset,
-                                   processing_class=trl_tokenizer(model_dir),
-                                   args=trl_args(cfg, handles[0].url, args.steps, args.out),
-                                   weight_transfer=IpcWeightTransfer(handles[0].url) if args.gpus == 1 else None)
+        trainer = AsyncGRPOTrainer(
+            model=str(model_dir),
+            reward_funcs=rewards,
+            train_dataset=dataset,
+            processing_class=trl_tokenizer(model_dir),
+            args=trl_args(cfg, handles[0].url, args.steps, args.out),
+            weight_transfer=IpcWeightTransfer(handles[0].url) if args.gpus == 1 else None,
+        )
         start = time.monotonic()
         trainer.train()
         report.update(summarize(trainer.state.log_history, time.monotonic() - start, args.steps))
@@ -376,14 +464,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare and args.compare.exists():
         runs = json.loads(args.compare.read_text())
         # gpu_e2e's run of this config (configs/gpu-1xh200.yaml -> "1xh200"), else its only run
-        ours = runs.get(Path(args.config).stem.removeprefix("gpu-")) or (next(iter(runs.values())) if len(runs) == 1
-                                                                         else {})
+        ours = runs.get(Path(args.config).stem.removeprefix("gpu-")) or (
+            next(iter(runs.values())) if len(runs) == 1 else {}
+        )
         report["grpo_flow"] = {k: ours.get(k) for k in ("run", "wall_s", "trained_tokens_per_s", "step_s_median")}
         # steady against steady (gpu_e2e's rates leave out its warm-up steps); grpo-flow trains only groups whose
         # rewards differ, so also against TRL's tokens that carry a learning signal; None where a side has no rate
         rate = ours.get("trained_tokens_per_s")
-        for key, theirs in (("speedup_trained_tokens_per_s", report["trained_tokens_per_s_steady"]),
-                            ("speedup_signal_tokens_per_s", report["signal_tokens_per_s_steady"])):
+        for key, theirs in (
+            ("speedup_trained_tokens_per_s", report["trained_tokens_per_s_steady"]),
+            ("speedup_signal_tokens_per_s", report["signal_tokens_per_s_steady"]),
+        ):
             report[key] = rate / theirs if rate and theirs else None
     (args.out / "trl_summary.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({k: v for k, v in report.items() if k != "reward"}, indent=1, default=str))

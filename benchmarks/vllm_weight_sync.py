@@ -31,8 +31,17 @@ PROMPT = [1, 5, 17, 42, 99, 7, 300, 12]
 
 def sample_from_vllm(url: str, model: str, n_tokens: int) -> tuple[list[int], list[float]]:
     """A seeded sampled continuation and the sampler's log-probs (temperature 1)."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": n_tokens, "temperature": 1.0, "seed": 3,
-            "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": n_tokens,
+        "temperature": 1.0,
+        "seed": 3,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+    }
     answer = httpx.post(url + "/v1/completions", json=body, headers=bearer_headers(run_token()), timeout=120)
     c = answer.json()["choices"][0]
     return c["token_ids"], c["logprobs"]["token_logprobs"]
@@ -65,8 +74,15 @@ def lora_checks(args, world) -> dict:
     from grpo_core.train.weight_sync import LoraAdapterSync
 
     lora = LoraConfig(enabled=True, r=8, alpha=16)
-    policy = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
-                          lora=lora, temperature=1.0, chunk_size=1024)
+    policy = build_policy(
+        args.model_dir,
+        ModelConfig(name=args.model_dir),
+        dtype=torch.bfloat16,
+        device=world.device,
+        lora=lora,
+        temperature=1.0,
+        chunk_size=1024,
+    )
     shard(policy, mixed_precision=False)
     perturb(policy, scale=2.0, only_lora=True)
     sync = LoraAdapterSync([args.url], "/tmp/grpo-sync", "policy", max_staleness=1, model_dir=args.model_dir)
@@ -76,15 +92,29 @@ def lora_checks(args, world) -> dict:
     models = [m["id"] for m in httpx.get(args.url + "/v1/models", headers=bearer_headers(run_token())).json()["data"]]
     tokens, served = sample_from_vllm(args.url, "policy-v3", 48)
     diff = (trainer_logprobs(policy, tokens) - torch.tensor(served)).abs()
-    out.update({"lora_served_models": models, "lora_max_abs_logprob_diff": diff.max().item(),
-                "lora_mean_abs_logprob_diff": diff.mean().item()})
-    base = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
-                        lora=LoraConfig(), temperature=1.0, chunk_size=1024)
+    out.update(
+        {
+            "lora_served_models": models,
+            "lora_max_abs_logprob_diff": diff.max().item(),
+            "lora_mean_abs_logprob_diff": diff.mean().item(),
+        }
+    )
+    base = build_policy(
+        args.model_dir,
+        ModelConfig(name=args.model_dir),
+        dtype=torch.bfloat16,
+        device=world.device,
+        lora=LoraConfig(),
+        temperature=1.0,
+        chunk_size=1024,
+    )
     shard(base, mixed_precision=False)
     perturb(base)
     VllmWeightTransferSync([args.url], "ipc", lora_names=True, model_dir=args.model_dir).sync(base, 1, world.rank)
     tokens, served = sample_from_vllm(args.url, args.model, 48)
-    out["base_layer_ipc_max_abs_logprob_diff"] = (trainer_logprobs(base, tokens) - torch.tensor(served)).abs().max().item()
+    out["base_layer_ipc_max_abs_logprob_diff"] = (
+        (trainer_logprobs(base, tokens) - torch.tensor(served)).abs().max().item()
+    )
     return out
 
 
@@ -100,8 +130,15 @@ def main() -> None:
     if args.lora:
         print(json.dumps({"check": "vllm_lora_sync", **lora_checks(args, world)}))
         return
-    policy = build_policy(args.model_dir, ModelConfig(name=args.model_dir), dtype=torch.bfloat16, device=world.device,
-                          lora=LoraConfig(), temperature=1.0, chunk_size=1024)
+    policy = build_policy(
+        args.model_dir,
+        ModelConfig(name=args.model_dir),
+        dtype=torch.bfloat16,
+        device=world.device,
+        lora=LoraConfig(),
+        temperature=1.0,
+        chunk_size=1024,
+    )
     shard(policy, mixed_precision=False)
     tokens0, served0 = sample_from_vllm(args.url, args.model, 48)
     before = (trainer_logprobs(policy, tokens0) - torch.tensor(served0)).abs().max().item()
@@ -110,9 +147,19 @@ def main() -> None:
     out = VllmWeightTransferSync([args.url], "ipc", model_dir=args.model_dir).sync(policy, 1, world.rank)
     tokens1, served1 = sample_from_vllm(args.url, args.model, 48)
     after = (trainer_logprobs(policy, tokens1) - torch.tensor(served1)).abs()
-    print(json.dumps({"check": "vllm_ipc_weight_sync", "max_abs_logprob_diff_before_sync": before,
-                      "max_abs_logprob_diff_stale_weights": stale, "max_abs_logprob_diff_after_sync": after.max().item(),
-                      "mean_abs_logprob_diff_after_sync": after.mean().item(), "tokens": len(tokens1), **out}))
+    print(
+        json.dumps(
+            {
+                "check": "vllm_ipc_weight_sync",
+                "max_abs_logprob_diff_before_sync": before,
+                "max_abs_logprob_diff_stale_weights": stale,
+                "max_abs_logprob_diff_after_sync": after.max().item(),
+                "mean_abs_logprob_diff_after_sync": after.mean().item(),
+                "tokens": len(tokens1),
+                **out,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

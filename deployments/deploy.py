@@ -42,12 +42,29 @@ def register(config: Path, cron: str, pool: str, overrides: list[str] | None = N
     source = flow.from_source(source=str(ROOT), entrypoint=ENTRYPOINT)
     env = {"PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core"}
     ids = [
-        source.deploy(name=DEMO, work_pool_name=pool, parameters=params, job_variables={"env": env},
-                      description=f"grpo-train with the parameters of {config.name}", build=False, push=False,
-                      print_next_steps=False, tags=["grpo", "demo"]),
-        source.deploy(name=NIGHTLY, work_pool_name=pool, parameters=params, job_variables={"env": env},
-                      schedules=[Cron(cron, timezone="UTC")], build=False, push=False, print_next_steps=False,
-                      description=f"nightly retraining ({cron} UTC)", tags=["grpo", "nightly"]),
+        source.deploy(
+            name=DEMO,
+            work_pool_name=pool,
+            parameters=params,
+            job_variables={"env": env},
+            description=f"grpo-train with the parameters of {config.name}",
+            build=False,
+            push=False,
+            print_next_steps=False,
+            tags=["grpo", "demo"],
+        ),
+        source.deploy(
+            name=NIGHTLY,
+            work_pool_name=pool,
+            parameters=params,
+            job_variables={"env": env},
+            schedules=[Cron(cron, timezone="UTC")],
+            build=False,
+            push=False,
+            print_next_steps=False,
+            description=f"nightly retraining ({cron} UTC)",
+            tags=["grpo", "nightly"],
+        ),
     ]
     ids.append(register_servers(server.deployment, server.work_pool, env))
     return [str(i) for i in ids]
@@ -63,10 +80,19 @@ def register_servers(deployment: str | None, pool: str, env: dict[str, str]) -> 
     flow_name, _, name = (deployment or "").partition("/")
     name = name if flow_name == FLOW_NAME else DEFAULT_DEPLOYMENT
     source = flow.from_source(source=str(ROOT), entrypoint=SERVERS_ENTRYPOINT)
-    return str(source.deploy(name=name, work_pool_name=pool, job_variables={"env": env}, build=False, push=False,
-                             print_next_steps=False, tags=["grpo", "servers"],
-                             description="generation replicas of a grpo-train run (server.deployment), started "
-                                         "by a worker of this pool on a GPU host"))
+    return str(
+        source.deploy(
+            name=name,
+            work_pool_name=pool,
+            job_variables={"env": env},
+            build=False,
+            push=False,
+            print_next_steps=False,
+            tags=["grpo", "servers"],
+            description="generation replicas of a grpo-train run (server.deployment), started "
+            "by a worker of this pool on a GPU host",
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     args = p.parse_args(argv)
     ids = register(args.config, args.cron, args.pool, args.set)
-    print(f"registered grpo-train/{DEMO} ({ids[0]}), grpo-train/{NIGHTLY} ({ids[1]}) and the servers' "  # noqa: T201
-          f"deployment ({ids[2]})")
+    print(
+        f"registered grpo-train/{DEMO} ({ids[0]}), grpo-train/{NIGHTLY} ({ids[1]}) and the servers' "  # noqa: T201
+        f"deployment ({ids[2]})"
+    )
     return 0
 
 

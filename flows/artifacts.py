@@ -49,9 +49,13 @@ def last_record(metrics_path: Path) -> dict[str, Any] | None:
 
 def publish_mlflow_link(url: str, run_id: str) -> None:
     """The link artifact to the MLflow run."""
-    create_link_artifact(url, link_text=f"MLflow run {run_id}", key=LINK_KEY,
-                         description="Metrics, system metrics, completion tables, checkpoints and the model of this "
-                                     "run in the MLflow UI (`grpo ui --mlflow` serves it locally).")
+    create_link_artifact(
+        url,
+        link_text=f"MLflow run {run_id}",
+        key=LINK_KEY,
+        description="Metrics, system metrics, completion tables, checkpoints and the model of this "
+        "run in the MLflow UI (`grpo ui --mlflow` serves it locally).",
+    )
 
 
 class TrainingProgress(threading.Thread):
@@ -71,8 +75,9 @@ class TrainingProgress(threading.Thread):
         self.metrics_path, self.max_steps, self.poll_s = Path(metrics_path), max_steps, poll_s
         self.stopped = threading.Event()
         self.shown = -1.0
-        self.artifact_id = create_progress_artifact(self._percent(), key=PROGRESS_KEY,
-                                                    description=self._description(last_record(self.metrics_path)))
+        self.artifact_id = create_progress_artifact(
+            self._percent(), key=PROGRESS_KEY, description=self._description(last_record(self.metrics_path))
+        )
 
     def _percent(self, record: dict[str, Any] | None = None) -> float:
         step = (record or last_record(self.metrics_path) or {}).get("step", 0)
@@ -109,13 +114,22 @@ class TrainingProgress(threading.Thread):
             logger.warning("progress artifact update failed: %s", exc)
 
 
-SUMMARY_ROWS = (("steps", "optimizer steps"), ("steps_requested", "steps asked (train.max_steps)"),
-                ("stopped_early", "stopped early because"), ("reward_first5", "reward, first 5 steps"),
-                ("reward_last5", "reward, last 5 steps"), ("generated_tokens_per_s", "generated tokens/s"),
-                ("trained_tokens_per_s", "trained tokens/s"), ("forwarded_tokens_per_s", "forwarded tokens/s"),
-                ("mlflow_run_id", "MLflow run id"), ("mlflow_uri", "MLflow tracking URI"),
-                ("registered_model", "registered model version"), ("hub_commit", "Hub commit"),
-                ("checkpoint", "checkpoint"), ("run_dir", "run folder"))
+SUMMARY_ROWS = (
+    ("steps", "optimizer steps"),
+    ("steps_requested", "steps asked (train.max_steps)"),
+    ("stopped_early", "stopped early because"),
+    ("reward_first5", "reward, first 5 steps"),
+    ("reward_last5", "reward, last 5 steps"),
+    ("generated_tokens_per_s", "generated tokens/s"),
+    ("trained_tokens_per_s", "trained tokens/s"),
+    ("forwarded_tokens_per_s", "forwarded tokens/s"),
+    ("mlflow_run_id", "MLflow run id"),
+    ("mlflow_uri", "MLflow tracking URI"),
+    ("registered_model", "registered model version"),
+    ("hub_commit", "Hub commit"),
+    ("checkpoint", "checkpoint"),
+    ("run_dir", "run folder"),
+)
 
 
 _BLOCK_MARKER = re.compile(r"^(\s*)([-+*#>]|\d+[.)])(?=\s|$)")
@@ -142,8 +156,10 @@ def publish_reward_curve(png: Path | None, summary: dict[str, Any]) -> None:
         text = "No reward was logged: no reward curve."
     else:
         data = base64.b64encode(Path(png).read_bytes()).decode("ascii")
-        text = (f"### Reward per optimizer step\n\n![reward curve](data:image/png;base64,{data})\n\n"
-                f"Mean reward of the first five steps **{table_cell(summary.get('reward_first5'))}**, "
-                f"of the last five **{table_cell(summary.get('reward_last5'))}** "
-                f"({table_cell(summary.get('steps'))} steps).")
+        text = (
+            f"### Reward per optimizer step\n\n![reward curve](data:image/png;base64,{data})\n\n"
+            f"Mean reward of the first five steps **{table_cell(summary.get('reward_first5'))}**, "
+            f"of the last five **{table_cell(summary.get('reward_last5'))}** "
+            f"({table_cell(summary.get('steps'))} steps)."
+        )
     create_markdown_artifact(text, key=CURVE_KEY, description="Reward curve of grpo-train")

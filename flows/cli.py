@@ -31,19 +31,24 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
 # Docstrings are rST: markdown mode shows ``code`` as text (rich mode printed the backticks) and reflows lines.
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0],
-                  rich_markup_mode="markdown")
-config_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect the run config.",
-                         rich_markup_mode="markdown")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0], rich_markup_mode="markdown")
+config_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Inspect the run config.", rich_markup_mode="markdown"
+)
 app.add_typer(config_app, name="config")
 console = Console(stderr=True)
 #: Libraries whose versions ``grpo --version`` reports (read from package metadata, nothing imported).
 VERSIONED = ("torch", "transformers", "peft", "prefect", "mlflow", "vllm")
 
 SetOption = Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=5 (repeatable)")]
-RetriesOption = Annotated[int | None, typer.Option(
-    min=0, help="flow retries after a failed attempt (each resumes from the latest checkpoint); default: the "
-                "flow's own (1)")]
+RetriesOption = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="flow retries after a failed attempt (each resumes from the latest checkpoint); default: the "
+        "flow's own (1)",
+    ),
+]
 ENV_DEFAULTS = {
     "PREFECT_HOME": str(ROOT / "runs" / "prefect"),
     "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core",
@@ -130,8 +135,11 @@ def _show_version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
-                                                help="print the versions and exit")] = False) -> None:
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_show_version, is_eager=True, help="print the versions and exit")
+    ] = False,
+) -> None:
     """grpo-flow: asynchronous GRPO as a Prefect workflow."""
 
 
@@ -141,9 +149,15 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    columns = [TextColumn("step {task.completed:.0f}/{task.total:.0f}"), BarColumn(),
-               TextColumn("reward {task.fields[reward]}"), TextColumn("{task.fields[tps]} tok/s"),
-               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    columns = [
+        TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+        BarColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console, transient=False) as bar:
         job = bar.add_task("train", total=max_steps, reward="-", tps="-")
         while not done.wait(1.0):
@@ -158,25 +172,35 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
             except ValueError:
                 continue
             reward = last.get("reward")
-            bar.update(job, completed=last["step"], reward=f"{reward:.3f}" if reward is not None else "-",
-                       tps=f"{last.get('perf/tokens_per_s', 0.0):.0f}")
+            bar.update(
+                job,
+                completed=last["step"],
+                reward=f"{reward:.3f}" if reward is not None else "-",
+                tps=f"{last.get('perf/tokens_per_s', 0.0):.0f}",
+            )
 
 
 def summary_table(summary: dict) -> Table:
     """The end-of-run table."""
     table = Table(title="grpo-flow run", show_header=False)
-    fmt = (lambda v: str(int(v)) if isinstance(v, float) and v.is_integer() else
-           f"{v:.3f}" if isinstance(v, float) else str(v))
+    fmt = lambda v: (
+        str(int(v)) if isinstance(v, float) and v.is_integer() else f"{v:.3f}" if isinstance(v, float) else str(v)
+    )
     steps = summary.get("steps")
     if summary.get("steps_requested") is not None and steps != summary["steps_requested"]:
         steps = f"{fmt(steps)} of {fmt(summary['steps_requested'])} asked: {summary.get('stopped_early')}"
-    rows = [("steps", steps), ("reward, first 5 steps", summary.get("reward_first5")),
-            ("reward, last 5 steps", summary.get("reward_last5")),
-            ("generated tokens/s", summary.get("generated_tokens_per_s")),
-            ("trained tokens/s", summary.get("trained_tokens_per_s")),
-            ("forwarded tokens/s", summary.get("forwarded_tokens_per_s")),
-            ("MLflow run id", summary.get("mlflow_run_id")), ("MLflow tracking URI", summary.get("mlflow_uri")),
-            ("checkpoint", summary.get("checkpoint")), ("reward curve", summary.get("reward_curve"))]
+    rows = [
+        ("steps", steps),
+        ("reward, first 5 steps", summary.get("reward_first5")),
+        ("reward, last 5 steps", summary.get("reward_last5")),
+        ("generated tokens/s", summary.get("generated_tokens_per_s")),
+        ("trained tokens/s", summary.get("trained_tokens_per_s")),
+        ("forwarded tokens/s", summary.get("forwarded_tokens_per_s")),
+        ("MLflow run id", summary.get("mlflow_run_id")),
+        ("MLflow tracking URI", summary.get("mlflow_uri")),
+        ("checkpoint", summary.get("checkpoint")),
+        ("reward curve", summary.get("reward_curve")),
+    ]
     for name, value in rows:
         table.add_row(name, fmt(value))
     return table
@@ -199,8 +223,9 @@ def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunC
     from flows.grpo_train import grpo_train
 
     done, started = threading.Event(), time.time()
-    watcher = threading.Thread(target=_progress, args=(cfg.train.output_dir.resolve(), cfg.train.max_steps,
-                                                       started, done), daemon=True)
+    watcher = threading.Thread(
+        target=_progress, args=(cfg.train.output_dir.resolve(), cfg.train.max_steps, started, done), daemon=True
+    )
     watcher.start()
     try:
         summary = (grpo_train if retries is None else grpo_train.with_options(retries=retries))(cfg)
@@ -209,8 +234,10 @@ def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunC
         watcher.join(timeout=5)
     console.print(summary_table(summary))
     if summary.get("stopped_early"):
-        console.print(f"[red]trained {summary.get('steps', 0):.0f} of {summary.get('steps_requested')} steps[/red]: "
-                      f"{summary['stopped_early']}")
+        console.print(
+            f"[red]trained {summary.get('steps', 0):.0f} of {summary.get('steps_requested')} steps[/red]: "
+            f"{summary['stopped_early']}"
+        )
         raise typer.Exit(EXIT_FEWER_STEPS)
     return summary
 
@@ -229,10 +256,12 @@ def _check_servers_deployment(cfg, online: bool = False) -> None:  # noqa: ANN00
         return
     try:
         if not online and not os.environ.get("PREFECT_API_URL"):
-            raise ConfigError(f"server.deployment={name!r} needs the Prefect server where `grpo deploy` registered "
-                              "it and a worker of server.work_pool runs: set PREFECT_API_URL (e.g. "
-                              "http://127.0.0.1:4200/api); without it `grpo train` runs on a temporary Prefect server "
-                              "that has no deployments (or unset server.deployment to start the replicas here)")
+            raise ConfigError(
+                f"server.deployment={name!r} needs the Prefect server where `grpo deploy` registered "
+                "it and a worker of server.work_pool runs: set PREFECT_API_URL (e.g. "
+                "http://127.0.0.1:4200/api); without it `grpo train` runs on a temporary Prefect server "
+                "that has no deployments (or unset server.deployment to start the replicas here)"
+            )
         if online:
             from prefect.client.orchestration import get_client
 
@@ -268,8 +297,11 @@ def _checked(cfg, runs_here: bool = True):  # noqa: ANN001, ANN202 - RunConfig, 
 
 
 @app.command()
-def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
-          set_: SetOption = [], retries: RetriesOption = None) -> None:  # noqa: B006 - typer reads the default
+def train(
+    config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
+    set_: SetOption = [],
+    retries: RetriesOption = None,
+) -> None:  # noqa: B006 - typer reads the default
     """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary; the code the
     file names (reward functions, dataset, loop class, ...) joins the allow-list of this run. The config is
     checked first, as ``grpo validate`` does."""
@@ -277,14 +309,17 @@ def train(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or T
 
 
 @app.command()
-def validate(config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
-             set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
+def validate(
+    config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")], set_: SetOption = []
+) -> None:  # noqa: B006 - typer reads the default, never mutates it
     """Run every check of the flow's ``prepare`` task (config, model, dataset columns, reward functions,
     tools, export options, the ``resume_from`` run) without starting a server, a process or an MLflow run, and
     without creating the run folder or the MLflow store (only that the run could create them is checked)."""
     cfg = _checked(_load(config, set_, trusted=True), runs_here=False)  # may run elsewhere (a deployment)
-    console.print(f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.dataset}, "
-                  f"{cfg.train.max_steps} steps)")
+    console.print(
+        f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.dataset}, "
+        f"{cfg.train.max_steps} steps)"
+    )
 
 
 @config_app.command("schema")
@@ -298,16 +333,20 @@ def config_schema() -> None:
 
 
 @config_app.command("show")
-def config_show(config: Annotated[Path | None, typer.Option(help="run config (YAML, JSON or TOML)")] = None,
-                set_: SetOption = []) -> None:  # noqa: B006 - typer reads the default, never mutates it
+def config_show(
+    config: Annotated[Path | None, typer.Option(help="run config (YAML, JSON or TOML)")] = None, set_: SetOption = []
+) -> None:  # noqa: B006 - typer reads the default, never mutates it
     """Print the resolved run config (file + overrides + defaults) as JSON."""
     typer.echo(_load(config, set_).model_dump_json(indent=1))
 
 
 @app.command()
-def resume(run_id: Annotated[str, typer.Argument(help="MLflow run id to continue from")],
-           config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
-           set_: SetOption = [], retries: RetriesOption = None) -> None:  # noqa: B006 - typer reads the default
+def resume(
+    run_id: Annotated[str, typer.Argument(help="MLflow run id to continue from")],
+    config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
+    set_: SetOption = [],
+    retries: RetriesOption = None,
+) -> None:  # noqa: B006 - typer reads the default
     """Start a new run from the latest checkpoint of an MLflow run (resume_from=RUN_ID). The run's own config
     (fetched from MLflow) is checked like a run parameter: the code it names must be in GRPO_ALLOWED_MODULES;
     a --config file of yours joins the allow-list."""
@@ -340,9 +379,11 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
     try:
         path = Path(tracking.client(tc).download_artifacts(run_id, "config/run_config.json", tempfile.mkdtemp()))
     except (MlflowException, OSError) as exc:
-        raise ConfigError(f"run {run_id!r}: its config (config/run_config.json) cannot be read from the MLflow store "
-                          f"{tc.shown_tracking_uri()} ({type(exc).__name__}); check the id (grpo ui --mlflow lists the "
-                          "runs) or the tracking settings (--set tracking.dir=... / tracking.tracking_uri=...)") from None
+        raise ConfigError(
+            f"run {run_id!r}: its config (config/run_config.json) cannot be read from the MLflow store "
+            f"{tc.shown_tracking_uri()} ({type(exc).__name__}); check the id (grpo ui --mlflow lists the "
+            "runs) or the tracking settings (--set tracking.dir=... / tracking.tracking_uri=...)"
+        ) from None
     data = json.loads(path.read_text())
     data["tracking"]["run_id"] = None
     data["resume_from"] = None
@@ -355,14 +396,19 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
 
 
 @app.command()
-def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.0.1 (0: a free one)", min=0,
-                                             max=65535)] = 4200,
-           demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = DEMO_CONFIG,
-           cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *",
-           gpu_slots: Annotated[int | None, typer.Option(
-               help="slots of the global concurrency limit 'gpu' (default: the GPUs visible here, at least 1)",
-               min=1)] = None,
-           ) -> None:
+def deploy(
+    port: Annotated[
+        int, typer.Option(help="Prefect server port on 127.0.0.1 (0: a free one)", min=0, max=65535)
+    ] = 4200,
+    demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = DEMO_CONFIG,
+    cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *",
+    gpu_slots: Annotated[
+        int | None,
+        typer.Option(
+            help="slots of the global concurrency limit 'gpu' (default: the GPUs visible here, at least 1)", min=1
+        ),
+    ] = None,
+) -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
     from pydantic import ValidationError
 
@@ -371,8 +417,10 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
     try:
         CronSchedule(cron=cron)  # before the server starts
     except ValidationError:
-        console.print(f"[red]bad --cron[/red] {cron!r}: not a cron string (five fields: minute hour day month "
-                      "weekday, e.g. '0 2 * * *' for 02:00 every day)")
+        console.print(
+            f"[red]bad --cron[/red] {cron!r}: not a cron string (five fields: minute hour day month "
+            "weekday, e.g. '0 2 * * *' for 02:00 every day)"
+        )
         raise typer.Exit(2) from None
     set_env_defaults()
     import signal
@@ -391,8 +439,13 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 
     demo = _load(demo_config, [])
     allowed = {ALLOWED_MODULES_ENV: ",".join(trust_config(demo))}  # the deployment's own file
-    stack = PrefectStack(port=port, home=Path(os.environ["PREFECT_HOME"]), gpu_slots=gpu_slots, extra_env=allowed,
-                         server_pool=demo.server.work_pool)
+    stack = PrefectStack(
+        port=port,
+        home=Path(os.environ["PREFECT_HOME"]),
+        gpu_slots=gpu_slots,
+        extra_env=allowed,
+        server_pool=demo.server.work_pool,
+    )
     try:
         prepare_home(Path(os.environ["PREFECT_HOME"]))
         stack.start()
@@ -401,9 +454,11 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
         raise typer.Exit(EXIT_FAILED) from None
     with stack:
         stack.register(demo_config, cron)
-        console.print(f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
-                      f"grpo-train/nightly-retrain, grpo-servers/gpu on pool {demo.server.work_pool}; Ctrl-C stops the server and the worker); the UI asks for the "
-                      f"API auth string: it is in {stack.auth_file} (or PREFECT_SERVER_API_AUTH_STRING when set)")
+        console.print(
+            f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
+            f"grpo-train/nightly-retrain, grpo-servers/gpu on pool {demo.server.work_pool}; Ctrl-C stops the server and the worker); the UI asks for the "
+            f"API auth string: it is in {stack.auth_file} (or PREFECT_SERVER_API_AUTH_STRING when set)"
+        )
         try:
             stack.wait()
         except KeyboardInterrupt:
@@ -411,17 +466,21 @@ def deploy(port: Annotated[int, typer.Option(help="Prefect server port on 127.0.
 
 
 @app.command()
-def ui(config: Annotated[Path | None, typer.Option(help="run config (for its tracking settings)")] = None,
-       mlflow: Annotated[bool, typer.Option("--mlflow", help="serve the MLflow UI on --mlflow-port")] = False,
-       mlflow_port: Annotated[int, typer.Option(min=1, max=65535)] = 5000,
-       prefect_port: Annotated[int, typer.Option(min=1, max=65535)] = 4200) -> None:
+def ui(
+    config: Annotated[Path | None, typer.Option(help="run config (for its tracking settings)")] = None,
+    mlflow: Annotated[bool, typer.Option("--mlflow", help="serve the MLflow UI on --mlflow-port")] = False,
+    mlflow_port: Annotated[int, typer.Option(min=1, max=65535)] = 5000,
+    prefect_port: Annotated[int, typer.Option(min=1, max=65535)] = 4200,
+) -> None:
     """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C."""
     tc = _load(config, []).tracking
     shown = tc.shown_tracking_uri()
     console.print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (started by `grpo deploy` / `make serve`)")
     console.print(f"MLflow tracking URI: {shown}")
-    console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
-                  f"`.venv/bin/mlflow ui --backend-store-uri {shown} --port {mlflow_port}`)")
+    console.print(
+        f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
+        f"`.venv/bin/mlflow ui --backend-store-uri {shown} --port {mlflow_port}`)"
+    )
     if mlflow:
         serve_mlflow_ui(tc.resolved_tracking_uri(), tc.resolved_artifact_location(), mlflow_port)
 

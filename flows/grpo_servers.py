@@ -141,8 +141,10 @@ def _take_credentials(name: str) -> tuple[str, dict[str, str]]:
     try:
         data = Secret.load(name).get()  # the JSON object saved by ServerRun.start
     except ValueError as exc:  # prefect raises ValueError for a missing block
-        raise ConfigError(f"credentials={name!r}: no such Secret block ({exc}); a grpo-servers run is started by "
-                          "a grpo-train flow run (server.deployment), which saves it") from None
+        raise ConfigError(
+            f"credentials={name!r}: no such Secret block ({exc}); a grpo-servers run is started by "
+            "a grpo-train flow run (server.deployment), which saves it"
+        ) from None
     _delete_block(name)
     return data["token"], data.get("secrets", {})
 
@@ -161,8 +163,11 @@ def _publish(handles: list[Any], urls: list[str], train_flow_run_id: str) -> Non
     from prefect.artifacts import create_table_artifact
 
     rows = [{"replica": i, "url": url, "backend": h.spec.backend} for i, (url, h) in enumerate(zip(urls, handles))]
-    create_table_artifact(rows, key=artifact_key(train_flow_run_id),
-                          description=f"generation replicas of grpo-train flow run {train_flow_run_id}")
+    create_table_artifact(
+        rows,
+        key=artifact_key(train_flow_run_id),
+        description=f"generation replicas of grpo-train flow run {train_flow_run_id}",
+    )
 
 
 def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: str, log: Any) -> str:
@@ -195,6 +200,7 @@ def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: 
 
     def failed_start(i: int, exc: Exception) -> None:  # tried again on a later pass while restarts last
         log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i], cfg.server.start_retries, exc)
+
     last_beat, last_change = None, time.monotonic()
     with get_client(sync_client=True) as client:
         while True:
@@ -214,16 +220,24 @@ def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: 
             if value is not None and value != last_beat:
                 last_beat, last_change = value, time.monotonic()
             elif time.monotonic() - last_change > cfg.server.lifeline_timeout_s:
-                return (f"train flow run {train_id} stopped beating its lifeline for "
-                        f"{cfg.server.lifeline_timeout_s:.0f} s (server.lifeline_timeout_s)")
+                return (
+                    f"train flow run {train_id} stopped beating its lifeline for "
+                    f"{cfg.server.lifeline_timeout_s:.0f} s (server.lifeline_timeout_s)"
+                )
             for i, handle in enumerate(procs.servers):
                 if i in starting:
                     if not starting[i].done():
                         continue
                     try:
                         starting.pop(i).result()
-                        log.info("replica %d serves again at %s%s", i, handle.url, "" if cfg.serves_lora() else
-                                 " (it refuses later policy versions until a weight sync reaches it)")
+                        log.info(
+                            "replica %d serves again at %s%s",
+                            i,
+                            handle.url,
+                            ""
+                            if cfg.serves_lora()
+                            else " (it refuses later policy versions until a weight sync reaches it)",
+                        )
                     except ServerStartError as exc:  # its process is stopped
                         failed_start(i, exc)
                     continue
@@ -232,19 +246,29 @@ def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: 
                 if restarts[i] >= cfg.server.start_retries:
                     continue
                 restarts[i] += 1
-                log.warning("replica %d exited with code %s; starting it again on %s (%d of %d)", i,
-                            handle.process.returncode, handle.url, restarts[i], cfg.server.start_retries)
+                log.warning(
+                    "replica %d exited with code %s; starting it again on %s (%d of %d)",
+                    i,
+                    handle.process.returncode,
+                    handle.url,
+                    restarts[i],
+                    cfg.server.start_retries,
+                )
                 try:
                     procs.servers[i] = relaunch(handle, procs.token)
                 except ServingError as exc:  # nothing started (its log cannot be written)
                     failed_start(i, exc)
                     continue
-                starting[i] = pool.submit(wait_healthy, procs.servers[i], cfg.server.startup_timeout_s, procs.token,
-                                          fenced_ok=True)  # no generation check follows
-            if not starting and all(h.process.poll() is not None and n >= cfg.server.start_retries
-                                    for h, n in zip(procs.servers, restarts)):
-                raise ServerStartError(f"every replica exited and server.start_retries ({cfg.server.start_retries}) "
-                                       "restarts each are spent; logs in " + str(cfg.server.log_dir))
+                starting[i] = pool.submit(
+                    wait_healthy, procs.servers[i], cfg.server.startup_timeout_s, procs.token, fenced_ok=True
+                )  # no generation check follows
+            if not starting and all(
+                h.process.poll() is not None and n >= cfg.server.start_retries for h, n in zip(procs.servers, restarts)
+            ):
+                raise ServerStartError(
+                    f"every replica exited and server.start_retries ({cfg.server.start_retries}) "
+                    "restarts each are spent; logs in " + str(cfg.server.log_dir)
+                )
             time.sleep(period)
 
 
@@ -268,9 +292,11 @@ def check_deployment(client: Any, name: str) -> None:
     try:
         client.read_deployment_by_name(name)
     except ObjectNotFound:
-        raise ConfigError(f"server.deployment={name!r}: no such deployment on the Prefect server; register it "
-                          f"(`grpo deploy` registers {FLOW_NAME}/{DEFAULT_DEPLOYMENT} on server.work_pool) or fix "
-                          "the name") from None
+        raise ConfigError(
+            f"server.deployment={name!r}: no such deployment on the Prefect server; register it "
+            f"(`grpo deploy` registers {FLOW_NAME}/{DEFAULT_DEPLOYMENT} on server.work_pool) or fix "
+            "the name"
+        ) from None
 
 
 class ServerRun:
@@ -318,14 +344,24 @@ class ServerRun:
             check_deployment(client, server.deployment)
         Secret(value={"token": self.token, "secrets": self.secrets}).save(self.credentials, overwrite=True)
         self._beat_once(0)
-        params = {"config": self.config.model_dump(mode="json"), "train_flow_run_id": self.train_id,
-                  "credentials": self.credentials, "lifeline": self.lifeline}
+        params = {
+            "config": self.config.model_dump(mode="json"),
+            "train_flow_run_id": self.train_id,
+            "credentials": self.credentials,
+            "lifeline": self.lifeline,
+        }
         try:
-            run = run_deployment(server.deployment, parameters=params, timeout=0, as_subflow=True,
-                                 tags=[f"{TRAIN_RUN_TAG}{self.train_id}"])
+            run = run_deployment(
+                server.deployment,
+                parameters=params,
+                timeout=0,
+                as_subflow=True,
+                tags=[f"{TRAIN_RUN_TAG}{self.train_id}"],
+            )
             self.flow_run_id = str(run.id)
-            self.log.info("servers' flow run %s (%s) of %s started; waiting for its URLs", run.name, run.id,
-                          server.deployment)
+            self.log.info(
+                "servers' flow run %s (%s) of %s started; waiting for its URLs", run.name, run.id, server.deployment
+            )
             self._start_beating()
             urls = self._wait_urls(deadline)
             self._check_reachable(urls, deadline)
@@ -344,23 +380,27 @@ class ServerRun:
         server = self.config.server
         with get_client(sync_client=True) as client:
             while True:
-                found = client.read_artifacts(artifact_filter=ArtifactFilter(
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[self.flow_run_id])))
+                found = client.read_artifacts(
+                    artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[self.flow_run_id]))
+                )
                 for artifact in found:
                     if artifact.key == artifact_key(self.train_id) and artifact.data:
                         rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
                         return [row["url"] for row in rows]
                 state = client.read_flow_run(self.flow_run_id).state
                 if state is not None and state.is_final():
-                    raise ServerStartError(f"the servers' flow run {self.flow_run_id} ({server.deployment}) ended "
-                                           f"{state.name} before publishing its URLs: {state.message}")
+                    raise ServerStartError(
+                        f"the servers' flow run {self.flow_run_id} ({server.deployment}) ended "
+                        f"{state.name} before publishing its URLs: {state.message}"
+                    )
                 if time.monotonic() > deadline:
                     where = f"{state.name}" if state is not None else "no state"
                     raise ServerStartError(
                         f"the servers' flow run {self.flow_run_id} ({server.deployment}) published no URLs within "
                         f"server.startup_timeout_s ({server.startup_timeout_s:.0f} s; it is {where}): is a worker "
                         f"serving work pool {server.work_pool!r} (server.work_pool)? `prefect worker start --pool "
-                        f"{server.work_pool}` on a GPU host")
+                        f"{server.work_pool}` on a GPU host"
+                    )
                 time.sleep(_POLL_S)
 
     def _check_reachable(self, urls: list[str], deadline: float) -> None:
@@ -414,8 +454,10 @@ class ServerRun:
                     self.log.warning("servers' flow run %s: state not read: %s", self.flow_run_id, exc)
                     continue
                 if state is not None and state.is_final() and not self._beating.is_set():
-                    register.fail(f"the servers' flow run {self.flow_run_id} ({self.config.server.deployment}) ended "
-                                  f"{state.name}: {state.message or 'no message'}")
+                    register.fail(
+                        f"the servers' flow run {self.flow_run_id} ({self.config.server.deployment}) ended "
+                        f"{state.name}: {state.message or 'no message'}"
+                    )
                     return
 
         context = contextvars.copy_context()
@@ -436,14 +478,16 @@ class ServerRun:
                 while time.monotonic() < deadline:
                     state = client.read_flow_run(self.flow_run_id).state
                     if state is None or state.is_final():
-                        self.log.info("servers' flow run %s is %s", self.flow_run_id,
-                                      state.name if state else "gone")
+                        self.log.info("servers' flow run %s is %s", self.flow_run_id, state.name if state else "gone")
                         break
                     time.sleep(_POLL_S)
                 else:
-                    self.log.warning("servers' flow run %s not final %.0f s after its cancellation; its replicas "
-                                     "stop when its lifeline times out (server.lifeline_timeout_s)",
-                                     self.flow_run_id, timeout_s)
+                    self.log.warning(
+                        "servers' flow run %s not final %.0f s after its cancellation; its replicas "
+                        "stop when its lifeline times out (server.lifeline_timeout_s)",
+                        self.flow_run_id,
+                        timeout_s,
+                    )
             try:
                 client.delete_variable_by_name(self.lifeline)
             except Exception:  # noqa: BLE001, S110 - gone already
@@ -466,14 +510,21 @@ def cancel_flow_run(client: Any, flow_run_id: str, message: str) -> None:
 def cancel_servers_of(client: Any, train_flow_run_id: str, message: str) -> list[str]:
     """Cancel every unfinished ``grpo-servers`` run tagged with ``train_flow_run_id`` (an earlier attempt's);
     returns their ids."""
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
-                                                FlowRunFilterTags)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
     from prefect.client.schemas.objects import StateType
 
     final = [StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED]
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        tags=FlowRunFilterTags(all_=[f"{TRAIN_RUN_TAG}{train_flow_run_id}"]),
-        state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=final))))
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[f"{TRAIN_RUN_TAG}{train_flow_run_id}"]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=final)),
+        )
+    )
     for run in runs:
         cancel_flow_run(client, str(run.id), message)
     return [str(run.id) for run in runs]

@@ -136,8 +136,11 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
         check_resume(cfg.trainer_process(), latest)  # a different run refuses here, before any server starts
         log.info("resuming from checkpoint %s", latest)
     log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
-    return {"run_dir": str(run_dir), "mlflow_run_id": mlflow_run_id,
-            "resume_state": str(latest / STATE_FILE) if latest is not None else None}
+    return {
+        "run_dir": str(run_dir),
+        "mlflow_run_id": mlflow_run_id,
+        "resume_state": str(latest / STATE_FILE) if latest is not None else None,
+    }
 
 
 def fetch_checkpoint(cfg: RunConfig, run_dir: Path, continued: bool) -> Path | None:
@@ -163,9 +166,11 @@ def fetch_checkpoint(cfg: RunConfig, run_dir: Path, continued: bool) -> Path | N
     if fetched is None and source:
         fetched = tracking.download_latest_checkpoint(cfg.tracking, source, run_dir, verify=verify)
         if fetched is None:
-            raise CheckpointError(f"resume_from={source}: MLflow run {source} has no completely uploaded checkpoint "
-                                  f"(no tag {tracking.LATEST_STEP_TAG}); pick a run that saved one, or drop "
-                                  "resume_from to start a new run")
+            raise CheckpointError(
+                f"resume_from={source}: MLflow run {source} has no completely uploaded checkpoint "
+                f"(no tag {tracking.LATEST_STEP_TAG}); pick a run that saved one, or drop "
+                "resume_from to start a new run"
+            )
     return fetched
 
 
@@ -177,8 +182,14 @@ def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 
     return isinstance(state.result(raise_on_failure=False), ServerStartError)
 
 
-@task(name="provision_servers", cache_policy=NO_CACHE, persist_result=False, retries=1, retry_delay_seconds=5,
-      retry_condition_fn=server_start_failed)
+@task(
+    name="provision_servers",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    retries=1,
+    retry_delay_seconds=5,
+    retry_condition_fn=server_start_failed,
+)
 def provision_servers(run_dir: str) -> list[str]:
     """Start the generation server replicas (vLLM on GPUs, else embedded), or have ``server.deployment`` start them
     in a flow run on another work pool (``flows.grpo_servers``), or wait for the external ones of ``server.urls``;
@@ -238,8 +249,13 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
 
     log, procs, root = get_run_logger(), REGISTRY[run_dir], Path(run_dir)
     procs.follow(root / LOG_FILE, log, "[rollout] ")
-    started = start_rollout_process(root / RESOLVED_CONFIG, server_urls, root,
-                                    resume=Path(resume_state) if resume_state else None, env=_child_env(run_dir))
+    started = start_rollout_process(
+        root / RESOLVED_CONFIG,
+        server_urls,
+        root,
+        resume=Path(resume_state) if resume_state else None,
+        env=_child_env(run_dir),
+    )
     process = started.process
     procs.processes.append(process)
     try:
@@ -255,8 +271,9 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
     if code != 0:
-        raise RolloutProcessError(f"rollout process exited with code {code}; log {started.log_path}:\n"
-                                  f"{started.log_tail()}")
+        raise RolloutProcessError(
+            f"rollout process exited with code {code}; log {started.log_path}:\n{started.log_tail()}"
+        )
     log.info("rollout process %d finished", process.pid)
     return location
 
@@ -268,8 +285,9 @@ def _raise_if_failed(error_file: Path, log_file: Path, how: object) -> None:
     lines = [line for line in error_file.read_text(errors="replace").splitlines() if line.strip()]
     cause = lines[-1] if lines else "no traceback"
     causes = [m.group(1)] if (m := re.match(r"([\w.]+)(?::|$)", cause)) else []  # `module.Type: message`
-    raise RolloutProcessError(f"rollout process failed ({how}): {cause}; traceback in {error_file}, log {log_file}",
-                              causes)
+    raise RolloutProcessError(
+        f"rollout process failed ({how}): {cause}; traceback in {error_file}, log {log_file}", causes
+    )
 
 
 def _await_location(run_dir: str, rollout_run) -> str:  # noqa: ANN001 - a PrefectFuture
@@ -297,15 +315,31 @@ def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], n
     """
     tc = cfg.train
     if not 0 <= node_rank < tc.nnodes:
-        raise ValueError(f"node_rank={node_rank} is not a trainer host of train.nnodes={tc.nnodes} (0 to "
-                         f"{tc.nnodes - 1}); raise train.nnodes to add a host")
+        raise ValueError(
+            f"node_rank={node_rank} is not a trainer host of train.nnodes={tc.nnodes} (0 to "
+            f"{tc.nnodes - 1}); raise train.nnodes to add a host"
+        )
     if tc.nnodes == 1:
         cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
     else:
         host, _, port = tc.rdzv_endpoint.rpartition(":")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.num_ranks),
-               "--nnodes", str(tc.nnodes), "--node-rank", str(node_rank), "--master-addr", host or tc.rdzv_endpoint,
-               "--master-port", port or "29400", "--rdzv-conf", f"timeout={tc.rdzv_timeout_s}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(tc.num_ranks),
+            "--nnodes",
+            str(tc.nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            host or tc.rdzv_endpoint,
+            "--master-port",
+            port or "29400",
+            "--rdzv-conf",
+            f"timeout={tc.rdzv_timeout_s}",
+        ]
     cmd += ["-m", "grpo_core.train", "--config", str(config_path)]
     return cmd + [arg for url in server_urls for arg in ("--server-url", url)]
 
@@ -335,31 +369,39 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
         from grpo_core.preflight import check_rendezvous_host
 
         check_rendezvous_host(cfg)
-        log.info("trainer host 0 of %d: waiting up to %d s (train.rdzv_timeout_s) at %s for trainer hosts 1..%d; on "
-                 "each run %s with its --node-rank and a copy of %s (README, Across hosts)", cfg.train.nnodes,
-                 cfg.train.rdzv_timeout_s, cfg.train.rdzv_endpoint, cfg.train.nnodes - 1,
-                 " ".join(trainer_command(cfg, Path(TRAIN_CONFIG), server_urls, node_rank=1)[1:]), config_path)
+        log.info(
+            "trainer host 0 of %d: waiting up to %d s (train.rdzv_timeout_s) at %s for trainer hosts 1..%d; on "
+            "each run %s with its --node-rank and a copy of %s (README, Across hosts)",
+            cfg.train.nnodes,
+            cfg.train.rdzv_timeout_s,
+            cfg.train.rdzv_endpoint,
+            cfg.train.nnodes - 1,
+            " ".join(trainer_command(cfg, Path(TRAIN_CONFIG), server_urls, node_rank=1)[1:]),
+            config_path,
+        )
     env = _child_env(run_dir, secret_values(sub))
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[:cfg.train.num_ranks]))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[: cfg.train.num_ranks]))
     progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
     progress.start()
     try:
-        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / "trainer.pid",
-                            register=REGISTRY[run_dir])
+        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / "trainer.pid", register=REGISTRY[run_dir])
     finally:
         progress.stop()
     failure, failure_log = REGISTRY[run_dir].failure, REGISTRY[run_dir].failure_log
     if code != 0 and failure:
         from grpo_core.serving.vllm import log_tail
 
-        raise ChildDiedError(f"{failure}; the trainer was stopped (exit code {code})"
-                             + (f"; log {failure_log}:\n{log_tail(failure_log)}" if failure_log else ""))
+        raise ChildDiedError(
+            f"{failure}; the trainer was stopped (exit code {code})"
+            + (f"; log {failure_log}:\n{log_tail(failure_log)}" if failure_log else "")
+        )
     if code != 0:
         cause = read_trainer_error(root)
         causes = re.findall(r"^rank \d+: ([\w.]+):", cause, flags=re.M)  # `rank R: Type: message` per rank
-        raise TrainerError(f"trainer exited with code {code}" + (f": {cause}" if cause else "")
-                           + f"\nlast output:\n{tail}", causes)
+        raise TrainerError(
+            f"trainer exited with code {code}" + (f": {cause}" if cause else "") + f"\nlast output:\n{tail}", causes
+        )
     return str(latest_checkpoint(root))
 
 
@@ -374,9 +416,14 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
 
     cfg, root, log = _config(run_dir), Path(run_dir), get_run_logger()
     png = report.plot_reward_curve(root / "metrics.jsonl", root / "reward_curve.png")
-    summary = {**report.summarize(root / "metrics.jsonl", wall_s), "run_dir": run_dir,
-               "checkpoint": str(latest_checkpoint(root)), "reward_curve": str(png) if png else None,
-               "mlflow_run_id": mlflow_run_id, "mlflow_uri": cfg.tracking.shown_tracking_uri()}
+    summary = {
+        **report.summarize(root / "metrics.jsonl", wall_s),
+        "run_dir": run_dir,
+        "checkpoint": str(latest_checkpoint(root)),
+        "reward_curve": str(png) if png else None,
+        "mlflow_run_id": mlflow_run_id,
+        "mlflow_uri": cfg.tracking.shown_tracking_uri(),
+    }
     model_dir = root / FINAL_MODEL_DIR
     adapter = cfg.train.lora.enabled
     if model_dir.is_dir():
@@ -398,8 +445,9 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
     artifacts.publish_reward_curve(png, summary)
     log.info("summary: %s", summary)
     if summary.get("stopped_early"):
-        log.warning("trained %s of %s steps: %s", summary["steps"], summary["steps_requested"],
-                    summary["stopped_early"])
+        log.warning(
+            "trained %s of %s steps: %s", summary["steps"], summary["steps_requested"], summary["stopped_early"]
+        )
     return summary
 
 
@@ -414,8 +462,12 @@ def _track_final(cfg: RunConfig, run_id: str, png: Path | None, model_dir: Path 
         source = tracking.log_model(tc, run_id, model_dir, adapter=cfg.train.lora.enabled)
         if tc.registered_model_name:
             version = tracking.register_model(
-                tc, run_id, source, description=f"{summary.get('steps', 0):.0f} steps; reward of the last five steps "
-                                                f"{summary.get('reward_last5', float('nan')):.4f}")
+                tc,
+                run_id,
+                source,
+                description=f"{summary.get('steps', 0):.0f} steps; reward of the last five steps "
+                f"{summary.get('reward_last5', float('nan')):.4f}",
+            )
             out["registered_model"] = f"{tc.registered_model_name} v{version.version} @{tc.registered_model_alias}"
     return out
 
@@ -446,8 +498,9 @@ def _no_more_retries(exc: BaseException) -> None:
         policy = run.empirical_policy
         if policy.retries is None or run.run_count > policy.retries:
             return  # no retry was left anyway
-        client.update_flow_run(flow_run_id, empirical_policy=policy.model_copy(
-            update={"retries": max(run.run_count - 1, 0)}))
+        client.update_flow_run(
+            flow_run_id, empirical_policy=policy.model_copy(update={"retries": max(run.run_count - 1, 0)})
+        )
     get_run_logger().error("not retrying the flow run: %s is not a failure a retry can cure", type(exc).__name__)
 
 
@@ -461,14 +514,16 @@ def _retry_only_curable():
             try:
                 _no_more_retries(exc)
             except Exception as api_exc:  # noqa: BLE001 - the run's own error must surface, not this one
-                get_run_logger().warning("could not stop the flow run's retries (%s); a retry may repeat: %s",
-                                         api_exc, exc)
+                get_run_logger().warning(
+                    "could not stop the flow run's retries (%s); a retry may repeat: %s", api_exc, exc
+                )
         raise
 
 
 @contextlib.contextmanager
 def _sigterm_raises():
     """Turn SIGTERM (cancellation by the worker) into an exception so ``finally`` stops every process."""
+
     def handler(signum, frame):  # noqa: ANN001, ARG001
         raise KeyboardInterrupt("flow run terminated (SIGTERM)")
 
@@ -541,7 +596,7 @@ def run_slots(config: RunConfig) -> int:
     if choose_backend(config) != "vllm":
         return 1
     servers = {g for replica in range(config.server.num_replicas) for g in replica_gpus(config, replica)}
-    ranks = config.train.gpu_ids[:config.train.num_ranks] if config.train.gpu_ids else range(config.train.num_ranks)
+    ranks = config.train.gpu_ids[: config.train.num_ranks] if config.train.gpu_ids else range(config.train.num_ranks)
     return len(servers | set(ranks))
 
 
@@ -574,9 +629,11 @@ def gpu_slots(config: RunConfig):
         return
     slots = run_slots(config)
     if slots > limit.limit:
-        raise ConfigError(f"the run needs {slots} slots of the global concurrency limit {name!r}, which has "
-                          f"{limit.limit}; raise it (`prefect gcl update {name} --limit {slots}`) or set "
-                          "flow.concurrency_slots")
+        raise ConfigError(
+            f"the run needs {slots} slots of the global concurrency limit {name!r}, which has "
+            f"{limit.limit}; raise it (`prefect gcl update {name} --limit {slots}`) or set "
+            "flow.concurrency_slots"
+        )
     hold = functools.partial(concurrency, name, occupy=slots, strict=True, raise_on_lease_renewal_failure=False)
     with contextlib.ExitStack() as stack:
         # One attempt first: the "waiting" line is logged when the server really refuses the slots (423), not from a
@@ -590,8 +647,13 @@ def gpu_slots(config: RunConfig):
                 raise
             with get_client(sync_client=True) as client:
                 limit = client.read_global_concurrency_limit_by_name(name)
-            log.info("waiting for %d slot(s) of the global concurrency limit %r (%d of %d in use)", slots, name,
-                     limit.active_slots, limit.limit)
+            log.info(
+                "waiting for %d slot(s) of the global concurrency limit %r (%d of %d in use)",
+                slots,
+                name,
+                limit.active_slots,
+                limit.limit,
+            )
             stack.enter_context(hold())
         log.info("holding %d slot(s) of the global concurrency limit %r", slots, name)
         yield

@@ -84,9 +84,11 @@ def verify_own_server(api_url: str, auth_string: str, process: Any, what: str) -
     except httpx.HTTPError as exc:
         raise PrefectApiError(f"the Prefect server of {what} at {api_url} does not answer: {exc}") from None
     if anonymous != 401 or authed != 200:
-        raise PrefectApiError(f"{api_url} is answered by a Prefect server {what} did not start (without credentials: "
-                              f"HTTP {anonymous}, with this server's: HTTP {authed}); stop that server or use "
-                              "another port")
+        raise PrefectApiError(
+            f"{api_url} is answered by a Prefect server {what} did not start (without credentials: "
+            f"HTTP {anonymous}, with this server's: HTTP {authed}); stop that server or use "
+            "another port"
+        )
 
 
 def database_path(home: Path, env: Mapping[str, str]) -> Path | None:
@@ -133,8 +135,10 @@ def _check_database_server(url: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
-        raise ConfigError(f"Prefect's database server {host}:{port} (PREFECT_SERVER_DATABASE_CONNECTION_URL) does not "
-                          f"accept connections: {exc.strerror or exc}; start it or fix the URL") from None
+        raise ConfigError(
+            f"Prefect's database server {host}:{port} (PREFECT_SERVER_DATABASE_CONNECTION_URL) does not "
+            f"accept connections: {exc.strerror or exc}; start it or fix the URL"
+        ) from None
 
 
 def check_api_url(url: str, timeout_s: float = 10.0) -> None:
@@ -144,17 +148,23 @@ def check_api_url(url: str, timeout_s: float = 10.0) -> None:
     try:
         httpx.get(url.rstrip("/") + "/health", timeout=timeout_s).raise_for_status()
     except httpx.HTTPError as exc:
-        raise PrefectApiError(f"PREFECT_API_URL={url}: the Prefect server does not answer /health "
-                              f"({type(exc).__name__}: {exc}); start it (grpo deploy) or unset PREFECT_API_URL "
-                              "to use a temporary local server") from None
+        raise PrefectApiError(
+            f"PREFECT_API_URL={url}: the Prefect server does not answer /health "
+            f"({type(exc).__name__}: {exc}); start it (grpo deploy) or unset PREFECT_API_URL "
+            "to use a temporary local server"
+        ) from None
 
 
 def _own_auth() -> str | None:
     """Put an auth string for the temporary server and this process's client in the environment (before Prefect
     is imported: its settings are read once); None when Prefect was imported already (the server runs without)."""
     if "prefect" in sys.modules and not os.environ.get(AUTH_CLIENT_ENV):
-        logger.warning("Prefect was imported before its temporary API server started: the server runs without an "
-                       "auth string (set %s and %s to require one)", AUTH_SERVER_ENV, AUTH_CLIENT_ENV)
+        logger.warning(
+            "Prefect was imported before its temporary API server started: the server runs without an "
+            "auth string (set %s and %s to require one)",
+            AUTH_SERVER_ENV,
+            AUTH_CLIENT_ENV,
+        )
         return None
     os.environ.update(local_auth_env())
     return os.environ[AUTH_SERVER_ENV]
@@ -174,14 +184,19 @@ def _owned_server_class() -> type:
     def popen(args: list[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
         args = list(args)
         if args[1:3] != ["-m", "uvicorn"]:
-            logger.warning("Prefect's temporary API server command is not `python -m uvicorn …` (%s): started in this "
-                           "command's process group, so a Ctrl-C reaches it too", args[:3])
+            logger.warning(
+                "Prefect's temporary API server command is not `python -m uvicorn …` (%s): started in this "
+                "command's process group, so a Ctrl-C reaches it too",
+                args[:3],
+            )
             return subprocess.Popen(args, env=env, **kwargs)
         env = {**(os.environ if env is None else env), **owner_env()}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
-                                                          env.get("PYTHONPATH")]))
-        return subprocess.Popen([args[0], "-m", "grpo_core.lifeline", "uvicorn", *args[3:]], env=env,
-                                start_new_session=True, **kwargs)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")])
+        )
+        return subprocess.Popen(
+            [args[0], "-m", "grpo_core.lifeline", "uvicorn", *args[3:]], env=env, start_new_session=True, **kwargs
+        )
 
     # Prefect's server module sees this in place of the subprocess module while it starts the server, nothing else
     owned_subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
@@ -212,8 +227,10 @@ def _owned_server() -> Any:
         if plain.server_process is None and not plain.running:
             del instances[None]
         else:
-            logger.warning("Prefect's temporary API server was started before grpo-flow's: it runs in this "
-                           "command's process group, so a Ctrl-C reaches it too")
+            logger.warning(
+                "Prefect's temporary API server was started before grpo-flow's: it runs in this "
+                "command's process group, so a Ctrl-C reaches it too"
+            )
     return owned()
 
 
@@ -251,12 +268,12 @@ def start_local_api() -> str:
         process = server.server_process
         code = process.poll() if process is not None else None
         if code is not None and code != 3:  # 3 = port taken: Prefect retries on another port itself
-            raise PrefectApiError(f"Prefect's temporary API server exited with code {code} while starting "
-                                  f"({where}); its output is above")
+            raise PrefectApiError(
+                f"Prefect's temporary API server exited with code {code} while starting ({where}); its output is above"
+            )
     if failure:
         raise PrefectApiError(f"Prefect's temporary API server did not start ({where}): {failure[0]}")
     if auth is not None:
         verify_own_server(server.api_url, auth, server.server_process, "this command")
     logger.info("Prefect's temporary API server at %s (%s)", server.api_url, where)
     return server.api_url
-

@@ -177,12 +177,25 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     (``grpo_core.lifeline``: grpo-flow's entry points end when it does)."""
     from grpo_core import lifeline
 
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            **lifeline.owner_env(), **(extra or {})}
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **lifeline.owner_env(),
+        **(extra or {}),
+    }
 
 
-def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file: Path | None = None,
-           register: RunProcesses | None = None, tail_lines: int = 60) -> tuple[int, str]:
+def stream(
+    cmd: list[str],
+    log: Any,
+    prefix: str,
+    env: dict[str, str],
+    pid_file: Path | None = None,
+    register: RunProcesses | None = None,
+    tail_lines: int = 60,
+) -> tuple[int, str]:
     """Run ``cmd`` in its own session, forwarding each output line to ``log``; ``cmd`` is killed when the
     calling thread ends (``lifeline.die_with_parent``: torchrun is not grpo-flow's and cannot watch its owner).
 
@@ -191,9 +204,18 @@ def stream(cmd: list[str], log: Any, prefix: str, env: dict[str, str], pid_file:
     """
     from grpo_core import lifeline
 
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env=env, text=True, errors="replace", bufsize=1, start_new_session=True,
-                               preexec_fn=lifeline.die_with_parent)
+    process = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,
+        preexec_fn=lifeline.die_with_parent,
+    )
     if register is not None:
         register.processes.append(process)
     if pid_file is not None:
@@ -232,8 +254,12 @@ def watch_servers(register: RunProcesses) -> None:
             continue
         spec = handle.spec
         name = "router" if spec.backend == "router" else f"generation server {spec.backend} replica {spec.replica}"
-        threading.Thread(target=wait_child, args=(handle.process, register, name, spec.log_path),
-                         name=f"watch-{handle.process.pid}", daemon=True).start()
+        threading.Thread(
+            target=wait_child,
+            args=(handle.process, register, name, spec.log_path),
+            name=f"watch-{handle.process.pid}",
+            daemon=True,
+        ).start()
 
 
 def setup_logging() -> None:

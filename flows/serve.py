@@ -52,9 +52,17 @@ class PrefectStack:
         gpu_slots: slots of the global concurrency limit ``gpu``; None = the GPUs visible here (at least 1).
     """
 
-    def __init__(self, port: int = 4200, home: Path = Path("runs/prefect"), pool: str = WORK_POOL,
-                 worker_poll_s: float = 2.0, startup_timeout_s: float = 240.0, extra_env: dict[str, str] | None = None,
-                 gpu_slots: int | None = None, server_pool: str | None = SERVER_POOL):
+    def __init__(
+        self,
+        port: int = 4200,
+        home: Path = Path("runs/prefect"),
+        pool: str = WORK_POOL,
+        worker_poll_s: float = 2.0,
+        startup_timeout_s: float = 240.0,
+        extra_env: dict[str, str] | None = None,
+        gpu_slots: int | None = None,
+        server_pool: str | None = SERVER_POOL,
+    ):
         self.port = port or _free_port()
         self.home, self.pool, self.server_pool = Path(home).resolve(), pool, server_pool
         self.api_url = f"http://127.0.0.1:{self.port}/api"
@@ -75,10 +83,18 @@ class PrefectStack:
 
     def env(self) -> dict[str, str]:
         """Environment of the server, the worker and anything that talks to them."""
-        return {**os.environ, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url,
-                "PREFECT_WORKER_QUERY_SECONDS": str(self.worker_poll_s),
-                "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1", **self._auth_env, **self.extra_env}
+        return {
+            **os.environ,
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_WORKER_QUERY_SECONDS": str(self.worker_poll_s),
+            "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+            **self._auth_env,
+            **self.extra_env,
+        }
 
     def auth_headers(self) -> dict[str, str]:
         """The ``Authorization`` header a plain HTTP client needs for this stack's API."""
@@ -95,8 +111,14 @@ class PrefectStack:
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         self.home.mkdir(parents=True, exist_ok=True)
         with (self.home / log_name).open("ab") as log:
-            process = subprocess.Popen([sys.executable, "-m", "prefect", *args], stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=self.env(), start_new_session=True)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "prefect", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(),
+                start_new_session=True,
+            )
         self.processes.append(process)
         return process
 
@@ -140,9 +162,10 @@ class PrefectStack:
             self.ensure_pool(pool)
         self.ensure_gpu_limit()
         for pool in pools:
-            self.workers[pool] = self._spawn(["worker", "start", "--pool", pool, "--type", "process", "--name",
-                                              f"{pool}-worker"], "worker.log" if pool == self.pool else
-                                             f"worker-{pool}.log")
+            self.workers[pool] = self._spawn(
+                ["worker", "start", "--pool", pool, "--type", "process", "--name", f"{pool}-worker"],
+                "worker.log" if pool == self.pool else f"worker-{pool}.log",
+            )
         logger.info("Prefect server at %s, process workers on pools %s", self.ui_url, ", ".join(pools))
         return self
 
@@ -178,8 +201,17 @@ class PrefectStack:
 
     def register(self, demo_config: Path, cron: str = "0 2 * * *", overrides: list[str] | None = None) -> None:
         """Register ``grpo-train/demo`` and ``grpo-train/nightly-retrain`` (in a child process, on this server)."""
-        cmd = [sys.executable, "-m", "deployments.deploy", "--config", str(demo_config), "--cron", cron,
-               "--pool", self.pool]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deployments.deploy",
+            "--config",
+            str(demo_config),
+            "--cron",
+            cron,
+            "--pool",
+            self.pool,
+        ]
         for item in overrides or []:
             cmd += ["--set", item]
         done = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, check=False)

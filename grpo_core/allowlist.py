@@ -42,14 +42,26 @@ ALLOWED_MODULES_ENV = "GRPO_ALLOWED_MODULES"
 #: Always allowed: grpo-flow's own code.
 DEFAULT_ALLOWED: tuple[str, ...] = ("grpo_core",)
 #: vLLM flags of ``server.extra_args`` whose value names a Python class or module it imports.
-VLLM_CODE_FLAGS = ("--worker-cls", "--worker-extension-cls", "--middleware", "--logits-processors",
-                   "--scheduler-cls", "--distributed-executor-backend")
+VLLM_CODE_FLAGS = (
+    "--worker-cls",
+    "--worker-extension-cls",
+    "--middleware",
+    "--logits-processors",
+    "--scheduler-cls",
+    "--distributed-executor-backend",
+)
 #: vLLM flags that run code from a file or from the model repository; allowed only when listed themselves.
-VLLM_CODE_SWITCHES = ("--trust-remote-code", "--tool-parser-plugin", "--reasoning-parser-plugin",
-                      "--io-processor-plugin")
+VLLM_CODE_SWITCHES = (
+    "--trust-remote-code",
+    "--tool-parser-plugin",
+    "--reasoning-parser-plugin",
+    "--io-processor-plugin",
+)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
-_HINT = (f"add the module to {ALLOWED_MODULES_ENV} where the worker runs (comma-separated, e.g. "
-         f"{ALLOWED_MODULES_ENV}=grpo_core,my_rewards), or pass the config file to `grpo train --config` yourself")
+_HINT = (
+    f"add the module to {ALLOWED_MODULES_ENV} where the worker runs (comma-separated, e.g. "
+    f"{ALLOWED_MODULES_ENV}=grpo_core,my_rewards), or pass the config file to `grpo train --config` yourself"
+)
 
 
 @dataclass(frozen=True)
@@ -116,17 +128,20 @@ def allowed_modules(environ: dict[str, str] | None = None) -> tuple[str, ...]:
 def is_allowed(module: str, allowed: tuple[str, ...] | None = None) -> bool:
     """Whether ``module`` (or a vLLM code flag) is an entry of ``allowed`` or a submodule of one."""
     allowed = allowed_modules() if allowed is None else allowed
-    return any(module == entry or (not entry.startswith("-") and module.startswith(entry + "."))
-               for entry in allowed)
+    return any(module == entry or (not entry.startswith("-") and module.startswith(entry + ".")) for entry in allowed)
 
 
 def _refuse(ref: CodeRef, allowed: tuple[str, ...]) -> ConfigError:
     if ref.module.startswith("-"):
-        return ConfigError(f"{ref.field}={ref.spec!r} runs code that run parameters may not choose; add "
-                           f"{ref.module} to {ALLOWED_MODULES_ENV} where the worker runs, or pass the config file "
-                           f"to `grpo train --config` yourself (allowed now: {', '.join(allowed)})")
-    return ConfigError(f"{ref.field}={ref.spec!r}: module {ref.module!r} is not in the allow-list of code a run "
-                       f"may name ({', '.join(allowed)}); {_HINT}")
+        return ConfigError(
+            f"{ref.field}={ref.spec!r} runs code that run parameters may not choose; add "
+            f"{ref.module} to {ALLOWED_MODULES_ENV} where the worker runs, or pass the config file "
+            f"to `grpo train --config` yourself (allowed now: {', '.join(allowed)})"
+        )
+    return ConfigError(
+        f"{ref.field}={ref.spec!r}: module {ref.module!r} is not in the allow-list of code a run "
+        f"may name ({', '.join(allowed)}); {_HINT}"
+    )
 
 
 def check_code_references(cfg: RunConfig, allowed: tuple[str, ...] | None = None) -> None:
@@ -186,16 +201,21 @@ def import_object(path: str, field: str, allowed: tuple[str, ...] | None = None)
         obj: Any = importlib.import_module(module_name)
         for i, part in enumerate(parts):
             if i and not (inspect.isclass(obj) and is_allowed(obj.__module__, allowed)):
-                raise ConfigError(f"{field}={path!r}: {'.'.join(parts[:i])} is no class of an allowed module; "
-                                  "name a function or class of the module itself")
+                raise ConfigError(
+                    f"{field}={path!r}: {'.'.join(parts[:i])} is no class of an allowed module; "
+                    "name a function or class of the module itself"
+                )
             obj = getattr(obj, part)
             if inspect.ismodule(obj):
-                raise ConfigError(f"{field}={path!r}: {'.'.join(parts[:i + 1])} is the module {obj.__name__}; "
-                                  f"write it as '{obj.__name__}:NAME' (it must be allowed itself)")
+                raise ConfigError(
+                    f"{field}={path!r}: {'.'.join(parts[: i + 1])} is the module {obj.__name__}; "
+                    f"write it as '{obj.__name__}:NAME' (it must be allowed itself)"
+                )
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"{field}={path!r} cannot be imported: {exc}") from exc
     home = _defined_in(obj)
     if home is not None and not is_allowed(home, allowed):
-        raise ConfigError(f"{field}={path!r} is defined in {home!r}, not in an allowed module "
-                          f"({', '.join(allowed)}); {_HINT}")
+        raise ConfigError(
+            f"{field}={path!r} is defined in {home!r}, not in an allowed module ({', '.join(allowed)}); {_HINT}"
+        )
     return obj

@@ -44,8 +44,10 @@ def token_problem(value: str) -> str | None:
         return "it is empty or blank"
     bad = sorted({c for c in value if not "!" <= c <= "~"})
     if bad:
-        return (f"it holds {len(bad)} character(s) an HTTP header cannot carry (spaces, non-ASCII or control "
-                "characters); use printable ASCII, e.g. the output of `openssl rand -hex 32`")
+        return (
+            f"it holds {len(bad)} character(s) an HTTP header cannot carry (spaces, non-ASCII or control "
+            "characters); use printable ASCII, e.g. the output of `openssl rand -hex 32`"
+        )
     return None
 
 
@@ -101,6 +103,8 @@ def check_port_free(host: str, port: int, field_name: str = "server.port") -> No
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise PortInUseError(f"{host}:{port} is already in use ({exc.strerror or exc}): another process (another "
-                                 f"run's server?) listens there and this run will not attach to it; stop it, or set "
-                                 f"{field_name} to a free port (0 = pick one)") from None
+            raise PortInUseError(
+                f"{host}:{port} is already in use ({exc.strerror or exc}): another process (another "
+                f"run's server?) listens there and this run will not attach to it; stop it, or set "
+                f"{field_name} to a free port (0 = pick one)"
+            ) from None

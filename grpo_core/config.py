@@ -19,8 +19,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, create_model, field_serializer,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    create_model,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from grpo_core.errors import ConfigError
 from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_secret_flags
@@ -117,8 +126,12 @@ def _check_fixed_ports(cfg: RunConfig) -> None:
     """
     server, taken = cfg.server, {}
     if server.starts_here() and server.port:
-        taken.update({server.port + i: "server.port" if i == 0 else f"server.port + {i} (replica {i})"
-                      for i in range(server.num_replicas)})
+        taken.update(
+            {
+                server.port + i: "server.port" if i == 0 else f"server.port + {i} (replica {i})"
+                for i in range(server.num_replicas)
+            }
+        )
     for i, url in enumerate(server.urls):  # a replica on this host
         parts = urllib.parse.urlsplit(url)
         if parts.hostname in LOOPBACK_HOSTS:
@@ -127,8 +140,10 @@ def _check_fixed_ports(cfg: RunConfig) -> None:
         if not port:
             continue
         if port in taken:
-            raise ConfigError(f"{name} ({port}) is also {taken[port]}: two of the run's listeners cannot share a "
-                              f"port; choose another {name} (0 = a free one)")
+            raise ConfigError(
+                f"{name} ({port}) is also {taken[port]}: two of the run's listeners cannot share a "
+                f"port; choose another {name} (0 = a free one)"
+            )
         taken[port] = name
 
 
@@ -137,8 +152,9 @@ def _view(owner: type[_Strict], names: tuple[str, ...], base: type[_Strict], doc
     docstrings taken from the owner, so each field is defined once): what a process reads of a section it does
     not own. ``base`` carries the owner's methods over those fields."""
     fields: dict[str, Any] = {name: (owner.model_fields[name].annotation, owner.model_fields[name]) for name in names}
-    return create_model(f"{owner.__name__.removesuffix('Config')}View", __base__=base, __doc__=doc,
-                        __module__=__name__, **fields)
+    return create_model(
+        f"{owner.__name__.removesuffix('Config')}View", __base__=base, __doc__=doc, __module__=__name__, **fields
+    )
 
 
 class _ServerKey(_Strict):
@@ -162,13 +178,13 @@ class _CandidateFilter(_Strict):
 #: Fields that moved to one owner: ``section.field`` -> why, and what to set instead.
 REMOVED_SERVER_FIELDS = {
     "enable_lora": "train.lora.enabled owns it: the servers serve LoRA adapters (--enable-lora) exactly when the "
-                   "trainer trains one; delete server.enable_lora and set train.lora.enabled",
+    "trainer trains one; delete server.enable_lora and set train.lora.enabled",
     "lora_rank": "train.lora.r owns it: the servers' --max-lora-rank is the smallest vLLM value >= train.lora.r; "
-                 "delete server.lora_rank and set train.lora.r",
+    "delete server.lora_rank and set train.lora.r",
 }
 REMOVED_ROLLOUT_FIELDS = {
     "max_steps": "train.max_steps owns the run's length (the trainer stops the run there); delete rollout.max_steps "
-                 "and, to cycle the dataset until then, set rollout.num_epochs: null",
+    "and, to cycle the dataset until then, set rollout.num_epochs: null",
 }
 
 
@@ -203,13 +219,23 @@ class ModelConfig(_Strict):
 
 
 #: Server settings that only the servers the flow starts read (ignored with ``server.urls``).
-SERVER_LAUNCH_FIELDS = ("backend", "port", "tensor_parallel_size", "gpu_ids", "max_num_seqs", "kv_cache_size_tokens",
-                        "api_server_count", "gpu_memory_utilization", "enforce_eager", "embedded_num_threads",
-                        "max_pause_s", "extra_args")
+SERVER_LAUNCH_FIELDS = (
+    "backend",
+    "port",
+    "tensor_parallel_size",
+    "gpu_ids",
+    "max_num_seqs",
+    "kv_cache_size_tokens",
+    "api_server_count",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "embedded_num_threads",
+    "max_pause_s",
+    "extra_args",
+)
 #: Server settings only the embedded server reads; only vLLM reads; only a servers' deployment reads.
 EMBEDDED_ONLY_FIELDS = ("kv_cache_size_tokens", "embedded_num_threads")
-VLLM_ONLY_FIELDS = ("tensor_parallel_size", "api_server_count", "gpu_memory_utilization", "enforce_eager",
-                    "extra_args")
+VLLM_ONLY_FIELDS = ("tensor_parallel_size", "api_server_count", "gpu_memory_utilization", "enforce_eager", "extra_args")
 DEPLOYMENT_ONLY_FIELDS = ("advertise_host", "lifeline_timeout_s")
 
 
@@ -233,19 +259,30 @@ def check_server_urls(urls: list[str], field: str = "server.urls") -> list[str]:
             port = parts.port
         except ValueError:
             port = -1
-        if (not re.fullmatch(r"https?://[^/\s?#]+(/\S*)?", url, re.IGNORECASE) or not parts.hostname or port == -1
-                or parts.query or parts.fragment or "?" in url or "#" in url):
+        if (
+            not re.fullmatch(r"https?://[^/\s?#]+(/\S*)?", url, re.IGNORECASE)
+            or not parts.hostname
+            or port == -1
+            or parts.query
+            or parts.fragment
+            or "?" in url
+            or "#" in url
+        ):
             raise ValueError(f"{field}: {url!r} is not an http(s) base URL; write e.g. 'http://gpu-1:8000'")
         path = parts.path.rstrip("/")
         if path.lower().endswith("/v1"):
             base = url.rstrip("/")[:-3].rstrip("/")
-            raise ValueError(f"{field}: {url!r} ends in /v1, which the client adds to every request; write the "
-                             f"server's base URL {base!r}")
+            raise ValueError(
+                f"{field}: {url!r} ends in /v1, which the client adds to every request; write the "
+                f"server's base URL {base!r}"
+            )
         if parts.username is not None or parts.password is not None:
             shown = url.replace(parts.netloc, parts.netloc.rsplit("@", 1)[1])
-            raise ValueError(f"{field}: a URL of {shown!r} carries a user name or password, which would be saved "
-                             "with the run's config; give the servers' bearer token as server.api_key (a secret) "
-                             "or GRPO_SERVER_API_KEY instead")
+            raise ValueError(
+                f"{field}: a URL of {shown!r} carries a user name or password, which would be saved "
+                "with the run's config; give the servers' bearer token as server.api_key (a secret) "
+                "or GRPO_SERVER_API_KEY instead"
+            )
         scheme = parts.scheme.lower()
         key = (scheme, parts.hostname.lower(), url_port(parts), path)
         if key in seen:
@@ -324,6 +361,7 @@ class ServerConfig(_ServerKey):
     @classmethod
     def _secret_flag_values(cls, args: list[str | SecretStr]) -> list[str | SecretStr]:
         return split_secret_flags(args)
+
     urls: list[str] = Field(default_factory=list)
     """External generation servers (``http://host:port``, one per replica) started elsewhere; when set the flow
     starts no server and routes over these (the trainer asks each server what it is). The launch settings
@@ -365,14 +403,18 @@ class ServerConfig(_ServerKey):
     @model_validator(mode="after")
     def _check_unused_settings(self) -> ServerConfig:
         if self.urls and self.num_replicas not in (1, len(self.urls)):  # 1: the default (a saved config holds it)
-            raise ConfigError(f"server.num_replicas ({self.num_replicas}) applies to servers the flow starts, but "
-                              f"server.urls lists {len(self.urls)} running server(s): with server.urls list every "
-                              "replica's URL and delete server.num_replicas")
+            raise ConfigError(
+                f"server.num_replicas ({self.num_replicas}) applies to servers the flow starts, but "
+                f"server.urls lists {len(self.urls)} running server(s): with server.urls list every "
+                "replica's URL and delete server.num_replicas"
+            )
         if self.api_server_count > 1 and not self.urls:
-            raise ConfigError(f"server.api_server_count ({self.api_server_count}) > 1: the run's guard keeps each "
-                              "replica's fence and policy version in its API server process, and several processes "
-                              "would disagree (a weight sync reaches one of them); set it to 1 and raise "
-                              "server.num_replicas for more front-end capacity")
+            raise ConfigError(
+                f"server.api_server_count ({self.api_server_count}) > 1: the run's guard keeps each "
+                "replica's fence and policy version in its API server process, and several processes "
+                "would disagree (a weight sync reaches one of them); set it to 1 and raise "
+                "server.num_replicas for more front-end capacity"
+            )
         _warn_unused({f"server.{name}": why for name, why in self.unused_settings().items()})
         return self
 
@@ -386,11 +428,17 @@ class ServerConfig(_ServerKey):
             why = "server.urls names servers started elsewhere; their own launch flags apply"
             unused.update({name: why for name in SERVER_LAUNCH_FIELDS if name in given})
         elif self.backend == "vllm":
-            unused.update({name: "embedded server only; server.backend is 'vllm'" for name in EMBEDDED_ONLY_FIELDS
-                           if name in given})
+            unused.update(
+                {
+                    name: "embedded server only; server.backend is 'vllm'"
+                    for name in EMBEDDED_ONLY_FIELDS
+                    if name in given
+                }
+            )
         elif self.backend == "embedded":
-            unused.update({name: "vLLM only; server.backend is 'embedded'" for name in VLLM_ONLY_FIELDS
-                           if name in given})
+            unused.update(
+                {name: "vLLM only; server.backend is 'embedded'" for name in VLLM_ONLY_FIELDS if name in given}
+            )
         if not self.deployment:
             unused.update({name: "server.deployment only" for name in DEPLOYMENT_ONLY_FIELDS if name in given})
         if (len(self.urls) or self.num_replicas) == 1 and "route_imbalance" in given:
@@ -414,8 +462,10 @@ class ServerConfig(_ServerKey):
 
         problem = None if key is None else token_problem(key.get_secret_value())
         if problem is not None:  # "" would turn authentication off, a space would break every request
-            raise ValueError(f"server.api_key: {problem}; unset it (then GRPO_SERVER_API_KEY, else the run's token "
-                             "is sent) or give the servers' key")
+            raise ValueError(
+                f"server.api_key: {problem}; unset it (then GRPO_SERVER_API_KEY, else the run's token "
+                "is sent) or give the servers' key"
+            )
         return key
 
     @field_validator("deployment")
@@ -526,16 +576,20 @@ class RolloutConfig(_CandidateFilter):
     @model_validator(mode="after")
     def _check_rollout_fields(self) -> RolloutConfig:
         if self.temperature == 0 and self.num_generations > 1:
-            logger.warning("rollout.temperature=0 makes the %d rollouts of a group identical: every group has zero "
-                           "reward std and is dropped; raise rollout.temperature", self.num_generations)
+            logger.warning(
+                "rollout.temperature=0 makes the %d rollouts of a group identical: every group has zero "
+                "reward std and is dropped; raise rollout.temperature",
+                self.num_generations,
+            )
         if isinstance(self.environment_factory, dict) and not self.environment_factory:
             raise ConfigError("rollout.environment_factory is an empty dict; name at least one environment or set None")
         for name in [*self.reward_functions, *self.tools, self.loop_class]:
             if ":" not in name:
                 raise ConfigError(f"rollout: {name!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")
         if self.max_tool_calling_iterations is not None and not self.tools and self.environment_factory is None:
-            logger.warning("rollout.max_tool_calling_iterations has no effect without rollout.tools or "
-                           "rollout.environment_factory")
+            logger.warning(
+                "rollout.max_tool_calling_iterations has no effect without rollout.tools or rollout.environment_factory"
+            )
         return self
 
 
@@ -560,7 +614,8 @@ class LoraConfig(_Strict):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter input."""
     target_modules: list[str] | Literal["all-linear"] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
     """Module names to adapt, or ``all-linear`` (every linear layer of the language model but the output
     projection; a VLM's vision tower is never loaded by the trainer, so never adapted)."""
     name: str = Field(default="policy", min_length=1, max_length=64)
@@ -571,9 +626,11 @@ class LoraConfig(_Strict):
     @classmethod
     def _check_name(cls, name: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name) or ".." in name:
-            raise ValueError(f"train.lora.name={name!r} must be a plain name (letters, digits, '.', '_', '-', "
-                             "starting with a letter or digit; no path separator, no '..'): it names the adapter "
-                             "folders under train.output_dir; e.g. 'policy'")
+            raise ValueError(
+                f"train.lora.name={name!r} must be a plain name (letters, digits, '.', '_', '-', "
+                "starting with a letter or digit; no path separator, no '..'): it names the adapter "
+                "folders under train.output_dir; e.g. 'policy'"
+            )
         return name
 
 
@@ -604,8 +661,10 @@ class TrainConfig(_Strict):
     def _host_and_port(cls, v: str | None) -> str | None:
         match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,5})", v) if v is not None else None
         if v is not None and (match is None or not 0 < int(match.group(2)) <= 65535):
-            raise ValueError(f"train.rdzv_endpoint: {v!r} is not 'host:port' (no scheme, a port 1-65535); write e.g. "
-                             "'trainer-0:29400'")
+            raise ValueError(
+                f"train.rdzv_endpoint: {v!r} is not 'host:port' (no scheme, a port 1-65535); write e.g. "
+                "'trainer-0:29400'"
+            )
         return v
 
     output_dir: Path = Path("runs/train")
@@ -740,8 +799,10 @@ class ExportConfig(_Strict):
     @model_validator(mode="after")
     def _check_hub(self) -> ExportConfig:
         if self.push_to_hub and not self.hub_model_id:
-            raise ConfigError("export.push_to_hub needs export.hub_model_id ('user-or-org/name'); set it or "
-                              "set export.push_to_hub: false")
+            raise ConfigError(
+                "export.push_to_hub needs export.hub_model_id ('user-or-org/name'); set it or "
+                "set export.push_to_hub: false"
+            )
         return self
 
 
@@ -796,8 +857,10 @@ class TrackingConfig(_Strict):
     def _check_dir(cls, folder: Path) -> Path:
         shown = folder.expanduser().resolve()
         if "?" in str(shown) or "%" in str(shown):  # SQLAlchemy cuts the URL at '?' and decodes '%XX'
-            raise ValueError(f"tracking.dir: {shown} holds a '?' or '%', which the SQLite URL MLflow opens "
-                             "(sqlite:///<dir>/mlflow.db) cannot carry; choose a folder without them")
+            raise ValueError(
+                f"tracking.dir: {shown} holds a '?' or '%', which the SQLite URL MLflow opens "
+                "(sqlite:///<dir>/mlflow.db) cannot carry; choose a folder without them"
+            )
         return folder
 
     @field_serializer("tracking_uri", "artifact_location", when_used="json")
@@ -871,10 +934,12 @@ def _refuse_masked(config: BaseModel) -> None:
     """Raise a ConfigError naming the first secret of ``config`` that holds the mask of a saved config."""
     for path, secret in secret_fields(config):
         if MASK in secret.get_secret_value():
-            raise ConfigError(f"{path} holds a redacted value ({MASK!r}: a config grpo-flow saved or logged "
-                              f"keeps no secret); set the real value, e.g. --set {path.split('.')[0]}."
-                              f"{'.'.join(path.split('.')[1:2])}=..., or, off the command line (a trainer host "
-                              f"started by hand), export GRPO_RUN_SECRETS='{{\"{path}\": \"...\"}}'")
+            raise ConfigError(
+                f"{path} holds a redacted value ({MASK!r}: a config grpo-flow saved or logged "
+                f"keeps no secret); set the real value, e.g. --set {path.split('.')[0]}."
+                f"{'.'.join(path.split('.')[1:2])}=..., or, off the command line (a trainer host "
+                f'started by hand), export GRPO_RUN_SECRETS=\'{{"{path}": "..."}}\''
+            )
 
 
 def _check_trainer_fields(config: Any) -> None:
@@ -893,16 +958,24 @@ def _check_trainer_fields(config: Any) -> None:
             "(e.g. 8) or train.score_centering: false"
         )
     if train.nnodes > 1 and not train.rdzv_endpoint:
-        raise ConfigError(f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
-                          "reachable from every trainer host, e.g. 'trainer-0:29400')")
+        raise ConfigError(
+            f"train.nnodes={train.nnodes} needs train.rdzv_endpoint ('host:port' on the flow's host, "
+            "reachable from every trainer host, e.g. 'trainer-0:29400')"
+        )
     if train.nnodes > 1 and not train.output_dir.is_absolute():
-        logger.warning("train.output_dir=%s is relative: each trainer host resolves it against its own working "
-                       "folder (train.nnodes=%d); give the shared folder's absolute path", train.output_dir,
-                       train.nnodes)
+        logger.warning(
+            "train.output_dir=%s is relative: each trainer host resolves it against its own working "
+            "folder (train.nnodes=%d); give the shared folder's absolute path",
+            train.output_dir,
+            train.nnodes,
+        )
     if train.nnodes > 1 and train.rdzv_endpoint.rpartition(":")[0].strip("[]").lower() in LOOPBACK_HOSTS:
-        logger.warning("train.rdzv_endpoint=%s is a loopback address: only trainer hosts on this machine can join "
-                       "(train.nnodes=%d); give the host name the other trainer hosts reach", train.rdzv_endpoint,
-                       train.nnodes)
+        logger.warning(
+            "train.rdzv_endpoint=%s is a loopback address: only trainer hosts on this machine can join "
+            "(train.nnodes=%d); give the host name the other trainer hosts reach",
+            train.rdzv_endpoint,
+            train.nnodes,
+        )
     if train.gpu_ids is not None and len(set(train.gpu_ids)) < train.num_ranks:
         raise ConfigError(
             f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "
@@ -911,27 +984,59 @@ def _check_trainer_fields(config: Any) -> None:
 
 
 #: What the trainer reads of sections it does not own, under the owners' field names (see ``TrainerProcessConfig``).
-TRAINER_ROLLOUT_FIELDS = ("max_staleness", "temperature", "top_k", "top_p", "min_p", "num_generations",
-                          "max_completion_length", "num_sampler_logprobs", "num_epochs", "rollout_worker_timeout_s",
-                          "dataset", "dataset_size", "dataset_seed", "dataset_kwargs")
-TRAINER_SERVER_FIELDS = ("api_key", "route_imbalance", "control_retry_s", "control_timeout_s",
-                         "weight_transfer_backend")
+TRAINER_ROLLOUT_FIELDS = (
+    "max_staleness",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "num_generations",
+    "max_completion_length",
+    "num_sampler_logprobs",
+    "num_epochs",
+    "rollout_worker_timeout_s",
+    "dataset",
+    "dataset_size",
+    "dataset_seed",
+    "dataset_kwargs",
+)
+TRAINER_SERVER_FIELDS = (
+    "api_key",
+    "route_imbalance",
+    "control_retry_s",
+    "control_timeout_s",
+    "weight_transfer_backend",
+)
 TRAINER_PACKING_FIELDS = ("backend",)
 TRAINER_EXPORT_FIELDS = ("max_shard_size",)
 
 TrainerRolloutView = _view(
-    RolloutConfig, TRAINER_ROLLOUT_FIELDS, _CandidateFilter,
+    RolloutConfig,
+    TRAINER_ROLLOUT_FIELDS,
+    _CandidateFilter,
     "The rollout settings the trainer reads (``rollout.*``, owned by the rollout section): staleness, the sampler's "
     "settings (the log-prob head matches them), the group size, and what identifies the dataset (the checkpoint's "
-    "fingerprint).")
+    "fingerprint).",
+)
 TrainerServerView = _view(
-    ServerConfig, TRAINER_SERVER_FIELDS, _ServerKey,
+    ServerConfig,
+    TRAINER_SERVER_FIELDS,
+    _ServerKey,
     "The server settings the trainer's weight sync reads (``server.*``): the bearer token, the control fan-out's "
-    "retries and the vLLM weight-transfer backend.")
-TrainerPackingView = _view(PackingConfig, TRAINER_PACKING_FIELDS, _Strict,
-                           "The packer backend the trainer's planner uses (``packing.backend``).")
-TrainerExportView = _view(ExportConfig, TRAINER_EXPORT_FIELDS, _Strict,
-                          "The export setting the trainer's final ``save_pretrained`` reads (``export.max_shard_size``).")
+    "retries and the vLLM weight-transfer backend.",
+)
+TrainerPackingView = _view(
+    PackingConfig,
+    TRAINER_PACKING_FIELDS,
+    _Strict,
+    "The packer backend the trainer's planner uses (``packing.backend``).",
+)
+TrainerExportView = _view(
+    ExportConfig,
+    TRAINER_EXPORT_FIELDS,
+    _Strict,
+    "The export setting the trainer's final ``save_pretrained`` reads (``export.max_shard_size``).",
+)
 
 
 class TrainerProcessConfig(_Strict):
@@ -968,8 +1073,15 @@ class TrainerProcessConfig(_Strict):
 
 
 #: Tracking settings only an MLflow-tracked run reads (``tracking.enabled``).
-TRACKING_ONLY_FIELDS = ("registered_model_name", "registered_model_alias", "log_model", "log_completions",
-                        "log_system_metrics", "system_metrics_interval_s", "checkpoint_artifact_max_mib")
+TRACKING_ONLY_FIELDS = (
+    "registered_model_name",
+    "registered_model_alias",
+    "log_model",
+    "log_completions",
+    "log_system_metrics",
+    "system_metrics_interval_s",
+    "checkpoint_artifact_max_mib",
+)
 
 
 class RunConfig(_Strict):
@@ -1024,11 +1136,14 @@ class RunConfig(_Strict):
         if self.packing.token_budget is not None and self.packing.token_budget < server.max_model_len:
             logger.warning(
                 "packing.token_budget (%d) < server.max_model_len (%d): samples longer than the budget are dropped",
-                self.packing.token_budget, server.max_model_len,
+                self.packing.token_budget,
+                server.max_model_len,
             )
         if server.deployment and server.urls:
-            raise ConfigError(f"server.deployment ({server.deployment!r}) starts the replicas and server.urls names "
-                              "replicas already running; set one of them")
+            raise ConfigError(
+                f"server.deployment ({server.deployment!r}) starts the replicas and server.urls names "
+                "replicas already running; set one of them"
+            )
         needed = server.num_replicas * server.tensor_parallel_size
         if server.gpu_ids is not None and len(server.gpu_ids) < needed:
             raise ConfigError(
@@ -1040,21 +1155,25 @@ class RunConfig(_Strict):
             raise ConfigError(
                 f"server.gpu_ids lists {len(server.gpu_ids)} GPUs but server.num_replicas * "
                 f"server.tensor_parallel_size = {needed}: the last {len(server.gpu_ids) - needed} would hold no "
-                f"replica; list {needed}, or raise server.num_replicas to use them")
+                f"replica; list {needed}, or raise server.num_replicas to use them"
+            )
         _check_fixed_ports(self)
         if server.gpu_ids is not None:
             tp = server.tensor_parallel_size
             for replica in range(server.num_replicas):
-                own = server.gpu_ids[replica * tp:(replica + 1) * tp]
+                own = server.gpu_ids[replica * tp : (replica + 1) * tp]
                 if len(set(own)) < len(own):
-                    raise ConfigError(f"server.gpu_ids gives replica {replica} the GPUs {own}: the "
-                                      f"tensor_parallel_size ({tp}) GPUs of one replica must differ")
+                    raise ConfigError(
+                        f"server.gpu_ids gives replica {replica} the GPUs {own}: the "
+                        f"tensor_parallel_size ({tp}) GPUs of one replica must differ"
+                    )
             sharing = max(Counter(server.gpu_ids[:needed]).values())  # replicas on the busiest GPU
             if sharing > 1 and server.gpu_memory_utilization * sharing > 0.95:
                 raise ConfigError(
                     f"server.gpu_ids puts {sharing} replicas on one GPU, "
                     f"each taking server.gpu_memory_utilization ({server.gpu_memory_utilization}) of it: lower "
-                    "gpu_memory_utilization so that they fit together")
+                    "gpu_memory_utilization so that they fit together"
+                )
         _warn_unused(self.unused_settings())
         return self
 
@@ -1078,15 +1197,25 @@ class RunConfig(_Strict):
         if not train.lora.enabled:
             why = "train.lora.enabled is false"
             unused.update({f"train.lora.{name}": why for name in sorted(_changed(train.lora))})
-            unused.update({f"train.{name}": why for name in ("adapter_store", "adapter_store_served_as")
-                           if getattr(train, name)})
+            unused.update(
+                {f"train.{name}": why for name in ("adapter_store", "adapter_store_served_as") if getattr(train, name)}
+            )
         if not self.export.push_to_hub:
-            unused.update({f"export.{name}": "export.push_to_hub is false" for name in ("hub_private_repo",
-                                                                                        "hub_revision")
-                           if name in _changed(self.export)})
+            unused.update(
+                {
+                    f"export.{name}": "export.push_to_hub is false"
+                    for name in ("hub_private_repo", "hub_revision")
+                    if name in _changed(self.export)
+                }
+            )
         if not self.tracking.enabled:
-            unused.update({f"tracking.{name}": "tracking.enabled is false" for name in TRACKING_ONLY_FIELDS
-                           if name in _changed(self.tracking)})
+            unused.update(
+                {
+                    f"tracking.{name}": "tracking.enabled is false"
+                    for name in TRACKING_ONLY_FIELDS
+                    if name in _changed(self.tracking)
+                }
+            )
         if self.flow.concurrency_limit is None and self.flow.concurrency_slots is not None:
             unused["flow.concurrency_slots"] = "flow.concurrency_limit is None"
         return unused
@@ -1103,20 +1232,32 @@ class RunConfig(_Strict):
         """The rollout process's sub-config (its section plus the values it reads from their owners)."""
         lora, tracking = self.train.lora, self.tracking
         return RolloutProcessConfig(
-            model=self.model, rollout=self.rollout, server=self.server, served_model_name=self.served_model_name(),
-            max_model_len=self.server.max_model_len, adapter_name=lora.name if lora.enabled else None,
-            log_completions=tracking.log_completions, num_completions_to_print=tracking.num_completions_to_print)
+            model=self.model,
+            rollout=self.rollout,
+            server=self.server,
+            served_model_name=self.served_model_name(),
+            max_model_len=self.server.max_model_len,
+            adapter_name=lora.name if lora.enabled else None,
+            log_completions=tracking.log_completions,
+            num_completions_to_print=tracking.num_completions_to_print,
+        )
 
     def trainer_process(self) -> TrainerProcessConfig:
         """The trainer's sub-config (its section plus the values it reads from their owners)."""
+
         def pick(section: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
             return {name: getattr(section, name) for name in names}
 
         return TrainerProcessConfig(
-            model=self.model, train=self.train, tracking=self.tracking,
-            rollout=pick(self.rollout, TRAINER_ROLLOUT_FIELDS), server=pick(self.server, TRAINER_SERVER_FIELDS),
-            packing=pick(self.packing, TRAINER_PACKING_FIELDS), export=pick(self.export, TRAINER_EXPORT_FIELDS),
-            token_budget=self.token_budget())
+            model=self.model,
+            train=self.train,
+            tracking=self.tracking,
+            rollout=pick(self.rollout, TRAINER_ROLLOUT_FIELDS),
+            server=pick(self.server, TRAINER_SERVER_FIELDS),
+            packing=pick(self.packing, TRAINER_PACKING_FIELDS),
+            export=pick(self.export, TRAINER_EXPORT_FIELDS),
+            token_budget=self.token_budget(),
+        )
 
     def serves_lora(self) -> bool:
         """Whether the servers load LoRA adapters at run time (``--enable-lora``): exactly when the trainer trains
@@ -1175,8 +1316,11 @@ def _yaml_load(text: str) -> Any:
                 key = self.construct_object(key_node, deep=True)
                 if isinstance(key, typing.Hashable) and key in seen:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"the key {key!r} is given twice (first on line {seen[key]}); keep one",
-                        key_node.start_mark)
+                        None,
+                        None,
+                        f"the key {key!r} is given twice (first on line {seen[key]}); keep one",
+                        key_node.start_mark,
+                    )
                 if isinstance(key, typing.Hashable):
                     seen[key] = key_node.start_mark.line + 1
             return super().construct_mapping(node, deep)
@@ -1235,8 +1379,10 @@ def _read_config(path: str | Path) -> dict:
         raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     data = _parse(p, text) if text.strip() else None
     if data is None:
-        raise ConfigError(f"config file {p} is empty (or holds only comments); give it the run's sections, e.g. "
-                          "configs/tiny.yaml, or leave out --config to use the defaults")
+        raise ConfigError(
+            f"config file {p} is empty (or holds only comments); give it the run's sections, e.g. "
+            "configs/tiny.yaml, or leave out --config to use the defaults"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
     return data
@@ -1249,8 +1395,14 @@ def _section_model(kind: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         fields = getattr(model, "model_fields", None)
         if fields is None or part not in fields:
             continue
-        model = next((t for t in (fields[part].annotation, *getattr(fields[part].annotation, "__args__", ()))
-                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        model = next(
+            (
+                t
+                for t in (fields[part].annotation, *getattr(fields[part].annotation, "__args__", ()))
+                if isinstance(t, type) and issubclass(t, BaseModel)
+            ),
+            None,
+        )
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
@@ -1298,8 +1450,14 @@ def _error_lines(kind: type[BaseModel], errors: list[dict]) -> list[str]:
             msg = err["msg"]
         if msg not in lines.setdefault(path or "config", []):
             lines[path or "config"].append(msg)
-    return [f"{path}: {', or '.join(msgs)} (got {_shown(errors, path, kind)})" if len(msgs) > 1
-            else f"{path}: {msgs[0]}" if msgs else path for path, msgs in lines.items()]
+    return [
+        f"{path}: {', or '.join(msgs)} (got {_shown(errors, path, kind)})"
+        if len(msgs) > 1
+        else f"{path}: {msgs[0]}"
+        if msgs
+        else path
+        for path, msgs in lines.items()
+    ]
 
 
 def _shown(errors: list[dict], path: str, kind: type[BaseModel]) -> str:
@@ -1310,8 +1468,9 @@ def _shown(errors: list[dict], path: str, kind: type[BaseModel]) -> str:
     return "?"
 
 
-def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None,
-              hint: str = "") -> Any:
+def _validate(
+    kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None, hint: str = ""
+) -> Any:
     """``kind`` validated from ``data`` after ``secrets`` and ``key.sub=value`` overrides (see :func:`load_config`)."""
     import yaml
     from pydantic import ValidationError
@@ -1328,16 +1487,21 @@ def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secr
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, value = item.split("=", 1)
         if not key.strip():
-            raise ConfigError(f"override {item!r}: the key before '=' is empty; write key.sub=value, e.g. "
-                              "train.max_steps=5")
+            raise ConfigError(
+                f"override {item!r}: the key before '=' is empty; write key.sub=value, e.g. train.max_steps=5"
+            )
         if not all(part.strip() for part in key.split(".")):
-            raise ConfigError(f"override {item!r}: the key {key!r} has an empty part; write section.field=value, "
-                              "e.g. train.max_steps=5")
+            raise ConfigError(
+                f"override {item!r}: the key {key!r} has an empty part; write section.field=value, "
+                "e.g. train.max_steps=5"
+            )
         try:
             parsed = _yaml_load(value)
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
-                              "quote it, e.g. key='text: with colon'") from None
+            raise ConfigError(
+                f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
+                "quote it, e.g. key='text: with colon'"
+            ) from None
         _set_dotted(data, key.strip(), parsed)
     try:
         return kind.model_validate(data)
@@ -1348,8 +1512,9 @@ def _validate(kind: type[_Strict], data: dict, overrides: list[str] | None, secr
         raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines) + extra) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                secrets: dict[str, str] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, secrets: dict[str, str] | None = None
+) -> RunConfig:
     """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
 
     Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
@@ -1363,8 +1528,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return _validate(RunConfig, _read_config(path) if path is not None else {}, overrides, secrets)
 
 
-def load_trainer_config(path: str | Path, overrides: list[str] | None = None,
-                        secrets: dict[str, str] | None = None) -> TrainerProcessConfig:
+def load_trainer_config(
+    path: str | Path, overrides: list[str] | None = None, secrets: dict[str, str] | None = None
+) -> TrainerProcessConfig:
     """The trainer's sub-config from a config file: a trainer sub-config (the flow's ``train_config.json``,
     ``"process": "trainer"``) as it is, or a whole run config turned into one (:meth:`RunConfig.trainer_process`).
 
@@ -1376,7 +1542,12 @@ def load_trainer_config(path: str | Path, overrides: list[str] | None = None,
     """
     data = _read_config(path)
     if data.get("process") == "trainer":
-        return _validate(TrainerProcessConfig, data, overrides, secrets,
-                         hint=f"\n{path} is a trainer sub-config: it holds only the fields the trainer reads "
-                              "(TrainerProcessConfig); set other fields in the run config it was made from")
+        return _validate(
+            TrainerProcessConfig,
+            data,
+            overrides,
+            secrets,
+            hint=f"\n{path} is a trainer sub-config: it holds only the fields the trainer reads "
+            "(TrainerProcessConfig); set other fields in the run config it was made from",
+        )
     return _validate(RunConfig, data, overrides, secrets).trainer_process()

@@ -77,8 +77,9 @@ def _cut_torn_tail(path: Path) -> None:
             return
         data = path.read_bytes()
         keep = data.rfind(b"\n") + 1
-        logger.warning("%s ends with a torn line (%d bytes, a writer was killed while appending); it is cut off",
-                       path, size - keep)
+        logger.warning(
+            "%s ends with a torn line (%d bytes, a writer was killed while appending); it is cut off", path, size - keep
+        )
         f.truncate(keep)
         os.fsync(f.fileno())
 
@@ -132,11 +133,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
             out.append(json.loads(line))
         except ValueError as exc:
             if number == len(lines) or (number == len(lines) - 1 and not torn_last):
-                logger.warning("%s: the last line is torn (a writer was killed while appending); it is skipped",
-                               path)
+                logger.warning("%s: the last line is torn (a writer was killed while appending); it is skipped", path)
                 continue
-            raise ValueError(f"{path}:{number} is not a JSON line ({exc}); the file was damaged, not just cut "
-                             "short: repair or remove that line") from None
+            raise ValueError(
+                f"{path}:{number} is not a JSON line ({exc}); the file was damaged, not just cut "
+                "short: repair or remove that line"
+            ) from None
     return out
 
 

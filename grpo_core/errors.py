@@ -31,8 +31,9 @@ class PackingError(GrpoError, ValueError):
         sample_id: the offending sample's id, or None when the error is not about one sample.
     """
 
-    def __init__(self, message: str, *, kind: str = "BadInput", field: str | None = None,
-                 sample_id: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, kind: str = "BadInput", field: str | None = None, sample_id: int | None = None
+    ) -> None:
         super().__init__(message)
         self.kind, self.field, self.sample_id = kind, field, sample_id
 
@@ -137,8 +138,19 @@ class RunLockedError(GrpoError):
 #: that raises or times out; a checkpoint that cannot be used), and programming errors. Everything else (a
 #: process killed, a server or the network gone, a transport timeout, a held run lock) a retry may cure.
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError, RolloutError, CheckpointError, TypeError, AttributeError, ImportError, NameError, SyntaxError,
-    KeyError, IndexError, AssertionError, NotImplementedError, ZeroDivisionError,
+    ValueError,
+    RolloutError,
+    CheckpointError,
+    TypeError,
+    AttributeError,
+    ImportError,
+    NameError,
+    SyntaxError,
+    KeyError,
+    IndexError,
+    AssertionError,
+    NotImplementedError,
+    ZeroDivisionError,
 )
 
 

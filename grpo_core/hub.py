@@ -45,8 +45,10 @@ def check_push(cfg: RunConfig) -> None:
     except HFValidationError as exc:
         raise ConfigError(f"export.hub_model_id={export.hub_model_id!r} is not a Hub repository id: {exc}") from None
     if not get_token():
-        raise ConfigError("export.push_to_hub needs a Hugging Face token with write access: set HF_TOKEN "
-                          "(or run `hf auth login`), or set export.push_to_hub: false")
+        raise ConfigError(
+            "export.push_to_hub needs a Hugging Face token with write access: set HF_TOKEN "
+            "(or run `hf auth login`), or set export.push_to_hub: false"
+        )
 
 
 def _base_model(cfg: RunConfig, model_dir: Path) -> str | None:
@@ -59,8 +61,9 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
-def write_model_card(cfg: RunConfig, model_dir: Path, summary: dict[str, Any], reward_curve: Path | None,
-                     adapter: bool) -> Path:
+def write_model_card(
+    cfg: RunConfig, model_dir: Path, summary: dict[str, Any], reward_curve: Path | None, adapter: bool
+) -> Path:
     """Write ``README.md`` (Hub model card) into the exported folder; copy the reward curve beside it.
 
     Args:
@@ -77,32 +80,56 @@ def write_model_card(cfg: RunConfig, model_dir: Path, summary: dict[str, Any], r
 
     base = _base_model(cfg, model_dir)
     dataset = cfg.rollout.dataset
-    data = ModelCardData(base_model=base, library_name="peft" if adapter else "transformers",
-                         pipeline_tag="text-generation", tags=["grpo", "grpo-flow", "reinforcement-learning",
-                                                               *(["lora"] if adapter else [])],
-                         datasets=[dataset.split(":", 1)[1]] if dataset and dataset.startswith("reasoning_gym:")
-                         else None)
+    data = ModelCardData(
+        base_model=base,
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag="text-generation",
+        tags=["grpo", "grpo-flow", "reinforcement-learning", *(["lora"] if adapter else [])],
+        datasets=[dataset.split(":", 1)[1]] if dataset and dataset.startswith("reasoning_gym:") else None,
+    )
     rewards = [*cfg.rollout.reward_functions] or ["the dataset's own verifier"]
-    lines = [f"# {cfg.export.hub_model_id or model_dir.name}", "",
-             f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} `{cfg.model.name}` trained with asynchronous "
-             "GRPO (Group Relative Policy Optimization) with grpo-flow on "
-             f"`{dataset or 'prompts made by the environment'}`.", "", "## Training", "",
-             "| | |", "|---|---|",
-             f"| optimizer steps | {_fmt(summary.get('steps'))} |",
-             f"| reward, first 5 steps | {_fmt(summary.get('reward_first5'))} |",
-             f"| reward, last 5 steps | {_fmt(summary.get('reward_last5'))} |",
-             f"| rollouts per prompt (G) | {cfg.rollout.num_generations} |",
-             f"| learning rate | {cfg.train.learning_rate} |",
-             f"| reward functions | {', '.join(f'`{r}`' for r in rewards)} |",
-             f"| MLflow run | {summary.get('mlflow_run_id') or '-'} |", ""]
+    lines = [
+        f"# {cfg.export.hub_model_id or model_dir.name}",
+        "",
+        f"{'A LoRA adapter for' if adapter else 'A fine-tune of'} `{cfg.model.name}` trained with asynchronous "
+        "GRPO (Group Relative Policy Optimization) with grpo-flow on "
+        f"`{dataset or 'prompts made by the environment'}`.",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| optimizer steps | {_fmt(summary.get('steps'))} |",
+        f"| reward, first 5 steps | {_fmt(summary.get('reward_first5'))} |",
+        f"| reward, last 5 steps | {_fmt(summary.get('reward_last5'))} |",
+        f"| rollouts per prompt (G) | {cfg.rollout.num_generations} |",
+        f"| learning rate | {cfg.train.learning_rate} |",
+        f"| reward functions | {', '.join(f'`{r}`' for r in rewards)} |",
+        f"| MLflow run | {summary.get('mlflow_run_id') or '-'} |",
+        "",
+    ]
     if reward_curve is not None and Path(reward_curve).is_file():
         shutil.copy2(reward_curve, model_dir / CURVE)
         lines += ["## Reward curve", "", f"![reward per step]({CURVE})", ""]
-    usage = ("from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained(PATH)"
-             if adapter else "from transformers import AutoModelForCausalLM\n"
-             "model = AutoModelForCausalLM.from_pretrained(PATH)")
-    lines += ["## Use", "", "```python", usage, "```", "", "## Run config", "", "```yaml",
-              yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(), "```", ""]
+    usage = (
+        "from peft import AutoPeftModelForCausalLM\nmodel = AutoPeftModelForCausalLM.from_pretrained(PATH)"
+        if adapter
+        else "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(PATH)"
+    )
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        usage,
+        "```",
+        "",
+        "## Run config",
+        "",
+        "```yaml",
+        yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip(),
+        "```",
+        "",
+    ]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
     path = model_dir / CARD
     card.save(path)
@@ -122,7 +149,11 @@ def push_to_hub(cfg: RunConfig, model_dir: Path) -> str:
     api.create_repo(export.hub_model_id, private=export.hub_private_repo, exist_ok=True)
     if export.hub_revision:
         api.create_branch(export.hub_model_id, branch=export.hub_revision, exist_ok=True)
-    info = api.upload_folder(repo_id=export.hub_model_id, folder_path=str(model_dir), revision=export.hub_revision,
-                             commit_message="grpo-flow: end of training")
+    info = api.upload_folder(
+        repo_id=export.hub_model_id,
+        folder_path=str(model_dir),
+        revision=export.hub_revision,
+        commit_message="grpo-flow: end of training",
+    )
     logger.info("pushed %s to the Hub: %s", model_dir, info.commit_url)
     return str(info.commit_url)

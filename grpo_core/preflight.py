@@ -26,6 +26,7 @@ from grpo_core.redact import mask_values, redact_text
 
 logger = logging.getLogger(__name__)
 
+
 def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
     """Create ``path`` with its parents and check that files can be written in it.
 
@@ -47,22 +48,25 @@ def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"{what}: cannot create the folder {path}: {exc.strerror or exc}; "
-                              "point the setting at a writable folder") from None
+            raise ConfigError(
+                f"{what}: cannot create the folder {path}: {exc.strerror or exc}; "
+                "point the setting at a writable folder"
+            ) from None
     else:
         try:
             while not target.exists():
                 target = target.parent
         except OSError as exc:  # a parent this user cannot search
-            raise ConfigError(f"{what}: cannot check the folder {path}: {exc.strerror or exc}; "
-                              "point the setting at a writable folder") from None
+            raise ConfigError(
+                f"{what}: cannot check the folder {path}: {exc.strerror or exc}; point the setting at a writable folder"
+            ) from None
         if not target.is_dir():
-            raise ConfigError(f"{what}: cannot create the folder {path}: {target} is a file; "
-                              "point the setting at a writable folder")
+            raise ConfigError(
+                f"{what}: cannot create the folder {path}: {target} is a file; point the setting at a writable folder"
+            )
     if not os.access(target, os.W_OK | os.X_OK):
         where = "" if target == path else f" (it would be made in {target})"
-        raise ConfigError(f"{what}: the folder {target} is not writable{where}; point the setting at a writable "
-                          "folder")
+        raise ConfigError(f"{what}: the folder {target} is not writable{where}; point the setting at a writable folder")
     return path
 
 
@@ -131,14 +135,15 @@ def check_tracking(cfg: RunConfig, create: bool = True) -> None:
             httpx.get(uri.rstrip("/") + "/health", timeout=10.0).raise_for_status()
         except httpx.HTTPError as exc:
             cause = redact_text(str(exc), mask_values({"uri": uri}))
-            raise ConfigError(f"tracking.tracking_uri={tc.shown_tracking_uri()}: the MLflow server does not answer "
-                              f"/health ({type(exc).__name__}: {cause}); start it or fix the URI") from None
+            raise ConfigError(
+                f"tracking.tracking_uri={tc.shown_tracking_uri()}: the MLflow server does not answer "
+                f"/health ({type(exc).__name__}: {cause}); start it or fix the URI"
+            ) from None
     artifacts = tc.resolved_artifact_location()
     if artifacts and "://" not in artifacts:
         ensure_dir(Path(artifacts), "tracking.artifact_location (MLflow artifacts)", create)
     elif artifacts and artifacts.startswith("file://"):
-        ensure_dir(Path(artifacts.removeprefix("file://")), "tracking.artifact_location (MLflow artifacts)",
-                   create)
+        ensure_dir(Path(artifacts.removeprefix("file://")), "tracking.artifact_location (MLflow artifacts)", create)
 
 
 def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
@@ -153,8 +158,10 @@ def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
         return
     tc = cfg.tracking
     if not tc.enabled:
-        raise ConfigError(f"resume_from={cfg.resume_from!r} needs tracking.enabled: true (the checkpoint is found "
-                          "through the MLflow run)")
+        raise ConfigError(
+            f"resume_from={cfg.resume_from!r} needs tracking.enabled: true (the checkpoint is found "
+            "through the MLflow run)"
+        )
     from mlflow.exceptions import MlflowException
 
     from grpo_core import tracking
@@ -174,9 +181,11 @@ def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
         else:
             tracking.client(tc).get_run(cfg.resume_from)
     except MlflowException:
-        raise ConfigError(f"resume_from={cfg.resume_from!r}: no such run in the MLflow store "
-                          f"{tc.shown_tracking_uri()}; copy the id from the MLflow UI (grpo ui --mlflow) or point "
-                          "tracking.dir / tracking.tracking_uri at the store that holds it") from None
+        raise ConfigError(
+            f"resume_from={cfg.resume_from!r}: no such run in the MLflow store "
+            f"{tc.shown_tracking_uri()}; copy the id from the MLflow UI (grpo ui --mlflow) or point "
+            "tracking.dir / tracking.tracking_uri at the store that holds it"
+        ) from None
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -233,13 +242,17 @@ def required_reward_columns(cfg: RunConfig) -> dict[str, str]:
     for name, func in _reward_functions(cfg):
         for param in inspect.signature(func).parameters.values():
             required = param.default is inspect.Parameter.empty and param.kind in (
-                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY,
+            )
             if not required or param.name in REWARD_ARGUMENTS:
                 continue
             if param.name in UNSUPPORTED_REWARD_ARGUMENTS:
-                raise ConfigError(f"rollout.reward_functions: {name} needs {param.name!r}, which grpo-flow does not "
-                                  f"supply: {UNSUPPORTED_REWARD_ARGUMENTS[param.name]}. Give it a default or remove "
-                                  f"it (supplied: {', '.join(REWARD_ARGUMENTS)} and the dataset's columns)")
+                raise ConfigError(
+                    f"rollout.reward_functions: {name} needs {param.name!r}, which grpo-flow does not "
+                    f"supply: {UNSUPPORTED_REWARD_ARGUMENTS[param.name]}. Give it a default or remove "
+                    f"it (supplied: {', '.join(REWARD_ARGUMENTS)} and the dataset's columns)"
+                )
             needed[param.name] = name
     return needed
 
@@ -260,12 +273,16 @@ def check_dataset(cfg: RunConfig) -> None:
     needed = required_reward_columns(cfg)
     if spec is None:
         if rollout.environment_factory is None:
-            raise ConfigError("rollout.dataset is unset and there is no rollout.environment_factory: set "
-                              "rollout.dataset to 'reasoning_gym:TASK', 'json:PATH' or 'module:callable'")
+            raise ConfigError(
+                "rollout.dataset is unset and there is no rollout.environment_factory: set "
+                "rollout.dataset to 'reasoning_gym:TASK', 'json:PATH' or 'module:callable'"
+            )
         if needed:  # the environment makes the prompts: there are no columns
             column, name = next(iter(needed.items()))
-            raise ConfigError(f"rollout.reward_functions: {name} needs the dataset column {column!r}, but "
-                              "rollout.dataset is unset (the environment makes the prompts)")
+            raise ConfigError(
+                f"rollout.reward_functions: {name} needs the dataset column {column!r}, but "
+                "rollout.dataset is unset (the environment makes the prompts)"
+            )
         return
     count = 0
     for count, row in enumerate(iter_rows(load_dataset(rollout)), start=1):
@@ -281,18 +298,24 @@ def _check_row(cfg: RunConfig, index: int, row: dict, needed: dict[str, str]) ->
     spec = cfg.rollout.dataset
     if cfg.rollout.environment_factory is None:
         if "prompt" not in row:
-            raise ConfigError(f"rollout.dataset={spec!r} row {index} has no 'prompt' column (columns: {sorted(row)}); "
-                              "add a 'prompt' column (a list of {'role', 'content'} messages) or set "
-                              "rollout.environment_factory")
+            raise ConfigError(
+                f"rollout.dataset={spec!r} row {index} has no 'prompt' column (columns: {sorted(row)}); "
+                "add a 'prompt' column (a list of {'role', 'content'} messages) or set "
+                "rollout.environment_factory"
+            )
         problem = _prompt_problem(row["prompt"])
         if problem is not None:
-            raise ConfigError(f"rollout.dataset={spec!r} row {index}: its 'prompt' is {problem}; every row needs a "
-                              "prompt (a non-empty list of {'role', 'content'} messages, or a string): fix or drop "
-                              "the row")
+            raise ConfigError(
+                f"rollout.dataset={spec!r} row {index}: its 'prompt' is {problem}; every row needs a "
+                "prompt (a non-empty list of {'role', 'content'} messages, or a string): fix or drop "
+                "the row"
+            )
     for column, name in needed.items():
         if column not in row:
-            raise ConfigError(f"rollout.reward_functions: {name} needs the dataset column {column!r}, which "
-                              f"rollout.dataset={spec!r} lacks in row {index} (columns: {sorted(row)})")
+            raise ConfigError(
+                f"rollout.reward_functions: {name} needs the dataset column {column!r}, which "
+                f"rollout.dataset={spec!r} lacks in row {index} (columns: {sorted(row)})"
+            )
 
 
 def check_chat_template(cfg: RunConfig) -> None:
@@ -314,9 +337,11 @@ def check_chat_template(cfg: RunConfig) -> None:
         return
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.model))
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"model.name={cfg.model.name!r}: its tokenizer has no chat template, which the rollout "
-                          "needs to render the conversational prompts; use a chat (instruct) model, add a "
-                          "chat_template to its tokenizer files, or override render() in rollout.loop_class")
+        raise ConfigError(
+            f"model.name={cfg.model.name!r}: its tokenizer has no chat template, which the rollout "
+            "needs to render the conversational prompts; use a chat (instruct) model, add a "
+            "chat_template to its tokenizer files, or override render() in rollout.loop_class"
+        )
 
 
 def check_adapter_store(cfg: RunConfig) -> None:
@@ -341,23 +366,30 @@ def check_adapter_store(cfg: RunConfig) -> None:
         raise ConfigError(f"{what} looks like a URL with one slash; write {url.replace(':/', '://', 1)!r}, or a folder")
     if protocol not in (None, "file", "local"):
         if protocol == "memory":
-            raise ConfigError(f"{what}: fsspec's memory filesystem lives inside one process, and the servers are "
-                              "other processes; write a shared folder or an object-store URL ('s3://bucket/run')")
+            raise ConfigError(
+                f"{what}: fsspec's memory filesystem lives inside one process, and the servers are "
+                "other processes; write a shared folder or an object-store URL ('s3://bucket/run')"
+            )
         if protocol not in fsspec.available_protocols():
-            raise ConfigError(f"{what}: unknown fsspec protocol {protocol!r}; write a shared folder (e.g. "
-                              "/mnt/grpo-adapters/run) or an fsspec URL such as 's3://bucket/run' or 'gs://bucket/run'")
+            raise ConfigError(
+                f"{what}: unknown fsspec protocol {protocol!r}; write a shared folder (e.g. "
+                "/mnt/grpo-adapters/run) or an fsspec URL such as 's3://bucket/run' or 'gs://bucket/run'"
+            )
         try:
             fsspec.get_filesystem_class(protocol)
         except ImportError as exc:
-            raise ConfigError(f"{what}: {exc} (fsspec's {protocol!r} protocol needs it installed in this "
-                              "environment)") from None
+            raise ConfigError(
+                f"{what}: {exc} (fsspec's {protocol!r} protocol needs it installed in this environment)"
+            ) from None
         return
     folder = Path(path).expanduser()
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{what} is a file; give a folder every server host sees (a shared mount) or an fsspec URL")
     if not folder.exists() and not folder.absolute().parent.is_dir():
-        raise ConfigError(f"{what}: {folder.absolute().parent} does not exist on this host; mount the shared store "
-                          "there (or create it), or fix the path")
+        raise ConfigError(
+            f"{what}: {folder.absolute().parent} does not exist on this host; mount the shared store "
+            "there (or create it), or fix the path"
+        )
     if folder.exists() and not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"{what}: the folder is not writable; point the setting at a writable shared folder")
 
@@ -385,11 +417,13 @@ def check_tokens(cfg: RunConfig) -> None:
     token = os.environ.get(TOKEN_ENV) or ""
     if cfg.train.nnodes > 1 and len(token) < MIN_SHARED_TOKEN_CHARS:
         given = "is not set" if not token else f"has {len(token)} characters (fewer than {MIN_SHARED_TOKEN_CHARS})"
-        raise ConfigError(f"train.nnodes={cfg.train.nnodes} needs {TOKEN_ENV} in this environment (the worker's, or "
-                          f"the shell of `grpo train`) and the same value on every trainer host; it {given}. Each "
-                          "trainer rank proves it holds the run's token before anything is trained, since torchrun's "
-                          f"rendezvous has no authentication. Export e.g. {TOKEN_ENV}=$(openssl rand -hex 32) on "
-                          "each host")
+        raise ConfigError(
+            f"train.nnodes={cfg.train.nnodes} needs {TOKEN_ENV} in this environment (the worker's, or "
+            f"the shell of `grpo train`) and the same value on every trainer host; it {given}. Each "
+            "trainer rank proves it holds the run's token before anything is trained, since torchrun's "
+            f"rendezvous has no authentication. Export e.g. {TOKEN_ENV}=$(openssl rand -hex 32) on "
+            "each host"
+        )
 
 
 def check_rendezvous_host(cfg: RunConfig) -> None:
@@ -409,8 +443,10 @@ def check_rendezvous_host(cfg: RunConfig) -> None:
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except OSError as exc:
-        raise ConfigError(f"train.rdzv_endpoint={cfg.train.rdzv_endpoint}: {host!r} does not resolve on this host "
-                          f"({exc}); give this host's name as the other trainer hosts reach it") from None
+        raise ConfigError(
+            f"train.rdzv_endpoint={cfg.train.rdzv_endpoint}: {host!r} does not resolve on this host "
+            f"({exc}); give this host's name as the other trainer hosts reach it"
+        ) from None
     for address in addresses:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -419,8 +455,10 @@ def check_rendezvous_host(cfg: RunConfig) -> None:
                 return
             except OSError:
                 continue
-    raise ConfigError(f"train.rdzv_endpoint={cfg.train.rdzv_endpoint}: {host!r} ({', '.join(sorted(addresses))}) is "
-                      "not this host, which runs trainer node 0 and its rendezvous store; give this host's name")
+    raise ConfigError(
+        f"train.rdzv_endpoint={cfg.train.rdzv_endpoint}: {host!r} ({', '.join(sorted(addresses))}) is "
+        "not this host, which runs trainer node 0 and its rendezvous store; give this host's name"
+    )
 
 
 def check_run(cfg: RunConfig, create: bool = True) -> None:

@@ -22,8 +22,9 @@ TRAIN_END = "train_end.json"  # written by the trainer's rank 0 in its output fo
 TRAINER_ERROR = "trainer_error.txt"  # the error that ended a trainer run, one line per rank that failed
 
 
-def write_train_end(output_dir: Path, steps: int, max_steps: int, stopped_early: str | None,
-                    skipped_nonfinite_steps: int = 0) -> Path:
+def write_train_end(
+    output_dir: Path, steps: int, max_steps: int, stopped_early: str | None, skipped_nonfinite_steps: int = 0
+) -> Path:
     """Record how a trainer run ended: ``{"steps", "max_steps", "stopped_early", "skipped_nonfinite_steps"}``.
 
     Args:
@@ -34,8 +35,17 @@ def write_train_end(output_dir: Path, steps: int, max_steps: int, stopped_early:
         skipped_nonfinite_steps: steps of this process whose update was skipped (non-finite gradient norm).
     """
     path = Path(output_dir) / TRAIN_END
-    atomic_write_text(path, json.dumps({"steps": steps, "max_steps": max_steps, "stopped_early": stopped_early,
-                                "skipped_nonfinite_steps": skipped_nonfinite_steps}))
+    atomic_write_text(
+        path,
+        json.dumps(
+            {
+                "steps": steps,
+                "max_steps": max_steps,
+                "stopped_early": stopped_early,
+                "skipped_nonfinite_steps": skipped_nonfinite_steps,
+            }
+        ),
+    )
     return path
 
 
@@ -86,14 +96,19 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
     trained = sum(r.get("batch/trained_tokens_per_step", 0.0) for r in records)
     forwarded = sum(r.get("batch/forwarded_tokens_per_step", 0.0) for r in records)
     generated = _mean([r["rollout/generated_tokens_per_s"] for r in records if "rollout/generated_tokens_per_s" in r])
-    rate = (lambda n: n / seconds if seconds else float("nan"))
+    rate = lambda n: n / seconds if seconds else float("nan")
     end = read_train_end(Path(metrics_path).parent) or {}
-    return {"steps": float(end.get("steps", records[-1]["step"] if records else 0.0)),
-            "steps_requested": end.get("max_steps"), "stopped_early": end.get("stopped_early"),
-            "skipped_nonfinite_steps": end.get("skipped_nonfinite_steps", 0),
-            "reward_first5": _mean(rewards[:5]), "reward_last5": _mean(rewards[-5:]),
-            "trained_tokens_per_s": rate(trained), "forwarded_tokens_per_s": rate(forwarded),
-            "generated_tokens_per_s": generated}
+    return {
+        "steps": float(end.get("steps", records[-1]["step"] if records else 0.0)),
+        "steps_requested": end.get("max_steps"),
+        "stopped_early": end.get("stopped_early"),
+        "skipped_nonfinite_steps": end.get("skipped_nonfinite_steps", 0),
+        "reward_first5": _mean(rewards[:5]),
+        "reward_last5": _mean(rewards[-5:]),
+        "trained_tokens_per_s": rate(trained),
+        "forwarded_tokens_per_s": rate(forwarded),
+        "generated_tokens_per_s": generated,
+    }
 
 
 def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
@@ -108,7 +123,7 @@ def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:
         logger.warning("no reward in %s: no reward curve", metrics_path)
         return None
     steps, rewards = [r["step"] for r in records], [r[REWARD] for r in records]
-    smooth = [_mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+    smooth = [_mean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     ax.plot(steps, rewards, "o-", alpha=0.4, label="reward (per step)")
     ax.plot(steps, smooth, "-", linewidth=2, label="running mean (5 steps)")

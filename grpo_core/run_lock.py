@@ -54,15 +54,27 @@ class RunLock:
             self._lock.acquire(timeout=self.timeout_s)
         except Timeout:
             h = self.holder()
-            who = (f"pid {h.get('pid')} on {h.get('host')} ({h.get('role')}, since {h.get('since')})" if h
-                   else "a process that recorded no pid")
+            who = (
+                f"pid {h.get('pid')} on {h.get('host')} ({h.get('role')}, since {h.get('since')})"
+                if h
+                else "a process that recorded no pid"
+            )
             raise RunLockedError(
                 f"run folder {self.run_dir} is in use by {who}; waited {self.timeout_s:.0f} s "
                 "(train.run_lock_timeout_s). Another attempt of this run is still writing it: stop that process, "
-                "or wait for it to exit") from None
-        atomic_write_text(self.run_dir / OWNER_FILE, json.dumps(
-            {"pid": os.getpid(), "host": socket.gethostname(), "role": self.role,
-             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+                "or wait for it to exit"
+            ) from None
+        atomic_write_text(
+            self.run_dir / OWNER_FILE,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "role": self.role,
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                }
+            ),
+        )
         return self
 
     def release(self) -> None:

@@ -61,8 +61,10 @@ def text_model_class(config: PretrainedConfig, where: str | Path):
         return AutoModelForCausalLM
     if is_vision_language(config):
         return AutoModelForImageTextToText
-    raise ConfigError(f"model at {where} (model_type {config.model_type!r}) has no causal-LM or "
-                      "image-text-to-text class in transformers; use a text-generation model")
+    raise ConfigError(
+        f"model at {where} (model_type {config.model_type!r}) has no causal-LM or "
+        "image-text-to-text class in transformers; use a text-generation model"
+    )
 
 
 def load_text_model(path: str | Path, *, dtype: torch.dtype, attn_implementation: str = "sdpa") -> PreTrainedModel:
@@ -84,13 +86,16 @@ def load_text_model(path: str | Path, *, dtype: torch.dtype, attn_implementation
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     cls = text_model_class(AutoConfig.from_pretrained(path), path)
-    model, info = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                      output_loading_info=True)
+    model, info = cls.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+    )
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
-        raise ConfigError(f"model at {path}: {len(missing)} weights are missing from the checkpoint "
-                          f"(e.g. {missing[:3]}); they would start from random values. Check the folder's "
-                          "config.json (e.g. tie_word_embeddings in text_config) and weights")
+        raise ConfigError(
+            f"model at {path}: {len(missing)} weights are missing from the checkpoint "
+            f"(e.g. {missing[:3]}); they would start from random values. Check the folder's "
+            "config.json (e.g. tie_word_embeddings in text_config) and weights"
+        )
     if cls is AutoModelForImageTextToText:
         dropped = drop_non_language_parts(model)
         logger.info("%s: training/serving the language model on text; removed %s", type(model).__name__, dropped)
@@ -167,8 +172,9 @@ def _tied_to_stored(tensors: dict[str, torch.Tensor], key: str, shapes: dict[str
     return any(shape == tuple(value.shape) and torch.equal(tensors[name], value) for name, shape in shapes.items())
 
 
-def write_trained_checkpoint(original: str | Path, trained: str | Path | dict[str, torch.Tensor], out: str | Path,
-                             max_shard_size: str = "5GB") -> Path:
+def write_trained_checkpoint(
+    original: str | Path, trained: str | Path | dict[str, torch.Tensor], out: str | Path, max_shard_size: str = "5GB"
+) -> Path:
     """A loadable model folder: ``original``'s files with its tensors replaced by the trained ones.
 
     Tensors the trainer never held (a VLM's vision tower) keep the original's values, so the result

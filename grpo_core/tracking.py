@@ -126,13 +126,15 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 def find_run(tc: TrackingConfig, flow_run_id: str) -> str | None:
     """The MLflow run tagged with this Prefect flow run id, or None."""
     mc = client(tc)
-    runs = mc.search_runs([experiment_id(tc, mc)], filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'",
-                          max_results=1)
+    runs = mc.search_runs(
+        [experiment_id(tc, mc)], filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'", max_results=1
+    )
     return runs[0].info.run_id if runs else None
 
 
-def start_run(cfg: RunConfig, flow_run_id: str | None, deployment: str | None = None,
-              run_name: str | None = None) -> tuple[str, bool]:
+def start_run(
+    cfg: RunConfig, flow_run_id: str | None, deployment: str | None = None, run_name: str | None = None
+) -> tuple[str, bool]:
     """Find the run of this flow run (a retry) or create one with tags, params and the config artifact.
 
     Args:
@@ -150,13 +152,17 @@ def start_run(cfg: RunConfig, flow_run_id: str | None, deployment: str | None = 
         mc.update_run(existing, status="RUNNING")
         logger.info("continuing MLflow run %s of flow run %s", existing, flow_run_id)
         return existing, True
-    tags = {FLOW_RUN_TAG: flow_run_id or "", DEPLOYMENT_TAG: deployment or "",
-            RESUMED_FROM_TAG: cfg.resume_from or "", "mlflow.runName": run_name or ""}
+    tags = {
+        FLOW_RUN_TAG: flow_run_id or "",
+        DEPLOYMENT_TAG: deployment or "",
+        RESUMED_FROM_TAG: cfg.resume_from or "",
+        "mlflow.runName": run_name or "",
+    }
     run = mc.create_run(experiment_id(tc, mc), tags={k: v for k, v in tags.items() if v}, run_name=run_name)
     run_id = run.info.run_id
     params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]  # secrets as **********
     for i in range(0, len(params), 100):
-        mc.log_batch(run_id, params=params[i:i + 100])
+        mc.log_batch(run_id, params=params[i : i + 100])
     mc.log_text(run_id, cfg.model_dump_json(indent=1), "config/run_config.json")
     logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.shown_tracking_uri())
     return run_id, False
@@ -216,7 +222,7 @@ class MetricNames:
         number = 1
         while safe in self._taken:
             number += 1
-            safe = f"{base[:_MAX_METRIC_NAME - len(str(number)) - 1]}_{number}"
+            safe = f"{base[: _MAX_METRIC_NAME - len(str(number)) - 1]}_{number}"
         self._safe[name] = safe
         self._taken.add(safe)
         if safe != name:
@@ -241,8 +247,9 @@ def log_checkpoint(tc: TrackingConfig, run_id: str, path: Path) -> None:
     mc.set_tag(run_id, LATEST_STEP_TAG, path.name.removeprefix("step-").lstrip("0") or "0")
 
 
-def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path,
-                               verify: Callable[[Path], str | None] | None = None) -> Path | None:
+def download_latest_checkpoint(
+    tc: TrackingConfig, run_id: str, output_dir: Path, verify: Callable[[Path], str | None] | None = None
+) -> Path | None:
     """Bring the run's latest completely uploaded checkpoint into ``<output_dir>/checkpoints/``.
 
     The checkpoint is the one named by the tag ``grpo.latest_checkpoint_step``, which :func:`log_checkpoint`
@@ -265,15 +272,21 @@ def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path
     if tag is None:
         partial = [a.path for a in mc.list_artifacts(run_id, "checkpoints")]
         if partial:
-            logger.warning("MLflow run %s has checkpoint folders %s but none was completely uploaded (no tag %s)",
-                           run_id, partial, LATEST_STEP_TAG)
+            logger.warning(
+                "MLflow run %s has checkpoint folders %s but none was completely uploaded (no tag %s)",
+                run_id,
+                partial,
+                LATEST_STEP_TAG,
+            )
         return None
     name = f"step-{int(tag):07d}"
     local = Path(output_dir) / "checkpoints" / name
 
     def fail(why: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint {name} of MLflow run {run_id} (tracking URI {tc.resolved_tracking_uri()})"
-                               f" cannot be fetched: {why}")
+        return CheckpointError(
+            f"checkpoint {name} of MLflow run {run_id} (tracking URI {tc.resolved_tracking_uri()})"
+            f" cannot be fetched: {why}"
+        )
 
     try:
         files = {a.path.split("/")[-1] for a in mc.list_artifacts(run_id, f"checkpoints/{name}")}
@@ -290,8 +303,10 @@ def download_latest_checkpoint(tc: TrackingConfig, run_id: str, output_dir: Path
             tmp = download / name
             shutil.copytree(source, tmp)
         else:
-            raise fail(f"the artifact folder checkpoints/{name} holds neither dcp/ nor {CHECKPOINT_URI_FILE} "
-                       f"(it holds {sorted(files)})")
+            raise fail(
+                f"the artifact folder checkpoints/{name} holds neither dcp/ nor {CHECKPOINT_URI_FILE} "
+                f"(it holds {sorted(files)})"
+            )
     except MlflowException as exc:
         raise fail(f"MLflow: {str(exc).splitlines()[0]}") from exc
     except OSError as exc:
@@ -352,8 +367,13 @@ def register_model(tc: TrackingConfig, run_id: str, source: str, description: st
     except MlflowException as exc:
         if exc.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
-    version = mc.create_model_version(name, source=source, run_id=run_id, description=description,
-                                      tags={MODEL_KIND_TAG: mc.get_run(run_id).data.tags.get(MODEL_KIND_TAG, "")})
+    version = mc.create_model_version(
+        name,
+        source=source,
+        run_id=run_id,
+        description=description,
+        tags={MODEL_KIND_TAG: mc.get_run(run_id).data.tags.get(MODEL_KIND_TAG, "")},
+    )
     mc.set_registered_model_alias(name, tc.registered_model_alias, version.version)
     logger.info("registered %s version %s (alias %r)", name, version.version, tc.registered_model_alias)
     return version
@@ -375,7 +395,7 @@ def completions_table(rows: list[dict[str, Any]], max_chars: int) -> dict[str, l
         for key, values in columns.items():
             value = row.get(key)
             if isinstance(value, str) and len(value) > max_chars:
-                value = value[:max_chars - 1] + "…"
+                value = value[: max_chars - 1] + "…"
             values.append(value)
     return columns
 
@@ -396,13 +416,17 @@ class MlflowSink:
     does not replay the steps up to its checkpoint, so they would be missing from MLflow for good.
     """
 
-    def __init__(self, tc: TrackingConfig, run_id: str, inner: MetricsSink | None = None,
-                 trained: list[Mapping[str, Any]] = ()):
+    def __init__(
+        self, tc: TrackingConfig, run_id: str, inner: MetricsSink | None = None, trained: list[Mapping[str, Any]] = ()
+    ):
         self.tc, self.run_id, self.inner = tc, run_id, inner
         self.skip_through = last_logged_step(tc, run_id)
         if self.skip_through:
-            logger.info("MLflow run %s already has steps up to %d; replayed steps are not logged again",
-                        run_id, self.skip_through)
+            logger.info(
+                "MLflow run %s already has steps up to %d; replayed steps are not logged again",
+                run_id,
+                self.skip_through,
+            )
         self.num_errors = 0
         self.names = MetricNames()
         self._refused: set[str] = set()
@@ -412,8 +436,13 @@ class MlflowSink:
         self._uploaded: Path | None = None  # the last checkpoint uploaded completely
         missing = [r for r in trained if r["step"] > self.skip_through]
         if missing:
-            logger.info("MLflow run %s lacks trained steps %d-%d (a killed attempt's upload): logging them from "
-                        "the metrics file", run_id, missing[0]["step"], missing[-1]["step"])
+            logger.info(
+                "MLflow run %s lacks trained steps %d-%d (a killed attempt's upload): logging them from "
+                "the metrics file",
+                run_id,
+                missing[0]["step"],
+                missing[-1]["step"],
+            )
         for record in missing:
             self._queue.put(("metrics", record["step"], {k: v for k, v in record.items() if k != "step"}))
         self._thread = threading.Thread(target=self._work, name="mlflow-sink", daemon=True)
@@ -425,8 +454,12 @@ class MlflowSink:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         client(self.tc)
-        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=self.tc.system_metrics_interval_s,
-                                       resume_logging=True, tracking_uri=mlflow_uri(self.tc))
+        monitor = SystemMetricsMonitor(
+            self.run_id,
+            sampling_interval=self.tc.system_metrics_interval_s,
+            resume_logging=True,
+            tracking_uri=mlflow_uri(self.tc),
+        )
         monitor.start()
         return monitor
 
@@ -497,19 +530,35 @@ class MlflowSink:
         ms = [Metric(self.names(k), float(v), now, step) for k, v in payload.items() if math.isfinite(float(v))]
         for i in range(0, len(ms), _MAX_BATCH):
             try:
-                mc.log_batch(self.run_id, metrics=ms[i:i + _MAX_BATCH])
+                mc.log_batch(self.run_id, metrics=ms[i : i + _MAX_BATCH])
             except MlflowException:
-                for metric in ms[i:i + _MAX_BATCH]:
+                for metric in ms[i : i + _MAX_BATCH]:
                     try:
                         mc.log_batch(self.run_id, metrics=[metric])
                     except MlflowException as exc:
                         self.num_errors += 1
                         if metric.key not in self._refused:
                             self._refused.add(metric.key)
-                            logger.warning("MLflow refuses metric %r (%s); it is not logged, the others are",
-                                           metric.key, str(exc).splitlines()[0])
+                            logger.warning(
+                                "MLflow refuses metric %r (%s); it is not logged, the others are",
+                                metric.key,
+                                str(exc).splitlines()[0],
+                            )
 
 
-__all__ = ["MetricNames", "MlflowSink", "completions_table", "download_latest_checkpoint", "end_run", "find_run",
-           "flatten", "log_checkpoint", "log_file", "log_model", "mlflow_safe_name", "register_model", "run_url",
-           "start_run"]
+__all__ = [
+    "MetricNames",
+    "MlflowSink",
+    "completions_table",
+    "download_latest_checkpoint",
+    "end_run",
+    "find_run",
+    "flatten",
+    "log_checkpoint",
+    "log_file",
+    "log_model",
+    "mlflow_safe_name",
+    "register_model",
+    "run_url",
+    "start_run",
+]

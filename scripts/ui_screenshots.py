@@ -42,8 +42,9 @@ def _free_port() -> int:
 
 def _run_deployment(api: httpx.Client, name: str) -> str:
     deployment = api.get(f"/deployments/name/grpo-train/{name}").json()
-    response = api.post(f"/deployments/{deployment['id']}/create_flow_run",
-                        json={"parameters": deployment["parameters"]})
+    response = api.post(
+        f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": deployment["parameters"]}
+    )
     response.raise_for_status()
     return response.json()["id"]
 
@@ -58,8 +59,14 @@ def _wait(api: httpx.Client, flow_run_id: str, timeout_s: float = 1200.0) -> dic
     raise TimeoutError(f"flow run {flow_run_id} did not finish")
 
 
-def _shoot(page, url: str | None, out: Path, wait_text: str | None = None, settle_ms: int = 4000,
-           wait_selector: str | None = None) -> None:
+def _shoot(
+    page,
+    url: str | None,
+    out: Path,
+    wait_text: str | None = None,
+    settle_ms: int = 4000,
+    wait_selector: str | None = None,
+) -> None:
     """Open ``url`` (None: stay), wait until ``wait_text`` and ``wait_selector`` are visible and no loading
     indicator is left, then write the PNG."""
     if url is not None:
@@ -109,16 +116,25 @@ def prefect_shots(page, api: httpx.Client, ui: str, flow_run_id: str, out: Path)
     page.set_viewport_size(VIEWPORT)
     artifacts = api.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
     ids = {a["key"]: a["id"] for a in artifacts}
-    _shoot(page, f"{ui}/artifacts/artifact/{ids['grpo-summary']}", out / "prefect-artifact-summary.png",
-           "optimizer steps")
-    _shoot(page, f"{ui}/artifacts/artifact/{ids['grpo-reward-curve']}", out / "prefect-artifact-reward-curve.png",
-           "Reward per optimizer step", wait_selector="img[alt='reward curve']")
+    _shoot(
+        page, f"{ui}/artifacts/artifact/{ids['grpo-summary']}", out / "prefect-artifact-summary.png", "optimizer steps"
+    )
+    _shoot(
+        page,
+        f"{ui}/artifacts/artifact/{ids['grpo-reward-curve']}",
+        out / "prefect-artifact-reward-curve.png",
+        "Reward per optimizer step",
+        wait_selector="img[alt='reward curve']",
+    )
 
 
 # MLflow 3's UI opens in its GenAI view with an assistant panel on first load; a training run is read in its
 # "Model training" view (the toggle at the top left, kept in the browser's local storage).
-MLFLOW_UI_STORAGE = {"mlflow.workflowType_v1": '"machine_learning"', "mlflow.assistant.panelOpen_v1": "false",
-                     "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true"}
+MLFLOW_UI_STORAGE = {
+    "mlflow.workflowType_v1": '"machine_learning"',
+    "mlflow.assistant.panelOpen_v1": "false",
+    "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true",
+}
 
 
 def mlflow_shots(page, ui: str, experiment: str, run_id: str, model: str, table: str, out: Path) -> None:
@@ -129,8 +145,14 @@ def mlflow_shots(page, ui: str, experiment: str, run_id: str, model: str, table:
     # The chart search takes a regular expression: the run's headline curves, side by side.
     page.get_by_placeholder("Search metric charts").fill("^(reward|loss|entropy)$", timeout=120_000)
     _shoot(page, None, out / "mlflow-metrics.png", "reward", 6000, wait_selector=".js-plotly-plot")
-    _shoot(page, f"{base}/system-metrics", out / "mlflow-system-metrics.png", "cpu_utilization", 6000,
-           wait_selector=".js-plotly-plot")
+    _shoot(
+        page,
+        f"{base}/system-metrics",
+        out / "mlflow-system-metrics.png",
+        "cpu_utilization",
+        6000,
+        wait_selector=".js-plotly-plot",
+    )
     _shoot(page, f"{base}/artifacts/{table}", out / "mlflow-completions.png", "advantage")
     _shoot(page, f"{ui}/#/models/{model}", out / "mlflow-registry.png", "candidate")
 
@@ -153,13 +175,20 @@ def main() -> int:
     tmp = args.reuse or Path(tempfile.mkdtemp(prefix="grpo-shots-"))
     print(f"runs, stores and Prefect home in {tmp} (--reuse {tmp} screenshots them again)")  # noqa: T201
     model = "grpo-tiny"
-    overrides = [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}", "tracking.log_completions=true",
-                 f"tracking.registered_model_name={model}", "tracking.system_metrics_interval_s=2",
-                 "rollout.dataset_size=256"]
+    overrides = [
+        f"train.output_dir={tmp / 'runs'}",
+        f"tracking.dir={tmp / 'mlflow'}",
+        "tracking.log_completions=true",
+        f"tracking.registered_model_name={model}",
+        "tracking.system_metrics_interval_s=2",
+        "rollout.dataset_size=256",
+    ]
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    with PrefectStack(port=0, home=tmp / "prefect", extra_env=env) as stack, \
-            sync_playwright() as pw, \
-            httpx.Client(base_url=stack.api_url, timeout=30, headers=stack.auth_headers()) as api:
+    with (
+        PrefectStack(port=0, home=tmp / "prefect", extra_env=env) as stack,
+        sync_playwright() as pw,
+        httpx.Client(base_url=stack.api_url, timeout=30, headers=stack.auth_headers()) as api,
+    ):
         browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport=VIEWPORT)
         page.add_init_script(stack.ui_login_script())  # the UI's API calls carry the stack's auth string
@@ -180,9 +209,22 @@ def main() -> int:
         experiment = mc.get_run(run_id).info.experiment_id
         table = next(a.path for a in mc.list_artifacts(run_id, "completions") if a.path.endswith(".json"))
         port = _free_port()
-        ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--mlflow", "--mlflow-port", str(port),
-                               "--config", str(_tracking_config(tmp))], cwd=ROOT, start_new_session=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        ui = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "ui",
+                "--mlflow",
+                "--mlflow-port",
+                str(port),
+                "--config",
+                str(_tracking_config(tmp)),
+            ],
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         try:
             _wait_http(f"http://127.0.0.1:{port}/health")
             mlflow_shots(page, f"http://127.0.0.1:{port}", experiment, run_id, model, table, args.out)

@@ -110,9 +110,25 @@ def resolve(reqs: list[str], pins: list[str], args: argparse.Namespace, work: Pa
     constraints = work / "constraints.txt"
     constraints.write_text("\n".join(pins) + "\n")
     report = work / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
-           str(report), "--target", str(work / "unused"), "-c", str(constraints), "--find-links", str(local),
-           *target_flags(args), *reqs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--quiet",
+        "--report",
+        str(report),
+        "--target",
+        str(work / "unused"),
+        "-c",
+        str(constraints),
+        "--find-links",
+        str(local),
+        *target_flags(args),
+        *reqs,
+    ]
     for _ in range(20):
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode == 0:
@@ -137,8 +153,10 @@ def build_wheel(pin: str, local: Path, args: argparse.Namespace) -> Path:
     """
     print(f"{pin} has no wheel on the index: building it from source", file=sys.stderr)
     before = set(local.glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-binary", ":all:", "-w",
-                    str(local), pin], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-binary", ":all:", "-w", str(local), pin],
+        check=True,
+    )
     (wheel,) = set(local.glob("*.whl")) - before
     if wheel.name.endswith("-none-any.whl"):
         return wheel
@@ -146,12 +164,16 @@ def build_wheel(pin: str, local: Path, args: argparse.Namespace) -> Path:
     python = args.build_python or find_python(args.python_version)
     if python is None:
         raise SystemExit(f"{pin} is a source-only extension: pass --build-python (a Python {args.python_version})")
-    subprocess.run([python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-binary", ":all:", "-w", str(local),
-                    pin], check=True)
+    subprocess.run(
+        [python, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-binary", ":all:", "-w", str(local), pin],
+        check=True,
+    )
     (wheel,) = set(local.glob("*.whl")) - before
     needed = max_glibc(wheel)
     if needed > tuple(int(x) for x in args.glibc.split(".")):
-        raise SystemExit(f"{wheel.name} built here needs glibc {'.'.join(map(str, needed))} > the target's {args.glibc}")
+        raise SystemExit(
+            f"{wheel.name} built here needs glibc {'.'.join(map(str, needed))} > the target's {args.glibc}"
+        )
     return wheel
 
 
@@ -181,8 +203,23 @@ def max_glibc(wheel: Path) -> tuple[int, ...]:
 def download(pins: list[str], args: argparse.Namespace, dest: Path, local: Path) -> None:
     """Download exactly these ``name==version`` wheels for the target (no dependency resolution)."""
     if pins:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(dest),
-                        "--find-links", str(local), *target_flags(args), *pins], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "-d",
+                str(dest),
+                "--find-links",
+                str(local),
+                *target_flags(args),
+                *pins,
+            ],
+            check=True,
+        )
 
 
 def build_project_wheel(dest: Path) -> Path:
@@ -221,19 +258,34 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--python-version", default="3.12", help="target interpreter, e.g. 3.12")
     p.add_argument("--implementation", default="cp")
-    p.add_argument("--platform", action="append", default=None,
-                   help="target platform tag (repeatable); default: every manylinux tag up to --glibc")
+    p.add_argument(
+        "--platform",
+        action="append",
+        default=None,
+        help="target platform tag (repeatable); default: every manylinux tag up to --glibc",
+    )
     p.add_argument("--glibc", default="2.39", help="the target's glibc (Ubuntu 24.04: 2.39), for the default tags")
     p.add_argument("--arch", default="x86_64")
-    p.add_argument("--build-python", default=None,
-                   help="interpreter of the target's version for source-only extensions (default: found on PATH/pyenv)")
+    p.add_argument(
+        "--build-python",
+        default=None,
+        help="interpreter of the target's version for source-only extensions (default: found on PATH/pyenv)",
+    )
     p.add_argument("--have", action="append", type=Path, default=[], help="file of packages the host has")
     p.add_argument("--without", action="append", default=[], help="a dependency the host does not need")
-    p.add_argument("--extra", action="append", default=[],
-                   help="an optional-dependencies group to carry too (bench: TRL for benchmarks/trl_async_grpo.py)")
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="an optional-dependencies group to carry too (bench: TRL for benchmarks/trl_async_grpo.py)",
+    )
     p.add_argument("--no-project", action="store_true", help="leave out this project's own wheel")
-    p.add_argument("--part-mib", type=float, default=56.0,
-                   help="largest part in MiB (one device transfer holds 64 MiB with the working tree)")
+    p.add_argument(
+        "--part-mib",
+        type=float,
+        default=56.0,
+        help="largest part in MiB (one device transfer holds 64 MiB with the working tree)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / ".gpu" / "wheelhouse")
     args = p.parse_args(argv)
     args.platform = args.platform or manylinux_tags(args.glibc, args.arch)
@@ -243,15 +295,18 @@ def main(argv: list[str] | None = None) -> int:
         work, wheels, local = Path(tmp), Path(tmp) / "wheels", Path(tmp) / "built"
         wheels.mkdir()
         local.mkdir()
-        closure = resolve(requirements(without, args.extra), pins, args, work, local)  # NO_DEPS wheels would not resolve
+        closure = resolve(
+            requirements(without, args.extra), pins, args, work, local
+        )  # NO_DEPS wheels would not resolve
         extra = {canonical(n.split("==")[0]): n.split("==")[1] for n in NO_DEPS}
         carry = {n: v for n, v in {**closure, **extra}.items() if n not in have and n not in without}
         download([f"{n}=={v}" for n, v in sorted(carry.items())], args, wheels, local)
         if not args.no_project:
             build_project_wheel(wheels)
         listing = sorted((w.name, w.stat().st_size) for w in wheels.glob("*.whl"))
-        (wheels / "manifest.json").write_text(json.dumps({"python_version": args.python_version,
-                                                          "platform": args.platform, "wheels": listing}, indent=1))
+        (wheels / "manifest.json").write_text(
+            json.dumps({"python_version": args.python_version, "platform": args.platform, "wheels": listing}, indent=1)
+        )
         parts = pack(wheels, args.out, args.part_mib)
     total = sum(size for _, size in listing)
     for name, size in sorted(listing, key=lambda x: -x[1]):

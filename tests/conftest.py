@@ -10,7 +10,8 @@ os.environ.setdefault("GRPO_FLOW_CACHE_DIR", str(Path(__file__).resolve().parent
 # The tests own the helper modules their configs name (reward functions, loop classes, environments): they join
 # the allow-list of code a run may name (grpo_core.allowlist), here and in every process the tests start.
 os.environ["GRPO_ALLOWED_MODULES"] = ",".join(
-    filter(None, [os.environ.get("GRPO_ALLOWED_MODULES"), "rollout_helpers", "flow_helpers"]))
+    filter(None, [os.environ.get("GRPO_ALLOWED_MODULES"), "rollout_helpers", "flow_helpers"])
+)
 
 import flow_helpers  # noqa: E402 - after the environment above
 from flow_helpers import api, stack, stack_tmp  # noqa: E402, F401 - the session's shared Prefect stack (fixtures)

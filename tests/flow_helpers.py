@@ -41,8 +41,9 @@ def stack(stack_tmp):  # noqa: ANN201 - flows.serve.PrefectStack
     from flows.serve import PrefectStack
 
     env = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    with PrefectStack(port=0, home=stack_tmp / "prefect", extra_env=env, server_pool=SERVERS_POOL,
-                      worker_poll_s=1, gpu_slots=1) as s:
+    with PrefectStack(
+        port=0, home=stack_tmp / "prefect", extra_env=env, server_pool=SERVERS_POOL, worker_poll_s=1, gpu_slots=1
+    ) as s:
         # 2 steps: what a test leaves at the default (the browser's run) only needs to complete
         s.register(ROOT / "configs" / "tiny.yaml", CRON, overrides=[*tiny_overrides(stack_tmp), "train.max_steps=2"])
         _RUNNING.append(s)
@@ -67,8 +68,12 @@ def tiny_overrides(tmp: Path) -> list[str]:
 
     The reward is imported by name in the flow and rollout processes: the tests put ``tests/`` on PYTHONPATH.
     """
-    return [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}",
-            "rollout.reward_functions=[flow_helpers:varied_reward]", "rollout.dataset_size=256"]
+    return [
+        f"train.output_dir={tmp / 'runs'}",
+        f"tracking.dir={tmp / 'mlflow'}",
+        "rollout.reward_functions=[flow_helpers:varied_reward]",
+        "rollout.dataset_size=256",
+    ]
 
 
 def varied_reward(completion_ids, **_):
@@ -151,9 +156,15 @@ class Api:
         """All the flow run's log lines, oldest first, joined (read in pages of the API's limit of 200)."""
         lines: list[str] = []
         while True:
-            response = self.http.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                                                             "limit": 200, "offset": len(lines),
-                                                             "sort": "TIMESTAMP_ASC"})
+            response = self.http.post(
+                "/logs/filter",
+                json={
+                    "logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                    "limit": 200,
+                    "offset": len(lines),
+                    "sort": "TIMESTAMP_ASC",
+                },
+            )
             response.raise_for_status()
             page = [r["message"] for r in response.json()]
             lines += page
@@ -190,9 +201,17 @@ def mlflow_run(tracking_dir: Path, flow_run_id: str, experiment: str = "grpo-tin
 
 #: Metrics the trainer computes for every step it trains (the rollout's windowed ones, ``rollout/*``, ``router/*``,
 #: ``reward*`` …, are absent from a step whose window saw no such event).
-TRAINER_STEP_METRICS = ("loss", "entropy", "grad_norm", "learning_rate", "policy_version", "perf/step_s",
-                        "batch/samples_per_step", "batch/trained_tokens_per_step",
-                        "sampling/importance_sampling_ratio/mean")
+TRAINER_STEP_METRICS = (
+    "loss",
+    "entropy",
+    "grad_norm",
+    "learning_rate",
+    "policy_version",
+    "perf/step_s",
+    "batch/samples_per_step",
+    "batch/trained_tokens_per_step",
+    "sampling/importance_sampling_ratio/mean",
+)
 
 
 def assert_mlflow_steps_once(mc, run_id: str, metrics_file: Path, max_steps: int) -> int:  # noqa: ANN001

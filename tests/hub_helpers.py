@@ -69,12 +69,24 @@ class FakeHub:
                 commit, folder = found
                 files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
                 if api and kind == "revision":
-                    body = {"id": repo_id, "modelId": repo_id, "sha": commit, "private": False,
-                            "siblings": [{"rfilename": f} for f in files]}
+                    body = {
+                        "id": repo_id,
+                        "modelId": repo_id,
+                        "sha": commit,
+                        "private": False,
+                        "siblings": [{"rfilename": f} for f in files],
+                    }
                     return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
                 if api and kind == "tree":
-                    body = [{"type": "file", "path": f, "size": (folder / f).stat().st_size,
-                             "oid": hashlib.sha1((folder / f).read_bytes()).hexdigest()} for f in files]
+                    body = [
+                        {
+                            "type": "file",
+                            "path": f,
+                            "size": (folder / f).stat().st_size,
+                            "oid": hashlib.sha1((folder / f).read_bytes()).hexdigest(),
+                        }
+                        for f in files
+                    ]
                     return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
                 path = "/".join(rest)
                 if kind != "resolve" or path not in files:

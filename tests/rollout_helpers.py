@@ -80,8 +80,10 @@ def nan_first_reward(completion_ids, **_):
 
 
 def rows(n: int, with_row_id: bool = True) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"Count to {i}."}], **({"row_id": i} if with_row_id else {})}
-            for i in range(n)]
+    return [
+        {"prompt": [{"role": "user", "content": f"Count to {i}."}], **({"row_id": i} if with_row_id else {})}
+        for i in range(n)
+    ]
 
 
 class CurriculumConfig(RolloutConfig):
@@ -186,9 +188,14 @@ class ScriptedToolLoop(RolloutLoop):
         args = '{"step": 2}' if tool == "increment" else '{"direction": "up"}'
         text = f'<tool_call>\n{{"name": "{tool}", "arguments": {args}}}\n</tool_call>'
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=[-0.5] * len(ids),
-                          output_sampler_logprobs=[{t: -0.5} for t in ids] if turn.output_sampler_logprobs else None,
-                          finish_reason="stop", text=text)
+        return TurnRecord(
+            prompt_ids=list(prompt_ids),
+            output_ids=ids,
+            output_log_probs=[-0.5] * len(ids),
+            output_sampler_logprobs=[{t: -0.5} for t in ids] if turn.output_sampler_logprobs else None,
+            finish_reason="stop",
+            text=text,
+        )
 
 
 def curriculum_reward(completion_ids, row_id, **_):
@@ -251,8 +258,9 @@ def state_reward(completion_ids, trainer_state, log_metric, environments, target
     return [float(env.counter == t) for env, t in zip(environments, target, strict=True)]
 
 
-def needs_every_supplied_argument(prompts, completions, completion_ids, trainer_state, log_metric, environments,
-                                  answer):
+def needs_every_supplied_argument(
+    prompts, completions, completion_ids, trainer_state, log_metric, environments, answer
+):
     """Requires every argument of ``REWARD_ARGUMENTS`` and one column."""
     return [0.0] * len(completions)
 
@@ -289,9 +297,16 @@ def run_count_groups(server_url: str, num_prompts: int, **rollout):
     from grpo_core.transport.flight_server import SampleQueue
 
     rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(num_prompts)]
-    cfg = RunConfig(model=ModelConfig(name="tiny-qwen3"), server={"backend": "embedded", "max_model_len": 256},
-                    rollout={"dataset": "rollout_helpers:rows_of", "dataset_kwargs": {"rows": rows},
-                             "reward_functions": ["rollout_helpers:even_share"], **rollout})
+    cfg = RunConfig(
+        model=ModelConfig(name="tiny-qwen3"),
+        server={"backend": "embedded", "max_model_len": 256},
+        rollout={
+            "dataset": "rollout_helpers:rows_of",
+            "dataset_kwargs": {"rows": rows},
+            "reward_functions": ["rollout_helpers:even_share"],
+            **rollout,
+        },
+    )
     job = RolloutJob(config=cfg.rollout_process(), server_urls=[server_url])
 
     async def go():

@@ -25,8 +25,17 @@ def main(config: Path) -> None:
     env = child_env({TOKEN_ENV: token, "OMP_NUM_THREADS": "1"})
     launch(embedded_command(load_config(config, []), 0), token)
     start_rollout_process(config, ["http://127.0.0.1:9"], config.parent, env=env)
-    trainer = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
-               "-m", "grpo_core.train", "--config", str(config)]
+    trainer = [
+        sys.executable,
+        "-m",
+        "grpo_core.train.launch",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "grpo_core.train",
+        "--config",
+        str(config),
+    ]
     threading.Thread(target=stream, args=(trainer, logging.getLogger("trainer"), "", env), daemon=True).start()
     time.sleep(3600)
 

@@ -29,20 +29,32 @@ def free_port() -> int:
 
 
 @contextmanager
-def embedded_server(log_dir: Path, model: str = TINY, output_dir: Path | None = None, lora_r: int | None = None,
-                    **server: object) -> Iterator[ServerHandle]:
+def embedded_server(
+    log_dir: Path, model: str = TINY, output_dir: Path | None = None, lora_r: int | None = None, **server: object
+) -> Iterator[ServerHandle]:
     """Start one embedded replica on 127.0.0.1 (free port, 1 CPU thread) through ``provision``.
 
     It loads adapters and full weights only from ``<output_dir>/.vllm_lora`` and ``<output_dir>/.weights``
     (``output_dir`` default ``<log_dir>/run``; the folders are ``adapter_dir`` / ``weights_dir`` below).
     ``lora_r``: the rank of the trainer's LoRA adapter it must accept (``train.lora.r``).
     """
-    settings = {"backend": "embedded", "port": 0, "embedded_num_threads": 1, "max_model_len": 256,
-                "max_num_seqs": 64, "log_dir": log_dir, "startup_timeout_s": 180, **server}
+    settings = {
+        "backend": "embedded",
+        "port": 0,
+        "embedded_num_threads": 1,
+        "max_model_len": 256,
+        "max_num_seqs": 64,
+        "log_dir": log_dir,
+        "startup_timeout_s": 180,
+        **server,
+    }
     lora = {"lora": {"enabled": True, "r": lora_r}} if lora_r is not None else {}
-    config = RunConfig(model=ModelConfig(name=model), server=settings,
-                       train={"output_dir": output_dir or Path(log_dir) / "run", **lora},
-                       rollout={"max_completion_length": 64, "num_sampler_logprobs": 4})
+    config = RunConfig(
+        model=ModelConfig(name=model),
+        server=settings,
+        train={"output_dir": output_dir or Path(log_dir) / "run", **lora},
+        rollout={"max_completion_length": 64, "num_sampler_logprobs": 4},
+    )
     handles = provision(config)
     try:
         yield handles[0]
@@ -63,8 +75,9 @@ def weights_dir(handle: ServerHandle) -> Path:
 def holds_version(url: str, version: int) -> None:
     """Tell ``url``'s guard it holds policy ``version``: the last call of every full-weight sync (a test playing the
     trainer sends it with ``report``/``synced``, or the guard refuses the rollout's requests for ``version``)."""
-    httpx.post(url + "/grpo/stale", json={"stale": False, "version": version}, headers=bearer_headers(run_token()),
-               timeout=10).raise_for_status()
+    httpx.post(
+        url + "/grpo/stale", json={"stale": False, "version": version}, headers=bearer_headers(run_token()), timeout=10
+    ).raise_for_status()
 
 
 def run(coro):  # noqa: ANN001, ANN201 - thin asyncio.run alias for readability
@@ -72,8 +85,16 @@ def run(coro):  # noqa: ANN001, ANN201 - thin asyncio.run alias for readability
     return asyncio.run(coro)
 
 
-def reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int], *, temperature: float,
-                       top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+def reference_logprobs(
+    model: torch.nn.Module,
+    prompt: list[int],
+    output: list[int],
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
     """Processed log-probs of ``output`` given ``prompt``, from one unbatched forward pass.
 
     Written independently of ``grpo_core.serving.sampling``: log-softmax of logits / T
@@ -85,7 +106,7 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[i
     """
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     if temperature == 0:
         return logits.log_softmax(-1).gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
     logits = logits / temperature
@@ -109,5 +130,9 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[i
 def generated_tokens(url: str) -> float:
     """The server's own count of generated tokens (``vllm:generation_tokens_total`` from ``/metrics``)."""
     text = httpx.get(url + "/metrics", headers=bearer_headers(run_token()), timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "vllm:generation_tokens_total")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:generation_tokens_total"
+    )

@@ -43,10 +43,15 @@ def _exact_advantages(scored: list[float]) -> list[float]:
     return [float(r - mean) / std for r in exact]
 
 
-reward = st.one_of(st.floats(min_value=-1e12, max_value=1e12, allow_nan=False, allow_subnormal=False),
-                   st.just(math.nan), st.sampled_from([0.0, 1.0, 0.2, -1.0]))
-near_constant = st.tuples(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
-                          st.lists(st.floats(min_value=-1.0, max_value=1.0), min_size=2, max_size=16))
+reward = st.one_of(
+    st.floats(min_value=-1e12, max_value=1e12, allow_nan=False, allow_subnormal=False),
+    st.just(math.nan),
+    st.sampled_from([0.0, 1.0, 0.2, -1.0]),
+)
+near_constant = st.tuples(
+    st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    st.lists(st.floats(min_value=-1.0, max_value=1.0), min_size=2, max_size=16),
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -108,8 +113,9 @@ def nan_reward(completion_ids, **_):
 
 @pytest.mark.parametrize("func, value", [(inf_reward, "inf at position 1"), (minus_inf_reward, "-inf at position 0")])
 def test_infinite_reward_is_an_error_naming_the_function(func, value):
-    with pytest.raises(RolloutError, match=f"reward function '{func.__name__}' returned {value}; rewards must be "
-                                           "finite"):
+    with pytest.raises(
+        RolloutError, match=f"reward function '{func.__name__}' returned {value}; rewards must be finite"
+    ):
         _reward_sources(func)
 
 
@@ -125,8 +131,16 @@ def test_infinite_environment_or_rollout_reward_is_an_error_naming_the_source(wh
         rollouts[1].env_reward = ("CounterEnv", math.inf)
     else:
         rollouts[1].reward = -math.inf
-    group = RolloutGroup(prompt_index=0, row_index=0, epoch=0, row={}, prompts=[[], []], rollouts=rollouts,
-                         sequences=[[], []], policy_version=0)
+    group = RolloutGroup(
+        prompt_index=0,
+        row_index=0,
+        epoch=0,
+        row={},
+        prompts=[[], []],
+        rollouts=rollouts,
+        sequences=[[], []],
+        policy_version=0,
+    )
     source = "CounterEnv.get_reward()" if where == "environment" else "Rollout.reward"
     with ThreadPoolExecutor(1) as pool, pytest.raises(RolloutError, match=re.escape(source) + " returned -?inf"):
         asyncio.run(score_group(group, [], pool, MetricWindow()))

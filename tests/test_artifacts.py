@@ -10,12 +10,26 @@ from markdown_it import MarkdownIt
 from flows.artifacts import table_cell
 
 
-@pytest.mark.parametrize(("value", "shown"), [
-    (None, "none"), ("-", "-"), ("- x", "- x"), ("+", "+"), ("* y", "* y"), ("# heading", "# heading"),
-    ("> quote", "> quote"), ("1. first", "1. first"), ("3)", "3)"), ("  - indented", "- indented"),
-    ("-5", "-5"), ("a - b", "a - b"), ("sqlite:////tmp/mlflow.db", "sqlite:////tmp/mlflow.db"),
-    (4.0, "4"), (0.52401, "0.5240"),
-])
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (None, "none"),
+        ("-", "-"),
+        ("- x", "- x"),
+        ("+", "+"),
+        ("* y", "* y"),
+        ("# heading", "# heading"),
+        ("> quote", "> quote"),
+        ("1. first", "1. first"),
+        ("3)", "3)"),
+        ("  - indented", "- indented"),
+        ("-5", "-5"),
+        ("a - b", "a - b"),
+        ("sqlite:////tmp/mlflow.db", "sqlite:////tmp/mlflow.db"),
+        (4.0, "4"),
+        (0.52401, "0.5240"),
+    ],
+)
 def test_summary_cells_render_as_their_text_not_as_markdown_blocks(value, shown):
     # CommonMark (the reference parser's port) is the independent judge: one paragraph holding the text.
     rendered = MarkdownIt("commonmark").render(table_cell(value)).strip()

@@ -21,11 +21,14 @@ from grpo_core.rollout.window import MetricWindow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name, text, where", [
-    ("run.yaml", "model:\n  name: tiny-qwen3\ntrain: [max_steps: 2\n", "not valid YAML: line 4, column 1"),
-    ("run.json", '{"model": {"name": "tiny-qwen3",}}', "not valid JSON: line 1, column 33"),
-    ("run.toml", "[model]\nname = tiny-qwen3\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "name, text, where",
+    [
+        ("run.yaml", "model:\n  name: tiny-qwen3\ntrain: [max_steps: 2\n", "not valid YAML: line 4, column 1"),
+        ("run.json", '{"model": {"name": "tiny-qwen3",}}', "not valid JSON: line 1, column 33"),
+        ("run.toml", "[model]\nname = tiny-qwen3\n", "not valid TOML"),
+    ],
+)
 def test_config_file_that_does_not_parse_names_the_file_and_line(tmp_path, name, text, where):
     path = tmp_path / name
     path.write_text(text)
@@ -55,13 +58,16 @@ def _json_rows(tmp_path: Path, rows: list[dict]) -> str:
 GOOD = {"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}
 
 
-@pytest.mark.parametrize("bad_row, problem", [
-    ({"prompt": [], "answer": "3"}, "its 'prompt' is list []"),
-    ({"prompt": "   ", "answer": "3"}, "its 'prompt' is an empty string"),
-    ({"question": "2+1?", "answer": "3"}, "its 'prompt' is missing"),  # json fills the column with null
-    ({"prompt": [{"role": "user", "content": ""}], "answer": "3"}, "messages without any content"),
-    ({"prompt": [{"text": "2+1?"}], "answer": "3"}, "is not a {'role', 'content'} message"),
-])
+@pytest.mark.parametrize(
+    "bad_row, problem",
+    [
+        ({"prompt": [], "answer": "3"}, "its 'prompt' is list []"),
+        ({"prompt": "   ", "answer": "3"}, "its 'prompt' is an empty string"),
+        ({"question": "2+1?", "answer": "3"}, "its 'prompt' is missing"),  # json fills the column with null
+        ({"prompt": [{"role": "user", "content": ""}], "answer": "3"}, "messages without any content"),
+        ({"prompt": [{"text": "2+1?"}], "answer": "3"}, "is not a {'role', 'content'} message"),
+    ],
+)
 def test_a_later_row_without_a_usable_prompt_is_named(tmp_path, bad_row, problem):
     rows = [GOOD] * 6 + [bad_row] + [GOOD] * 3  # row 6: preflight used to read row 0 only
     cfg = RunConfig(rollout={"dataset": _json_rows(tmp_path, rows)})
@@ -72,8 +78,13 @@ def test_a_later_row_without_a_usable_prompt_is_named(tmp_path, bad_row, problem
 
 def test_a_later_list_row_without_a_reward_column_is_named(tmp_path):
     rows = [GOOD, GOOD, {"prompt": GOOD["prompt"]}]
-    cfg = RunConfig(rollout={"dataset": "rollout_helpers:rows_of", "dataset_kwargs": {"rows": rows},
-                             "reward_functions": ["grpo_core.demo_rewards:numeric_answer_reward"]})
+    cfg = RunConfig(
+        rollout={
+            "dataset": "rollout_helpers:rows_of",
+            "dataset_kwargs": {"rows": rows},
+            "reward_functions": ["grpo_core.demo_rewards:numeric_answer_reward"],
+        }
+    )
     with pytest.raises(ConfigError, match="needs the dataset column 'answer'.*lacks in row 2"):
         preflight.check_dataset(cfg)
 
@@ -85,14 +96,20 @@ def test_tokenizer_without_chat_template_is_refused_before_a_server_starts(tmp_p
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    cfg = RunConfig(model={"name": str(model)}, train={"output_dir": tmp_path / "runs"},
-                    tracking={"dir": tmp_path / "mlflow"},
-                    rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4})
+    cfg = RunConfig(
+        model={"name": str(model)},
+        train={"output_dir": tmp_path / "runs"},
+        tracking={"dir": tmp_path / "mlflow"},
+        rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4},
+    )
     with pytest.raises(ConfigError, match=f"model.name='{model}': its tokenizer has no chat template"):
         preflight.check_run(cfg)
     # A loop class that renders prompts itself does not need one.
-    preflight.check_chat_template(cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-        update={"loop_class": "rollout_helpers:PlainRenderLoop"})}))
+    preflight.check_chat_template(
+        cfg.model_copy(
+            update={"rollout": cfg.rollout.model_copy(update={"loop_class": "rollout_helpers:PlainRenderLoop"})}
+        )
+    )
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "a\\b", "x..y", "/abs", ".hidden", ""])
@@ -102,50 +119,83 @@ def test_lora_name_that_is_not_a_plain_name_is_refused(name):
 
 
 def test_lora_name_that_is_a_plain_name_is_kept():
-    assert load_config(ROOT / "configs" / "demo.yaml", ["train.lora.name=policy_v2.1-a"]).train.lora.name == \
-        "policy_v2.1-a"
+    assert (
+        load_config(ROOT / "configs" / "demo.yaml", ["train.lora.name=policy_v2.1-a"]).train.lora.name
+        == "policy_v2.1-a"
+    )
 
 
 def test_preflight_and_scoring_read_one_list_of_reward_arguments(tmp_path):
-    cfg = RunConfig(rollout={"dataset": _json_rows(tmp_path, [GOOD] * 3),
-                             "reward_functions": ["rollout_helpers:needs_every_supplied_argument"]})
+    cfg = RunConfig(
+        rollout={
+            "dataset": _json_rows(tmp_path, [GOOD] * 3),
+            "reward_functions": ["rollout_helpers:needs_every_supplied_argument"],
+        }
+    )
     assert preflight.required_reward_columns(cfg) == {"answer": "rollout_helpers:needs_every_supplied_argument"}
     preflight.check_dataset(cfg)
-    group = RolloutGroup(prompt_index=5, row_index=5, epoch=2, row=dict(GOOD), prompts=[GOOD["prompt"]] * 2,
-                         rollouts=[Rollout(completion=[], completion_ids=[1], turns=[])] * 2, sequences=[[], []],
-                         policy_version=4, trainer_step=9)
+    group = RolloutGroup(
+        prompt_index=5,
+        row_index=5,
+        epoch=2,
+        row=dict(GOOD),
+        prompts=[GOOD["prompt"]] * 2,
+        rollouts=[Rollout(completion=[], completion_ids=[1], turns=[])] * 2,
+        sequences=[[], []],
+        policy_version=4,
+        trainer_step=9,
+    )
     window = MetricWindow()
     kwargs = reward_kwargs(group, window)
     assert set(kwargs) == set(REWARD_ARGUMENTS) | {"answer"}
-    assert (kwargs["trainer_state"].step, kwargs["trainer_state"].policy_version, kwargs["trainer_state"].epoch) == \
-        (9, 4, 2)
+    assert (kwargs["trainer_state"].step, kwargs["trainer_state"].policy_version, kwargs["trainer_state"].epoch) == (
+        9,
+        4,
+        2,
+    )
     assert kwargs["environments"] == [None, None] and kwargs["answer"] == ["2", "2"]
     kwargs["log_metric"]("my/metric", 3.0)
     assert window.drain() == {"my/metric": 3.0}
 
 
 def test_reward_function_needing_log_extra_is_refused_in_prepare(tmp_path):
-    cfg = RunConfig(rollout={"dataset": _json_rows(tmp_path, [GOOD] * 3),
-                             "reward_functions": ["rollout_helpers:needs_log_extra"]},
-                    train={"output_dir": tmp_path / "runs"}, tracking={"dir": tmp_path / "mlflow"})
+    cfg = RunConfig(
+        rollout={"dataset": _json_rows(tmp_path, [GOOD] * 3), "reward_functions": ["rollout_helpers:needs_log_extra"]},
+        train={"output_dir": tmp_path / "runs"},
+        tracking={"dir": tmp_path / "mlflow"},
+    )
     with pytest.raises(ConfigError, match="needs_log_extra needs 'log_extra', which grpo-flow does not supply"):
         preflight.check_run(cfg)
 
 
-@pytest.mark.parametrize("store, says", [
-    ("{tmp}/no-mount/run", "train.adapter_store='{tmp}/no-mount/run': {tmp}/no-mount does not exist on this host; "
-                           "mount the shared store there (or create it), or fix the path"),
-    ("{tmp}/a-file", "train.adapter_store='{tmp}/a-file' is a file; give a folder every server host sees"),
-    ("foo://bucket/run", "train.adapter_store='foo://bucket/run': unknown fsspec protocol 'foo'; write a shared folder"),
-    ("s3:/bucket/run", "train.adapter_store='s3:/bucket/run' looks like a URL with one slash; write 's3://bucket/run'"),
-    ("memory://run", "train.adapter_store='memory://run': fsspec's memory filesystem lives inside one process"),
-])
+@pytest.mark.parametrize(
+    "store, says",
+    [
+        (
+            "{tmp}/no-mount/run",
+            "train.adapter_store='{tmp}/no-mount/run': {tmp}/no-mount does not exist on this host; "
+            "mount the shared store there (or create it), or fix the path",
+        ),
+        ("{tmp}/a-file", "train.adapter_store='{tmp}/a-file' is a file; give a folder every server host sees"),
+        (
+            "foo://bucket/run",
+            "train.adapter_store='foo://bucket/run': unknown fsspec protocol 'foo'; write a shared folder",
+        ),
+        (
+            "s3:/bucket/run",
+            "train.adapter_store='s3:/bucket/run' looks like a URL with one slash; write 's3://bucket/run'",
+        ),
+        ("memory://run", "train.adapter_store='memory://run': fsspec's memory filesystem lives inside one process"),
+    ],
+)
 def test_an_adapter_store_this_host_cannot_use_is_refused_before_anything_starts(tmp_path, store, says):
     """A missing mount, a file, an unknown protocol or a one-slash URL would fail the trainer at its first adapter
     (after the servers started), or fill a local folder no server host sees."""
     (tmp_path / "a-file").write_text("not a folder")
-    cfg = RunConfig(train={"output_dir": tmp_path / "runs", "lora": {"enabled": True},
-                           "adapter_store": store.format(tmp=tmp_path)}, tracking={"dir": tmp_path / "mlflow"})
+    cfg = RunConfig(
+        train={"output_dir": tmp_path / "runs", "lora": {"enabled": True}, "adapter_store": store.format(tmp=tmp_path)},
+        tracking={"dir": tmp_path / "mlflow"},
+    )
     with pytest.raises(ConfigError) as info:
         preflight.check_run(cfg)
     assert str(info.value).startswith(says.format(tmp=tmp_path)), str(info.value)
@@ -154,5 +204,6 @@ def test_an_adapter_store_this_host_cannot_use_is_refused_before_anything_starts
     usable = tmp_path / "mnt" / "adapters"  # a new folder below an existing mount, a file:// URL
     (tmp_path / "mnt").mkdir()
     for good in (str(usable), f"file://{usable}"):
-        preflight.check_adapter_store(cfg.model_copy(update={"train": cfg.train.model_copy(
-            update={"adapter_store": good})}))
+        preflight.check_adapter_store(
+            cfg.model_copy(update={"train": cfg.train.model_copy(update={"adapter_store": good})})
+        )

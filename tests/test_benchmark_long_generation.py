@@ -18,10 +18,23 @@ pytestmark = pytest.mark.slow
 
 
 def test_long_generation_sync_runs_on_cpu_with_the_trainers_policy(tmp_path):
-    cmd = [sys.executable, "benchmarks/long_generation_sync.py", "--cpu-smoke", "--tokens", "200", "--out",
-           str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "benchmarks/long_generation_sync.py",
+        "--cpu-smoke",
+        "--tokens",
+        "200",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "long_generation_sync.json").read_text())
     keep = result["keep_mode_sync"]

@@ -15,10 +15,33 @@ from trainer_sweep import tree_flop_ceiling  # noqa: E402
 
 
 def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):
-    cmd = [sys.executable, "benchmarks/trainer.py", "sweep", "--shapes", "tiny", "--modes", "eager", "--budget", "384",
-           "--groups", "3", "--group-size", "4", "--steps", "2", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "benchmarks/trainer.py",
+        "sweep",
+        "--shapes",
+        "tiny",
+        "--modes",
+        "eager",
+        "--budget",
+        "384",
+        "--groups",
+        "3",
+        "--group-size",
+        "4",
+        "--steps",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fwd tok/s" in done.stdout and "tree/(ratio·plain)" in done.stdout  # the table
     check, plain, tree = json.loads((tmp_path / "trainer_sweep.json").read_text())
@@ -33,14 +56,17 @@ def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):
         assert 0.0 <= r["pad_frac"] < 1.0 and r["warmup_s"] > 0
     assert np.isclose(tree["tree_over_ratio_x_plain"], tree["forwarded_tokens_per_s"] / plain["forwarded_tokens_per_s"])
     # A tree row trains a larger share of what it forwards, so its ceiling is below 1.
-    assert tree["trained_tokens_per_s"] / tree["forwarded_tokens_per_s"] > plain["trained_tokens_per_s"] / plain[
-        "forwarded_tokens_per_s"]
+    assert (
+        tree["trained_tokens_per_s"] / tree["forwarded_tokens_per_s"]
+        > plain["trained_tokens_per_s"] / plain["forwarded_tokens_per_s"]
+    )
     assert 0.0 < tree["tree_flop_ceiling"] < 1.0
 
 
 def test_tree_flop_ceiling_of_qwen3_shapes():
     """By hand from the Qwen3 configs (hidden, layers, intermediate, q/kv heads × 128, vocabulary 151,936, tied
     embeddings) and the H200 sweep's trained ÷ forwarded shares (0.3587 plain, 0.7912 tree)."""
+
     def body(hidden, layers, inter, q_heads, kv_heads):
         q, kv = q_heads * 128, kv_heads * 128
         return layers * (2 * hidden * q + 2 * hidden * kv + 3 * hidden * inter)

@@ -66,17 +66,36 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     rng = random.Random(seed)
     plan = rng.sample(list(ROLES), len(ROLES))
     runs, log = tmp_path / "runs", tmp_path / "flow.log"
-    overrides = [*tiny_overrides(tmp_path), f"train.max_steps={FLOW_STEPS}", f"train.save_steps={FLOW_SAVE_STEPS}",
-                 f"train.num_ranks={FLOW_RANKS}", "train.save_total_limit=2",
-                 "rollout.max_staleness=10"]  # none dropped as stale: each trained or pending
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--retries", str(len(plan)), *(a for o in overrides for a in ("--set", o))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1",
-           "PREFECT_HOME": str(tmp_path / "prefect")}
+    overrides = [
+        *tiny_overrides(tmp_path),
+        f"train.max_steps={FLOW_STEPS}",
+        f"train.save_steps={FLOW_SAVE_STEPS}",
+        f"train.num_ranks={FLOW_RANKS}",
+        "train.save_total_limit=2",
+        "rollout.max_staleness=10",
+    ]  # none dropped as stale: each trained or pending
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--retries",
+        str(len(plan)),
+        *(a for o in overrides for a in ("--set", o)),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        "OMP_NUM_THREADS": "1",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+    }
     kills, seen, every = [], set(), []
     with log.open("w") as out:
-        flow_proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        flow_proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         flow = psutil.Process(flow_proc.pid)
         for role in plan:
@@ -96,8 +115,11 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
             else:
                 # after a checkpoint (resumes then start mid-run), before the last step (the run must not end first)
                 target = min(max(resumed + rng.randint(1, 3), FLOW_SAVE_STEPS + 1), FLOW_STEPS - 1)
-                moment = lambda t=target: (f"after step {t}"  # noqa: E731
-                                           if _last_step(run_dir / "metrics.jsonl", since) >= t else "")
+                moment = lambda t=target: (
+                    f"after step {t}"  # noqa: E731
+                    if _last_step(run_dir / "metrics.jsonl", since) >= t
+                    else ""
+                )
             when = _wait_for(moment, flow_proc, log)
             assert all(p.is_running() for p in procs), f"a process of the attempt died before the {role} kill"
             tree = {r: process_tree(group[0].pid) for r, group in attempt.items()}  # with any child started since
@@ -127,15 +149,24 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     mc, run_id = mlflow_run(tmp_path / "mlflow", run_dir.name)
     checked = assert_mlflow_steps_once(mc, run_id, run_dir / "metrics.jsonl", FLOW_STEPS)
     assert mc.get_run(run_id).info.status == "FINISHED"
-    print(f"chaos seed {seed}: {len(kills)} kills: {'; '.join(kills)}; resumes from steps {resumes}; "  # noqa: T201
-          f"{FLOW_STEPS} steps, "
-          f"{len(trained)} prompts trained, duplicates 0, skipped 0; MLflow: {checked} metrics, each step once")
+    print(
+        f"chaos seed {seed}: {len(kills)} kills: {'; '.join(kills)}; resumes from steps {resumes}; "  # noqa: T201
+        f"{FLOW_STEPS} steps, "
+        f"{len(trained)} prompts trained, duplicates 0, skipped 0; MLflow: {checked} metrics, each step once"
+    )
 
 
 #: The counted reasons a prompt is dropped or a step skipped (DESIGN.md §7): the chaos runs expect none.
-DROP_COUNTERS = ("sample/dropped_stale_count", "batch/dropped_oversize_count", "train/skipped_nonfinite_steps",
-                 "frac_reward_zero_std", "rollout/failed_group_count", "rollout/aborted_group_count",
-                 "rollout/stale_group_count", "rollout/filtered_prompt_count")
+DROP_COUNTERS = (
+    "sample/dropped_stale_count",
+    "batch/dropped_oversize_count",
+    "train/skipped_nonfinite_steps",
+    "frac_reward_zero_std",
+    "rollout/failed_group_count",
+    "rollout/aborted_group_count",
+    "rollout/stale_group_count",
+    "rollout/filtered_prompt_count",
+)
 
 
 def _writing_checkpoint(checkpoints: Path, since: float) -> str:
@@ -175,6 +206,7 @@ def _wait_for(moment, proc: subprocess.Popen, log: Path, timeout_s: float = 300)
 
 # --- the generation server dies and comes back: nothing restarts, the rollout waits and the run goes on ----------
 
+
 def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path):
     """The trainer, the rollout process and an embedded server (the parts the flow starts, on the tiny run); the
     server is SIGKILLed after a step drawn from the seed and started again on its port after a drawn pause. The
@@ -190,10 +222,19 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
     print(f"chaos seed {seed} (GRPO_CHAOS_SEED={seed} replays it)")  # noqa: T201 - shown by pytest on failure
     rng = random.Random(seed)
     out, port = tmp_path / "out", free_port()
-    cfg = load_config(ROOT / "configs" / "tiny.yaml",
-                      [*tiny_overrides(tmp_path), f"train.output_dir={out}", f"train.max_steps={FLOW_STEPS}",
-                       "train.save_steps=1000", "tracking.enabled=false", f"server.port={port}",
-                       "rollout.max_staleness=10", "rollout.max_retries=12"])
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            *tiny_overrides(tmp_path),
+            f"train.output_dir={out}",
+            f"train.max_steps={FLOW_STEPS}",
+            "train.save_steps=1000",
+            "tracking.enabled=false",
+            f"server.port={port}",
+            "rollout.max_staleness=10",
+            "rollout.max_retries=12",
+        ],
+    )
     helpers = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
     server = embedded_server(tmp_path / "first", port=port, output_dir=out)
     handle = server.__enter__()
@@ -207,8 +248,9 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
         with log.open("w") as f:
             trainer = torchrun(config, 1, server_urls=[handle.url], stdout=f, stderr=subprocess.STDOUT)
         target, pause_s = rng.randint(1, FLOW_STEPS - 2), rng.uniform(0.5, 5.0)
-        when = _wait_for(lambda: f"after step {target}" if _last_step(out / "metrics.jsonl", 0) >= target else "",
-                         trainer, log)
+        when = _wait_for(
+            lambda: f"after step {target}" if _last_step(out / "metrics.jsonl", 0) >= target else "", trainer, log
+        )
         victims = process_tree(handle.process.pid)
         kill_all(victims)  # SIGKILL; asserts each died
         server.__exit__(None, None, None)
@@ -235,10 +277,13 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
     # The server came back with the base weights. A request for a later version that reached it before the
     # trainer's next sync was refused by its guard (never sampled there); the trainer synced again only for that.
     refused = "no weight sync of the run reached it" in (tmp_path / "second" / "embedded-replica0.log").read_text(
-        errors="replace")
+        errors="replace"
+    )
     resynced = "replicas behind it" in trainer_log
     assert refused or not resynced, "the trainer synced again for a replica behind it, but none refused a version"
-    print(f"chaos seed {seed}: server {victims[0].pid} killed {when}, back after {pause_s:.1f} s; "  # noqa: T201
-          f"{FLOW_STEPS} steps, {len(trained)} prompts trained, {retries:.0f} request retries, {updates} "
-          f"weight-update retries, base-weight server refused a later version and was synced again: {refused}, "
-          "duplicates 0, skipped 0")
+    print(
+        f"chaos seed {seed}: server {victims[0].pid} killed {when}, back after {pause_s:.1f} s; "  # noqa: T201
+        f"{FLOW_STEPS} steps, {len(trained)} prompts trained, {retries:.0f} request retries, {updates} "
+        f"weight-update retries, base-weight server refused a later version and was synced again: {refused}, "
+        "duplicates 0, skipped 0"
+    )

@@ -60,8 +60,14 @@ def test_validate_passes_a_good_config_and_names_a_missing_column_without_starti
     assert "valid" in ok.output
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"question": "1+1", "answer": "2"}) + "\n")
-    bad = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"), "--set", f"rollout.dataset=json:{rows}",
-                  *sum((["--set", w] for w in where), []))
+    bad = _invoke(
+        "validate",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--set",
+        f"rollout.dataset=json:{rows}",
+        *sum((["--set", w] for w in where), []),
+    )
     assert bad.exit_code == 2
     assert "'prompt' column" in bad.output
     # Nothing runs and nothing is made: no run folder, no MLflow store (only that the run could make them).
@@ -70,8 +76,14 @@ def test_validate_passes_a_good_config_and_names_a_missing_column_without_starti
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     for field in ("train.output_dir", "tracking.dir"):
-        cannot = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                         *sum((["--set", w] for w in where), []), "--set", f"{field}={blocker / 'below'}")
+        cannot = _invoke(
+            "validate",
+            "--config",
+            str(ROOT / "configs" / "tiny.yaml"),
+            *sum((["--set", w] for w in where), []),
+            "--set",
+            f"{field}={blocker / 'below'}",
+        )
         assert cannot.exit_code == 2 and f"{blocker} is a file" in " ".join(cannot.output.split()), cannot.output
         assert ("train.output_dir" if field == "train.output_dir" else "tracking.dir") in cannot.output
     assert not runs.exists() and not mlflow_dir.exists()
@@ -115,8 +127,9 @@ def test_validate_finds_the_resume_from_run_without_touching_the_store(tmp_path)
     missing = _invoke("validate", "--config", tiny, *where, "--set", "resume_from=0123456789abcdef0123456789abcdef")
     assert missing.exit_code == 2 and "no such run in the MLflow store" in " ".join(missing.output.split())
     assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before, "validate wrote to the store"
-    elsewhere = _invoke("validate", "--config", tiny, "--set", f"tracking.dir={tmp_path / 'none'}",
-                        "--set", f"resume_from={run_id}")
+    elsewhere = _invoke(
+        "validate", "--config", tiny, "--set", f"tracking.dir={tmp_path / 'none'}", "--set", f"resume_from={run_id}"
+    )
     assert elsewhere.exit_code == 2 and "no such run" in " ".join(elsewhere.output.split())
     assert not (tmp_path / "none").exists() and not (tmp_path / "runs").exists()
 
@@ -131,8 +144,15 @@ def test_a_tracking_dir_the_sqlite_url_cannot_carry_is_refused(folder, tmp_path)
 
 
 def test_trainer_entry_point_takes_set_overrides(tmp_path):
-    cmd = [sys.executable, "-m", "grpo_core.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--set", "train.max_steps=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_core.train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--set",
+        "train.max_steps=0",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2
     assert "train.max_steps" in done.stderr
@@ -145,12 +165,15 @@ def test_train_and_resume_refuse_a_bad_config_before_any_flow_or_mlflow_run(tmp_
     runs, mlflow_dir = tmp_path / "runs", tmp_path / "mlflow"
     where = sum((["--set", w] for w in (f"train.output_dir={runs}", f"tracking.dir={mlflow_dir}")), [])
     tiny = str(ROOT / "configs" / "tiny.yaml")
-    bad_reward = _invoke("train", "--config", tiny, *where, "--set",
-                         "rollout.reward_functions=[grpo_core.demo_rewards:no_such_reward]")
+    bad_reward = _invoke(
+        "train", "--config", tiny, *where, "--set", "rollout.reward_functions=[grpo_core.demo_rewards:no_such_reward]"
+    )
     assert bad_reward.exit_code == 2, bad_reward.output
     assert "rollout.reward_functions" in bad_reward.output and "Traceback" not in bad_reward.output
-    for args in (("resume", "0123456789abcdef", "--config", tiny), ("validate", "--config", tiny, "--set",
-                                                                        "resume_from=0123456789abcdef")):
+    for args in (
+        ("resume", "0123456789abcdef", "--config", tiny),
+        ("validate", "--config", tiny, "--set", "resume_from=0123456789abcdef"),
+    ):
         result = _invoke(*args, *where)
         assert result.exit_code == 2, result.output
         assert "resume_from='0123456789abcdef'" in result.output and "no such run" in result.output
@@ -165,9 +188,15 @@ def test_train_and_resume_refuse_a_bad_config_before_any_flow_or_mlflow_run(tmp_
         assert not MlflowClient(store).search_runs([e.experiment_id for e in MlflowClient(store).search_experiments()])
 
 
-@pytest.mark.parametrize("args, says", [
-    (("deploy", "--port", "99999"), "--port"), (("deploy", "--gpu-slots", "0"), "--gpu-slots"),
-    (("deploy", "--cron", "not a cron"), "--cron"), (("ui", "--mlflow", "--mlflow-port", "99999"), "--mlflow-port")])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("deploy", "--port", "99999"), "--port"),
+        (("deploy", "--gpu-slots", "0"), "--gpu-slots"),
+        (("deploy", "--cron", "not a cron"), "--cron"),
+        (("ui", "--mlflow", "--mlflow-port", "99999"), "--mlflow-port"),
+    ],
+)
 def test_bad_options_end_with_exit_2_before_a_server_starts(args, says):
     result = _invoke(*args)
     assert result.exit_code == 2, result.output
@@ -181,15 +210,22 @@ def test_an_infinite_learning_rate_is_refused():
         RunConfig.model_validate({"train": {"learning_rate": float("inf")}})
 
 
-@pytest.mark.parametrize("name, text, says", [
-    ("passwd", "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n", "line 1 is not JSON"),
-    ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n', "line 3 is not JSON"),
-    ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
-    ("latin1.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "line 2 is not UTF-8"),
-    ("array.json", '[{"prompt": "a"},\n', "the datasets json loader cannot read"),
-    ("missing.jsonl", None, "no such file"),
-    ("folder", "DIR", "is a folder"),
-])
+@pytest.mark.parametrize(
+    "name, text, says",
+    [
+        (
+            "passwd",
+            "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n",
+            "line 1 is not JSON",
+        ),
+        ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n', "line 3 is not JSON"),
+        ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
+        ("latin1.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "line 2 is not UTF-8"),
+        ("array.json", '[{"prompt": "a"},\n', "the datasets json loader cannot read"),
+        ("missing.jsonl", None, "no such file"),
+        ("folder", "DIR", "is a folder"),
+    ],
+)
 def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_path, name, text, says):
     """``rollout.dataset=json:FILE`` with FILE missing or not JSON lines used to end in a HF datasets traceback
     (exit 1) or an error not naming the field: it names ``rollout.dataset``, the file and the line, exit 2."""
@@ -200,10 +236,14 @@ def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_pa
         path.write_bytes(text)
     elif text is not None:
         path.write_text(text)
-    where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
-             f"rollout.dataset=json:{path}"]
-    result = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                     *sum((["--set", w] for w in where), []))
+    where = [
+        f"train.output_dir={tmp_path / 'runs'}",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+        f"rollout.dataset=json:{path}",
+    ]
+    result = _invoke(
+        "validate", "--config", str(ROOT / "configs" / "tiny.yaml"), *sum((["--set", w] for w in where), [])
+    )
     assert result.exit_code == 2, result.output
     assert f"rollout.dataset='json:{path}'" in result.output and says in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
@@ -225,8 +265,10 @@ def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tm
     result = _invoke("validate", "--config", str(path), *sum((["--set", w] for w in where), []))
     if store and "://" not in store and not Path(store).parent.is_dir():
         assert result.exit_code == 2, result.output
-        assert result.output.startswith(f"config error: train.adapter_store={store!r}: {Path(store).parent} does not "
-                                        "exist on this host; mount the shared store there"), result.output
+        assert result.output.startswith(
+            f"config error: train.adapter_store={store!r}: {Path(store).parent} does not "
+            "exist on this host; mount the shared store there"
+        ), result.output
     elif needs_vllm_here and importlib.util.find_spec("vllm") is None:
         assert result.exit_code == 2, result.output
         assert "this host starts the replicas" in result.output and "GPU host with vLLM" in result.output
@@ -278,12 +320,19 @@ def test_train_with_a_servers_deployment_but_no_prefect_server_to_hold_it_stops_
     config (a deployment's run may start it elsewhere)."""
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     runs, mlflow_dir = tmp_path / "runs", tmp_path / "mlflow"
-    where = ["--set", f"train.output_dir={runs}", "--set", f"tracking.dir={mlflow_dir}",
-             "--set", "server.deployment=grpo-servers/gpu"]
+    where = [
+        "--set",
+        f"train.output_dir={runs}",
+        "--set",
+        f"tracking.dir={mlflow_dir}",
+        "--set",
+        "server.deployment=grpo-servers/gpu",
+    ]
     result = _invoke("train", "--config", str(ROOT / "configs" / "tiny.yaml"), *where)
     assert result.exit_code == 2, result.output
-    assert result.output.startswith("config error: server.deployment='grpo-servers/gpu' needs the Prefect server "
-                                    "where `grpo deploy` registered it"), result.output
+    assert result.output.startswith(
+        "config error: server.deployment='grpo-servers/gpu' needs the Prefect server where `grpo deploy` registered it"
+    ), result.output
     assert "set PREFECT_API_URL" in result.output and len(result.output.strip().splitlines()) == 1
     assert not runs.exists() and not mlflow_dir.exists(), "nothing was created"
     ok = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"), *where)

@@ -35,11 +35,27 @@ def test_prefect_home_is_created_with_its_parents_and_its_database_opened(tmp_pa
 
 
 def _grpo_train(tmp_path: Path, env: dict[str, str], timeout_s: float = 120.0) -> tuple[int, str, float]:
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={tmp_path / 'mlflow'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--set",
+        f"train.output_dir={tmp_path / 'runs'}",
+        "--set",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+    ]
     start = time.monotonic()
-    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", **env}, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(
+        cmd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 
@@ -47,8 +63,11 @@ def _grpo_train(tmp_path: Path, env: dict[str, str], timeout_s: float = 120.0) -
 def test_unusable_prefect_home_or_database_ends_grpo_train_within_seconds(tmp_path, setting):
     # Before: Prefect warned, then its temporary server retried the database until its 240 s start-up timeout.
     bad = _blocker(tmp_path) / "prefect"
-    env = {"PREFECT_HOME": str(bad)} if setting == "PREFECT_HOME" else {
-        "PREFECT_HOME": str(tmp_path / "home"), setting: f"sqlite+aiosqlite:///{bad}/prefect.db"}
+    env = (
+        {"PREFECT_HOME": str(bad)}
+        if setting == "PREFECT_HOME"
+        else {"PREFECT_HOME": str(tmp_path / "home"), setting: f"sqlite+aiosqlite:///{bad}/prefect.db"}
+    )
     code, output, seconds = _grpo_train(tmp_path, env)
     flat = " ".join(output.split())
     assert code == 1, output[-3000:]
@@ -69,12 +88,18 @@ def test_unreachable_prefect_api_url_ends_grpo_train_naming_it(tmp_path):
 
 def test_unusable_mlflow_store_or_run_folder_is_refused_before_a_server_starts(tmp_path):
     bad = _blocker(tmp_path)
-    cfg = RunConfig(tracking={"dir": bad / "mlflow"}, train={"output_dir": tmp_path / "runs"},
-                    rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4})
+    cfg = RunConfig(
+        tracking={"dir": bad / "mlflow"},
+        train={"output_dir": tmp_path / "runs"},
+        rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4},
+    )
     with pytest.raises(ConfigError, match=r"tracking.dir.*a-file/mlflow.*Not a directory"):
         preflight.check_run(cfg)
-    cfg = RunConfig(train={"output_dir": bad / "runs"}, tracking={"dir": tmp_path / "mlflow"},
-                    rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4})
+    cfg = RunConfig(
+        train={"output_dir": bad / "runs"},
+        tracking={"dir": tmp_path / "mlflow"},
+        rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4},
+    )
     with pytest.raises(ConfigError, match=r"train.output_dir.*a-file/runs.*Not a directory"):
         preflight.check_run(cfg)
 

@@ -20,9 +20,21 @@ from trainer_helpers import ROOT, read_jsonl, trainer_config, write_samples
 def test_two_rank_run_exports_the_trained_weights_sharded(tmp_path):
     samples = write_samples(tmp_path / "samples.arrow", 8)
     config = trainer_config(tmp_path, samples, max_steps=6, save_steps=50, learning_rate=5e-2)
-    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "2",
-           "-m", "grpo_core.train", "--config", str(config),
-           "--set", "train.max_steps=2", "--set", "export.max_shard_size=200KB"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_core.train.launch",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "grpo_core.train",
+        "--config",
+        str(config),
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "export.max_shard_size=200KB",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -38,7 +50,9 @@ def test_two_rank_run_exports_the_trained_weights_sharded(tmp_path):
     # Independent source: the final DCP checkpoint, converted by torch's own tool.
     checkpoint = out / "checkpoints" / "step-0000002"
     dcp_to_torch_save(str(checkpoint / "dcp"), str(tmp_path / "ckpt.pt"))
-    trained = {k.removeprefix("lm."): v for k, v in torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"].items()}
+    trained = {
+        k.removeprefix("lm."): v for k, v in torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"].items()
+    }
     base = AutoModelForCausalLM.from_pretrained(resolve_model_dir(ModelConfig(name="tiny-qwen3"))).state_dict()
     moved = 0
     for name, tensor in exported.items():
@@ -63,12 +77,14 @@ def test_tied_output_head_is_written_once_as_the_original_stores_it(tmp_path):
     save_file({"embed.weight": torch.zeros(4, 3), "norm.weight": torch.ones(3)}, str(original / "model.safetensors"))
     (original / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
     trained_embed = torch.arange(12.0).reshape(4, 3)
-    out = write_trained_checkpoint(original, {"embed.weight": trained_embed, "lm_head.weight": trained_embed.clone()},
-                                   tmp_path / "out")
+    out = write_trained_checkpoint(
+        original, {"embed.weight": trained_embed, "lm_head.weight": trained_embed.clone()}, tmp_path / "out"
+    )
     written = load_file(str(out / "model.safetensors"))
     assert set(written) == {"embed.weight", "norm.weight"}
     assert torch.equal(written["embed.weight"], trained_embed) and torch.equal(written["norm.weight"], torch.ones(3))
     # An untied extra tensor (different values) still matches nothing and is refused.
     with pytest.raises(ConfigError, match="1 trained tensors match no tensor"):
-        write_trained_checkpoint(original, {"embed.weight": trained_embed, "lm_head.weight": -trained_embed},
-                                 tmp_path / "out2")
+        write_trained_checkpoint(
+            original, {"embed.weight": trained_embed, "lm_head.weight": -trained_embed}, tmp_path / "out2"
+        )

@@ -53,8 +53,10 @@ def test_a_parameter_naming_code_outside_the_allow_list_runs_nothing(api, stack_
     """The issue's example: a flow run whose dataset is ``subprocess:getoutput`` with a shell command fails in
     ``prepare`` naming GRPO_ALLOWED_MODULES; the command never ran and no server started."""
     marker = stack_tmp / "shell-command-ran"
-    params = with_changes(api.deployment("demo")["parameters"],
-                          rollout={"dataset": "subprocess:getoutput", "dataset_kwargs": {"cmd": f"touch {marker}"}})
+    params = with_changes(
+        api.deployment("demo")["parameters"],
+        rollout={"dataset": "subprocess:getoutput", "dataset_kwargs": {"cmd": f"touch {marker}"}},
+    )
     run = api.wait(api.run_deployment("demo", params, retries=0).json()["id"], timeout_s=240)
     assert run["state_type"] == "FAILED"
     text = run["state"]["message"] + api.logs(run["id"])
@@ -68,9 +70,16 @@ def two_runs(api, stack_tmp):
     """Two runs of grpo-train/demo started at once (as the nightly schedule and a UI run would), registering
     their models and logging completion tables; 3 steps, a checkpoint after step 2. (Module-scoped: the tests of
     a tracked run, of the GPU limit, of the task spans, of the artifacts and of the registry all read them.)"""
-    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 3, "save_steps": 2},
-                          tracking={"registered_model_name": "grpo-tiny", "log_completions": True,
-                                    "num_completions_to_print": 3, "system_metrics_interval_s": 2})
+    params = with_changes(
+        api.deployment("demo")["parameters"],
+        train={"max_steps": 3, "save_steps": 2},
+        tracking={
+            "registered_model_name": "grpo-tiny",
+            "log_completions": True,
+            "num_completions_to_print": 3,
+            "system_metrics_interval_s": 2,
+        },
+    )
     ids = [api.run_deployment("demo", params).json()["id"] for _ in range(2)]
     runs = [api.wait(i, timeout_s=900) for i in ids]
     for run in runs:
@@ -110,8 +119,9 @@ def _wait_for_step(metrics: Path, step: int, timeout_s: float = 300.0) -> None:
 
 def test_killed_trainer_resumes_on_retry_without_duplicates(api, stack_tmp):
     # max_staleness above the run's length: no sample is dropped as stale, so every prompt gets trained.
-    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 6, "save_steps": 2},
-                          rollout={"max_staleness": 10})
+    params = with_changes(
+        api.deployment("demo")["parameters"], train={"max_steps": 6, "save_steps": 2}, rollout={"max_staleness": 10}
+    )
     flow_run_id = api.run_deployment("demo", params).json()["id"]
     run_dir = Path(params["config"]["train"]["output_dir"]) / flow_run_id
     _wait_for_step(run_dir / "metrics.jsonl", 3)
@@ -190,8 +200,9 @@ def test_browser_starts_the_demo_deployment_and_sees_it_complete(api, stack):
 def test_rollout_task_fails_when_the_rollout_process_fails(api):
     # A reward of +inf makes the rollout process exit with an error on its first group: the rollout task's
     # state follows the process (Failed, with the process's error), and so does the flow run.
-    params = with_changes(api.deployment("demo")["parameters"],
-                          rollout={"reward_functions": ["flow_helpers:infinite_reward"]})
+    params = with_changes(
+        api.deployment("demo")["parameters"], rollout={"reward_functions": ["flow_helpers:infinite_reward"]}
+    )
     run = api.wait(api.run_deployment("demo", params, retries=0).json()["id"], timeout_s=600)
     assert run["state_type"] == "FAILED", run["state"]["message"]
     assert run["run_count"] == 1, "one attempt (no flow retry asked): the task states are that attempt's"
@@ -292,8 +303,14 @@ def test_a_run_says_it_waits_for_the_gpu_limit_exactly_when_the_server_refuses_i
     import sys
 
     def probe(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", _SLOT_PROBE, *args], env=stack.env(), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", _SLOT_PROBE, *args],
+            env=stack.env(),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def result(process: subprocess.Popen):  # noqa: ANN202 - the probe's JSON
         out, err = process.communicate(timeout=300)
@@ -305,15 +322,18 @@ def test_a_run_says_it_waits_for_the_gpu_limit_exactly_when_the_server_refuses_i
     phases = result(probe("alone"))
     assert [m for _, m in phases["free"]] == ["asking a", holding, "inside a", "left a"], phases["free"]
     when = {m: t for t, m in phases["held"]}
-    assert [m for _, m in phases["held"]] == ["asking a", waiting, "released", holding, "inside a", "left a"], \
-        phases["held"]
+    assert [m for _, m in phases["held"]] == ["asking a", waiting, "released", holding, "inside a", "left a"], phases[
+        "held"
+    ]
     assert when[waiting] < when["released"] <= when[holding]
 
     ready = tmp_path / "ready"  # each probe, its imports done, waits there for the other
     ready.mkdir()
     runs = [result(process) for process in [probe("a", str(ready)), probe("b", str(ready))]]
-    first, second = sorted((({m.split()[0]: t for t, m in events}, [m for _, m in events]) for events in runs),
-                           key=lambda run: run[0]["inside"])
+    first, second = sorted(
+        (({m.split()[0]: t for t, m in events}, [m for _, m in events]) for events in runs),
+        key=lambda run: run[0]["inside"],
+    )
     assert second[0]["asking"] < first[0]["left"], f"the runs did not ask at the same time: {first}, {second}"
     assert second[0]["inside"] >= first[0]["left"], f"both runs held the slot at once: {first}, {second}"
     assert [m.split()[0] for m in first[1]] == ["asking", "holding", "inside", "left"], first
@@ -420,8 +440,9 @@ def test_provision_retries_only_server_start_failures(stack, stack_tmp, monkeypa
     while True:  # task-run states reach the API as events, a moment after the flow returned
         counts = {}
         for run in api.http.post("/flow_runs/filter", json={"flows": {"name": {"any_": ["provision-only"]}}}).json():
-            for task_run in api.http.post("/task_runs/filter",
-                                          json={"flow_runs": {"id": {"any_": [run["id"]]}}}).json():
+            for task_run in api.http.post(
+                "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}}
+            ).json():
                 if task_run["state_type"] in ("COMPLETED", "FAILED"):
                     counts[run["parameters"]["run_dir"]] = task_run["run_count"]
         if counts == {busy: 2, bad: 1} or time.monotonic() > deadline:
@@ -435,11 +456,16 @@ def test_the_prefect_stack_requires_its_auth_string(stack):
     string gets 401 and creates nothing."""
     import httpx
 
-    assert stack.processes[0].poll() is None and len(stack.processes) == 3  # the server and the workers of both pools run
+    assert (
+        stack.processes[0].poll() is None and len(stack.processes) == 3
+    )  # the server and the workers of both pools run
     version = f"{stack.api_url}/admin/version"
     before = httpx.post(f"{stack.api_url}/work_pools/filter", headers=stack.auth_headers()).json()
-    refused = [httpx.get(version), httpx.get(version, headers={"Authorization": "Basic Z3JwbzpndWVzcw=="}),
-               httpx.post(f"{stack.api_url}/work_pools/", json={"name": "intruder", "type": "process"})]
+    refused = [
+        httpx.get(version),
+        httpx.get(version, headers={"Authorization": "Basic Z3JwbzpndWVzcw=="}),
+        httpx.post(f"{stack.api_url}/work_pools/", json={"name": "intruder", "type": "process"}),
+    ]
     assert [r.status_code for r in refused] == [401, 401, 401]
     after = httpx.post(f"{stack.api_url}/work_pools/filter", headers=stack.auth_headers()).json()
     assert [p["name"] for p in after] == [p["name"] for p in before] and "intruder" not in str(after)

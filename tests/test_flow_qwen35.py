@@ -23,12 +23,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_grpo_train_trains_tiny_qwen35_on_the_embedded_server(tmp_path):
-    sets = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}", "model.name=tiny-qwen3.5",
-            "train.max_steps=2", "rollout.reward_functions=[flow_helpers:varied_reward]"]
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           *(a for s in sets for a in ("--set", s))]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "PREFECT_HOME": str(tmp_path / "prefect"),
-           "COLUMNS": "400", "OMP_NUM_THREADS": "1"}
+    sets = [
+        f"train.output_dir={tmp_path / 'runs'}",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+        "model.name=tiny-qwen3.5",
+        "train.max_steps=2",
+        "rollout.reward_functions=[flow_helpers:varied_reward]",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        *(a for s in sets for a in ("--set", s)),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",
+    }
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
@@ -45,5 +62,7 @@ def test_grpo_train_trains_tiny_qwen35_on_the_embedded_server(tmp_path):
     before, after = original.state_dict(), trained.state_dict()
     vision = [k for k in before if k.startswith("model.visual.")]
     assert vision and all(torch.equal(before[k], after[k]) for k in vision)
-    assert not torch.equal(before["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
-                           after["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"])
+    assert not torch.equal(
+        before["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+        after["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+    )

@@ -14,18 +14,35 @@ import traceback
 from pathlib import Path
 
 from flows.grpo_train import ChildDiedError, RolloutProcessError, TrainerError, _raise_if_failed, retry_can_cure
-from grpo_core.errors import (ConfigError, NothingToTrainError, PortInUseError, ServerUnavailableError,
-                              TransportError, UserCodeError)
+from grpo_core.errors import (
+    ConfigError,
+    NothingToTrainError,
+    PortInUseError,
+    ServerUnavailableError,
+    TransportError,
+    UserCodeError,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_deterministic_errors_are_not_retried_and_transient_ones_are():
-    for exc in (ConfigError("train.max_steps"), NothingToTrainError("no step"), UserCodeError("reward raised"),
-                TypeError("bad call"), ModuleNotFoundError("no module")):
+    for exc in (
+        ConfigError("train.max_steps"),
+        NothingToTrainError("no step"),
+        UserCodeError("reward raised"),
+        TypeError("bad call"),
+        ModuleNotFoundError("no module"),
+    ):
         assert not retry_can_cure(exc), exc
-    for exc in (TransportError("rollout unreachable"), ServerUnavailableError("503"), PortInUseError("port"),
-                TimeoutError("slow"), ConnectionResetError(), ChildDiedError("server replica 0 exited with -9")):
+    for exc in (
+        TransportError("rollout unreachable"),
+        ServerUnavailableError("503"),
+        PortInUseError("port"),
+        TimeoutError("slow"),
+        ConnectionResetError(),
+        ChildDiedError("server replica 0 exited with -9"),
+    ):
         assert retry_can_cure(exc), exc
     # The trainer's own record (`rank R: Type: message`, grpo_core.report.write_trainer_error) decides for it.
     assert not retry_can_cure(TrainerError("exit 1", ["NothingToTrainError"]))
@@ -70,12 +87,26 @@ print("RESULT " + json.dumps({"state": state.type.value, "run_count": run.run_co
 
 def test_a_config_error_met_inside_the_flow_ends_after_one_attempt(tmp_path):
     # The CLI's own checks run before the flow; calling the flow directly meets the error in its prepare task.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1",
-           "PREFECT_LOGGING_LEVEL": "INFO"}
-    overrides = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
-                 "rollout.reward_functions=[no_such_module_anywhere:reward]"]
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "configs" / "tiny.yaml"), *overrides], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "OMP_NUM_THREADS": "1",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+    }
+    overrides = [
+        f"train.output_dir={tmp_path / 'runs'}",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+        "rollout.reward_functions=[no_such_module_anywhere:reward]",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(ROOT / "configs" / "tiny.yaml"), *overrides],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-4000:]

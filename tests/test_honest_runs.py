@@ -43,18 +43,34 @@ class ScriptedSource:
 
 
 def group(prompt_index, length=4, n=2):
-    return samples_to_arrow([Sample.build([100 + prompt_index] + [2] * (length - 2) + [4 + i], [0] * (length - 1) + [1],
-                                          sample_id=prompt_index * 10 + i, group_id=prompt_index,
-                                          prompt_index=prompt_index) for i in range(n)])
+    return samples_to_arrow(
+        [
+            Sample.build(
+                [100 + prompt_index] + [2] * (length - 2) + [4 + i],
+                [0] * (length - 1) + [1],
+                sample_id=prompt_index * 10 + i,
+                group_id=prompt_index,
+                prompt_index=prompt_index,
+            )
+            for i in range(n)
+        ]
+    )
 
 
 EMPTY = group(0).slice(0, 0)
 
 
 def planner(script, **kw):
-    return Planner(ScriptedSource(script), num_ranks=1, token_budget=16, backend="rust", tracker=PromptTracker(),
-                   flush_after_s=0.01, hints={"max_staleness": 4, "temperature": 1.0, "num_generations": 2,
-                                              "max_completion_length": 64}, **kw)
+    return Planner(
+        ScriptedSource(script),
+        num_ranks=1,
+        token_budget=16,
+        backend="rust",
+        tracker=PromptTracker(),
+        flush_after_s=0.01,
+        hints={"max_staleness": 4, "temperature": 1.0, "num_generations": 2, "max_completion_length": 64},
+        **kw,
+    )
 
 
 def test_groups_dropped_by_the_rollout_fail_after_the_bound_with_counts_and_keys():
@@ -71,8 +87,11 @@ def test_groups_dropped_by_the_rollout_fail_after_the_bound_with_counts_and_keys
 
 
 def test_a_trainable_sample_resets_the_count_of_untrainable_groups():
-    script = [PulledBatch(EMPTY, consumed_prompt_indices=[0, 1, 2]), PulledBatch(group(3)),
-              PulledBatch(EMPTY, consumed_prompt_indices=[4, 5, 6])]
+    script = [
+        PulledBatch(EMPTY, consumed_prompt_indices=[0, 1, 2]),
+        PulledBatch(group(3)),
+        PulledBatch(EMPTY, consumed_prompt_indices=[4, 5, 6]),
+    ]
     p = planner(script, max_untrainable_groups=5)
     assert p.next_step(1, policy_version=0) is not None  # 3 + 3 dropped, but not 5 in a row
     assert p.streak.groups == 3 and p.total.groups == 6
@@ -91,22 +110,46 @@ def test_samples_longer_than_the_budget_fail_naming_the_budget_keys():
 
 def _offline_trainer(tmp_path: Path, samples: list[Sample], **train) -> tuple[int, str]:
     write_samples_ipc(tmp_path / "samples.arrow", samples)
-    cfg = {"model": {"name": "tiny-qwen3"}, "server": {"max_model_len": 128},
-           "rollout": {"max_completion_length": 32, "num_sampler_logprobs": 0},
-           "packing": {"token_budget": 16},
-           "train": {"output_dir": str(tmp_path / "out"), "samples_path": str(tmp_path / "samples.arrow"),
-                     "score_centering": False, "device": "cpu", "flush_partial_after_s": 0.5, **train}}
+    cfg = {
+        "model": {"name": "tiny-qwen3"},
+        "server": {"max_model_len": 128},
+        "rollout": {"max_completion_length": 32, "num_sampler_logprobs": 0},
+        "packing": {"token_budget": 16},
+        "train": {
+            "output_dir": str(tmp_path / "out"),
+            "samples_path": str(tmp_path / "samples.arrow"),
+            "score_centering": False,
+            "device": "cpu",
+            "flush_partial_after_s": 0.5,
+            **train,
+        },
+    }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "grpo_core.train", "--config", str(tmp_path / "run.yaml")],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo_core.train", "--config", str(tmp_path / "run.yaml")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return done.returncode, done.stdout + done.stderr
 
 
 def _samples(num_groups: int, length: int) -> list[Sample]:
     # Sampler log-probs near a random tiny model's (about log(1/49152)), so the terms are kept.
-    return [Sample.build([7] * (length - 3) + [10 + g, 20 + i, 30], [0] * (length - 2) + [1, 1],
-                         [0.0] * (length - 2) + [-10.8, -10.8], sample_id=4 * g + i, group_id=g, prompt_index=g,
-                         advantage=float(i) - 0.5) for g in range(num_groups) for i in range(2)]
+    return [
+        Sample.build(
+            [7] * (length - 3) + [10 + g, 20 + i, 30],
+            [0] * (length - 2) + [1, 1],
+            [0.0] * (length - 2) + [-10.8, -10.8],
+            sample_id=4 * g + i,
+            group_id=g,
+            prompt_index=g,
+            advantage=float(i) - 0.5,
+        )
+        for g in range(num_groups)
+        for i in range(2)
+    ]
 
 
 def test_trainer_that_cannot_form_a_step_exits_non_zero_with_the_cause(tmp_path):
@@ -129,11 +172,28 @@ def test_trainer_that_runs_out_of_samples_records_fewer_steps_and_why(tmp_path):
 
 
 def _grpo_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={tmp_path / 'mlflow'}",
-           "--set", "train.flush_partial_after_s=1", *(a for o in overrides for a in ("--set", o))]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "400",
-           "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--set",
+        f"train.output_dir={tmp_path / 'runs'}",
+        "--set",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+        "--set",
+        "train.flush_partial_after_s=1",
+        *(a for o in overrides for a in ("--set", o)),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
 

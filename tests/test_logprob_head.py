@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_core.train.logprobs import (LossTerms, candidate_mask, fused_grpo_loss, projected_logprobs)
+from grpo_core.train.logprobs import LossTerms, candidate_mask, fused_grpo_loss, projected_logprobs
 from grpo_core.train.loss import LossSettings, grpo_loss
 
 V, H, M, K = 67, 16, 23, 5
@@ -47,8 +47,15 @@ def reference(hidden, weight, terms, settings, temperature, normaliser):
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     cand = None if terms.candidates is None else candidate_mask(*terms.candidates, V)
     out = projected_logprobs(h, w, terms.targets, temperature, terms.topk_ids, cand, chunk_size=7)
-    loss, stats = grpo_loss(out.logprobs, terms.sampler_logprobs, terms.advantages, normaliser, settings,
-                            out.topk_logprobs, terms.sampler_topk_logprobs)
+    loss, stats = grpo_loss(
+        out.logprobs,
+        terms.sampler_logprobs,
+        terms.advantages,
+        normaliser,
+        settings,
+        out.topk_logprobs,
+        terms.sampler_topk_logprobs,
+    )
     loss.backward()
     return loss.detach(), out, stats, h.grad, w.grad
 
@@ -122,8 +129,13 @@ def test_frozen_weight_and_empty_row():
     res.loss.backward()
     _, _, _, gh_ref, _ = reference(hidden, weight, terms, LossSettings(), 0.7, 10.0)
     assert rel(h.grad, gh_ref) <= 1e-5
-    empty = LossTerms(terms.targets[:0], terms.sampler_logprobs[:0], terms.advantages[:0], terms.topk_ids[:0],
-                      terms.sampler_topk_logprobs[:0])
+    empty = LossTerms(
+        terms.targets[:0],
+        terms.sampler_logprobs[:0],
+        terms.advantages[:0],
+        terms.topk_ids[:0],
+        terms.sampler_topk_logprobs[:0],
+    )
     h0, w0 = hidden[:0].clone().requires_grad_(True), weight.clone().requires_grad_(True)
     res0 = fused_grpo_loss(h0, w0, empty, 1.0, LossSettings())
     res0.loss.backward()

@@ -33,8 +33,14 @@ def test_dump_and_parity_script_on_the_embedded_server_in_fp32(tmp_path, monkeyp
     monkeypatch.setenv(DUMP_ENV, str(dump))
     monkeypatch.setenv(COUNT_ENV, "10")  # 3 groups of 4 rollouts: the cap cuts the third group
     with embedded_server(tmp_path / "server") as server:  # model.dtype auto: float32 on CPU
-        _, loop = run_count_groups(server.url, 3, max_completion_length=COMPLETION, num_sampler_logprobs=TOP,
-                                   num_generations=G, temperature=TEMPERATURE)
+        _, loop = run_count_groups(
+            server.url,
+            3,
+            max_completion_length=COMPLETION,
+            num_sampler_logprobs=TOP,
+            num_generations=G,
+            temperature=TEMPERATURE,
+        )
     assert loop.debug_dump is not None and loop.debug_dump.written == 10  # the variable reached the loop
     lines = [json.loads(x) for x in dump.read_text().splitlines()]
     assert len(lines) == 10
@@ -51,9 +57,27 @@ def test_dump_and_parity_script_on_the_embedded_server_in_fp32(tmp_path, monkeyp
     out = tmp_path / "parity.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop(DUMP_ENV)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logprob_parity.py"), "--dump", str(dump),
-                           "--model-dir", str(model_dir), "--device", "cpu", "--token-budget", "256",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "logprob_parity.py"),
+            "--dump",
+            str(dump),
+            "--model-dir",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--token-budget",
+            "256",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "worst tokens, trainer_vs_hf_fp32" in proc.stdout
     res = json.loads(out.read_text())
@@ -65,7 +89,9 @@ def test_dump_and_parity_script_on_the_embedded_server_in_fp32(tmp_path, monkeyp
     assert abs(c["hf_fp32_vs_sampler"]["ratio_mean"] - 1) < 1e-3
     assert c["trainer_vs_hf_fp32"]["abs_logp_diff_max"] < 1e-4
     assert c["trainer_loss_ratio"]["ratio_mean"] == pytest.approx(c["trainer_vs_sampler"]["ratio_mean"], abs=1e-6)
-    assert c["hf_bf16_vs_sampler"]["abs_logp_diff_max"] > c["hf_fp32_vs_sampler"]["abs_logp_diff_max"]  # bf16 does differ
+    assert (
+        c["hf_bf16_vs_sampler"]["abs_logp_diff_max"] > c["hf_fp32_vs_sampler"]["abs_logp_diff_max"]
+    )  # bf16 does differ
 
 
 def test_the_dump_is_off_without_the_variable_and_refuses_a_bad_count(monkeypatch):

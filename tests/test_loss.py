@@ -16,8 +16,16 @@ VOCAB, K = 53, 4
 
 def model64():
     register_tree_attention()
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=TREE_ATTENTION).double()
 
@@ -42,10 +50,17 @@ def samples_with_sampler(model, rng):
             lp[p] = mu[p - 1, ids[p]]
             v = torch.topk(mu[p - 1], K)
             topk_ids[p], topk_lp[p] = v.indices.numpy(), v.values.numpy()
-        s = Sample.build(ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt)), lp,
-                         sample_id=i, group_id=0, advantage=float(rng.normal()))
-        s.sampler_topk = TokenLists(np.arange(0, K * len(ids) + 1, K, dtype=np.int32),
-                                    topk_ids.ravel(), topk_lp.ravel())
+        s = Sample.build(
+            ids,
+            [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
+            lp,
+            sample_id=i,
+            group_id=0,
+            advantage=float(rng.normal()),
+        )
+        s.sampler_topk = TokenLists(
+            np.arange(0, K * len(ids) + 1, K, dtype=np.int32), topk_ids.ravel(), topk_lp.ravel()
+        )
         out.append(s)
     return out
 
@@ -75,8 +90,9 @@ def reference_loss(model, samples, settings, normaliser):
             else:
                 ratio = torch.exp(logp - mu)
                 eh = settings.epsilon_high or settings.epsilon
-                total = total + torch.minimum(ratio * s.advantage,
-                                              ratio.clamp(1 - settings.epsilon, 1 + eh) * s.advantage)
+                total = total + torch.minimum(
+                    ratio * s.advantage, ratio.clamp(1 - settings.epsilon, 1 + eh) * s.advantage
+                )
     model.config._attn_implementation = TREE_ATTENTION
     return -total / normaliser
 
@@ -86,12 +102,28 @@ def packed_loss(model, samples, settings, normaliser):
     col = lambda n: torch.from_numpy(row.column(n).copy())
     topk = row.loss.column("sampler_topk_ids")
     topk_ids = torch.as_tensor(np.stack(topk.to_numpy(zero_copy_only=False)), dtype=torch.long)
-    topk_mu = torch.as_tensor(np.stack(row.loss.column("sampler_topk_logprobs").to_numpy(zero_copy_only=False)),
-                              dtype=torch.float64)
-    out = row_logprobs(model, col("input_ids").long(), col("position_ids").long(), TreeMask(col("subtree_end")),
-                       col("token_index").long(), col("target_id").long(), topk_ids=topk_ids, chunk_size=5)
-    loss, stats = grpo_loss(out.logprobs, col("sampler_logprob").double(), col("advantage").double(),
-                            normaliser, settings, out.topk_logprobs, topk_mu)
+    topk_mu = torch.as_tensor(
+        np.stack(row.loss.column("sampler_topk_logprobs").to_numpy(zero_copy_only=False)), dtype=torch.float64
+    )
+    out = row_logprobs(
+        model,
+        col("input_ids").long(),
+        col("position_ids").long(),
+        TreeMask(col("subtree_end")),
+        col("token_index").long(),
+        col("target_id").long(),
+        topk_ids=topk_ids,
+        chunk_size=5,
+    )
+    loss, stats = grpo_loss(
+        out.logprobs,
+        col("sampler_logprob").double(),
+        col("advantage").double(),
+        normaliser,
+        settings,
+        out.topk_logprobs,
+        topk_mu,
+    )
     return loss, stats
 
 
@@ -101,11 +133,14 @@ def grads(model, loss):
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-@pytest.mark.parametrize("settings", [
-    LossSettings(),
-    LossSettings(clip_min=0.9, clip_max=1.1),
-    LossSettings(score_centering=False, epsilon=0.1, epsilon_high=0.3),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        LossSettings(),
+        LossSettings(clip_min=0.9, clip_max=1.1),
+        LossSettings(score_centering=False, epsilon=0.1, epsilon_high=0.3),
+    ],
+)
 def test_packed_gradient_equals_per_sample_reference(settings):
     model = model64()
     samples = samples_with_sampler(model, np.random.default_rng(3))
@@ -153,14 +188,17 @@ def test_logprobs_renormalise_over_the_sampling_mask():
     targets = torch.tensor([2, 5, 7])
     # term 0: candidates {2, 3, 9}; term 1: full vocabulary (empty entry); term 2: {7}
     offsets, ids = torch.tensor([0, 3, 3, 4]), torch.tensor([2, 3, 9, 7])
-    out = projected_logprobs(hidden, weight, targets, temperature=0.7,
-                             candidates=candidate_mask(offsets, ids, 11), chunk_size=2)
+    out = projected_logprobs(
+        hidden, weight, targets, temperature=0.7, candidates=candidate_mask(offsets, ids, 11), chunk_size=2
+    )
     logits = hidden @ weight.T / 0.7
-    expected = torch.stack([
-        torch.log_softmax(logits[0, [2, 3, 9]], -1)[0],
-        torch.log_softmax(logits[1], -1)[5],
-        torch.tensor(0.0, dtype=torch.float64),  # the only candidate has probability 1
-    ])
+    expected = torch.stack(
+        [
+            torch.log_softmax(logits[0, [2, 3, 9]], -1)[0],
+            torch.log_softmax(logits[1], -1)[5],
+            torch.tensor(0.0, dtype=torch.float64),  # the only candidate has probability 1
+        ]
+    )
     torch.testing.assert_close(out.logprobs.double(), expected, atol=1e-6, rtol=0)
 
 
@@ -175,8 +213,9 @@ def test_sampler_logprob_floor_or_nan_gives_finite_loss_and_gradient_equal_to_dr
     mu = torch.log_softmax(torch.randn(4, 6, dtype=torch.float64), -1)
     adv = torch.tensor([1.0, -0.5, 2.0, -1.0], dtype=torch.float64)
     # Wide ranges: every unpoisoned term is kept and moves the weights (ratios here are far from 1).
-    settings = LossSettings(score_centering=score_centering, clip_min=0.01, clip_max=100.0, epsilon=0.99,
-                            epsilon_high=100.0)
+    settings = LossSettings(
+        score_centering=score_centering, clip_min=0.01, clip_max=100.0, epsilon=0.99, epsilon_high=100.0
+    )
 
     def loss_and_grad(rows, poison):
         logits.grad = None
@@ -187,9 +226,15 @@ def test_sampler_logprob_floor_or_nan_gives_finite_loss_and_gradient_equal_to_dr
             sampler[2] = bad  # the sampled token of term 2
             sampler_topk[0, 2] = bad  # one top-k entry of term 0 (its own term stays)
         rows = torch.as_tensor(rows)
-        loss, _ = grpo_loss(logp.gather(1, targets[:, None])[:, 0][rows], sampler[rows], adv[rows], 4.0, settings,
-                            logp.gather(1, topk_ids)[rows] if score_centering else None,
-                            sampler_topk[rows] if score_centering else None)
+        loss, _ = grpo_loss(
+            logp.gather(1, targets[:, None])[:, 0][rows],
+            sampler[rows],
+            adv[rows],
+            4.0,
+            settings,
+            logp.gather(1, topk_ids)[rows] if score_centering else None,
+            sampler_topk[rows] if score_centering else None,
+        )
         loss.backward()
         return loss.detach(), logits.grad.clone()
 
@@ -212,8 +257,11 @@ def _reference_without_poison(logits, mu, targets, topk_ids, adv, settings, scor
         ratio = torch.exp(lp - m)
         if score_centering:
             ids = [v for j, v in enumerate(topk_ids[t].tolist()) if not (t == 0 and j == 2)]
-            centre = sum(torch.exp(logp[t, v]) for v in ids
-                         if settings.clip_min <= float(torch.exp(logp[t, v] - mu[t, v]).detach()) <= settings.clip_max)
+            centre = sum(
+                torch.exp(logp[t, v])
+                for v in ids
+                if settings.clip_min <= float(torch.exp(logp[t, v] - mu[t, v]).detach()) <= settings.clip_max
+            )
             total = total + adv[t] * (ratio - centre)
         else:
             eh = settings.epsilon_high or settings.epsilon

@@ -22,8 +22,12 @@ def test_window_sums_counts_keeps_extremes_and_divides_rates():
     w.add("reward", math.nan)
     w.rate("perf/tokens_per_s", 100, 1.0)
     w.rate("perf/tokens_per_s", 300, 3.0)
-    assert w.flush() == {"sample/dropped_stale_count": 6, "sample/staleness_max": 3, "reward": 2.0,
-                         "perf/tokens_per_s": 100.0}
+    assert w.flush() == {
+        "sample/dropped_stale_count": 6,
+        "sample/staleness_max": 3,
+        "reward": 2.0,
+        "perf/tokens_per_s": 100.0,
+    }
     assert w.flush() == {}
     assert merge([{"a_count": 1, "b": 1.0}, {"a_count": 2, "b": 3.0}]) == {"a_count": 3, "b": 2.0}
 

@@ -74,9 +74,13 @@ def test_mlflow_ui_serves_the_run_metrics_and_stops_with_nothing_left(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "ui.log").open("wb")
-    grpo = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--mlflow", "--config", str(config),
-                             "--mlflow-port", str(port)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    grpo = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "ui", "--mlflow", "--config", str(config), "--mlflow-port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         _wait_healthy(url, grpo)
         with sync_playwright() as p:

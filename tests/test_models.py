@@ -22,7 +22,13 @@ from hub_helpers import FakeHub
 
 
 def test_registry_names():
-    assert registry_names() == ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen3", "tiny-qwen3.5", "random-qwen3-0.6b"]
+    assert registry_names() == [
+        "smollm2-135m-instruct",
+        "tiny-llama",
+        "tiny-qwen3",
+        "tiny-qwen3.5",
+        "random-qwen3-0.6b",
+    ]
 
 
 def test_random_qwen3_shape_is_qwen3_0_6b_with_the_smollm2_vocabulary():
@@ -30,9 +36,15 @@ def test_random_qwen3_shape_is_qwen3_0_6b_with_the_smollm2_vocabulary():
     from grpo_core.models import RANDOM_SHAPES
 
     arch, shape = RANDOM_SHAPES["random-qwen3-0.6b"]
-    assert arch == "qwen3" and (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"],
-                                shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"],
-                                shape["tie_word_embeddings"]) == (1024, 3072, 28, 16, 8, 128, True)
+    assert arch == "qwen3" and (
+        shape["hidden_size"],
+        shape["intermediate_size"],
+        shape["num_hidden_layers"],
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+        shape["tie_word_embeddings"],
+    ) == (1024, 3072, 28, 16, 8, 128, True)
 
 
 def test_smollm2_gguf_comes_from_the_wheel():
@@ -55,14 +67,19 @@ def test_smollm2_loads_and_answers_sensibly():
     torch.set_num_threads(1)
     model, tokenizer = load_model(ModelConfig(name="smollm2-135m-instruct"))
     assert model.dtype == torch.float32 and not model.training
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
 
 
-@pytest.mark.parametrize("name, model_type", [("tiny-llama", "llama"), ("tiny-qwen3", "qwen3"),
-                                              ("tiny-qwen3.5", "qwen3_5_text")])
+@pytest.mark.parametrize(
+    "name, model_type", [("tiny-llama", "llama"), ("tiny-qwen3", "qwen3"), ("tiny-qwen3.5", "qwen3_5_text")]
+)
 def test_tiny_models_are_seeded_real_architectures(name, model_type):
     folder = resolve_model_dir(ModelConfig(name=name, seed=3))
     model, tokenizer = load_model(ModelConfig(name=name, seed=3))
@@ -124,9 +141,17 @@ def test_a_trainer_rank_other_than_0_builds_a_complete_model(tmp_path):
         "rank = int(sys.argv[1])\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=rank, world_size=2)\n"
         f"if rank == 1: print(resolve_model_dir(ModelConfig(name='tiny-qwen3', seed=3, cache_dir={str(tmp_path)!r})))\n"
-        "dist.barrier(); dist.destroy_process_group()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+        "dist.barrier(); dist.destroy_process_group()\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(r)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     built = Path(outs[1].strip().splitlines()[-1])
@@ -150,18 +175,27 @@ REPO = "grpo-test/tiny-qwen3.5"
 @pytest.fixture
 def hub(tmp_path):
     """Two revisions of a tiny Qwen3.5 served as a Hub repository, and an empty Hub cache folder."""
-    revisions = {"main": resolve_model_dir(ModelConfig(name="tiny-qwen3.5")),
-                 "v2": resolve_model_dir(ModelConfig(name="tiny-qwen3.5", seed=1))}
+    revisions = {
+        "main": resolve_model_dir(ModelConfig(name="tiny-qwen3.5")),
+        "v2": resolve_model_dir(ModelConfig(name="tiny-qwen3.5", seed=1)),
+    }
     with FakeHub({REPO: revisions}) as server:
         yield server, revisions, tmp_path / "hf"
 
 
 def _resolve(name: str, cache, endpoint: str, offline: bool = False, revision: str | None = None):
     """``resolve_model_dir`` in a fresh process (huggingface_hub reads HF_* at import, as in a real run)."""
-    code = ("from grpo_core.config import ModelConfig; from grpo_core.models import resolve_model_dir; "
-            f"print(resolve_model_dir(ModelConfig(name={name!r}, revision={revision!r})))")
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "1" if offline else "0",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = (
+        "from grpo_core.config import ModelConfig; from grpo_core.models import resolve_model_dir; "
+        f"print(resolve_model_dir(ModelConfig(name={name!r}, revision={revision!r})))"
+    )
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(cache),
+        "HF_ENDPOINT": endpoint,
+        "HF_HUB_OFFLINE": "1" if offline else "0",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -202,6 +236,8 @@ def test_hub_id_errors_name_the_field_and_the_fix(hub):
     server.stop()
     for offline, why in ((False, "could not be reached"), (True, "HF_HUB_OFFLINE is set")):
         missing = _resolve(REPO, cache, server.url, offline=offline)  # neither the Hub nor the cache has it
-        assert missing.returncode != 0 and why in missing.stderr and "hf download grpo-test/tiny-qwen3.5" in missing.stderr
+        assert (
+            missing.returncode != 0 and why in missing.stderr and "hf download grpo-test/tiny-qwen3.5" in missing.stderr
+        )
     with pytest.raises(ConfigError, match="model.revision='v2' applies to Hub ids only"):
         resolve_model_dir(ModelConfig(name="tiny-qwen3.5", revision="v2"))

@@ -36,18 +36,32 @@ def test_bad_server_url_names_the_field(url):
         load_config(overrides=[f"server.urls=['{url}']"])
 
 
-@pytest.mark.parametrize("urls, says", [
-    (["http://gpu-1:8000", "http://gpu-1:8000/"], "server.urls lists one server twice ('http://gpu-1:8000' and "
-                                                  "'http://gpu-1:8000/')"),
-    (["http://gpu-1", "HTTP://GPU-1:80"], "server.urls lists one server twice ('http://gpu-1' and 'HTTP://GPU-1:80')"),
-    (["https://gpu-1:443/", "https://gpu-1"], "server.urls lists one server twice"),
-    (["http://gpu-1:8000/v1"], "server.urls: 'http://gpu-1:8000/v1' ends in /v1, which the client adds to every "
-                               "request; write the server's base URL 'http://gpu-1:8000'"),
-    (["http://gpu-1:8000/v1/"], "server.urls: 'http://gpu-1:8000/v1/' ends in /v1, which the client adds to every "
-                                "request; write the server's base URL 'http://gpu-1:8000'"),
-    (["http://gpu-1:99999"], "server.urls: 'http://gpu-1:99999' is not an http(s) base URL"),
-    (["http://gpu-1:8000?key=1"], "server.urls: 'http://gpu-1:8000?key=1' is not an http(s) base URL"),
-])
+@pytest.mark.parametrize(
+    "urls, says",
+    [
+        (
+            ["http://gpu-1:8000", "http://gpu-1:8000/"],
+            "server.urls lists one server twice ('http://gpu-1:8000' and 'http://gpu-1:8000/')",
+        ),
+        (
+            ["http://gpu-1", "HTTP://GPU-1:80"],
+            "server.urls lists one server twice ('http://gpu-1' and 'HTTP://GPU-1:80')",
+        ),
+        (["https://gpu-1:443/", "https://gpu-1"], "server.urls lists one server twice"),
+        (
+            ["http://gpu-1:8000/v1"],
+            "server.urls: 'http://gpu-1:8000/v1' ends in /v1, which the client adds to every "
+            "request; write the server's base URL 'http://gpu-1:8000'",
+        ),
+        (
+            ["http://gpu-1:8000/v1/"],
+            "server.urls: 'http://gpu-1:8000/v1/' ends in /v1, which the client adds to every "
+            "request; write the server's base URL 'http://gpu-1:8000'",
+        ),
+        (["http://gpu-1:99999"], "server.urls: 'http://gpu-1:99999' is not an http(s) base URL"),
+        (["http://gpu-1:8000?key=1"], "server.urls: 'http://gpu-1:8000?key=1' is not an http(s) base URL"),
+    ],
+)
 def test_a_replica_listed_twice_or_an_openai_base_url_is_refused_naming_the_fix(urls, says):
     """One server under two spellings would get every control call twice (an adapter loaded twice, a pause counted
     twice) and half the groups as if it were two replicas; ``/v1`` doubles in every request path (404)."""
@@ -55,8 +69,12 @@ def test_a_replica_listed_twice_or_an_openai_base_url_is_refused_naming_the_fix(
         load_config(overrides=[f"server.urls={urls!r}"])
     assert str(info.value).splitlines()[1].strip().startswith(says), str(info.value)
     distinct = ["http://gpu-1:8000/", "http://gpu-1:8001", "https://gpu-1:8000", "http://gpu-2:8000/proxy/"]
-    assert RunConfig(server={"urls": distinct}).server.urls == ["http://gpu-1:8000", "http://gpu-1:8001",
-                                                                "https://gpu-1:8000", "http://gpu-2:8000/proxy"]
+    assert RunConfig(server={"urls": distinct}).server.urls == [
+        "http://gpu-1:8000",
+        "http://gpu-1:8001",
+        "https://gpu-1:8000",
+        "http://gpu-2:8000/proxy",
+    ]
 
 
 def test_a_server_key_left_in_the_shell_is_what_the_runs_own_replicas_check(tmp_path, monkeypatch):
@@ -82,15 +100,17 @@ def test_several_trainer_hosts_need_a_rendezvous_endpoint():
         load_config(overrides=["train.nnodes=2"])
 
 
-@pytest.mark.parametrize("endpoint", ["trainer-0", "http://trainer-0:29400", "trainer-0:0", "trainer-0:70000",
-                                      "trainer-0:", ":29400"])
+@pytest.mark.parametrize(
+    "endpoint", ["trainer-0", "http://trainer-0:29400", "trainer-0:0", "trainer-0:70000", "trainer-0:", ":29400"]
+)
 def test_a_rendezvous_endpoint_that_is_not_host_and_port_is_refused(endpoint):
     """torchrun got ``--master-addr`` / ``--master-port`` split from it (``'trainer-0'``: the port 'trainer-0')."""
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.nnodes=2", f"train.rdzv_endpoint='{endpoint}'"])
     assert str(info.value).splitlines()[1].strip() == (
         f"train.rdzv_endpoint: {endpoint!r} is not 'host:port' (no scheme, a port 1-65535); write e.g. "
-        "'trainer-0:29400'")
+        "'trainer-0:29400'"
+    )
     for good in ("trainer-0:29400", "10.0.0.7:1", "[fd00::7]:29400"):
         assert load_config(overrides=["train.nnodes=2", f"train.rdzv_endpoint='{good}'"]).train.rdzv_endpoint == good
 
@@ -112,8 +132,9 @@ def test_trainer_command_per_host():
             trainer_command(cfg, Path("c.json"), [], node_rank=outside)
 
 
-@pytest.mark.parametrize("node1", ["the run's token", "no token", "another token", "its own output folder",
-                                   "another learning rate"])
+@pytest.mark.parametrize(
+    "node1", ["the run's token", "no token", "another token", "its own output folder", "another learning rate"]
+)
 def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp_path):
     """Two trainer hosts (two torchrun nodes of one rank each, the commands ``trainer_command`` builds, joined at
     ``train.rdzv_endpoint``): with the run's token on both they train; a node with no token or another one stops
@@ -128,20 +149,35 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
 
     from grpo_core.auth import TOKEN_ENV
 
-    config = trainer_config(tmp_path, write_samples(tmp_path / "samples.arrow", 4), max_steps=2, save_steps=2,
-                            nnodes=2, rdzv_endpoint=f"127.0.0.1:{free_port()}")
+    config = trainer_config(
+        tmp_path,
+        write_samples(tmp_path / "samples.arrow", 4),
+        max_steps=2,
+        save_steps=2,
+        nnodes=2,
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+    )
     cfg = load_config(config)
     tokens = ["run-token-0123", {"no token": None, "another token": "someone-elses-token"}.get(node1, "run-token-0123")]
-    own = {"its own output folder": ["--set", f"train.output_dir={tmp_path / 'node1-out'}"],
-           "another learning rate": ["--set", "train.learning_rate=0.5", "--set", "train.gpu_ids=[3]"]}.get(node1, [])
+    own = {
+        "its own output folder": ["--set", f"train.output_dir={tmp_path / 'node1-out'}"],
+        "another learning rate": ["--set", "train.learning_rate=0.5", "--set", "train.gpu_ids=[3]"],
+    }.get(node1, [])
     procs, logs = [], [tmp_path / f"node{n}.log" for n in (0, 1)]
     for node, (token, log) in enumerate(zip(tokens, logs)):
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **({TOKEN_ENV: token} if token else {})})
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(trainer_command(cfg, config, [], node_rank=node) + (own if node else []),
-                                          cwd=ROOT, env=env,
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    trainer_command(cfg, config, [], node_rank=node) + (own if node else []),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     try:
         codes = [p.wait(timeout=400) for p in procs]
     finally:
@@ -194,18 +230,24 @@ def test_adapter_store_publishes_complete_versions(tmp_path):
     assert sorted(p.name for p in (tmp_path / "bucket" / "run").iterdir()) == ["policy-v1"], "no partial left"
     store.remove("policy-v1")
     assert not published.exists()
-    assert AdapterStore(None).publish(tmp_path / "local" / "policy-v1", "policy-v1") == str(tmp_path / "local" / "policy-v1")
+    assert AdapterStore(None).publish(tmp_path / "local" / "policy-v1", "policy-v1") == str(
+        tmp_path / "local" / "policy-v1"
+    )
 
 
 def test_several_trainer_hosts_need_the_run_token_from_the_environment(monkeypatch, tmp_path):
     from grpo_core import preflight
     from grpo_core.auth import TOKEN_ENV
 
-    cfg = load_config(overrides=["train.nnodes=2", "train.rdzv_endpoint=trainer-0:29400",
-                                 f"train.output_dir={tmp_path}"])
+    cfg = load_config(
+        overrides=["train.nnodes=2", "train.rdzv_endpoint=trainer-0:29400", f"train.output_dir={tmp_path}"]
+    )
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    with pytest.raises(ConfigError, match=f"train.nnodes=2 needs {TOKEN_ENV} in this environment .* same value on "
-                                          "every trainer host; it is not set"):
+    with pytest.raises(
+        ConfigError,
+        match=f"train.nnodes=2 needs {TOKEN_ENV} in this environment .* same value on "
+        "every trainer host; it is not set",
+    ):
         preflight.check_run(cfg)
     assert list(tmp_path.iterdir()) == []  # refused before any folder was made
     monkeypatch.setenv(TOKEN_ENV, "short-token")
@@ -218,8 +260,14 @@ def test_several_trainer_hosts_need_the_run_token_from_the_environment(monkeypat
 
 
 @pytest.mark.parametrize("name", ["GRPO_RUN_TOKEN", "GRPO_SERVER_API_KEY"])
-@pytest.mark.parametrize("value, says", [(" ", "it is empty or blank"), ("tök-secret", "it holds 1 character(s) an HTTP header"),
-                                         ("two secret-words", "it holds 1 character(s) an HTTP header")])
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        (" ", "it is empty or blank"),
+        ("tök-secret", "it holds 1 character(s) an HTTP header"),
+        ("two secret-words", "it holds 1 character(s) an HTTP header"),
+    ],
+)
 def test_a_token_that_cannot_travel_in_a_header_is_refused_naming_its_variable(name, value, says, monkeypatch):
     from grpo_core import preflight
 
@@ -229,14 +277,19 @@ def test_a_token_that_cannot_travel_in_a_header_is_refused_naming_its_variable(n
     assert str(info.value).startswith(f"{name} (environment): {says}") and "secret" not in str(info.value)
 
 
-@pytest.mark.parametrize("override, says", [
-    ("server.api_key=''", "server.api_key: it is empty or blank"),
-    ("server.api_key='a key'", "server.api_key: it holds 1 character(s) an HTTP header cannot carry"),
-    ("server.urls=['http://user:hunter22@gpu-1:8000']", "server.urls: a URL of 'http://gpu-1:8000' carries a user "
-                                                        "name or password"),
-    ("train.adapter_store=''", "train.adapter_store is empty; unset it"),
-    ("train.rdzv_endpoint=-x:29400", "train.rdzv_endpoint: '-x:29400' is not 'host:port'"),
-])
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("server.api_key=''", "server.api_key: it is empty or blank"),
+        ("server.api_key='a key'", "server.api_key: it holds 1 character(s) an HTTP header cannot carry"),
+        (
+            "server.urls=['http://user:hunter22@gpu-1:8000']",
+            "server.urls: a URL of 'http://gpu-1:8000' carries a user name or password",
+        ),
+        ("train.adapter_store=''", "train.adapter_store is empty; unset it"),
+        ("train.rdzv_endpoint=-x:29400", "train.rdzv_endpoint: '-x:29400' is not 'host:port'"),
+    ],
+)
 def test_bad_remote_settings_are_refused_without_echoing_secrets(override, says):
     with pytest.raises(ConfigError) as info:
         load_config(overrides=[override])

@@ -98,11 +98,25 @@ def in_namespace(ns: str, fn):  # noqa: ANN001, ANN201 - runs fn() on a thread t
 
 
 def _spawn(ns: str, argv: list[str], log: Path, **env: str) -> subprocess.Popen:
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", TOKEN_ENV: TOKEN, **env}
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        TOKEN_ENV: TOKEN,
+        **env,
+    }
     with open(log, "wb") as out:
-        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], cwd=ROOT, env=full_env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, *argv],
+            cwd=ROOT,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _wait(ns: str, url: str, process: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
@@ -111,6 +125,7 @@ def _wait(ns: str, url: str, process: subprocess.Popen, log: Path, timeout_s: fl
             return httpx.get(url, timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
+
     deadline = time.monotonic() + timeout_s
     while not in_namespace(ns, healthy):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -129,16 +144,31 @@ def _reaches_router(url: str) -> bool:
 def _config(tmp: Path) -> dict:
     return {
         "model": {"name": "tiny-qwen3"},
-        "server": {"max_model_len": 256, "control_retry_s": 0.2,
-                   "control_timeout_s": 60},
-        "rollout": {"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 64, "num_generations": 4,
-                    "max_completion_length": 16, "num_sampler_logprobs": 2, "max_staleness": 1,
-                    "first_step_tokens": 512, "reward_functions": ["rollout_helpers:parity_reward"],
-                    "flight_host": f"{SUBNET}.2", "rollout_worker_timeout_s": 120},
+        "server": {"max_model_len": 256, "control_retry_s": 0.2, "control_timeout_s": 60},
+        "rollout": {
+            "dataset": "reasoning_gym:basic_arithmetic",
+            "dataset_size": 64,
+            "num_generations": 4,
+            "max_completion_length": 16,
+            "num_sampler_logprobs": 2,
+            "max_staleness": 1,
+            "first_step_tokens": 512,
+            "reward_functions": ["rollout_helpers:parity_reward"],
+            "flight_host": f"{SUBNET}.2",
+            "rollout_worker_timeout_s": 120,
+        },
         "packing": {"token_budget": 256},
-        "train": {"output_dir": str(tmp / "out"), "device": "cpu", "num_ranks": 1, "max_steps": 2, "save_steps": 100,
-                  "weight_sync_steps": 1, "learning_rate": 1e-3, "adapter_store": str(tmp / "shared-store"),
-                  "lora": {"enabled": True, "r": 8, "alpha": 16}},
+        "train": {
+            "output_dir": str(tmp / "out"),
+            "device": "cpu",
+            "num_ranks": 1,
+            "max_steps": 2,
+            "save_steps": 100,
+            "weight_sync_steps": 1,
+            "learning_rate": 1e-3,
+            "adapter_store": str(tmp / "shared-store"),
+            "lora": {"enabled": True, "r": 8, "alpha": 16},
+        },
         "tracking": {"enabled": False},
     }
 
@@ -151,34 +181,96 @@ def test_run_across_namespaces_with_a_bearer_token(hosts, tmp_path):
     py = sys.executable
     procs: list[subprocess.Popen] = []
     try:
-        server = _spawn(hosts["srv"], [py, "-m", "grpo_core.serving.embedded", "--model", "tiny-qwen3",
-                                       "--port", "8000", "--max-model-len", "256", "--max-lora-rank", "8", "--num-threads", "1",
-                                       "--generation-config", "vllm"], tmp_path / "server.log",
-                        **{ADAPTER_DIR_ENV: str(tmp_path / "shared-store")})  # its guard loads adapters from there
+        server = _spawn(
+            hosts["srv"],
+            [
+                py,
+                "-m",
+                "grpo_core.serving.embedded",
+                "--model",
+                "tiny-qwen3",
+                "--port",
+                "8000",
+                "--max-model-len",
+                "256",
+                "--max-lora-rank",
+                "8",
+                "--num-threads",
+                "1",
+                "--generation-config",
+                "vllm",
+            ],
+            tmp_path / "server.log",
+            **{ADAPTER_DIR_ENV: str(tmp_path / "shared-store")},
+        )  # its guard loads adapters from there
         procs.append(server)
-        router = _spawn(hosts["srv"], [py, "-m", "grpo_core.serving.router", "--host", f"{SUBNET}.1", "--port", "8100",
-                                       "--url", "http://127.0.0.1:8000", "--control-retry-s", "0.2"],
-                        tmp_path / "router.log", GRPO_SERVER_API_KEY=TOKEN)
+        router = _spawn(
+            hosts["srv"],
+            [
+                py,
+                "-m",
+                "grpo_core.serving.router",
+                "--host",
+                f"{SUBNET}.1",
+                "--port",
+                "8100",
+                "--url",
+                "http://127.0.0.1:8000",
+                "--control-retry-s",
+                "0.2",
+            ],
+            tmp_path / "router.log",
+            GRPO_SERVER_API_KEY=TOKEN,
+        )
         procs.append(router)
         _wait(hosts["ro"], router_url + "/health", router, tmp_path / "router.log")
         assert not _reaches_router(router_url), "the root namespace must not reach the hosts: traffic crosses the veths"
 
         location = tmp_path / "rollout.location"
-        rollout = _spawn(hosts["ro"], [py, "-m", "grpo_core.rollout", "--config", str(tmp_path / "run.yaml"),
-                                       "--server-url", router_url, "--location-file", str(location)],
-                         tmp_path / "rollout.log", GRPO_SERVER_API_KEY=TOKEN)
+        rollout = _spawn(
+            hosts["ro"],
+            [
+                py,
+                "-m",
+                "grpo_core.rollout",
+                "--config",
+                str(tmp_path / "run.yaml"),
+                "--server-url",
+                router_url,
+                "--location-file",
+                str(location),
+            ],
+            tmp_path / "rollout.log",
+            GRPO_SERVER_API_KEY=TOKEN,
+        )
         procs.append(rollout)
         deadline = time.monotonic() + 300
         while not (location.is_file() and location.read_text()):
-            assert rollout.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "rollout.log").read_text()[-3000:]
+            assert rollout.poll() is None and time.monotonic() < deadline, (tmp_path / "rollout.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.2)
         assert location.read_text().startswith(f"grpc://{SUBNET}.2:")
         cfg["train"]["rollout_location"] = location.read_text()
         (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
-        trainer = _spawn(hosts["tr"], [py, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
-                                       "-m", "grpo_core.train", "--config", str(tmp_path / "train.yaml"),
-                                       "--server-url", router_url], tmp_path / "trainer.log", GRPO_SERVER_API_KEY=TOKEN)
+        trainer = _spawn(
+            hosts["tr"],
+            [
+                py,
+                "-m",
+                "grpo_core.train.launch",
+                "--nproc-per-node",
+                "1",
+                "-m",
+                "grpo_core.train",
+                "--config",
+                str(tmp_path / "train.yaml"),
+                "--server-url",
+                router_url,
+            ],
+            tmp_path / "trainer.log",
+            GRPO_SERVER_API_KEY=TOKEN,
+        )
         procs.append(trainer)
         assert trainer.wait(600) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
         assert rollout.wait(120) == 0, (tmp_path / "rollout.log").read_text()[-3000:]
@@ -188,6 +280,7 @@ def test_run_across_namespaces_with_a_bearer_token(hosts, tmp_path):
             auth = {"Authorization": f"Bearer {TOKEN}"}
             names = [m["id"] for m in httpx.get(router_url + "/v1/models", headers=auth, timeout=10).json()["data"]]
             return denied, names, httpx.get(router_url + "/metrics", headers=auth, timeout=10).text
+
         denied, names, metrics = in_namespace(hosts["tr"], served)
     finally:
         for process in procs:

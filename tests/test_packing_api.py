@@ -33,12 +33,29 @@ BOTH = [pytest.param(RUST, id="rust"), pytest.param(PYTHON, id="python")]
 
 def _samples() -> list[Sample]:
     """Three samples, two with top-k / sampling-mask lists; every value exact in the schema's dtypes."""
-    a = Sample.build([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0, 0, -0.5, -1.25, -2.0], sample_id=2**40, group_id=7,
-                     prompt_index=3, advantage=0.75, policy_version=4)
-    a.sampler_topk = TokenLists(np.array([0, 0, 0, 2, 3, 3], np.int32), np.array([3, 8, 4], np.int32),
-                                np.array([-0.5, -1.5, -1.25], np.float32))
-    b = Sample.build([1, 2, 3, 6, 2**31 - 1], [0, 0, 1, 1, 1], [0, 0, -0.5, -3.0, -0.125], sample_id=-1, group_id=7,
-                     prompt_index=3, advantage=-1.5, policy_version=2**31 - 1)
+    a = Sample.build(
+        [1, 2, 3, 4, 5],
+        [0, 0, 1, 1, 1],
+        [0, 0, -0.5, -1.25, -2.0],
+        sample_id=2**40,
+        group_id=7,
+        prompt_index=3,
+        advantage=0.75,
+        policy_version=4,
+    )
+    a.sampler_topk = TokenLists(
+        np.array([0, 0, 0, 2, 3, 3], np.int32), np.array([3, 8, 4], np.int32), np.array([-0.5, -1.5, -1.25], np.float32)
+    )
+    b = Sample.build(
+        [1, 2, 3, 6, 2**31 - 1],
+        [0, 0, 1, 1, 1],
+        [0, 0, -0.5, -3.0, -0.125],
+        sample_id=-1,
+        group_id=7,
+        prompt_index=3,
+        advantage=-1.5,
+        policy_version=2**31 - 1,
+    )
     b.sampling_mask = TokenLists(np.array([0, 1, 1, 1, 4, 4], np.int32), np.array([9, 6, 7, 8], np.int32))
     c = Sample.build([9, 2], [0, 1], [0, -0.25], sample_id=5, group_id=8, prompt_index=4, advantage=0.0)
     return [a, b, c]
@@ -82,8 +99,11 @@ def test_ipc_file_round_trip(tmp_path):
 
 def test_packed_columns_reach_numpy_and_torch_without_copies():
     row = RUST.pack_row(_samples(), 64)
-    for part, name, dtype in (("tokens", "input_ids", np.int32), ("kv", "kv_index", np.int32),
-                              ("loss", "sampler_logprob", np.float32)):
+    for part, name, dtype in (
+        ("tokens", "input_ids", np.int32),
+        ("kv", "kv_index", np.int32),
+        ("loss", "sampler_logprob", np.float32),
+    ):
         arr = getattr(row, part).column(name)
         view = arr.to_numpy(zero_copy_only=True)
         assert view.dtype == dtype and not view.flags.owndata and view.base is not None
@@ -109,8 +129,14 @@ def _sample(**fields) -> Sample:
 BAD_SAMPLES = {
     "short_mask": (dict(completion_mask=np.array([0, 1], np.int8)), "completion_mask"),
     "short_logprobs": (dict(sampler_logprobs=np.zeros(4, np.float32)), "sampler_logprobs"),
-    "empty": (dict(input_ids=np.zeros(0, np.int32), completion_mask=np.zeros(0, np.int8),
-                   sampler_logprobs=np.zeros(0, np.float32)), "input_ids"),
+    "empty": (
+        dict(
+            input_ids=np.zeros(0, np.int32),
+            completion_mask=np.zeros(0, np.int8),
+            sampler_logprobs=np.zeros(0, np.float32),
+        ),
+        "input_ids",
+    ),
     "no_trained_token": (dict(completion_mask=np.array([0, 0, 0], np.int8)), "completion_mask"),
     "first_token_trained": (dict(completion_mask=np.array([1, 1, 1], np.int8)), "completion_mask[0]"),
     "mask_value_2": (dict(completion_mask=np.array([0, 2, 1], np.int8)), "completion_mask[1]"),
@@ -136,10 +162,21 @@ def test_invalid_samples_raise_packing_error_naming_the_field(backend, case):
     with pytest.raises(PackingError, match=f"`{field}`"):
         samples_to_arrow([_sample(**fields)])
     s = _sample(**fields)  # the same sample built with pyarrow alone reaches the batcher's decoder
-    bad = pa.RecordBatch.from_pylist([{
-        "sample_id": 11, "group_id": 0, "prompt_index": 0, "input_ids": s.input_ids.tolist(),
-        "completion_mask": s.completion_mask.tolist(), "sampler_logprobs": s.sampler_logprobs.tolist(),
-        "advantage": 0.0, "policy_version": 0}], schema=sample_schema())
+    bad = pa.RecordBatch.from_pylist(
+        [
+            {
+                "sample_id": 11,
+                "group_id": 0,
+                "prompt_index": 0,
+                "input_ids": s.input_ids.tolist(),
+                "completion_mask": s.completion_mask.tolist(),
+                "sampler_logprobs": s.sampler_logprobs.tolist(),
+                "advantage": 0.0,
+                "policy_version": 0,
+            }
+        ],
+        schema=sample_schema(),
+    )
     with pytest.raises(PackingError, match=f"`{field}`"):
         backend.batcher(1, 16).push(bad)
 
@@ -159,8 +196,10 @@ BAD_SAMPLE_KINDS = {
 @pytest.mark.parametrize("case", BAD_SAMPLES)
 def test_both_backends_raise_one_structured_packing_error(backend, case):
     kind, field = BAD_SAMPLE_KINDS[case]
-    for call in [*_apis(backend, _sample(**BAD_SAMPLES[case][0])).values(),
-                 lambda: samples_to_arrow([_sample(**BAD_SAMPLES[case][0])])]:
+    for call in [
+        *_apis(backend, _sample(**BAD_SAMPLES[case][0])).values(),
+        lambda: samples_to_arrow([_sample(**BAD_SAMPLES[case][0])]),
+    ]:
         with pytest.raises(PackingError) as err:
             call()
         assert type(err.value) is PackingError, "never packer_rs's own exception class"
@@ -176,14 +215,26 @@ def test_budget_ranks_fit_schema_and_type_errors_are_structured(backend):
 
     assert raised(lambda: backend.batcher(2, 0)) == ("BadBudget", "token_budget", None)
     assert raised(lambda: backend.batcher(0, 16)) == ("BadRanks", "num_ranks", None)
-    assert raised(lambda: backend.pack_row([_sample(sample_id=5, input_ids=np.arange(1, 9, dtype=np.int32),
-                                                    completion_mask=np.array([0] + [1] * 7, np.int8),
-                                                    sampler_logprobs=np.zeros(8, np.float32))], 4)) == \
-        ("DoesNotFit", "token_budget", 5)
+    assert raised(
+        lambda: backend.pack_row(
+            [
+                _sample(
+                    sample_id=5,
+                    input_ids=np.arange(1, 9, dtype=np.int32),
+                    completion_mask=np.array([0] + [1] * 7, np.int8),
+                    sampler_logprobs=np.zeros(8, np.float32),
+                )
+            ],
+            4,
+        )
+    ) == ("DoesNotFit", "token_budget", 5)
     no_ids = samples_to_arrow([_sample()]).drop_columns(["input_ids"])
     assert raised(lambda: backend.batcher(1, 16).push(no_ids)) == ("Schema", "input_ids", None)
-    assert raised(lambda: backend.pack_row([_sample(input_ids=np.array([1, 2, 3], np.int64))], 16)) == \
-        ("BadInput", "input_ids", None)
+    assert raised(lambda: backend.pack_row([_sample(input_ids=np.array([1, 2, 3], np.int64))], 16)) == (
+        "BadInput",
+        "input_ids",
+        None,
+    )
     lists = TokenLists(np.array([0, 2, 1, 2], np.int32), np.array([1, 2], np.int32), np.zeros(2, np.float32))
     assert raised(lambda: backend.pack_row([_sample(sampler_topk=lists)], 16)) == ("BadTokenLists", "sampler_topk", 11)
 
@@ -195,7 +246,11 @@ def test_the_row_layout_is_the_rust_cores():
     assert list(base.ROW_PARTS) == ["tokens", "segments", "kv", "loss", "samples"]
     assert base.ROW_COUNTS == ("num_forwarded", "num_trained", "num_raw", "num_samples", "load")
     assert base.row_schema("loss", with_topk=True, with_mask=True).names == [
-        *base.ROW_PARTS["loss"], "sampler_topk_ids", "sampler_topk_logprobs", "sampling_mask"]
+        *base.ROW_PARTS["loss"],
+        "sampler_topk_ids",
+        "sampler_topk_logprobs",
+        "sampling_mask",
+    ]
     for backend in (RUST, PYTHON):  # both backends' rows follow the one schema, part by part
         row = backend.pack_row(_samples(), 64)
         for part in base.ROW_PARTS:
@@ -219,11 +274,15 @@ def test_bad_budget_and_ranks(backend):
 
 
 @pytest.mark.parametrize("backend", BOTH)
-@pytest.mark.parametrize("fields, field", [
-    (dict(input_ids=np.array([1, 2, 3], np.int64)), "input_ids"),
-    (dict(completion_mask=np.array([0, 1, 1], np.float32)), "completion_mask"),
-    (dict(sampler_logprobs=np.array([0, -0.5, -0.5], np.float64)), "sampler_logprobs"),
-], ids=["int64_ids", "float_mask", "float64_logprobs"])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(input_ids=np.array([1, 2, 3], np.int64)), "input_ids"),
+        (dict(completion_mask=np.array([0, 1, 1], np.float32)), "completion_mask"),
+        (dict(sampler_logprobs=np.array([0, -0.5, -0.5], np.float64)), "sampler_logprobs"),
+    ],
+    ids=["int64_ids", "float_mask", "float64_logprobs"],
+)
 def test_wrong_dtypes_raise_packing_error(backend, fields, field):
     for call in _apis(backend, _sample(**fields)).values():
         with pytest.raises(PackingError, match=f"`{field}`"):
@@ -231,10 +290,17 @@ def test_wrong_dtypes_raise_packing_error(backend, fields, field):
 
 
 @pytest.mark.parametrize("backend", BOTH)
-@pytest.mark.parametrize("attr, lists", [
-    ("sampler_topk", TokenLists(np.array([0, 2, 1, 2], np.int32), np.array([1, 2], np.int32), np.zeros(2, np.float32))),
-    ("sampling_mask", TokenLists(np.array([0, 1, 2], np.int32), np.array([1, 2], np.int32))),
-], ids=["decreasing_offsets", "too_few_entries"])
+@pytest.mark.parametrize(
+    "attr, lists",
+    [
+        (
+            "sampler_topk",
+            TokenLists(np.array([0, 2, 1, 2], np.int32), np.array([1, 2], np.int32), np.zeros(2, np.float32)),
+        ),
+        ("sampling_mask", TokenLists(np.array([0, 1, 2], np.int32), np.array([1, 2], np.int32))),
+    ],
+    ids=["decreasing_offsets", "too_few_entries"],
+)
 def test_bad_token_lists_raise_packing_error(backend, attr, lists):
     for call in _apis(backend, _sample(**{attr: lists})).values():
         with pytest.raises(PackingError, match=f"`{attr}`"):
@@ -248,8 +314,10 @@ def _replace(batch: pa.RecordBatch, name: str, array: pa.Array) -> pa.RecordBatc
 GOOD = samples_to_arrow([_sample()])
 MISTYPED = {
     "int64_ids": (_replace(GOOD, "input_ids", pa.array([[1, 2, 3]], pa.list_(pa.int64()))), "input_ids"),
-    "float_mask": (_replace(GOOD, "completion_mask", pa.array([[0.0, 1.0, 1.0]], pa.list_(pa.float32()))),
-                   "completion_mask"),
+    "float_mask": (
+        _replace(GOOD, "completion_mask", pa.array([[0.0, 1.0, 1.0]], pa.list_(pa.float32()))),
+        "completion_mask",
+    ),
     "int32_sample_id": (_replace(GOOD, "sample_id", pa.array([11], pa.int32())), "sample_id"),
     "string_ids": (_replace(GOOD, "input_ids", pa.array([["1", "2", "3"]])), "input_ids"),
 }
@@ -279,13 +347,18 @@ def test_mistyped_arrow_column_in_decoders():
 @pytest.mark.parametrize("backend", BOTH)
 def test_a_bad_batch_leaves_the_batcher_unchanged(backend):
     def stream(n: int, offset: int) -> pa.RecordBatch:
-        return samples_to_arrow([Sample.build([offset + i, 2, 3, 4], [0, 0, 1, 1], sample_id=offset + i,
-                                              group_id=(offset + i) // 2) for i in range(n)])
+        return samples_to_arrow(
+            [
+                Sample.build([offset + i, 2, 3, 4], [0, 0, 1, 1], sample_id=offset + i, group_id=(offset + i) // 2)
+                for i in range(n)
+            ]
+        )
 
     first, last = stream(5, 0), stream(6, 100)
     valid = stream(2, 50).to_pylist()
-    oversize = dict(valid[0], sample_id=60, input_ids=list(range(40)), completion_mask=[0] + [1] * 39,
-                    sampler_logprobs=[0.0] * 40)
+    oversize = dict(
+        valid[0], sample_id=60, input_ids=list(range(40)), completion_mask=[0] + [1] * 39, sampler_logprobs=[0.0] * 40
+    )
     invalid = dict(valid[1], sample_id=61, completion_mask=[0, 0, 0, 0])
     bad = pa.RecordBatch.from_pylist(valid + [oversize, invalid], schema=sample_schema())
     b, ref = backend.batcher(2, 12), backend.batcher(2, 12)

@@ -57,8 +57,16 @@ def sample_sets(draw, max_groups: int = 6, vocab: int = 4) -> list[Sample]:
             for _ in range(copies):
                 ids = prompt + completion
                 logprobs = np.where(np.array(mask) == 1, -rng.random(len(ids)) * 3, 0).astype(np.float32)
-                s = Sample.build(ids, mask, logprobs, sample_id=len(samples), group_id=group,
-                                 prompt_index=group * 10, advantage=advantage, policy_version=int(rng.integers(0, 5)))
+                s = Sample.build(
+                    ids,
+                    mask,
+                    logprobs,
+                    sample_id=len(samples),
+                    group_id=group,
+                    prompt_index=group * 10,
+                    advantage=advantage,
+                    policy_version=int(rng.integers(0, 5)),
+                )
                 if with_topk and rng.random() < 0.7:
                     s.sampler_topk = _token_lists(rng, len(ids), True)
                 if with_mask and rng.random() < 0.7:
@@ -135,7 +143,8 @@ def check_row(row, samples: list[Sample], token_budget: int | None) -> None:
     # Loss terms: each trained token of each sample exactly once, with its own target and sampler values.
     loss = row.loss
     index, target, lp, adv, si = (
-        _np(loss, c) for c in ("token_index", "target_id", "sampler_logprob", "advantage", "sample_index"))
+        _np(loss, c) for c in ("token_index", "target_id", "sampler_logprob", "advantage", "sample_index")
+    )
     seen = Counter()
     for m in range(loss.num_rows):
         s = samples[si[m]]
@@ -239,10 +248,12 @@ def test_batchers_agree_on_arrow_and_sample_streams(case):
     samples, budget, num_ranks, chunks = case
     rust_arrow = _stream(RUST, chunks, budget, num_ranks, arrow=True)
     check_stream(*rust_arrow[:2], samples, budget, num_ranks, rust_arrow[2])
-    for other in (_stream(RUST, chunks, budget, num_ranks, arrow=False),
-                  _stream(PYTHON, chunks, budget, num_ranks, arrow=True),
-                  _stream(PYTHON, chunks, budget, num_ranks, arrow=False),
-                  _stream(RUST, [samples], budget, num_ranks, arrow=True)):  # chunking does not matter
+    for other in (
+        _stream(RUST, chunks, budget, num_ranks, arrow=False),
+        _stream(PYTHON, chunks, budget, num_ranks, arrow=True),
+        _stream(PYTHON, chunks, budget, num_ranks, arrow=False),
+        _stream(RUST, [samples], budget, num_ranks, arrow=True),
+    ):  # chunking does not matter
         assert _same(rust_arrow[0], other[0])
         assert rust_arrow[1:] == other[1:]
 
@@ -292,15 +303,18 @@ def _corrupt(row, part: str, column: str, edit):
     return dataclasses.replace(row, **{part: fixed})
 
 
-@pytest.mark.parametrize("part, column, edit", [
-    ("tokens", "subtree_end", lambda v: v.__setitem__(3, 7)),  # 4 would see 6 and 7
-    ("tokens", "position_ids", lambda v: v.__setitem__(5, 4)),
-    ("tokens", "input_ids", lambda v: v.__setitem__(6, 8)),
-    ("kv", "kv_index", lambda v: v.__setitem__(4, 5)),
-    ("loss", "token_index", lambda v: v.__setitem__(5, 3)),  # predicts 7 from 4, not 6
-    ("loss", "sampler_logprob", lambda v: v.reverse()),
-    ("loss", "target_id", lambda v: v.__setitem__(0, 4)),
-])
+@pytest.mark.parametrize(
+    "part, column, edit",
+    [
+        ("tokens", "subtree_end", lambda v: v.__setitem__(3, 7)),  # 4 would see 6 and 7
+        ("tokens", "position_ids", lambda v: v.__setitem__(5, 4)),
+        ("tokens", "input_ids", lambda v: v.__setitem__(6, 8)),
+        ("kv", "kv_index", lambda v: v.__setitem__(4, 5)),
+        ("loss", "token_index", lambda v: v.__setitem__(5, 3)),  # predicts 7 from 4, not 6
+        ("loss", "sampler_logprob", lambda v: v.reverse()),
+        ("loss", "target_id", lambda v: v.__setitem__(0, 4)),
+    ],
+)
 def test_the_checker_rejects_corrupted_rows(part, column, edit):
     samples = [
         Sample.build([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0, 0, -0.1, -0.2, -0.3], sample_id=0),

@@ -39,8 +39,16 @@ class MatmulCount(TorchDispatchMode):
 @pytest.fixture(scope="module")
 def base_and_row():
     register_tree_attention()
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_config(cfg, attn_implementation=TREE_ATTENTION)
     rng = np.random.default_rng(0)
@@ -50,8 +58,9 @@ def base_and_row():
         comp = rng.integers(0, VOCAB, int(rng.integers(3, 9)))
         ids = np.concatenate([prompt, comp]).astype(np.int32)
         lp = np.r_[np.zeros(9), -rng.exponential(3.0, len(comp))].astype(np.float32)
-        samples.append(Sample.build(ids, [0] * 9 + [1] * len(comp), lp, sample_id=i, group_id=0,
-                                    advantage=float(i - 1)))
+        samples.append(
+            Sample.build(ids, [0] * 9 + [1] * len(comp), lp, sample_id=i, group_id=0, advantage=float(i - 1))
+        )
     return lm, to_tensors(get_packer("python").pack_row(samples, 256), torch.device("cpu"))
 
 
@@ -66,11 +75,14 @@ def run(base, rt, mode, selective="op", compile_layers=False):
     return {n: p.grad.clone() for n, p in policy.named_parameters()}, counter.n
 
 
-@pytest.mark.parametrize("mode, selective, recomputed", [
-    ("full", "op", LAYERS * RECOMPUTED_PER_LAYER),  # every layer runs its forward again
-    ("selective", "op", LAYERS * 3),  # k, o and up (every second matmul) are not kept
-    ("selective", 2, LAYERS // 2 * RECOMPUTED_PER_LAYER),  # layers 2 and 4 run again
-])
+@pytest.mark.parametrize(
+    "mode, selective, recomputed",
+    [
+        ("full", "op", LAYERS * RECOMPUTED_PER_LAYER),  # every layer runs its forward again
+        ("selective", "op", LAYERS * 3),  # k, o and up (every second matmul) are not kept
+        ("selective", 2, LAYERS // 2 * RECOMPUTED_PER_LAYER),  # layers 2 and 4 run again
+    ],
+)
 def test_checkpointing_policies_give_identical_gradients(base_and_row, mode, selective, recomputed):
     base, rt = base_and_row
     ref, mms_ref = run(base, rt, "none")

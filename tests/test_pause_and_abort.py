@@ -49,14 +49,16 @@ def test_pause_without_mode_aborts_in_flight_requests_with_their_tokens(server):
     async def go():
         async with GenerationClient(server.url, timeout_s=120) as c:
             start = generated_tokens(server.url)
-            task = asyncio.create_task(c.complete(PROMPT, model=TINY, max_tokens=LONG, seed=1, ignore_eos=True,
-                                                  num_logprobs=2))
+            task = asyncio.create_task(
+                c.complete(PROMPT, model=TINY, max_tokens=LONG, seed=1, ignore_eos=True, num_logprobs=2)
+            )
             await freeze_mid_generation(c, server.url, task, start)
             response = await c._http.post("/pause")  # what vLLM receives from a client that sends no mode
             (out,) = await asyncio.wait_for(task, 30)
             paused = await c.is_paused()
             await c.resume()
             return response, out, paused
+
     response, out, paused = run(go())
     assert response.status_code == 200 and response.json() == {"status": "paused"} and paused
     assert out.finish_reason == "abort"
@@ -82,6 +84,7 @@ def test_keep_and_wait_modes_finish_the_request_intact(server, mode):
             held = not queued.done()
             await c.resume()
             return (await task)[0], finished_during_pause, held, (await queued)[0]
+
     out, finished_during_pause, held, later = run(go())
     assert out.finish_reason == "length" and len(out.token_ids) == LONG
     assert finished_during_pause == (mode == "wait") and held and len(later.token_ids) == 4
@@ -108,8 +111,15 @@ class RecordingClient(GenerationClient):
 
 def make_loop(clients, **rollout) -> RolloutLoop:
     cfg = RolloutConfig(max_completion_length=LONG, num_sampler_logprobs=2, **rollout)
-    runtime = LoopRuntime(tokenizer=None, server=ReplicaSet(clients), model_name=TINY, max_model_len=256, dataset=[],
-                          queue=None, allowance=TokenAllowance(1, 1000))
+    runtime = LoopRuntime(
+        tokenizer=None,
+        server=ReplicaSet(clients),
+        model_name=TINY,
+        max_model_len=256,
+        dataset=[],
+        queue=None,
+        allowance=TokenAllowance(1, 1000),
+    )
     return RolloutLoop(cfg, runtime)
 
 
@@ -132,6 +142,7 @@ def test_aborted_turn_is_resubmitted_as_its_continuation(server):
             turn = await asyncio.wait_for(turn_task, 60)
             loop.executor.shutdown()
             return turn, c.requests, loop.window.flush()
+
     turn, requests, metrics = run(go())
     (p1, m1, first), (p2, m2, second) = requests
     assert first.finish_reason == "abort" and 0 < len(first.token_ids) < LONG
@@ -176,6 +187,7 @@ def test_group_that_keeps_being_aborted_is_dropped_and_counted():
         await loop.run_group(prompt_index=3, row_index=3, epoch=0, row=row)
         with pytest.raises(TurnAborted, match="max_abort_retries"):
             await loop.generate_one_turn(PROMPT)
+
     run(go())
     metrics = loop.window.flush()
     loop.executor.shutdown()
@@ -205,5 +217,6 @@ def test_long_generation_survives_a_full_weight_sync_intact(server):
                 await asyncio.sleep(0.01)
             await DiskFullWeightSync.phases(ReplicaSet([c]), folder, 1)  # what every sync does
             return (await task)[0]
+
     out = run(go())
     assert out.finish_reason == "length" and len(out.token_ids) == LONG

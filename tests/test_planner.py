@@ -33,9 +33,18 @@ class ScriptedSource:
 
 
 def group(prompt_index, n=2):
-    return samples_to_arrow([Sample.build([100 + prompt_index, 2, 3, 4 + i], [0, 0, 1, 1],
-                                          sample_id=prompt_index * 10 + i, group_id=prompt_index,
-                                          prompt_index=prompt_index) for i in range(n)])
+    return samples_to_arrow(
+        [
+            Sample.build(
+                [100 + prompt_index, 2, 3, 4 + i],
+                [0, 0, 1, 1],
+                sample_id=prompt_index * 10 + i,
+                group_id=prompt_index,
+                prompt_index=prompt_index,
+            )
+            for i in range(n)
+        ]
+    )
 
 
 EMPTY = group(0).slice(0, 0)
@@ -43,8 +52,7 @@ EMPTY = group(0).slice(0, 0)
 
 def test_a_starved_source_gets_its_partial_micro_batch_trained():
     source = ScriptedSource([PulledBatch(group(0)), PulledBatch(group(1), consumed_prompt_indices=[2])])
-    planner = Planner(source, num_ranks=1, token_budget=64, backend="rust", tracker=PromptTracker(),
-                      flush_after_s=0.01)
+    planner = Planner(source, num_ranks=1, token_budget=64, backend="rust", tracker=PromptTracker(), flush_after_s=0.01)
     step = planner.next_step(1, policy_version=0)
     assert step is not None and sum(r.num_samples for mb in step.micro_batches for r in mb) == 4
     assert source.timeouts[-1] == 0.01
@@ -57,8 +65,7 @@ def test_a_starved_source_gets_its_partial_micro_batch_trained():
 
 def test_pending_samples_count_their_prompts_as_done_for_the_rollout():
     source = ScriptedSource([PulledBatch(group(1)), PulledBatch(group(0))])
-    planner = Planner(source, num_ranks=1, token_budget=64, backend="rust", tracker=PromptTracker(),
-                      flush_after_s=0.01)
+    planner = Planner(source, num_ranks=1, token_budget=64, backend="rust", tracker=PromptTracker(), flush_after_s=0.01)
     planner.next_step(1, policy_version=0)  # pulls both, nothing trained yet
     pending = planner.pending_samples()
     assert isinstance(pending, pa.RecordBatch) and pending.num_rows == 4
@@ -86,10 +93,10 @@ def test_replicas_behind_end_the_plan_early_keeping_what_was_pulled_and_the_head
     from grpo_core.train.trainer import step_header
 
     behind = ["http://gpu-2:8000"]
-    source = ScriptedSource([PulledBatch(group(0), servers_behind=behind), PulledBatch(group(1)),
-                             PulledBatch(group(2), exhausted=True)])
-    planner = Planner(source, num_ranks=1, token_budget=8, backend="rust", tracker=PromptTracker(),
-                      flush_after_s=0.01)
+    source = ScriptedSource(
+        [PulledBatch(group(0), servers_behind=behind), PulledBatch(group(1)), PulledBatch(group(2), exhausted=True)]
+    )
+    planner = Planner(source, num_ranks=1, token_budget=8, backend="rust", tracker=PromptTracker(), flush_after_s=0.01)
     assert planner.next_step(2, policy_version=3) is None and planner.servers_behind == behind
     assert len(source.script) == 2, "it stopped pulling at the report"
     assert step_header(None, planner.servers_behind, resynced_version=-1, policy_version=3) == [RESYNC, 0]

@@ -32,8 +32,9 @@ DEATH_BOUND_S = 30  # the lifeline polls every 0.5 s; the bound only absorbs a l
 
 def _config(tmp_path: Path) -> Path:
     server = {"backend": "embedded", "port": 0, "embedded_num_threads": 1, "log_dir": str(tmp_path / "servers")}
-    return trainer_config(tmp_path, write_samples(tmp_path / "samples.arrow", 64), server, max_steps=10_000,
-                          save_steps=10_000)
+    return trainer_config(
+        tmp_path, write_samples(tmp_path / "samples.arrow", 64), server, max_steps=10_000, save_steps=10_000
+    )
 
 
 def _rank(torchrun: psutil.Process, timeout_s: float = 240) -> psutil.Process:
@@ -61,8 +62,11 @@ def _named(procs: list[psutil.Process], marker: str) -> psutil.Process:
 
 def test_every_child_dies_with_its_sigkilled_flow_process(tmp_path):
     # Before: every child ran in its own session with no watchdog: all of them outlived the killed flow.
-    owner = subprocess.Popen([sys.executable, str(ROOT / "tests" / "run_owner.py"), str(_config(tmp_path))],
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    owner = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "run_owner.py"), str(_config(tmp_path))],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     parent = psutil.Process(owner.pid)
     deadline = time.monotonic() + 60
     while len(parent.children()) < 3 and time.monotonic() < deadline:
@@ -81,11 +85,21 @@ def test_every_child_dies_with_its_sigkilled_flow_process(tmp_path):
 
 def _start_trainer(config: Path, procs: RunProcesses, result: dict) -> threading.Thread:
     """torchrun of the offline trainer, as the flow's ``train`` task streams it (registered in ``procs``)."""
-    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "1",
-           "-m", "grpo_core.train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_core.train.launch",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "grpo_core.train",
+        "--config",
+        str(config),
+    ]
     env = child_env({TOKEN_ENV: procs.token, "OMP_NUM_THREADS": "1"})
-    trainer = threading.Thread(target=lambda: result.update(code=stream(cmd, logging.getLogger("t"), "", env,
-                                                                        register=procs)[0]))
+    trainer = threading.Thread(
+        target=lambda: result.update(code=stream(cmd, logging.getLogger("t"), "", env, register=procs)[0])
+    )
     trainer.start()
     return trainer
 
@@ -152,10 +166,18 @@ open(sys.argv[1], "w").write("returned")
 def test_rollout_linger_returns_when_its_parent_died_before_it_began(tmp_path):
     # Before: _linger read os.getppid() when it began, after the re-parenting, and served forever.
     out = tmp_path / "linger.txt"
-    spawn = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
-             "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True); p.stdout.readline(); print(p.pid)")
-    done = subprocess.run([sys.executable, "-c", spawn, CHILD, str(out)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    spawn = (
+        "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+        "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True); p.stdout.readline(); print(p.pid)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", spawn, CHILD, str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     child = psutil.Process(int(done.stdout))
     try:
         child.wait(timeout=60)
@@ -174,18 +196,43 @@ def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path)
     # was in that group, died first, and the flow retried its final state on the dead API for minutes (seen on
     # the H200: a stopped run needed SIGKILL, 60 s after SIGTERM to the group).
     out = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           "--set", f"train.output_dir={out}", "--set", f"tracking.dir={tmp_path / 'mlflow'}",
-           "--set", "train.max_steps=10000", "--set", "rollout.num_epochs=null"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "400",
-           "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        "--set",
+        f"train.output_dir={out}",
+        "--set",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+        "--set",
+        "train.max_steps=10000",
+        "--set",
+        "rollout.num_epochs=null",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("PREFECT_API_URL", None)  # the command's own temporary API server is the case
     procs: list[psutil.Process] = []
     with (tmp_path / "cli.log").open("w") as log:
         # It leads its group and takes SIGINT's default action, as a terminal's foreground job does (a background
         # job of a script, e.g. a CI runner's, inherits SIGINT ignored, and Python keeps it ignored).
-        cli = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True, preexec_fn=interruptible)
+        cli = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=interruptible,
+        )
         try:
             deadline = time.monotonic() + 300
             while _trained_steps(out) < 1 and cli.poll() is None and time.monotonic() < deadline:
@@ -224,8 +271,9 @@ time.sleep(600)
 def test_the_temporary_prefect_api_dies_with_its_sigkilled_command(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
-    owner = subprocess.Popen([sys.executable, "-c", API_OWNER], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                             text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", API_OWNER], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
     try:
         url = owner.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), url

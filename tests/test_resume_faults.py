@@ -54,7 +54,10 @@ def test_a_torn_last_line_is_skipped_and_cut_before_appending(tmp_path, caplog):
     log.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')  # killed mid-append
     (tmp_path / "trained_prompts.jsonl").write_text('{"step": 1, "prompt_indices": [0]}\n{"step": 2, "prompt_')
     with caplog.at_level(logging.WARNING):
-        assert [r["step"] for r in read_jsonl(log)] == [1, 2, ]
+        assert [r["step"] for r in read_jsonl(log)] == [
+            1,
+            2,
+        ]
         truncate_step_logs(tmp_path, 1)  # what a resume from step 1 does first
     assert "torn" in caplog.text
     assert log.read_text() == '{"step": 1, "loss": 0.5}\n'

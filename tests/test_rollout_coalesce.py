@@ -81,6 +81,7 @@ def test_a_request_with_n_choices_samples_each_as_its_seed_plus_index_would(tmp_
     prompt = [1, 9038, 2684, 28, 253, 1046]
     sampling = {"model": "tiny-qwen3", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
     with embedded_server(tmp_path) as handle:
+
         async def go():
             async with GenerationClient(handle.url) as c:
                 together = await c.complete(prompt, n=G, seed=1234, **sampling)
@@ -110,16 +111,30 @@ class CountingClient(GenerationClient):
 def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(tmp_path, batched):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig(name="tiny-qwen3")))
     rows = [{"prompt": f"What is {i} + {i + 2}?"} for i in range(3)]
-    cfg = RolloutConfig(num_generations=G, max_completion_length=6, num_sampler_logprobs=0, max_staleness=1,
-                        batch_group_prompts=batched, num_epochs=1)
+    cfg = RolloutConfig(
+        num_generations=G,
+        max_completion_length=6,
+        num_sampler_logprobs=0,
+        max_staleness=1,
+        batch_group_prompts=batched,
+        num_epochs=1,
+    )
     with embedded_server(tmp_path) as handle:
+
         async def go():
             client = CountingClient(handle.url, max_retries=0)
             allowance = TokenAllowance(cfg.max_staleness, 1 << 20)
             queue = SampleQueue(allowance, with_topk=False)
-            runtime = LoopRuntime(tokenizer=tokenizer, server=ReplicaSet([client]), model_name="tiny-qwen3",
-                                  max_model_len=256, dataset=rows, queue=queue, allowance=allowance,
-                                  reward_functions=[position_reward])
+            runtime = LoopRuntime(
+                tokenizer=tokenizer,
+                server=ReplicaSet([client]),
+                model_name="tiny-qwen3",
+                max_model_len=256,
+                dataset=rows,
+                queue=queue,
+                allowance=allowance,
+                reward_functions=[position_reward],
+            )
             loop = RolloutLoop(cfg, runtime)
             await asyncio.wait_for(drive(loop), timeout=300)
             await client.aclose()

@@ -32,14 +32,19 @@ class _PollTarget:
 
 def test_cap_follows_the_real_server_kv_usage(tmp_path):
     with embedded_server(tmp_path, max_model_len=256, kv_cache_size_tokens=512) as server:
+
         async def go():
             async with GenerationClient(server.url, max_connections=8, timeout_s=120) as client:
                 target = _PollTarget(client, ceiling=16)
                 await poll_concurrency(target, first=True)
                 assert target.cap.cap == 2, "KV cache tokens / max_model_len"
                 long_prompt = list(range(1000, 1216))
-                requests = [asyncio.create_task(client.complete(long_prompt, model=TINY, max_tokens=40, seed=i,
-                                                                ignore_eos=True)) for i in range(2)]
+                requests = [
+                    asyncio.create_task(
+                        client.complete(long_prompt, model=TINY, max_tokens=40, seed=i, ignore_eos=True)
+                    )
+                    for i in range(2)
+                ]
                 while (await client.metrics()).num_requests_running < 2:
                     await asyncio.sleep(0.01)
                 await poll_concurrency(target)
@@ -52,4 +57,5 @@ def test_cap_follows_the_real_server_kv_usage(tmp_path):
                 assert target.cap.cap == 2, "idle and nothing waiting: the cap rises"
                 metrics = target.window.drain()
                 assert metrics["rollout/vllm_kv_cache_usage_frac"] > 0
+
         asyncio.run(go())

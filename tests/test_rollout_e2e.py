@@ -43,8 +43,14 @@ def server(tmp_path_factory):
 
 
 def _config(**rollout) -> RunConfig:
-    settings = {"num_generations": 3, "max_completion_length": 8, "num_sampler_logprobs": 2,
-                "concurrency_poll_s": 0.5, "rollout_worker_timeout_s": 20, **rollout}
+    settings = {
+        "num_generations": 3,
+        "max_completion_length": 8,
+        "num_sampler_logprobs": 2,
+        "concurrency_poll_s": 0.5,
+        "rollout_worker_timeout_s": 20,
+        **rollout,
+    }
     return RunConfig(model={"name": TINY}, server={"max_model_len": 512}, rollout=settings)
 
 
@@ -56,9 +62,13 @@ def rows(n: int) -> dict:
 @contextmanager
 def rollout(server, tmp_path, config: RunConfig, resume: ResumeState | None = None, env: dict | None = None):
     started = start_rollout_process(config, [server.url], tmp_path, resume=resume, env={**HELPERS_ENV, **(env or {})})
-    source = FlightSource(started.wait_location(timeout_s=300), max_staleness=config.rollout.max_staleness,
-                          timeout_s=config.rollout.rollout_worker_timeout_s, process=started.process,
-                          error_path=started.error_path)
+    source = FlightSource(
+        started.wait_location(timeout_s=300),
+        max_staleness=config.rollout.max_staleness,
+        timeout_s=config.rollout.rollout_worker_timeout_s,
+        process=started.process,
+        error_path=started.error_path,
+    )
     try:
         yield source
     finally:
@@ -107,8 +117,9 @@ def test_advantages_match_rewards_recomputed_from_the_log(server, tmp_path):
 
 def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance(server, tmp_path):
     step_tokens = 120
-    config = _config(max_staleness=1, first_step_tokens=step_tokens, **rows(8),
-                     reward_functions=["rollout_helpers:parity_reward"])
+    config = _config(
+        max_staleness=1, first_step_tokens=step_tokens, **rows(8), reward_functions=["rollout_helpers:parity_reward"]
+    )
     with rollout(server, tmp_path, config) as source:
         version, seen, consumed, dropped, metrics = 0, [], [], 0, {}
         while True:
@@ -135,9 +146,14 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
 
 def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_path):
     # Before: no timeouts (a hang blocked its group forever) and the first raising reward failed the run.
-    config = _config(reward_timeout_s=1, tool_timeout_s=1, max_failed_groups=4, **rows(6),
-                     reward_functions=["rollout_helpers:flaky_reward"],
-                     environment_factory="rollout_helpers:FlakyEnv")
+    config = _config(
+        reward_timeout_s=1,
+        tool_timeout_s=1,
+        max_failed_groups=4,
+        **rows(6),
+        reward_functions=["rollout_helpers:flaky_reward"],
+        environment_factory="rollout_helpers:FlakyEnv",
+    )
     with rollout(server, tmp_path, config) as source:
         samples, consumed, metrics = drain(source)
     # rows 1 (reward hangs), 2 (reward raises), 3 (reset hangs), 4 (get_reward raises) fail; 0 and 5 train
@@ -150,21 +166,34 @@ def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_
 def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp_path):
     config = _config(max_failed_groups=2, **rows(6), reward_functions=["rollout_helpers:raising_reward"])
     with rollout(server, tmp_path, config) as source:
-        with pytest.raises(TransportError, match=r"3 groups failed in user code, more than rollout.max_failed_groups"
-                                                 r"=2; the last: reward function 'raising_reward' raised RuntimeError"):
+        with pytest.raises(
+            TransportError,
+            match=r"3 groups failed in user code, more than rollout.max_failed_groups"
+            r"=2; the last: reward function 'raising_reward' raised RuntimeError",
+        ):
             drain(source)
     assert "raising_reward" in (tmp_path / "rollout_error.txt").read_text()
 
 
 def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_run(server, tmp_path):
     # Before: the sync retired pol-v1 while odd rows slept in a tool; their next turn got 404 and failed the run.
-    config = RunConfig(model={"name": TINY}, server={"max_model_len": 512},
-                       train={"lora": {"enabled": True, "name": "pol", "r": 8}},
-                       rollout={"num_generations": 2, "max_completion_length": 8, "num_sampler_logprobs": 2,
-                                "max_staleness": 0, "max_tool_calling_iterations": 1, "rollout_worker_timeout_s": 30,
-                                "loop_class": "rollout_helpers:ScriptedToolLoop",
-                                "environment_factory": "rollout_helpers:SleepyCounterEnv", **rows(4),
-                                "reward_functions": ["rollout_helpers:position_reward"]})
+    config = RunConfig(
+        model={"name": TINY},
+        server={"max_model_len": 512},
+        train={"lora": {"enabled": True, "name": "pol", "r": 8}},
+        rollout={
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "num_sampler_logprobs": 2,
+            "max_staleness": 0,
+            "max_tool_calling_iterations": 1,
+            "rollout_worker_timeout_s": 30,
+            "loop_class": "rollout_helpers:ScriptedToolLoop",
+            "environment_factory": "rollout_helpers:SleepyCounterEnv",
+            **rows(4),
+            "reward_functions": ["rollout_helpers:position_reward"],
+        },
+    )
     from peft import LoraConfig, get_peft_model
 
     from grpo_core.config import ModelConfig
@@ -201,9 +230,14 @@ def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_ru
 
 
 def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):
-    config = _config(num_generations=4, num_epochs=3, loop_class="rollout_helpers:CurriculumLoop",
-                     loop_options={"pass_rate_cap": 0.6}, reward_functions=["rollout_helpers:curriculum_reward"],
-                     **rows(3))
+    config = _config(
+        num_generations=4,
+        num_epochs=3,
+        loop_class="rollout_helpers:CurriculumLoop",
+        loop_options={"pass_rate_cap": 0.6},
+        reward_functions=["rollout_helpers:curriculum_reward"],
+        **rows(3),
+    )
     with rollout(server, tmp_path, config) as source:
         samples, consumed, metrics = drain(source)
     # Row 0 is solved in epoch 0 (zero std, dropped), then filtered in epochs 1 and 2.
@@ -219,12 +253,19 @@ def test_epoch_rejecting_every_prompt_raises(server, tmp_path):
 
 
 def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
-    prompts = [{"prompt": [{"role": "user", "content": "Play."}], "environment": env, "target": target}
-            for env, target in [("counter", 2), ("game", 0), ("counter", 3), ("game", 0)]]
-    config = _config(num_generations=2, max_tool_calling_iterations=1, loop_class="rollout_helpers:ScriptedToolLoop",
-                     environment_factory={"counter": "rollout_helpers:CounterEnv", "game": "rollout_helpers:GameEnv"},
-                     reward_functions=["rollout_helpers:parity_reward"], dataset="rollout_helpers:rows_of",
-                     dataset_kwargs={"rows": prompts})
+    prompts = [
+        {"prompt": [{"role": "user", "content": "Play."}], "environment": env, "target": target}
+        for env, target in [("counter", 2), ("game", 0), ("counter", 3), ("game", 0)]
+    ]
+    config = _config(
+        num_generations=2,
+        max_tool_calling_iterations=1,
+        loop_class="rollout_helpers:ScriptedToolLoop",
+        environment_factory={"counter": "rollout_helpers:CounterEnv", "game": "rollout_helpers:GameEnv"},
+        reward_functions=["rollout_helpers:parity_reward"],
+        dataset="rollout_helpers:rows_of",
+        dataset_kwargs={"rows": prompts},
+    )
     with rollout(server, tmp_path, config) as source:
         samples, consumed, metrics = drain(source)
     # Each rollout saw only its environment's tool: the scripted first turn calls the tool it was shown.
@@ -246,15 +287,21 @@ def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
         # The tool's answer is context; the call before it and the reply after it are trained.
         mask_by_char = tok.decode(s.input_ids[s.completion_mask == 1])
         assert "<|im_start|>tool" not in mask_by_char and "<tool_call>" in mask_by_char
-        assert s.completion_mask[len(tok.encode(text[:tool_answer], add_special_tokens=False)):].any()
+        assert s.completion_mask[len(tok.encode(text[:tool_answer], add_special_tokens=False)) :].any()
 
 
 def test_reward_functions_get_trainer_state_log_metric_and_the_environments(server, tmp_path):
     # Before: preflight accepted these arguments but scoring never passed them: the first group failed the run.
     prompts = [{"prompt": [{"role": "user", "content": "Count."}], "target": target} for target in (2, 3, 2)]
-    config = _config(num_generations=2, max_tool_calling_iterations=1, loop_class="rollout_helpers:ScriptedToolLoop",
-                     environment_factory="rollout_helpers:CounterEnv", reward_functions=["rollout_helpers:state_reward"],
-                     dataset="rollout_helpers:rows_of", dataset_kwargs={"rows": prompts})
+    config = _config(
+        num_generations=2,
+        max_tool_calling_iterations=1,
+        loop_class="rollout_helpers:ScriptedToolLoop",
+        environment_factory="rollout_helpers:CounterEnv",
+        reward_functions=["rollout_helpers:state_reward"],
+        dataset="rollout_helpers:rows_of",
+        dataset_kwargs={"rows": prompts},
+    )
     resume = ResumeState(policy_version=3, step=7)
     with rollout(server, tmp_path, config, resume=resume) as source:
         holds_version(server.url, 3)
@@ -270,9 +317,13 @@ def test_reward_functions_get_trainer_state_log_metric_and_the_environments(serv
 
 
 def test_environment_owns_the_data_without_a_dataset(server, tmp_path):
-    config = _config(num_generations=4, dataset_size=3, max_tool_calling_iterations=1,
-                     loop_class="rollout_helpers:ScriptedToolLoop",
-                     environment_factory="rollout_helpers:SelfSampledCounterEnv")
+    config = _config(
+        num_generations=4,
+        dataset_size=3,
+        max_tool_calling_iterations=1,
+        loop_class="rollout_helpers:ScriptedToolLoop",
+        environment_factory="rollout_helpers:SelfSampledCounterEnv",
+    )
     with rollout(server, tmp_path, config) as source:
         samples, consumed, metrics = drain(source)
     assert sorted({s.prompt_index for s in samples} | set(consumed)) == [0, 1, 2]
@@ -312,8 +363,12 @@ def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
 
 
 def test_stalled_rollout_loop_fails_the_pull(server, tmp_path):
-    config = _config(rollout_worker_timeout_s=4, **rows(4), loop_class="rollout_helpers:StallLoop",
-                     reward_functions=["rollout_helpers:parity_reward"])
+    config = _config(
+        rollout_worker_timeout_s=4,
+        **rows(4),
+        loop_class="rollout_helpers:StallLoop",
+        reward_functions=["rollout_helpers:parity_reward"],
+    )
     with rollout(server, tmp_path, config) as source:
         source.wait_running()
         start = time.monotonic()
@@ -323,10 +378,18 @@ def test_stalled_rollout_loop_fails_the_pull(server, tmp_path):
 
 
 def test_config_file_with_a_reasoning_gym_dataset_and_a_trainer_that_did_not_start_the_process(server, tmp_path):
-    config = {"model": {"name": TINY}, "server": {"max_model_len": 512},
-              "rollout": {"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 3, "num_generations": 2,
-                          "max_completion_length": 8, "num_sampler_logprobs": 2,
-                          "reward_functions": ["rollout_helpers:parity_reward"]}}
+    config = {
+        "model": {"name": TINY},
+        "server": {"max_model_len": 512},
+        "rollout": {
+            "dataset": "reasoning_gym:basic_arithmetic",
+            "dataset_size": 3,
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "num_sampler_logprobs": 2,
+            "reward_functions": ["rollout_helpers:parity_reward"],
+        },
+    }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     started = start_rollout_process(tmp_path / "run.yaml", [server.url], tmp_path / "rollout", env=HELPERS_ENV)
     try:

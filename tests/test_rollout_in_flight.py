@@ -70,8 +70,14 @@ class _Handler(BaseHTTPRequestHandler):
                 srv.held += 1
             srv.release.wait(timeout=120)
         ids = [7] * body["max_tokens"]
-        choice = {"index": 0, "text": "x" * len(ids), "token_ids": ids, "prompt_token_ids": body["prompt"],
-                  "logprobs": {"token_logprobs": [-1.0] * len(ids)}, "finish_reason": "length"}
+        choice = {
+            "index": 0,
+            "text": "x" * len(ids),
+            "token_ids": ids,
+            "prompt_token_ids": body["prompt"],
+            "logprobs": {"token_logprobs": [-1.0] * len(ids)},
+            "finish_reason": "length",
+        }
         data = json.dumps({"choices": [choice]}).encode()
         try:
             self.send_response(200)
@@ -93,13 +99,15 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig(name="tiny-qwen3")))
 
 
-def run_until_blocked(tokenizer, rows, step_groups: float, answered_groups: int = 2,
-                      first_rollout_answered: bool = False, **rollout) -> tuple[int, RolloutLoop, int]:
+def run_until_blocked(
+    tokenizer, rows, step_groups: float, answered_groups: int = 2, first_rollout_answered: bool = False, **rollout
+) -> tuple[int, RolloutLoop, int]:
     """Drive a real loop against a :class:`HoldingServer` until it admits nothing more; returns the requests
     held, the loop, and the tokens of one group. The first ``answered_groups`` groups are answered at once,
     and with ``first_rollout_answered`` the first rollout of every group too."""
-    cfg = RolloutConfig(num_generations=G, max_completion_length=COMPLETION, num_sampler_logprobs=0,
-                        max_staleness=1, **rollout)
+    cfg = RolloutConfig(
+        num_generations=G, max_completion_length=COMPLETION, num_sampler_logprobs=0, max_staleness=1, **rollout
+    )
     answer_now = {request_seed(cfg.seed, group, i, 0) for group in range(answered_groups) for i in range(G)}
     if first_rollout_answered:
         answer_now |= {request_seed(cfg.seed, group, 0, 0) for group in range(len(rows))}
@@ -107,23 +115,42 @@ def run_until_blocked(tokenizer, rows, step_groups: float, answered_groups: int 
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
     async def go():
-        client = GenerationClient(server.url, max_connections=cfg.max_concurrent_rollouts, timeout_s=300,
-                                  max_retries=0)
-        probe = RolloutLoop(cfg, LoopRuntime(tokenizer=tokenizer, server=None, model_name="m", max_model_len=256,
-                                             dataset=[], queue=None, allowance=TokenAllowance(1, 1)))
+        client = GenerationClient(server.url, max_connections=cfg.max_concurrent_rollouts, timeout_s=300, max_retries=0)
+        probe = RolloutLoop(
+            cfg,
+            LoopRuntime(
+                tokenizer=tokenizer,
+                server=None,
+                model_name="m",
+                max_model_len=256,
+                dataset=[],
+                queue=None,
+                allowance=TokenAllowance(1, 1),
+            ),
+        )
         prompt_tokens = len(probe.render([{"role": "user", "content": rows[0]["prompt"]}]))
         probe.executor.shutdown()
         group_tokens = G * (prompt_tokens + COMPLETION)
         allowance = TokenAllowance(cfg.max_staleness, int(step_groups * group_tokens))
-        runtime = LoopRuntime(tokenizer=tokenizer, server=ReplicaSet([client]), model_name="m", max_model_len=256,
-                              dataset=rows, queue=SampleQueue(allowance, with_topk=False), allowance=allowance,
-                              reward_functions=[keep_pattern])
+        runtime = LoopRuntime(
+            tokenizer=tokenizer,
+            server=ReplicaSet([client]),
+            model_name="m",
+            max_model_len=256,
+            dataset=rows,
+            queue=SampleQueue(allowance, with_topk=False),
+            allowance=allowance,
+            reward_functions=[keep_pattern],
+        )
         loop = RolloutLoop(cfg, runtime)
         task = asyncio.create_task(drive(loop))
         # Blocked: the first two groups are done, every started rollout sits at the server, and no group may start.
         for _ in range(12000):  # a guard against waiting forever, not a speed check
-            if (allowance.completed_groups == answered_groups and server.held == loop.unfinished_rollouts
-                    and (not allowance.may_start_group() or loop.unfinished_rollouts + G > loop.cap.cap)):
+            if (
+                allowance.completed_groups == answered_groups
+                and server.held == loop.unfinished_rollouts
+                and (not allowance.may_start_group() or loop.unfinished_rollouts + G > loop.cap.cap)
+            ):
                 break
             assert not task.done(), task.exception()
             await asyncio.sleep(0.01)
@@ -168,8 +195,9 @@ def test_a_groups_finished_rollouts_free_their_concurrency_slots(tokenizer):
     # Every group is kept and the allowance never binds; the cap is 6 rollouts. The server answers the first
     # rollout of each group and holds the second, so each group in flight has one unfinished rollout.
     rows = [{"prompt": "Count to 3.", "keep": True} for _ in range(200)]
-    held, loop, _ = run_until_blocked(tokenizer, rows, step_groups=1000, first_rollout_answered=True,
-                                      max_concurrent_rollouts=6)
+    held, loop, _ = run_until_blocked(
+        tokenizer, rows, step_groups=1000, first_rollout_answered=True, max_concurrent_rollouts=6
+    )
     # A group of 2 may start while unfinished + 2 <= 6: with n groups of one unfinished rollout each, n <= 4,
     # so 5 groups sit at the server, one request each.
     assert loop.cap.cap == 6 and held == 5

@@ -30,18 +30,34 @@ def pull_to_end(source: FlightSource, policy_version: int, seen: list, consumed:
 
 def test_server_killed_mid_run_retries_and_carries_on(tmp_path):
     port = free_port()
-    config = RunConfig(model={"name": TINY}, server={"max_model_len": 256, "port": port},
-                       rollout={"num_generations": 2, "max_completion_length": 8, "num_sampler_logprobs": 2,
-                                "max_retries": 8, "first_step_tokens": 40, "max_staleness": 1,
-                                "concurrency_poll_s": 0.5, "rollout_worker_timeout_s": 60,
-                                "dataset": "rollout_helpers:rows", "dataset_kwargs": {"n": 6},
-                                "reward_functions": ["rollout_helpers:parity_reward"]})
+    config = RunConfig(
+        model={"name": TINY},
+        server={"max_model_len": 256, "port": port},
+        rollout={
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "num_sampler_logprobs": 2,
+            "max_retries": 8,
+            "first_step_tokens": 40,
+            "max_staleness": 1,
+            "concurrency_poll_s": 0.5,
+            "rollout_worker_timeout_s": 60,
+            "dataset": "rollout_helpers:rows",
+            "dataset_kwargs": {"n": 6},
+            "reward_functions": ["rollout_helpers:parity_reward"],
+        },
+    )
     server = embedded_server(tmp_path / "first", port=port)
     handle = server.__enter__()
     helpers = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     started = start_rollout_process(config, [handle.url], tmp_path / "rollout", env={"PYTHONPATH": helpers})
-    source = FlightSource(started.wait_location(timeout_s=300), max_staleness=1, timeout_s=60,
-                          process=started.process, error_path=started.error_path)
+    source = FlightSource(
+        started.wait_location(timeout_s=300),
+        max_staleness=1,
+        timeout_s=60,
+        process=started.process,
+        error_path=started.error_path,
+    )
     seen, consumed = [], []
     try:
         first = source.pull(0, timeout_s=60)
@@ -70,23 +86,40 @@ def test_a_server_restarted_with_the_base_weights_is_reported_behind_not_sampled
     from grpo_core.auth import bearer_headers, run_token
 
     port = free_port()
-    config = RunConfig(model={"name": TINY}, server={"max_model_len": 256, "port": port},
-                       rollout={"num_generations": 2, "max_completion_length": 8, "max_retries": 2,
-                                "first_step_tokens": 40, "max_staleness": 1, "concurrency_poll_s": 0.5,
-                                "rollout_worker_timeout_s": 120, "dataset": "rollout_helpers:rows",
-                                "dataset_kwargs": {"n": 8}, "reward_functions": ["rollout_helpers:parity_reward"]})
+    config = RunConfig(
+        model={"name": TINY},
+        server={"max_model_len": 256, "port": port},
+        rollout={
+            "num_generations": 2,
+            "max_completion_length": 8,
+            "max_retries": 2,
+            "first_step_tokens": 40,
+            "max_staleness": 1,
+            "concurrency_poll_s": 0.5,
+            "rollout_worker_timeout_s": 120,
+            "dataset": "rollout_helpers:rows",
+            "dataset_kwargs": {"n": 8},
+            "reward_functions": ["rollout_helpers:parity_reward"],
+        },
+    )
     server = embedded_server(tmp_path / "first", port=port)
     handle = server.__enter__()
     auth = bearer_headers(run_token())
 
     def lift(version: int) -> None:  # what every full-weight sync's last call does
-        httpx.post(handle.url + "/grpo/stale", json={"stale": False, "version": version}, headers=auth,
-                   timeout=10).raise_for_status()
+        httpx.post(
+            handle.url + "/grpo/stale", json={"stale": False, "version": version}, headers=auth, timeout=10
+        ).raise_for_status()
 
     helpers = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
     started = start_rollout_process(config, [handle.url], tmp_path / "rollout", env={"PYTHONPATH": helpers})
-    source = FlightSource(started.wait_location(timeout_s=300), max_staleness=1, timeout_s=120,
-                          process=started.process, error_path=started.error_path)
+    source = FlightSource(
+        started.wait_location(timeout_s=300),
+        max_staleness=1,
+        timeout_s=120,
+        process=started.process,
+        error_path=started.error_path,
+    )
     seen, consumed, behind = [], [], []
     try:
         first = source.pull(0, timeout_s=60)

@@ -31,13 +31,18 @@ from grpo_core.serving.client import ServerMetrics
 
 
 def _rewards(funcs, size=3, **kwargs):
-    kwargs = {"prompts": [[]] * size, "completions": [[{"role": "assistant", "content": "x"}]] * size,
-              "completion_ids": [[2, 4], [3], [5, 6, 7]][:size], **kwargs}
+    kwargs = {
+        "prompts": [[]] * size,
+        "completions": [[{"role": "assistant", "content": "x"}]] * size,
+        "completion_ids": [[2, 4], [3], [5, 6, 7]][:size],
+        **kwargs,
+    }
     with ThreadPoolExecutor(2) as pool:
         return asyncio.run(call_reward_functions(funcs, kwargs, size, pool))
 
 
 # ----- rewards and advantages -------------------------------------------------------------------
+
 
 def test_sync_and_async_rewards_sum_and_none_is_skipped():
     sources = _rewards([h.length_reward, h.parity_reward, h.none_for_odd_rows], row_id=[1, 2, 3])
@@ -48,11 +53,14 @@ def test_sync_and_async_rewards_sum_and_none_is_skipped():
     assert np.isnan(only_none).all()
 
 
-@pytest.mark.parametrize("func, message, charged", [
-    (h.raising_reward, "reward function 'raising_reward' raised RuntimeError: boom", True),
-    (h.wrong_length_reward, "reward function 'wrong_length_reward' returned 4 rewards for a group of 3", False),
-    (h.needs_answer_column, "reward function 'needs_answer_column' cannot take the arguments", False),
-])
+@pytest.mark.parametrize(
+    "func, message, charged",
+    [
+        (h.raising_reward, "reward function 'raising_reward' raised RuntimeError: boom", True),
+        (h.wrong_length_reward, "reward function 'wrong_length_reward' returned 4 rewards for a group of 3", False),
+        (h.needs_answer_column, "reward function 'needs_answer_column' cannot take the arguments", False),
+    ],
+)
 def test_bad_reward_function_fails_naming_it(func, message, charged):
     # A failure inside the call is charged to rollout.max_failed_groups (UserCodeError); a misconfigured
     # function (wrong return length, wrong signature) is a plain RolloutError that fails the run at once.
@@ -102,6 +110,7 @@ def test_nan_reward_counts_as_unscored():
 
 # ----- turn reconciliation ---------------------------------------------------------------------
 
+
 def test_reconcile_extends_when_prefix_kept_and_forks_otherwise():
     t1 = TurnRecord([1, 2, 3], [10, 11], [-0.1, -0.2], output_sampler_logprobs=[{10: -0.1}, {11: -0.2}])
     t2 = TurnRecord([1, 2, 3, 10, 11, 7, 8], [12], [-0.3], output_sampler_logprobs=[{12: -0.3}])
@@ -125,6 +134,7 @@ def test_group_tokens_are_raw_sample_tokens():
 
 
 # ----- pace --------------------------------------------------------------------------------------
+
 
 def test_token_allowance_one_group_until_first_completes_then_tokens():
     a = TokenAllowance(max_staleness=2, first_step_tokens=1000)
@@ -196,6 +206,7 @@ def test_concurrency_cap_falls_on_high_kv_usage_and_rises_when_idle():
         assert loop.cap.cap == 100, "no /metrics: the ceiling"
         metrics = loop.window.drain()
         assert metrics["rollout/concurrency_cap"] > 0 and "rollout/vllm_kv_cache_usage_frac" in metrics
+
     asyncio.run(go())
 
 
@@ -210,10 +221,12 @@ def test_concurrency_cap_blocks_acquire_above_cap():
         assert not waiter.done()
         await cap.release()
         await asyncio.wait_for(waiter, 1)
+
     asyncio.run(go())
 
 
 # ----- data and resume ---------------------------------------------------------------------------
+
 
 def test_prompt_stream_epochs_positions_and_resume_start():
     rows = h.rows(3)
@@ -242,9 +255,12 @@ def test_reasoning_gym_adapter_scores_answers():
 
 # ----- tools and environments ----------------------------------------------------------------------
 
+
 def test_parse_tool_calls():
-    text = ('I will call. <tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call>'
-            '<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}</tool_call><tool_call>not json</tool_call>')
+    text = (
+        'I will call. <tool_call>\n{"name": "increment", "arguments": {"step": 2}}\n</tool_call>'
+        '<tool_call>{"name": "x", "arguments": "{\\"a\\": 1}"}</tool_call><tool_call>not json</tool_call>'
+    )
     calls = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in calls[:2]] == [("increment", {"step": 2}), ("x", {"a": 1})]
     assert calls[2].error and parse_tool_calls("no calls") == []
@@ -264,9 +280,11 @@ def test_unknown_and_raising_tools_become_tool_errors_and_are_counted():
 
     tools = {t.__name__: t for t in [*environment_tools(env), broken]}
     window = MetricWindow()
-    calls = parse_tool_calls('<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
-                             '<tool_call>{"name": "fly", "arguments": {}}</tool_call>'
-                             '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>')
+    calls = parse_tool_calls(
+        '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>'
+        '<tool_call>{"name": "fly", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
+    )
     with ThreadPoolExecutor(1) as pool:
         messages, failures = asyncio.run(run_tool_calls(calls, tools, pool, window))
     assert env.counter == 2 and failures == 2
@@ -290,8 +308,10 @@ def test_hanging_tool_becomes_a_tool_error_after_its_timeout():
         return "done"
 
     window = MetricWindow()
-    calls = parse_tool_calls('<tool_call>{"name": "sleepy", "arguments": {"seconds": 5}}</tool_call>'
-                             '<tool_call>{"name": "sleepy", "arguments": {"seconds": 0}}</tool_call>')
+    calls = parse_tool_calls(
+        '<tool_call>{"name": "sleepy", "arguments": {"seconds": 5}}</tool_call>'
+        '<tool_call>{"name": "sleepy", "arguments": {"seconds": 0}}</tool_call>'
+    )
     pool = ThreadPoolExecutor(2)  # not waited for: the hung call keeps its thread until it returns
     messages, failures = asyncio.run(run_tool_calls(calls, {"sleepy": sleepy}, pool, window, timeout_s=0.3))
     pool.shutdown(wait=False)
@@ -313,6 +333,7 @@ def test_environment_routing_exposes_only_its_tools():
 
 # ----- config, pickling -------------------------------------------------------------------------
 
+
 def test_loop_class_and_its_config_subclass_from_config():
     cfg = RunConfig(rollout={"loop_class": "rollout_helpers:CurriculumLoop", "loop_options": {"pass_rate_cap": 0.7}})
     cls, config = loop_class_and_config(cfg.rollout)
@@ -332,9 +353,12 @@ def test_config_checks_name_the_field():
 
 
 def test_the_rollout_process_gets_only_its_sub_config_from_the_owners():
-    cfg = RunConfig(model={"name": "tiny-qwen3"}, server={"max_model_len": 4608, "served_model_name": "served"},
-                    train={"lora": {"enabled": True, "name": "pol"}},
-                    tracking={"log_completions": True, "num_completions_to_print": 3})
+    cfg = RunConfig(
+        model={"name": "tiny-qwen3"},
+        server={"max_model_len": 4608, "served_model_name": "served"},
+        train={"lora": {"enabled": True, "name": "pol"}},
+        tracking={"log_completions": True, "num_completions_to_print": 3},
+    )
     sub = cfg.rollout_process()
     assert (sub.served_model_name, sub.max_model_len, sub.adapter_name) == ("served", 4608, "pol")
     assert (sub.log_completions, sub.num_completions_to_print) == (True, 3) and sub.rollout == cfg.rollout
@@ -363,12 +387,26 @@ def test_candidate_sets_and_topk_reach_the_sample_arrow_encoding():
     from grpo_core.rollout.scoring import group_samples
     from grpo_core.rollout.types import Rollout, RolloutGroup
 
-    turn = TurnRecord([1, 2], [5, 6], [-0.5, -0.25], output_sampling_mask=[[5, 7], [6]],
-                      output_sampler_logprobs=[{5: -0.5, 7: -1.0}, {6: -0.25}])
+    turn = TurnRecord(
+        [1, 2],
+        [5, 6],
+        [-0.5, -0.25],
+        output_sampling_mask=[[5, 7], [6]],
+        output_sampler_logprobs=[{5: -0.5, 7: -1.0}, {6: -0.25}],
+    )
     seqs, _ = reconcile_turns([turn])
     rollout = Rollout(completion=[], completion_ids=[5, 6], turns=[turn])
-    group = RolloutGroup(prompt_index=7, row_index=7, epoch=0, row={}, prompts=[[]], rollouts=[rollout],
-                         sequences=[seqs], policy_version=2, rewards=np.array([1.0]))
+    group = RolloutGroup(
+        prompt_index=7,
+        row_index=7,
+        epoch=0,
+        row={},
+        prompts=[[]],
+        rollouts=[rollout],
+        sequences=[seqs],
+        policy_version=2,
+        rewards=np.array([1.0]),
+    )
     (sample,) = samples_from_arrow(samples_to_arrow(group_samples(group, np.array([0.5]), with_topk=True)))
     assert sample.group_id == sample.prompt_index == 7 and sample.policy_version == 2 and sample.advantage == 0.5
     ids, _ = sample.sampling_mask.entry(2)
@@ -380,8 +418,16 @@ def test_candidate_sets_and_topk_reach_the_sample_arrow_encoding():
 def test_lora_runs_sample_the_adapter_of_the_group_version():
     from grpo_core.rollout import LoopRuntime, RolloutLoop
 
-    runtime = LoopRuntime(tokenizer=None, server=None, model_name="base", max_model_len=64, dataset=[], queue=None,
-                          allowance=TokenAllowance(1, 10), lora_name="policy")
+    runtime = LoopRuntime(
+        tokenizer=None,
+        server=None,
+        model_name="base",
+        max_model_len=64,
+        dataset=[],
+        queue=None,
+        allowance=TokenAllowance(1, 10),
+        lora_name="policy",
+    )
     loop = RolloutLoop(RunConfig().rollout, runtime)
     assert loop.served_model(0) == "base" and loop.served_model(3) == "policy-v3"
     loop.executor.shutdown()
@@ -392,14 +438,27 @@ def test_completion_table_rows_lead_with_prompt_completion_reward_and_advantage(
     from grpo_core.rollout.types import Rollout, RolloutGroup
 
     turn = TurnRecord([1, 2], [5, 6], [-0.5, -0.25])
-    rollouts = [Rollout(completion=[{"role": "assistant", "content": f"c{i}"}], completion_ids=[5, 6], turns=[turn])
-                for i in range(2)]
-    group = RolloutGroup(prompt_index=3, row_index=3, epoch=0, row={}, prompts=[[{"role": "user", "content": "p"}]] * 2,
-                         rollouts=rollouts, sequences=[[], []], policy_version=1, rewards=np.array([1.0, 0.0]))
+    rollouts = [
+        Rollout(completion=[{"role": "assistant", "content": f"c{i}"}], completion_ids=[5, 6], turns=[turn])
+        for i in range(2)
+    ]
+    group = RolloutGroup(
+        prompt_index=3,
+        row_index=3,
+        epoch=0,
+        row={},
+        prompts=[[{"role": "user", "content": "p"}]] * 2,
+        rollouts=rollouts,
+        sequences=[[], []],
+        policy_version=1,
+        rewards=np.array([1.0, 0.0]),
+    )
     group.source_rewards = {"acc": np.array([1.0, 0.0])}
     rows = completion_rows(group, np.array([0.5, -0.5]))
     # The MLflow UI shows a logged table's columns in this order and cuts off the right-hand ones.
     assert [list(r)[:5] for r in rows] == [["prompt", "completion", "reward", "advantage", "reward/acc"]] * 2
-    assert [(r["prompt"], r["completion"], r["reward"], r["advantage"]) for r in rows] == \
-        [("p", "c0", 1.0, 0.5), ("p", "c1", 0.0, -0.5)]
+    assert [(r["prompt"], r["completion"], r["reward"], r["advantage"]) for r in rows] == [
+        ("p", "c0", 1.0, 0.5),
+        ("p", "c1", 0.0, -0.5),
+    ]
     assert rows[0]["prompt_index"] == 3 and rows[0]["policy_version"] == 1 and rows[0]["completion_tokens"] == 2

@@ -93,18 +93,26 @@ def test_with_every_replica_down_each_retry_tries_the_next_replica():
     assert policy.choose("a") == (0, HIT)
 
 
-@pytest.mark.parametrize("status, text, reads_storage, final", [
-    (None, "connection refused", False, False),  # no answer: the replica may be restarting
-    (503, "fenced", False, False), (500, "internal", True, False),
-    (429, "too many requests", False, False), (408, "request timeout", True, False),  # HTTP: come back later
-    (400, "mode must be one of keep, wait, abort", False, True),  # /pause?mode=bogus: the same on every retry
-    (404, "Not Found", False, True),  # a route the server does not have (vLLM without dev mode)
-    (401, "Unauthorized", True, True), (403, "outside the adapter folder", True, True), (422, "invalid", True, True),
-    (400, "adapter folder doesn't contain tensors", True, False),  # shared storage lags: retried
-    (404, "No adapter found for s3://b/policy-v3", True, False),
-    (404, "Not Found", True, True),  # vLLM started without runtime LoRA updating: the route is missing
-    (400, "The lora adapter 'policy-v3' has already been loaded.", True, True),
-    (409, "conflict", True, True)])
+@pytest.mark.parametrize(
+    "status, text, reads_storage, final",
+    [
+        (None, "connection refused", False, False),  # no answer: the replica may be restarting
+        (503, "fenced", False, False),
+        (500, "internal", True, False),
+        (429, "too many requests", False, False),
+        (408, "request timeout", True, False),  # HTTP: come back later
+        (400, "mode must be one of keep, wait, abort", False, True),  # /pause?mode=bogus: the same on every retry
+        (404, "Not Found", False, True),  # a route the server does not have (vLLM without dev mode)
+        (401, "Unauthorized", True, True),
+        (403, "outside the adapter folder", True, True),
+        (422, "invalid", True, True),
+        (400, "adapter folder doesn't contain tensors", True, False),  # shared storage lags: retried
+        (404, "No adapter found for s3://b/policy-v3", True, False),
+        (404, "Not Found", True, True),  # vLLM started without runtime LoRA updating: the route is missing
+        (400, "The lora adapter 'policy-v3' has already been loaded.", True, True),
+        (409, "conflict", True, True),
+    ],
+)
 def test_which_control_refusals_are_retried(status, text, reads_storage, final):
     from grpo_core.serving.routing import refusal_is_final
 
@@ -115,11 +123,21 @@ def test_which_control_refusals_are_retried(status, text, reads_storage, final):
 
 
 def _config(log_dir, lora_rank: int, store_url: str) -> RunConfig:
-    return RunConfig(model=ModelConfig(name=TINY), server={
-        "backend": "embedded", "port": 0, "embedded_num_threads": 1, "max_model_len": 256, "max_num_seqs": 64,
-        "log_dir": log_dir, "startup_timeout_s": 180, "num_replicas": 3},
+    return RunConfig(
+        model=ModelConfig(name=TINY),
+        server={
+            "backend": "embedded",
+            "port": 0,
+            "embedded_num_threads": 1,
+            "max_model_len": 256,
+            "max_num_seqs": 64,
+            "log_dir": log_dir,
+            "startup_timeout_s": 180,
+            "num_replicas": 3,
+        },
         rollout={"max_completion_length": 64, "num_sampler_logprobs": 4},
-        train={"adapter_store": store_url, "lora": {"enabled": True, "r": lora_rank}})
+        train={"adapter_store": store_url, "lora": {"enabled": True, "r": lora_rank}},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +150,11 @@ def store_url(tmp_path_factory) -> str:
 def replicas(tmp_path_factory, store_url):
     """Three embedded replicas; the third accepts LoRA ranks up to 8 only (it refuses a rank-16 adapter)."""
     log_dir = tmp_path_factory.mktemp("replicas")
-    specs = [embedded_command(_config(log_dir, 16, store_url), 0), embedded_command(_config(log_dir, 16, store_url), 1),
-             embedded_command(_config(log_dir, 8, store_url), 2)]
+    specs = [
+        embedded_command(_config(log_dir, 16, store_url), 0),
+        embedded_command(_config(log_dir, 16, store_url), 1),
+        embedded_command(_config(log_dir, 8, store_url), 2),
+    ]
     token = ensure_run_token()  # the replicas check it; the clients send it (GRPO_RUN_TOKEN)
     handles = [launch(spec, token) for spec in specs]
     try:
@@ -145,8 +166,12 @@ def replicas(tmp_path_factory, store_url):
 
 
 async def _group(rs: ReplicaSet, key, n: int, tokens: int = T) -> list:
-    outs = await asyncio.gather(*(rs.complete(PROMPT, affinity_key=key, model=TINY, max_tokens=tokens, seed=i,
-                                              ignore_eos=True) for i in range(n)))
+    outs = await asyncio.gather(
+        *(
+            rs.complete(PROMPT, affinity_key=key, model=TINY, max_tokens=tokens, seed=i, ignore_eos=True)
+            for i in range(n)
+        )
+    )
     return [o[0] for o in outs]
 
 
@@ -163,6 +188,7 @@ def test_affinity_sends_each_group_to_one_replica(replicas):
                 delta = [generated(u) - b for u, b in zip(urls, before)]
                 served.append([i for i, d in enumerate(delta) if d])
                 amounts.append(sorted(delta))
+
     served, amounts = [], []
     run(go())
     assert served == [[0], [1], [2], [0], [1], [2]]
@@ -182,6 +208,7 @@ def test_skewed_load_spills_to_the_least_loaded(replicas):
     async def go():
         async with ReplicaSet(urls, route_imbalance=8, sink=window) as rs:
             return await _group(rs, "hot", 12)
+
     outs = run(go())
     assert all(len(o.token_ids) == T for o in outs)
     assert [generated(u) - b for u, b in zip(urls, before)] == [10 * T, T, T]
@@ -206,8 +233,9 @@ def _adapter(path, rank: int) -> str:
 
     torch.manual_seed(rank)
     base = load_model(ModelConfig(name=TINY))[0]
-    get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
-                                    init_lora_weights=False)).save_pretrained(path)
+    get_peft_model(
+        base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -219,8 +247,10 @@ def _answers(url: str) -> bool:
 
 
 def listed(url: str) -> list[str]:
-    return [card["id"] for card in httpx.get(url + "/v1/models", headers=bearer_headers(run_token()),
-                                             timeout=10).json()["data"]]
+    return [
+        card["id"]
+        for card in httpx.get(url + "/v1/models", headers=bearer_headers(run_token()), timeout=10).json()["data"]
+    ]
 
 
 def test_adapter_load_is_all_or_nothing(replicas, store_url, tmp_path):
@@ -230,14 +260,21 @@ def test_adapter_load_is_all_or_nothing(replicas, store_url, tmp_path):
     async def go():
         async with ReplicaSet(urls, control_retry_s=0.2, control_timeout_s=1.0) as rs:
             with pytest.raises(ControlFanOutError) as refused:
-                await rs.fan_out("load policy-v2", lambda c: c.load_lora_adapter("policy-v2", wide),
-                                 undo=lambda c: c.unload_lora_adapter("policy-v2"))
+                await rs.fan_out(
+                    "load policy-v2",
+                    lambda c: c.load_lora_adapter("policy-v2", wide),
+                    undo=lambda c: c.unload_lora_adapter("policy-v2"),
+                )
             after_refusal = [listed(u) for u in urls]
-            await rs.fan_out("load policy-v1", lambda c: c.load_lora_adapter("policy-v1", narrow),
-                             undo=lambda c: c.unload_lora_adapter("policy-v1"))
+            await rs.fan_out(
+                "load policy-v1",
+                lambda c: c.load_lora_adapter("policy-v1", narrow),
+                undo=lambda c: c.unload_lora_adapter("policy-v1"),
+            )
             loaded = [listed(u) for u in urls]
             await rs.fan_out("unload policy-v1", lambda c: c.unload_lora_adapter("policy-v1"))
             return refused.value, after_refusal, loaded
+
     refused, after_refusal, loaded = run(go())
     assert list(refused.failed) == [urls[2]] and sorted(refused.rolled_back) == sorted(urls[:2])
     assert after_refusal == [[TINY]] * 3, "rollback leaves no replica on the new version"
@@ -257,9 +294,14 @@ def test_adapter_load_retries_until_the_store_shows_it(replicas, store_url, tmp_
 
     async def go():
         async with ReplicaSet(urls, control_retry_s=0.2, control_timeout_s=120) as rs:
-            load = asyncio.create_task(rs.fan_out("load policy-v5", lambda c: c.load_lora_adapter("policy-v5", url),
-                                                  undo=lambda c: c.unload_lora_adapter("policy-v5"),
-                                                  reads_storage=True))
+            load = asyncio.create_task(
+                rs.fan_out(
+                    "load policy-v5",
+                    lambda c: c.load_lora_adapter("policy-v5", url),
+                    undo=lambda c: c.unload_lora_adapter("policy-v5"),
+                    reads_storage=True,
+                )
+            )
             await asyncio.sleep(1.5)
             waiting = not load.done()
             await asyncio.to_thread(store.publish, local, "policy-v5")
@@ -270,6 +312,7 @@ def test_adapter_load_retries_until_the_store_shows_it(replicas, store_url, tmp_
             base = (await rs.clients[0].complete(PROMPT, model=TINY, **greedy))[0]
             await rs.fan_out("unload policy-v5", lambda c: c.unload_lora_adapter("policy-v5"))
             return waiting, names, adapted, base
+
     waiting, names, adapted, base = run(go())
     assert waiting, "the load must not succeed before the store shows the adapter"
     assert names == [[TINY, "policy-v5"]] * 3
@@ -286,9 +329,13 @@ def test_a_refusal_no_retry_changes_fails_the_fan_out_at_once(replicas, caplog):
     async def go():
         async with ReplicaSet(urls, control_retry_s=0.2, control_timeout_s=600) as rs:
             with pytest.raises(ControlFanOutError) as refused:
-                await rs.fan_out("load outside", lambda c: c.load_lora_adapter("outside", "/etc"),
-                                 undo=lambda c: c.unload_lora_adapter("outside"))
+                await rs.fan_out(
+                    "load outside",
+                    lambda c: c.load_lora_adapter("outside", "/etc"),
+                    undo=lambda c: c.unload_lora_adapter("outside"),
+                )
             return refused.value
+
     with caplog.at_level("WARNING", logger="grpo_core.serving.routing"):
         refused = run(go())
     assert sorted(refused.failed) == sorted(urls) and not refused.rolled_back
@@ -328,6 +375,7 @@ def test_replica_killed_mid_run_is_routed_around_and_rejoins(replicas):
             for g in range(3):
                 await _group(rs, ("after", g), 4)
             return outs, down_while_dead, generated(urls[1]) - before
+
     victim_start = generated(urls[1])
     outs, down_while_dead, after = run(go())
     with pytest.raises(ProcessLookupError):
@@ -340,25 +388,38 @@ def test_replica_killed_mid_run_is_routed_around_and_rejoins(replicas):
 
 
 def test_router_cli_help_is_instant():
-    out = subprocess.run([os.sys.executable, "-m", "grpo_core.serving.router", "--help"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [os.sys.executable, "-m", "grpo_core.serving.router", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "--url" in out.stdout
 
 
 def _router(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([os.sys.executable, "-m", "grpo_core.serving.router", *args], capture_output=True, text=True,
-                          timeout=60, env=env)
+    return subprocess.run(
+        [os.sys.executable, "-m", "grpo_core.serving.router", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--url", "ftp://gpu-1"], "--url: 'ftp://gpu-1' is not an http(s) base URL; write e.g. 'http://gpu-1:8000'"),
-    (["--url", "http://gpu-1:8000", "--url", "http://GPU-1:8000/"],
-     "--url lists one server twice ('http://gpu-1:8000' and 'http://GPU-1:8000/'): give each replica once"),
-    (["--url", "http://gpu-1:8000/v1"], "--url: 'http://gpu-1:8000/v1' ends in /v1"),
-    (["--url", "http://gpu-1:8000", "--route-imbalance", "-1", "--control-timeout-s", "0"],
-     "--route-imbalance: Input should be greater than or equal to 0; --control-timeout-s: Input should be greater "
-     "than 0"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--url", "ftp://gpu-1"], "--url: 'ftp://gpu-1' is not an http(s) base URL; write e.g. 'http://gpu-1:8000'"),
+        (
+            ["--url", "http://gpu-1:8000", "--url", "http://GPU-1:8000/"],
+            "--url lists one server twice ('http://gpu-1:8000' and 'http://GPU-1:8000/'): give each replica once",
+        ),
+        (["--url", "http://gpu-1:8000/v1"], "--url: 'http://gpu-1:8000/v1' ends in /v1"),
+        (
+            ["--url", "http://gpu-1:8000", "--route-imbalance", "-1", "--control-timeout-s", "0"],
+            "--route-imbalance: Input should be greater than or equal to 0; --control-timeout-s: Input should be greater "
+            "than 0",
+        ),
+    ],
+)
 def test_router_cli_refuses_bad_arguments_in_one_line_naming_the_flag(args, says):
     out = _router([*args, "--port", "0"], {**os.environ, "GRPO_RUN_TOKEN": "t"})
     last = out.stderr.strip().splitlines()[-1]
@@ -372,10 +433,12 @@ def test_router_cli_on_a_taken_port_without_a_token_or_in_front_of_itself_says_s
     env = {k: v for k, v in os.environ.items() if k not in ("GRPO_RUN_TOKEN", "GRPO_SERVER_API_KEY")}
     bare = _router(["--url", "http://127.0.0.1:9", "--port", "0"], env)
     assert bare.returncode == 1 and bare.stderr.strip().startswith(
-        "neither GRPO_RUN_TOKEN nor GRPO_SERVER_API_KEY is set"), bare.stderr
+        "neither GRPO_RUN_TOKEN nor GRPO_SERVER_API_KEY is set"
+    ), bare.stderr
     accented = _router(["--url", "http://127.0.0.1:9", "--port", "0"], {**env, "GRPO_SERVER_API_KEY": "tök-secret"})
     assert accented.returncode == 1 and accented.stderr.strip().startswith(
-        "GRPO_SERVER_API_KEY: it holds 1 character(s) an HTTP header cannot carry"), accented.stderr
+        "GRPO_SERVER_API_KEY: it holds 1 character(s) an HTTP header cannot carry"
+    ), accented.stderr
     assert "Traceback" not in accented.stderr and "tök-secret" not in accented.stderr
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -388,7 +451,8 @@ def test_router_cli_on_a_taken_port_without_a_token_or_in_front_of_itself_says_s
     self_loop = _router(["--url", f"http://localhost:{port}", "--port", str(port)], {**env, "GRPO_SERVER_API_KEY": "k"})
     assert self_loop.returncode == 2 and self_loop.stderr.strip().splitlines()[-1] == (
         f"python -m grpo_core.serving.router: error: --url: 'http://localhost:{port}' is this router "
-        f"(127.0.0.1:{port}); give the replicas' URLs"), self_loop.stderr
+        f"(127.0.0.1:{port}); give the replicas' URLs"
+    ), self_loop.stderr
 
 
 def test_external_servers_that_refuse_the_runs_token_fail_the_start_naming_the_setting(replicas):
@@ -401,8 +465,9 @@ def test_external_servers_that_refuse_the_runs_token_fail_the_start_naming_the_s
     assert wait_external(ServerConfig(urls=urls, startup_timeout_s=30)) == urls  # the replicas' token: accepted
     with pytest.raises(ConfigError) as info:
         wait_external(ServerConfig(urls=urls, api_key="not-their-key-123", startup_timeout_s=30))
-    assert str(info.value).startswith(f"server.urls: {urls[0]} refuses the bearer token this run sends (HTTP 401); "
-                                      "set server.api_key") and "not-their-key-123" not in str(info.value)
+    assert str(info.value).startswith(
+        f"server.urls: {urls[0]} refuses the bearer token this run sends (HTTP 401); set server.api_key"
+    ) and "not-their-key-123" not in str(info.value)
 
 
 def test_router_with_a_token_the_replicas_refuse_does_not_start(replicas):
@@ -410,9 +475,14 @@ def test_router_with_a_token_the_replicas_refuse_does_not_start(replicas):
     env = {**{k: v for k, v in os.environ.items() if k != "GRPO_SERVER_API_KEY"}, "GRPO_RUN_TOKEN": "not-theirs"}
     out = _router([a for h in replicas for a in ("--url", h.url)] + ["--port", "0"], env)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith(
-        f"{replicas[0].url} refuses the bearer token this router sends to the replicas (GRPO_RUN_TOKEN of the "
-        "router's environment)"), out.stderr
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"{replicas[0].url} refuses the bearer token this router sends to the replicas (GRPO_RUN_TOKEN of the "
+            "router's environment)"
+        )
+    ), out.stderr
 
 
 def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
@@ -453,10 +523,26 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
     replica (server counters), a LoRA load refused by one replica rolled back everywhere."""
     urls = [h.url for h in replicas]
     port_file = tmp_path / "router.port"
-    cmd = [os.sys.executable, "-m", "grpo_core.serving.router", "--port", "0", "--port-file", str(port_file),
-           "--control-retry-s", "0.2", "--control-timeout-s", "1"] + [a for u in urls for a in ("--url", u)]
-    proc = subprocess.Popen(cmd, env=dict(os.environ),  # GRPO_RUN_TOKEN: the router checks it and passes it on
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = [
+        os.sys.executable,
+        "-m",
+        "grpo_core.serving.router",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--control-retry-s",
+        "0.2",
+        "--control-timeout-s",
+        "1",
+    ] + [a for u in urls for a in ("--url", u)]
+    proc = subprocess.Popen(
+        cmd,
+        env=dict(os.environ),  # GRPO_RUN_TOKEN: the router checks it and passes it on
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while not (port_file.is_file() and port_file.read_text()):
             assert proc.poll() is None, "router exited at start"
@@ -467,8 +553,9 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
         assert httpx.get(base + "/v1/models", timeout=10, headers={"Authorization": "Bearer wrong"}).status_code == 401
         before = [generated(u) for u in urls]
         body = {"model": TINY, "prompt": PROMPT, "max_tokens": T, "ignore_eos": True}
-        answers = [httpx.post(base + "/v1/completions", json={**body, "seed": i}, headers=auth, timeout=60)
-                   for i in range(8)]
+        answers = [
+            httpx.post(base + "/v1/completions", json={**body, "seed": i}, headers=auth, timeout=60) for i in range(8)
+        ]
         assert [a.status_code for a in answers] == [200] * 8
         assert sorted(generated(u) - b for u, b in zip(urls, before)) == [0, 0, 8 * T]
         streamed = httpx.post(base + "/v1/completions", json={**body, "stream": True}, headers=auth, timeout=60)
@@ -477,24 +564,27 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
         assert 'grpo_router_requests_total{outcome="hit"} 8' in metrics
         assert all(f'grpo_router_inflight{{replica="{i}"}} 0' in metrics for i in range(3))
         wide = _published(store_url, tmp_path, "router-r16", 16)
-        refused = httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60,
-                             json={"lora_name": "policy-v9", "lora_path": wide})
+        refused = httpx.post(
+            base + "/v1/load_lora_adapter", headers=auth, timeout=60, json={"lora_name": "policy-v9", "lora_path": wide}
+        )
         assert refused.status_code == 502 and urls[2] in refused.json()["error"]["message"]
         assert [listed(u) for u in urls] == [[TINY]] * 3
         # every replica refuses alike (a path outside the adapter folder, 403 from each guard): the client's fault,
         # answered with that status as one server would, not as a gateway failure
-        outside = httpx.post(base + "/v1/load_lora_adapter", headers=auth, timeout=60,
-                             json={"lora_name": "outside", "lora_path": "/etc"})
+        outside = httpx.post(
+            base + "/v1/load_lora_adapter", headers=auth, timeout=60, json={"lora_name": "outside", "lora_path": "/etc"}
+        )
         assert outside.status_code == 403, outside.text
         assert all(f"{u}: ServerRequestError" in outside.json()["error"]["message"] for u in urls)
         assert [listed(u) for u in urls] == [[TINY]] * 3
         # bodies every replica would refuse alike: 400 at once, nothing fanned out (no retries for the timeout)
         for path, content, says in [
-                ("/v1/load_lora_adapter", b"[1, 2]", "must be a JSON object, got list"),
-                ("/v1/load_lora_adapter", b'{"lora_name": "x"}', "needs 'lora_path' (a non-empty string)"),
-                ("/v1/load_lora_adapter", b"", "needs 'lora_name' and 'lora_path'"),
-                ("/v1/unload_lora_adapter", b'{"lora_name": 7}', "needs 'lora_name'"),
-                ("/pause", b'"x"', "must be a JSON object, got str")]:
+            ("/v1/load_lora_adapter", b"[1, 2]", "must be a JSON object, got list"),
+            ("/v1/load_lora_adapter", b'{"lora_name": "x"}', "needs 'lora_path' (a non-empty string)"),
+            ("/v1/load_lora_adapter", b"", "needs 'lora_name' and 'lora_path'"),
+            ("/v1/unload_lora_adapter", b'{"lora_name": 7}', "needs 'lora_name'"),
+            ("/pause", b'"x"', "must be a JSON object, got str"),
+        ]:
             bad = httpx.post(base + path, headers=auth, content=content, timeout=60)
             assert bad.status_code == 400 and says in bad.json()["error"]["message"], (path, bad.text)
         # a query every replica refuses (400): not retried, as only calls that read shared storage are
@@ -511,8 +601,12 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
         assert twice.status_code == 400 and twice.text.count("has already been loaded") == 3, twice.text
         assert twice.text.count("(not retried: a 400 does not change)") == 3
         assert [listed(u) for u in urls] == [[TINY, "router-r4"]] * 3  # nothing rolled back: no replica took it
-        assert httpx.post(base + "/v1/unload_lora_adapter", headers=auth, timeout=60,
-                          json={"lora_name": "router-r4"}).status_code == 200
+        assert (
+            httpx.post(
+                base + "/v1/unload_lora_adapter", headers=auth, timeout=60, json={"lora_name": "router-r4"}
+            ).status_code
+            == 200
+        )
 
         async def through_client():  # the project's client with server.api_key, as the rollout talks to a remote set
             async with GenerationClient(base, api_key=run_token(), max_retries=0) as c:
@@ -521,6 +615,7 @@ def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, sto
                 with pytest.raises(ServerRequestError, match="server.api_key") as denied:
                     await c.models()
             return out, denied.value
+
         out, denied = run(through_client())
         assert len(out[0].token_ids) == T and denied.status == 401
     finally:
@@ -545,8 +640,16 @@ def test_rollout_groups_stick_to_one_replica_and_log_router_metrics(replicas):
 
     urls = [h.url for h in replicas]
     window = RolloutWindow()
-    runtime = LoopRuntime(tokenizer=None, server=ReplicaSet(urls, sink=window), model_name=TINY, max_model_len=256,
-                          dataset=[], queue=Queue(), allowance=TokenAllowance(1, 10_000), window=window)
+    runtime = LoopRuntime(
+        tokenizer=None,
+        server=ReplicaSet(urls, sink=window),
+        model_name=TINY,
+        max_model_len=256,
+        dataset=[],
+        queue=Queue(),
+        allowance=TokenAllowance(1, 10_000),
+        window=window,
+    )
     loop = RolloutLoop(RolloutConfig(num_generations=4, max_completion_length=6, num_sampler_logprobs=2), runtime)
     loop.render = lambda messages, schemas=None: PROMPT
     moved = []
@@ -557,6 +660,7 @@ def test_rollout_groups_stick_to_one_replica_and_log_router_metrics(replicas):
             await loop.run_group(prompt_index=100 + group, row_index=group, epoch=0, row={"prompt": "hi"})
             moved.append([i for i, (u, b) in enumerate(zip(urls, before)) if generated(u) > b])
         await runtime.server.aclose()
+
     run(go())
     loop.executor.shutdown()
     assert sorted(len(m) for m in moved) == [1, 1, 1] and sorted(m[0] for m in moved) == [0, 1, 2]

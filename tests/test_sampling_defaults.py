@@ -61,15 +61,43 @@ def test_every_request_carries_every_sampling_field():
         async with GenerationClient(f"http://127.0.0.1:{httpd.server_port}") as c:
             await c.complete([1, 2], model="m", max_tokens=5)
             await c.complete([1, 2], model="m", max_tokens=5, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=3)
+
     run(go())
     httpd.shutdown()
     neutral, tuned = bodies
-    assert {k: neutral[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                    "presence_penalty", "frequency_penalty", "max_tokens", "n", "seed")} == {
-        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 5, "n": 1, "seed": None}
-    assert (tuned["temperature"], tuned["top_k"], tuned["top_p"], tuned["min_p"], tuned["seed"]) == (0.7, 20, 0.9,
-                                                                                                    0.05, 3)
+    assert {
+        k: neutral[k]
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "max_tokens",
+            "n",
+            "seed",
+        )
+    } == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "max_tokens": 5,
+        "n": 1,
+        "seed": None,
+    }
+    assert (tuned["temperature"], tuned["top_k"], tuned["top_p"], tuned["min_p"], tuned["seed"]) == (
+        0.7,
+        20,
+        0.9,
+        0.05,
+        3,
+    )
 
 
 def _processed(logits: torch.Tensor, temperature: float, top_k: int) -> dict[int, float]:
@@ -94,11 +122,14 @@ def test_probe_names_the_temperature_and_top_k_the_server_used():
 
 
 def test_vllm_server_info_defaults_follow_the_generation_config_mode(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 20, "top_p": 0.8, "temperature": 0.7,
-                                                                 "repetition_penalty": 1.05}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"top_k": 20, "top_p": 0.8, "temperature": 0.7, "repetition_penalty": 1.05})
+    )
     info = {"vllm_config": {"model_config": {"generation_config": "auto", "override_generation_config": {"top_k": 5}}}}
-    assert server_default_sampling(info, tmp_path) == ("auto", {"top_k": 5, "top_p": 0.8, "temperature": 0.7,
-                                                                "repetition_penalty": 1.05})
+    assert server_default_sampling(info, tmp_path) == (
+        "auto",
+        {"top_k": 5, "top_p": 0.8, "temperature": 0.7, "repetition_penalty": 1.05},
+    )
     info["vllm_config"]["model_config"]["generation_config"] = "vllm"
     assert server_default_sampling(info, tmp_path) == ("vllm", {"top_k": 5})
 
@@ -119,10 +150,20 @@ def auto_server(tmp_path_factory):
     model_dir = root / "model"
     shutil.copytree(resolve_model_dir(ModelConfig(name=TINY)), model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"top_k": 3, "temperature": 0.5, "do_sample": True}))
-    config = RunConfig(model=ModelConfig(name=str(model_dir)), server={
-        "backend": "embedded", "port": 0, "embedded_num_threads": 1, "max_model_len": 128, "max_num_seqs": 8,
-        "log_dir": root, "startup_timeout_s": 180, "served_model_name": "auto"},
-                       rollout={"max_completion_length": 32})
+    config = RunConfig(
+        model=ModelConfig(name=str(model_dir)),
+        server={
+            "backend": "embedded",
+            "port": 0,
+            "embedded_num_threads": 1,
+            "max_model_len": 128,
+            "max_num_seqs": 8,
+            "log_dir": root,
+            "startup_timeout_s": 180,
+            "served_model_name": "auto",
+        },
+        rollout={"max_completion_length": 32},
+    )
     spec = embedded_command(config)
     spec.argv[spec.argv.index("--generation-config") + 1] = "auto"
     token = ensure_run_token()
@@ -142,10 +183,14 @@ def test_server_defaults_apply_only_to_omitted_fields_and_the_check_catches_them
     async def problems(client_class):
         async with client_class(handle.url, timeout_s=60) as c:
             return await sampling_problems(c, "auto", config.rollout, None, 8)
+
     old = run(problems(OmittingClient))
     assert old == ["top_k: 3 of the top 8 tokens are candidates but the config's top_k=0 allows 8"]
     assert run(problems(GenerationClient)) == []
-    for rollout in (config.rollout, RolloutConfig(temperature=0.7, top_k=5, max_completion_length=32)):  # explicit fields win over defaults
+    for rollout in (
+        config.rollout,
+        RolloutConfig(temperature=0.7, top_k=5, max_completion_length=32),
+    ):  # explicit fields win over defaults
         asyncio.run(check_server(handle.url, config.model_copy(update={"rollout": rollout})))
 
 

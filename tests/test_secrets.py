@@ -19,15 +19,17 @@ import pytest
 
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
-from grpo_core.redact import (MASK, SECRETS_ENV, RedactFilter, redact_argv, reveal, secret_values, write_private)
+from grpo_core.redact import MASK, SECRETS_ENV, RedactFilter, redact_argv, reveal, secret_values, write_private
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD, API_KEY, HF_TOKEN = "pw-Zq81xT", "key-Yv27sLm", "hf_Wn93kPd"
 
 
 def _config(**tracking) -> RunConfig:
-    return RunConfig(tracking={"tracking_uri": f"https://grpo:{PASSWORD}@mlflow.example:5000", **tracking},
-                     server={"extra_args": ["--api-key", API_KEY, f"--hf-token={HF_TOKEN}", "--max-num-seqs", "8"]})
+    return RunConfig(
+        tracking={"tracking_uri": f"https://grpo:{PASSWORD}@mlflow.example:5000", **tracking},
+        server={"extra_args": ["--api-key", API_KEY, f"--hf-token={HF_TOKEN}", "--max-num-seqs", "8"]},
+    )
 
 
 def _no_secret(text: str) -> bool:
@@ -36,8 +38,14 @@ def _no_secret(text: str) -> bool:
 
 def test_every_printed_form_of_a_config_masks_its_secrets():
     cfg = _config()
-    for text in (cfg.model_dump_json(), json.dumps(cfg.model_dump(mode="json")), repr(cfg), str(cfg),
-                 cfg.tracking.shown_tracking_uri(), cfg.tracking.resolved_ui_url()):
+    for text in (
+        cfg.model_dump_json(),
+        json.dumps(cfg.model_dump(mode="json")),
+        repr(cfg),
+        str(cfg),
+        cfg.tracking.shown_tracking_uri(),
+        cfg.tracking.resolved_ui_url(),
+    ):
         assert _no_secret(text), text
     shown = cfg.model_dump(mode="json")
     assert shown["tracking"]["tracking_uri"] == f"https://grpo:{MASK}@mlflow.example:5000"  # the host stays
@@ -79,8 +87,14 @@ def test_vllm_gets_api_key_and_token_by_environment_and_logs_a_redacted_command(
     from pydantic import SecretStr
 
     marker = tmp_path / "argv.json"
-    argv = [sys.executable, "-c", f"import sys, json; open({str(marker)!r}, 'w').write(json.dumps(sys.argv[1:]))",
-            "--ssl-password", SecretStr(PASSWORD), f"--db-secret={API_KEY}"]
+    argv = [
+        sys.executable,
+        "-c",
+        f"import sys, json; open({str(marker)!r}, 'w').write(json.dumps(sys.argv[1:]))",
+        "--ssl-password",
+        SecretStr(PASSWORD),
+        f"--db-secret={API_KEY}",
+    ]
     run = LaunchSpec(argv, {}, "embedded", 0, "127.0.0.1", 0, tmp_path / "log.txt")
     with caplog.at_level(logging.INFO, logger="grpo_core.serving.vllm"):
         handle = launch(run, "run-token-xyz")
@@ -88,8 +102,10 @@ def test_vllm_gets_api_key_and_token_by_environment_and_logs_a_redacted_command(
     assert json.loads(marker.read_text()) == ["--ssl-password", PASSWORD, f"--db-secret={API_KEY}"]
     assert "--ssl-password " + MASK in caplog.text and "--db-secret=" + MASK in caplog.text
     assert _no_secret(caplog.text) and "run-token-xyz" not in caplog.text
-    assert redact_argv(["--api-key", API_KEY, "--hf-token", "--enforce-eager"]) == \
-        f"--api-key {MASK} --hf-token --enforce-eager"
+    assert (
+        redact_argv(["--api-key", API_KEY, "--hf-token", "--enforce-eager"])
+        == f"--api-key {MASK} --hf-token --enforce-eager"
+    )
 
 
 def test_redact_filter_masks_forwarded_lines(caplog):
@@ -113,11 +129,28 @@ def mlflow_server(tmp_path):
     not need and that slow its start and stop on 2 cores)."""
     port = _free_port()
     log = (tmp_path / "mlflow-server.log").open("wb")
-    process = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                                "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-                                "--artifacts-destination", str(tmp_path / "server-artifacts")],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(480):
@@ -145,14 +178,32 @@ def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow
     from mlflow.tracking import MlflowClient
 
     uri = f"http://grpo:{PASSWORD}@127.0.0.1:{mlflow_server}"
-    sets = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}",
-            f"tracking.tracking_uri={uri}",
-            f"server.extra_args=[--api-key, {API_KEY}, --hf-token={HF_TOKEN}]", "train.max_steps=1",
-            "train.flush_partial_after_s=1", "rollout.dataset_size=4"]
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-           *(a for s in sets for a in ("--set", s))]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "400",
-           "OMP_NUM_THREADS": "1", "PREFECT_LOGGING_LEVEL": "DEBUG"}
+    sets = [
+        f"train.output_dir={tmp_path / 'runs'}",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+        f"tracking.tracking_uri={uri}",
+        f"server.extra_args=[--api-key, {API_KEY}, --hf-token={HF_TOKEN}]",
+        "train.max_steps=1",
+        "train.flush_partial_after_s=1",
+        "rollout.dataset_size=4",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs" / "tiny.yaml"),
+        *(a for s in sets for a in ("--set", s)),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",
+        "PREFECT_LOGGING_LEVEL": "DEBUG",
+    }
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

@@ -29,13 +29,23 @@ from grpo_core.serving.vllm import LaunchSpec, ServerHandle, provision, wait_hea
 
 # Every route of the embedded server but /health, each with a body that would change state if it got through.
 PROTECTED = [
-    ("GET", "/v1/models", None), ("POST", "/v1/completions", {"model": TINY, "prompt": [5, 6], "max_tokens": 2}),
-    ("GET", "/metrics", None), ("POST", "/pause", None), ("POST", "/resume", None), ("GET", "/is_paused", None),
-    ("GET", "/server_info", None), ("GET", "/get_world_size", None), ("POST", "/reset_prefix_cache", None),
-    ("POST", "/init_weight_transfer_engine", {}), ("POST", "/start_weight_update", {}),
-    ("POST", "/update_weights", {"update_info": {"path": "/nonexistent"}}), ("POST", "/finish_weight_update", None),
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"model": TINY, "prompt": [5, 6], "max_tokens": 2}),
+    ("GET", "/metrics", None),
+    ("POST", "/pause", None),
+    ("POST", "/resume", None),
+    ("GET", "/is_paused", None),
+    ("GET", "/server_info", None),
+    ("GET", "/get_world_size", None),
+    ("POST", "/reset_prefix_cache", None),
+    ("POST", "/init_weight_transfer_engine", {}),
+    ("POST", "/start_weight_update", {}),
+    ("POST", "/update_weights", {"update_info": {"path": "/nonexistent"}}),
+    ("POST", "/finish_weight_update", None),
     ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
-    ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}), ("GET", NONCE_PATH, None), ("GET", "/docs", None),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}),
+    ("GET", NONCE_PATH, None),
+    ("GET", "/docs", None),
 ]
 
 
@@ -76,6 +86,7 @@ def test_the_run_token_opens_every_route_and_the_nonce_is_this_launchs(server):
     async def go():
         async with GenerationClient(server.url, timeout_s=60) as c:  # the run's token from the environment
             return await c.complete([5, 6, 7], model=TINY, max_tokens=3), await c.server_info()
+
     (completion,), info = run(go())
     assert len(completion.token_ids) == 3 and info["backend"] == "embedded"
 
@@ -105,8 +116,11 @@ def test_adapters_and_weights_load_only_from_the_runs_folders(server, tmp_path):
     async def go():
         async with GenerationClient(server.url, timeout_s=60, max_retries=0) as c:
             errors = []
-            for name, path in (("out", str(outside)), ("dots", str(adapter_dir(server) / ".." / ".." / "x")),
-                               ("link", str(link))):
+            for name, path in (
+                ("out", str(outside)),
+                ("dots", str(adapter_dir(server) / ".." / ".." / "x")),
+                ("link", str(link)),
+            ):
                 with pytest.raises(ServerRequestError) as info:
                     await c.load_lora_adapter(name, path)
                 errors.append(info.value)
@@ -117,6 +131,7 @@ def test_adapters_and_weights_load_only_from_the_runs_folders(server, tmp_path):
             models = [m["id"] for m in await c.models()]
             await c.unload_lora_adapter("ours")
             return errors, weights.value, models
+
     errors, weights, models = run(go())
     assert all(e.status == 403 and "outside" in str(e) for e in errors) and weights.status == 403
     assert models == [TINY, "ours"]
@@ -163,8 +178,9 @@ def foreign():
 
 def test_a_fixed_port_taken_by_another_server_is_a_clear_error_and_nothing_is_sent(foreign, tmp_path):
     port = foreign.server_address[1]
-    config = RunConfig(model={"name": TINY}, server={"backend": "embedded", "port": port, "log_dir": tmp_path,
-                                                     "startup_timeout_s": 60})
+    config = RunConfig(
+        model={"name": TINY}, server={"backend": "embedded", "port": port, "log_dir": tmp_path, "startup_timeout_s": 60}
+    )
     with pytest.raises(PortInUseError, match=rf"127.0.0.1:{port} is already in use.*server.port"):
         provision(config)
     assert _Foreign.seen == []  # not even probed: no weights, no pause, nothing
@@ -195,13 +211,22 @@ def test_a_taken_port_of_a_later_replica_or_of_the_router_names_its_setting_and_
 
     taken, port = _taken_after_a_free_port()
     with taken:
-        config = RunConfig(model={"name": TINY}, server={"backend": "embedded", "port": port, "num_replicas": 2,
-                                                         "log_dir": tmp_path, "startup_timeout_s": 60})
+        config = RunConfig(
+            model={"name": TINY},
+            server={
+                "backend": "embedded",
+                "port": port,
+                "num_replicas": 2,
+                "log_dir": tmp_path,
+                "startup_timeout_s": 60,
+            },
+        )
         with pytest.raises(PortInUseError) as info:
             provision(config)
         assert str(info.value).startswith(f"127.0.0.1:{port + 1} is already in use")
-        assert str(info.value).endswith("set server.port (replica 1 listens on server.port + 1) to a free port "
-                                        "(0 = pick one)"), str(info.value)
+        assert str(info.value).endswith(
+            "set server.port (replica 1 listens on server.port + 1) to a free port (0 = pick one)"
+        ), str(info.value)
         router = config.server.model_copy(update={"router_port": port + 1, "port": 0})
         with pytest.raises(PortInUseError) as info:
             start_router(router, ["http://127.0.0.1:9"], token="t")
@@ -212,8 +237,16 @@ def test_a_taken_port_of_a_later_replica_or_of_the_router_names_its_setting_and_
 
 def _sleeper(port: int, tmp_path: Path, nonce: str = "ours") -> ServerHandle:
     """A live process of 'ours' that never listens, as a replica still loading while another server holds its port."""
-    spec = LaunchSpec([sys.executable, "-c", "import time; time.sleep(120)"], {}, "vllm", 0, "127.0.0.1", port,
-                      tmp_path / "sleeper.log", nonce=nonce)
+    spec = LaunchSpec(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        {},
+        "vllm",
+        0,
+        "127.0.0.1",
+        port,
+        tmp_path / "sleeper.log",
+        nonce=nonce,
+    )
     process = subprocess.Popen(spec.argv, start_new_session=True)
     return ServerHandle(spec, process)
 
@@ -223,8 +256,11 @@ def test_a_server_answering_on_our_port_is_never_adopted(who, foreign, server, t
     port = foreign.server_address[1] if who == "no guard" else int(server.url.rsplit(":", 1)[1])
     token = "another-run-token" if who == "another run" else run_token()
     handle = _sleeper(port, tmp_path)
-    reason = {"no guard": "does not report this launch's nonce", "another run": "refused this run's token",
-              "another launch": "does not report this launch's nonce"}[who]
+    reason = {
+        "no guard": "does not report this launch's nonce",
+        "another run": "refused this run's token",
+        "another launch": "does not report this launch's nonce",
+    }[who]
     with pytest.raises(PortInUseError, match=f"did not start \\(it {reason}\\)"):
         wait_healthy(handle, 60, token)
     assert handle.process.poll() is not None  # our replica was stopped
@@ -300,8 +336,12 @@ dist.destroy_process_group()
 def test_the_trainer_launcher_listens_on_loopback_only(tmp_path):
     """torchrun --standalone binds its stores on every interface; grpo_core.train.launch on 127.0.0.1 only."""
     (tmp_path / "probe.py").write_text(PROBE)
-    done = subprocess.run([sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "2",
-                           str(tmp_path / "probe.py")], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", "2", str(tmp_path / "probe.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
     assert line == "RESULT 3.0 ['127.0.0.1']"  # the ranks met (1 + 2), and nothing listens beyond loopback
@@ -330,6 +370,7 @@ def test_the_guard_loads_into_a_vllm_style_app_from_the_environment(monkeypatch)
             assert refused.status_code == 401 and paused == [] and health.status_code == 200
             assert (await http.get(NONCE_PATH, headers=ours)).json() == {"nonce": "n-1"}
             assert (await http.post("/pause", headers=ours)).status_code == 200 and paused == [True]
+
     run(go())
 
 
@@ -343,12 +384,19 @@ class _Rollout:
         from grpo_core.rollout.window import MetricWindow
 
         self.queue = SampleQueue(TokenAllowance(1, 100), with_topk=False)
-        samples = [Sample.build([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.7], sample_id=i, advantage=1.0 - 2 * i)
-                   for i in range(2)]
+        samples = [
+            Sample.build([1, 2, 3], [0, 1, 1], [0.0, -0.5, -0.7], sample_id=i, advantage=1.0 - 2 * i) for i in range(2)
+        ]
         self.queue.put_group(0, samples, tokens=6)
         self.shutdowns: list[bool] = []
-        self.server = RolloutFlightServer(f"grpc://127.0.0.1:{port}", self.queue, MetricWindow(), lambda: 0,
-                                          lambda: self.shutdowns.append(True), token=token)
+        self.server = RolloutFlightServer(
+            f"grpc://127.0.0.1:{port}",
+            self.queue,
+            MetricWindow(),
+            lambda: 0,
+            lambda: self.shutdowns.append(True),
+            token=token,
+        )
         self.location = f"grpc://127.0.0.1:{self.server.port}"
 
 
@@ -362,11 +410,16 @@ def test_the_rollout_flight_server_refuses_calls_without_the_run_token():
         client = flight.connect(rollout.location)
         for headers in ([], [(b"authorization", b"Bearer wrong")]):
             options = flight.FlightCallOptions(timeout=10, headers=headers)
-            calls = [lambda o=options: client.do_get(flight.Ticket(b'{"min_samples": 1, "wait_s": 0}'), o).read_all(),
-                     lambda o=options: list(client.do_action(flight.Action("shutdown", b"{}"), o)),
-                     lambda o=options: list(client.do_action(flight.Action("report", json.dumps(
-                         {"policy_version": 5, "tokens_consumed": 999}).encode()), o)),
-                     lambda o=options: list(client.list_actions(o))]
+            calls = [
+                lambda o=options: client.do_get(flight.Ticket(b'{"min_samples": 1, "wait_s": 0}'), o).read_all(),
+                lambda o=options: list(client.do_action(flight.Action("shutdown", b"{}"), o)),
+                lambda o=options: list(
+                    client.do_action(
+                        flight.Action("report", json.dumps({"policy_version": 5, "tokens_consumed": 999}).encode()), o
+                    )
+                ),
+                lambda o=options: list(client.list_actions(o)),
+            ]
             for call in calls:
                 with pytest.raises(flight.FlightUnauthenticatedError):
                     call()

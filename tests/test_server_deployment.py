@@ -55,8 +55,9 @@ def _listening(process) -> set[int]:
 
 
 def _servers_runs(api: Api, train_run_id: str) -> list[dict]:
-    response = api.http.post("/flow_runs/filter", json={"flow_runs": {"tags": {"all_": [
-        f"grpo-train-run:{train_run_id}"]}}})
+    response = api.http.post(
+        "/flow_runs/filter", json={"flow_runs": {"tags": {"all_": [f"grpo-train-run:{train_run_id}"]}}}
+    )
     response.raise_for_status()
     return response.json()
 
@@ -68,8 +69,11 @@ def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
     deployment = api.http.get("/deployments/name/grpo-servers/gpu").json()
     assert deployment["work_pool_name"] == SERVERS_POOL
     gpu_worker, train_worker = stack.workers[SERVERS_POOL], stack.workers[stack.pool]
-    params = with_changes(api.deployment("demo")["parameters"], train={"max_steps": 2, "save_steps": 2},
-                          server={"deployment": "grpo-servers/gpu", "num_replicas": 2})
+    params = with_changes(
+        api.deployment("demo")["parameters"],
+        train={"max_steps": 2, "save_steps": 2},
+        server={"deployment": "grpo-servers/gpu", "num_replicas": 2},
+    )
     response = api.run_deployment("demo", params)
     assert response.status_code in (200, 201), response.text
     train_id = response.json()["id"]
@@ -81,9 +85,11 @@ def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
             break
         time.sleep(0.3)
     servers = _servers_runs(api, train_id)
-    assert len(replicas) == 2, (f"found {len(replicas)} replica processes under the servers' worker; train run "
-                                f"{api.flow_run(train_id)['state']}\n{api.logs(train_id)[-3000:]}\nservers' runs "
-                                + "\n".join(f"{r['state']}\n{api.logs(r['id'])[-2000:]}" for r in servers))
+    assert len(replicas) == 2, (
+        f"found {len(replicas)} replica processes under the servers' worker; train run "
+        f"{api.flow_run(train_id)['state']}\n{api.logs(train_id)[-3000:]}\nservers' runs "
+        + "\n".join(f"{r['state']}\n{api.logs(r['id'])[-2000:]}" for r in servers)
+    )
     assert len(servers) == 1, servers
     server_run = api.flow_run(servers[0]["id"])
     infra_pid = int(str(server_run["infrastructure_pid"]).rsplit(":", 1)[-1])
@@ -96,8 +102,9 @@ def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
         assert gpu_worker.pid in {a.pid for a in p.parents()}
     published, deadline = [], time.monotonic() + 120
     while not published and time.monotonic() < deadline:  # published once both answer /health
-        published = api.http.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {
-            "any_": [server_run["id"]]}}}).json()
+        published = api.http.post(
+            "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [server_run["id"]]}}}
+        ).json()
         time.sleep(0.3)
     urls = [row["url"] for row in json.loads(published[0]["data"])]
     for p in replicas:  # each listens on a published port (the ports are bound before the URLs are published)
@@ -159,9 +166,16 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
     def stand_in() -> None:  # only its flow run is used: it stays Scheduled, never final
         pass
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [
-        *tiny_overrides(stack_tmp), f"server.work_pool={SERVERS_POOL}", "server.deployment=grpo-servers/gpu",
-        "server.lifeline_timeout_s=2", "server.startup_timeout_s=120"])
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            *tiny_overrides(stack_tmp),
+            f"server.work_pool={SERVERS_POOL}",
+            "server.deployment=grpo-servers/gpu",
+            "server.lifeline_timeout_s=2",
+            "server.startup_timeout_s=120",
+        ],
+    )
     gpu_worker, log = stack.workers[SERVERS_POOL], logging.getLogger("test")
     with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
         with get_client(sync_client=True) as client:
@@ -193,8 +207,12 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
         while _health(second.url) != 200:  # it listens before its model is loaded: a request may time out
             assert time.monotonic() < deadline, "the restarted replica never answered /health"
             time.sleep(0.2)
-        asked = httpx.post(second.url + "/v1/completions", timeout=30, json={"prompt": [1], "max_tokens": 1},
-                           headers={"Authorization": "Bearer token-2", "X-GRPO-Policy-Version": "3"})
+        asked = httpx.post(
+            second.url + "/v1/completions",
+            timeout=30,
+            json={"prompt": [1], "max_tokens": 1},
+            headers={"Authorization": "Bearer token-2", "X-GRPO-Policy-Version": "3"},
+        )
         assert asked.status_code == 503 and "PolicyVersionBehind" in asked.text and "base weights" in asked.text
         assert _health(second.url) == 503
         second_replicas = again
@@ -278,8 +296,9 @@ def test_a_replica_that_fails_to_start_again_is_retried_while_restarts_last(star
     monkeypatch.setattr(vllm_mod, "relaunch", relaunch)
     monkeypatch.setattr(vllm_mod, "wait_healthy", wait_healthy)
     monkeypatch.setattr("prefect.client.orchestration.get_client", lambda sync_client: lifeline)
-    cfg = RunConfig.model_validate({"server": {"start_retries": start_retries, "lifeline_timeout_s": 2,
-                                               "log_dir": str(tmp_path)}})
+    cfg = RunConfig.model_validate(
+        {"server": {"start_retries": start_retries, "lifeline_timeout_s": 2, "log_dir": str(tmp_path)}}
+    )
     procs = SimpleNamespace(servers=[SimpleNamespace(process=dead, url="http://127.0.0.1:9")], token="t")
     try:
         if start_retries == 1:
@@ -331,8 +350,9 @@ def test_the_lifeline_is_still_checked_while_a_replica_starts_again(tmp_path, mo
     monkeypatch.setattr(vllm_mod, "relaunch", relaunch)
     monkeypatch.setattr(vllm_mod, "wait_healthy", wait_healthy)
     monkeypatch.setattr("prefect.client.orchestration.get_client", lambda sync_client: lifeline)
-    cfg = RunConfig.model_validate({"server": {"start_retries": 1, "lifeline_timeout_s": 2, "startup_timeout_s": 600,
-                                               "log_dir": str(tmp_path)}})
+    cfg = RunConfig.model_validate(
+        {"server": {"start_retries": 1, "lifeline_timeout_s": 2, "startup_timeout_s": 600, "log_dir": str(tmp_path)}}
+    )
     procs = SimpleNamespace(servers=[SimpleNamespace(process=dead, url="http://127.0.0.1:9")], token="t")
     log = SimpleNamespace(warning=lambda *a: None, info=lambda *a: None)
     try:

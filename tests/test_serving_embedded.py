@@ -50,13 +50,16 @@ async def _complete(server, prompt, **kw):
         return await c.complete(prompt, model=TINY, **kw)
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 1.0},
-    {"temperature": 0.7, "top_k": 20},
-    {"temperature": 1.3, "top_k": 50, "top_p": 0.8},
-    {"temperature": 0.9, "min_p": 0.1},
-    {"temperature": 0.0},
-])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_k": 20},
+        {"temperature": 1.3, "top_k": 50, "top_p": 0.8},
+        {"temperature": 0.9, "min_p": 0.1},
+        {"temperature": 0.0},
+    ],
+)
 def test_logprobs_match_independent_forward(server, model, sampling):
     for prompt in PROMPTS[:2]:
         (out,) = run(_complete(server, prompt, max_tokens=12, seed=11, num_logprobs=3, ignore_eos=True, **sampling))
@@ -71,12 +74,16 @@ def test_logprobs_match_independent_forward(server, model, sampling):
 def test_greedy_is_deterministic_and_seed_repeats(server):
     async def go():
         async with client(server) as c:
-            greedy = [await c.complete(PROMPTS[1], model=TINY, max_tokens=16, temperature=0, ignore_eos=True)
-                      for _ in range(2)]
-            seeded = await asyncio.gather(*(c.complete(PROMPTS[0], model=TINY, max_tokens=16, seed=123,
-                                                       ignore_eos=True) for _ in range(3)))
+            greedy = [
+                await c.complete(PROMPTS[1], model=TINY, max_tokens=16, temperature=0, ignore_eos=True)
+                for _ in range(2)
+            ]
+            seeded = await asyncio.gather(
+                *(c.complete(PROMPTS[0], model=TINY, max_tokens=16, seed=123, ignore_eos=True) for _ in range(3))
+            )
             other = await c.complete(PROMPTS[0], model=TINY, max_tokens=16, seed=124, ignore_eos=True)
             return greedy, seeded, other
+
     greedy, seeded, other = run(go())
     assert greedy[0][0].token_ids == greedy[1][0].token_ids
     assert seeded[0][0].token_ids == seeded[1][0].token_ids == seeded[2][0].token_ids
@@ -95,8 +102,10 @@ def test_32_concurrent_requests_finish_and_metrics_move(server):
     async def go():
         async with client(server) as c:
             before = await c.metrics()
-            tasks = [asyncio.create_task(c.complete(p, model=TINY, max_tokens=48, seed=i, ignore_eos=True))
-                     for i, p in enumerate(PROMPTS * 11)][:32]
+            tasks = [
+                asyncio.create_task(c.complete(p, model=TINY, max_tokens=48, seed=i, ignore_eos=True))
+                for i, p in enumerate(PROMPTS * 11)
+            ][:32]
             peak_running, peak_usage = 0.0, 0.0
             while not all(t.done() for t in tasks):
                 snap = await c.metrics()
@@ -104,6 +113,7 @@ def test_32_concurrent_requests_finish_and_metrics_move(server):
                 peak_usage = max(peak_usage, snap.kv_cache_usage_frac)
                 await asyncio.sleep(0.05)
             return before, [t.result() for t in tasks], peak_running, peak_usage, await c.metrics()
+
     before, results, peak_running, peak_usage, after = run(go())
     assert all(len(r[0].token_ids) == 48 and r[0].finish_reason == "length" for r in results)
     assert before.kv_cache_size_tokens == 64 * 256
@@ -125,6 +135,7 @@ def test_pause_blocks_until_resume(server):
             await c.resume()
             out = await asyncio.wait_for(task, 30)
             return blocked, waiting, out, await c.is_paused()
+
     blocked, waiting, out, paused_after = run(go())
     assert blocked and waiting == 1 and len(out[0].token_ids) == 4 and not paused_after
 
@@ -142,16 +153,20 @@ def test_disconnected_client_frees_its_slot(server):
                 return queued, (await c.metrics()).num_requests_waiting
             finally:
                 await c.resume()
+
     queued, after = run(go())
     assert queued == 1 and after == 0
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"model": TINY, "prompt": list(range(10, 260)), "max_tokens": 16}, 400, "input_tokens"),
-    ({"model": "no-such-model", "prompt": [5], "max_tokens": 4}, 404, "model"),
-    ({"model": TINY, "prompt": [5], "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": TINY, "prompt": [5], "max_tokens": 4, "logprobs": 50}, 400, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": TINY, "prompt": list(range(10, 260)), "max_tokens": 16}, 400, "input_tokens"),
+        ({"model": "no-such-model", "prompt": [5], "max_tokens": 4}, 404, "model"),
+        ({"model": TINY, "prompt": [5], "max_tokens": -1}, 400, "max_tokens"),
+        ({"model": TINY, "prompt": [5], "max_tokens": 4, "logprobs": 50}, 400, "logprobs"),
+    ],
+)
 def test_bad_requests_get_vllm_error_bodies(server, body, status, param):
     response = httpx.post(server.url + "/v1/completions", json=body, headers=bearer_headers(run_token()))
     assert response.status_code == status
@@ -165,8 +180,11 @@ def test_bad_requests_get_vllm_error_bodies(server, body, status, param):
 
 
 def test_malformed_json_and_client_error(server):
-    response = httpx.post(server.url + "/v1/completions", content=b'{"prompt": [5,',
-                          headers={"content-type": "application/json", **bearer_headers(run_token())})
+    response = httpx.post(
+        server.url + "/v1/completions",
+        content=b'{"prompt": [5,',
+        headers={"content-type": "application/json", **bearer_headers(run_token())},
+    )
     assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
     with pytest.raises(ServerRequestError, match="maximum context length is 256") as info:
         run(_complete(server, list(range(10, 260)), max_tokens=16))
@@ -178,6 +196,7 @@ def test_models_and_max_model_len(server):
     async def go():
         async with client(server) as c:
             return await c.models(), await c.max_model_len()
+
     cards, max_len = run(go())
     assert cards[0]["id"] == TINY and max_len == 256
 
@@ -201,6 +220,7 @@ def test_full_weight_update_changes_logprobs_as_predicted(server, model):
             await c.update_weights_from_path(str(original_dir))
             restored = await c.complete(PROMPTS[1], model=TINY, max_tokens=10, temperature=0, ignore_eos=True)
             return before[0], after[0], restored[0]
+
     before, after, restored = run(go())
     ref = reference_logprobs(expected_model, PROMPTS[1], after.token_ids, temperature=0)
     torch.testing.assert_close(torch.tensor(after.logprobs), ref, atol=ATOL, rtol=0)
@@ -217,8 +237,10 @@ def test_lora_versions_side_by_side_then_unloaded(server):
     expected = {}
     for version in (1, 2):
         torch.manual_seed(version)
-        peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                     init_lora_weights=False))
+        peft_model = get_peft_model(
+            base,
+            LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False),
+        )
         peft_model.save_pretrained(folder / f"v{version}")
         expected[f"pol-v{version}"] = peft_model.merge_and_unload()
         base = load_model(ModelConfig(name=TINY))[0]
@@ -228,8 +250,12 @@ def test_lora_versions_side_by_side_then_unloaded(server):
             for version in (1, 2):
                 await c.load_lora_adapter(f"pol-v{version}", str(folder / f"v{version}"))
             names = [card["id"] for card in await c.models()]
-            outs = await asyncio.gather(*(c.complete(PROMPTS[0], model=m, max_tokens=8, temperature=0, ignore_eos=True)
-                                          for m in (TINY, "pol-v1", "pol-v2")))
+            outs = await asyncio.gather(
+                *(
+                    c.complete(PROMPTS[0], model=m, max_tokens=8, temperature=0, ignore_eos=True)
+                    for m in (TINY, "pol-v1", "pol-v2")
+                )
+            )
             await c.unload_lora_adapter("pol-v1")
             with pytest.raises(ServerRequestError) as gone:
                 await c.complete(PROMPTS[0], model="pol-v1", max_tokens=2)
@@ -240,6 +266,7 @@ def test_lora_versions_side_by_side_then_unloaded(server):
             again = await c.complete(PROMPTS[0], model="pol-v3", max_tokens=8, temperature=0, ignore_eos=True)
             await c.unload_lora_adapter("pol-v3")
             return names, outs, gone.value, still, names_after, again
+
     names, (base_out, v1, v2), gone, still, names_after, again = run(go())
     assert again[0].token_ids == v1[0].token_ids
     assert names == [TINY, "pol-v1", "pol-v2"] and names_after == [TINY]
@@ -281,6 +308,7 @@ def test_unloading_an_adapter_never_fails_the_sequences_batched_with_it(server):
             await c.resume()
             batched = await asyncio.gather(*tasks)
             return alone, batched, gone.value, [card["id"] for card in await c.models()]
+
     alone, batched, gone, names = run(go())
     for (solo,), (out,) in zip(alone, batched, strict=True):
         assert out.finish_reason == "length" and out.token_ids == solo.token_ids
@@ -302,6 +330,7 @@ def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):
                 with pytest.raises(Exception) as info:
                     await task
                 return info.value, c.retry_count, time.monotonic() - started
+
         error, retries, elapsed = run(go())
     assert type(error).__name__ == "ServerUnavailableError" and url in str(error)
     assert retries == 2 and elapsed < 10

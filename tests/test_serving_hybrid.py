@@ -39,15 +39,19 @@ def _drain(engine: Engine, seqs: list[Sequence], max_steps: int = 200) -> None:
 
 def test_hybrid_cache_under_continuous_batching_matches_independent_forward():
     model, engine = _engine()
-    first = [Sequence(list(range(7, 7 + n)), max_tokens=m, seed=i, num_logprobs=2)
-             for i, (n, m) in enumerate([(5, 9), (13, 4), (2, 12)])]
+    first = [
+        Sequence(list(range(7, 7 + n)), max_tokens=m, seed=i, num_logprobs=2)
+        for i, (n, m) in enumerate([(5, 9), (13, 4), (2, 12)])
+    ]
     engine.submit(first)
     engine._step()  # prefill of three left-padded prompts
     engine._step()
     engine._step()
     assert len(engine._batch.rows) == 3 and len(first[1].output_ids) == 3
-    late = [Sequence(list(range(300, 300 + n)), max_tokens=m, seed=10 + i, num_logprobs=2, temperature=0.8, top_k=30)
-            for i, (n, m) in enumerate([(21, 6), (3, 10)])]
+    late = [
+        Sequence(list(range(300, 300 + n)), max_tokens=m, seed=10 + i, num_logprobs=2, temperature=0.8, top_k=30)
+        for i, (n, m) in enumerate([(21, 6), (3, 10)])
+    ]
     engine.submit(late)
     engine._step()  # the late prompts are prefilled and merged into the running batch
     assert len(engine._batch.rows) == 5
@@ -72,8 +76,13 @@ def test_full_weights_in_checkpoint_names_update_the_language_model(tmp_path):
     assert weights.load_full_weights(tmp_path) == num_language
     expected = load_model(MODEL)[0]
     missing, unexpected = expected.load_state_dict(
-        {k.replace("model.language_model.", "model."): v for k, v in perturbed.items() if not k.startswith("model.visual.")},
-        strict=False)
+        {
+            k.replace("model.language_model.", "model."): v
+            for k, v in perturbed.items()
+            if not k.startswith("model.visual.")
+        },
+        strict=False,
+    )
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
     seq = Sequence([5, 17, 42, 99], max_tokens=8, temperature=0.0, num_logprobs=1)
     engine.submit([seq])

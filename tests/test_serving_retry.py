@@ -104,10 +104,19 @@ class _DropsFirstCompletion(_JsonHandler):
         if type(self).completions == 1:
             self.close_connection = True  # no status line: the client sees the connection dropped
             return
-        body = {"choices": [{"index": 0, "text": "", "token_ids": [7, 8], "prompt_token_ids": [1, 2],
-                             "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5, -0.25]}}]}
+        body = {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "token_ids": [7, 8],
+                    "prompt_token_ids": [1, 2],
+                    "finish_reason": "stop",
+                    "logprobs": {"token_logprobs": [-0.5, -0.25]},
+                }
+            ]
+        }
         self._answer(200, json.dumps(body).encode())
-
 
 
 def test_a_dropped_connection_to_a_healthy_replica_is_retried_not_routed_around():
@@ -154,9 +163,15 @@ class _Generation(_JsonHandler):
         time.sleep(cls.hold_s)
         with cls.lock:
             cls.holding -= 1
-        body = ({"choices": [{"index": 0, "token_ids": [5], "finish_reason": "stop",
-                              "logprobs": {"token_logprobs": [-0.5]}}]} if status == 200
-                else {"error": {"message": "nope", "type": "BadRequestError", "code": status}})
+        body = (
+            {
+                "choices": [
+                    {"index": 0, "token_ids": [5], "finish_reason": "stop", "logprobs": {"token_logprobs": [-0.5]}}
+                ]
+            }
+            if status == 200
+            else {"error": {"message": "nope", "type": "BadRequestError", "code": status}}
+        )
         self._answer(status, json.dumps(body).encode())
 
 

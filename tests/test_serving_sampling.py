@@ -10,9 +10,13 @@ from grpo_core.serving.sampling import RowSampling, sample_tokens
 
 def _params(rows: int, **kw) -> RowSampling:
     full = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0} | kw
-    return RowSampling(temperature=torch.full((rows,), full["temperature"]), top_k=torch.full((rows,), full["top_k"]),
-                       top_p=torch.full((rows,), full["top_p"]), min_p=torch.full((rows,), full["min_p"]),
-                       generators=[torch.Generator().manual_seed(i) for i in range(rows)])
+    return RowSampling(
+        temperature=torch.full((rows,), full["temperature"]),
+        top_k=torch.full((rows,), full["top_k"]),
+        top_p=torch.full((rows,), full["top_p"]),
+        min_p=torch.full((rows,), full["min_p"]),
+        generators=[torch.Generator().manual_seed(i) for i in range(rows)],
+    )
 
 
 def _expected_probabilities(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -74,7 +78,7 @@ def test_a_row_draws_the_same_whatever_the_other_rows_of_the_batch():
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(1))
     batch, _ = sample_tokens(logits, _seeded([11, 12, 13, 14, 15, 16], top_k=50, top_p=0.9))
     for row, seed in enumerate([11, 12, 13, 14, 15, 16]):
-        alone, _ = sample_tokens(logits[row:row + 1], _seeded([seed], top_k=50, top_p=0.9))
+        alone, _ = sample_tokens(logits[row : row + 1], _seeded([seed], top_k=50, top_p=0.9))
         assert alone.item() == batch[row].item()
     # ... and with different neighbours (greedy rows, other settings) in the batch.
     mixed = _seeded([11, 0, 13], top_k=50, top_p=0.9)

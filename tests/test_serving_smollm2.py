@@ -19,8 +19,12 @@ from grpo_core.serving.client import GenerationClient
 
 SMOL = "smollm2-135m-instruct"
 ATOL = 5e-4
-QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2? Answer briefly.",
-             "Write one word that rhymes with cat."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary colour.",
+    "What is 2 + 2? Answer briefly.",
+    "Write one word that rhymes with cat.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,9 @@ def server(tmp_path_factory):
 
 
 def _prompt(tokenizer, question: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
 
 
 def test_batched_processed_logprobs_match_independent_forward(server, smol):
@@ -47,8 +52,13 @@ def test_batched_processed_logprobs_match_independent_forward(server, smol):
 
     async def go():
         async with GenerationClient(server.url, max_connections=8, timeout_s=120) as c:
-            return await asyncio.gather(*(c.complete(p, model=SMOL, max_tokens=10, seed=i, num_logprobs=5, **sampling)
-                                          for i, p in enumerate(prompts)))
+            return await asyncio.gather(
+                *(
+                    c.complete(p, model=SMOL, max_tokens=10, seed=i, num_logprobs=5, **sampling)
+                    for i, p in enumerate(prompts)
+                )
+            )
+
     for prompt, (out,) in zip(prompts, run(go()), strict=True):
         ref = reference_logprobs(model, prompt, out.token_ids, **sampling)
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=ATOL, rtol=0)
@@ -61,6 +71,7 @@ def test_greedy_chat_answer_stops_at_im_end(server, smol):
     async def go():
         async with GenerationClient(server.url, timeout_s=120) as c:
             return await c.complete(_prompt(tokenizer, QUESTIONS[0]), model=SMOL, max_tokens=40, temperature=0)
+
     (out,) = run(go())
     assert "Paris" in out.text
     if out.finish_reason == "stop":

@@ -41,7 +41,9 @@ def test_base_command_line_and_env():
     assert json.loads(flag(argv, "--weight-transfer-config")) == {"backend": "nccl"}
     assert flag(argv, "--served-model-name") == "tiny-llama"
     assert {k: spec.env[k] for k in ("VLLM_SERVER_DEV_MODE", "CUDA_VISIBLE_DEVICES")} == {
-        "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "0"}
+        "VLLM_SERVER_DEV_MODE": "1",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
     # The guard (token on every route, nonce, pause limit, adapter folder) rides on vLLM's --middleware hook;
     # the token itself is added to the child's environment by launch(), never to a spec.
     assert flag(argv, "--middleware") == "grpo_core.serving.guard.RunGuardMiddleware"
@@ -61,17 +63,25 @@ def test_lora_flags_and_env():
     spec = vllm_command(cfg)
     assert flag(spec.argv, "--max-lora-rank") == "32" and flag(spec.argv, "--max-loras") == "6"
     assert spec.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
-    assert flag(vllm_command(cfg.model_copy(update={"server": cfg.server.model_copy(update={"max_loras": 9})})).argv,
-                "--max-loras") == "9"
+    assert (
+        flag(
+            vllm_command(cfg.model_copy(update={"server": cfg.server.model_copy(update={"max_loras": 9})})).argv,
+            "--max-loras",
+        )
+        == "9"
+    )
 
 
-@pytest.mark.parametrize("section, values, fix", [
-    ("server", {"enable_lora": True}, "set train.lora.enabled"),
-    ("server", {"lora_rank": 16}, "set train.lora.r"),
-    ("rollout", {"max_steps": 40}, "set rollout.num_epochs: null"),
-])
+@pytest.mark.parametrize(
+    "section, values, fix",
+    [
+        ("server", {"enable_lora": True}, "set train.lora.enabled"),
+        ("server", {"lora_rank": 16}, "set train.lora.r"),
+        ("rollout", {"max_steps": 40}, "set rollout.num_epochs: null"),
+    ],
+)
 def test_a_removed_duplicate_field_names_its_one_owner(tmp_path, section, values, fix):
-    (name, value), = values.items()
+    ((name, value),) = values.items()
     with pytest.raises(ValueError, match=rf"{section}\.{name} was removed: .*{fix}"):
         RunConfig(**{section: values})
     path = tmp_path / "run.yaml"
@@ -115,21 +125,27 @@ def test_replicas_may_share_a_gpu_listed_once_per_replica():
     assert replica_gpus(tp, 1) == [3, 2] and shares_gpu(tp, 1)
 
 
-@pytest.mark.parametrize("server, match", [
-    ({"api_server_count": 2}, r"server.api_server_count \(2\) > 1: the run's guard keeps each replica's fence"),
-    ({"num_replicas": 2, "gpu_ids": [0]}, r"server.gpu_ids lists 1 GPUs but .* = 2"),
-    ({"num_replicas": 1, "tensor_parallel_size": 2, "gpu_ids": [1, 1]}, r"replica 0 the GPUs \[1, 1\]"),
-    ({"num_replicas": 2, "gpu_ids": [0, 0], "gpu_memory_utilization": 0.5}, r"puts 2 replicas on one GPU"),
-])
+@pytest.mark.parametrize(
+    "server, match",
+    [
+        ({"api_server_count": 2}, r"server.api_server_count \(2\) > 1: the run's guard keeps each replica's fence"),
+        ({"num_replicas": 2, "gpu_ids": [0]}, r"server.gpu_ids lists 1 GPUs but .* = 2"),
+        ({"num_replicas": 1, "tensor_parallel_size": 2, "gpu_ids": [1, 1]}, r"replica 0 the GPUs \[1, 1\]"),
+        ({"num_replicas": 2, "gpu_ids": [0, 0], "gpu_memory_utilization": 0.5}, r"puts 2 replicas on one GPU"),
+    ],
+)
 def test_replica_gpu_lists_that_cannot_work_are_refused(server, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [f"server.{k}={json.dumps(v)}" for k, v in server.items()])
 
 
-@pytest.mark.parametrize("gpu_ids, expected", [
-    ([0, 0], ["launch 0", "healthy 0", "launch 1", "healthy 1"]),  # shared GPU: one after the other
-    ([0, 1], ["launch 0", "launch 1", "healthy 0", "healthy 1"]),  # own GPUs: together
-])
+@pytest.mark.parametrize(
+    "gpu_ids, expected",
+    [
+        ([0, 0], ["launch 0", "healthy 0", "launch 1", "healthy 1"]),  # shared GPU: one after the other
+        ([0, 1], ["launch 0", "launch 1", "healthy 0", "healthy 1"]),  # own GPUs: together
+    ],
+)
 def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeypatch, gpu_ids, expected):
     """vLLM sizes its KV cache from the memory free while it profiles: a neighbour starting meanwhile would
     change it, so replicas on one GPU start in turn (the order of launches and health checks shows it)."""
@@ -156,15 +172,22 @@ def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeyp
     assert events == expected and [h.spec.replica for h in handles] == [0, 1]
 
 
-@pytest.mark.parametrize("kwargs, fields", [
-    ({"server": {"max_model_len": 512}, "rollout": {"max_completion_length": 512}},
-     ["rollout.max_completion_length", "server.max_model_len"]),
-    ({"rollout": {"top_p": 0.9}}, ["rollout.top_p", "rollout.top_k"]),
-    ({"rollout": {"num_sampler_logprobs": 30}}, ["rollout.num_sampler_logprobs", "server.max_logprobs"]),
-    ({"train": {"lora": {"enabled": True}}, "server": {"max_loras": 3}, "rollout": {"max_staleness": 4}},
-     ["server.max_loras", "rollout.max_staleness"]),
-    ({"server": {"num_replicas": 2, "gpu_ids": [0]}}, ["server.gpu_ids", "server.num_replicas"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, fields",
+    [
+        (
+            {"server": {"max_model_len": 512}, "rollout": {"max_completion_length": 512}},
+            ["rollout.max_completion_length", "server.max_model_len"],
+        ),
+        ({"rollout": {"top_p": 0.9}}, ["rollout.top_p", "rollout.top_k"]),
+        ({"rollout": {"num_sampler_logprobs": 30}}, ["rollout.num_sampler_logprobs", "server.max_logprobs"]),
+        (
+            {"train": {"lora": {"enabled": True}}, "server": {"max_loras": 3}, "rollout": {"max_staleness": 4}},
+            ["server.max_loras", "rollout.max_staleness"],
+        ),
+        ({"server": {"num_replicas": 2, "gpu_ids": [0]}}, ["server.gpu_ids", "server.num_replicas"]),
+    ],
+)
 def test_cross_field_errors_name_fields(kwargs, fields):
     with pytest.raises(ValidationError) as info:
         RunConfig(**kwargs)
@@ -198,9 +221,16 @@ def test_lora_check_names_restart_flags():
 
 
 def test_embedded_help_is_instant_and_imports_no_torch():
-    code = ("import sys, grpo_core.serving.embedded as e; e.build_parser().format_help(); "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    code = (
+        "import sys, grpo_core.serving.embedded as e; e.build_parser().format_help(); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
-    out = subprocess.run([sys.executable, "-m", "grpo_core.serving.embedded", "--help"], capture_output=True,
-                         text=True, timeout=30, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "grpo_core.serving.embedded", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert "--max-model-len" in out.stdout

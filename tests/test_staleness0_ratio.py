@@ -26,8 +26,14 @@ TEMPERATURE, TOP, COMPLETION = 0.7, 4, 40
 
 def test_staleness0_ratio_is_one_on_the_embedded_server_in_fp32(tmp_path):
     with embedded_server(tmp_path / "server") as server:  # model.dtype auto: float32 on CPU
-        samples, _ = run_count_groups(server.url, 4, max_completion_length=COMPLETION, num_sampler_logprobs=TOP,
-                                      num_generations=4, temperature=TEMPERATURE)
+        samples, _ = run_count_groups(
+            server.url,
+            4,
+            max_completion_length=COMPLETION,
+            num_sampler_logprobs=TOP,
+            num_generations=4,
+            temperature=TEMPERATURE,
+        )
     assert samples.num_rows == 16 and set(samples.column("policy_version").to_pylist()) == {0}
     write_samples_ipc(tmp_path / "samples.arrow", samples)
     config = trainer_config(tmp_path, tmp_path / "samples.arrow", max_steps=1, score_centering=True)
@@ -57,8 +63,10 @@ def test_run_level_staleness0_ratio_weighs_every_fresh_token_the_same():
     gpu_e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_e2e)
     key = "sampling/importance_sampling_ratio/staleness0_"
-    records = [{"step": 1, key + "mean": 1.0, key + "token_count": 999.0},
-               {"step": 2, key + "mean": 2.0, key + "token_count": 1.0}]
+    records = [
+        {"step": 1, key + "mean": 1.0, key + "token_count": 999.0},
+        {"step": 2, key + "mean": 2.0, key + "token_count": 1.0},
+    ]
     figures = gpu_e2e.figures(records, warmup=0)
     assert figures["is_ratio_staleness0_mean"] == pytest.approx((999 * 1.0 + 1 * 2.0) / 1000)
     assert figures["staleness0_tokens"] == 1000

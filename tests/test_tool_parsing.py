@@ -31,7 +31,9 @@ def test_without_a_template_the_hermes_regex_reads_the_calls(tokenizer):
 
 def test_mistral_tool_calls_are_parsed_through_the_tokenizers_response_template(tokenizer):
     tokenizer.response_template = resolve_response_template("mistral")
-    text = 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "neg", "arguments": {"x": 3}}]</s>'
+    text = (
+        'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "neg", "arguments": {"x": 3}}]</s>'
+    )
     assert _calls(parse_tool_calls(text, tokenizer)) == [("add", {"a": 1, "b": 2}, True), ("neg", {"x": 3}, True)]
     # Token ids (special tokens kept) parse the same as the text, with the prompt as prefix.
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -47,14 +49,18 @@ def test_llama3_and_hermes_templates(tokenizer):
     text = '<|python_tag|>{"name": "lookup", "parameters": {"city": "Oslo"}}<|eom_id|>'
     assert _calls(parse_tool_calls(text, tokenizer)) == [("lookup", {"city": "Oslo"}, True)]
     tokenizer.response_template = RESPONSE_TEMPLATES["hermes"]
-    text = ('<think>need a sum</think>Adding.\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>'
-            '<|im_end|>')
+    text = (
+        '<think>need a sum</think>Adding.\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>'
+        "<|im_end|>"
+    )
     assert _calls(parse_tool_calls(text, tokenizer)) == [("add", {"a": 1}, True)]  # string arguments decoded
 
 
 def test_a_custom_template_dict_is_checked_and_bad_ones_are_refused():
-    custom = {"start_anchor": "<reply>", "fields": {"content": {"content": "text"},
-                                                      "tool_calls": {"open": "CALL:", "content": "json", "repeats": True}}}
+    custom = {
+        "start_anchor": "<reply>",
+        "fields": {"content": {"content": "text"}, "tool_calls": {"open": "CALL:", "content": "json", "repeats": True}},
+    }
     assert resolve_response_template(custom) is custom
     with pytest.raises(ConfigError, match="not a built-in template"):
         resolve_response_template("gpt-9")

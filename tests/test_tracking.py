@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(tmp: Path, **tracking_fields) -> RunConfig:
-    return RunConfig(tracking={"dir": tmp / "mlflow", "experiment_name": "t", **tracking_fields},
-                     rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4})
+    return RunConfig(
+        tracking={"dir": tmp / "mlflow", "experiment_name": "t", **tracking_fields},
+        rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4},
+    )
 
 
 def _checkpoint(root: Path, step: int, payload_bytes: int = 10) -> Path:
@@ -46,8 +48,12 @@ def test_run_is_found_by_flow_run_id_and_sink_skips_replayed_steps(tmp_path):
         resumed.log(step, {"loss": 10.0 * step})
     resumed.close()
     mc = tracking.client(cfg.tracking)
-    assert [(m.step, m.value) for m in mc.get_metric_history(run_id, "loss")] == [(1, 1.0), (2, 2.0), (3, 3.0),
-                                                                                   (4, 40.0)]
+    assert [(m.step, m.value) for m in mc.get_metric_history(run_id, "loss")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+    ]
     run = mc.get_run(run_id)
     assert run.data.params["rollout.num_generations"] == "8"
     assert run.data.tags["grpo.latest_checkpoint_step"] == "2"
@@ -117,8 +123,16 @@ def test_report_summary_and_plot(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     sink = JsonlSink(metrics)
     for step in range(1, 11):
-        sink.log(step, {"reward": step / 10, "perf/step_s": 2.0, "batch/trained_tokens_per_step": 100.0,
-                        "batch/forwarded_tokens_per_step": 300.0, "rollout/generated_tokens_per_s": 50.0})
+        sink.log(
+            step,
+            {
+                "reward": step / 10,
+                "perf/step_s": 2.0,
+                "batch/trained_tokens_per_step": 100.0,
+                "batch/forwarded_tokens_per_step": 300.0,
+                "rollout/generated_tokens_per_s": 50.0,
+            },
+        )
     sink.close()
     summary = report.summarize(metrics)
     assert summary["steps"] == 10 and summary["reward_first5"] == pytest.approx(0.3)
@@ -132,18 +146,39 @@ def test_cli_config_error_names_the_field_before_anything_starts():
 
     from flows.cli import app
 
-    result = CliRunner().invoke(app, ["train", "--config", str(ROOT / "configs" / "tiny.yaml"),
-                                      "--set", "rollout.num_generations=1"])
+    result = CliRunner().invoke(
+        app, ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--set", "rollout.num_generations=1"]
+    )
     assert result.exit_code == 2
     assert "rollout.num_generations" in result.output
 
 
-UNSAFE = {"loss": 1.0, "rewards/<lambda>/mean": 0.5, "a//b/": 2.0, "/lead": 3.0, "x/../y": 4.0, "colon:name": 5.0,
-          "ünï cödé": 6.0, "n" * 300: 7.0, "a<b": 8.0, "a>b": 9.0}
+UNSAFE = {
+    "loss": 1.0,
+    "rewards/<lambda>/mean": 0.5,
+    "a//b/": 2.0,
+    "/lead": 3.0,
+    "x/../y": 4.0,
+    "colon:name": 5.0,
+    "ünï cödé": 6.0,
+    "n" * 300: 7.0,
+    "a<b": 8.0,
+    "a>b": 9.0,
+}
 # What each becomes, written out by hand from MLflow's rules (letters, digits, _ - . space /; no empty, "."
 # or ".." segment; at most 250 characters); two names that collide are told apart by a suffix.
-SAFE = {"loss": 1.0, "rewards/_lambda_/mean": 0.5, "a/b": 2.0, "lead": 3.0, "x/_/y": 4.0, "colon_name": 5.0,
-        "ünï cödé": 6.0, "n" * 250: 7.0, "a_b": 8.0, "a_b_2": 9.0}
+SAFE = {
+    "loss": 1.0,
+    "rewards/_lambda_/mean": 0.5,
+    "a/b": 2.0,
+    "lead": 3.0,
+    "x/_/y": 4.0,
+    "colon_name": 5.0,
+    "ünï cödé": 6.0,
+    "n" * 250: 7.0,
+    "a_b": 8.0,
+    "a_b_2": 9.0,
+}
 
 
 def test_metric_names_mlflow_refuses_are_renamed_once_and_no_metric_is_lost(tmp_path, caplog):

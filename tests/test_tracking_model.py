@@ -23,8 +23,12 @@ TINY = "tiny-qwen3"
 
 
 def _cfg(tmp: Path, export: dict | None = None, **tracking_fields) -> RunConfig:
-    return RunConfig(model={"name": TINY}, tracking={"dir": tmp / "mlflow", "experiment_name": "t", **tracking_fields},
-                     rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4}, export=export or {})
+    return RunConfig(
+        model={"name": TINY},
+        tracking={"dir": tmp / "mlflow", "experiment_name": "t", **tracking_fields},
+        rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4},
+        export=export or {},
+    )
 
 
 def _exported(tmp: Path, shift: float) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -75,8 +79,9 @@ def test_final_model_is_registered_and_the_alias_moves_to_the_new_version(tmp_pa
 
 
 def test_completion_tables_are_logged_per_window_and_bounded(tmp_path):
-    cfg = _cfg(tmp_path, log_completions=True, num_completions_to_print=4, completion_max_chars=50,
-               log_system_metrics=False)
+    cfg = _cfg(
+        tmp_path, log_completions=True, num_completions_to_print=4, completion_max_chars=50, log_system_metrics=False
+    )
     run_id, _ = tracking.start_run(cfg, "flow-t")
     sample = CompletionSample(cfg.tracking.num_completions_to_print)
     sink = tracking.MlflowSink(cfg.tracking, run_id)
@@ -136,8 +141,14 @@ def test_model_card_and_the_folder_that_would_be_pushed(tmp_path):
     assert "basic_arithmetic" in card.data.datasets and "grpo" in card.data.tags
     assert "| reward, last 5 steps | 0.5000 |" in card.text and "![reward per step](reward_curve.png)" in card.text
     pushed = {p.name for p in folder.iterdir()}
-    assert {"README.md", "reward_curve.png", "config.json", "generation_config.json", "tokenizer.json",
-            "model.safetensors.index.json"} <= pushed
+    assert {
+        "README.md",
+        "reward_curve.png",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "model.safetensors.index.json",
+    } <= pushed
 
 
 def test_push_without_token_or_repo_fails_before_anything_starts(tmp_path, monkeypatch):

@@ -35,9 +35,21 @@ def test_trains_every_prompt_once_and_logs_metrics(tmp_path, nproc):
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
     first = metrics[0]
-    for key in ("loss", "entropy", "grad_norm", "sampling/importance_sampling_ratio/mean", "sampling/masked_mean",
-                "clip_ratio/low_mean", "batch/packing_ratio", "batch/row_imbalance", "batch/samples_per_row",
-                "perf/step_s", "perf/fwd_bwd_s", "perf/tokens_per_s", "sample/staleness_max"):
+    for key in (
+        "loss",
+        "entropy",
+        "grad_norm",
+        "sampling/importance_sampling_ratio/mean",
+        "sampling/masked_mean",
+        "clip_ratio/low_mean",
+        "batch/packing_ratio",
+        "batch/row_imbalance",
+        "batch/samples_per_row",
+        "perf/step_s",
+        "perf/fwd_bwd_s",
+        "perf/tokens_per_s",
+        "sample/staleness_max",
+    ):
         assert key in first, key
     assert first["batch/packing_ratio"] > 1.0  # prompts are shared inside groups
     assert sum(m["batch/samples_per_step"] for m in metrics) == 4 * NUM_PROMPTS
@@ -55,11 +67,11 @@ def test_a_finished_rank_exits_0_whatever_the_interpreter_teardown_does(tmp_path
         "import atexit, os\n"
         "if 'LOCAL_RANK' in os.environ:  # torchrun's ranks, not torchrun itself\n"
         "    open(os.path.join(os.environ['HOOK_DIR'], f\"rank{os.environ['RANK']}\"), 'w').close()\n"
-        "    atexit.register(os.abort)\n")
+        "    atexit.register(os.abort)\n"
+    )
     samples = write_samples(tmp_path / "samples.arrow", NUM_PROMPTS)
     config = trainer_config(tmp_path, samples, max_steps=2)
-    env = {"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", str(ROOT))]),
-           "HOOK_DIR": str(hooks)}
+    env = {"PYTHONPATH": os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", str(ROOT))]), "HOOK_DIR": str(hooks)}
     with open(tmp_path / "log", "w") as log:
         code = torchrun(config, 2, env=env, stdout=log, stderr=subprocess.STDOUT).wait(timeout=600)
     assert sorted(p.name for p in hooks.glob("rank*")) == ["rank0", "rank1"]  # the hook really ran in both ranks

@@ -39,8 +39,10 @@ def test_every_length_bucket_compiles_before_the_first_step_and_after_a_resume(t
 
 def test_fsdp_settings_leave_the_numbers_unchanged(tmp_path):
     runs = {}
-    for name, train in {"reshard": dict(fsdp_reshard_after_forward="always", fsdp_prefetch=0),
-                        "keep": dict(fsdp_reshard_after_forward="never", fsdp_prefetch=2)}.items():
+    for name, train in {
+        "reshard": dict(fsdp_reshard_after_forward="always", fsdp_prefetch=0),
+        "keep": dict(fsdp_reshard_after_forward="never", fsdp_prefetch=2),
+    }.items():
         (tmp_path / name).mkdir()
         write_samples(tmp_path / name / "samples.arrow", 8)
         runs[name] = run(tmp_path / name, 2, max_steps=4, **train)

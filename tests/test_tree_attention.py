@@ -17,8 +17,16 @@ VOCAB = 97
 
 def tiny(config_cls, **extra):
     register_tree_attention()
-    cfg = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **extra)
+    cfg = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        **extra,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=TREE_ATTENTION, dtype=torch.float32)
     return model.eval()
@@ -44,7 +52,7 @@ def workload(rng, vocab=VOCAB):
         prompt = system + rng.integers(0, vocab, int(rng.integers(3, 9))).tolist()
         stem = rng.integers(0, vocab, 4).tolist()
         for i in range(4):
-            completion = (stem[: int(rng.integers(0, 5))] + rng.integers(0, vocab, int(rng.integers(1, 12))).tolist())
+            completion = stem[: int(rng.integers(0, 5))] + rng.integers(0, vocab, int(rng.integers(1, 12))).tolist()
             ids = prompt + completion
             mask = [0] * len(prompt) + [1] * len(completion)
             samples.append(Sample.build(ids, mask, sample_id=len(samples), group_id=g, advantage=float(i)))
@@ -65,11 +73,16 @@ def alone_logprobs(model, sample):
     return logp[t - 1, ids[0, t]]
 
 
-@pytest.mark.parametrize("config_cls,extra,pad_to", [
-    (Qwen3Config, {"head_dim": 16}, None), (Qwen3Config, {"head_dim": 16}, 128),
-    (LlamaConfig, {}, None), (LlamaConfig, {}, 128),
-    ("smollm2", {}, 128),  # the real SmolLM2-135M-Instruct
-])
+@pytest.mark.parametrize(
+    "config_cls,extra,pad_to",
+    [
+        (Qwen3Config, {"head_dim": 16}, None),
+        (Qwen3Config, {"head_dim": 16}, 128),
+        (LlamaConfig, {}, None),
+        (LlamaConfig, {}, 128),
+        ("smollm2", {}, 128),  # the real SmolLM2-135M-Instruct
+    ],
+)
 def test_packed_logprobs_equal_each_sample_alone(config_cls, extra, pad_to):
     model = smollm2() if config_cls == "smollm2" else tiny(config_cls, **extra)
     samples = workload(np.random.default_rng(1), model.config.vocab_size)
@@ -83,9 +96,15 @@ def test_packed_logprobs_equal_each_sample_alone(config_cls, extra, pad_to):
     position_ids[:n] = torch.from_numpy(row.column("position_ids"))
     mask = TreeMask(pad_subtree_end(torch.from_numpy(row.column("subtree_end")), length))
     with torch.no_grad():
-        out = row_logprobs(model, input_ids, position_ids, mask,
-                           torch.from_numpy(row.column("token_index")).long(),
-                           torch.from_numpy(row.column("target_id")).long(), chunk_size=7)
+        out = row_logprobs(
+            model,
+            input_ids,
+            position_ids,
+            mask,
+            torch.from_numpy(row.column("token_index")).long(),
+            torch.from_numpy(row.column("target_id")).long(),
+            chunk_size=7,
+        )
     sample_index = row.column("sample_index")
     for i, s in enumerate(samples):
         packed = out.logprobs[torch.from_numpy(sample_index == i)]
@@ -123,8 +142,16 @@ def compare_block_masks(seed: int) -> int:
         prompt = rng.integers(0, VOCAB, int(rng.integers(1, 100)))
         for _ in range(int(rng.integers(1, 5))):
             ids = np.concatenate([prompt, rng.integers(0, VOCAB, int(rng.integers(1, 100)))])
-            samples.append(Sample.build(ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
-                                        sample_id=len(samples), group_id=g, prompt_index=g, advantage=1.0))
+            samples.append(
+                Sample.build(
+                    ids,
+                    [0] * len(prompt) + [1] * (len(ids) - len(prompt)),
+                    sample_id=len(samples),
+                    group_id=g,
+                    prompt_index=g,
+                    advantage=1.0,
+                )
+            )
     row = get_packer("python").pack_row(samples, 4096)
     length = -(-row.num_forwarded // block) * block + block * int(rng.integers(0, 3))
     end = pad_subtree_end(torch.from_numpy(row.column("subtree_end").astype(np.int32)), length)
@@ -134,8 +161,16 @@ def compare_block_masks(seed: int) -> int:
 
     ref = create_block_mask(mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=block)
     mine = _create_sparse_block_from_block_mask(tree_block_masks(end, block), mask_mod, (length, length), block, block)
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+    for name in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    ):
         assert torch.equal(getattr(mine, name), getattr(ref, name)), name
     return int(ref.full_kv_num_blocks.sum())
 
@@ -155,8 +190,15 @@ def test_a_flex_mask_overwritten_by_a_later_row_of_its_bucket_is_refused():
         samples = []
         for i in range(2):
             completion = rng.integers(0, VOCAB, int(rng.integers(2, 8))).tolist()
-            samples.append(Sample.build(prompt + completion, [0] * len(prompt) + [1] * len(completion),
-                                        sample_id=i, group_id=0, advantage=1.0))
+            samples.append(
+                Sample.build(
+                    prompt + completion,
+                    [0] * len(prompt) + [1] * len(completion),
+                    sample_id=i,
+                    group_id=0,
+                    advantage=1.0,
+                )
+            )
         rows.append(get_packer("python").pack_row(samples, 4096))
     ends = [pad_subtree_end(torch.from_numpy(r.column("subtree_end").astype(np.int32)), length) for r in rows]
     assert not torch.equal(ends[0], ends[1])  # two different trees

@@ -16,11 +16,23 @@ from grpo_core.train.policy import row_logprobs
 from grpo_core.train.recurrent import install_tree_recurrence, trie_parents
 
 VOCAB = 97
-HYBRID = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=1024,
-              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-              initializer_range=0.1)
+HYBRID = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=1024,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    initializer_range=0.1,
+)
 QWEN3_NEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
@@ -87,8 +99,15 @@ def packed_logprobs(model, row, length):
     position_ids = torch.arange(length)
     position_ids[:n] = torch.from_numpy(row.column("position_ids"))
     mask = TreeMask(pad_subtree_end(torch.from_numpy(row.column("subtree_end")), length))
-    return row_logprobs(model, input_ids, position_ids, mask, torch.from_numpy(row.column("token_index")).long(),
-                        torch.from_numpy(row.column("target_id")).long(), chunk_size=13).logprobs
+    return row_logprobs(
+        model,
+        input_ids,
+        position_ids,
+        mask,
+        torch.from_numpy(row.column("token_index")).long(),
+        torch.from_numpy(row.column("target_id")).long(),
+        chunk_size=13,
+    ).logprobs
 
 
 def _grads(model, loss):
@@ -127,24 +146,36 @@ def test_trie_parents_match_the_visibility_definition():
 
 
 def _meta_model(model_type, **cfg):
-    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     config = AutoConfig.for_model(model_type, **{**base, **cfg})
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("model_type,cfg,named", [
-    ("gpt_oss", {"sliding_window": 8192}, "attention sinks"),
-    ("gpt_oss", {}, "sliding_attention layers (window 128 < 4096"),
-    ("mistral", {"sliding_window": 1024}, "sliding_attention layers (window 1024 < 4096"),
-    ("gemma2", {"sliding_window": 8192}, "soft-capping"),
-    ("jamba", {}, "JambaMambaDecoderLayer"),
-    ("bamba", {}, "BambaMixer"),
-    ("lfm2", {"layer_types": ["conv", "full_attention"]}, "'conv'"),
-    ("minimax", {}, "MiniMaxLightningAttention"),
-    ("falcon_h1", {}, "'hybrid'"),
-])
+@pytest.mark.parametrize(
+    "model_type,cfg,named",
+    [
+        ("gpt_oss", {"sliding_window": 8192}, "attention sinks"),
+        ("gpt_oss", {}, "sliding_attention layers (window 128 < 4096"),
+        ("mistral", {"sliding_window": 1024}, "sliding_attention layers (window 1024 < 4096"),
+        ("gemma2", {"sliding_window": 8192}, "soft-capping"),
+        ("jamba", {}, "JambaMambaDecoderLayer"),
+        ("bamba", {}, "BambaMixer"),
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, "'conv'"),
+        ("minimax", {}, "MiniMaxLightningAttention"),
+        ("falcon_h1", {}, "'hybrid'"),
+    ],
+)
 def test_unpackable_layers_are_refused_with_the_layer_type_named(model_type, cfg, named):
     with pytest.raises(ConfigError, match="cannot be packed into tree rows") as err:
         check_packable(_meta_model(model_type, **cfg), model_type, 4096)

@@ -30,8 +30,11 @@ def test_a_reward_function_looping_past_its_timeout_is_stopped_and_counted():
     executor = ThreadPoolExecutor(1)
     try:
         with pytest.raises(UserCodeTimeout, match="spinning_reward.*reward_timeout_s=0.2"):
-            asyncio.run(call_reward_functions([spinning_reward], {"completions": [[]] * 2}, 2, executor,
-                                              timeout_s=0.2, window=window))
+            asyncio.run(
+                call_reward_functions(
+                    [spinning_reward], {"completions": [[]] * 2}, 2, executor, timeout_s=0.2, window=window
+                )
+            )
         assert left.wait(60), "the timed-out call still runs in its thread"
         # The worker thread is free again and runs the next call normally.
         assert asyncio.run(call_user(lambda x: x + 1, {"x": 1}, executor, timeout_s=60)) == 2

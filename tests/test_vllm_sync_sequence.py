@@ -34,8 +34,11 @@ import torch
 from grpo_core.errors import ServingError
 from grpo_core.train.vllm_sync import VllmWeightTransferSync
 
-CLEANUP = [("/finish_weight_update", {}), ("/reset_prefix_cache", {"reset_running_requests": ["true"]}),
-           ("/resume", {})]
+CLEANUP = [
+    ("/finish_weight_update", {}),
+    ("/reset_prefix_cache", {"reset_running_requests": ["true"]}),
+    ("/resume", {}),
+]
 
 
 TOKEN = "test-run-token"
@@ -61,8 +64,9 @@ class RecordingServer:
 
         async def answer(send, status: int, body: dict) -> None:
             data = json.dumps(body).encode()
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
+            )
             await send({"type": "http.response.body", "body": data})
 
         async def server(scope, receive, send):  # what vLLM answers: 200, or the status of ``fail``
@@ -87,8 +91,14 @@ class RecordingServer:
                 chunks.append(message.get("body", b""))
                 more = message.get("more_body", False)
             raw = b"".join(chunks)
-            self.calls.append((scope["method"], scope["path"], parse_qs(scope["query_string"].decode()),
-                               json.loads(raw) if raw else None))
+            self.calls.append(
+                (
+                    scope["method"],
+                    scope["path"],
+                    parse_qs(scope["query_string"].decode()),
+                    json.loads(raw) if raw else None,
+                )
+            )
             self.order.append(next(ARRIVALS))
             replay = [{"type": "http.request", "body": raw, "more_body": False}]
             await self.guard(scope, lambda: _next(replay, receive), send)
@@ -130,6 +140,7 @@ class UpdateInfo:
 
 def stub_vllm(monkeypatch, sent: list) -> None:
     """Install stand-ins for the vLLM trainer-side modules the sync imports."""
+
     def trainer_init(info):
         sent.append(("trainer_init", info["world_size"], info["rank_offset"]))
         return f"group-{len([s for s in sent if s[0] == 'trainer_init'])}"
@@ -153,8 +164,11 @@ def stub_vllm(monkeypatch, sent: list) -> None:
 
     for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    modules = {"nccl_common": {"trainer_init": trainer_init}, "nccl_engine": {"NCCLWeightTransferEngine": NcclEngine},
-               "ipc_engine": {"IPCWeightTransferEngine": IpcEngine}}
+    modules = {
+        "nccl_common": {"trainer_init": trainer_init},
+        "nccl_engine": {"NCCLWeightTransferEngine": NcclEngine},
+        "ipc_engine": {"IPCWeightTransferEngine": IpcEngine},
+    }
     for short, attrs in modules.items():
         module = types.ModuleType(f"vllm.distributed.weight_transfer.{short}")
         for key, value in attrs.items():
@@ -200,21 +214,29 @@ def test_nccl_sync_bodies_on_two_servers(monkeypatch, servers):
         phases = [stats[f"perf/weight_sync_{p}_s"] for p in ("pause", "update", "settle")]
         assert min(phases) >= 0 and sum(phases) == pytest.approx(stats["perf/weight_sync_transfer_s"], abs=1e-6)
     for server in (a, b):
-        assert [(m, p) for m, p, _, _ in server.calls][:2] == [("GET", "/get_world_size"),
-                                                              ("POST", "/init_weight_transfer_engine")]
+        assert [(m, p) for m, p, _, _ in server.calls][:2] == [
+            ("GET", "/get_world_size"),
+            ("POST", "/init_weight_transfer_engine"),
+        ]
         assert server.paths()[1:] == per_sync(first=True) + per_sync()
         init = server.body("/init_weight_transfer_engine")["init_info"]
         assert init["master_address"] == "127.0.0.1" and init["rank_offset"] == 1 and init["world_size"] == 2
         assert 0 < init["master_port"] < 65536
         assert server.body("/start_weight_update") == {"is_checkpoint_format": True}
-        assert server.body("/update_weights") == {"update_info": {
-            "names": ["attn.q_proj.weight", "attn.q_proj.bias"], "dtype_names": ["bfloat16", "bfloat16"],
-            "shapes": [[2, 3], [2]], "packed": False}}
+        assert server.body("/update_weights") == {
+            "update_info": {
+                "names": ["attn.q_proj.weight", "attn.q_proj.bias"],
+                "dtype_names": ["bfloat16", "bfloat16"],
+                "shapes": [[2, 3], [2]],
+                "packed": False,
+            }
+        }
     ports = {s.body("/init_weight_transfer_engine")["init_info"]["master_port"] for s in (a, b)}
     assert len(ports) == 2, "each server needs its own NCCL group"
     names = ("attn.q_proj.weight", "attn.q_proj.bias")
     assert sent == [("trainer_init", 2, 1), ("trainer_init", 2, 1)] + [
-        ("broadcast", n, g) for _ in (1, 2) for g in ("group-1", "group-2") for n in names]
+        ("broadcast", n, g) for _ in (1, 2) for g in ("group-1", "group-2") for n in names
+    ]
 
 
 def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers):
@@ -232,7 +254,11 @@ def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers
         info = server.body("/update_weights")["update_info"]
         assert set(info) == {"names", "dtype_names", "shapes", "packed", "ipc_handles_pickled"}
         assert (info["names"], info["dtype_names"], info["shapes"], info["packed"]) == (
-            names, ["bfloat16", "bfloat16"], [[2, 3], [2]], False)
+            names,
+            ["bfloat16", "bfloat16"],
+            [[2, 3], [2]],
+            False,
+        )
         handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
         assert handles == [{"GPU-test-uuid": ("handle", n, s)} for n, s in zip(names, [(2, 3), (2,)])]
 
@@ -246,10 +272,10 @@ def test_update_failing_on_one_replica_fences_it_off_until_an_update_reaches_it(
     sync = VllmWeightTransferSync([bad.url, good.url], backend, api_key=TOKEN)
     out = sync.sync(tiny_policy(), 1, rank=0)  # the good replica serves version 1: the run goes on
     assert out["weight_sync/failed_replica_count"] == 1 and list(sync.stale) == [bad.url]
-    assert good.paths()[-len(per_sync(first=True)):] == per_sync(first=True)
+    assert good.paths()[-len(per_sync(first=True)) :] == per_sync(first=True)
     # the failed replica is fenced off before it is resumed, and still finished and resumed (never left paused)
     fenced = per_sync()[:3] + [("/grpo/stale", {})] + CLEANUP  # and no fence lifted after the clean-up
-    assert bad.paths()[-len(fenced):] == fenced
+    assert bad.paths()[-len(fenced) :] == fenced
     assert bad.body("/grpo/stale")["stale"] is True and "policy version 1" in bad.body("/grpo/stale")["reason"]
     assert [p for p, _ in bad.paths()].count("/resume") == 1 and bad.guard.stale and not good.guard.stale
 
@@ -266,7 +292,7 @@ def test_update_failing_on_one_replica_fences_it_off_until_an_update_reaches_it(
     bad.fail = {}  # the next sync reaches it: the fence comes down after its clean-up
     out = sync.sync(tiny_policy(), 2, rank=0)
     assert out["weight_sync/failed_replica_count"] == 0 and not sync.stale and bad.guard.stale is None
-    assert bad.paths()[-len(per_sync()):] == per_sync()  # ending with the fence lifted
+    assert bad.paths()[-len(per_sync()) :] == per_sync()  # ending with the fence lifted
     assert bad.calls[-1][3] == {"stale": False, "version": 2}  # the fence comes down naming the version it holds
     healthy, served, down = asyncio.run(route(8))
     assert healthy and set(served) == {bad.url, good.url} and down == 0
@@ -283,7 +309,7 @@ def test_update_failing_on_the_only_replica_fails_the_sync_and_resumes_it(monkey
     sync = VllmWeightTransferSync([bad.url], "ipc", api_key=TOKEN)
     with pytest.raises(ServingError, match=r"failed on every replica.*/update_weights answered 500"):
         sync.sync(tiny_policy(), 1, rank=0)
-    assert bad.paths()[-len(CLEANUP):] == CLEANUP and bad.guard.stale
+    assert bad.paths()[-len(CLEANUP) :] == CLEANUP and bad.guard.stale
 
 
 def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
@@ -294,12 +320,15 @@ def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(headers=auth, timeout=30) as http:
         result: list = []
-        worker = threading.Thread(target=lambda: result.append(
-            http.post(server.url + "/v1/completions", json={"prompt": [1]})))
+        worker = threading.Thread(
+            target=lambda: result.append(http.post(server.url + "/v1/completions", json={"prompt": [1]}))
+        )
         worker.start()
         while not any(p == "/v1/completions" for _, p, _, _ in server.calls):
             time.sleep(0.01)
-        assert http.post(server.url + "/grpo/stale", json={"stale": True, "reason": "update v3 failed"}).status_code == 200
+        assert (
+            http.post(server.url + "/grpo/stale", json={"stale": True, "reason": "update v3 failed"}).status_code == 200
+        )
         server.hold.set()
         worker.join(timeout=30)
         assert result[0].status_code == 503 and "update v3 failed" in result[0].text  # not old-weights tokens
@@ -317,13 +346,19 @@ def test_failed_pause_resumes_the_replicas_paused_and_names_the_refusing_one(mon
 
     stub_vllm(monkeypatch, [])
     first, refusing = servers(), servers(fail={"/pause": 500})
-    sync = VllmWeightTransferSync([first.url, refusing.url], "ipc", api_key=TOKEN, control_retry_s=0.05,
-                                  control_timeout_s=0.3)
-    with pytest.raises(ControlFanOutError, match=rf"pause failed on 1 of 2 replicas.*{refusing.url}/pause answered 500") as err:
+    sync = VllmWeightTransferSync(
+        [first.url, refusing.url], "ipc", api_key=TOKEN, control_retry_s=0.05, control_timeout_s=0.3
+    )
+    with pytest.raises(
+        ControlFanOutError, match=rf"pause failed on 1 of 2 replicas.*{refusing.url}/pause answered 500"
+    ) as err:
         sync.sync(tiny_policy(), 1, rank=0)
     assert list(err.value.failed) == [refusing.url]
-    assert first.paths() == [("/init_weight_transfer_engine", {}), ("/pause", {"mode": ["keep"]}),
-                             ("/start_weight_update", {})] + CLEANUP
+    assert (
+        first.paths()
+        == [("/init_weight_transfer_engine", {}), ("/pause", {"mode": ["keep"]}), ("/start_weight_update", {})]
+        + CLEANUP
+    )
     pauses = [p for p, _ in refusing.paths()].count("/pause")
     assert pauses >= 2, "a refused pause is retried (server.control_retry_s) before the fan-out fails"
     assert refusing.paths()[-4:] == [("/pause", {"mode": ["keep"]})] + CLEANUP
@@ -335,8 +370,11 @@ def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch,
 
     stub_vllm(monkeypatch, [])
     fenced = servers()
-    httpx.post(fenced.url + "/grpo/stale", json={"stale": True, "reason": "update v4 failed"},
-               headers={"Authorization": f"Bearer {TOKEN}"})
+    httpx.post(
+        fenced.url + "/grpo/stale",
+        json={"stale": True, "reason": "update v4 failed"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert fenced.guard.stale == "update v4 failed"
     sync = VllmWeightTransferSync([fenced.url], "ipc", api_key=TOKEN)  # the resumed trainer re-syncs its version
     assert sync.sync(tiny_policy(), 4, rank=0)["weight_sync/failed_replica_count"] == 0
@@ -354,19 +392,30 @@ def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_
     settings = ServerConfig(api_key=TOKEN, control_retry_s=0.05, control_timeout_s=0.3)
     sync = DiskFullWeightSync([good.url, bad.url], out, server=settings)
     sync.sync(tiny_policy(), 1, rank=0)
-    phase = [("/pause", {"mode": ["keep"]}), ("/start_weight_update", {}), ("/update_weights", {}),
-             ("/finish_weight_update", {}), ("/reset_prefix_cache", {"reset_running_requests": ["true"]}),
-             ("/grpo/stale", {}), ("/resume", {})]  # every replica holds v1: any fence comes down
+    phase = [
+        ("/pause", {"mode": ["keep"]}),
+        ("/start_weight_update", {}),
+        ("/update_weights", {}),
+        ("/finish_weight_update", {}),
+        ("/reset_prefix_cache", {"reset_running_requests": ["true"]}),
+        ("/grpo/stale", {}),
+        ("/resume", {}),
+    ]  # every replica holds v1: any fence comes down
     for server in (good, bad):
-        assert server.paths() == phase and server.body("/update_weights") == {"update_info": {"path": str(weights / "v1")}}
+        assert server.paths() == phase and server.body("/update_weights") == {
+            "update_info": {"path": str(weights / "v1")}
+        }
     pauses = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/pause"]
     starts = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/start_weight_update"]
     assert max(pauses) < min(starts), "every replica is paused before any update starts"
 
     bad.fail = {"/update_weights": 500}
     good.calls.clear(), bad.calls.clear()
-    with pytest.raises(ControlFanOutError, match=rf"weight sync v2 failed on 1 of 2 replicas.*{bad.url}.*rolled back "
-                                                 rf"on {good.url}"):
+    with pytest.raises(
+        ControlFanOutError,
+        match=rf"weight sync v2 failed on 1 of 2 replicas.*{bad.url}.*rolled back "
+        rf"on {good.url}",
+    ):
         sync.sync(tiny_policy(), 2, rank=0)
     bodies = [b["update_info"]["path"] for _, p, _, b in good.calls if p == "/update_weights"]
     assert bodies == [str(weights / "v2"), str(weights / "v1")], "the replica that took v2 is restored to v1"
@@ -378,6 +427,7 @@ def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_
 
 # --- a replica that restarted holds the base weights: it refuses later policy versions until a sync reaches it ---
 
+
 def test_a_guard_no_sync_reached_refuses_later_policy_versions_until_a_sync_names_one(servers):
     import httpx
 
@@ -387,8 +437,12 @@ def test_a_guard_no_sync_reached_refuses_later_policy_versions_until_a_sync_name
     auth = {"Authorization": f"Bearer {TOKEN}"}
 
     def ask(version: str) -> httpx.Response:
-        return httpx.post(server.url + "/v1/completions", json={"prompt": [1]}, timeout=30,
-                          headers={**auth, POLICY_VERSION_HEADER: version})
+        return httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": [1]},
+            timeout=30,
+            headers={**auth, POLICY_VERSION_HEADER: version},
+        )
 
     assert ask("0").status_code == 200  # the base weights are policy version 0 of a fresh run
     assert httpx.post(server.url + "/v1/completions", json={"prompt": [1]}, headers=auth).status_code == 200
@@ -415,8 +469,9 @@ def test_routing_sends_a_refused_version_to_a_replica_that_holds_it_and_reports_
     from grpo_core.serving.routing import ReplicaSet
 
     behind, synced = servers(), servers()
-    httpx.post(synced.url + "/grpo/stale", json={"stale": False, "version": 2},
-               headers={"Authorization": f"Bearer {TOKEN}"}).raise_for_status()
+    httpx.post(
+        synced.url + "/grpo/stale", json={"stale": False, "version": 2}, headers={"Authorization": f"Bearer {TOKEN}"}
+    ).raise_for_status()
     body, version = {"model": "m", "prompt": [1], "n": 1}, {POLICY_VERSION_HEADER: "2"}
 
     async def route():

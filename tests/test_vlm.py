@@ -22,13 +22,34 @@ from grpo_core.train.rows import to_tensors
 from grpo_core.train.vllm_sync import vllm_name
 from grpo_core.train.weight_sync import LoraAdapterSync
 
-VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-          "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 1, "num_position_embeddings": 16,
-          "deepstack_visual_indexes": [0]}
-QWEN3_VL_TEXT = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
-                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                     "mrope_interleaved": True}}
+VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 1,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],
+}
+QWEN3_VL_TEXT = {
+    "vocab_size": 101,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +67,15 @@ def _folder(kind, qwen3_vl):
 
 
 def _policy(folder, lora: LoraConfig | None = None):
-    return build_policy(str(folder), ModelConfig(name=str(folder)), dtype=torch.float32, device=torch.device("cpu"),
-                        lora=lora or LoraConfig(), temperature=1.0, chunk_size=64)
+    return build_policy(
+        str(folder),
+        ModelConfig(name=str(folder)),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        lora=lora or LoraConfig(),
+        temperature=1.0,
+        chunk_size=64,
+    )
 
 
 def _vision_keys(folder) -> set[str]:
@@ -86,8 +114,10 @@ def test_packed_rows_of_a_vlm_give_each_sample_its_own_logprobs(kind, qwen3_vl):
     vocab = policy.base().get_output_embeddings().weight.shape[0]
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, 9).tolist()
-    samples = [Sample.build(prompt + c, [0] * 9 + [1] * len(c), sample_id=i, group_id=0)
-               for i, c in enumerate(rng.integers(0, vocab, (3, 6)).tolist())]
+    samples = [
+        Sample.build(prompt + c, [0] * 9 + [1] * len(c), sample_id=i, group_id=0)
+        for i, c in enumerate(rng.integers(0, vocab, (3, 6)).tolist())
+    ]
     row = get_packer("rust").pack_row(samples, token_budget=512)
     with torch.no_grad():
         packed = policy.logprobs(to_tensors(row, torch.device("cpu"), 128)).logprobs
@@ -95,8 +125,9 @@ def test_packed_rows_of_a_vlm_give_each_sample_its_own_logprobs(kind, qwen3_vl):
         for i, s in enumerate(samples):
             logp = reference(torch.tensor([s.input_ids])).logits[0].log_softmax(-1)
             want = logp[torch.arange(8, 14), torch.tensor(s.input_ids[9:])]
-            torch.testing.assert_close(packed[torch.from_numpy(row.column("sample_index") == i)], want,
-                                       atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                packed[torch.from_numpy(row.column("sample_index") == i)], want, atol=1e-4, rtol=0
+            )
 
 
 def test_lora_adapter_in_checkpoint_names_loads_on_the_embedded_servers_model(tmp_path):
@@ -136,7 +167,10 @@ def test_trained_vlm_checkpoint_keeps_the_original_vision_tower(tmp_path):
     original = AutoModelForImageTextToText.from_pretrained(folder)
     got, before = vlm.state_dict(), original.state_dict()
     for key in got:
-        expected = trained.get(key, before[key]) if key != "lm_head.weight" else trained[
-            "model.language_model.embed_tokens.weight"]
+        expected = (
+            trained.get(key, before[key])
+            if key != "lm_head.weight"
+            else trained["model.language_model.embed_tokens.weight"]
+        )
         torch.testing.assert_close(got[key], expected, msg=key)
     assert any(k.startswith("model.visual.") for k in got)

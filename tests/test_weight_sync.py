@@ -84,8 +84,10 @@ def test_vllm_names_gain_base_layer_only_with_lora():
     from grpo_core.train.vllm_sync import vllm_name
 
     assert vllm_name("lm.model.layers.0.self_attn.q_proj.weight", False) == "model.layers.0.self_attn.q_proj.weight"
-    assert vllm_name("lm.model.layers.0.self_attn.q_proj.weight", True) == \
-        "model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert (
+        vllm_name("lm.model.layers.0.self_attn.q_proj.weight", True)
+        == "model.layers.0.self_attn.q_proj.base_layer.weight"
+    )
     assert vllm_name("lm.model.embed_tokens.weight", True) == "model.embed_tokens.base_layer.weight"
     assert vllm_name("lm.model.norm.weight", True) == "model.norm.weight"
 
@@ -94,8 +96,9 @@ def test_resumed_lora_run_gives_fresh_servers_its_adapter_first(tmp_path):
     samples = write_samples(tmp_path / "samples.arrow", 16)
     lora = {"enabled": True, "r": 8, "alpha": 16}
     for attempt, max_steps in ((1, 2), (2, 3)):  # the second attempt resumes at step 2 on a new server
-        config = trainer_config(tmp_path, samples, max_steps=max_steps, save_steps=2,
-                                weight_sync_steps=1, learning_rate=5e-2, lora=lora)
+        config = trainer_config(
+            tmp_path, samples, max_steps=max_steps, save_steps=2, weight_sync_steps=1, learning_rate=5e-2, lora=lora
+        )
         with embedded_server(tmp_path / f"server{attempt}", output_dir=tmp_path / "out", lora_r=8) as server:
             with open(tmp_path / f"log{attempt}", "w") as log:
                 code = torchrun(config, 1, stdout=log, stderr=subprocess.STDOUT, server_urls=[server.url]).wait(600)

@@ -30,8 +30,17 @@ def write_samples(path: Path, num_prompts: int, group_size: int = 4, seed: int =
             ids = prompt + completion
             mask = [0] * len(prompt) + [1] * len(completion)
             lp = [0.0] * len(prompt) + rng.normal(-10.8, 0.05, len(completion)).tolist()
-            samples.append(Sample.build(ids, mask, lp, sample_id=len(samples), group_id=p, prompt_index=p,
-                                        advantage=float(g - (group_size - 1) / 2)))
+            samples.append(
+                Sample.build(
+                    ids,
+                    mask,
+                    lp,
+                    sample_id=len(samples),
+                    group_id=p,
+                    prompt_index=p,
+                    advantage=float(g - (group_size - 1) / 2),
+                )
+            )
     write_samples_ipc(path, samples)
     return path
 
@@ -43,21 +52,39 @@ def trainer_config(tmp: Path, samples: Path, server: dict | None = None, **train
         "server": {"max_model_len": 128, **(server or {})},
         "rollout": {"max_completion_length": 32, "num_sampler_logprobs": 0, "temperature": 1.0},
         "packing": {"token_budget": 96},
-        "train": {"output_dir": str(tmp / "out"), "samples_path": str(samples), "score_centering": False,
-                  "learning_rate": 1e-3, "max_steps": 6, "save_steps": 2, "device": "cpu", **train},
+        "train": {
+            "output_dir": str(tmp / "out"),
+            "samples_path": str(samples),
+            "score_centering": False,
+            "learning_rate": 1e-3,
+            "max_steps": 6,
+            "save_steps": 2,
+            "device": "cpu",
+            **train,
+        },
     }
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def torchrun(config: Path, nproc: int, server_urls: list[str] = (), env: dict[str, str] | None = None,
-             **popen) -> subprocess.Popen:
+def torchrun(
+    config: Path, nproc: int, server_urls: list[str] = (), env: dict[str, str] | None = None, **popen
+) -> subprocess.Popen:
     """Start ``torchrun --nproc-per-node N -m grpo_core.train --config FILE [--server-url URL …]`` (``env``: extra
     environment entries)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(nproc),
-           "-m", "grpo_core.train", "--config", str(config)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_core.train.launch",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "grpo_core.train",
+        "--config",
+        str(config),
+    ]
     for url in server_urls:
         cmd += ["--server-url", url]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, **popen)

@@ -22,9 +22,7 @@ ENTRY_POINT_GROUP = "grpo_core.packers"
 
 #: The five record batches of a packed row and their flat columns, as the Rust core defines them
 #: (packer_rs/src/arrow.rs ``ROW_PARTS``).
-ROW_PARTS: dict[str, tuple[str, ...]] = {
-    part: tuple(packer_rs.row_schema(part).names) for part in packer_rs.ROW_PARTS
-}
+ROW_PARTS: dict[str, tuple[str, ...]] = {part: tuple(packer_rs.row_schema(part).names) for part in packer_rs.ROW_PARTS}
 #: The counts of a packed row, in order (packer_rs/src/arrow.rs ``ROW_COUNTS``).
 ROW_COUNTS: tuple[str, ...] = tuple(packer_rs.ROW_COUNTS)
 

@@ -39,8 +39,9 @@ def _validate_lists(s: Sample, name: str, lists: TokenLists | None, n: int) -> N
     elif lists.logprobs is not None and len(lists.logprobs) != len(lists.ids):
         bad = "has a different number of log-probs than token ids"
     if bad:
-        raise PackingError(f"sample {s.sample_id}: `{name}` {bad}", kind="BadTokenLists", field=name,
-                           sample_id=s.sample_id)
+        raise PackingError(
+            f"sample {s.sample_id}: `{name}` {bad}", kind="BadTokenLists", field=name, sample_id=s.sample_id
+        )
 
 
 def validate(s: Sample) -> None:
@@ -48,28 +49,46 @@ def validate(s: Sample) -> None:
     for name, dtype in _DTYPES.items():
         a = getattr(s, name)
         if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != dtype:
-            raise PackingError(f"`{name}` must be a 1-D numpy array of {np.dtype(dtype).name}; "
-                               f"convert it with np.asarray(x, dtype=np.{np.dtype(dtype).name})", field=name)
+            raise PackingError(
+                f"`{name}` must be a 1-D numpy array of {np.dtype(dtype).name}; "
+                f"convert it with np.asarray(x, dtype=np.{np.dtype(dtype).name})",
+                field=name,
+            )
     n, sid = len(s.input_ids), s.sample_id
     if n == 0:
-        raise PackingError(f"sample {sid}: `input_ids` is empty; a sample needs at least a prompt token and a "
-                           "trained token", kind="EmptySample", field="input_ids", sample_id=sid)
+        raise PackingError(
+            f"sample {sid}: `input_ids` is empty; a sample needs at least a prompt token and a trained token",
+            kind="EmptySample",
+            field="input_ids",
+            sample_id=sid,
+        )
     for name in ("completion_mask", "sampler_logprobs"):
         if len(getattr(s, name)) != n:
             raise PackingError(
                 f"sample {sid}: `{name}` has {len(getattr(s, name))} entries but `input_ids` has {n}; "
-                "every per-token field needs one entry per token", kind="LengthMismatch", field=name, sample_id=sid)
+                "every per-token field needs one entry per token",
+                kind="LengthMismatch",
+                field=name,
+                sample_id=sid,
+            )
     mask = {"field": "completion_mask", "sample_id": sid}
     bad = [i for i, m in enumerate(s.completion_mask.tolist()) if m not in (0, 1)]
     if bad:
-        raise PackingError(f"sample {sid}: `completion_mask[{bad[0]}]` is {s.completion_mask[bad[0]]}; use 0 or 1",
-                           kind="BadMask", **mask)
+        raise PackingError(
+            f"sample {sid}: `completion_mask[{bad[0]}]` is {s.completion_mask[bad[0]]}; use 0 or 1",
+            kind="BadMask",
+            **mask,
+        )
     if s.completion_mask[0]:
-        raise PackingError(f"sample {sid}: `completion_mask[0]` is set, but the first token has no predecessor",
-                           kind="FirstTokenTrained", **mask)
+        raise PackingError(
+            f"sample {sid}: `completion_mask[0]` is set, but the first token has no predecessor",
+            kind="FirstTokenTrained",
+            **mask,
+        )
     if not s.completion_mask[1:].any():
-        raise PackingError(f"sample {sid}: `completion_mask` marks no trained token after position 0",
-                           kind="NoTrainedToken", **mask)
+        raise PackingError(
+            f"sample {sid}: `completion_mask` marks no trained token after position 0", kind="NoTrainedToken", **mask
+        )
     _validate_lists(s, "sampler_topk", s.sampler_topk, n)
     _validate_lists(s, "sampling_mask", s.sampling_mask, n)
 
@@ -159,16 +178,24 @@ class TreeRow:
         extra = self._loss_terms(cols, position)
         for i, s in enumerate(self.samples):
             for name, value in (
-                ("sample_id", s.sample_id), ("group_id", s.group_id), ("prompt_index", s.prompt_index),
-                ("policy_version", s.policy_version), ("num_tokens", s.num_tokens), ("num_trained", s.num_trained),
+                ("sample_id", s.sample_id),
+                ("group_id", s.group_id),
+                ("prompt_index", s.prompt_index),
+                ("policy_version", s.policy_version),
+                ("num_tokens", s.num_tokens),
+                ("num_trained", s.num_trained),
             ):
                 cols[name].append(value)
         parts = {part: _batch(part, cols) for part in ROW_PARTS}
         if extra:
             parts["loss"] = _batch("loss", cols | extra, "sampler_topk_ids" in extra, "sampling_mask" in extra)
         return PackedRow(
-            **parts, num_forwarded=self.num_forwarded, num_trained=self.num_trained,
-            num_raw=self.num_raw, num_samples=len(self.samples), load=self.load,
+            **parts,
+            num_forwarded=self.num_forwarded,
+            num_trained=self.num_trained,
+            num_raw=self.num_raw,
+            num_samples=len(self.samples),
+            load=self.load,
         )
 
     def _loss_terms(self, cols: dict[str, list], position: dict[int, int]) -> dict[str, list]:
@@ -275,17 +302,32 @@ class PythonBatcher:
 
 def samples_from_pyarrow(batch: pa.RecordBatch) -> list[Sample]:
     """Decode a Sample-schema batch with pyarrow alone (independent of packer_rs)."""
-    required = ("sample_id", "group_id", "prompt_index", "input_ids", "completion_mask",
-                "sampler_logprobs", "advantage", "policy_version")
+    required = (
+        "sample_id",
+        "group_id",
+        "prompt_index",
+        "input_ids",
+        "completion_mask",
+        "sampler_logprobs",
+        "advantage",
+        "policy_version",
+    )
     expected = pa.schema(sample_schema(with_topk=True, with_mask=True))
     for name in required:
         if name not in batch.schema.names:
-            raise PackingError(f"Sample batch: column `{name}` is missing; see the Sample schema (DESIGN.md §6)",
-                               kind="Schema", field=name)
+            raise PackingError(
+                f"Sample batch: column `{name}` is missing; see the Sample schema (DESIGN.md §6)",
+                kind="Schema",
+                field=name,
+            )
     for name in batch.schema.names:
         if name in expected.names and batch.schema.field(name).type != expected.field(name).type:
-            raise PackingError(f"Sample batch: column `{name}` has type {batch.schema.field(name).type}, "
-                               f"expected {expected.field(name).type}", kind="Schema", field=name)
+            raise PackingError(
+                f"Sample batch: column `{name}` has type {batch.schema.field(name).type}, "
+                f"expected {expected.field(name).type}",
+                kind="Schema",
+                field=name,
+            )
     rows = batch.to_pylist()
     out = []
     for r in rows:
@@ -294,9 +336,16 @@ def samples_from_pyarrow(batch: pa.RecordBatch) -> list[Sample]:
             topk = _to_lists(r["sampler_topk_ids"], r["sampler_topk_logprobs"])
         if r.get("sampling_mask") is not None:
             sampling = _to_lists(r["sampling_mask"], None)
-        s = Sample.build(r["input_ids"], r["completion_mask"], r["sampler_logprobs"], sample_id=r["sample_id"],
-                         group_id=r["group_id"], prompt_index=r["prompt_index"], advantage=r["advantage"],
-                         policy_version=r["policy_version"])
+        s = Sample.build(
+            r["input_ids"],
+            r["completion_mask"],
+            r["sampler_logprobs"],
+            sample_id=r["sample_id"],
+            group_id=r["group_id"],
+            prompt_index=r["prompt_index"],
+            advantage=r["advantage"],
+            policy_version=r["policy_version"],
+        )
         s.sampler_topk, s.sampling_mask = topk, sampling
         out.append(s)
     return out
@@ -325,13 +374,20 @@ class PythonPacker:
         for s in samples:
             validate(s)
             if not row.fits(s, token_budget):
-                raise PackingError(f"sample {s.sample_id} does not fit the row under `token_budget`={token_budget}",
-                                   kind="DoesNotFit", field="token_budget", sample_id=s.sample_id)
+                raise PackingError(
+                    f"sample {s.sample_id} does not fit the row under `token_budget`={token_budget}",
+                    kind="DoesNotFit",
+                    field="token_budget",
+                    sample_id=s.sample_id,
+                )
             row.add(s)
         return row.pack()
 
 
 def _check_budget(token_budget: int) -> None:
     if token_budget < 1:
-        raise PackingError(f"`token_budget` must be a positive number of tokens, got {token_budget}",
-                           kind="BadBudget", field="token_budget")
+        raise PackingError(
+            f"`token_budget` must be a positive number of tokens, got {token_budget}",
+            kind="BadBudget",
+            field="token_budget",
+        )

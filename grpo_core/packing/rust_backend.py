@@ -57,8 +57,11 @@ class RustPacker:
     def pack_row(self, samples: Sequence[Sample], token_budget: int) -> PackedRow:
         """See :class:`~grpo_core.packing.base.Packer`."""
         if token_budget < 1:  # checked here too, so that an empty sample list is rejected as well
-            raise PackingError(f"`token_budget` must be a positive number of tokens, got {token_budget}",
-                               kind="BadBudget", field="token_budget")
+            raise PackingError(
+                f"`token_budget` must be a positive number of tokens, got {token_budget}",
+                kind="BadBudget",
+                field="token_budget",
+            )
         row = packer_rs.TreeRow()
         for s in samples:
             _rust(row.add, s, token_budget)

@@ -132,7 +132,15 @@ class Sample:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented
-        scalars = ("sample_id", "group_id", "prompt_index", "advantage", "policy_version", "sampler_topk", "sampling_mask")
+        scalars = (
+            "sample_id",
+            "group_id",
+            "prompt_index",
+            "advantage",
+            "policy_version",
+            "sampler_topk",
+            "sampling_mask",
+        )
         arrays = ("input_ids", "completion_mask", "sampler_logprobs")
         return all(getattr(self, k) == getattr(other, k) for k in scalars) and all(
             np.array_equal(getattr(self, k), getattr(other, k)) for k in arrays

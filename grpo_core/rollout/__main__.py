@@ -52,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .process import RolloutJob, run_rollout
 
-    job = RolloutJob(cfg.rollout_process(), args.server_url, resume=resume,
-                     error_path=str(args.error_path) if args.error_path else None)
+    job = RolloutJob(
+        cfg.rollout_process(),
+        args.server_url,
+        resume=resume,
+        error_path=str(args.error_path) if args.error_path else None,
+    )
     from grpo_core.durable import atomic_write_text
 
     on_ready = (lambda loc: atomic_write_text(args.location_file, loc)) if args.location_file else None

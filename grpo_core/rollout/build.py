@@ -77,19 +77,37 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
     tools = [import_object(n, "rollout.tools") for n in rollout.tools]
     if not job.server_urls:
         raise ConfigError("the rollout needs at least one generation server URL")
-    server = ReplicaSet.from_config(run.server, job.server_urls, max_connections=rollout.max_concurrent_rollouts,
-                                    timeout_s=rollout.server_timeout_s, max_retries=rollout.max_retries,
-                                    behind_wait_s=rollout.rollout_worker_timeout_s, sink=window)
+    server = ReplicaSet.from_config(
+        run.server,
+        job.server_urls,
+        max_connections=rollout.max_concurrent_rollouts,
+        timeout_s=rollout.server_timeout_s,
+        max_retries=rollout.max_retries,
+        behind_wait_s=rollout.rollout_worker_timeout_s,
+        sink=window,
+    )
     try:
         max_model_len = await server.max_model_len()
     except (ValueError, KeyError):
         max_model_len = run.max_model_len
-    runtime = LoopRuntime(tokenizer=tokenizer, server=server, model_name=run.served_model_name,
-                          max_model_len=max_model_len, dataset=dataset, queue=queue, allowance=queue.allowance,
-                          reward_functions=rewards, tools=tools,
-                          environment_factory=environment_factory,
-                          resume=job.resume, window=window, lora_name=run.adapter_name, completions=completions)
+    runtime = LoopRuntime(
+        tokenizer=tokenizer,
+        server=server,
+        model_name=run.served_model_name,
+        max_model_len=max_model_len,
+        dataset=dataset,
+        queue=queue,
+        allowance=queue.allowance,
+        reward_functions=rewards,
+        tools=tools,
+        environment_factory=environment_factory,
+        resume=job.resume,
+        window=window,
+        lora_name=run.adapter_name,
+        completions=completions,
+    )
     if not rewards and runtime.environment_factory is None:
-        logger.warning("no reward function and no environment: every group is unscored and dropped; "
-                       "set rollout.reward_functions")
+        logger.warning(
+            "no reward function and no environment: every group is unscored and dropped; set rollout.reward_functions"
+        )
     return cls(config, runtime)

@@ -26,8 +26,7 @@ from grpo_core.config import RolloutConfig
 from grpo_core.errors import ConfigError, did_you_mean
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
-RG_SYSTEM_PROMPT = ("Solve the problem. Think briefly, then give only the final answer inside "
-                    "<answer></answer> tags.")
+RG_SYSTEM_PROMPT = "Solve the problem. Think briefly, then give only the final answer inside <answer></answer> tags."
 
 
 def reasoning_gym_dataset(task: str, size: int, seed: int, **task_config: Any) -> Any:
@@ -49,16 +48,21 @@ def reasoning_gym_dataset(task: str, size: int, seed: int, **task_config: Any) -
         source = reasoning_gym.create_dataset(task, size=size, seed=seed, **task_config)
     except TypeError as exc:  # an option the task's config class does not take
         options = sorted(getattr(DATASETS[task][1], "__dataclass_fields__", ()))
-        raise ConfigError(f"{spec}: rollout.dataset_kwargs {task_config} are not all options of the task ({exc}); "
-                          f"its options: {', '.join(options)}") from None
+        raise ConfigError(
+            f"{spec}: rollout.dataset_kwargs {task_config} are not all options of the task ({exc}); "
+            f"its options: {', '.join(options)}"
+        ) from None
     except (KeyError, ValueError, AssertionError) as exc:  # the task's config refuses a value
         raise ConfigError(f"{spec} with rollout.dataset_kwargs {task_config}: {exc}") from None
-    rows = [{
-        "prompt": [{"role": "system", "content": RG_SYSTEM_PROMPT}, {"role": "user", "content": e["question"]}],
-        "answer": str(e["answer"]),
-        "rg_task": task,
-        "rg_entry": json.dumps(e, default=str),
-    } for e in source]
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": RG_SYSTEM_PROMPT}, {"role": "user", "content": e["question"]}],
+            "answer": str(e["answer"]),
+            "rg_task": task,
+            "rg_entry": json.dumps(e, default=str),
+        }
+        for e in source
+    ]
     return datasets.Dataset.from_list(rows)
 
 
@@ -81,8 +85,12 @@ def extract_answer(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def reasoning_gym_reward(completions: list[list[dict[str, Any]]], rg_task: list[str] | None = None,
-                         rg_entry: list[str] | None = None, **_: Any) -> list[float | None]:
+def reasoning_gym_reward(
+    completions: list[list[dict[str, Any]]],
+    rg_task: list[str] | None = None,
+    rg_entry: list[str] | None = None,
+    **_: Any,
+) -> list[float | None]:
     """Reward of reasoning-gym rows: the task's ``score_answer`` (0-1) on the extracted answer; None elsewhere."""
     if rg_task is None or rg_entry is None:
         return [None] * len(completions)
@@ -97,8 +105,7 @@ def reasoning_gym_reward(completions: list[list[dict[str, Any]]], rg_task: list[
 
 
 JSON_PREFIX = "json:"
-_JSON_FIX = ("write one JSON object per line ({\"prompt\": [{\"role\": \"user\", \"content\": \"...\"}]}), or fix "
-             "the path")
+_JSON_FIX = 'write one JSON object per line ({"prompt": [{"role": "user", "content": "..."}]}), or fix the path'
 
 
 #: Compressed files the datasets json loader opens (fsspec's compression by suffix).
@@ -121,8 +128,9 @@ def _json_lines_files(pattern: str) -> list[Path]:
             raise ConfigError(f"{spec}: no file matches {pattern!r}; {_JSON_FIX}")
         return files
     if path.is_dir():
-        raise ConfigError(f"{spec}: {path} is a folder; name a JSON-lines file in it (or a glob, e.g. "
-                          f"'{JSON_PREFIX}{path}/*.jsonl')")
+        raise ConfigError(
+            f"{spec}: {path} is a folder; name a JSON-lines file in it (or a glob, e.g. '{JSON_PREFIX}{path}/*.jsonl')"
+        )
     if not path.is_file():
         raise ConfigError(f"{spec}: no such file {path.resolve()}; {_JSON_FIX}")
     return [path]
@@ -182,8 +190,10 @@ def json_lines_dataset(pattern: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - pyarrow/datasets raise many types; each is reported as bad input
         cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
         where = ", ".join(map(str, files)) or pattern
-        raise ConfigError(f"rollout.dataset='{JSON_PREFIX}{pattern}': the datasets json loader cannot read {where} "
-                          f"({type(exc).__name__}: {cause}); {_JSON_FIX}") from None
+        raise ConfigError(
+            f"rollout.dataset='{JSON_PREFIX}{pattern}': the datasets json loader cannot read {where} "
+            f"({type(exc).__name__}: {cause}); {_JSON_FIX}"
+        ) from None
     finally:
         loader_log.setLevel(level)
         if not bars_off:
@@ -199,13 +209,16 @@ def load_dataset(config: RolloutConfig) -> Any:
     """
     spec = config.dataset
     if spec is None:
-        raise ConfigError("rollout.dataset is unset and no rollout.environment_factory makes the prompts; set it to "
-                          "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'")
+        raise ConfigError(
+            "rollout.dataset is unset and no rollout.environment_factory makes the prompts; set it to "
+            "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'"
+        )
     if spec.startswith(REASONING_GYM_PREFIX):
-        return reasoning_gym_dataset(spec[len(REASONING_GYM_PREFIX):], config.dataset_size, config.dataset_seed,
-                                     **config.dataset_kwargs)
+        return reasoning_gym_dataset(
+            spec[len(REASONING_GYM_PREFIX) :], config.dataset_size, config.dataset_seed, **config.dataset_kwargs
+        )
     if spec.startswith(JSON_PREFIX):
-        return json_lines_dataset(spec[len(JSON_PREFIX):])
+        return json_lines_dataset(spec[len(JSON_PREFIX) :])
     factory = import_object(spec, "rollout.dataset")
     data = factory(**config.dataset_kwargs) if callable(factory) else factory
     if not isinstance(data, Iterable):

@@ -78,18 +78,31 @@ class RolloutDump:
         for i, (rollout, seqs) in enumerate(zip(group.rollouts, group.sequences)):
             if self.written + len(lines) >= self.count:
                 break
-            lines.append(json.dumps({
-                "group_id": group.group_id, "prompt_index": group.prompt_index, "rollout": i,
-                "policy_version": group.policy_version,
-                "finish_reasons": [t.finish_reason for t in rollout.turns], "sampling": self.sampling,
-                "prompt_ids": list(rollout.turns[0].prompt_ids) if rollout.turns else [],
-                "completion_ids": list(rollout.completion_ids),
-                "sequences": [{"input_ids": list(map(int, s.input_ids)),
-                               "completion_mask": list(map(int, s.completion_mask)),
-                               "sampler_logprobs": list(map(float, s.sampler_logprobs)),
-                               "topk": None if s.topk is None else
-                               [[[int(k), float(v)] for k, v in entry.items()] for entry in s.topk]}
-                              for s in seqs]}))
+            lines.append(
+                json.dumps(
+                    {
+                        "group_id": group.group_id,
+                        "prompt_index": group.prompt_index,
+                        "rollout": i,
+                        "policy_version": group.policy_version,
+                        "finish_reasons": [t.finish_reason for t in rollout.turns],
+                        "sampling": self.sampling,
+                        "prompt_ids": list(rollout.turns[0].prompt_ids) if rollout.turns else [],
+                        "completion_ids": list(rollout.completion_ids),
+                        "sequences": [
+                            {
+                                "input_ids": list(map(int, s.input_ids)),
+                                "completion_mask": list(map(int, s.completion_mask)),
+                                "sampler_logprobs": list(map(float, s.sampler_logprobs)),
+                                "topk": None
+                                if s.topk is None
+                                else [[[int(k), float(v)] for k, v in entry.items()] for entry in s.topk],
+                            }
+                            for s in seqs
+                        ],
+                    }
+                )
+            )
         with self._lock:
             with open(self.path, "a") as f:
                 f.write("".join(line + "\n" for line in lines))

@@ -112,8 +112,10 @@ async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:
 
 def _check_epoch(epoch: int, offered: int, accepted: int) -> None:
     if offered and not accepted:
-        raise RolloutError(f"filter_prompt rejected all {offered} prompts of epoch {epoch}: no sample can reach the "
-                           "trainer; relax the filter or stop the run")
+        raise RolloutError(
+            f"filter_prompt rejected all {offered} prompts of epoch {epoch}: no sample can reach the "
+            "trainer; relax the filter or stop the run"
+        )
 
 
 async def poll_concurrency(loop: RolloutLoop, first: bool = False) -> None:

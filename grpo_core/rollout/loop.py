@@ -30,8 +30,15 @@ from .debug_dump import RolloutDump
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards
 from .scoring import completion_rows, group_samples, group_tokens, log_completions, score_group
-from .tools import (EnvironmentPool, environment_tools, parse_tool_calls, run_tool_calls, tool_name, tool_schemas,
-                    with_tool_system_prompt)
+from .tools import (
+    EnvironmentPool,
+    environment_tools,
+    parse_tool_calls,
+    run_tool_calls,
+    tool_name,
+    tool_schemas,
+    with_tool_system_prompt,
+)
 from .types import Rollout, RolloutGroup, TurnRecord, reconcile_turns
 from .usercode import call_environment
 from .window import CompletionSample, MetricWindow
@@ -116,8 +123,9 @@ class RolloutLoop:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
         self.window = runtime.window
-        self.executor = ThreadPoolExecutor(max_workers=config.max_concurrent_rollouts,
-                                           thread_name_prefix="rollout-tools")
+        self.executor = ThreadPoolExecutor(
+            max_workers=config.max_concurrent_rollouts, thread_name_prefix="rollout-tools"
+        )
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
         self.environments = EnvironmentPool(runtime.environment_factory) if runtime.environment_factory else None
         self.generated_tokens = 0
@@ -167,15 +175,22 @@ class RolloutLoop:
                 exhausted = True
                 break
             rounds += 1
-            tool_messages, failed = await run_tool_calls(parsed, by_name, self.executor, self.window,
-                                                         self.config.tool_timeout_s)
+            tool_messages, failed = await run_tool_calls(
+                parsed, by_name, self.executor, self.window, self.config.tool_timeout_s
+            )
             self.window.add("tools/parallel_calls_mean", len(parsed))
             calls, failures = calls + len(parsed), failures + failed
             messages.extend(tool_messages)
             completion.extend(tool_messages)
         ids = [t for turn in turns for t in turn.output_ids]
-        return Rollout(completion=completion, completion_ids=ids, turns=turns, tool_call_count=calls,
-                       tool_failure_count=failures, loop_exhausted=exhausted)
+        return Rollout(
+            completion=completion,
+            completion_ids=ids,
+            turns=turns,
+            tool_call_count=calls,
+            tool_failure_count=failures,
+            loop_exhausted=exhausted,
+        )
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling turn with the config's sampling settings and a per-request seed.
@@ -208,25 +223,37 @@ class RolloutLoop:
             prompt = list(prompt_ids) + ids
 
             def send(first: int, n: int, seed: int = seed) -> Any:
-                return server.complete(prompt, affinity_key=(group_id, sampled_version), model=model,
-                                       max_tokens=budget - len(ids), n=n, temperature=cfg.temperature,
-                                       top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=seed,
-                                       num_logprobs=cfg.num_sampler_logprobs,
-                                       # full weights: a replica holding no weights of this version refuses
-                                       policy_version=None if self.runtime.lora_name else sampled_version)
+                return server.complete(
+                    prompt,
+                    affinity_key=(group_id, sampled_version),
+                    model=model,
+                    max_tokens=budget - len(ids),
+                    n=n,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    min_p=cfg.min_p,
+                    seed=seed,
+                    num_logprobs=cfg.num_sampler_logprobs,
+                    # full weights: a replica holding no weights of this version refuses
+                    policy_version=None if self.runtime.lora_name else sampled_version,
+                )
 
             try:
                 if self.coalescer is not None and first_request:  # a group's rollouts open with one prompt
                     base = group_seed_base(cfg.seed, group_id)
                     key = (group_id, sampled_version, model, budget, tuple(prompt))
                     out = await self.coalescer.complete(
-                        key, rollout, lambda first, n: send(first, n, seed=base + first))
+                        key, rollout, lambda first, n: send(first, n, seed=base + first)
+                    )
                 else:
                     (out,) = await send(rollout, 1)
             except ServerRequestError:
                 if await self._retired(server, model):  # vLLM: 404 for an unknown model (vllm-h200/README.md)
-                    raise AdapterRetired(f"group {group_id}: adapter {model} was unloaded by a newer weight sync "
-                                         "before the group finished; dropped as stale") from None
+                    raise AdapterRetired(
+                        f"group {group_id}: adapter {model} was unloaded by a newer weight sync "
+                        "before the group finished; dropped as stale"
+                    ) from None
                 raise
             self.generated_tokens += len(out.token_ids)
             ids, logprobs = ids + out.token_ids, logprobs + out.logprobs
@@ -235,15 +262,31 @@ class RolloutLoop:
             finish = out.finish_reason if out.finish_reason in COMPLETE_FINISHES or len(ids) < budget else "length"
             if finish in COMPLETE_FINISHES:
                 text = out.text if attempt == 0 else self.tokenizer.decode(ids, skip_special_tokens=True)
-                return TurnRecord(prompt_ids=list(prompt_ids), output_ids=ids, output_log_probs=logprobs,
-                                  output_sampler_logprobs=tops, finish_reason=finish, text=text)
+                return TurnRecord(
+                    prompt_ids=list(prompt_ids),
+                    output_ids=ids,
+                    output_log_probs=logprobs,
+                    output_sampler_logprobs=tops,
+                    finish_reason=finish,
+                    text=text,
+                )
             self.window.add("rollout/aborted_turn_count", 1)
-            logger.warning("group %d rollout %d: the server ended a turn with finish_reason=%r after %d of %d tokens; "
-                           "resubmitting the continuation (%d/%d)", group_id, rollout, out.finish_reason, len(ids),
-                           budget, attempt + 1, cfg.max_abort_retries)
-        raise TurnAborted(f"group {group_id}: the server aborted a turn {cfg.max_abort_retries + 1} times "
-                          f"(finish_reason={out.finish_reason!r}); raise rollout.max_abort_retries or find what "
-                          "aborts requests (a /pause without mode=keep, a restarting server)")
+            logger.warning(
+                "group %d rollout %d: the server ended a turn with finish_reason=%r after %d of %d tokens; "
+                "resubmitting the continuation (%d/%d)",
+                group_id,
+                rollout,
+                out.finish_reason,
+                len(ids),
+                budget,
+                attempt + 1,
+                cfg.max_abort_retries,
+            )
+        raise TurnAborted(
+            f"group {group_id}: the server aborted a turn {cfg.max_abort_retries + 1} times "
+            f"(finish_reason={out.finish_reason!r}); raise rollout.max_abort_retries or find what "
+            "aborts requests (a /pause without mode=keep, a restarting server)"
+        )
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
         """``float32[G]`` group-normalised advantages; NaN rewards get 0 and are left out (DESIGN.md §5)."""
@@ -269,8 +312,8 @@ class RolloutLoop:
         if not self.runtime.lora_name or not model.startswith(prefix):
             return False
         listed = {m.get("id", "") for m in await server.models()}
-        newer = [int(n[len(prefix):]) for n in listed if n.startswith(prefix) and n[len(prefix):].isdigit()]
-        return model not in listed and max(newer, default=0) > int(model[len(prefix):])
+        newer = [int(n[len(prefix) :]) for n in listed if n.startswith(prefix) and n[len(prefix) :].isdigit()]
+        return model not in listed and max(newer, default=0) > int(model[len(prefix) :])
 
     def render(self, messages: list[dict[str, Any]], tool_schemas_: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through the chat template, with the generation prompt.
@@ -282,8 +325,13 @@ class RolloutLoop:
         if tool_schemas_ and "tools" not in template:
             messages = with_tool_system_prompt(messages, tool_schemas_)
             tool_schemas_ = None
-        text = self.tokenizer.apply_chat_template(messages, tools=tool_schemas_, tokenize=False,
-                                                  add_generation_prompt=True, **self.config.chat_template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tool_schemas_,
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.config.chat_template_kwargs,
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ----- one group ----------------------------------------------------------------------------
@@ -295,8 +343,10 @@ class RolloutLoop:
         self.unfinished_rollouts += self.config.num_generations
         started = time.monotonic()
         version, trainer_step = allowance.policy_version, allowance.trainer_step
-        results = await asyncio.gather(*(self._rollout(prompt_index, i, row, version)
-                                         for i in range(self.config.num_generations)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._rollout(prompt_index, i, row, version) for i in range(self.config.num_generations)),
+            return_exceptions=True,
+        )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             self._give_back([r[2] for r in results if not isinstance(r, BaseException)])
@@ -305,14 +355,24 @@ class RolloutLoop:
         prompts, rollouts, envs = [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
         try:
             sequences = [self._reconcile(r) for r in rollouts]
-            group = RolloutGroup(prompt_index=prompt_index, row_index=row_index, epoch=epoch, row=row,
-                                 prompts=prompts, rollouts=rollouts, sequences=sequences, policy_version=version,
-                                 started_at=started, trainer_step=trainer_step,
-                                 environments=[env for _, env in envs])
+            group = RolloutGroup(
+                prompt_index=prompt_index,
+                row_index=row_index,
+                epoch=epoch,
+                row=row,
+                prompts=prompts,
+                rollouts=rollouts,
+                sequences=sequences,
+                policy_version=version,
+                started_at=started,
+                trainer_step=trainer_step,
+                environments=[env for _, env in envs],
+            )
             if self.debug_dump is not None:
                 self.debug_dump.add_group(group)
-            await score_group(group, self.runtime.reward_functions, self.executor, self.window,
-                              self.config.reward_timeout_s)
+            await score_group(
+                group, self.runtime.reward_functions, self.executor, self.window, self.config.reward_timeout_s
+            )
         except UserCodeError as exc:
             if isinstance(exc, UserCodeTimeout):
                 envs = []  # a hung reward function may still read them: never hand them to another rollout
@@ -331,8 +391,9 @@ class RolloutLoop:
             for row in completion_rows(group, advantages):
                 self.runtime.completions.offer(row)
         samples = [] if dropped else group_samples(group, advantages, self.config.num_sampler_logprobs > 0)
-        tokens = group_tokens([s.input_ids for s in samples] if samples
-                              else [seq.input_ids for seqs in sequences for seq in seqs])
+        tokens = group_tokens(
+            [s.input_ids for s in samples] if samples else [seq.input_ids for seqs in sequences for seq in seqs]
+        )
         if samples:
             self.runtime.queue.put_group(prompt_index, samples, tokens)
         else:
@@ -367,10 +428,12 @@ class RolloutLoop:
             self.failed_groups += 1
             self.window.add("rollout/failed_group_count", 1)
             if self.failed_groups > self.config.max_failed_groups:
-                raise RolloutError(f"{self.failed_groups} groups failed in user code, more than "
-                                   f"rollout.max_failed_groups={self.config.max_failed_groups}; the last: {user}. "
-                                   "Fix the function, or raise rollout.max_failed_groups or the timeouts "
-                                   "(rollout.reward_timeout_s, rollout.tool_timeout_s)") from user
+                raise RolloutError(
+                    f"{self.failed_groups} groups failed in user code, more than "
+                    f"rollout.max_failed_groups={self.config.max_failed_groups}; the last: {user}. "
+                    "Fix the function, or raise rollout.max_failed_groups or the timeouts "
+                    "(rollout.reward_timeout_s, rollout.tool_timeout_s)"
+                ) from user
         else:
             self.window.add("rollout/stale_group_count" if retired else "rollout/aborted_group_count", 1)
         self.runtime.queue.consumed(prompt_index)
@@ -384,8 +447,9 @@ class RolloutLoop:
         self.window.add("rollout/samples_per_rollout", len(seqs))
         return seqs
 
-    async def _rollout(self, prompt_index: int, index: int, row: dict[str, Any],
-                       version: int) -> tuple[list, Rollout, tuple[Any, Any]]:
+    async def _rollout(
+        self, prompt_index: int, index: int, row: dict[str, Any], version: int
+    ) -> tuple[list, Rollout, tuple[Any, Any]]:
         """One rollout under a concurrency slot, with its environment (reset, tools, get_reward).
 
         Returns:
@@ -425,13 +489,16 @@ class RolloutLoop:
     async def _reset(self, env: object, row: dict[str, Any], prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kwargs = {k: v for k, v in row.items() if k not in ("prompt", "environment")}
         start = time.perf_counter()
-        text = await call_environment(env, "reset", kwargs, self.executor, self.window, self.config.tool_timeout_s,
-                                      "rollout.tool_timeout_s")
+        text = await call_environment(
+            env, "reset", kwargs, self.executor, self.window, self.config.tool_timeout_s, "rollout.tool_timeout_s"
+        )
         self.window.add("env/reset_s", time.perf_counter() - start)
         if text is None:
             if not prompt:
-                raise RolloutError(f"{type(env).__name__}.reset() returned None and the row has no 'prompt' column; "
-                                   "return the prompt text from reset() or add a 'prompt' column")
+                raise RolloutError(
+                    f"{type(env).__name__}.reset() returned None and the row has no 'prompt' column; "
+                    "return the prompt text from reset() or add a 'prompt' column"
+                )
             return prompt
         if prompt and prompt[-1].get("role") == "user":
             return [*prompt[:-1], {**prompt[-1], "content": f"{prompt[-1]['content']}\n\n{text}"}]
@@ -439,7 +506,8 @@ class RolloutLoop:
 
     async def _env_reward(self, env: object) -> Any:
         start = time.perf_counter()
-        value = await call_environment(env, "get_reward", {}, self.executor, self.window, self.config.reward_timeout_s,
-                                       "rollout.reward_timeout_s")
+        value = await call_environment(
+            env, "get_reward", {}, self.executor, self.window, self.config.reward_timeout_s, "rollout.reward_timeout_s"
+        )
         self.window.add("env/reward_s", time.perf_counter() - start)
         return value  # checked (None/NaN = does not apply, ±inf = error) with the other sources when scored

@@ -106,12 +106,15 @@ class RolloutProcess:
             if self.location_path.is_file() and (location := self.location_path.read_text().strip()):
                 return location
             if self.process.poll() is not None:
-                raise TransportError(f"rollout process exited with code {self.process.returncode} before serving; "
-                                     f"log {self.log_path}:\n{self.log_tail()}")
+                raise TransportError(
+                    f"rollout process exited with code {self.process.returncode} before serving; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
         self.stop()
-        raise TransportError(f"rollout process did not serve within {timeout_s:.0f} s; "
-                             f"log {self.log_path}:\n{self.log_tail()}")
+        raise TransportError(
+            f"rollout process did not serve within {timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM the process group, SIGKILL after ``timeout_s``; returns the exit code."""
@@ -129,9 +132,14 @@ class RolloutProcess:
         return self.process.poll()
 
 
-def start_rollout_process(config: RunConfig | Path, server_urls: list[str], run_dir: Path, *,
-                          resume: ResumeState | Path | None = None,
-                          env: dict[str, str] | None = None) -> RolloutProcess:
+def start_rollout_process(
+    config: RunConfig | Path,
+    server_urls: list[str],
+    run_dir: Path,
+    *,
+    resume: ResumeState | Path | None = None,
+    env: dict[str, str] | None = None,
+) -> RolloutProcess:
     """Start ``python -m grpo_core.rollout`` for ``server_urls``; returns at once (see :meth:`RolloutProcess.wait_location`).
 
     Args:
@@ -159,8 +167,17 @@ def start_rollout_process(config: RunConfig | Path, server_urls: list[str], run_
         resume_path.write_text(json.dumps(dataclasses.asdict(resume)))
     (run_dir / LOCATION_FILE).unlink(missing_ok=True)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)  # a retried flow run's old failure
-    cmd = [sys.executable, "-m", "grpo_core.rollout", "--config", str(config_path),
-           "--location-file", str(run_dir / LOCATION_FILE), "--error-path", str(run_dir / ERROR_FILE)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_core.rollout",
+        "--config",
+        str(config_path),
+        "--location-file",
+        str(run_dir / LOCATION_FILE),
+        "--error-path",
+        str(run_dir / ERROR_FILE),
+    ]
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
     if resume_path is not None:
         cmd += ["--resume", str(resume_path)]
@@ -168,11 +185,17 @@ def start_rollout_process(config: RunConfig | Path, server_urls: list[str], run_
     from grpo_core import lifeline
 
     # owned by this process (lifeline: it ends within a second of this process's death, SIGKILL included)
-    child_env = {**os.environ, **lifeline.owner_env(), **(env or {}), "CUDA_VISIBLE_DEVICES": "",
-                 "PYTHONUNBUFFERED": "1"}
+    child_env = {
+        **os.environ,
+        **lifeline.owner_env(),
+        **(env or {}),
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONUNBUFFERED": "1",
+    }
     with (run_dir / LOG_FILE).open("ab") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=child_env, start_new_session=True)
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True
+        )
     logger.info("started the rollout process %d (log %s)", process.pid, run_dir / LOG_FILE)
     return RolloutProcess(process, run_dir)
 
@@ -193,8 +216,9 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         allowance.trainer_step = job.resume.step
     queue = SampleQueue(allowance, with_topk=rollout.num_sampler_logprobs > 0)
     window = MetricWindow()
-    completions = (CompletionSample(job.config.num_completions_to_print, rollout.seed)
-                   if job.config.log_completions else None)
+    completions = (
+        CompletionSample(job.config.num_completions_to_print, rollout.seed) if job.config.log_completions else None
+    )
     stop = threading.Event()
     state: dict[str, Any] = {}
 
@@ -208,9 +232,15 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         replicas = state["rollout_loop"].runtime.server if "rollout_loop" in state else None
         return [replicas.urls[i] for i in sorted(replicas.behind)] if hasattr(replicas, "behind") else []
 
-    server = RolloutFlightServer(f"grpc://{rollout.flight_host}:{rollout.flight_port}", queue, window,
-                                 lambda: state["rollout_loop"].generated_tokens if "rollout_loop" in state else 0,
-                                 shutdown, completions, servers_behind=servers_behind)
+    server = RolloutFlightServer(
+        f"grpc://{rollout.flight_host}:{rollout.flight_port}",
+        queue,
+        window,
+        lambda: state["rollout_loop"].generated_tokens if "rollout_loop" in state else 0,
+        shutdown,
+        completions,
+        servers_behind=servers_behind,
+    )
     # Bound to every interface: advertise this host's name, which a trainer elsewhere can resolve.
     host = socket.getfqdn() if rollout.flight_host in ("0.0.0.0", "::", "") else rollout.flight_host
     location = f"grpc://{host}:{server.port}"
@@ -254,16 +284,20 @@ async def _wait_for_served_version(rollout_loop: Any, queue: Any, timeout_s: flo
             logger.info("waiting for the trainer to sync policy version %d to the servers", allowance.policy_version)
         while allowance.served_version < allowance.policy_version:
             if time.monotonic() > deadline:
-                raise TransportError(f"the trainer never synced policy version {allowance.policy_version} to the "
-                                     f"servers within {timeout_s:.0f} s; it does so when it resumes")
+                raise TransportError(
+                    f"the trainer never synced policy version {allowance.policy_version} to the "
+                    f"servers within {timeout_s:.0f} s; it does so when it resumes"
+                )
             queue.beat()
             await asyncio.sleep(0.2)
         return
     for client in rollout_loop.runtime.server.clients:
         while name not in await _listed(client):
             if time.monotonic() > deadline:
-                raise TransportError(f"servers never listed adapter {name!r} within {timeout_s:.0f} s; "
-                                     "the trainer syncs it when it resumes")
+                raise TransportError(
+                    f"servers never listed adapter {name!r} within {timeout_s:.0f} s; "
+                    "the trainer syncs it when it resumes"
+                )
             queue.beat()
             await asyncio.sleep(1.0)
     logger.info("resuming from adapter %s", name)

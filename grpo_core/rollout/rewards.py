@@ -37,11 +37,15 @@ def source_name(func: Callable[..., Any]) -> str:
 def _check_values(name: str, values: Any, size: int) -> np.ndarray:
     """``float64[size]`` from a function's answer; None -> NaN. Raises RolloutError naming the function."""
     if not isinstance(values, Sequence | np.ndarray) or isinstance(values, str):
-        raise RolloutError(f"reward function {name!r} returned {type(values).__name__}; it must return a list "
-                           f"of {size} floats (None where it does not apply)")
+        raise RolloutError(
+            f"reward function {name!r} returned {type(values).__name__}; it must return a list "
+            f"of {size} floats (None where it does not apply)"
+        )
     if len(values) != size:
-        raise RolloutError(f"reward function {name!r} returned {len(values)} rewards for a group of {size} "
-                           "rollouts; return one value per completion")
+        raise RolloutError(
+            f"reward function {name!r} returned {len(values)} rewards for a group of {size} "
+            "rollouts; return one value per completion"
+        )
     out = np.full(size, np.nan)
     for i, v in enumerate(values):
         if v is None:
@@ -65,17 +69,26 @@ def checked_reward(source: str, value: Any, position: int) -> float:
     try:
         reward = float(value)
     except (TypeError, ValueError):
-        raise RolloutError(f"{source} returned {value!r} at position {position}; "
-                           "rewards must be numbers or None") from None
+        raise RolloutError(
+            f"{source} returned {value!r} at position {position}; rewards must be numbers or None"
+        ) from None
     if math.isinf(reward):
-        raise UserCodeError(f"{source} returned {reward} at position {position}; rewards must be finite: return "
-                           "None (or NaN) where the reward does not apply, or a large finite penalty")
+        raise UserCodeError(
+            f"{source} returned {reward} at position {position}; rewards must be finite: return "
+            "None (or NaN) where the reward does not apply, or a large finite penalty"
+        )
     return reward
 
 
-async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[str, Any], size: int,
-                                executor: Executor, *, timeout_s: float | None = None,
-                                window: MetricWindow | None = None) -> dict[str, np.ndarray]:
+async def call_reward_functions(
+    funcs: list[Callable[..., Any]],
+    kwargs: dict[str, Any],
+    size: int,
+    executor: Executor,
+    *,
+    timeout_s: float | None = None,
+    window: MetricWindow | None = None,
+) -> dict[str, np.ndarray]:
     """Run every reward function on one group, concurrently.
 
     Args:
@@ -95,6 +108,7 @@ async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[st
         RolloutError: a function does not take these arguments, or returned the wrong type or length (names it).
         UserCodeError: a function raised, timed out or returned ±inf (names it; the group fails).
     """
+
     async def one(func: Callable[..., Any]) -> tuple[str, np.ndarray]:
         name = source_name(func)
         check_arguments(f"reward function {name!r}", func, kwargs)
@@ -103,8 +117,9 @@ async def call_reward_functions(funcs: list[Callable[..., Any]], kwargs: dict[st
         except TimeoutError:
             if window is not None:
                 window.add(f"rewards/{name}/timeout_count", 1)
-            raise UserCodeTimeout(f"reward function {name!r} took longer than rollout.reward_timeout_s="
-                                f"{timeout_s:g} s") from None
+            raise UserCodeTimeout(
+                f"reward function {name!r} took longer than rollout.reward_timeout_s={timeout_s:g} s"
+            ) from None
         except Exception as exc:  # a user function: report which one failed
             raise UserCodeError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
         return name, _check_values(name, values, size)

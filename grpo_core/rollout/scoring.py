@@ -47,14 +47,24 @@ def reward_kwargs(group: RolloutGroup, window: MetricWindow) -> dict[str, Any]:
     def log_metric(name: str, value: float) -> None:
         window.add(str(name), float(value))
 
-    kwargs.update(prompts=group.prompts, completions=group.completions, completion_ids=group.completions_ids,
-                  trainer_state=group.trainer_state, log_metric=log_metric,
-                  environments=list(group.environments) or [None] * size)
+    kwargs.update(
+        prompts=group.prompts,
+        completions=group.completions,
+        completion_ids=group.completions_ids,
+        trainer_state=group.trainer_state,
+        log_metric=log_metric,
+        environments=list(group.environments) or [None] * size,
+    )
     return kwargs
 
 
-async def score_group(group: RolloutGroup, funcs: list[Callable[..., Any]], executor: Executor,
-                      window: MetricWindow, timeout_s: float | None = None) -> None:
+async def score_group(
+    group: RolloutGroup,
+    funcs: list[Callable[..., Any]],
+    executor: Executor,
+    window: MetricWindow,
+    timeout_s: float | None = None,
+) -> None:
     """Set ``group.source_rewards`` and ``group.rewards`` (sum over sources; NaN = unscored).
 
     Sources: the reward functions, the environments' ``get_reward`` (named after the
@@ -69,14 +79,21 @@ async def score_group(group: RolloutGroup, funcs: list[Callable[..., Any]], exec
     """
     size = len(group.rollouts)
     start = time.perf_counter()
-    sources = await call_reward_functions(funcs, reward_kwargs(group, window), size, executor,
-                                          timeout_s=timeout_s, window=window) if funcs else {}
+    sources = (
+        await call_reward_functions(
+            funcs, reward_kwargs(group, window), size, executor, timeout_s=timeout_s, window=window
+        )
+        if funcs
+        else {}
+    )
     for i, rollout in enumerate(group.rollouts):
         if rollout.env_reward is not None and rollout.env_reward[1] is not None:
             name, value = rollout.env_reward
             sources.setdefault(name, np.full(size, np.nan))[i] = checked_reward(f"{name}.get_reward()", value, i)
         if rollout.reward is not None:
-            sources.setdefault("rollout", np.full(size, np.nan))[i] = checked_reward("Rollout.reward", rollout.reward, i)
+            sources.setdefault("rollout", np.full(size, np.nan))[i] = checked_reward(
+                "Rollout.reward", rollout.reward, i
+            )
     group.source_rewards = sources
     group.rewards = sum_rewards(sources, size)
     window.add("rollout/score_s", time.perf_counter() - start)
@@ -128,13 +145,21 @@ def completion_rows(group: RolloutGroup, advantages: np.ndarray) -> list[dict[st
     assert group.rewards is not None
     rows = []
     for i, rollout in enumerate(group.rollouts):
-        row: dict[str, Any] = {"prompt": _message_text(group.prompts[i]),
-                               "completion": _message_text(rollout.completion),
-                               "reward": float(group.rewards[i]), "advantage": float(advantages[i])}
+        row: dict[str, Any] = {
+            "prompt": _message_text(group.prompts[i]),
+            "completion": _message_text(rollout.completion),
+            "reward": float(group.rewards[i]),
+            "advantage": float(advantages[i]),
+        }
         row.update({f"reward/{name}": float(values[i]) for name, values in group.source_rewards.items()})
-        row.update({"completion_tokens": len(rollout.completion_ids),
-                    "finish_reason": rollout.turns[-1].finish_reason if rollout.turns else "",
-                    "prompt_index": group.prompt_index, "policy_version": group.policy_version})
+        row.update(
+            {
+                "completion_tokens": len(rollout.completion_ids),
+                "finish_reason": rollout.turns[-1].finish_reason if rollout.turns else "",
+                "prompt_index": group.prompt_index,
+                "policy_version": group.policy_version,
+            }
+        )
         rows.append(row)
     return rows
 
@@ -150,11 +175,17 @@ def token_lists(entries: list[dict[int, float]] | list[list[int]]) -> TokenLists
     return TokenLists(offsets=offsets, ids=ids)
 
 
-def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advantage: float,
-            with_topk: bool) -> Sample:
-    sample = Sample.build(seq.input_ids, seq.completion_mask, seq.sampler_logprobs, sample_id=sample_id,
-                          group_id=group.group_id, prompt_index=group.prompt_index, advantage=advantage,
-                          policy_version=group.policy_version)
+def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advantage: float, with_topk: bool) -> Sample:
+    sample = Sample.build(
+        seq.input_ids,
+        seq.completion_mask,
+        seq.sampler_logprobs,
+        sample_id=sample_id,
+        group_id=group.group_id,
+        prompt_index=group.prompt_index,
+        advantage=advantage,
+        policy_version=group.policy_version,
+    )
     if with_topk:
         sample.sampler_topk = token_lists(seq.topk or [{} for _ in seq.input_ids])
     if seq.candidates is not None:
@@ -173,8 +204,15 @@ def group_samples(group: RolloutGroup, advantages: np.ndarray, with_topk: bool) 
         if np.isnan(group.rewards[i]):
             continue
         for seq in seqs:
-            samples.append(_sample(seq, sample_id=group.group_id * SAMPLE_ID_STRIDE + len(samples), group=group,
-                                   advantage=float(advantages[i]), with_topk=with_topk))
+            samples.append(
+                _sample(
+                    seq,
+                    sample_id=group.group_id * SAMPLE_ID_STRIDE + len(samples),
+                    group=group,
+                    advantage=float(advantages[i]),
+                    with_topk=with_topk,
+                )
+            )
     return samples
 
 

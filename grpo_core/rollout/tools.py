@@ -47,29 +47,46 @@ def _function_call(name: str, arguments: str) -> dict[str, Any]:
 #: for tokenizers that ship none; ``rollout.response_template`` names one.
 RESPONSE_TEMPLATES: dict[str, dict[str, Any]] = {
     "hermes": {  # Qwen2.5/Qwen3, Hermes, SmolLM3: <tool_call>{"name", "arguments"}</tool_call>, optional <think>
-        "start_anchor": "<|im_start|>assistant\n", "defaults": {"role": "assistant"},
+        "start_anchor": "<|im_start|>assistant\n",
+        "defaults": {"role": "assistant"},
         "fields": {
             "content": {"content": "text", "close": "<|im_end|>"},
             "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
-            "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
-                           "transform": _function_call("{content.name}", "{content.arguments}")},
+            "tool_calls": {
+                "open": "<tool_call>",
+                "close": "</tool_call>",
+                "content": "json",
+                "repeats": True,
+                "transform": _function_call("{content.name}", "{content.arguments}"),
+            },
         },
     },
     "mistral": {  # Mistral/Mixtral instruct: [TOOL_CALLS][{"name", "arguments"}, ...] to the end of the reply
-        "start_anchor": "[/INST]", "defaults": {"role": "assistant"},
+        "start_anchor": "[/INST]",
+        "defaults": {"role": "assistant"},
         "fields": {
             "content": {"content": "text", "close_pattern": r"</s>"},
-            "tool_calls": {"open": "[TOOL_CALLS]", "close_pattern": r"</s>|\Z", "content": "json",
-                           "transform_each": True, "transform": _function_call("{name}", "{arguments}")},
+            "tool_calls": {
+                "open": "[TOOL_CALLS]",
+                "close_pattern": r"</s>|\Z",
+                "content": "json",
+                "transform_each": True,
+                "transform": _function_call("{name}", "{arguments}"),
+            },
         },
     },
     "llama3": {  # Llama 3.1-3.3 JSON tool calling: <|python_tag|>{"name", "parameters"} up to <|eom_id|>/<|eot_id|>
-        "start_anchor": "<|start_header_id|>assistant<|end_header_id|>", "defaults": {"role": "assistant"},
+        "start_anchor": "<|start_header_id|>assistant<|end_header_id|>",
+        "defaults": {"role": "assistant"},
         "fields": {
             "content": {"content": "text", "close_pattern": r"<\|eot_id\|>"},
-            "tool_calls": {"open": "<|python_tag|>", "close_pattern": r"<\|eom_id\|>|<\|eot_id\|>|\Z",
-                           "content": "json", "repeats": True,
-                           "transform": _function_call("{content.name}", "{content.parameters}")},
+            "tool_calls": {
+                "open": "<|python_tag|>",
+                "close_pattern": r"<\|eom_id\|>|<\|eot_id\|>|\Z",
+                "content": "json",
+                "repeats": True,
+                "transform": _function_call("{content.name}", "{content.parameters}"),
+            },
         },
     },
 }
@@ -87,8 +104,10 @@ def resolve_response_template(spec: str | dict[str, Any] | None) -> dict[str, An
         return None
     if isinstance(spec, str):
         if spec not in RESPONSE_TEMPLATES:
-            raise ConfigError(f"rollout.response_template={spec!r} is not a built-in template "
-                              f"({', '.join(RESPONSE_TEMPLATES)}); name one or give a template dict")
+            raise ConfigError(
+                f"rollout.response_template={spec!r} is not a built-in template "
+                f"({', '.join(RESPONSE_TEMPLATES)}); name one or give a template dict"
+            )
         return RESPONSE_TEMPLATES[spec]
     from transformers.utils.chat_parsing.response_templates import load_response_template
 
@@ -99,8 +118,9 @@ def resolve_response_template(spec: str | dict[str, Any] | None) -> dict[str, An
     return spec
 
 
-def parse_tool_calls(text: str, tokenizer: Any = None, output_ids: list[int] | None = None,
-                     prompt_ids: list[int] | None = None) -> list[ToolCall]:
+def parse_tool_calls(
+    text: str, tokenizer: Any = None, output_ids: list[int] | None = None, prompt_ids: list[int] | None = None
+) -> list[ToolCall]:
     """Tool calls in a model's reply, in the order it made them.
 
     With a tokenizer that has a ``response_template``, the reply is parsed by ``tokenizer.parse_response``
@@ -182,8 +202,13 @@ def environment_tools(env: object) -> list[Callable[..., Any]]:
     return out
 
 
-async def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable[..., Any]], executor: Executor,
-                         window: MetricWindow, timeout_s: float | None = None) -> tuple[list[dict[str, Any]], int]:
+async def run_tool_calls(
+    calls: list[ToolCall],
+    tools: dict[str, Callable[..., Any]],
+    executor: Executor,
+    window: MetricWindow,
+    timeout_s: float | None = None,
+) -> tuple[list[dict[str, Any]], int]:
     """Run calls in order; failures (raising, or taking longer than ``timeout_s`` seconds,
     ``rollout.tool_timeout_s``) become tool-error messages to the model, not crashes.
 
@@ -244,8 +269,10 @@ class EnvironmentPool:
             return ""
         name = row.get("environment")
         if name not in self.factories:
-            raise KeyError(f"dataset row has environment={name!r}; rollout.environment_factory names "
-                           f"{sorted(self.factories)}; add it or fix the dataset's 'environment' column")
+            raise KeyError(
+                f"dataset row has environment={name!r}; rollout.environment_factory names "
+                f"{sorted(self.factories)}; add it or fix the dataset's 'environment' column"
+            )
         return name
 
     def take(self, name: str) -> object:
@@ -260,12 +287,14 @@ class EnvironmentPool:
 def with_tool_system_prompt(messages: list[dict[str, Any]], schemas: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with the tool schemas in the system message, in the ChatML/Qwen form (``<tools>…</tools>``
     and the ``<tool_call>`` syntax), for chat templates that ignore ``tools``."""
-    text = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            + "\n".join(json.dumps(s) for s in schemas)
-            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-            'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
-            "<args-json-object>}\n</tool_call>")
+    text = (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + "\n".join(json.dumps(s) for s in schemas)
+        + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )
     if messages and messages[0].get("role") == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]

@@ -129,9 +129,9 @@ def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], Re
         if current is not None:
             stats.transitions += 1
             kept = current.input_ids
-            if turn.prompt_ids[:len(kept)] == kept:
+            if turn.prompt_ids[: len(kept)] == kept:
                 stats.drift_tokens.append(0)
-                _append(current, turn.prompt_ids[len(kept):], None, trained=False)
+                _append(current, turn.prompt_ids[len(kept) :], None, trained=False)
             else:
                 stats.forks += 1
                 stats.drift_tokens.append(len(kept) - _common_prefix(kept, turn.prompt_ids))

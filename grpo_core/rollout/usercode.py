@@ -50,8 +50,9 @@ def running_after_timeout() -> int:
 
 def _async_raise(thread_id: int, exc: type[BaseException] | None) -> None:
     """Raise ``exc`` in thread ``thread_id`` at its next bytecode (None withdraws one not raised yet)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
-                                               ctypes.py_object(exc) if exc is not None else None)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )
 
 
 class _SyncCall:
@@ -103,8 +104,9 @@ class _SyncCall:
                 _async_raise(self.thread_id, _Interrupted)
 
 
-async def call_user(func: Callable[..., Any], kwargs: dict[str, Any], executor: Executor,
-                    timeout_s: float | None = None) -> Any:
+async def call_user(
+    func: Callable[..., Any], kwargs: dict[str, Any], executor: Executor, timeout_s: float | None = None
+) -> Any:
     """``func(**kwargs)``: awaited when async, else in ``executor``; at most ``timeout_s`` seconds (None = no limit).
 
     Raises:
@@ -139,12 +141,21 @@ def check_arguments(what: str, func: Callable[..., Any], kwargs: dict[str, Any])
     try:
         signature.bind(**kwargs)
     except TypeError as exc:
-        raise RolloutError(f"{what} cannot take the arguments it gets ({sorted(kwargs)}): {exc}; fix its "
-                           "signature (add **kwargs to accept the ones it does not use)") from None
+        raise RolloutError(
+            f"{what} cannot take the arguments it gets ({sorted(kwargs)}): {exc}; fix its "
+            "signature (add **kwargs to accept the ones it does not use)"
+        ) from None
 
 
-async def call_environment(env: object, method: str, kwargs: dict[str, Any], executor: Executor,
-                           window: MetricWindow, timeout_s: float | None, field: str) -> Any:
+async def call_environment(
+    env: object,
+    method: str,
+    kwargs: dict[str, Any],
+    executor: Executor,
+    window: MetricWindow,
+    timeout_s: float | None,
+    field: str,
+) -> Any:
     """``env.<method>(**kwargs)`` (``reset`` or ``get_reward``) within ``timeout_s`` seconds (the config key ``field``).
 
     Raises:
@@ -159,8 +170,9 @@ async def call_environment(env: object, method: str, kwargs: dict[str, Any], exe
     try:
         return await call_user(func, kwargs, executor, timeout_s)
     except TimeoutError:
-        window.add(f"rewards/{type(env).__name__}/timeout_count" if method == "get_reward"
-                   else "env/reset_timeout_count", 1)
+        window.add(
+            f"rewards/{type(env).__name__}/timeout_count" if method == "get_reward" else "env/reset_timeout_count", 1
+        )
         raise UserCodeTimeout(f"{name} took longer than {field}={timeout_s:g} s") from None
     except Exception as exc:  # user code: the group fails, charged to rollout.max_failed_groups
         raise UserCodeError(f"{name} raised {type(exc).__name__}: {exc}") from exc

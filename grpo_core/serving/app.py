@@ -103,10 +103,27 @@ class _EngineCollector:
 
 def _model_cards(state: ServerState) -> dict[str, Any]:
     created = int(time.time())
-    base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "vllm",
-            "root": state.model_path, "parent": None, "max_model_len": state.engine.max_model_len}
-    loras = [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": path,
-              "parent": state.model_name, "max_model_len": None} for name, path in state.weights.adapters.items()]
+    base = {
+        "id": state.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": state.model_path,
+        "parent": None,
+        "max_model_len": state.engine.max_model_len,
+    }
+    loras = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": path,
+            "parent": state.model_name,
+            "max_model_len": None,
+        }
+        for name, path in state.weights.adapters.items()
+    ]
     return {"object": "list", "data": [base, *loras]}
 
 
@@ -128,10 +145,12 @@ def _check_prompt(state: ServerState, ids: list[int], max_tokens: int) -> str | 
     if any(t < 0 or t >= vocab for t in ids):
         return f"Token id {next(t for t in ids if t < 0 or t >= vocab)} is out of vocabulary"
     if len(ids) + max_tokens > max_len:  # vLLM 0.25.1's wording
-        return (f"This model's maximum context length is {max_len} tokens. However, you requested {max_tokens} "
-                f"output tokens and your prompt contains {len(ids)} input tokens, for a total of "
-                f"{len(ids) + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
-                "requested output tokens.")
+        return (
+            f"This model's maximum context length is {max_len} tokens. However, you requested {max_tokens} "
+            f"output tokens and your prompt contains {len(ids)} input tokens, for a total of "
+            f"{len(ids) + max_tokens} tokens. Please reduce the length of the input prompt or the number of "
+            "requested output tokens."
+        )
     return None
 
 
@@ -144,8 +163,12 @@ def _sampling(state: ServerState, request: CompletionRequest) -> dict[str, Any] 
     values["presence_penalty"], values["frequency_penalty"] = request.presence_penalty, request.frequency_penalty
     for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
         if values[name] != NEUTRAL[name]:
-            return error_response(f"{name}={values[name]} is not supported by the embedded server (only "
-                                  f"{NEUTRAL[name]}); the trainer's log-probs assume no penalty", 400, param=name)
+            return error_response(
+                f"{name}={values[name]} is not supported by the embedded server (only "
+                f"{NEUTRAL[name]}); the trainer's log-probs assume no penalty",
+                400,
+                param=name,
+            )
     return values
 
 
@@ -153,26 +176,40 @@ def _sequences(state: ServerState, request: CompletionRequest, adapter: str | No
     if request.stream or request.echo:
         return error_response("stream and echo are not supported by the embedded server", 400)
     if request.logprobs is not None and request.logprobs > state.max_logprobs:
-        return error_response(f"Requested sample logprobs of {request.logprobs}, which is greater than max "
-                              f"allowed: {state.max_logprobs}", 400, param="logprobs")
+        return error_response(
+            f"Requested sample logprobs of {request.logprobs}, which is greater than max allowed: {state.max_logprobs}",
+            400,
+            param="logprobs",
+        )
     sampling = _sampling(state, request)
     if isinstance(sampling, JSONResponse):
         return sampling
     seqs = []
     for ids in _prompts(request, state.tokenizer):
-        max_tokens = request.max_tokens or state.default_sampling.get("max_tokens") \
+        max_tokens = (
+            request.max_tokens
+            or state.default_sampling.get("max_tokens")
             or max(state.engine.max_model_len - len(ids), 1)
+        )
         problem = _check_prompt(state, ids, max_tokens)
         if problem:
             return error_response(problem, 400, param="input_tokens" if "context length" in problem else "prompt")
         for choice in range(request.n):
-            seqs.append(Sequence(
-                prompt_ids=ids, max_tokens=max_tokens, temperature=sampling["temperature"],
-                top_k=max(sampling["top_k"], 0), top_p=sampling["top_p"], min_p=sampling["min_p"],
-                seed=None if request.seed is None else request.seed + choice,
-                stop_token_ids=frozenset(request.stop_token_ids or ()),
-                ignore_eos=request.ignore_eos, num_logprobs=request.logprobs, adapter=adapter,
-            ))
+            seqs.append(
+                Sequence(
+                    prompt_ids=ids,
+                    max_tokens=max_tokens,
+                    temperature=sampling["temperature"],
+                    top_k=max(sampling["top_k"], 0),
+                    top_p=sampling["top_p"],
+                    min_p=sampling["min_p"],
+                    seed=None if request.seed is None else request.seed + choice,
+                    stop_token_ids=frozenset(request.stop_token_ids or ()),
+                    ignore_eos=request.ignore_eos,
+                    num_logprobs=request.logprobs,
+                    adapter=adapter,
+                )
+            )
     return seqs
 
 
@@ -204,10 +241,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                 return error_response("client disconnected", 499)
         await done
         tok = state.tokenizer
-        return completion_response(request, name, seqs, tok.convert_ids_to_tokens,
-                                   # vLLM's detokenizer never runs WordPiece space clean-up; neither do we.
-                                   lambda ids: tok.decode(ids, skip_special_tokens=True,
-                                                          clean_up_tokenization_spaces=False))
+        return completion_response(
+            request,
+            name,
+            seqs,
+            tok.convert_ids_to_tokens,
+            # vLLM's detokenizer never runs WordPiece space clean-up; neither do we.
+            lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+        )
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(state))
@@ -221,8 +262,9 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
     @app.post("/pause")
-    async def pause(mode: PauseMode = "abort", wait_for_inflight_requests: bool = False,
-                    clear_cache: bool = True) -> dict[str, str]:
+    async def pause(
+        mode: PauseMode = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
+    ) -> dict[str, str]:
         # vLLM 0.25.1's query parameters: no mode aborts every in-flight request (finish_reason "abort");
         # the deprecated wait_for_inflight_requests means mode=wait; clear_cache has no cache to clear here.
         await asyncio.to_thread(engine.pause, "wait" if wait_for_inflight_requests else mode)
@@ -285,10 +327,17 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:
-        return {"backend": "embedded", "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
-                "generation_config": state.generation_config, "default_sampling_params": state.default_sampling,
-                "kv_cache_size_tokens": engine.kv_cache_size_tokens, "enable_lora": True,
-                "max_loras": state.max_loras, "max_lora_rank": state.weights.max_lora_rank}
+        return {
+            "backend": "embedded",
+            "max_model_len": engine.max_model_len,
+            "max_num_seqs": engine.max_num_seqs,
+            "generation_config": state.generation_config,
+            "default_sampling_params": state.default_sampling,
+            "kv_cache_size_tokens": engine.kv_cache_size_tokens,
+            "enable_lora": True,
+            "max_loras": state.max_loras,
+            "max_lora_rank": state.weights.max_lora_rank,
+        }
 
 
 def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
@@ -310,7 +359,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         param = ".".join(str(p) for p in first.get("loc", ())[1:] if isinstance(p, str)) or None
         message = f"{first.get('msg', 'invalid request')} (parameter={param or 'body'}, value={first.get('input')!r})"
         if param == "max_tokens" and isinstance(first.get("input"), int):  # vLLM 0.25.1's wording
-            message = f"max_tokens must be at least 1, got {first['input']}. (parameter=max_tokens, value={first['input']})"
+            message = (
+                f"max_tokens must be at least 1, got {first['input']}. (parameter=max_tokens, value={first['input']})"
+            )
         return error_response(message, 400, param=param)
 
     @app.exception_handler(AdapterError)

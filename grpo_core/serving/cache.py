@@ -54,7 +54,9 @@ class BatchCache:
         for layer in cache.layers:
             is_linear = isinstance(layer, LinearAttentionCacheLayerMixin)
             linear.append(is_linear)
-            layers.append((layer.conv_states[0], layer.recurrent_states[0]) if is_linear else (layer.keys, layer.values))
+            layers.append(
+                (layer.conv_states[0], layer.recurrent_states[0]) if is_linear else (layer.keys, layer.values)
+            )
         return cls(layers, tuple(linear))
 
     def to_dynamic_cache(self, config) -> DynamicCache:
@@ -72,20 +74,25 @@ class BatchCache:
 
     def merge(self, other: BatchCache) -> BatchCache:
         """Rows of ``self`` then ``other``; attention state left-padded to the longer one."""
-        length = max((a.shape[2] for (a, _), lin in zip(self.layers + other.layers, self.linear * 2) if not lin),
-                     default=0)
+        length = max(
+            (a.shape[2] for (a, _), lin in zip(self.layers + other.layers, self.linear * 2) if not lin), default=0
+        )
 
         def join(x: torch.Tensor, y: torch.Tensor, is_linear: bool) -> torch.Tensor:
             return torch.cat([x, y]) if is_linear else torch.cat([left_pad(x, length, 2), left_pad(y, length, 2)])
 
-        layers = [(join(a1, a2, lin), join(b1, b2, lin))
-                  for (a1, b1), (a2, b2), lin in zip(self.layers, other.layers, self.linear, strict=True)]
+        layers = [
+            (join(a1, a2, lin), join(b1, b2, lin))
+            for (a1, b1), (a2, b2), lin in zip(self.layers, other.layers, self.linear, strict=True)
+        ]
         return BatchCache(layers, self.linear)
 
     def select(self, index: torch.Tensor, start: int) -> BatchCache:
         """Rows ``index``; attention state from column ``start`` on (leading all-padding columns dropped)."""
-        layers = [(a[index], b[index]) if lin else (a[index, :, start:], b[index, :, start:])
-                  for (a, b), lin in zip(self.layers, self.linear, strict=True)]
+        layers = [
+            (a[index], b[index]) if lin else (a[index, :, start:], b[index, :, start:])
+            for (a, b), lin in zip(self.layers, self.linear, strict=True)
+        ]
         return BatchCache(layers, self.linear)
 
 

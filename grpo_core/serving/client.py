@@ -125,8 +125,10 @@ def _parse_choice(choice: dict[str, Any], with_top: bool) -> Completion:
     block = choice.get("logprobs") or {}
     top = None
     if with_top:
-        top = [{int(k.removeprefix("token_id:")): float(v) for k, v in (entry or {}).items()}
-               for entry in block.get("top_logprobs") or []]
+        top = [
+            {int(k.removeprefix("token_id:")): float(v) for k, v in (entry or {}).items()}
+            for entry in block.get("top_logprobs") or []
+        ]
     return Completion(
         prompt_ids=list(choice.get("prompt_token_ids") or []),
         token_ids=list(choice.get("token_ids") or []),
@@ -154,9 +156,17 @@ class GenerationClient:
             is unset.
     """
 
-    def __init__(self, base_url: str, *, max_connections: int = 512, timeout_s: float = 1800.0,
-                 max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        max_connections: int = 512,
+        timeout_s: float = 1800.0,
+        max_retries: int = 5,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        api_key: str | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -164,11 +174,15 @@ class GenerationClient:
         self.retry_count = 0
         self.max_connections, self.timeout_s = max_connections, timeout_s
         self._headers = bearer_headers(api_key or run_token())
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
         # control calls, health, metrics and streams (the router passes answers on as they come)
-        self._http = httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s),
-                                       headers=self._headers)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s), headers=self._headers
+        )
         # Generation requests go through aiohttp: httpcore's pool walks every connection it holds on each request
         # and release (``_assign_requests_to_connections``, encode/httpcore#1035), and with hundreds of requests in
         # flight httpx cost ~2.4 ms of CPU per request against aiohttp's ~0.4 ms: the rollout process ran at one
@@ -192,24 +206,42 @@ class GenerationClient:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
             # trust_env: HTTP(S)_PROXY / NO_PROXY apply as they do to httpx's control calls
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, trust_env=True,
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=self._headers,
+                trust_env=True,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            )
         return self._session
 
-    async def _send(self, method: str, path: str, body: dict[str, Any] | None, params: dict[str, Any] | None,
-                    headers: dict[str, str] | None, generation: bool) -> httpx.Response:
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        params: dict[str, Any] | None,
+        headers: dict[str, str] | None,
+        generation: bool,
+    ) -> httpx.Response:
         """One attempt: a generation request through aiohttp, anything else through httpx; the answer as an
         ``httpx.Response`` either way."""
         if not generation:
             return await self._http.request(method, path, json=body, params=params, headers=headers)
-        async with self._generation_session().request(method, self.base_url + path, json=body, params=params,
-                                                       headers=headers) as answer:
+        async with self._generation_session().request(
+            method, self.base_url + path, json=body, params=params, headers=headers
+        ) as answer:
             content = await answer.read()
         return httpx.Response(answer.status, content=content)
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                       params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
-                       generation: bool = False) -> httpx.Response:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        generation: bool = False,
+    ) -> httpx.Response:
         last: str = ""
         for attempt in range(self.max_retries + 1):
             try:
@@ -225,7 +257,9 @@ class GenerationClient:
                     raise ServerRequestError(
                         f"{self.base_url}{path} answered {response.status_code} (unauthorized): the server checks a "
                         "bearer token; set server.api_key (or the GRPO_SERVER_API_KEY environment variable) to its key",
-                        response.status_code, "AuthenticationError")
+                        response.status_code,
+                        "AuthenticationError",
+                    )
                 if response.status_code < 500:
                     raise ServerRequestError.from_response(self.base_url + path, response.status_code, response.text)
                 last = f"HTTP {response.status_code}: {response.text[:300]}"
@@ -233,16 +267,30 @@ class GenerationClient:
                 break
             self.retry_count += 1
             delay = backoff_delay(attempt, self.backoff_s, self.max_backoff_s)
-            logger.warning("%s %s%s failed (%s); retry %d/%d in %.1f s", method, self.base_url, path, last,
-                           attempt + 1, self.max_retries, delay)
+            logger.warning(
+                "%s %s%s failed (%s); retry %d/%d in %.1f s",
+                method,
+                self.base_url,
+                path,
+                last,
+                attempt + 1,
+                self.max_retries,
+                delay,
+            )
             await asyncio.sleep(delay)
         raise ServerUnavailableError(
             f"{method} {self.base_url}{path} failed after {self.max_retries + 1} attempts; last error: {last}. "
             "Is the generation server running and reachable?"
         )
 
-    async def call(self, method: str, path: str, body: dict[str, Any] | None = None,
-                   params: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> httpx.Response:
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
         """One JSON request with this client's retries (any endpoint; the router forwards control calls with it).
 
         Raises:
@@ -269,10 +317,23 @@ class GenerationClient:
             raise ServerUnavailableError(f"{method} {self.base_url}{path}: HTTP {response.status_code}: {text}")
         return response
 
-    async def complete(self, prompt_ids: list[int], *, model: str, max_tokens: int, temperature: float = 1.0,
-                       top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None, n: int = 1,
-                       stop_token_ids: list[int] | None = None, num_logprobs: int = 0,
-                       ignore_eos: bool = False, policy_version: int | None = None) -> list[Completion]:
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        model: str,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        n: int = 1,
+        stop_token_ids: list[int] | None = None,
+        num_logprobs: int = 0,
+        ignore_eos: bool = False,
+        policy_version: int | None = None,
+    ) -> list[Completion]:
         """Sample ``n`` continuations of one token-id prompt.
 
         Every sampling field is sent explicitly (top-k "off" as ``-1``, penalties at their neutral
@@ -305,10 +366,17 @@ class GenerationClient:
             than ``"stop"``/``"length"``) marks a continuation the server cut short.
         """
         body: dict[str, Any] = {
-            "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "n": n, "seed": seed,
+            "model": model,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens,
+            "n": n,
+            "seed": seed,
             **request_sampling_fields(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p),
-            "logprobs": num_logprobs, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "ignore_eos": ignore_eos, "stop_token_ids": list(stop_token_ids or ()),
+            "logprobs": num_logprobs,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": ignore_eos,
+            "stop_token_ids": list(stop_token_ids or ()),
         }
         version = None if policy_version is None else {POLICY_VERSION_HEADER: str(policy_version)}
         data = (await self._request("POST", "/v1/completions", body, headers=version, generation=True)).json()

@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (names follow ``vllm serve`` where one exists)."""
-    p = argparse.ArgumentParser(prog="python -m grpo_core.serving.embedded",
-                                description="vLLM-compatible generation server on transformers (CPU or CUDA).")
+    p = argparse.ArgumentParser(
+        prog="python -m grpo_core.serving.embedded",
+        description="vLLM-compatible generation server on transformers (CPU or CUDA).",
+    )
     p.add_argument("--model", default="smollm2-135m-instruct", help="registry name, local HF folder or Hub id")
     p.add_argument("--revision", default=None, help="Hub ids: branch, tag or commit (from the Hub cache)")
     p.add_argument("--served-model-name", default=None, help="name clients use in 'model' (default: --model)")
@@ -48,20 +50,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch default")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per request")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded per batch")
-    p.add_argument("--kv-cache-size-tokens", type=int, default=None, help="KV budget (default max-num-seqs*max-model-len)")
+    p.add_argument(
+        "--kv-cache-size-tokens", type=int, default=None, help="KV budget (default max-num-seqs*max-model-len)"
+    )
     p.add_argument("--max-logprobs", type=int, default=20, help="most log-probs per token a request may ask for")
     p.add_argument("--max-loras", type=int, default=6, help="adapters expected to be resident (reported only)")
     p.add_argument("--max-lora-rank", type=int, default=64, choices=VLLM_LORA_RANKS, help="largest adapter rank")
-    p.add_argument("--generation-config", default="auto",
-                   help="defaults of sampling fields a request omits: 'auto' = the model's generation_config.json "
-                        "(vLLM's default), 'vllm' = neutral values, or a folder holding a generation_config.json")
-    p.add_argument("--max-pause-s", type=float, default=300.0,
-                   help="seconds a /pause may last before the server resumes itself (0 = no limit)")
-    p.add_argument("--adapter-dir", default=None,
-                   help="the only folder (or fsspec URL, train.adapter_store) LoRA adapters are loaded from "
-                        "(default: none, every load is refused)")
-    p.add_argument("--weights-dir", type=Path, default=None,
-                   help="the only folder full weights are read from (default: none, every update is refused)")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="defaults of sampling fields a request omits: 'auto' = the model's generation_config.json "
+        "(vLLM's default), 'vllm' = neutral values, or a folder holding a generation_config.json",
+    )
+    p.add_argument(
+        "--max-pause-s",
+        type=float,
+        default=300.0,
+        help="seconds a /pause may last before the server resumes itself (0 = no limit)",
+    )
+    p.add_argument(
+        "--adapter-dir",
+        default=None,
+        help="the only folder (or fsspec URL, train.adapter_store) LoRA adapters are loaded from "
+        "(default: none, every load is refused)",
+    )
+    p.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="the only folder full weights are read from (default: none, every update is refused)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -86,8 +104,10 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         return bind_socket(host, port)
     except OSError as exc:
-        sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process holds the port, or "
-                 "--host is not an address of this machine?); stop it, or choose another --port (0 = a free one)")
+        sys.exit(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process holds the port, or "
+            "--host is not an address of this machine?); stop it, or choose another --port (0 = a free one)"
+        )
 
 
 def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerConfig) -> None:
@@ -97,9 +117,11 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
         SystemExit: ``GRPO_RUN_TOKEN`` is not set, or the port is taken (the message says which and the fix).
     """
     if run_token() is None:
-        sys.exit(f"{TOKEN_ENV} is not set: the embedded server answers only requests carrying the run's bearer "
-                 f"token; set it in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
-                 "print(secrets.token_urlsafe(32))'))")
+        sys.exit(
+            f"{TOKEN_ENV} is not set: the embedded server answers only requests carrying the run's bearer "
+            f"token; set it in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'))"
+        )
     sock = listen(server_cfg.host, server_cfg.port)
     port = sock.getsockname()[1]
     if args.port_file:
@@ -120,25 +142,49 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
     model, tokenizer = load_model(model_cfg, device)
     eos = {t for t in (tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)) if t is not None}
     kv_size = server_cfg.kv_cache_size_tokens or server_cfg.max_num_seqs * server_cfg.max_model_len
-    engine = Engine(model, eos_token_ids=eos, max_model_len=server_cfg.max_model_len,
-                    max_num_seqs=server_cfg.max_num_seqs, kv_cache_size_tokens=max(kv_size, server_cfg.max_model_len),
-                    pad_token_id=tokenizer.pad_token_id or 0)
+    engine = Engine(
+        model,
+        eos_token_ids=eos,
+        max_model_len=server_cfg.max_model_len,
+        max_num_seqs=server_cfg.max_num_seqs,
+        kv_cache_size_tokens=max(kv_size, server_cfg.max_model_len),
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
     engine.start()
     model_dir = resolve_model_dir(model_cfg)
-    defaults = {} if args.generation_config == "vllm" else generation_config_defaults(
-        model_dir if args.generation_config == "auto" else args.generation_config)
+    defaults = (
+        {}
+        if args.generation_config == "vllm"
+        else generation_config_defaults(model_dir if args.generation_config == "auto" else args.generation_config)
+    )
     if defaults:
-        logger.warning("default sampling parameters overridden by the generation config (%s): %s; requests that "
-                       "omit these fields use them (--generation-config vllm for neutral defaults)",
-                       args.generation_config, defaults)
-    state = ServerState(engine=engine, tokenizer=tokenizer, weights=WeightManager(engine, args.max_lora_rank, model_dir),
-                        model_name=server_cfg.served_model_name or model_cfg.name,
-                        model_path=str(model_dir), max_logprobs=server_cfg.max_logprobs,
-                        max_loras=args.max_loras, generation_config=args.generation_config, default_sampling=defaults,
-                        guard={"max_pause_s": args.max_pause_s, "adapter_dir": args.adapter_dir,
-                               "weights_dir": args.weights_dir})
-    logger.info("embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)", state.model_name,
-                server_cfg.host, port, device, torch.get_num_threads(), sorted(eos))
+        logger.warning(
+            "default sampling parameters overridden by the generation config (%s): %s; requests that "
+            "omit these fields use them (--generation-config vllm for neutral defaults)",
+            args.generation_config,
+            defaults,
+        )
+    state = ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        weights=WeightManager(engine, args.max_lora_rank, model_dir),
+        model_name=server_cfg.served_model_name or model_cfg.name,
+        model_path=str(model_dir),
+        max_logprobs=server_cfg.max_logprobs,
+        max_loras=args.max_loras,
+        generation_config=args.generation_config,
+        default_sampling=defaults,
+        guard={"max_pause_s": args.max_pause_s, "adapter_dir": args.adapter_dir, "weights_dir": args.weights_dir},
+    )
+    logger.info(
+        "embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)",
+        state.model_name,
+        server_cfg.host,
+        port,
+        device,
+        torch.get_num_threads(),
+        sorted(eos),
+    )
     config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=60, timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run(sockets=[sock])
@@ -161,12 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        model_cfg = ModelConfig(name=args.model, revision=args.revision, dtype=args.dtype, cache_dir=args.cache_dir,
-                                seed=args.model_seed)
-        server_cfg = ServerConfig(backend="embedded", host=args.host, port=args.port,
-                                  served_model_name=args.served_model_name, max_model_len=args.max_model_len,
-                                  max_num_seqs=args.max_num_seqs, kv_cache_size_tokens=args.kv_cache_size_tokens,
-                                  max_logprobs=args.max_logprobs)
+        model_cfg = ModelConfig(
+            name=args.model, revision=args.revision, dtype=args.dtype, cache_dir=args.cache_dir, seed=args.model_seed
+        )
+        server_cfg = ServerConfig(
+            backend="embedded",
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_size_tokens=args.kv_cache_size_tokens,
+            max_logprobs=args.max_logprobs,
+        )
     except ValueError as exc:
         sys.exit(f"invalid argument: {exc}")
     serve(args, model_cfg, server_cfg)

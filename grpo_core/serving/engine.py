@@ -116,8 +116,16 @@ class Engine:
         pad_token_id: id written into padded prompt positions (masked out).
     """
 
-    def __init__(self, model: Any, *, eos_token_ids: set[int], max_model_len: int, max_num_seqs: int,
-                 kv_cache_size_tokens: int, pad_token_id: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        max_num_seqs: int,
+        kv_cache_size_tokens: int,
+        pad_token_id: int = 0,
+    ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -292,14 +300,27 @@ class Engine:
             self._decode()
         self._retire_finished()
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 kv: BatchCache | None, rows: list[Sequence]) -> tuple[torch.Tensor, BatchCache]:
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        kv: BatchCache | None,
+        rows: list[Sequence],
+    ) -> tuple[torch.Tensor, BatchCache]:
         cache = kv.to_dynamic_cache(self.model.config) if kv else new_cache(self.model.config)
         kwargs: dict[str, Any] = {}
         if self.use_adapters:
             kwargs["adapter_names"] = [seq.adapter or BASE_ADAPTER for seq in rows]
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **kwargs,
+        )
         return out.logits[:, -1], BatchCache.from_dynamic_cache(out.past_key_values)
 
     def _prefill(self, seqs: list[Sequence]) -> _Batch:
@@ -307,8 +328,8 @@ class Engine:
         ids = torch.full((len(seqs), length), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), length), dtype=torch.long)
         for i, seq in enumerate(seqs):
-            ids[i, length - len(seq.prompt_ids):] = torch.tensor(seq.prompt_ids)
-            mask[i, length - len(seq.prompt_ids):] = 1
+            ids[i, length - len(seq.prompt_ids) :] = torch.tensor(seq.prompt_ids)
+            mask[i, length - len(seq.prompt_ids) :] = 1
             if seq.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         ids, mask = ids.to(self.device), mask.to(self.device)
@@ -341,7 +362,7 @@ class Engine:
         tokens, logprobs = sample_tokens(logits, params)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         k_max = max((s.num_logprobs or 0) for s in rows)
-        top_vals, top_ids = (logprobs.topk(k_max, dim=-1) if k_max else (None, None))
+        top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
         top_vals = top_vals.tolist() if k_max else None
         top_ids = top_ids.tolist() if k_max else None
         for i, (seq, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):

@@ -76,16 +76,19 @@ def inside(path: str, root: str | Path | None) -> bool:
         return False
     if "://" in str(root) or "://" in path:
         base = str(root).rstrip("/") + "/"
-        return path.startswith(base) and ".." not in path[len(base):].split("/")
+        return path.startswith(base) and ".." not in path[len(base) :].split("/")
     return Path(path).resolve().is_relative_to(Path(root).resolve())
 
 
-async def _send_json(send: Any, status: int, body: dict[str, Any],
-                     extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+async def _send_json(send: Any, status: int, body: dict[str, Any], extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *extra]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *extra],
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -123,18 +126,27 @@ class RunGuardMiddleware:
         RuntimeError: no token (the server must not start unguarded).
     """
 
-    def __init__(self, app: Any, token: str | None = None, nonce: str | None = None,
-                 max_pause_s: float | None = None, adapter_dir: str | Path | None = None,
-                 weights_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        token: str | None = None,
+        nonce: str | None = None,
+        max_pause_s: float | None = None,
+        adapter_dir: str | Path | None = None,
+        weights_dir: str | Path | None = None,
+    ) -> None:
         self.app = app
         self._token = token or run_token()
         if not self._token:
-            raise RuntimeError(f"{TOKEN_ENV} is not set: the server needs the run's bearer token in its environment "
-                               f"(e.g. {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'))")
+            raise RuntimeError(
+                f"{TOKEN_ENV} is not set: the server needs the run's bearer token in its environment "
+                f"(e.g. {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'))"
+            )
         self.nonce = nonce if nonce is not None else os.environ.get(NONCE_ENV, "")
         env_pause = os.environ.get(MAX_PAUSE_ENV)
-        self.max_pause_s = max_pause_s if max_pause_s is not None else (
-            float(env_pause) if env_pause else DEFAULT_MAX_PAUSE_S)
+        self.max_pause_s = (
+            max_pause_s if max_pause_s is not None else (float(env_pause) if env_pause else DEFAULT_MAX_PAUSE_S)
+        )
         self.adapter_dir = adapter_dir or os.environ.get(ADAPTER_DIR_ENV) or None
         self.weights_dir = weights_dir or os.environ.get(WEIGHTS_DIR_ENV) or None
         self._pause_generation = 0
@@ -156,8 +168,9 @@ class RunGuardMiddleware:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            await _send_json(send, 401, _error("Unauthorized: this server needs the run's bearer token", 401,
-                                               "Unauthorized"))
+            await _send_json(
+                send, 401, _error("Unauthorized: this server needs the run's bearer token", 401, "Unauthorized")
+            )
             return
         if path == NONCE_PATH:
             await _send_json(send, 200, {"nonce": self.nonce})
@@ -168,12 +181,21 @@ class RunGuardMiddleware:
         if path in GENERATION_PATHS and POLICY_VERSION_HEADER.lower() in headers:
             wanted = headers[POLICY_VERSION_HEADER.lower()]
             if not wanted.isdigit():
-                await _send_json(send, 400, _error(f"{POLICY_VERSION_HEADER} must be a policy version (an integer "
-                                                   f">= 0), got {wanted!r}", 400, "BadRequest"))
+                await _send_json(
+                    send,
+                    400,
+                    _error(
+                        f"{POLICY_VERSION_HEADER} must be a policy version (an integer >= 0), got {wanted!r}",
+                        400,
+                        "BadRequest",
+                    ),
+                )
                 return
             if self.policy_version is None and int(wanted) > 0 and self.stale is None:
-                self.stale = (f"no weight sync of the run reached it since it started (restarted?): it holds the base "
-                              f"weights, not policy version {wanted}")
+                self.stale = (
+                    f"no weight sync of the run reached it since it started (restarted?): it holds the base "
+                    f"weights, not policy version {wanted}"
+                )
                 self._stale_epoch += 1
                 self._behind = True
                 logger.error("fenced off (503 on /health and generation requests): %s", self.stale)
@@ -193,8 +215,12 @@ class RunGuardMiddleware:
         await self.app(scope, receive, send)
 
     def _stale_error(self) -> dict[str, Any]:
-        return _error(f"this replica is out of routing: {self.stale}; it rejoins once a weight update reaches it "
-                      "(or it restarts)", 503, BEHIND_ERROR_TYPE if self._behind else "ServiceUnavailable")
+        return _error(
+            f"this replica is out of routing: {self.stale}; it rejoins once a weight update reaches it "
+            "(or it restarts)",
+            503,
+            BEHIND_ERROR_TYPE if self._behind else "ServiceUnavailable",
+        )
 
     async def _set_stale(self, receive: Any, send: Any) -> None:
         """``POST /grpo/stale {"stale": bool, "reason": str, "version": int}``: raise or lower the fence (see the
@@ -207,10 +233,20 @@ class RunGuardMiddleware:
         except ValueError:
             data = None
         version = data.get("version") if isinstance(data, dict) else None
-        if (not isinstance(data, dict) or not isinstance(data.get("stale"), bool)
-                or not (version is None or (type(version) is int and version >= 0))):
-            await _send_json(send, 400, _error('body must be {"stale": true|false, "reason": "...", "version": '
-                                               '<policy version, optional>}', 400, "BadRequest"))
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("stale"), bool)
+            or not (version is None or (type(version) is int and version >= 0))
+        ):
+            await _send_json(
+                send,
+                400,
+                _error(
+                    'body must be {"stale": true|false, "reason": "...", "version": <policy version, optional>}',
+                    400,
+                    "BadRequest",
+                ),
+            )
             return
         if data["stale"]:
             self.stale = str(data.get("reason") or "a weight update failed")
@@ -221,8 +257,10 @@ class RunGuardMiddleware:
             if version is not None:
                 self.policy_version = version
             if self.stale is not None:
-                logger.warning("fence lowered: the replica holds the current weights again%s",
-                               "" if version is None else f" (policy version {version})")
+                logger.warning(
+                    "fence lowered: the replica holds the current weights again%s",
+                    "" if version is None else f" (policy version {version})",
+                )
             self.stale, self._behind = None, False
         await _send_json(send, 200, {"stale": self.stale is not None, "policy_version": self.policy_version})
 
@@ -233,9 +271,17 @@ class RunGuardMiddleware:
         async def fenced_send(message: dict) -> None:
             if message["type"] == "http.response.start" and self._stale_epoch != epoch:
                 replaced.append(True)
-                await _send_json(send, 503, self._stale_error() if self.stale else _error(
-                    "a weight update failed on this replica while the request ran; retry it elsewhere", 503,
-                    "ServiceUnavailable"))
+                await _send_json(
+                    send,
+                    503,
+                    self._stale_error()
+                    if self.stale
+                    else _error(
+                        "a weight update failed on this replica while the request ran; retry it elsewhere",
+                        503,
+                        "ServiceUnavailable",
+                    ),
+                )
                 return
             if not replaced:
                 await send(message)
@@ -262,8 +308,15 @@ class RunGuardMiddleware:
             root, what = self.weights_dir, "full weights (the run's weights folder)"
         if isinstance(given, str) and not inside(given, root):
             logger.warning("refused %s from %s: outside %s", path, given, root)
-            await _send_json(send, 403, _error(f"{given} is outside {root or 'any allowed folder'}: this server loads "
-                                               f"{what} only", 403, "Forbidden"))
+            await _send_json(
+                send,
+                403,
+                _error(
+                    f"{given} is outside {root or 'any allowed folder'}: this server loads {what} only",
+                    403,
+                    "Forbidden",
+                ),
+            )
             return None
         replay = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -301,8 +354,9 @@ class RunGuardMiddleware:
         if generation != self._pause_generation:
             return
         self._pause_timer = None
-        logger.warning("the server has been paused for %.0f s (server.max_pause_s) without a resume: resuming it",
-                       self.max_pause_s)
+        logger.warning(
+            "the server has been paused for %.0f s (server.max_pause_s) without a resume: resuming it", self.max_pause_s
+        )
         scope.update(method="POST", path=RESUME_PATH, raw_path=RESUME_PATH.encode(), query_string=b"", headers=[])
         sent = [{"type": "http.request", "body": b"", "more_body": False}]
 

@@ -103,8 +103,9 @@ def _logprobs_block(seq: Sequence, as_ids: bool, decode: Any) -> dict[str, Any]:
     }
 
 
-def completion_response(request: CompletionRequest, model: str, seqs: list[Sequence], decode: Any,
-                        decode_text: Any) -> dict[str, Any]:
+def completion_response(
+    request: CompletionRequest, model: str, seqs: list[Sequence], decode: Any, decode_text: Any
+) -> dict[str, Any]:
     """Build vLLM's ``text_completion`` answer; ``seqs`` are ordered prompt-major, then by choice.
 
     Args:
@@ -116,18 +117,22 @@ def completion_response(request: CompletionRequest, model: str, seqs: list[Seque
     """
     choices = []
     for index, seq in enumerate(seqs):
-        choices.append({
-            "index": index,
-            "text": decode_text(seq.output_ids),
-            "logprobs": _logprobs_block(seq, request.return_tokens_as_token_ids, decode)
-            if request.logprobs is not None else None,
-            "finish_reason": seq.finish_reason,
-            "stop_reason": seq.output_ids[-1] if seq.finish_reason == "stop" and seq.output_ids
-            and seq.output_ids[-1] in seq.stop_token_ids else None,
-            "token_ids": list(seq.output_ids) if request.return_token_ids else None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": list(seq.prompt_ids) if request.return_token_ids else None,
-        })
+        choices.append(
+            {
+                "index": index,
+                "text": decode_text(seq.output_ids),
+                "logprobs": _logprobs_block(seq, request.return_tokens_as_token_ids, decode)
+                if request.logprobs is not None
+                else None,
+                "finish_reason": seq.finish_reason,
+                "stop_reason": seq.output_ids[-1]
+                if seq.finish_reason == "stop" and seq.output_ids and seq.output_ids[-1] in seq.stop_token_ids
+                else None,
+                "token_ids": list(seq.output_ids) if request.return_token_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": list(seq.prompt_ids) if request.return_token_ids else None,
+            }
+        )
     prompt_tokens = sum(len(s.prompt_ids) for s in seqs[:: request.n])
     completion_tokens = sum(len(s.output_ids) for s in seqs)
     return {
@@ -136,6 +141,9 @@ def completion_response(request: CompletionRequest, model: str, seqs: list[Seque
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                  "completion_tokens": completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+        },
     }

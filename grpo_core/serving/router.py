@@ -42,8 +42,17 @@ PREFIX_CHARS = 1024
 #: Generation routes, routed by affinity.
 ROUTED = ("/v1/completions", "/v1/chat/completions")
 #: Control routes fanned out to every replica, with the call that undoes each on the replicas that took it.
-CONTROL = ("/pause", "/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/init_weight_transfer_engine",
-           "/start_weight_update", "/update_weights", "/finish_weight_update", "/reset_prefix_cache")
+CONTROL = (
+    "/pause",
+    "/resume",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/reset_prefix_cache",
+)
 
 
 def affinity_key(body: dict[str, Any], header: str | None) -> Hashable:
@@ -96,10 +105,15 @@ def metrics_text(replicas: Any) -> str:
     """Prometheus text of the routing counts, in-flight requests and health per replica."""
     counts, policy = replicas.policy.counts, replicas.policy
     lines = ["# TYPE grpo_router_requests_total counter"]
-    lines += [f'grpo_router_requests_total{{outcome="{k}"}} {v}'
-              for k, v in (("hit", counts.hits), ("unmatched", counts.unmatched), ("spill", counts.spills))]
-    lines += ["# TYPE grpo_router_replica_down_total counter", f"grpo_router_replica_down_total {counts.replica_down}",
-              "# TYPE grpo_router_inflight gauge"]
+    lines += [
+        f'grpo_router_requests_total{{outcome="{k}"}} {v}'
+        for k, v in (("hit", counts.hits), ("unmatched", counts.unmatched), ("spill", counts.spills))
+    ]
+    lines += [
+        "# TYPE grpo_router_replica_down_total counter",
+        f"grpo_router_replica_down_total {counts.replica_down}",
+        "# TYPE grpo_router_inflight gauge",
+    ]
     lines += [f'grpo_router_inflight{{replica="{i}"}} {n}' for i, n in enumerate(policy.inflight)]
     lines += ["# TYPE grpo_router_replica_healthy gauge"]
     lines += [f'grpo_router_replica_healthy{{replica="{i}"}} {int(ok)}' for i, ok in enumerate(policy.healthy)]
@@ -146,8 +160,12 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         """A replica's refusal (4xx) passed on as it is; no replica answering is 503 naming what was tried."""
         if isinstance(exc, ServerRequestError) and 400 <= exc.status < 500:
             return error(exc.status, str(exc), exc.error_type or "BadRequestError")
-        return error(503, f"no generation replica answered ({len(replicas.urls)} behind this router; "
-                          f"{sum(replicas.policy.healthy)} healthy): {exc}", "ServiceUnavailableError")
+        return error(
+            503,
+            f"no generation replica answered ({len(replicas.urls)} behind this router; "
+            f"{sum(replicas.policy.healthy)} healthy): {exc}",
+            "ServiceUnavailableError",
+        )
 
     async def json_body(request: Request) -> Any:
         """The request's JSON body (None when empty); raises ValueError on a body that is not JSON."""
@@ -171,12 +189,14 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         except ValueError as exc:
             return error(400, f"the request body is not JSON: {exc}", "BadRequestError")
         if not isinstance(body, dict):
-            return error(400, "the request body must be a JSON object (an OpenAI completion request)",
-                         "BadRequestError")
+            return error(
+                400, "the request body must be a JSON object (an OpenAI completion request)", "BadRequestError"
+            )
         key = affinity_key(body, request.headers.get("x-affinity-key"))
 
         async def send(client: Any) -> tuple[int, Any]:
             return replicas.clients.index(client), await client.open_stream("POST", request.url.path, body)
+
         try:
             replica, answer = await replicas.routed(key, send)
         except ServingError as exc:
@@ -188,8 +208,10 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
             async def done() -> None:
                 replicas.policy.inflight[replica] -= 1
                 await answer.aclose()
-            return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code, media_type=media,
-                                     background=BackgroundTask(done))
+
+            return StreamingResponse(
+                answer.aiter_raw(), status_code=answer.status_code, media_type=media, background=BackgroundTask(done)
+            )
         content = await answer.aread()
         await answer.aclose()
         return Response(content, status_code=answer.status_code, media_type=media)
@@ -218,8 +240,9 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         except ControlFanOutError as exc:  # every replica refused alike: the request's fault, said as one server would
             return error(exc.common_refusal or 502, str(exc), "ControlFanOutError")
         if path == "/v1/unload_lora_adapter" and len(set(absent)) == len(replicas.urls):
-            return error(404, f"no replica holds the LoRA adapter {body['lora_name']!r} (each answered 404)",
-                         "NotFoundError")
+            return error(
+                404, f"no replica holds the LoRA adapter {body['lora_name']!r} (each answered 404)", "NotFoundError"
+            )
         return JSONResponse({"status": "ok", "replicas": len(replicas.urls)})
 
     for path in ROUTED:
@@ -255,15 +278,41 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
 
     check_port_free(server.host, server.router_port, "server.router_port")  # taken: no launch, the setting named
     port_file = server.log_dir / "router.port"
-    argv = [sys.executable, "-m", "grpo_core.serving.router", "--host", server.host, "--port", str(server.router_port),
-            "--port-file", str(port_file), "--route-imbalance", str(server.route_imbalance),
-            "--control-retry-s", str(server.control_retry_s), "--control-timeout-s", str(server.control_timeout_s)]
+    argv = [
+        sys.executable,
+        "-m",
+        "grpo_core.serving.router",
+        "--host",
+        server.host,
+        "--port",
+        str(server.router_port),
+        "--port-file",
+        str(port_file),
+        "--route-imbalance",
+        str(server.route_imbalance),
+        "--control-retry-s",
+        str(server.control_retry_s),
+        "--control-timeout-s",
+        str(server.control_timeout_s),
+    ]
     argv += [arg for url in urls for arg in ("--url", url)]
     env = {NONCE_ENV: secrets.token_hex(16)}
     if key := server.resolved_api_key():
         env[SERVER_API_KEY_ENV] = key
-    handle = launch(LaunchSpec(argv, env, "router", len(urls), server.host, server.router_port,
-                               server.log_dir / "router.log", port_file, nonce=env[NONCE_ENV]), token)
+    handle = launch(
+        LaunchSpec(
+            argv,
+            env,
+            "router",
+            len(urls),
+            server.host,
+            server.router_port,
+            server.log_dir / "router.log",
+            port_file,
+            nonce=env[NONCE_ENV],
+        ),
+        token,
+    )
     wait_healthy(handle, server.startup_timeout_s, token)
     logger.info("router over %d replicas at %s (OpenAI-compatible)", len(urls), handle.url)
     return handle
@@ -294,18 +343,24 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         urls = check_server_urls(args.url, "--url")
-        server = ServerConfig(urls=urls, route_imbalance=args.route_imbalance,
-                              control_retry_s=args.control_retry_s, control_timeout_s=args.control_timeout_s)
+        server = ServerConfig(
+            urls=urls,
+            route_imbalance=args.route_imbalance,
+            control_retry_s=args.control_retry_s,
+            control_timeout_s=args.control_timeout_s,
+        )
     except ValidationError as exc:  # one line per flag, named as on the command line
         lines = [line.split(": ", 1) for line in _error_lines(ServerConfig, exc.errors())]
         parser.error("; ".join(f"--{field.replace('_', '-')}: {why}" for field, why in lines))
     except ValueError as exc:
         parser.error(str(exc))
     if not run_token() and not os.environ.get(SERVER_API_KEY_ENV):
-        sys.exit(f"neither {TOKEN_ENV} nor {SERVER_API_KEY_ENV} is set: the router answers only requests carrying a "
-                 "bearer token and sends one to the replicas; set the replicas' token in the environment (e.g. "
-                 f"{TOKEN_ENV}=... as the embedded servers were started with, or {SERVER_API_KEY_ENV}=... for vLLM "
-                 "servers started with --api-key)")
+        sys.exit(
+            f"neither {TOKEN_ENV} nor {SERVER_API_KEY_ENV} is set: the router answers only requests carrying a "
+            "bearer token and sends one to the replicas; set the replicas' token in the environment (e.g. "
+            f"{TOKEN_ENV}=... as the embedded servers were started with, or {SERVER_API_KEY_ENV}=... for vLLM "
+            "servers started with --api-key)"
+        )
     from grpo_core.auth import token_problem
 
     for name in (TOKEN_ENV, SERVER_API_KEY_ENV):
@@ -331,13 +386,16 @@ def main(argv: list[str] | None = None) -> None:
     async def probe() -> tuple[str, int] | None:  # a set of its own: its clients belong to this event loop only
         async with ReplicaSet.from_config(server, server.urls, timeout_s=10.0) as rs:
             return await token_refused(rs)
+
     refused = asyncio.run(probe())
     if refused is not None:
         sock.close()
-        sys.exit(f"{refused[0]} refuses the bearer token this router sends to the replicas "
-                 f"({SERVER_API_KEY_ENV if api_key else TOKEN_ENV} of the router's environment): every request "
-                 f"would be answered 401 whatever token its client holds; start the router with the replicas' token "
-                 f"in {SERVER_API_KEY_ENV} (vLLM started with --api-key) or {TOKEN_ENV} (servers a run started)")
+        sys.exit(
+            f"{refused[0]} refuses the bearer token this router sends to the replicas "
+            f"({SERVER_API_KEY_ENV if api_key else TOKEN_ENV} of the router's environment): every request "
+            f"would be answered 401 whatever token its client holds; start the router with the replicas' token "
+            f"in {SERVER_API_KEY_ENV} (vLLM started with --api-key) or {TOKEN_ENV} (servers a run started)"
+        )
     replicas = ReplicaSet.from_config(server, server.urls)
     logger.info("router on http://%s:%d over %s", args.host, sock.getsockname()[1], ", ".join(server.urls))
     config = uvicorn.Config(create_router_app(replicas, api_key), log_level="warning", timeout_keep_alive=60)

@@ -37,8 +37,13 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from grpo_core.errors import (ReplicaBehindError, ServerRequestError, ServerStartError, ServerUnavailableError,
-                              ServingError)
+from grpo_core.errors import (
+    ReplicaBehindError,
+    ServerRequestError,
+    ServerStartError,
+    ServerUnavailableError,
+    ServingError,
+)
 from grpo_core.serving.client import Completion, GenerationClient, ServerMetrics, backoff_delay
 
 logger = logging.getLogger(__name__)
@@ -90,8 +95,13 @@ class ControlFanOutError(ServingError):
         statuses: ``{url: HTTP status}`` of the failed replicas' last answers (None: no answer, e.g. unreachable).
     """
 
-    def __init__(self, message: str, failed: dict[str, str], rolled_back: list[str],
-                 statuses: dict[str, int | None] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        failed: dict[str, str],
+        rolled_back: list[str],
+        statuses: dict[str, int | None] | None = None,
+    ) -> None:
         super().__init__(message)
         self.failed = failed
         self.rolled_back = rolled_back
@@ -222,14 +232,30 @@ class ReplicaSet:
         sink: where routing metrics go: any object with ``add(name, value)`` (a ``MetricWindow``); None = none.
     """
 
-    def __init__(self, urls: Sequence[str | GenerationClient], *, api_key: str | None = None, route_imbalance: int = 8,
-                 control_retry_s: float = 0.5, control_timeout_s: float = 60.0, max_connections: int = 512,
-                 timeout_s: float = 1800.0, max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 behind_wait_s: float = 300.0, sink: Any = None) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str | GenerationClient],
+        *,
+        api_key: str | None = None,
+        route_imbalance: int = 8,
+        control_retry_s: float = 0.5,
+        control_timeout_s: float = 60.0,
+        max_connections: int = 512,
+        timeout_s: float = 1800.0,
+        max_retries: int = 5,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        behind_wait_s: float = 300.0,
+        sink: Any = None,
+    ) -> None:
         if not urls:
             raise ServingError("no generation server URL: set server.urls or let the flow start server.num_replicas")
-        self.clients = [GenerationClient(u, api_key=api_key, max_connections=max_connections, timeout_s=timeout_s,
-                                         max_retries=0) if isinstance(u, str) else u for u in urls]
+        self.clients = [
+            GenerationClient(u, api_key=api_key, max_connections=max_connections, timeout_s=timeout_s, max_retries=0)
+            if isinstance(u, str)
+            else u
+            for u in urls
+        ]
         self.urls = [getattr(c, "base_url", f"replica {i}") for i, c in enumerate(self.clients)]
         self.policy = RoutingPolicy(len(urls), route_imbalance)
         self.control_retry_s, self.control_timeout_s = control_retry_s, control_timeout_s
@@ -245,8 +271,14 @@ class ReplicaSet:
     @classmethod
     def from_config(cls, server: Any, urls: Sequence[str], **kwargs: Any) -> ReplicaSet:
         """A set over ``urls`` with the routing settings and bearer token of ``server`` (a ``ServerConfig``)."""
-        return cls(urls, api_key=server.resolved_api_key(), route_imbalance=server.route_imbalance,
-                   control_retry_s=server.control_retry_s, control_timeout_s=server.control_timeout_s, **kwargs)
+        return cls(
+            urls,
+            api_key=server.resolved_api_key(),
+            route_imbalance=server.route_imbalance,
+            control_retry_s=server.control_retry_s,
+            control_timeout_s=server.control_timeout_s,
+            **kwargs,
+        )
 
     async def __aenter__(self) -> ReplicaSet:
         return self
@@ -275,8 +307,12 @@ class ReplicaSet:
     def mark_down(self, replica: int, reason: str) -> None:
         """Route around ``replica`` until a ``/health`` probe finds it healthy again."""
         if self.policy.mark_down(replica):
-            logger.warning("replica %d (%s) marked down: %s; routing around it until /health answers", replica,
-                           self.urls[replica], reason)
+            logger.warning(
+                "replica %d (%s) marked down: %s; routing around it until /health answers",
+                replica,
+                self.urls[replica],
+                reason,
+            )
             if self.sink is not None:
                 self.sink.add("router/replica_down_count", 1)
         if replica not in self._probes or self._probes[replica].done():
@@ -288,8 +324,12 @@ class ReplicaSet:
         retried instead of taking the replica out of the routing — with a single replica that stalled the whole
         rollout until the probe re-admitted it. Returns whether the replica was marked down."""
         if await self.clients[replica].health():
-            logger.info("request to replica %d (%s) failed but /health answers; retrying: %s", replica,
-                        self.urls[replica], str(error).splitlines()[0][:200])
+            logger.info(
+                "request to replica %d (%s) failed but /health answers; retrying: %s",
+                replica,
+                self.urls[replica],
+                str(error).splitlines()[0][:200],
+            )
             return False
         self.mark_down(replica, str(error).splitlines()[0][:200])
         return True
@@ -301,8 +341,9 @@ class ReplicaSet:
         self.behind.discard(replica)
         logger.info("replica %d (%s) healthy again; it rejoins the routing", replica, self.urls[replica])
 
-    async def routed(self, key: Hashable | None, send: Callable[[GenerationClient], Awaitable[T]],
-                     count: bool = True) -> T:
+    async def routed(
+        self, key: Hashable | None, send: Callable[[GenerationClient], Awaitable[T]], count: bool = True
+    ) -> T:
         """``await send(client)`` on the replica the policy picks for ``key``; re-routed on failure.
         ``count``: a generation request, counted in the routing metrics (reads such as ``/v1/models`` are not).
 
@@ -340,10 +381,12 @@ class ReplicaSet:
         raise ServerUnavailableError(
             f"request failed on every attempt ({self.max_retries + 1}) on {len(tried)} of {len(self.urls)} "
             f"replica(s); the last error of each: {'; '.join(f'{u}: {e}' for u, e in tried.items())}. "
-            "Are the generation servers running and reachable?")
+            "Are the generation servers running and reachable?"
+        )
 
-    async def complete(self, prompt_ids: list[int], *, affinity_key: Hashable | None = None, model: str,
-                       **sampling: Any) -> list[Completion]:
+    async def complete(
+        self, prompt_ids: list[int], *, affinity_key: Hashable | None = None, model: str, **sampling: Any
+    ) -> list[Completion]:
         """``GenerationClient.complete`` on the routed replica; ``affinity_key`` (e.g. the group id) is
         combined with ``model`` (the policy version's adapter), so versions never share a key."""
         key = None if affinity_key is None else (affinity_key, model)
@@ -389,9 +432,13 @@ class ReplicaSet:
             raise ServerUnavailableError(f"/metrics: no replica answered ({', '.join(self.urls)})")
         return snaps
 
-    async def fan_out(self, name: str, call: Callable[[GenerationClient], Awaitable[Any]],
-                      undo: Callable[[GenerationClient], Awaitable[Any]] | None = None,
-                      reads_storage: bool = False) -> None:
+    async def fan_out(
+        self,
+        name: str,
+        call: Callable[[GenerationClient], Awaitable[Any]],
+        undo: Callable[[GenerationClient], Awaitable[Any]] | None = None,
+        reads_storage: bool = False,
+    ) -> None:
         """Run a control call on every replica, all or nothing.
 
         Each replica is retried every ``control_retry_s`` seconds until ``control_timeout_s``: an unreachable
@@ -419,11 +466,15 @@ class ReplicaSet:
             f"{name} failed on {len(failed)} of {len(self.urls)} replicas (each retried up to "
             f"{self.control_timeout_s:.0f} s, server.control_timeout_s, unless said otherwise): "
             + "; ".join(f"{u}: {e}" for u, e in failed.items())
-            + (f"; rolled back on {', '.join(rolled)}" if rolled else "; nothing to roll back"), failed, rolled,
-            statuses)
+            + (f"; rolled back on {', '.join(rolled)}" if rolled else "; nothing to roll back"),
+            failed,
+            rolled,
+            statuses,
+        )
 
-    async def _retry(self, client: GenerationClient, call: Callable[[GenerationClient], Awaitable[Any]],
-                     reads_storage: bool = False) -> tuple[str, int | None] | None:
+    async def _retry(
+        self, client: GenerationClient, call: Callable[[GenerationClient], Awaitable[Any]], reads_storage: bool = False
+    ) -> tuple[str, int | None] | None:
         """None when ``call(client)`` succeeded within ``control_timeout_s``, else the last error's text and HTTP
         status (None: no answer). A refusal that no retry changes (:func:`refusal_is_final`: 401 wrong token, 403 a
         path outside the replica's allowed folder, ...) ends it at once."""
@@ -439,8 +490,9 @@ class ReplicaSet:
                     return f"{error} (not retried: a {status} does not change)", status
             if time.monotonic() + self.control_retry_s > deadline:
                 return error, status
-            logger.warning("control call on %s failed (%s); retrying in %.1f s", client.base_url, error,
-                           self.control_retry_s)
+            logger.warning(
+                "control call on %s failed (%s); retrying in %.1f s", client.base_url, error, self.control_retry_s
+            )
             await asyncio.sleep(self.control_retry_s)
 
 
@@ -482,14 +534,16 @@ def wait_external(server: Any) -> list[str]:
                         raise ConfigError(
                             f"server.urls: {refused[0]} refuses the bearer token this run sends (HTTP {refused[1]}); "
                             "set server.api_key (or GRPO_SERVER_API_KEY) to the key its server was started with "
-                            "(vLLM --api-key), or GRPO_RUN_TOKEN to the token its guard checks")
+                            "(vLLM --api-key), or GRPO_RUN_TOKEN to the token its guard checks"
+                        )
                     return rs.urls
                 if time.monotonic() > deadline:
                     down = [u for u, ok in zip(rs.urls, states) if not ok]
                     raise ServerStartError(
                         f"server.urls: {', '.join(down)} did not answer /health within server.startup_timeout_s "
                         f"({server.startup_timeout_s:.0f} s); check that they run, the host and port are reachable "
-                        "from this host, and server.api_key")
+                        "from this host, and server.api_key"
+                    )
                 await asyncio.sleep(PROBE_INTERVAL_S)
 
     return asyncio.run(go())

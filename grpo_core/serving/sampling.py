@@ -45,7 +45,9 @@ def _apply_filters(logits: torch.Tensor, params: RowSampling) -> torch.Tensor:
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     use_k = params.top_k > 0
     if bool(use_k.any()):
-        k = torch.where(use_k, params.top_k, torch.full_like(params.top_k, logits.shape[-1])).clamp(max=logits.shape[-1])
+        k = torch.where(use_k, params.top_k, torch.full_like(params.top_k, logits.shape[-1])).clamp(
+            max=logits.shape[-1]
+        )
         kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if bool((params.top_p < 1).any()):
@@ -81,8 +83,9 @@ def sample_tokens(logits: torch.Tensor, params: RowSampling) -> tuple[torch.Tens
         # repeat exactly); token i is drawn when cdf[i-1] <= u < cdf[i], i.e. with probability p_i,
         # and tokens outside the candidate set (p = 0) never are.
         cdf = logprobs[random_rows].exp().cumsum(dim=-1)
-        uniform = torch.cat([torch.rand(1, generator=params.generators[row], device=logits.device)
-                             for row in random_rows])
+        uniform = torch.cat(
+            [torch.rand(1, generator=params.generators[row], device=logits.device) for row in random_rows]
+        )
         picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(-1)
         tokens[random_rows] = picked.clamp(max=logits.shape[-1] - 1)
     return tokens, logprobs

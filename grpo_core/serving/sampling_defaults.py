@@ -30,11 +30,24 @@ from grpo_core.config import RolloutConfig
 logger = logging.getLogger(__name__)
 
 #: Keys vLLM reads from a model's generation config (``ModelConfig.get_diff_sampling_param``).
-GENERATION_CONFIG_KEYS: tuple[str, ...] = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
-                                           "max_new_tokens")
+GENERATION_CONFIG_KEYS: tuple[str, ...] = (
+    "repetition_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
 #: Neutral value of every sampling field (vLLM's ``CompletionRequest._DEFAULT_SAMPLING_PARAMS`` and defaults).
-NEUTRAL: dict[str, float] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+NEUTRAL: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 #: Fields every completion request carries explicitly (besides ``max_tokens``, ``n`` and ``seed``).
 SAMPLING_FIELDS: tuple[str, ...] = tuple(NEUTRAL)
 #: Fields a server's defaults could set; ``max_tokens`` is always sent as well.
@@ -49,13 +62,26 @@ def wire_top_k(top_k: int) -> int:
     return top_k if top_k > 0 else -1
 
 
-def request_sampling_fields(*, temperature: float, top_p: float, top_k: int, min_p: float,
-                            repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                            frequency_penalty: float = 0.0) -> dict[str, float | int]:
+def request_sampling_fields(
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+) -> dict[str, float | int]:
     """Every sampling field of a completion request, explicit, so no server default can apply."""
-    return {"temperature": temperature, "top_p": top_p, "top_k": wire_top_k(top_k), "min_p": min_p,
-            "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty}
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": wire_top_k(top_k),
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+    }
 
 
 def generation_config_defaults(model_dir: str | Path) -> dict[str, Any]:
@@ -91,8 +117,9 @@ def server_default_sampling(info: dict[str, Any], model_dir: str | Path | None) 
     """
     if "default_sampling_params" in info:
         return str(info.get("generation_config", "unknown")), dict(info["default_sampling_params"])
-    model_config = (info.get("vllm_config") or {}).get("model_config") if isinstance(info.get("vllm_config"), dict) \
-        else None
+    model_config = (
+        (info.get("vllm_config") or {}).get("model_config") if isinstance(info.get("vllm_config"), dict) else None
+    )
     if not isinstance(model_config, dict):
         return "unknown", {}
     mode = str(model_config.get("generation_config", "auto"))
@@ -117,11 +144,17 @@ def default_problems(mode: str, defaults: dict[str, Any], rollout: RolloutConfig
     unsent = {k: v for k, v in defaults.items() if k not in SENT_FIELDS}
     differing = {k: v for k, v in defaults.items() if k in SENT_FIELDS and _config_value(k, rollout) != v}
     if differing:
-        logger.warning("the server's default sampling parameters (--generation-config %s) differ from the config: "
-                       "%s; every request sends these fields, so the config's values apply", mode,
-                       ", ".join(f"{k}={v} (config {_config_value(k, rollout)})" for k, v in sorted(differing.items())))
-    return [f"its default sampling parameters set {k}={v} (--generation-config {mode}), which requests do not "
-            "override: --generation-config vllm" for k, v in sorted(unsent.items())]
+        logger.warning(
+            "the server's default sampling parameters (--generation-config %s) differ from the config: "
+            "%s; every request sends these fields, so the config's values apply",
+            mode,
+            ", ".join(f"{k}={v} (config {_config_value(k, rollout)})" for k, v in sorted(differing.items())),
+        )
+    return [
+        f"its default sampling parameters set {k}={v} (--generation-config {mode}), which requests do not "
+        "override: --generation-config vllm"
+        for k, v in sorted(unsent.items())
+    ]
 
 
 def _config_value(key: str, rollout: RolloutConfig) -> Any:
@@ -132,8 +165,9 @@ def _config_value(key: str, rollout: RolloutConfig) -> Any:
     return getattr(rollout, key, NEUTRAL.get(key))
 
 
-def probe_problems(reference: dict[int, float], probe: dict[int, float], rollout: RolloutConfig,
-                   num_logprobs: int) -> list[str]:
+def probe_problems(
+    reference: dict[int, float], probe: dict[int, float], rollout: RolloutConfig, num_logprobs: int
+) -> list[str]:
     """Compare the sampler's processed top log-probs of one position under the run's settings and neutral ones.
 
     Args:
@@ -152,24 +186,32 @@ def probe_problems(reference: dict[int, float], probe: dict[int, float], rollout
     expected = min(rollout.top_k, num_logprobs) if rollout.top_k > 0 else num_logprobs
     filtered = rollout.top_p < 1.0 or rollout.min_p > 0.0
     if rollout.temperature > 0 and (len(finite) > expected or (len(finite) < expected and not filtered)):
-        problems.append(f"top_k: {len(finite)} of the top {num_logprobs} tokens are candidates but the config's "
-                        f"top_k={rollout.top_k} allows {expected}")
+        problems.append(
+            f"top_k: {len(finite)} of the top {num_logprobs} tokens are candidates but the config's "
+            f"top_k={rollout.top_k} allows {expected}"
+        )
     if rollout.temperature <= 0 or not reference:
         return problems
     anchor = max(reference, key=reference.get)
     shared = [t for t in finite if t in reference and t != anchor and anchor in finite]
-    ratios = [(reference[t] - reference[anchor]) / (finite[t] - finite[anchor]) for t in shared
-              if abs(finite[t] - finite[anchor]) > 1e-6]
+    ratios = [
+        (reference[t] - reference[anchor]) / (finite[t] - finite[anchor])
+        for t in shared
+        if abs(finite[t] - finite[anchor]) > 1e-6
+    ]
     if ratios:
         used = sorted(ratios)[len(ratios) // 2]  # median temperature implied by the scaled differences
         if not math.isclose(used, rollout.temperature, rel_tol=PROBE_RTOL, abs_tol=PROBE_ATOL):
-            problems.append(f"temperature: the server sampled with temperature ~{used:.3f} but the config says "
-                            f"{rollout.temperature}")
+            problems.append(
+                f"temperature: the server sampled with temperature ~{used:.3f} but the config says "
+                f"{rollout.temperature}"
+            )
     return problems
 
 
-async def sampling_problems(client: Any, model: str, rollout: RolloutConfig, model_dir: str | Path | None,
-                            max_logprobs: int) -> list[str]:
+async def sampling_problems(
+    client: Any, model: str, rollout: RolloutConfig, model_dir: str | Path | None, max_logprobs: int
+) -> list[str]:
     """Everything that makes a server sample differently from ``rollout``; [] when it samples as configured.
 
     Reads ``/server_info`` (when the server has it) and runs the probe of :func:`probe_problems` on a
@@ -186,12 +228,36 @@ async def sampling_problems(client: Any, model: str, rollout: RolloutConfig, mod
     problems += default_problems(mode, defaults, rollout)
     num = max(1, min(max_logprobs, 20))
     prompt = list(range(16, 32))
-    (ref,) = await client.complete(prompt, model=model, max_tokens=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
-                                   seed=0, num_logprobs=num, ignore_eos=True)
-    (probe,) = await client.complete(prompt, model=model, max_tokens=1, temperature=rollout.temperature,
-                                     top_p=rollout.top_p, top_k=rollout.top_k, min_p=rollout.min_p, seed=0,
-                                     num_logprobs=num, ignore_eos=True)
+    (ref,) = await client.complete(
+        prompt,
+        model=model,
+        max_tokens=1,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        seed=0,
+        num_logprobs=num,
+        ignore_eos=True,
+    )
+    (probe,) = await client.complete(
+        prompt,
+        model=model,
+        max_tokens=1,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        min_p=rollout.min_p,
+        seed=0,
+        num_logprobs=num,
+        ignore_eos=True,
+    )
     problems += probe_problems((ref.top_logprobs or [{}])[0], (probe.top_logprobs or [{}])[0], rollout, num)
-    logger.info("sampling check of %s: generation-config %s, defaults %s, %s", model, mode, json.dumps(defaults),
-                "ok" if not problems else "; ".join(problems))
+    logger.info(
+        "sampling check of %s: generation-config %s, defaults %s, %s",
+        model,
+        mode,
+        json.dumps(defaults),
+        "ok" if not problems else "; ".join(problems),
+    )
     return problems

@@ -114,7 +114,9 @@ def max_lora_rank_for(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise ConfigError(f"train.lora.r={rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}; lower train.lora.r")
+    raise ConfigError(
+        f"train.lora.r={rank} exceeds vLLM's largest --max-lora-rank {VLLM_LORA_RANKS[-1]}; lower train.lora.r"
+    )
 
 
 def replica_gpus(config: RunConfig, replica: int) -> list[int]:
@@ -123,7 +125,7 @@ def replica_gpus(config: RunConfig, replica: int) -> list[int]:
     server = config.server
     tp = server.tensor_parallel_size
     gpus = server.gpu_ids if server.gpu_ids is not None else list(range(server.num_replicas * tp))
-    return list(gpus)[replica * tp:(replica + 1) * tp]
+    return list(gpus)[replica * tp : (replica + 1) * tp]
 
 
 def shares_gpu(config: RunConfig, replica: int) -> bool:
@@ -149,16 +151,20 @@ def choose_backend(config: RunConfig) -> str:
         ConfigError: ``server.backend`` is ``vllm`` but vLLM is not installed (no retry could fix that).
     """
     if config.server.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("server.backend is 'vllm' and this host starts the replicas (no server.urls or "
-                          "server.deployment), but vllm is not installed here: run it on a GPU host with vLLM "
-                          "(pip install vllm), point server.urls / server.deployment at GPU hosts that serve the "
-                          "replicas, or set server.backend to 'auto' or 'embedded' (CPU)")
+        raise ConfigError(
+            "server.backend is 'vllm' and this host starts the replicas (no server.urls or "
+            "server.deployment), but vllm is not installed here: run it on a GPU host with vLLM "
+            "(pip install vllm), point server.urls / server.deployment at GPU hosts that serve the "
+            "replicas, or set server.backend to 'auto' or 'embedded' (CPU)"
+        )
     if config.server.backend != "auto":
         return config.server.backend
     if vllm_available():
         return "vllm"
-    logger.warning("vLLM is not importable or no CUDA device is visible: starting the EMBEDDED server "
-                   "(grpo_core.serving.embedded, transformers) instead of vLLM")
+    logger.warning(
+        "vLLM is not importable or no CUDA device is visible: starting the EMBEDDED server "
+        "(grpo_core.serving.embedded, transformers) instead of vLLM"
+    )
     return "embedded"
 
 
@@ -181,21 +187,46 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
     server, rollout = config.server, config.rollout
     if port is None:
         port = server.port + replica if server.port else _free_port(server.host)
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(resolve_model_dir(config.model)),
-            "--host", server.host, "--port", str(port), "--served-model-name", config.served_model_name(),
-            "--max-model-len", str(server.max_model_len), "--dtype", config.model.dtype,
-            "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(server.max_logprobs),
-            "--generation-config", "vllm",
-            "--max-num-seqs", str(server.max_num_seqs),
-            "--gpu-memory-utilization", str(server.gpu_memory_utilization),
-            "--api-server-count", str(server.api_server_count)]
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(resolve_model_dir(config.model)),
+        "--host",
+        server.host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        config.served_model_name(),
+        "--max-model-len",
+        str(server.max_model_len),
+        "--dtype",
+        config.model.dtype,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        str(server.max_logprobs),
+        "--generation-config",
+        "vllm",
+        "--max-num-seqs",
+        str(server.max_num_seqs),
+        "--gpu-memory-utilization",
+        str(server.gpu_memory_utilization),
+        "--api-server-count",
+        str(server.api_server_count),
+    ]
     # Our guard (bearer token on every route but /health, nonce, pause limit, adapter folder): vLLM's own
     # --api-key check covers /v1/* only, not the dev-mode routes (/pause, /update_weights, ...).
     argv += ["--middleware", GUARD_MIDDLEWARE]
     # Keep idle connections 60 s (vLLM's default is 5 s, the same as httpx's pool expiry: a request on a
     # connection vLLM was closing failed with ReadError); the client expires them after 2 s anyway.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": ",".join(map(str, replica_gpus(config, replica))),
-           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60", **guard_env(config)}
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, replica_gpus(config, replica))),
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60",
+        **guard_env(config),
+    }
     if server.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(server.tensor_parallel_size)]
     if server.enforce_eager:
@@ -205,8 +236,13 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         if server.weight_transfer_backend == "ipc":  # the IPC engine posts pickled CUDA IPC handles
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if config.serves_lora():
-        argv += ["--enable-lora", "--max-lora-rank", str(max_lora_rank_for(config.train.lora.r)),
-                 "--max-loras", str(config.max_loras())]
+        argv += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(max_lora_rank_for(config.train.lora.r)),
+            "--max-loras",
+            str(config.max_loras()),
+        ]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if rollout.uses_candidate_filter():
         argv += ["--return-sampling-mask", "--enable-scale-out"]
@@ -249,15 +285,45 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
     server, model = config.server, config.model
     port = server.port + replica if server.port else 0
     port_file = server.log_dir / f"embedded-replica{replica}.port"
-    argv = [sys.executable, "-m", "grpo_core.serving.embedded", "--model", model.name, "--dtype", model.dtype,
-            "--model-seed", str(model.seed), "--host", server.host, "--port", str(port),
-            "--port-file", str(port_file), "--served-model-name", config.served_model_name(),
-            "--max-model-len", str(server.max_model_len), "--max-num-seqs", str(server.max_num_seqs),
-            "--max-logprobs", str(server.max_logprobs), "--max-loras", str(config.max_loras()),
-            "--max-lora-rank", str(max_lora_rank_for(config.train.lora.r)),
-            "--num-threads", str(server.embedded_num_threads), "--generation-config", "vllm",
-            "--max-pause-s", str(server.max_pause_s), "--adapter-dir", config.served_adapter_root(),
-            "--weights-dir", str(config.weights_dir())]
+    argv = [
+        sys.executable,
+        "-m",
+        "grpo_core.serving.embedded",
+        "--model",
+        model.name,
+        "--dtype",
+        model.dtype,
+        "--model-seed",
+        str(model.seed),
+        "--host",
+        server.host,
+        "--port",
+        str(port),
+        "--port-file",
+        str(port_file),
+        "--served-model-name",
+        config.served_model_name(),
+        "--max-model-len",
+        str(server.max_model_len),
+        "--max-num-seqs",
+        str(server.max_num_seqs),
+        "--max-logprobs",
+        str(server.max_logprobs),
+        "--max-loras",
+        str(config.max_loras()),
+        "--max-lora-rank",
+        str(max_lora_rank_for(config.train.lora.r)),
+        "--num-threads",
+        str(server.embedded_num_threads),
+        "--generation-config",
+        "vllm",
+        "--max-pause-s",
+        str(server.max_pause_s),
+        "--adapter-dir",
+        config.served_adapter_root(),
+        "--weights-dir",
+        str(config.weights_dir()),
+    ]
     if model.cache_dir is not None:
         argv += ["--cache-dir", str(model.cache_dir)]
     if model.revision is not None:
@@ -274,8 +340,12 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
 def guard_env(config: RunConfig) -> dict[str, str]:
     """Environment of one launch read by ``grpo_core.serving.guard``: a fresh nonce, the pause limit and the run's
     adapter and weights folders (the token is added by ``launch``, never stored in a spec)."""
-    return {NONCE_ENV: secrets.token_hex(16), MAX_PAUSE_ENV: str(config.server.max_pause_s),
-            ADAPTER_DIR_ENV: config.served_adapter_root(), WEIGHTS_DIR_ENV: str(config.weights_dir().resolve())}
+    return {
+        NONCE_ENV: secrets.token_hex(16),
+        MAX_PAUSE_ENV: str(config.server.max_pause_s),
+        ADAPTER_DIR_ENV: config.served_adapter_root(),
+        WEIGHTS_DIR_ENV: str(config.weights_dir().resolve()),
+    }
 
 
 def launch(spec: LaunchSpec, token: str) -> ServerHandle:
@@ -293,17 +363,25 @@ def launch(spec: LaunchSpec, token: str) -> ServerHandle:
             spec.port_file.unlink(missing_ok=True)
         log = open(spec.log_path, "ab")  # noqa: SIM115 - closed by ServerHandle.stop
     except OSError as exc:
-        raise ServingError(f"{spec.backend} replica {spec.replica}: cannot write its log {spec.log_path} "
-                           f"(server.log_dir): {exc.strerror or exc}") from None
-    logger.info("starting %s replica %d: %s (log %s)", spec.backend, spec.replica, redact_argv(spec.argv),
-                spec.log_path)
+        raise ServingError(
+            f"{spec.backend} replica {spec.replica}: cannot write its log {spec.log_path} "
+            f"(server.log_dir): {exc.strerror or exc}"
+        ) from None
+    logger.info(
+        "starting %s replica %d: %s (log %s)", spec.backend, spec.replica, redact_argv(spec.argv), spec.log_path
+    )
     # The run's token wins over a user's --api-key (whose value moved to VLLM_API_KEY in spec.env).
     secret = {TOKEN_ENV: token, **({"VLLM_API_KEY": token} if spec.backend == "vllm" else {})}
     # The embedded server watches its owner (grpo_core.lifeline); vLLM is not ours: it dies with this thread.
-    process = subprocess.Popen(reveal(spec.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, **spec.env, **secret, **lifeline.owner_env()},
-                               start_new_session=True,
-                               preexec_fn=lifeline.die_with_parent if spec.backend == "vllm" else None)
+    process = subprocess.Popen(
+        reveal(spec.argv),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **spec.env, **secret, **lifeline.owner_env()},
+        start_new_session=True,
+        preexec_fn=lifeline.die_with_parent if spec.backend == "vllm" else None,
+    )
     return ServerHandle(spec, process, _log=log)
 
 
@@ -340,8 +418,10 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
     spec, deadline = handle.spec, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if handle.process.poll() is not None:
-            raise ServerStartError(f"{spec.backend} replica {spec.replica} exited with code {handle.process.returncode}; "
-                               f"log {spec.log_path}:\n{log_tail(spec.log_path)}")
+            raise ServerStartError(
+                f"{spec.backend} replica {spec.replica} exited with code {handle.process.returncode}; "
+                f"log {spec.log_path}:\n{log_tail(spec.log_path)}"
+            )
         port = spec.port
         if spec.port_file is not None and spec.port_file.is_file() and spec.port_file.read_text().strip():
             port = int(spec.port_file.read_text())
@@ -351,8 +431,9 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
                 health = httpx.get(url + "/health", timeout=2.0)
                 # 503 from the guard's fence: loaded, only out of routing (a restarted replica a request for a
                 # later policy version reached first); its nonce still tells whether it is ours
-                healthy = health.status_code == 200 or (fenced_ok and health.status_code == 503 and
-                                                        health.headers.get(FENCE_HEADER) == "up")
+                healthy = health.status_code == 200 or (
+                    fenced_ok and health.status_code == 503 and health.headers.get(FENCE_HEADER) == "up"
+                )
                 answer = httpx.get(url + NONCE_PATH, headers=bearer_headers(token), timeout=5.0) if healthy else None
             except httpx.HTTPError:
                 answer = None
@@ -362,13 +443,17 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
                     handle.url = url
                     return url
                 handle.stop()
-                raise PortInUseError(f"{spec.backend} replica {spec.replica}: {url} is answered by a server this "
-                                     f"launch did not start ({problem}); the run will not use it. Stop that server "
-                                     "or set server.port to a free port (0 = pick one)")
+                raise PortInUseError(
+                    f"{spec.backend} replica {spec.replica}: {url} is answered by a server this "
+                    f"launch did not start ({problem}); the run will not use it. Stop that server "
+                    "or set server.port to a free port (0 = pick one)"
+                )
         time.sleep(0.5)
     handle.stop()
-    raise ServerStartError(f"{spec.backend} replica {spec.replica} not healthy after {timeout_s:.0f} s "
-                       f"(server.startup_timeout_s); log {spec.log_path}:\n{log_tail(spec.log_path)}")
+    raise ServerStartError(
+        f"{spec.backend} replica {spec.replica} not healthy after {timeout_s:.0f} s "
+        f"(server.startup_timeout_s); log {spec.log_path}:\n{log_tail(spec.log_path)}"
+    )
 
 
 def _foreign(answer: httpx.Response, nonce: str) -> str | None:
@@ -405,10 +490,13 @@ async def check_server(url: str, config: RunConfig, token: str | None = None) ->
         if card is None:
             problems.append(f"it serves {sorted(cards)} but the config asks for {name!r}: --served-model-name {name}")
         elif (card.get("max_model_len") or 0) < config.server.max_model_len:
-            problems.append(f"max_model_len is {card.get('max_model_len')}: --max-model-len {config.server.max_model_len}")
+            problems.append(
+                f"max_model_len is {card.get('max_model_len')}: --max-model-len {config.server.max_model_len}"
+            )
         if card is not None:
-            problems += await sampling_problems(client, name, config.rollout, _model_dir(config),
-                                                config.server.max_logprobs)
+            problems += await sampling_problems(
+                client, name, config.rollout, _model_dir(config), config.server.max_logprobs
+            )
         if config.serves_lora():
             problems += _lora_problems(json.dumps(await _server_info(client)), config)
     if problems:
@@ -433,8 +521,7 @@ async def _server_info(client: object) -> dict:
 
 def _lora_problems(info_text: str, config: RunConfig) -> list[str]:
     want_rank, want_loras = max_lora_rank_for(config.train.lora.r), config.max_loras()
-    flags = (f"--enable-lora --max-lora-rank {want_rank} --max-loras {want_loras} "
-             "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    flags = f"--enable-lora --max-lora-rank {want_rank} --max-loras {want_loras} and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
     rank = re.search(r"max_lora_rank\W+(\d+)", info_text)
     loras = re.search(r"max_loras\W+(\d+)", info_text)
     if rank is None or loras is None:
@@ -458,16 +545,20 @@ def check_gpu_layout(config: RunConfig) -> None:
     server, train = config.server, config.train
     if train.lora.enabled or server.weight_transfer_backend is None or server.deployment:
         return  # (server.deployment: the replicas' flow run may run on another host, whose GPUs are not the trainer's)
-    trainer = set(train.gpu_ids[:train.num_ranks] if train.gpu_ids is not None else range(train.num_ranks))
+    trainer = set(train.gpu_ids[: train.num_ranks] if train.gpu_ids is not None else range(train.num_ranks))
     replicas = {g for r in range(server.num_replicas) for g in replica_gpus(config, r)}
     if server.weight_transfer_backend == "nccl" and trainer & replicas:
-        raise ConfigError(f"server.weight_transfer_backend 'nccl' needs the trainer and vLLM on different GPUs, but "
-                          f"train.gpu_ids {sorted(trainer)} and server.gpu_ids {sorted(replicas)} share "
-                          f"{sorted(trainer & replicas)}: use 'ipc' to share one GPU, or disjoint gpu_ids")
+        raise ConfigError(
+            f"server.weight_transfer_backend 'nccl' needs the trainer and vLLM on different GPUs, but "
+            f"train.gpu_ids {sorted(trainer)} and server.gpu_ids {sorted(replicas)} share "
+            f"{sorted(trainer & replicas)}: use 'ipc' to share one GPU, or disjoint gpu_ids"
+        )
     if server.weight_transfer_backend == "ipc" and not replicas <= trainer:
-        raise ConfigError(f"server.weight_transfer_backend 'ipc' needs every vLLM GPU among the trainer's, but "
-                          f"server.gpu_ids {sorted(replicas)} are not all in train.gpu_ids {sorted(trainer)}: use "
-                          "'nccl' for separate GPUs, or put vLLM on the trainer's GPU")
+        raise ConfigError(
+            f"server.weight_transfer_backend 'ipc' needs every vLLM GPU among the trainer's, but "
+            f"server.gpu_ids {sorted(replicas)} are not all in train.gpu_ids {sorted(trainer)}: use "
+            "'nccl' for separate GPUs, or put vLLM on the trainer's GPU"
+        )
 
 
 def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]:
@@ -491,12 +582,19 @@ def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]
     backend = choose_backend(config)
     if backend == "vllm":
         check_gpu_layout(config)
-    specs = [vllm_command(config, i) if backend == "vllm" else embedded_command(config, i)
-             for i in range(config.server.num_replicas)]
+    specs = [
+        vllm_command(config, i) if backend == "vllm" else embedded_command(config, i)
+        for i in range(config.server.num_replicas)
+    ]
     for spec in specs:
         if config.server.port:
-            check_port_free(spec.host, spec.port, "server.port" if not spec.replica else
-                            f"server.port (replica {spec.replica} listens on server.port + {spec.replica})")
+            check_port_free(
+                spec.host,
+                spec.port,
+                "server.port"
+                if not spec.replica
+                else f"server.port (replica {spec.replica} listens on server.port + {spec.replica})",
+            )
     handles: list[ServerHandle] = []
     ready: set[int] = set()
     try:
@@ -512,8 +610,9 @@ def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]
     return handles
 
 
-def _wait_all_healthy(handles: list[ServerHandle], ready: set[int], config: RunConfig, token: str,
-                      backend: str) -> None:
+def _wait_all_healthy(
+    handles: list[ServerHandle], ready: set[int], config: RunConfig, token: str, backend: str
+) -> None:
     """Wait until every handle not in ``ready`` (indices) is healthy and verified; adds them to ``ready``."""
     for i, handle in enumerate(handles):
         if i in ready:
@@ -546,8 +645,9 @@ def relaunch(handle: ServerHandle, token: str) -> ServerHandle:
     argv = list(handle.spec.argv)
     argv[argv.index("--port") + 1] = str(port)
     nonce = secrets.token_hex(16)
-    spec = dataclasses.replace(handle.spec, argv=argv, port=port, port_file=None, nonce=nonce,
-                               env={**handle.spec.env, NONCE_ENV: nonce})
+    spec = dataclasses.replace(
+        handle.spec, argv=argv, port=port, port_file=None, nonce=nonce, env={**handle.spec.env, NONCE_ENV: nonce}
+    )
     handle.stop()  # closes its log file
     new = launch(spec, token)
     new.url = handle.url

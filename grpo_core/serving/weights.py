@@ -137,8 +137,10 @@ class WeightManager:
             raise ServingError(f"{len(unknown)} tensors in {path} match no model parameter, e.g. {unknown[:3]}")
         bad = [n for n, t in incoming.items() if t.shape != self.params[n].shape]
         if bad:
-            raise ServingError(f"shape mismatch for {bad[:3]}: e.g. {tuple(incoming[bad[0]].shape)} vs "
-                               f"{tuple(self.params[bad[0]].shape)}")
+            raise ServingError(
+                f"shape mismatch for {bad[:3]}: e.g. {tuple(incoming[bad[0]].shape)} vs "
+                f"{tuple(self.params[bad[0]].shape)}"
+            )
         with self.engine.exclusive(), torch.no_grad():
             for name, tensor in incoming.items():
                 self.params[name].copy_(tensor)

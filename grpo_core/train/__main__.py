@@ -17,10 +17,19 @@ from pathlib import Path
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments."""
     p = argparse.ArgumentParser(prog="python -m grpo_core.train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, type=Path,
-                   help="trainer sub-config (train_config.json) or run config (YAML, JSON or TOML)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. train.max_steps=5 (repeatable; values are YAML scalars)")
+    p.add_argument(
+        "--config",
+        required=True,
+        type=Path,
+        help="trainer sub-config (train_config.json) or run config (YAML, JSON or TOML)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. train.max_steps=5 (repeatable; values are YAML scalars)",
+    )
     p.add_argument("--server-url", action="append", default=[], help="generation server to sync weights to")
     return p.parse_args(argv)
 

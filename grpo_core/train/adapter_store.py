@@ -31,8 +31,9 @@ class AdapterStore:
         poll_s: seconds between listings while waiting.
     """
 
-    def __init__(self, url: str | None, served_as: str | None = None, timeout_s: float = 60.0,
-                 poll_s: float = 0.5) -> None:
+    def __init__(
+        self, url: str | None, served_as: str | None = None, timeout_s: float = 60.0, poll_s: float = 0.5
+    ) -> None:
         self.url, self.served_as, self.timeout_s, self.poll_s = url, served_as, timeout_s, poll_s
         self.fs, self.root = None, ""
         if url is not None:
@@ -86,8 +87,10 @@ class AdapterStore:
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise ServingError(f"train.adapter_store: {folder} still lacks {sorted(missing)} (or shows them "
-                                   f"short) {self.timeout_s:.0f} s after the upload; check the store")
+                raise ServingError(
+                    f"train.adapter_store: {folder} still lacks {sorted(missing)} (or shows them "
+                    f"short) {self.timeout_s:.0f} s after the upload; check the store"
+                )
             time.sleep(self.poll_s)
 
     def remove(self, name: str) -> None:

@@ -67,7 +67,8 @@ class TreeMask:
             raise RuntimeError(
                 f"stale FlexAttention tree mask: another row of length bucket {self.length} was built after it and "
                 "overwrote the shared subtree_end buffer; build each row's mask (FlexTreeMasks.build) just before "
-                "its forward and backward")
+                "its forward and backward"
+            )
 
     @property
     def length(self) -> int:
@@ -167,7 +168,8 @@ class FlexTreeMasks:
         buf, mask_mod = self._buffers[length]
         buf.copy_(pad_subtree_end(subtree_end.to(self.device, torch.int32), length))
         block_mask = _create_sparse_block_from_block_mask(
-            tree_block_masks(buf, self.block_size), mask_mod, (length, length), self.block_size, self.block_size)
+            tree_block_masks(buf, self.block_size), mask_mod, (length, length), self.block_size, self.block_size
+        )
         self._generations[length] = self.generation(length) + 1
         return TreeMask(subtree_end=buf, block_mask=block_mask, owner=self, generation=self._generations[length])
 

@@ -167,7 +167,7 @@ def rotate(output_dir: Path, keep: int | None, protect: Path | Iterable[Path] | 
         return []
     kept = {Path(protect).resolve()} if isinstance(protect, (str, Path)) else {Path(p).resolve() for p in protect or ()}
     found = checkpoints(output_dir)
-    drop = [p for p in found[:max(len(found) - keep, 0)] if p.resolve() not in kept]
+    drop = [p for p in found[: max(len(found) - keep, 0)] if p.resolve() not in kept]
     if found[-keep:]:
         oldest_kept = int(found[-keep:][0].name[5:])
         root = Path(output_dir) / "checkpoints"
@@ -201,14 +201,23 @@ def _state_dicts(model, optimizer, options) -> dict:
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     if options.ignore_frozen_params:
-        frozen = {_WRAPPERS.sub("", name) for name, p in model.named_parameters(remove_duplicate=False)
-                  if not p.requires_grad}
+        frozen = {
+            _WRAPPERS.sub("", name) for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad
+        }
         model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save(path: Path, model, optimizer, scheduler, state: ResumeState, pending: pa.RecordBatch | None,
-         rank: int, extra: dict[str, str] | None = None) -> None:
+def save(
+    path: Path,
+    model,
+    optimizer,
+    scheduler,
+    state: ResumeState,
+    pending: pa.RecordBatch | None,
+    rank: int,
+    extra: dict[str, str] | None = None,
+) -> None:
     """Write a checkpoint collectively (every rank calls it); rank 0 publishes it by rename.
 
     ``extra`` (rank 0): more text files of the checkpoint, name -> content (e.g. ``fingerprint.json``).
@@ -221,9 +230,10 @@ def save(path: Path, model, optimizer, scheduler, state: ResumeState, pending: p
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(_state_dicts(model, optimizer, _state_dict_options(model)), checkpoint_id=str(tmp / "dcp"))
-    torch.save({"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-               tmp / f"rng_rank{rank}.pt")
+    torch.save(
+        {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        tmp / f"rng_rank{rank}.pt",
+    )
     if rank == 0:
         torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
         if pending is not None and pending.num_rows:
@@ -256,8 +266,10 @@ def load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeStat
         if rank == 0 and path.is_dir():
             path.rename(path.with_name(path.name + ".bad"))
             fsync_dir(path.parent)
-        raise CheckpointError(f"checkpoint {path} failed to load ({type(exc).__name__}: {exc}); it was renamed "
-                              f"{path.name}.bad, so the next attempt resumes from the previous checkpoint") from exc
+        raise CheckpointError(
+            f"checkpoint {path} failed to load ({type(exc).__name__}: {exc}); it was renamed "
+            f"{path.name}.bad, so the next attempt resumes from the previous checkpoint"
+        ) from exc
 
 
 def _load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeState, pa.RecordBatch | None]:

@@ -79,8 +79,9 @@ def init_world(device: str = "auto", timeout_s: float = 1800.0) -> World:
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if use_cuda else None
     return World(rank, world_size, local_rank, dev, control)
 
@@ -115,13 +116,14 @@ def _gather_with_hosts(world: World, data: bytes) -> list[tuple[bytes, str]]:
     ``uint8`` tensors travel: nothing a peer sends is unpickled."""
     mine = torch.zeros(len(data) + _HOST, dtype=torch.uint8)
     if data:
-        mine[:len(data)] = _u8(data)
+        mine[: len(data)] = _u8(data)
     host = socket.gethostname().encode()[:_HOST]
-    mine[len(data):len(data) + len(host)] = _u8(host)
+    mine[len(data) : len(data) + len(host)] = _u8(host)
     answers = [torch.zeros_like(mine) for _ in range(world.world_size)]
     dist.all_gather(answers, mine, group=world.control)
-    return [(_bytes(a[:len(data)]), _bytes(a[len(data):]).rstrip(b"\0").decode(errors="replace") or "?")
-            for a in answers]
+    return [
+        (_bytes(a[: len(data)]), _bytes(a[len(data) :]).rstrip(b"\0").decode(errors="replace") or "?") for a in answers
+    ]
 
 
 def check_members(world: World, token: str | None) -> None:
@@ -163,20 +165,28 @@ def check_members(world: World, token: str | None) -> None:
         verdict = flags + (_tag(token, nonce, b"verdict" + flags) if token else bytes(_DIGEST))
     verdict = _from_main(world, n + _DIGEST, verdict)
     flags = verdict[:n]
-    fix = (f"export the same {TOKEN_ENV} (the token the flow's run uses: set it in the environment of trainer-0's "
-           "worker or `grpo train`) on every trainer host before torchrun")
+    fix = (
+        f"export the same {TOKEN_ENV} (the token the flow's run uses: set it in the environment of trainer-0's "
+        "worker or `grpo train`) on every trainer host before torchrun"
+    )
     host = answers[world.rank][1]
     if not token:
-        raise ConfigError(f"{TOKEN_ENV} is not set on trainer host {host} (rank {world.rank}): with train.nnodes > 1 "
-                          f"every trainer rank proves it holds the run's token before any model data moves; {fix}")
+        raise ConfigError(
+            f"{TOKEN_ENV} is not set on trainer host {host} (rank {world.rank}): with train.nnodes > 1 "
+            f"every trainer rank proves it holds the run's token before any model data moves; {fix}"
+        )
     if not hmac.compare_digest(verdict[n:], _tag(token, nonce, b"verdict" + flags)):
-        raise ConfigError(f"rank 0 at train.rdzv_endpoint did not prove it holds this host's {TOKEN_ENV} (trainer "
-                          f"host {host}, rank {world.rank}): another run's rendezvous, or another token; {fix}")
+        raise ConfigError(
+            f"rank 0 at train.rdzv_endpoint did not prove it holds this host's {TOKEN_ENV} (trainer "
+            f"host {host}, rank {world.rank}): another run's rendezvous, or another token; {fix}"
+        )
     bad = [r for r, f in enumerate(flags) if f]
     if bad:  # host names as each rank gave them (unproven: for the message only)
         who = ", ".join(f"rank {r} (host {answers[r][1]})" for r in bad)
-        raise ConfigError(f"trainer {who} did not prove it holds the run's token ({TOKEN_ENV} missing or another): "
-                          f"torchrun's rendezvous has no authentication, so nothing is trained with it; {fix}")
+        raise ConfigError(
+            f"trainer {who} did not prove it holds the run's token ({TOKEN_ENV} missing or another): "
+            f"torchrun's rendezvous has no authentication, so nothing is trained with it; {fix}"
+        )
     if world.is_main:
         logger.info("every trainer rank proved it holds the run's token (%d ranks)", n)
 
@@ -220,22 +230,26 @@ def check_same_config(world: World, config: dict[str, Any]) -> None:
     dist.all_gather(sizes, size, group=world.control)
     longest = max(int(n.item()) for n in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[:len(text)] = _u8(text)
+    mine[: len(text)] = _u8(text)
     texts = [torch.zeros_like(mine) for _ in range(world.world_size)]
     dist.all_gather(texts, mine, group=world.control)
-    ours = _leaves(json.loads(_bytes(texts[0][:int(sizes[0].item())])))
+    ours = _leaves(json.loads(_bytes(texts[0][: int(sizes[0].item())])))
     lines = []
     for r in differ:
-        theirs = _leaves(json.loads(_bytes(texts[r][:int(sizes[r].item())])))
+        theirs = _leaves(json.loads(_bytes(texts[r][: int(sizes[r].item())])))
         fields = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-        lines += [f"  rank {r} (host {answers[r][1]}): {k}: {ours.get(k)!r} (rank 0) -> {theirs.get(k)!r}"
-                  for k in fields]
-    raise ConfigError("the trainer hosts train with different configs (each must read the same train_config.json, "
-                      "the run folder's, with no --set of its own):\n" + "\n".join(lines))
+        lines += [
+            f"  rank {r} (host {answers[r][1]}): {k}: {ours.get(k)!r} (rank 0) -> {theirs.get(k)!r}" for k in fields
+        ]
+    raise ConfigError(
+        "the trainer hosts train with different configs (each must read the same train_config.json, "
+        "the run folder's, with no --set of its own):\n" + "\n".join(lines)
+    )
 
 
-def check_shared_folder(world: World, folder: Path, field: str = "train.output_dir",
-                        wait_s: float = SHARED_WAIT_S) -> None:
+def check_shared_folder(
+    world: World, folder: Path, field: str = "train.output_dir", wait_s: float = SHARED_WAIT_S
+) -> None:
     """Every rank sees the file rank 0 writes in ``folder``; raise on every rank otherwise.
 
     The checkpoint is sharded (``torch.distributed.checkpoint``: each rank writes its own shard files into the
@@ -280,10 +294,12 @@ def check_shared_folder(world: World, folder: Path, field: str = "train.output_d
         marker.unlink(missing_ok=True)
     missing = [f"rank {r} (host {h})" for r, (a, h) in enumerate(answers) if not a[0]]
     if missing:
-        raise ConfigError(f"{field}={folder} is not one folder shared by every trainer host: {', '.join(missing)} "
-                          "does not see the file rank 0 wrote there. Each rank writes its own checkpoint shards into "
-                          f"it: mount one shared folder (NFS, Lustre, …) at the same path on every trainer host and "
-                          f"set {field} there")
+        raise ConfigError(
+            f"{field}={folder} is not one folder shared by every trainer host: {', '.join(missing)} "
+            "does not see the file rank 0 wrote there. Each rank writes its own checkpoint shards into "
+            f"it: mount one shared folder (NFS, Lustre, …) at the same path on every trainer host and "
+            f"set {field} there"
+        )
 
 
 def broadcast_header(world: World, values: list[int] | None, size: int = 4) -> list[int]:
@@ -308,4 +324,3 @@ def scatter_rows(world: World, rows: list[PackedRow] | None) -> PackedRow:
     buf = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.recv(buf, 0, group=world.control)
     return row_from_bytes(buf.numpy().tobytes())
-

@@ -44,8 +44,12 @@ def _fresh_tmp(final: Path) -> Path:
     return tmp
 
 
-def save_adapter(peft_model, state_dict: dict[str, torch.Tensor], out: Path,
-                 rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> Path:
+def save_adapter(
+    peft_model,
+    state_dict: dict[str, torch.Tensor],
+    out: Path,
+    rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> Path:
     """Write a PEFT adapter folder with ``PeftModel.save_pretrained`` from a full (gathered) state dict.
 
     Args:
@@ -104,8 +108,10 @@ def save_full_model(base_dir: Path, state_dict: dict[str, torch.Tensor], out: Pa
     missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     if unexpected or set(missing) - tied:
-        raise ValueError(f"trained weights do not match {base_dir}: missing {sorted(set(missing) - tied)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")
+        raise ValueError(
+            f"trained weights do not match {base_dir}: missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}"
+        )
     model.tie_weights()
     if (base_dir / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(base_dir)

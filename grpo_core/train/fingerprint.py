@@ -29,12 +29,37 @@ logger = logging.getLogger(__name__)
 
 FINGERPRINT_FILE = "fingerprint.json"
 
-UNSAFE = ("model.name", "model.revision", "model.seed", "train.dtype", "train.lora.enabled", "train.lora.r",
-          "train.lora.alpha", "train.lora.target_modules", "rollout.num_generations")
-SAFE = ("train.learning_rate", "train.adam_betas", "train.weight_decay", "train.lr_scheduler", "train.warmup_steps",
-        "train.max_steps", "train.max_grad_norm", "train.clip_min", "train.clip_max", "train.epsilon",
-        "train.epsilon_high", "train.score_centering", "train.gradient_accumulation_steps", "train.save_steps",
-        "train.save_total_limit", "train.weight_sync_steps", "rollout.max_staleness", "rollout.temperature")
+UNSAFE = (
+    "model.name",
+    "model.revision",
+    "model.seed",
+    "train.dtype",
+    "train.lora.enabled",
+    "train.lora.r",
+    "train.lora.alpha",
+    "train.lora.target_modules",
+    "rollout.num_generations",
+)
+SAFE = (
+    "train.learning_rate",
+    "train.adam_betas",
+    "train.weight_decay",
+    "train.lr_scheduler",
+    "train.warmup_steps",
+    "train.max_steps",
+    "train.max_grad_norm",
+    "train.clip_min",
+    "train.clip_max",
+    "train.epsilon",
+    "train.epsilon_high",
+    "train.score_centering",
+    "train.gradient_accumulation_steps",
+    "train.save_steps",
+    "train.save_total_limit",
+    "train.weight_sync_steps",
+    "rollout.max_staleness",
+    "rollout.temperature",
+)
 
 
 def _sha256(path: Path) -> str:
@@ -54,8 +79,12 @@ def _get(data: dict, dotted: str) -> Any:
 def dataset_fingerprint(cfg: TrainerProcessConfig) -> dict[str, Any]:
     """What identifies the prompts a run trains on: the dataset spec and options, and file digests."""
     ro, tc = cfg.rollout, cfg.train
-    out: dict[str, Any] = {"rollout.dataset": ro.dataset, "rollout.dataset_size": ro.dataset_size,
-                           "rollout.dataset_seed": ro.dataset_seed, "rollout.dataset_kwargs": ro.dataset_kwargs}
+    out: dict[str, Any] = {
+        "rollout.dataset": ro.dataset,
+        "rollout.dataset_size": ro.dataset_size,
+        "rollout.dataset_seed": ro.dataset_seed,
+        "rollout.dataset_kwargs": ro.dataset_kwargs,
+    }
     if ro.dataset and ro.dataset.startswith("json:") and Path(ro.dataset[5:]).is_file():
         out["rollout.dataset sha256"] = _sha256(Path(ro.dataset[5:]))
     if tc.samples_path is not None and Path(tc.samples_path).is_file():
@@ -87,21 +116,36 @@ def check_resume(cfg: TrainerProcessConfig, checkpoint_dir: Path) -> list[str]:
     """
     path = Path(checkpoint_dir) / FINGERPRINT_FILE
     if not path.is_file():
-        logger.warning("checkpoint %s has no %s (written before fingerprints existed): the config is not compared",
-                       checkpoint_dir, FINGERPRINT_FILE)
+        logger.warning(
+            "checkpoint %s has no %s (written before fingerprints existed): the config is not compared",
+            checkpoint_dir,
+            FINGERPRINT_FILE,
+        )
         return []
     stored, now = json.loads(path.read_text()), fingerprint(cfg)
-    unsafe = [f"  {k}: {stored['dataset'].get(k)!r} -> {v!r}" for k, v in now["dataset"].items()
-              if stored["dataset"].get(k) != v]
-    unsafe += [f"  {k}: {stored['config'].get(k)!r} -> {now['config'][k]!r}" for k in UNSAFE
-               if k in stored["config"] and stored["config"][k] != now["config"][k]]
+    unsafe = [
+        f"  {k}: {stored['dataset'].get(k)!r} -> {v!r}"
+        for k, v in now["dataset"].items()
+        if stored["dataset"].get(k) != v
+    ]
+    unsafe += [
+        f"  {k}: {stored['config'].get(k)!r} -> {now['config'][k]!r}"
+        for k in UNSAFE
+        if k in stored["config"] and stored["config"][k] != now["config"][k]
+    ]
     if unsafe:
-        raise ConfigError(f"resume from {checkpoint_dir} refused: the config trains a different run than the "
-                          "checkpoint (checkpoint -> config):\n" + "\n".join(unsafe) +
-                          "\nSet these fields back to the checkpoint's values, or start a new run (a new output "
-                          "folder, no resume_from) to train with them")
-    safe = [f"{k}: {stored['config'].get(k)!r} -> {now['config'][k]!r}" for k in SAFE
-            if k in stored["config"] and stored["config"][k] != now["config"][k]]
+        raise ConfigError(
+            f"resume from {checkpoint_dir} refused: the config trains a different run than the "
+            "checkpoint (checkpoint -> config):\n"
+            + "\n".join(unsafe)
+            + "\nSet these fields back to the checkpoint's values, or start a new run (a new output "
+            "folder, no resume_from) to train with them"
+        )
+    safe = [
+        f"{k}: {stored['config'].get(k)!r} -> {now['config'][k]!r}"
+        for k in SAFE
+        if k in stored["config"] and stored["config"][k] != now["config"][k]
+    ]
     for change in safe:
         logger.warning("resume from %s: config change applied: %s", checkpoint_dir, change)
     return safe

@@ -35,8 +35,14 @@ def loopback_store(timeout_s: float = 600.0):  # noqa: ANN201 - torch.distribute
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((LOOPBACK, 0))
     sock.listen(128)
-    store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, multi_tenant=True,
-                          master_listen_fd=sock.fileno(), timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        LOOPBACK,
+        sock.getsockname()[1],
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=sock.fileno(),
+        timeout=timedelta(seconds=timeout_s),
+    )
     _SOCKETS.append(sock)  # the listening socket must outlive the store (the process, here)
     return store
 
@@ -60,8 +66,19 @@ def _handler(params):  # noqa: ANN001, ANN202 - RendezvousParameters -> DynamicR
 
 def torchrun_args(argv: list[str]) -> list[str]:
     """torchrun's arguments for a single-node run with the loopback rendezvous (``argv`` holds the rest)."""
-    return ["--rdzv-backend", BACKEND, "--rdzv-endpoint", f"{LOOPBACK}:0", "--rdzv-id", uuid.uuid4().hex,
-            "--local-addr", LOOPBACK, "--nnodes", "1", *argv]
+    return [
+        "--rdzv-backend",
+        BACKEND,
+        "--rdzv-endpoint",
+        f"{LOOPBACK}:0",
+        "--rdzv-id",
+        uuid.uuid4().hex,
+        "--local-addr",
+        LOOPBACK,
+        "--nnodes",
+        "1",
+        *argv,
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,8 +69,15 @@ def head_logits(h: Tensor, weight: Tensor, fp32_logits: bool = False) -> Tensor:
     return torch.mm(h, weight.t()).float()  # the GEMM's own output dtype, as the sampler's lm_head
 
 
-def _chunk(h: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-           topk_ids: Tensor | None, candidates: Tensor | None, fp32_logits: bool = False) -> tuple[Tensor, ...]:
+def _chunk(
+    h: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float,
+    topk_ids: Tensor | None,
+    candidates: Tensor | None,
+    fp32_logits: bool = False,
+) -> tuple[Tensor, ...]:
     logits = head_logits(h, weight, fp32_logits) / temperature  # [c, V]
     if candidates is not None:
         logits = logits.masked_fill(~candidates, float("-inf"))
@@ -136,8 +143,15 @@ def projected_logprobs(
     outs = []
     for a in range(0, hidden.shape[0], chunk_size):
         sl = slice(a, a + chunk_size)
-        args = (hidden[sl], weight, targets[sl], temperature,
-                None if topk_ids is None else topk_ids[sl], None if candidates is None else candidates[sl], fp32_logits)
+        args = (
+            hidden[sl],
+            weight,
+            targets[sl],
+            temperature,
+            None if topk_ids is None else topk_ids[sl],
+            None if candidates is None else candidates[sl],
+            fp32_logits,
+        )
         if torch.is_grad_enabled() and hidden.requires_grad:
             outs.append(checkpoint(_chunk, *args, use_reentrant=False))
         else:
@@ -205,8 +219,9 @@ def _out_dtype_mm_works() -> bool:
         return False
 
 
-def _term_stats(logits: Tensor, candidates: Tensor | None, ids: Tensor,
-                temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+def _term_stats(
+    logits: Tensor, candidates: Tensor | None, ids: Tensor, temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """Log-normaliser ``float[c]``, log π at ``ids`` ``float[c, 1 + k]`` (``-inf`` at padding ids) and entropy."""
     z = logits / temperature
     if candidates is not None:
@@ -221,8 +236,9 @@ def _term_stats(logits: Tensor, candidates: Tensor | None, ids: Tensor,
     return logz.squeeze(1), picked.masked_fill(ids < 0, float("-inf")), entropy
 
 
-def _logit_grad(logits: Tensor, candidates: Tensor | None, logz: Tensor, coef_sum: Tensor, temperature: float,
-                dtype: torch.dtype) -> Tensor:
+def _logit_grad(
+    logits: Tensor, candidates: Tensor | None, logz: Tensor, coef_sum: Tensor, temperature: float, dtype: torch.dtype
+) -> Tensor:
     """Dense part of ``dL/dlogits``: ``−(Σ_a coef_a)·π / T`` over the candidates, exactly 0 in rows whose terms
     carry no gradient (a select, so a masked term adds nothing even where its logits are not finite)."""
     p = torch.exp(logits / temperature - logz[:, None])
@@ -257,12 +273,19 @@ def _kernel(fn: Callable, compiled: bool) -> Callable:
 def _term_slice(terms: LossTerms, a: int, b: int) -> LossTerms:
     sl = slice(a, b)
     opt = lambda t: None if t is None else t[sl]  # noqa: E731
-    return LossTerms(terms.targets[sl], terms.sampler_logprobs[sl], terms.advantages[sl], opt(terms.topk_ids),
-                     opt(terms.sampler_topk_logprobs), terms.candidates)
+    return LossTerms(
+        terms.targets[sl],
+        terms.sampler_logprobs[sl],
+        terms.advantages[sl],
+        opt(terms.topk_ids),
+        opt(terms.sampler_topk_logprobs),
+        terms.candidates,
+    )
 
 
-def _loss_coefficients(picked: Tensor, terms: LossTerms, normaliser: float,
-                       settings: LossSettings) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+def _loss_coefficients(
+    picked: Tensor, terms: LossTerms, normaliser: float, settings: LossSettings
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """The chunk's loss, ``dL/dlogπ`` at ``ids`` (``float[c, 1 + k]``) and :func:`grpo_loss`'s statistics.
 
     The derivative comes from :func:`grpo_loss` itself (autograd over the chunk's
@@ -275,8 +298,9 @@ def _loss_coefficients(picked: Tensor, terms: LossTerms, normaliser: float,
         if terms.topk_ids is not None:
             topk = picked[:, 1:].detach().requires_grad_(True)
             leaves.append(topk)
-        loss, stats = grpo_loss(logp, terms.sampler_logprobs, terms.advantages, normaliser, settings, topk,
-                                terms.sampler_topk_logprobs)
+        loss, stats = grpo_loss(
+            logp, terms.sampler_logprobs, terms.advantages, normaliser, settings, topk, terms.sampler_topk_logprobs
+        )
         if not loss.requires_grad:  # nothing in the loss depends on the policy (e.g. every term masked)
             return loss.detach(), torch.zeros_like(picked), stats
         grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)
@@ -287,8 +311,16 @@ def _loss_coefficients(picked: Tensor, terms: LossTerms, normaliser: float,
 class _ChunkedHead:
     """One pass over the chunks of a row: log-probs, statistics and the gradients of ``hidden``/``weight``."""
 
-    def __init__(self, terms: LossTerms, normaliser: float, settings: LossSettings, temperature: float,
-                 chunk_size: int, compiled: bool, fp32_logits: bool = False):
+    def __init__(
+        self,
+        terms: LossTerms,
+        normaliser: float,
+        settings: LossSettings,
+        temperature: float,
+        chunk_size: int,
+        compiled: bool,
+        fp32_logits: bool = False,
+    ):
         self.terms, self.normaliser, self.settings = terms, normaliser, settings
         self.temperature, self.chunk_size, self.fp32_logits = temperature, chunk_size, fp32_logits
         self.stats_fn = _kernel(_term_stats, compiled)
@@ -363,9 +395,17 @@ class _FusedHeadLoss(torch.autograd.Function):
         return gh, gw, None, None
 
 
-def fused_grpo_loss(hidden: Tensor, weight: Tensor, terms: LossTerms, normaliser: float,
-                    settings: LossSettings = LossSettings(), temperature: float = 1.0, chunk_size: int = 1024,
-                    compiled: bool = False, fp32_logits: bool = False) -> HeadLoss:
+def fused_grpo_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    terms: LossTerms,
+    normaliser: float,
+    settings: LossSettings = LossSettings(),
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    compiled: bool = False,
+    fp32_logits: bool = False,
+) -> HeadLoss:
     """GRPO loss of a row's loss terms, with the gradients of the head computed in the forward pass.
 
     Same result as ``grpo_loss(projected_logprobs(hidden, weight, ...), ...)``
@@ -394,8 +434,9 @@ def fused_grpo_loss(hidden: Tensor, weight: Tensor, terms: LossTerms, normaliser
         sampler_topk = terms.sampler_topk_logprobs if terms.sampler_topk_logprobs is not None else empty.reshape(0, k)
         loss, stats = grpo_loss(empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk)
         loss = loss + hidden.sum() * 0.0 + weight.sum() * 0.0
-        return HeadLoss(loss, TokenLogProbs(empty, empty, None if terms.topk_ids is None else empty.reshape(0, k)),
-                        stats)
+        return HeadLoss(
+            loss, TokenLogProbs(empty, empty, None if terms.topk_ids is None else empty.reshape(0, k)), stats
+        )
     head = _ChunkedHead(terms, normaliser, settings, temperature, chunk_size, compiled, fp32_logits)
     outputs: dict[str, Tensor] = {}
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

@@ -41,8 +41,11 @@ def file_sha256(path: Path) -> str:
 
 def _files(folder: Path) -> list[str]:
     """Relative POSIX paths of every file under ``folder`` but the manifest, sorted."""
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                  if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST_FILE)
+    return sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST_FILE
+    )
 
 
 def write_manifest(folder: Path) -> Path:
@@ -73,20 +76,23 @@ def verify_manifest(folder: Path) -> None:
         if manifest.get("algorithm") != "sha256" or not isinstance(listed, dict):
             raise ValueError("not a sha256 manifest")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {folder}: {MANIFEST_FILE} is missing or unreadable ({exc}); a checkpoint "
-                              "is only loaded with the digests of its files (written by grpo-flow when it saved "
-                              "it): refused") from None
+        raise CheckpointError(
+            f"checkpoint {folder}: {MANIFEST_FILE} is missing or unreadable ({exc}); a checkpoint "
+            "is only loaded with the digests of its files (written by grpo-flow when it saved "
+            "it): refused"
+        ) from None
     present = _files(folder)
     for name in present:
         if name not in listed:
             raise CheckpointError(f"checkpoint {folder}: file {name} is not in its {MANIFEST_FILE}: refused")
     for name, digest in sorted(listed.items()):
         if name not in present:
-            raise CheckpointError(f"checkpoint {folder}: file {name} listed in its {MANIFEST_FILE} is missing: "
-                                  "refused")
+            raise CheckpointError(f"checkpoint {folder}: file {name} listed in its {MANIFEST_FILE} is missing: refused")
         if file_sha256(folder / name) != digest:
-            raise CheckpointError(f"checkpoint {folder}: file {name} does not match its SHA-256 digest in "
-                                  f"{MANIFEST_FILE} (changed since it was saved): refused")
+            raise CheckpointError(
+                f"checkpoint {folder}: file {name} does not match its SHA-256 digest in "
+                f"{MANIFEST_FILE} (changed since it was saved): refused"
+            )
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -94,9 +100,16 @@ class MetadataUnpickler(pickle.Unpickler):
     ``_StorageInfo``, ``pathlib`` paths (the checkpoint id), ``torch.Size``, torch dtype constants and
     ``torch.serialization._get_layout`` (a layout by name); any other global raises ``UnpicklingError``."""
 
-    _EXACT = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+    _EXACT = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D102 - pickle.Unpickler
         import torch
@@ -109,8 +122,9 @@ class MetadataUnpickler(pickle.Unpickler):
                 return obj
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which a checkpoint's metadata never "
-                                     "holds: refused")
+        raise pickle.UnpicklingError(
+            f"DCP metadata names {module}.{name}, which a checkpoint's metadata never holds: refused"
+        )
 
 
 def read_dcp_metadata(data: bytes) -> Any:

@@ -29,14 +29,18 @@ from .recurrent import SUPPORTED_RECURRENT
 _FINE_LAYER_TYPES = {"full_attention", "linear_attention", "mlp", "moe", "dense"}
 _WINDOWED_LAYER_TYPES = {"sliding_attention", "chunked_attention"}
 #: Class-name parts of recurrent / convolutional token mixers in transformers.
-_RECURRENT_CLASS = re.compile(r"Mamba|Mixer|DeltaNet|Delta|Lightning|ShortConv|Rwkv|RWKV|Recurrent|Retention|SSM|"
-                              r"LinearAttention|Hyena|Conv(?!1d|2d|3d)")
+_RECURRENT_CLASS = re.compile(
+    r"Mamba|Mixer|DeltaNet|Delta|Lightning|ShortConv|Rwkv|RWKV|Recurrent|Retention|SSM|"
+    r"LinearAttention|Hyena|Conv(?!1d|2d|3d)"
+)
 
 
 def _refuse(model_name: str, what: str) -> ConfigError:
-    return ConfigError(f"model.name={model_name!r} has {what}, which cannot be packed into tree rows (a packed "
-                       "token would see other samples or lose part of its own history); train a model whose "
-                       "token mixers are full attention and Gated DeltaNet (Qwen3, Llama, Qwen3.5, Qwen3-Next, ...)")
+    return ConfigError(
+        f"model.name={model_name!r} has {what}, which cannot be packed into tree rows (a packed "
+        "token would see other samples or lose part of its own history); train a model whose "
+        "token mixers are full attention and Gated DeltaNet (Qwen3, Llama, Qwen3.5, Qwen3-Next, ...)"
+    )
 
 
 def check_packable(model: nn.Module, model_name: str, max_len: int) -> None:
@@ -75,8 +79,11 @@ def check_packable(model: nn.Module, model_name: str, max_len: int) -> None:
             raise _refuse(model_name, f"recurrent layers of type {cls} (at {name or 'the root'})")
     linear = layer_types.count("linear_attention")
     if linear != supported or (getattr(model, "_is_stateful", False) and not supported):
-        raise _refuse(model_name, f"{linear} linear-attention layers of which {supported} are Gated DeltaNet "
-                                  f"layers of a supported kind ({', '.join(SUPPORTED_RECURRENT)})")
+        raise _refuse(
+            model_name,
+            f"{linear} linear-attention layers of which {supported} are Gated DeltaNet "
+            f"layers of a supported kind ({', '.join(SUPPORTED_RECURRENT)})",
+        )
 
 
 def check_model_folder(path: str | Path, model_name: str, max_len: int) -> None:
@@ -90,9 +97,11 @@ def check_model_folder(path: str | Path, model_name: str, max_len: int) -> None:
     from grpo_core.text_model import drop_non_language_parts, is_vision_language, text_model_class
 
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"model.name={model_name!r}: the folder {path} has no config.json; a model folder "
-                          "holds config.json, the weights (*.safetensors) and the tokenizer files (save one "
-                          "with save_pretrained, or name a Hub id)")
+        raise ConfigError(
+            f"model.name={model_name!r}: the folder {path} has no config.json; a model folder "
+            "holds config.json, the weights (*.safetensors) and the tokenizer files (save one "
+            "with save_pretrained, or name a Hub id)"
+        )
     config = AutoConfig.from_pretrained(path)
     cls = text_model_class(config, path)
     with torch.device("meta"):

@@ -97,8 +97,13 @@ def checkpointed_layers(num_layers: int, mode: str, selective: str | int) -> lis
     raise ValueError(f"train.selective_checkpointing must be 'op' or an integer >= 1, got {selective!r}")
 
 
-def apply_layer_wrappers(policy: nn.Module, checkpointing: str = "none", selective: str | int = "op",
-                         compile_layers: bool = False, backend: str = "inductor") -> list[nn.Module]:
+def apply_layer_wrappers(
+    policy: nn.Module,
+    checkpointing: str = "none",
+    selective: str | int = "op",
+    compile_layers: bool = False,
+    backend: str = "inductor",
+) -> list[nn.Module]:
     """Checkpoint and/or compile each decoder layer's forward in place; returns the layers.
 
     Compilation (``torch.compile`` with ``backend``) is static in shape (rows are
@@ -143,14 +148,21 @@ def shard(policy: nn.Module, mixed_precision: bool, reshard_after_forward: bool 
     # The root's inputs are token ids, the tree mask and the loss inputs: FSDP2 would cast every float tensor in
     # them (dataclass fields included) to bf16, rounding the sampler's log-probs by up to 1/32 nat at log μ ≈ -10
     # before the importance ratio; only the layers (hidden states) compute in bf16.
-    root = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                              cast_forward_inputs=False)} if mp is not None else {}
+    root = (
+        {
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
+        }
+        if mp is not None
+        else {}
+    )
     fully_shard(policy, reshard_after_forward=False, **root)
     if prefetch > 0 and layers:
         policy.set_modules_to_forward_prefetch(layers[:prefetch])
         for i, layer in enumerate(layers):
-            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + prefetch])
-            layer.set_modules_to_backward_prefetch(layers[max(0, i - prefetch):i][::-1])
+            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + prefetch])
+            layer.set_modules_to_backward_prefetch(layers[max(0, i - prefetch) : i][::-1])
     return policy
 
 

@@ -83,9 +83,18 @@ class Planner:
         hints: config values quoted in that error (``packing.token_budget``, ``rollout.max_staleness`` …).
     """
 
-    def __init__(self, source: SampleSource, num_ranks: int, token_budget: int, backend: str,
-                 tracker: PromptTracker, pending: pa.RecordBatch | None = None, flush_after_s: float = 10.0,
-                 max_untrainable_groups: int = 256, hints: dict[str, object] | None = None):
+    def __init__(
+        self,
+        source: SampleSource,
+        num_ranks: int,
+        token_budget: int,
+        backend: str,
+        tracker: PromptTracker,
+        pending: pa.RecordBatch | None = None,
+        flush_after_s: float = 10.0,
+        max_untrainable_groups: int = 256,
+        hints: dict[str, object] | None = None,
+    ):
         self.source = source
         self.flush_after_s = flush_after_s
         self.max_untrainable_groups = max_untrainable_groups
@@ -109,20 +118,25 @@ class Planner:
     def _push(self, batch: pa.RecordBatch) -> UntrainableCounts:
         """Hand a pulled batch to the batcher, less the samples over the budget; returns what those were."""
         self.tracker.received(batch.column("prompt_index").to_pylist())
-        oversize = (pc.list_value_length(batch.column("input_ids")).to_numpy() > self.token_budget)
+        oversize = pc.list_value_length(batch.column("input_ids")).to_numpy() > self.token_budget
         groups_before = set(batch.column("group_id").to_pylist())
         if oversize.any():  # dropped here, so that their prompts still count as settled
             self.dropped_oversize_count += int(oversize.sum())
             self.tracker.trained_samples(batch.filter(pa.array(oversize)).column("prompt_index").to_pylist())
-            logger.warning("dropped %d samples longer than token_budget=%d; raise packing.token_budget",
-                           int(oversize.sum()), self.token_budget)
+            logger.warning(
+                "dropped %d samples longer than token_budget=%d; raise packing.token_budget",
+                int(oversize.sum()),
+                self.token_budget,
+            )
             batch = batch.filter(pa.array(~oversize))
         if batch.num_rows:
             self.held.append(batch)
             self._emit(self.batcher.push(batch))
         self.num_trainable_samples += batch.num_rows
-        return UntrainableCounts(oversize_groups=len(groups_before - set(batch.column("group_id").to_pylist())),
-                                 oversize_samples=int(oversize.sum()))
+        return UntrainableCounts(
+            oversize_groups=len(groups_before - set(batch.column("group_id").to_pylist())),
+            oversize_samples=int(oversize.sum()),
+        )
 
     def _count_untrainable(self, counts: UntrainableCounts, trainable: bool) -> None:
         """Count a pull's groups without a trainable sample; raise after too many in a row."""
@@ -132,9 +146,13 @@ class Planner:
             return
         self.streak.add(counts)
         if self.streak.groups >= self.max_untrainable_groups:
-            raise NothingToTrainError(self.explain(
-                f"the last {self.streak.groups} groups in a row brought no trainable sample "
-                f"(train.max_untrainable_groups={self.max_untrainable_groups})", self.streak))
+            raise NothingToTrainError(
+                self.explain(
+                    f"the last {self.streak.groups} groups in a row brought no trainable sample "
+                    f"(train.max_untrainable_groups={self.max_untrainable_groups})",
+                    self.streak,
+                )
+            )
 
     def explain(self, what: str, counts: UntrainableCounts | None = None, fixes: list[str] | None = None) -> str:
         """A ``NothingToTrainError`` message: what happened, the counts by cause, the config keys to change.
@@ -145,24 +163,34 @@ class Planner:
             fixes: further changes to propose after those the counts call for.
         """
         c, hint = counts or self.total, self.hints
-        parts = [what, f"Samples dropped before training: {c.dropped_groups} groups by the rollout (every reward "
-                       f"of the group equal, a filtered prompt, or every sample stale); {c.stale_samples} samples "
-                       f"older than rollout.max_staleness={hint.get('max_staleness')}; {c.oversize_samples} "
-                       f"samples ({c.oversize_groups} whole groups) longer than packing.token_budget="
-                       f"{self.token_budget}"]
-        rollout = {k: v for k, v in self.source.metrics().items() if k in
-                   ("frac_reward_zero_std", "reward", "completions/mean_length", "rollout/filtered_prompt_count")}
+        parts = [
+            what,
+            f"Samples dropped before training: {c.dropped_groups} groups by the rollout (every reward "
+            f"of the group equal, a filtered prompt, or every sample stale); {c.stale_samples} samples "
+            f"older than rollout.max_staleness={hint.get('max_staleness')}; {c.oversize_samples} "
+            f"samples ({c.oversize_groups} whole groups) longer than packing.token_budget="
+            f"{self.token_budget}",
+        ]
+        rollout = {
+            k: v
+            for k, v in self.source.metrics().items()
+            if k in ("frac_reward_zero_std", "reward", "completions/mean_length", "rollout/filtered_prompt_count")
+        }
         if rollout:
             parts.append("Rollout metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(rollout.items())))
         todo = []
         if c.dropped_groups:
-            todo.append("make the rewards of a group differ: a reward that varies (rollout.reward_functions), more "
-                        f"exploration (rollout.temperature={hint.get('temperature')}) or more rollouts per group "
-                        f"(rollout.num_generations={hint.get('num_generations')}); or a filter_prompt that accepts "
-                        "prompts")
+            todo.append(
+                "make the rewards of a group differ: a reward that varies (rollout.reward_functions), more "
+                f"exploration (rollout.temperature={hint.get('temperature')}) or more rollouts per group "
+                f"(rollout.num_generations={hint.get('num_generations')}); or a filter_prompt that accepts "
+                "prompts"
+            )
         if c.oversize_samples:
-            todo.append("raise packing.token_budget or lower rollout.max_completion_length "
-                        f"(now {hint.get('max_completion_length')}) so samples fit a row")
+            todo.append(
+                "raise packing.token_budget or lower rollout.max_completion_length "
+                f"(now {hint.get('max_completion_length')}) so samples fit a row"
+            )
         if c.stale_samples:
             todo.append("raise rollout.max_staleness")
         todo += fixes or []

@@ -57,8 +57,14 @@ class Policy(nn.Module):
         fp32_logits: keep the head's logits in fp32 (``train.fp32_logits``; see :func:`head_logits`).
     """
 
-    def __init__(self, lm: nn.Module, temperature: float = 1.0, chunk_size: int = 1024, compile_head: bool = False,
-                 fp32_logits: bool = False):
+    def __init__(
+        self,
+        lm: nn.Module,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        compile_head: bool = False,
+        fp32_logits: bool = False,
+    ):
         super().__init__()
         self.lm = lm
         self.temperature = temperature if temperature > 0 else 1.0
@@ -70,9 +76,17 @@ class Policy(nn.Module):
         """The underlying transformers model (PEFT wrapper removed)."""
         return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, tree_mask: TreeMask, token_index: Tensor,
-                targets: Tensor, topk_ids: Tensor | None = None, candidates: tuple[Tensor, Tensor] | None = None,
-                loss: LossInputs | None = None) -> tuple[Tensor, ...] | dict[str, Tensor]:
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        tree_mask: TreeMask,
+        token_index: Tensor,
+        targets: Tensor,
+        topk_ids: Tensor | None = None,
+        candidates: tuple[Tensor, Tensor] | None = None,
+        loss: LossInputs | None = None,
+    ) -> tuple[Tensor, ...] | dict[str, Tensor]:
         """See :func:`row_logprobs`; shapes in ``RowTensors``.
 
         Returns plain containers so that FSDP2 sees the output tensors (for its
@@ -84,20 +98,36 @@ class Policy(nn.Module):
         base = self.base()
         tree_mask.check_current()
         if tree_mask.dense is None and tree_mask.block_mask is None:
-            tree_mask = TreeMask(tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end),
-                                 recurrence=tree_mask.recurrence)
-        out = text_decoder(base)(input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask,
-                                 use_cache=False)
+            tree_mask = TreeMask(
+                tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end), recurrence=tree_mask.recurrence
+            )
+        out = text_decoder(base)(
+            input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask, use_cache=False
+        )
         hidden = out.last_hidden_state[0]
         weight = base.get_output_embeddings().weight
         if loss is not None:
-            terms = LossTerms(targets, loss.sampler_logprobs, loss.advantages, topk_ids, loss.sampler_topk_logprobs,
-                              candidates)
-            res = fused_grpo_loss(hidden.index_select(0, token_index), weight, terms, loss.normaliser, loss.settings,
-                                  self.temperature, self.chunk_size, self.compile_head, self.fp32_logits)
-            return {"loss": res.loss, "logprobs": res.logprobs.logprobs, "entropy": res.logprobs.entropy,
-                    **({} if res.logprobs.topk_logprobs is None else {"topk_logprobs": res.logprobs.topk_logprobs}),
-                    **res.stats}
+            terms = LossTerms(
+                targets, loss.sampler_logprobs, loss.advantages, topk_ids, loss.sampler_topk_logprobs, candidates
+            )
+            res = fused_grpo_loss(
+                hidden.index_select(0, token_index),
+                weight,
+                terms,
+                loss.normaliser,
+                loss.settings,
+                self.temperature,
+                self.chunk_size,
+                self.compile_head,
+                self.fp32_logits,
+            )
+            return {
+                "loss": res.loss,
+                "logprobs": res.logprobs.logprobs,
+                "entropy": res.logprobs.entropy,
+                **({} if res.logprobs.topk_logprobs is None else {"topk_logprobs": res.logprobs.topk_logprobs}),
+                **res.stats,
+            }
         dense_candidates = None
         if candidates is not None:
             dense_candidates = candidate_mask(candidates[0], candidates[1], weight.shape[0])
@@ -106,14 +136,16 @@ class Policy(nn.Module):
             zero = hidden.sum() * 0.0 + weight.sum() * 0.0
             empty = zero.reshape(1)[:0]
             return (empty, empty.detach()) + (() if topk_ids is None else (empty.reshape(0, topk_ids.shape[1]),))
-        out = projected_logprobs(picked, weight, targets, self.temperature, topk_ids, dense_candidates,
-                                 self.chunk_size, self.fp32_logits)
+        out = projected_logprobs(
+            picked, weight, targets, self.temperature, topk_ids, dense_candidates, self.chunk_size, self.fp32_logits
+        )
         return (out.logprobs, out.entropy) + (() if out.topk_logprobs is None else (out.topk_logprobs,))
 
     def logprobs(self, rt) -> TokenLogProbs:
         """Forward one :class:`~grpo_core.train.rows.RowTensors` row."""
-        return _as_logprobs(self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id,
-                                 rt.topk_ids, rt.candidates))
+        return _as_logprobs(
+            self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id, rt.topk_ids, rt.candidates)
+        )
 
     def grpo_loss(self, rt, settings: LossSettings, normaliser: float) -> HeadLoss:
         """Forward one row through the fused head: its GRPO loss (backward-ready) and per-term values.
@@ -123,15 +155,32 @@ class Policy(nn.Module):
             settings: the loss settings.
             normaliser: see :func:`grpo_core.train.loss.grpo_loss`.
         """
-        out = self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id, rt.topk_ids,
-                   rt.candidates, LossInputs(rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings))
+        out = self(
+            rt.input_ids,
+            rt.position_ids,
+            rt.tree_mask,
+            rt.token_index,
+            rt.target_id,
+            rt.topk_ids,
+            rt.candidates,
+            LossInputs(rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings),
+        )
         token = TokenLogProbs(out.pop("logprobs"), out.pop("entropy"), out.pop("topk_logprobs", None))
         return HeadLoss(out.pop("loss"), token, out)
 
 
-def row_logprobs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, tree_mask: TreeMask,
-                 token_index: Tensor, targets: Tensor, temperature: float = 1.0, topk_ids: Tensor | None = None,
-                 candidates: tuple[Tensor, Tensor] | None = None, chunk_size: int = 1024) -> TokenLogProbs:
+def row_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    tree_mask: TreeMask,
+    token_index: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    topk_ids: Tensor | None = None,
+    candidates: tuple[Tensor, Tensor] | None = None,
+    chunk_size: int = 1024,
+) -> TokenLogProbs:
     """Forward one packed row through a causal LM exactly as the trainer does (see :class:`Policy`).
 
     Args:
@@ -145,17 +194,29 @@ def row_logprobs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, tree
         candidates: optional CSR sampling mask ``(offsets[M+1], ids)``.
         chunk_size: loss terms per chunk of the vocabulary projection.
     """
-    return _as_logprobs(Policy(model, temperature, chunk_size)(input_ids, position_ids, tree_mask, token_index,
-                                                               targets, topk_ids, candidates))
+    return _as_logprobs(
+        Policy(model, temperature, chunk_size)(
+            input_ids, position_ids, tree_mask, token_index, targets, topk_ids, candidates
+        )
+    )
 
 
 def _as_logprobs(out: tuple[Tensor, ...]) -> TokenLogProbs:
     return TokenLogProbs(out[0], out[1], out[2] if len(out) > 2 else None)
 
 
-def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device,
-                 lora: LoraConfig, temperature: float, chunk_size: int, max_len: int | None = None,
-                 fp32_logits: bool = False) -> Policy:
+def build_policy(
+    model_dir: str,
+    model_cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    lora: LoraConfig,
+    temperature: float,
+    chunk_size: int,
+    max_len: int | None = None,
+    fp32_logits: bool = False,
+) -> Policy:
     """Load the LM (a VLM's language model, ``grpo_core.text_model``) with tree attention and tree
     recurrence, optionally add LoRA, and wrap it in :class:`Policy` (unsharded; checkpointing,
     compilation and sharding come after, :mod:`grpo_core.train.parallelize`).
@@ -177,10 +238,24 @@ def build_policy(model_dir: str, model_cfg: ModelConfig, *, dtype: torch.dtype, 
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
 
-        lm = get_peft_model(lm, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                               target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+        lm = get_peft_model(
+            lm,
+            PeftLoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
     policy = Policy(lm, temperature, chunk_size, fp32_logits=fp32_logits).to(device)
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    logger.info("policy %s: %.1fM trainable parameters (%s, lora=%s, %d Gated DeltaNet layers on tree rows)",
-                model_cfg.name, n_train / 1e6, dtype, lora.enabled, num_recurrent)
+    logger.info(
+        "policy %s: %.1fM trainable parameters (%s, lora=%s, %d Gated DeltaNet layers on tree rows)",
+        model_cfg.name,
+        n_train / 1e6,
+        dtype,
+        lora.enabled,
+        num_recurrent,
+    )
     return policy

@@ -152,10 +152,10 @@ def plan_recurrence(subtree_end: Tensor, kernel_size: int) -> RecurrencePlan:
         index = np.where(valid, index, n)
         src = np.nonzero(valid.ravel())[0]
         as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
-        levels.append(_Level(as_t(index), None if lv == 0 else as_t(slot[parent_seg[segs]]), as_t(src),
-                             as_t(index.ravel()[src])))
-    ancestors = torch.as_tensor(np.stack(anc) if anc else np.zeros((0, n), np.int64), dtype=torch.int64,
-                                device=device)
+        levels.append(
+            _Level(as_t(index), None if lv == 0 else as_t(slot[parent_seg[segs]]), as_t(src), as_t(index.ravel()[src]))
+        )
+    ancestors = torch.as_tensor(np.stack(anc) if anc else np.zeros((0, n), np.int64), dtype=torch.int64, device=device)
     return RecurrencePlan(n, ancestors, levels)
 
 
@@ -190,8 +190,9 @@ def tree_causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, ancestors: 
     return F.silu(out).to(x.dtype)
 
 
-def tree_delta_rule(chunk_fn, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-                    plan: RecurrencePlan) -> Tensor:
+def tree_delta_rule(
+    chunk_fn, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, plan: RecurrencePlan
+) -> Tensor:
     """Chunked gated delta rule per segment, each started from its parent segment's final state.
 
     Args:
@@ -202,6 +203,7 @@ def tree_delta_rule(chunk_fn, query: Tensor, key: Tensor, value: Tensor, g: Tens
     Returns:
         ``[L, H, Dv]``; zeros at positions in no segment (padding).
     """
+
     def ext(x):
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
@@ -210,8 +212,16 @@ def tree_delta_rule(chunk_fn, query: Tensor, key: Tensor, value: Tensor, g: Tens
     outs, dests, state = [], [], None
     for lv in plan.levels:
         init = None if lv.parent is None else state.index_select(0, lv.parent)
-        o, state = chunk_fn(q[lv.index], k[lv.index], v[lv.index], g=gx[lv.index], beta=bx[lv.index],
-                            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        o, state = chunk_fn(
+            q[lv.index],
+            k[lv.index],
+            v[lv.index],
+            g=gx[lv.index],
+            beta=bx[lv.index],
+            initial_state=init,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         outs.append(o.reshape(-1, heads, dv).index_select(0, lv.src))
         dests.append(lv.dest)
     core = value.new_zeros(plan.length, heads, dv)

@@ -70,7 +70,7 @@ def _transfer(arrays: dict[str, np.ndarray], dtype: torch.dtype, device: torch.d
     host = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
     flat, pos = host.numpy(), 0
     for a, n in zip(arrays.values(), sizes):
-        flat[pos:pos + n] = a.reshape(-1)
+        flat[pos : pos + n] = a.reshape(-1)
         pos += n
     dev = host.to(device, non_blocking=True)
     return {k: t.view(a.shape) for (k, a), t in zip(arrays.items(), dev.split(sizes))}
@@ -142,7 +142,7 @@ def to_tensors(row: PackedRow, device: torch.device, length: int | None = None) 
     if row.num_forwarded:
         ids[: row.num_forwarded] = row.column("input_ids")
         pos[: row.num_forwarded] = row.column("position_ids")
-        pos[row.num_forwarded:] = np.arange(length - row.num_forwarded) + pos[: row.num_forwarded].max() + 1
+        pos[row.num_forwarded :] = np.arange(length - row.num_forwarded) + pos[: row.num_forwarded].max() + 1
         end[: row.num_forwarded] = row.column("subtree_end")
     ints = {"input_ids": ids, "position_ids": pos, "subtree_end": end, "policy_version": row.column("policy_version")}
     for name in ("token_index", "target_id", "sample_index"):
@@ -158,18 +158,24 @@ def to_tensors(row: PackedRow, device: torch.device, length: int | None = None) 
         ints["mask_ids"] = col.values.to_numpy(zero_copy_only=False)
     i, f = _transfer(ints, torch.int64, device), _transfer(floats, torch.float32, device)
     return RowTensors(
-        input_ids=i["input_ids"], position_ids=i["position_ids"],
+        input_ids=i["input_ids"],
+        position_ids=i["position_ids"],
         tree_mask=TreeMask(i["subtree_end"].to(torch.int32)),
-        token_index=i["token_index"], target_id=i["target_id"],
-        sampler_logprob=f["sampler_logprob"], advantage=f["advantage"], sample_index=i["sample_index"],
-        topk_ids=i.get("topk_ids"), topk_logprobs=f.get("topk_logprobs"),
+        token_index=i["token_index"],
+        target_id=i["target_id"],
+        sampler_logprob=f["sampler_logprob"],
+        advantage=f["advantage"],
+        sample_index=i["sample_index"],
+        topk_ids=i.get("topk_ids"),
+        topk_logprobs=f.get("topk_logprobs"),
         candidates=(i["mask_offsets"], i["mask_ids"]) if "mask_offsets" in i else None,
         policy_version=i["policy_version"].to(torch.int32),
     )
 
 
-def synthetic_row(length: int, num_terms: int, vocab_size: int, device: torch.device, topk: int = 0,
-                  with_mask: bool = False) -> RowTensors:
+def synthetic_row(
+    length: int, num_terms: int, vocab_size: int, device: torch.device, topk: int = 0, with_mask: bool = False
+) -> RowTensors:
     """A row with the shapes of a real row of a length bucket, to compile ahead of the first step.
 
     One sequence of ``length`` tokens (each sees all before it), ``num_terms`` loss
@@ -178,21 +184,37 @@ def synthetic_row(length: int, num_terms: int, vocab_size: int, device: torch.de
     """
     ids = (np.arange(length, dtype=np.int64) * 7919 + 1) % vocab_size
     m = num_terms
-    row = {"input_ids": ids, "position_ids": np.arange(length), "subtree_end": np.full(length, length),
-           "token_index": np.arange(m), "target_id": ids[1:m + 1], "sample_index": np.zeros(m, np.int64),
-           "policy_version": np.zeros(1, np.int64)}
+    row = {
+        "input_ids": ids,
+        "position_ids": np.arange(length),
+        "subtree_end": np.full(length, length),
+        "token_index": np.arange(m),
+        "target_id": ids[1 : m + 1],
+        "sample_index": np.zeros(m, np.int64),
+        "policy_version": np.zeros(1, np.int64),
+    }
     floats = {"sampler_logprob": np.full(m, -1.0), "advantage": np.where(np.arange(m) % 2 == 0, 1.0, -1.0)}
     if topk:
-        row["topk_ids"] = (ids[1:m + 1, None] + np.arange(topk)) % vocab_size
+        row["topk_ids"] = (ids[1 : m + 1, None] + np.arange(topk)) % vocab_size
         floats["topk_logprobs"] = np.full((m, topk), -2.0)
     if with_mask:
         row["mask_offsets"] = np.arange(m + 1) * 2
-        row["mask_ids"] = np.stack([ids[1:m + 1], (ids[1:m + 1] + 1) % vocab_size], 1).reshape(-1)
+        row["mask_ids"] = np.stack([ids[1 : m + 1], (ids[1 : m + 1] + 1) % vocab_size], 1).reshape(-1)
     i, f = _transfer(row, torch.int64, device), _transfer(floats, torch.float32, device)
-    return RowTensors(i["input_ids"], i["position_ids"], TreeMask(i["subtree_end"].to(torch.int32)),
-                      i["token_index"], i["target_id"], f["sampler_logprob"], f["advantage"], i["sample_index"],
-                      i.get("topk_ids"), f.get("topk_logprobs"),
-                      (i["mask_offsets"], i["mask_ids"]) if with_mask else None, i["policy_version"].to(torch.int32))
+    return RowTensors(
+        i["input_ids"],
+        i["position_ids"],
+        TreeMask(i["subtree_end"].to(torch.int32)),
+        i["token_index"],
+        i["target_id"],
+        f["sampler_logprob"],
+        f["advantage"],
+        i["sample_index"],
+        i.get("topk_ids"),
+        f.get("topk_logprobs"),
+        (i["mask_offsets"], i["mask_ids"]) if with_mask else None,
+        i["policy_version"].to(torch.int32),
+    )
 
 
 def bucket_length(n: int, buckets: tuple[int, ...]) -> int:

@@ -45,22 +45,36 @@ def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]):
     model_dir = resolve_model_dir(cfg.model)
     if tc.lora.enabled:
         store = AdapterStore(tc.adapter_store, tc.adapter_store_served_as, timeout_s=cfg.server.control_timeout_s)
-        return LoraAdapterSync(server_urls, tc.output_dir, tc.lora.name, cfg.rollout.max_staleness, model_dir=model_dir,
-                               server=cfg.server, store=store)
+        return LoraAdapterSync(
+            server_urls,
+            tc.output_dir,
+            tc.lora.name,
+            cfg.rollout.max_staleness,
+            model_dir=model_dir,
+            server=cfg.server,
+            store=store,
+        )
     api_key = cfg.server.resolved_api_key()
     kinds = {server_backend(u, api_key) for u in server_urls}
     if kinds == {"embedded"}:
-        return DiskFullWeightSync(server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1, model_dir=model_dir,
-                                  server=cfg.server)
+        return DiskFullWeightSync(
+            server_urls, tc.output_dir, keep=cfg.rollout.max_staleness + 1, model_dir=model_dir, server=cfg.server
+        )
     if kinds != {"vllm"}:
         raise ConfigError("--server-url mixes vLLM and embedded servers; use one kind per run")
     if cfg.server.weight_transfer_backend is None:
         raise ConfigError("server.weight_transfer_backend is None: vLLM servers need 'ipc' (same GPU) or 'nccl'")
     from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
 
-    return VllmWeightTransferSync(server_urls, cfg.server.weight_transfer_backend, lora_names=tc.lora.enabled,
-                                  model_dir=model_dir, api_key=api_key, control_retry_s=cfg.server.control_retry_s,
-                                  control_timeout_s=cfg.server.control_timeout_s)
+    return VllmWeightTransferSync(
+        server_urls,
+        cfg.server.weight_transfer_backend,
+        lora_names=tc.lora.enabled,
+        model_dir=model_dir,
+        api_key=api_key,
+        control_retry_s=cfg.server.control_retry_s,
+        control_timeout_s=cfg.server.control_timeout_s,
+    )
 
 
 def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None):
@@ -72,8 +86,9 @@ def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None):
         raise ConfigError("train.samples_path or train.rollout_location must be set: the trainer needs samples")
     from grpo_core.transport.flight_client import FlightSource  # noqa: PLC0415 - only with a rollout process
 
-    return FlightSource(tc.rollout_location, max_staleness=cfg.rollout.max_staleness,
-                        timeout_s=cfg.rollout.rollout_worker_timeout_s)
+    return FlightSource(
+        tc.rollout_location, max_staleness=cfg.rollout.max_staleness, timeout_s=cfg.rollout.rollout_worker_timeout_s
+    )
 
 
 def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None, sink=None) -> ResumeState | None:
@@ -96,9 +111,18 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
         # what rank 0 alone reads (tracking, the servers, the export, the sample source) or each host sets for its
         # own GPUs and mounts may differ (the output folder is checked by what each rank sees in it, below);
         # everything that shapes a rank's step must not
-        check_same_config(world, cfg.model_dump(mode="json", exclude={
-            "tracking": True, "server": True, "export": True,
-            "train": {"rollout_location", "samples_path", "gpu_ids", "rdzv_timeout_s", "output_dir"}}))
+        check_same_config(
+            world,
+            cfg.model_dump(
+                mode="json",
+                exclude={
+                    "tracking": True,
+                    "server": True,
+                    "export": True,
+                    "train": {"rollout_location", "samples_path", "gpu_ids", "rdzv_timeout_s", "output_dir"},
+                },
+            ),
+        )
         check_shared_folder(world, cfg.train.output_dir)  # every rank writes its checkpoint shards there
     lock = RunLock(cfg.train.output_dir, "trainer", cfg.train.run_lock_timeout_s) if world.is_main else None
     try:

@@ -20,8 +20,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 #: Per-rank sums reduced with SUM (``terms`` and ``samples`` are counts).
-SUM_KEYS = ("loss", "terms", "entropy", "ratio", "logp_diff", "masked", "clipped_low", "clipped_high",
-            "sampler_mass", "staleness", "samples", "ratio_fresh", "terms_fresh")
+SUM_KEYS = (
+    "loss",
+    "terms",
+    "entropy",
+    "ratio",
+    "logp_diff",
+    "masked",
+    "clipped_low",
+    "clipped_high",
+    "sampler_mass",
+    "staleness",
+    "samples",
+    "ratio_fresh",
+    "terms_fresh",
+)
 #: Per-rank extremes reduced with MAX (minima travel negated); ``grad_norm`` is already global.
 MAX_KEYS = ("ratio_max", "ratio_min_neg", "logp_diff_max", "staleness_max", "grad_norm")
 
@@ -79,8 +92,10 @@ def reduce_step(local: list[dict], grad_norm: Tensor | float, device: torch.devi
         device: this rank's device (the process group's communication device).
     """
     sums = torch.stack([torch.stack([_scalar(d[k], device) for d in local]).sum() for k in SUM_KEYS])
-    maxes = torch.stack([torch.stack([_scalar(d[k], device) for d in local]).max() for k in MAX_KEYS[:-1]]
-                        + [_scalar(grad_norm, device)])
+    maxes = torch.stack(
+        [torch.stack([_scalar(d[k], device) for d in local]).max() for k in MAX_KEYS[:-1]]
+        + [_scalar(grad_norm, device)]
+    )
     comm = device if dist.get_backend() == "nccl" else torch.device("cpu")
     sums, maxes = sums.to(comm), maxes.to(comm)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)

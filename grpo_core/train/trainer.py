@@ -58,6 +58,7 @@ def compiled_graphs() -> int:
 
 def lr_lambda(kind: str, warmup: int, total: int):
     """LR multiplier per step: linear warmup, then constant / linear / cosine decay to 0 at ``total``."""
+
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
@@ -65,6 +66,7 @@ def lr_lambda(kind: str, warmup: int, total: int):
             return 1.0
         frac = min(1.0, (step - warmup) / max(1, total - warmup))
         return 1.0 - frac if kind == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+
     return f
 
 
@@ -77,8 +79,9 @@ def rotate_checkpoints(output_dir: Path, keep: int | None, saved: Path | None, s
     return checkpoint.rotate(output_dir, keep, protect=protect | (held() if held is not None else set()))
 
 
-def step_header(planned: PlannedStep | None, servers_behind: list[str], resynced_version: int,
-                policy_version: int) -> list[int] | None:
+def step_header(
+    planned: PlannedStep | None, servers_behind: list[str], resynced_version: int, policy_version: int
+) -> list[int] | None:
     """Rank 0's header for the other ranks (``grpo_core.train.distributed``) after a plan: ``[ROW, n, terms…]`` (a
     step of ``n`` micro-batches), ``[RESYNC, 0]`` (push the weights again: the rollout reports replicas behind
     ``policy_version``, e.g. restarted with the base weights, and none was pushed again at this version yet),
@@ -96,8 +99,14 @@ class Trainer:
     """See module docs. ``cfg``: the trainer's sub-config (``RunConfig.trainer_process()``); ``source`` and ``sink``
     are used on rank 0 only."""
 
-    def __init__(self, cfg: TrainerProcessConfig, world: World, source: SampleSource | None = None,
-                 weight_sync: WeightSync | None = None, sink: MetricsSink | None = None):
+    def __init__(
+        self,
+        cfg: TrainerProcessConfig,
+        world: World,
+        source: SampleSource | None = None,
+        weight_sync: WeightSync | None = None,
+        sink: MetricsSink | None = None,
+    ):
         self.cfg, self.world, self.sink = cfg, world, sink
         tc = cfg.train
         self.weight_sync = weight_sync or NoWeightSync()
@@ -107,16 +116,20 @@ class Trainer:
         self.compiled = tc.compile if tc.compile is not None else on_cuda
         self.policy = self._build_policy(on_cuda)
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=tc.learning_rate, betas=tc.adam_betas,
-                                           weight_decay=tc.weight_decay, fused=True)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=tc.learning_rate, betas=tc.adam_betas, weight_decay=tc.weight_decay, fused=True
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps))
+            self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps)
+        )
         self.loss_settings = LossSettings(tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high)
         self.token_budget = cfg.token_budget
         self.flex = FlexTreeMasks(world.device) if on_cuda else None
         # static shapes for compiled layers and FlexAttention: rows are padded to a few lengths
         multiple = self.flex.block_size if self.flex is not None else 16
-        self.buckets = length_buckets(self.token_budget, tc.length_buckets, multiple) if self.compiled or on_cuda else None
+        self.buckets = (
+            length_buckets(self.token_budget, tc.length_buckets, multiple) if self.compiled or on_cuda else None
+        )
         self.clock = Clock(world.device)
         self.window = MetricWindow()
         self.pending: tuple | None = None  # (stats, planned, host-side values) of the step not yet logged
@@ -132,28 +145,49 @@ class Trainer:
             assert source is not None, "rank 0 needs a sample source"
             self.source = source
             ro = cfg.rollout
-            hints = {"max_staleness": ro.max_staleness, "temperature": ro.temperature,
-                     "num_generations": ro.num_generations, "max_completion_length": ro.max_completion_length}
-            self.planner = Planner(source, world.world_size, self.token_budget, cfg.packing.backend, tracker, pending,
-                                   flush_after_s=tc.flush_partial_after_s,
-                                   max_untrainable_groups=tc.max_untrainable_groups, hints=hints)
+            hints = {
+                "max_staleness": ro.max_staleness,
+                "temperature": ro.temperature,
+                "num_generations": ro.num_generations,
+                "max_completion_length": ro.max_completion_length,
+            }
+            self.planner = Planner(
+                source,
+                world.world_size,
+                self.token_budget,
+                cfg.packing.backend,
+                tracker,
+                pending,
+                flush_after_s=tc.flush_partial_after_s,
+                max_untrainable_groups=tc.max_untrainable_groups,
+                hints=hints,
+            )
         self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
         self._trained_log: JsonlAppender | None = None  # trained_prompts.jsonl (rank 0)
 
     def _build_policy(self, on_cuda: bool):
         """Load, checkpoint/compile each layer, shard (torchtitan's order; :mod:`grpo_core.train.parallelize`)."""
         cfg, tc = self.cfg, self.cfg.train
-        policy = build_policy(str(resolve_model_dir(cfg.model)), cfg.model, dtype=getattr(torch, tc.dtype),
-                              device=self.world.device, lora=tc.lora, temperature=cfg.rollout.temperature,
-                              chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024),
-                              max_len=cfg.token_budget, fp32_logits=tc.fp32_logits)
-        apply_layer_wrappers(policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled,
-                             tc.compile_backend)
+        policy = build_policy(
+            str(resolve_model_dir(cfg.model)),
+            cfg.model,
+            dtype=getattr(torch, tc.dtype),
+            device=self.world.device,
+            lora=tc.lora,
+            temperature=cfg.rollout.temperature,
+            chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024),
+            max_len=cfg.token_budget,
+            fp32_logits=tc.fp32_logits,
+        )
+        apply_layer_wrappers(
+            policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled, tc.compile_backend
+        )
         policy.compile_head = self.compiled and on_cuda  # the head's kernels are only worth compiling on GPUs
         reshard = resolve_reshard_after_forward(tc.fsdp_reshard_after_forward, policy, self.world.device)
         logger.info("FSDP2: reshard_after_forward=%s, prefetch=%d", reshard, tc.fsdp_prefetch)
-        return shard(policy, tc.mixed_precision if tc.mixed_precision is not None else on_cuda, reshard,
-                     tc.fsdp_prefetch)
+        return shard(
+            policy, tc.mixed_precision if tc.mixed_precision is not None else on_cuda, reshard, tc.fsdp_prefetch
+        )
 
     # -- resume --------------------------------------------------------------------------
     def _resume(self) -> tuple[checkpoint.PromptTracker, object]:
@@ -182,14 +216,17 @@ class Trainer:
                 group["initial_lr" if key == "lr" else key] = value
         self.scheduler.base_lrs = [tc.learning_rate] * len(self.optimizer.param_groups)
         self.scheduler.lr_lambdas = [lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps)] * len(
-            self.optimizer.param_groups)
+            self.optimizer.param_groups
+        )
         factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         for group in self.optimizer.param_groups:
             group["lr"] = tc.learning_rate * factor
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]  # noqa: SLF001 - get_last_lr
         if changed and self.world.is_main:
-            logger.warning("resume: the config changed the optimizer settings of the checkpoint (applied): %s",
-                           ", ".join(sorted(changed)))
+            logger.warning(
+                "resume: the config changed the optimizer settings of the checkpoint (applied): %s",
+                ", ".join(sorted(changed)),
+            )
 
     def resume_state(self) -> ResumeState:
         """Where the rollout side should start (rank 0)."""
@@ -211,8 +248,14 @@ class Trainer:
         vocab = self.policy.base().get_output_embeddings().weight.shape[0]
         shapes = [(length, length - 1) for length in self.buckets] + [(self.buckets[0], 1)]
         for length, num_terms in shapes:
-            rt = synthetic_row(length, num_terms, vocab, self.world.device, rollout.num_sampler_logprobs,
-                               rollout.uses_candidate_filter())
+            rt = synthetic_row(
+                length,
+                num_terms,
+                vocab,
+                self.world.device,
+                rollout.num_sampler_logprobs,
+                rollout.uses_candidate_filter(),
+            )
             if self.flex is not None:
                 rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
             self.policy.grpo_loss(rt, self.loss_settings, float(num_terms)).loss.backward()
@@ -251,12 +294,15 @@ class Trainer:
             if n[0] != RESYNC:
                 break
             self._resynced_version = self.policy_version
-            self.sync_servers("replicas behind it: " + ", ".join(self.planner.servers_behind)
-                              if self.world.is_main else "replicas behind it")
+            self.sync_servers(
+                "replicas behind it: " + ", ".join(self.planner.servers_behind)
+                if self.world.is_main
+                else "replicas behind it"
+            )
         if n[0] == STOP:
             return [], [], None
         mbs = planned.micro_batches if planned else [None] * n[1]
-        return [scatter_rows(self.world, mb) for mb in mbs], n[2:2 + n[1]], planned
+        return [scatter_rows(self.world, mb) for mb in mbs], n[2 : 2 + n[1]], planned
 
     def _tensors(self, row):
         """A row on the device, padded to its length bucket (the FlexAttention mask comes later:
@@ -286,12 +332,18 @@ class Trainer:
         res.loss.backward()
         st, n = res.stats, rt.num_terms
         staleness = (self.policy_version - rt.policy_version).float()
-        out = {"loss": res.loss, "terms": n, "entropy": res.logprobs.entropy.sum(),
-               "sampler_mass": st["sampler_mass"].sum() if "sampler_mass" in st else 0.0,
-               "staleness": staleness.sum(), "samples": staleness.numel(),
-               "staleness_max": staleness.max() if staleness.numel() else 0.0,
-               "ratio_max": st["ratio"].max() if n else 0.0, "ratio_min_neg": -st["ratio"].min() if n else -math.inf,
-               "logp_diff_max": st["logp_diff"].max() if n else 0.0}
+        out = {
+            "loss": res.loss,
+            "terms": n,
+            "entropy": res.logprobs.entropy.sum(),
+            "sampler_mass": st["sampler_mass"].sum() if "sampler_mass" in st else 0.0,
+            "staleness": staleness.sum(),
+            "samples": staleness.numel(),
+            "staleness_max": staleness.max() if staleness.numel() else 0.0,
+            "ratio_max": st["ratio"].max() if n else 0.0,
+            "ratio_min_neg": -st["ratio"].min() if n else -math.inf,
+            "logp_diff_max": st["logp_diff"].max() if n else 0.0,
+        }
         for k in ("ratio", "logp_diff", "masked", "clipped_low", "clipped_high"):
             out[k] = st[k].sum()
         # Tokens sampled by the weights being trained (staleness 0): their mean ratio measures the
@@ -321,13 +373,15 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_nonfinite_steps += 1
             self._nonfinite_in_a_row += 1
-            logger.warning("step %d: gradient norm is %s; the update is skipped (no sync, no checkpoint)",
-                           self.step + 1, norm)
+            logger.warning(
+                "step %d: gradient norm is %s; the update is skipped (no sync, no checkpoint)", self.step + 1, norm
+            )
             if self._nonfinite_in_a_row >= tc.max_nonfinite_steps:
                 raise FloatingPointError(
                     f"{self._nonfinite_in_a_row} steps in a row had a non-finite gradient norm "
                     f"(train.max_nonfinite_steps={tc.max_nonfinite_steps}); the weights were left as they were. "
-                    "Check the rewards and sampler log-probs of the samples, or lower train.learning_rate")
+                    "Check the rewards and sampler log-probs of the samples, or lower train.learning_rate"
+                )
             return {"grad_norm": norm, "learning_rate": lr, "skipped": 1.0}
         self._nonfinite_in_a_row = 0
         self.optimizer.step()
@@ -356,12 +410,18 @@ class Trainer:
         stopped_early = None
         if self.step < tc.max_steps and self.world.is_main:
             ro = self.cfg.rollout
-            source = (f"train.samples_path={tc.samples_path}" if tc.samples_path is not None else
-                      f"the prompt dataset, rollout.num_epochs={ro.num_epochs}")
+            source = (
+                f"train.samples_path={tc.samples_path}"
+                if tc.samples_path is not None
+                else f"the prompt dataset, rollout.num_epochs={ro.num_epochs}"
+            )
             stopped_early = self.planner.explain(
                 f"the samples ended after step {self.step} of train.max_steps={tc.max_steps} ({source})",
-                fixes=["set rollout.num_epochs: null to cycle the dataset until the trainer stops, raise "
-                       "rollout.num_epochs, or use a larger dataset (rollout.dataset_size for reasoning_gym)"])
+                fixes=[
+                    "set rollout.num_epochs: null to cycle the dataset until the trainer stops, raise "
+                    "rollout.num_epochs, or use a larger dataset (rollout.dataset_size for reasoning_gym)"
+                ],
+            )
             if self.step == 0:  # a resumed run whose samples are all trained ends like any short run
                 raise NothingToTrainError(stopped_early)
         self.save()
@@ -369,8 +429,7 @@ class Trainer:
         if self._trained_log is not None:
             self._trained_log.close()
         if self.world.is_main:
-            write_train_end(self.output_dir, self.step, tc.max_steps, stopped_early,
-                            self.skipped_nonfinite_steps)
+            write_train_end(self.output_dir, self.step, tc.max_steps, stopped_early, self.skipped_nonfinite_steps)
         return self.resume_state() if self.world.is_main else None
 
     def export(self) -> Path | None:
@@ -445,28 +504,40 @@ class Trainer:
         values = stats.values()
         if self.world.is_main:
             m = stats.marks
-            times = {"perf/step_s": self.clock.seconds(m["start"], m["end"]),
-                     "perf/fwd_bwd_s": self.clock.seconds(m["fb"], m["fb_end"]),
-                     "perf/optimizer_s": self.clock.seconds(m["fb_end"], m["end"]), "perf/collect_s": collect_s}
+            times = {
+                "perf/step_s": self.clock.seconds(m["start"], m["end"]),
+                "perf/fwd_bwd_s": self.clock.seconds(m["fb"], m["fb_end"]),
+                "perf/optimizer_s": self.clock.seconds(m["fb_end"], m["end"]),
+                "perf/collect_s": collect_s,
+            }
             self.log_step(step, values, planned, {**host, **times, "batch/pad_frac": pad_frac})
 
     def log_step(self, step: int, v: dict[str, float], planned: PlannedStep, extra: dict) -> None:
         """Add one step's reduced statistics to the window; flush it every ``logging_steps`` (rank 0)."""
         n = max(v["terms"], 1)
         w = self.window
-        w.update({"loss": v["loss"] / self.world.world_size, "entropy": v["entropy"] / n,
-                  "sampling/importance_sampling_ratio/mean": v["ratio"] / n,
-                  "sampling/importance_sampling_ratio/max": v["ratio_max"],
-                  "sampling/importance_sampling_ratio/min": -v["ratio_min_neg"],
-                  "sampling/sampling_logp_difference/mean": v["logp_diff"] / n,
-                  "sampling/sampling_logp_difference/max": v["logp_diff_max"],
-                  "sampling/masked_mean": v["masked"] / n,
-                  "clip_ratio/low_mean": v["clipped_low"] / n, "clip_ratio/high_mean": v["clipped_high"] / n,
-                  "clip_ratio/region_mean": (v["clipped_low"] + v["clipped_high"]) / n,
-                  "sample/staleness_mean": v["staleness"] / max(v["samples"], 1),
-                  "sample/staleness_max": v["staleness_max"], "policy_version": self.policy_version,
-                  "grad_norm": v["grad_norm"], "perf/rollout_wait_s": planned.rollout_wait_s, **planned.stats,
-                  **extra})
+        w.update(
+            {
+                "loss": v["loss"] / self.world.world_size,
+                "entropy": v["entropy"] / n,
+                "sampling/importance_sampling_ratio/mean": v["ratio"] / n,
+                "sampling/importance_sampling_ratio/max": v["ratio_max"],
+                "sampling/importance_sampling_ratio/min": -v["ratio_min_neg"],
+                "sampling/sampling_logp_difference/mean": v["logp_diff"] / n,
+                "sampling/sampling_logp_difference/max": v["logp_diff_max"],
+                "sampling/masked_mean": v["masked"] / n,
+                "clip_ratio/low_mean": v["clipped_low"] / n,
+                "clip_ratio/high_mean": v["clipped_high"] / n,
+                "clip_ratio/region_mean": (v["clipped_low"] + v["clipped_high"]) / n,
+                "sample/staleness_mean": v["staleness"] / max(v["samples"], 1),
+                "sample/staleness_max": v["staleness_max"],
+                "policy_version": self.policy_version,
+                "grad_norm": v["grad_norm"],
+                "perf/rollout_wait_s": planned.rollout_wait_s,
+                **planned.stats,
+                **extra,
+            }
+        )
         if self.warmup_s is not None:  # reported once, with the first step after it
             w.add("perf/compile_warmup_s", self.warmup_s)
             self.warmup_s = None
@@ -485,8 +556,12 @@ class Trainer:
             w.add("train/skipped_nonfinite_steps", self.skipped_nonfinite_steps)  # running total of the run
             w.update(self.source.metrics())
             metrics = w.flush()
-            logger.info("step %d: loss %.4f, %.0f tokens/s", step, metrics.get("loss", float("nan")),
-                        metrics.get("perf/tokens_per_s", 0.0))
+            logger.info(
+                "step %d: loss %.4f, %.0f tokens/s",
+                step,
+                metrics.get("loss", float("nan")),
+                metrics.get("perf/tokens_per_s", 0.0),
+            )
             if self.sink is not None:
                 self.sink.log(step, metrics)
             self._log_completions(step)

@@ -54,7 +54,9 @@ from grpo_core.serving.guard import STALE_PATH
 
 logger = logging.getLogger(__name__)
 
-_LORA_WRAPPED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)\.(weight|bias)$")
+_LORA_WRAPPED = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|embed_tokens|lm_head)\.(weight|bias)$"
+)
 #: Query of the pause that keeps in-flight requests (vLLM's default mode, ``abort``, ends them).
 PAUSE_KEEP = {"mode": "keep"}
 #: Query of the prefix-cache reset after new weights: running (kept) requests are recomputed too.
@@ -70,7 +72,9 @@ def vllm_name(name: str, lora_names: bool, name_map: dict[str, str] | None = Non
     return _LORA_WRAPPED.sub(r".\1.base_layer.\2", name) if lora_names else name
 
 
-def full_tensors(policy, lora_names: bool, name_map: dict[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def full_tensors(
+    policy, lora_names: bool, name_map: dict[str, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(vLLM name, full tensor on this rank's GPU)``, one parameter at a time (collective)."""
     for name, p in policy.named_parameters():
         t = p.detach()
@@ -91,8 +95,12 @@ def ipc_update_body(update_info: Any) -> dict[str, Any]:
         where ``ipc_handles_pickled`` is the base64 text of the pickled handles; the server needs
         ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to unpickle it (vLLM 0.25.1 ``ipc_engine.py``).
     """
-    fields: dict[str, Any] = {"names": list(update_info.names), "dtype_names": list(update_info.dtype_names),
-                              "shapes": [list(s) for s in update_info.shapes], "packed": bool(update_info.packed)}
+    fields: dict[str, Any] = {
+        "names": list(update_info.names),
+        "dtype_names": list(update_info.dtype_names),
+        "shapes": [list(s) for s in update_info.shapes],
+        "packed": bool(update_info.packed),
+    }
     if getattr(update_info, "tensor_sizes", None) is not None:
         fields["tensor_sizes"] = list(update_info.tensor_sizes)
     fields["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info.ipc_handles)).decode("ascii")
@@ -110,9 +118,17 @@ class VllmWeightTransferSync:
             reaches them).
     """
 
-    def __init__(self, urls: list[str], backend: str = "ipc", lora_names: bool = False, timeout_s: float = 600.0,
-                 model_dir: str | Path | None = None, api_key: str | None = None, control_retry_s: float = 0.5,
-                 control_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        urls: list[str],
+        backend: str = "ipc",
+        lora_names: bool = False,
+        timeout_s: float = 600.0,
+        model_dir: str | Path | None = None,
+        api_key: str | None = None,
+        control_retry_s: float = 0.5,
+        control_timeout_s: float = 60.0,
+    ):
         if backend not in ("ipc", "nccl"):
             raise ValueError(f"server.weight_transfer_backend must be 'ipc' or 'nccl', got {backend!r}")
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
@@ -217,9 +233,13 @@ class VllmWeightTransferSync:
         end = time.perf_counter()
         # the phases, to tell a slow keep-mode pause (requests finishing their engine step) from a slow transfer
         # or a slow finish/reset/resume
-        return {"perf/weight_sync_transfer_s": end - t0, "perf/weight_sync_pause_s": t_paused - t0,
-                "perf/weight_sync_update_s": t_sent - t_paused, "perf/weight_sync_settle_s": end - t_sent,
-                "weight_sync/failed_replica_count": float(len(self._failed))}
+        return {
+            "perf/weight_sync_transfer_s": end - t0,
+            "perf/weight_sync_pause_s": t_paused - t0,
+            "perf/weight_sync_update_s": t_sent - t_paused,
+            "perf/weight_sync_settle_s": end - t_sent,
+            "weight_sync/failed_replica_count": float(len(self._failed)),
+        }
 
     def _retry(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> None:
         """``_post`` retried every ``control_retry_s`` until ``control_timeout_s``; raises the last error."""
@@ -258,7 +278,10 @@ class VllmWeightTransferSync:
                 f"weight sync v{version}: pause failed on {len(refused)} of {len(self.urls)} replicas after retrying "
                 f"for {self.control_timeout_s:.0f} s (server.control_timeout_s): "
                 + "; ".join(f"{u}: {e}" for u, e in refused.items())
-                + f"; no weights were sent, every paused replica is resumed ({', '.join(paused)})", refused, paused)
+                + f"; no weights were sent, every paused replica is resumed ({', '.join(paused)})",
+                refused,
+                paused,
+            )
 
     def _settle(self, paused: list[str], version: int, error: BaseException | None) -> BaseException | None:
         """After the update: fence off the replicas it failed on, finish and resume every paused one, lift the fence
@@ -271,12 +294,18 @@ class VllmWeightTransferSync:
                 except ServingError as exc:
                     logger.error("could not fence off %s (is grpo_core.serving.guard installed?): %s", url, exc)
             if self._failed:
-                logger.error("weight sync v%d failed on %d of %d replicas; out of routing until an update reaches "
-                             "them: %s", version, len(self._failed), len(self.urls), "; ".join(
-                                 f"{u}: {e}" for u, e in self._failed.items()))
+                logger.error(
+                    "weight sync v%d failed on %d of %d replicas; out of routing until an update reaches them: %s",
+                    version,
+                    len(self._failed),
+                    len(self.urls),
+                    "; ".join(f"{u}: {e}" for u, e in self._failed.items()),
+                )
             if self._failed and len(self._failed) == len(self.urls):
-                error = ServingError(f"weight sync v{version} failed on every replica: "
-                                     + "; ".join(f"{u}: {e}" for u, e in self._failed.items()))
+                error = ServingError(
+                    f"weight sync v{version} failed on every replica: "
+                    + "; ".join(f"{u}: {e}" for u, e in self._failed.items())
+                )
         error = self._finish(paused, error)
         if error is not None:
             return error
@@ -286,8 +315,12 @@ class VllmWeightTransferSync:
             except ServingError as exc:
                 if url not in self.stale and " 404" in str(exc):
                     self._unguarded.add(url)
-                logger.log(logging.ERROR if url in self.stale else logging.INFO, "could not lift the fence of %s "
-                           "(grpo_core.serving.guard answers it): %s", url, exc)
+                logger.log(
+                    logging.ERROR if url in self.stale else logging.INFO,
+                    "could not lift the fence of %s (grpo_core.serving.guard answers it): %s",
+                    url,
+                    exc,
+                )
                 continue
             if self.stale.pop(url, None) is not None:
                 logger.warning("replica %s holds policy version %d again; it rejoins the routing", url, version)
@@ -295,10 +328,14 @@ class VllmWeightTransferSync:
 
     def _finish(self, paused: list[str], error: BaseException | None) -> BaseException | None:
         """Finish, reset and resume every paused server, even after a failure; returns the first error."""
+
         def finish(url: str) -> BaseException | None:
             first = None
-            for path, params in (("/finish_weight_update", None), ("/reset_prefix_cache", RESET_ALL),
-                                 ("/resume", None)):
+            for path, params in (
+                ("/finish_weight_update", None),
+                ("/reset_prefix_cache", RESET_ALL),
+                ("/resume", None),
+            ):
                 try:
                     self._post(url, path, params=params)
                 except ServingError as exc:
@@ -317,9 +354,13 @@ class VllmWeightTransferSync:
             from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
             post = (lambda info: None) if skip_post else self._post_ipc_update
-            IPCWeightTransferEngine.trainer_send_weights(full_tensors(policy, self.lora_names, self.name_map), {"send_mode": post})
+            IPCWeightTransferEngine.trainer_send_weights(
+                full_tensors(policy, self.lora_names, self.name_map), {"send_mode": post}
+            )
             return
-        tensors = list(full_tensors(policy, self.lora_names, self.name_map))  # full_tensor is collective: every rank gathers
+        tensors = list(
+            full_tensors(policy, self.lora_names, self.name_map)
+        )  # full_tensor is collective: every rank gathers
         if rank != 0 or skip_post:
             return
         for index, url in enumerate(self.urls):  # one NCCL group per replica; a failure moves on to the next
@@ -344,8 +385,12 @@ class VllmWeightTransferSync:
     def _send_nccl(self, tensors: list[tuple[str, torch.Tensor]], index: int, url: str) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-        info = {"names": [n for n, _ in tensors], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-                "shapes": [list(t.shape) for _, t in tensors], "packed": False}
+        info = {
+            "names": [n for n, _ in tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors],
+            "packed": False,
+        }
         failed: list[BaseException] = []
 
         def broadcast() -> None:
@@ -362,4 +407,3 @@ class VllmWeightTransferSync:
         sender.join()
         if failed:
             raise failed[0]
-

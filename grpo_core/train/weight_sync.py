@@ -91,7 +91,9 @@ class _Servers:
         timeout_s: per-request timeout in seconds.
     """
 
-    def __init__(self, urls: list[str], server: TrainerServerView | ServerConfig | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self, urls: list[str], server: TrainerServerView | ServerConfig | None = None, timeout_s: float = 600.0
+    ):
         self.urls = urls
         self.server = server or ServerConfig()
         self.timeout_s = timeout_s
@@ -101,7 +103,9 @@ class _Servers:
         from grpo_core.serving.routing import ReplicaSet
 
         async def run_all():
-            async with ReplicaSet.from_config(self.server, self.urls, max_connections=4, timeout_s=self.timeout_s) as rs:
+            async with ReplicaSet.from_config(
+                self.server, self.urls, max_connections=4, timeout_s=self.timeout_s
+            ) as rs:
                 await work(rs)
 
         asyncio.run(run_all())
@@ -119,8 +123,14 @@ class _Servers:
 class DiskFullWeightSync:
     """Full weights through a shared folder (embedded server). See module docs."""
 
-    def __init__(self, urls: list[str], output_dir: Path, keep: int = 2, model_dir: str | Path | None = None,
-                 server: TrainerServerView | ServerConfig | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        output_dir: Path,
+        keep: int = 2,
+        model_dir: str | Path | None = None,
+        server: TrainerServerView | ServerConfig | None = None,
+    ):
         self.servers = _Servers(urls, server)
         self.root = Path(output_dir) / WEIGHTS_DIR
         self.keep = max(keep, 2)
@@ -160,8 +170,11 @@ class DiskFullWeightSync:
 
         self.servers.run(lambda rs: self.phases(rs, str(folder), version, undo))
         self._prune(version)
-        return {"perf/weight_sync_gather_s": t1 - t0, "perf/weight_sync_write_s": t2 - t1,
-                "perf/weight_sync_load_s": time.perf_counter() - t2}
+        return {
+            "perf/weight_sync_gather_s": t1 - t0,
+            "perf/weight_sync_write_s": t2 - t1,
+            "perf/weight_sync_load_s": time.perf_counter() - t2,
+        }
 
     @staticmethod
     async def phases(rs: Any, folder: str, version: int, undo: Any = None) -> None:
@@ -176,8 +189,9 @@ class DiskFullWeightSync:
         label = f"v{version}"
         await rs.fan_out(f"pause for weight sync {label}", lambda c: c.pause(), undo=lambda c: c.resume())
         try:
-            await rs.fan_out(f"weight sync {label}", lambda c: c.update_weights_from_path(folder), undo,
-                             reads_storage=True)
+            await rs.fan_out(
+                f"weight sync {label}", lambda c: c.update_weights_from_path(folder), undo, reads_storage=True
+            )
             # every server holds this version now: a fence raised on one (started again with the base weights by
             # the servers' flow, or by an earlier trainer) comes down
             await rs.fan_out(f"lift fences after weight sync {label}", lambda c: c.set_stale(False, version=version))
@@ -193,9 +207,16 @@ class DiskFullWeightSync:
 class LoraAdapterSync:
     """PEFT adapter versions on every server. See module docs."""
 
-    def __init__(self, urls: list[str], output_dir: Path, name: str, max_staleness: int,
-                 model_dir: str | Path | None = None, server: TrainerServerView | ServerConfig | None = None,
-                 store=None):
+    def __init__(
+        self,
+        urls: list[str],
+        output_dir: Path,
+        name: str,
+        max_staleness: int,
+        model_dir: str | Path | None = None,
+        server: TrainerServerView | ServerConfig | None = None,
+        store=None,
+    ):
         self.servers = _Servers(urls, server)
         self.store = store if store is not None else AdapterStore(None)
         self.root = Path(output_dir) / ADAPTER_DIR
@@ -227,8 +248,9 @@ class LoraAdapterSync:
         sd = full_state_dict(policy)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             lm = policy.lm
-            return save_adapter(lm, sd, self.root / self.adapter_name(version),
-                                rename=lambda adapter: self.checkpoint_keys(lm, adapter))
+            return save_adapter(
+                lm, sd, self.root / self.adapter_name(version), rename=lambda adapter: self.checkpoint_keys(lm, adapter)
+            )
         return None
 
     @staticmethod
@@ -263,8 +285,12 @@ class LoraAdapterSync:
         name = self.adapter_name(version)
         try:
             path = self.store.publish(folder, name)
-            self.servers.fan_out(f"LoRA load {name}", lambda c: self._load(c, name, path),
-                                 undo=lambda c: c.unload_lora_adapter(name), reads_storage=True)
+            self.servers.fan_out(
+                f"LoRA load {name}",
+                lambda c: self._load(c, name, path),
+                undo=lambda c: c.unload_lora_adapter(name),
+                reads_storage=True,
+            )
         except ServingError:
             shutil.rmtree(folder, ignore_errors=True)
             self.store.remove(name)
@@ -279,4 +305,3 @@ class LoraAdapterSync:
             shutil.rmtree(self.root / old, ignore_errors=True)
             self.store.remove(old)
         return {"perf/weight_sync_write_s": t1 - t0, "perf/weight_sync_load_s": time.perf_counter() - t1}
-

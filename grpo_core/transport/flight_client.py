@@ -51,9 +51,16 @@ class FlightSource:
         token: the run's bearer token, sent with every call; default ``GRPO_RUN_TOKEN``.
     """
 
-    def __init__(self, location: str, *, max_staleness: int, timeout_s: float,
-                 process: subprocess.Popen | None = None, error_path: str | Path | None = None,
-                 token: str | None = None) -> None:
+    def __init__(
+        self,
+        location: str,
+        *,
+        max_staleness: int,
+        timeout_s: float,
+        process: subprocess.Popen | None = None,
+        error_path: str | Path | None = None,
+        token: str | None = None,
+    ) -> None:
         self.location = location
         self._headers = [(k.lower().encode(), v.encode()) for k, v in bearer_headers(token or run_token()).items()]
         self.max_staleness = max_staleness
@@ -93,8 +100,12 @@ class FlightSource:
                 raise self._fail("it refused this process's token (GRPO_RUN_TOKEN is not the run's)") from None
             except flight.FlightServerError as exc:
                 raise self._fail(str(exc).split("\n. Detail:")[0]) from None
-            except (flight.FlightUnavailableError, flight.FlightTimedOutError, flight.FlightInternalError,
-                    OSError) as exc:
+            except (
+                flight.FlightUnavailableError,
+                flight.FlightTimedOutError,
+                flight.FlightInternalError,
+                OSError,
+            ) as exc:
                 silent = time.monotonic() - self._last_contact
                 if silent > self.timeout_s:
                     raise self._fail(f"no answer for {silent:.0f} s ({type(exc).__name__}: {exc})") from None
@@ -117,8 +128,10 @@ class FlightSource:
         # While the loop is being built (tokenizer, dataset) it cannot tick: allow STARTUP_TIMEOUT_S.
         limit = self.timeout_s if beat.get("running", True) else max(self.timeout_s, STARTUP_TIMEOUT_S)
         if beat["age_s"] > limit:
-            raise self._fail(f"the rollout loop has not ticked for {beat['age_s']:.0f} s "
-                             f"(rollout.rollout_worker_timeout_s={self.timeout_s}); it is stalled")
+            raise self._fail(
+                f"the rollout loop has not ticked for {beat['age_s']:.0f} s "
+                f"(rollout.rollout_worker_timeout_s={self.timeout_s}); it is stalled"
+            )
 
     # ----- API -------------------------------------------------------------------------------
 
@@ -149,20 +162,26 @@ class FlightSource:
             consumed += more_consumed + stale_consumed
             dropped += num_dropped
             kept += table.num_rows
-            if (kept >= min_samples or exhausted or behind
-                    or (deadline is not None and time.monotonic() >= deadline)):
+            if kept >= min_samples or exhausted or behind or (deadline is not None and time.monotonic() >= deadline):
                 break
         self._dropped_since_metrics += dropped
         merged = pa.concat_tables(tables, promote_options="default").combine_chunks()
         batches = merged.to_batches()
         samples = batches[0] if len(batches) == 1 else pa.RecordBatch.from_pylist([], schema=merged.schema)
-        return PulledBatch(samples=samples, consumed_prompt_indices=consumed, dropped_stale_count=dropped,
-                           exhausted=exhausted, servers_behind=behind)
+        return PulledBatch(
+            samples=samples,
+            consumed_prompt_indices=consumed,
+            dropped_stale_count=dropped,
+            exhausted=exhausted,
+            servers_behind=behind,
+        )
 
-    def _get(self, policy_version: int, min_samples: int,
-             wait_s: float) -> tuple[pa.Table, list[int], bool, list[str]]:
-        ticket = flight.Ticket(json.dumps({"policy_version": policy_version, "min_samples": max(min_samples, 1),
-                                           "wait_s": wait_s}).encode())
+    def _get(self, policy_version: int, min_samples: int, wait_s: float) -> tuple[pa.Table, list[int], bool, list[str]]:
+        ticket = flight.Ticket(
+            json.dumps(
+                {"policy_version": policy_version, "min_samples": max(min_samples, 1), "wait_s": wait_s}
+            ).encode()
+        )
         options = self._options(wait_s + 60.0)
         table = self._rpc(lambda: self._client.do_get(ticket, options=options).read_all())
         meta = table.schema.metadata or {}
@@ -174,8 +193,10 @@ class FlightSource:
         """Drop samples more than ``max_staleness`` versions old; prompts left with no sample count as consumed."""
         if table.num_rows == 0:
             return table, [], 0
-        fresh = pc.less_equal(pc.subtract(pa.scalar(policy_version, pa.int32()), table["policy_version"]),
-                              pa.scalar(self.max_staleness, pa.int32()))
+        fresh = pc.less_equal(
+            pc.subtract(pa.scalar(policy_version, pa.int32()), table["policy_version"]),
+            pa.scalar(self.max_staleness, pa.int32()),
+        )
         kept = table.filter(fresh)
         dropped = table.num_rows - kept.num_rows
         if not dropped:
@@ -247,4 +268,3 @@ class FlightSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -104,8 +104,12 @@ class SampleQueue:
         """
         deadline = time.monotonic() + wait_s
         with self._cond:
-            while (self._num_samples < min_samples and not self.finished and self.failure is None
-                   and time.monotonic() < deadline):
+            while (
+                self._num_samples < min_samples
+                and not self.finished
+                and self.failure is None
+                and time.monotonic() < deadline
+            ):
                 self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
             if self.failure is not None:
                 raise flight.FlightServerError(f"rollout loop failed:\n{self.failure}")
@@ -136,8 +140,9 @@ class BearerAuthFactory(flight.ServerMiddlewareFactory):
             FlightUnauthenticatedError: no header, or another token.
         """
         if not any(authorized(value, self._token) for value in headers.get("authorization", [])):
-            raise flight.FlightUnauthenticatedError("the rollout Flight server needs the run's bearer token "
-                                                    "(authorization: Bearer $GRPO_RUN_TOKEN)")
+            raise flight.FlightUnauthenticatedError(
+                "the rollout Flight server needs the run's bearer token (authorization: Bearer $GRPO_RUN_TOKEN)"
+            )
         return None
 
 
@@ -160,10 +165,17 @@ class RolloutFlightServer(flight.FlightServerBase):
         PortInUseError: the fixed port of ``location`` (``rollout.flight_port``) is taken.
     """
 
-    def __init__(self, location: str, queue: SampleQueue, window: MetricWindow,
-                 generated_tokens: Callable[[], int], on_shutdown: Callable[[], None],
-                 completions: CompletionSample | None = None, token: str | None = None,
-                 servers_behind: Callable[[], list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        location: str,
+        queue: SampleQueue,
+        window: MetricWindow,
+        generated_tokens: Callable[[], int],
+        on_shutdown: Callable[[], None],
+        completions: CompletionSample | None = None,
+        token: str | None = None,
+        servers_behind: Callable[[], list[str]] | None = None,
+    ) -> None:
         token = token or run_token()
         if not token:
             raise TransportError(f"the rollout Flight server needs the run's bearer token: set {TOKEN_ENV}")
@@ -180,11 +192,15 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
         request = json.loads(ticket.ticket.decode())
-        batches, consumed, exhausted, queued = self.queue.take(int(request.get("min_samples", 1)),
-                                                              float(request.get("wait_s", 1.0)))
+        batches, consumed, exhausted, queued = self.queue.take(
+            int(request.get("min_samples", 1)), float(request.get("wait_s", 1.0))
+        )
         self.window.add("rollout/queue_size", queued)
-        metadata = {META_CONSUMED: json.dumps(consumed).encode(), META_EXHAUSTED: b"1" if exhausted else b"0",
-                    META_SERVERS_BEHIND: json.dumps(list(self.servers_behind())).encode()}
+        metadata = {
+            META_CONSUMED: json.dumps(consumed).encode(),
+            META_EXHAUSTED: b"1" if exhausted else b"0",
+            META_SERVERS_BEHIND: json.dumps(list(self.servers_behind())).encode(),
+        }
         if batches:  # groups may differ in optional columns (sampling masks): missing ones become null
             table = pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="default")
         else:
@@ -192,12 +208,14 @@ class RolloutFlightServer(flight.FlightServerBase):
         return flight.RecordBatchStream(table.replace_schema_metadata(metadata))
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
-        return [("report", "trainer feedback: policy version, tokens consumed by the last step"),
-                ("synced", "the trainer pushed a policy version to the servers outside a step (a resume)"),
-                ("metrics", "rollout metric window as JSON"),
-                ("completions", "the window's sampled completion rows as JSON"),
-                ("heartbeat", "liveness of the rollout loop"),
-                ("shutdown", "stop the rollout process")]
+        return [
+            ("report", "trainer feedback: policy version, tokens consumed by the last step"),
+            ("synced", "the trainer pushed a policy version to the servers outside a step (a resume)"),
+            ("metrics", "rollout metric window as JSON"),
+            ("completions", "the window's sampled completion rows as JSON"),
+            ("heartbeat", "liveness of the rollout loop"),
+            ("shutdown", "stop the rollout process"),
+        ]
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action):
         body = json.loads(action.body.to_pybytes().decode() or "{}") if action.body else {}
@@ -212,8 +230,12 @@ class RolloutFlightServer(flight.FlightServerBase):
         elif action.type == "completions":
             answer = self.completions.drain() if self.completions is not None else []
         elif action.type == "heartbeat":
-            answer = {"age_s": time.monotonic() - self.queue.last_beat, "failure": self.queue.failure,
-                      "finished": self.queue.finished, "running": self.queue.running}
+            answer = {
+                "age_s": time.monotonic() - self.queue.last_beat,
+                "failure": self.queue.failure,
+                "finished": self.queue.finished,
+                "running": self.queue.running,
+            }
         elif action.type == "shutdown":
             threading.Thread(target=self.on_shutdown, daemon=True).start()
             answer = {"ok": True}

@@ -11,7 +11,10 @@ use std::sync::Arc;
 use arrow_array::builder::{Float32Builder, Int32Builder, ListBuilder};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Int32Type, Int64Type, Int8Type};
-use arrow_array::{Array, ArrayRef, ArrowPrimitiveType, Float32Array, Int32Array, Int64Array, ListArray, PrimitiveArray, RecordBatch};
+use arrow_array::{
+    Array, ArrayRef, ArrowPrimitiveType, Float32Array, Int32Array, Int64Array, ListArray,
+    PrimitiveArray, RecordBatch,
+};
 use arrow_buffer::OffsetBuffer;
 use arrow_ipc::reader::FileReader;
 use arrow_ipc::writer::FileWriter;
@@ -44,11 +47,23 @@ pub fn sample_schema(with_topk: bool, with_mask: bool) -> SchemaRef {
         Field::new("policy_version", DataType::Int32, false),
     ];
     if with_topk {
-        fields.push(Field::new(TOPK_IDS, list_of(list_of(DataType::Int32)), true));
-        fields.push(Field::new(TOPK_LOGPROBS, list_of(list_of(DataType::Float32)), true));
+        fields.push(Field::new(
+            TOPK_IDS,
+            list_of(list_of(DataType::Int32)),
+            true,
+        ));
+        fields.push(Field::new(
+            TOPK_LOGPROBS,
+            list_of(list_of(DataType::Float32)),
+            true,
+        ));
     }
     if with_mask {
-        fields.push(Field::new(SAMPLING_MASK, list_of(list_of(DataType::Int32)), true));
+        fields.push(Field::new(
+            SAMPLING_MASK,
+            list_of(list_of(DataType::Int32)),
+            true,
+        ));
     }
     Arc::new(Schema::new(fields))
 }
@@ -56,10 +71,18 @@ pub fn sample_schema(with_topk: bool, with_mask: bool) -> SchemaRef {
 fn list_array<T: ArrowPrimitiveType>(values: Vec<T::Native>, offsets: Vec<i32>) -> ArrayRef {
     let field = Arc::new(Field::new_list_field(T::DATA_TYPE, true));
     let values = Arc::new(PrimitiveArray::<T>::from_iter_values(values));
-    Arc::new(ListArray::new(field, OffsetBuffer::new(offsets.into()), values, None))
+    Arc::new(ListArray::new(
+        field,
+        OffsetBuffer::new(offsets.into()),
+        values,
+        None,
+    ))
 }
 
-fn flat<T: ArrowPrimitiveType>(samples: &[Sample], get: impl Fn(&Sample) -> &[T::Native]) -> ArrayRef {
+fn flat<T: ArrowPrimitiveType>(
+    samples: &[Sample],
+    get: impl Fn(&Sample) -> &[T::Native],
+) -> ArrayRef {
     let mut offsets = Vec::with_capacity(samples.len() + 1);
     offsets.push(0i32);
     let mut values = Vec::with_capacity(samples.iter().map(Sample::len).sum());
@@ -94,7 +117,9 @@ fn nested_logprobs(samples: &[Sample]) -> ArrayRef {
             None => b.append(false),
             Some(l) => {
                 for t in 0..l.offsets.len() - 1 {
-                    b.values().values().append_slice(l.entry(t).1.unwrap_or(&[]));
+                    b.values()
+                        .values()
+                        .append_slice(l.entry(t).1.unwrap_or(&[]));
                     b.values().append(true);
                 }
                 b.append(true);
@@ -110,14 +135,24 @@ pub fn encode(samples: &[Sample]) -> Result<RecordBatch> {
     let with_topk = samples.iter().any(|s| s.sampler_topk.is_some());
     let with_mask = samples.iter().any(|s| s.sampling_mask.is_some());
     let mut columns: Vec<ArrayRef> = vec![
-        Arc::new(Int64Array::from_iter_values(samples.iter().map(|s| s.sample_id))),
-        Arc::new(Int64Array::from_iter_values(samples.iter().map(|s| s.group_id))),
-        Arc::new(Int64Array::from_iter_values(samples.iter().map(|s| s.prompt_index))),
+        Arc::new(Int64Array::from_iter_values(
+            samples.iter().map(|s| s.sample_id),
+        )),
+        Arc::new(Int64Array::from_iter_values(
+            samples.iter().map(|s| s.group_id),
+        )),
+        Arc::new(Int64Array::from_iter_values(
+            samples.iter().map(|s| s.prompt_index),
+        )),
         flat::<Int32Type>(samples, |s| &s.input_ids),
         flat::<Int8Type>(samples, |s| &s.completion_mask),
         flat::<Float32Type>(samples, |s| &s.sampler_logprobs),
-        Arc::new(Float32Array::from_iter_values(samples.iter().map(|s| s.advantage))),
-        Arc::new(Int32Array::from_iter_values(samples.iter().map(|s| s.policy_version))),
+        Arc::new(Float32Array::from_iter_values(
+            samples.iter().map(|s| s.advantage),
+        )),
+        Arc::new(Int32Array::from_iter_values(
+            samples.iter().map(|s| s.policy_version),
+        )),
     ];
     if with_topk {
         columns.push(nested_ids(samples, |s| s.sampler_topk.as_ref()));
@@ -131,7 +166,10 @@ pub fn encode(samples: &[Sample]) -> Result<RecordBatch> {
 }
 
 fn schema_err(field: &str, reason: impl Into<String>) -> PackError {
-    PackError::Schema { field: field.to_string(), reason: reason.into() }
+    PackError::Schema {
+        field: field.to_string(),
+        reason: reason.into(),
+    }
 }
 
 fn column<'a>(batch: &'a RecordBatch, name: &str, required: bool) -> Result<Option<&'a ArrayRef>> {
@@ -142,7 +180,10 @@ fn column<'a>(batch: &'a RecordBatch, name: &str, required: bool) -> Result<Opti
             }
             Ok(Some(c))
         }
-        None if required => Err(schema_err(name, "is missing; see the Sample schema (DESIGN.md §6)")),
+        None if required => Err(schema_err(
+            name,
+            "is missing; see the Sample schema (DESIGN.md §6)",
+        )),
         None => Ok(None),
     }
 }
@@ -151,12 +192,29 @@ fn scalar<T: ArrowPrimitiveType>(batch: &RecordBatch, name: &str) -> Result<Vec<
     let c = column(batch, name, true)?.unwrap();
     c.as_primitive_opt::<T>()
         .map(|a| a.values().to_vec())
-        .ok_or_else(|| schema_err(name, format!("has type {}, expected {}", c.data_type(), T::DATA_TYPE)))
+        .ok_or_else(|| {
+            schema_err(
+                name,
+                format!("has type {}, expected {}", c.data_type(), T::DATA_TYPE),
+            )
+        })
 }
 
 /// `(offsets, values)` of a `list<T>` column; offsets index into `values`.
-fn list<'a, T: ArrowPrimitiveType>(c: &'a ArrayRef, name: &str) -> Result<(&'a [i32], &'a [T::Native])> {
-    let wrong = || schema_err(name, format!("has type {}, expected list<{}>", c.data_type(), T::DATA_TYPE));
+fn list<'a, T: ArrowPrimitiveType>(
+    c: &'a ArrayRef,
+    name: &str,
+) -> Result<(&'a [i32], &'a [T::Native])> {
+    let wrong = || {
+        schema_err(
+            name,
+            format!(
+                "has type {}, expected list<{}>",
+                c.data_type(),
+                T::DATA_TYPE
+            ),
+        )
+    };
     let l = c.as_list_opt::<i32>().ok_or_else(wrong)?;
     let v = l.values().as_primitive_opt::<T>().ok_or_else(wrong)?;
     if v.null_count() > 0 {
@@ -167,12 +225,27 @@ fn list<'a, T: ArrowPrimitiveType>(c: &'a ArrayRef, name: &str) -> Result<(&'a [
 
 fn lists_of<T: ArrowPrimitiveType>(batch: &RecordBatch, name: &str) -> Result<Vec<Vec<T::Native>>> {
     let (offsets, values) = list::<T>(column(batch, name, true)?.unwrap(), name)?;
-    Ok(offsets.windows(2).map(|w| values[w[0] as usize..w[1] as usize].to_vec()).collect())
+    Ok(offsets
+        .windows(2)
+        .map(|w| values[w[0] as usize..w[1] as usize].to_vec())
+        .collect())
 }
 
 /// Per sample, the ragged per-token lists of a `list<list<T>>` column.
-fn nested<T: ArrowPrimitiveType>(c: &ArrayRef, name: &str) -> Result<Vec<Option<(Vec<u32>, Vec<T::Native>)>>> {
-    let wrong = || schema_err(name, format!("has type {}, expected list<list<{}>>", c.data_type(), T::DATA_TYPE));
+fn nested<T: ArrowPrimitiveType>(
+    c: &ArrayRef,
+    name: &str,
+) -> Result<Vec<Option<(Vec<u32>, Vec<T::Native>)>>> {
+    let wrong = || {
+        schema_err(
+            name,
+            format!(
+                "has type {}, expected list<list<{}>>",
+                c.data_type(),
+                T::DATA_TYPE
+            ),
+        )
+    };
     let outer = c.as_list_opt::<i32>().ok_or_else(wrong)?;
     let inner_ref = outer.values();
     let (inner_offsets, values) = list::<T>(inner_ref, name)?;
@@ -185,7 +258,10 @@ fn nested<T: ArrowPrimitiveType>(c: &ArrayRef, name: &str) -> Result<Vec<Option<
         let offs = &inner_offsets[w[0] as usize..=w[1] as usize];
         let base = offs[0];
         let local: Vec<u32> = offs.iter().map(|&o| (o - base) as u32).collect();
-        out.push(Some((local, values[base as usize..*offs.last().unwrap() as usize].to_vec())));
+        out.push(Some((
+            local,
+            values[base as usize..*offs.last().unwrap() as usize].to_vec(),
+        )));
     }
     Ok(out)
 }
@@ -203,12 +279,17 @@ pub fn decode(batch: &RecordBatch) -> Result<Vec<Sample>> {
     let input_ids = lists_of::<Int32Type>(batch, "input_ids")?;
     let mask = lists_of::<Int8Type>(batch, "completion_mask")?;
     let logprobs = lists_of::<Float32Type>(batch, "sampler_logprobs")?;
-    let topk_ids = column(batch, TOPK_IDS, false)?.map(|c| nested::<Int32Type>(c, TOPK_IDS)).transpose()?;
+    let topk_ids = column(batch, TOPK_IDS, false)?
+        .map(|c| nested::<Int32Type>(c, TOPK_IDS))
+        .transpose()?;
     let topk_lp = column(batch, TOPK_LOGPROBS, false)?
         .map(|c| nested::<Float32Type>(c, TOPK_LOGPROBS))
         .transpose()?;
     if topk_ids.is_some() != topk_lp.is_some() {
-        return Err(schema_err(TOPK_LOGPROBS, format!("and `{TOPK_IDS}` must come together")));
+        return Err(schema_err(
+            TOPK_LOGPROBS,
+            format!("and `{TOPK_IDS}` must come together"),
+        ));
     }
     let mut sampling_mask = column(batch, SAMPLING_MASK, false)?
         .map(|c| nested::<Int32Type>(c, SAMPLING_MASK))
@@ -220,19 +301,36 @@ pub fn decode(batch: &RecordBatch) -> Result<Vec<Sample>> {
             Some((ids_col, lp_col)) => match (ids_col[i].take(), lp_col[i].take()) {
                 (Some((offsets, tids)), Some((lp_offsets, lps))) => {
                     if offsets != lp_offsets {
-                        return Err(schema_err(TOPK_LOGPROBS, format!("row {i}: lists differ in shape from `{TOPK_IDS}`")));
+                        return Err(schema_err(
+                            TOPK_LOGPROBS,
+                            format!("row {i}: lists differ in shape from `{TOPK_IDS}`"),
+                        ));
                     }
-                    Some(TokenLists { offsets, ids: tids, logprobs: Some(lps) })
+                    Some(TokenLists {
+                        offsets,
+                        ids: tids,
+                        logprobs: Some(lps),
+                    })
                 }
                 (None, None) => None,
-                _ => return Err(schema_err(TOPK_LOGPROBS, format!("row {i}: null in one of the top-k columns only"))),
+                _ => {
+                    return Err(schema_err(
+                        TOPK_LOGPROBS,
+                        format!("row {i}: null in one of the top-k columns only"),
+                    ))
+                }
             },
             None => None,
         };
-        let sampling_mask = sampling_mask
-            .as_mut()
-            .and_then(|c| c[i].take())
-            .map(|(offsets, ids)| TokenLists { offsets, ids, logprobs: None });
+        let sampling_mask =
+            sampling_mask
+                .as_mut()
+                .and_then(|c| c[i].take())
+                .map(|(offsets, ids)| TokenLists {
+                    offsets,
+                    ids,
+                    logprobs: None,
+                });
         let s = Sample {
             sample_id: sample_id[i],
             group_id: group_id[i],
@@ -252,7 +350,10 @@ pub fn decode(batch: &RecordBatch) -> Result<Vec<Sample>> {
 }
 
 fn ipc_err(path: &Path, e: impl ToString) -> PackError {
-    PackError::Ipc { path: path.display().to_string(), reason: e.to_string() }
+    PackError::Ipc {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
 }
 
 /// Write samples to an Arrow IPC file (one record batch).
@@ -282,13 +383,38 @@ pub const ROW_PARTS: [(&str, &[&str]); 5] = [
     ("tokens", &["input_ids", "position_ids", "subtree_end"]),
     ("segments", &["cu_seqlens_q", "cu_seqlens_k"]),
     ("kv", &["kv_index"]),
-    ("loss", &["token_index", "target_id", "sampler_logprob", "advantage", "sample_index"]),
-    ("samples", &["sample_id", "group_id", "prompt_index", "policy_version", "num_tokens", "num_trained"]),
+    (
+        "loss",
+        &[
+            "token_index",
+            "target_id",
+            "sampler_logprob",
+            "advantage",
+            "sample_index",
+        ],
+    ),
+    (
+        "samples",
+        &[
+            "sample_id",
+            "group_id",
+            "prompt_index",
+            "policy_version",
+            "num_tokens",
+            "num_trained",
+        ],
+    ),
 ];
 
 /// The counts of a packed row, in order: forwarded tokens `N`, loss terms `M`, raw tokens
 /// (sum of sample lengths), samples, and the attention load (sum over forwarded tokens of depth + 1).
-pub const ROW_COUNTS: [&str; 5] = ["num_forwarded", "num_trained", "num_raw", "num_samples", "load"];
+pub const ROW_COUNTS: [&str; 5] = [
+    "num_forwarded",
+    "num_trained",
+    "num_raw",
+    "num_samples",
+    "load",
+];
 
 fn row_column_type(name: &str) -> DataType {
     match name {
@@ -308,7 +434,15 @@ pub fn row_schema(part: &str, with_topk: bool, with_mask: bool) -> Result<Schema
     let (_, columns) = ROW_PARTS
         .iter()
         .find(|(name, _)| *name == part)
-        .ok_or_else(|| schema_err(part, format!("is not a packed-row part; parts: {:?}", ROW_PARTS.map(|p| p.0))))?;
+        .ok_or_else(|| {
+            schema_err(
+                part,
+                format!(
+                    "is not a packed-row part; parts: {:?}",
+                    ROW_PARTS.map(|p| p.0)
+                ),
+            )
+        })?;
     let mut names: Vec<&str> = columns.to_vec();
     if part == "loss" && with_topk {
         names.extend([TOPK_IDS, TOPK_LOGPROBS]);
@@ -317,7 +451,10 @@ pub fn row_schema(part: &str, with_topk: bool, with_mask: bool) -> Result<Schema
         names.push(SAMPLING_MASK);
     }
     Ok(Arc::new(Schema::new(
-        names.into_iter().map(|n| Field::new(n, row_column_type(n), false)).collect::<Vec<_>>(),
+        names
+            .into_iter()
+            .map(|n| Field::new(n, row_column_type(n), false))
+            .collect::<Vec<_>>(),
     )))
 }
 
@@ -343,7 +480,12 @@ fn ragged(lists: &TokenLists, logprobs: bool) -> ArrayRef {
     }
 }
 
-fn part(name: &'static str, columns: Vec<ArrayRef>, with_topk: bool, with_mask: bool) -> (&'static str, RecordBatch) {
+fn part(
+    name: &'static str,
+    columns: Vec<ArrayRef>,
+    with_topk: bool,
+    with_mask: bool,
+) -> (&'static str, RecordBatch) {
     let schema = row_schema(name, with_topk, with_mask).expect("a part of ROW_PARTS");
     let batch = RecordBatch::try_new(schema, columns).expect("packed-row columns match row_schema");
     (name, batch)
@@ -375,10 +517,26 @@ pub fn encode_row(row: &TreeRow) -> RowBatches {
     if let Some(m) = &p.sampling_mask {
         loss.push(ragged(m, false));
     }
-    let int64 = |get: fn(&Sample) -> i64| Arc::new(Int64Array::from_iter_values(samples.iter().map(get))) as ArrayRef;
+    let int64 = |get: fn(&Sample) -> i64| {
+        Arc::new(Int64Array::from_iter_values(samples.iter().map(get))) as ArrayRef
+    };
     let parts = vec![
-        part("tokens", vec![i32_column(p.input_ids), i32_column(p.position_ids), i32_column(p.subtree_end)], false, false),
-        part("segments", vec![i32_column(p.cu_seqlens_q), i32_column(p.cu_seqlens_k)], false, false),
+        part(
+            "tokens",
+            vec![
+                i32_column(p.input_ids),
+                i32_column(p.position_ids),
+                i32_column(p.subtree_end),
+            ],
+            false,
+            false,
+        ),
+        part(
+            "segments",
+            vec![i32_column(p.cu_seqlens_q), i32_column(p.cu_seqlens_k)],
+            false,
+            false,
+        ),
         part("kv", vec![i32_column(p.kv_index)], false, false),
         part("loss", loss, with_topk, with_mask),
         part(
@@ -431,16 +589,37 @@ mod tests {
         let names: Vec<&str> = encoded.parts.iter().map(|(n, _)| *n).collect();
         assert_eq!(names, ROW_PARTS.map(|p| p.0).to_vec());
         for (name, batch) in &encoded.parts {
-            assert_eq!(batch.schema(), row_schema(name, true, false).unwrap(), "part {name}");
+            assert_eq!(
+                batch.schema(),
+                row_schema(name, true, false).unwrap(),
+                "part {name}"
+            );
         }
         let counts: Vec<(&str, u64)> = encoded.counts.to_vec();
         // Shared prefix [1, 2]: forwarded 1,2,3,4,5; trained 2 + 3 terms; raw 3 + 4 tokens; load 1+2+3 + 3+4.
-        assert_eq!(counts, vec![("num_forwarded", 5), ("num_trained", 5), ("num_raw", 7), ("num_samples", 2), ("load", 13)]);
+        assert_eq!(
+            counts,
+            vec![
+                ("num_forwarded", 5),
+                ("num_trained", 5),
+                ("num_raw", 7),
+                ("num_samples", 2),
+                ("load", 13)
+            ]
+        );
         assert_eq!(encoded.parts[0].1.num_rows(), 5);
         assert_eq!(encoded.parts[3].1.num_rows(), 5);
-        let ids = encoded.parts[4].1.column_by_name("sample_id").unwrap().as_primitive::<Int64Type>();
+        let ids = encoded.parts[4]
+            .1
+            .column_by_name("sample_id")
+            .unwrap()
+            .as_primitive::<Int64Type>();
         assert_eq!(ids.values().to_vec(), vec![0, 1]);
-        let topk = encoded.parts[3].1.column_by_name(TOPK_IDS).unwrap().as_list::<i32>();
+        let topk = encoded.parts[3]
+            .1
+            .column_by_name(TOPK_IDS)
+            .unwrap()
+            .as_list::<i32>();
         assert_eq!(topk.value_length(0), 2, "two candidates per trained token");
     }
 
@@ -449,9 +628,18 @@ mod tests {
         let plain = row_schema("loss", false, false).unwrap();
         assert_eq!(plain.fields().len(), 5);
         let full = row_schema("loss", true, true).unwrap();
-        let extra: Vec<&str> = full.fields().iter().skip(5).map(|f| f.name().as_str()).collect();
+        let extra: Vec<&str> = full
+            .fields()
+            .iter()
+            .skip(5)
+            .map(|f| f.name().as_str())
+            .collect();
         assert_eq!(extra, vec![TOPK_IDS, TOPK_LOGPROBS, SAMPLING_MASK]);
-        assert_eq!(row_schema("tokens", true, true).unwrap().fields().len(), 3, "only loss has optional columns");
+        assert_eq!(
+            row_schema("tokens", true, true).unwrap().fields().len(),
+            3,
+            "only loss has optional columns"
+        );
         let err = row_schema("rows", false, false).unwrap_err();
         assert_eq!((err.kind(), err.field()), ("Schema", Some("rows")));
     }

@@ -63,7 +63,9 @@ impl TokenBudgetBatcher {
         Ok(Self {
             num_ranks,
             token_budget: token_budget as usize,
-            rows: (0..num_ranks).map(|_| TreeRow::with_capacity((token_budget as usize).min(1 << 16))).collect(),
+            rows: (0..num_ranks)
+                .map(|_| TreeRow::with_capacity((token_budget as usize).min(1 << 16)))
+                .collect(),
             dropped_oversize: 0,
         })
     }
@@ -112,7 +114,9 @@ impl TokenBudgetBatcher {
     }
 
     fn fresh_rows(&self) -> Vec<TreeRow> {
-        (0..self.num_ranks).map(|_| TreeRow::with_capacity(self.token_budget.min(1 << 16))).collect()
+        (0..self.num_ranks)
+            .map(|_| TreeRow::with_capacity(self.token_budget.min(1 << 16)))
+            .collect()
     }
 
     /// Close the stream: the last micro-batch if any row holds a sample.
@@ -144,7 +148,10 @@ impl TokenBudgetBatcher {
             .rows
             .iter()
             .enumerate()
-            .filter_map(|(i, r)| r.fits(sample, budget).map(|p| ((r.load() + p.added_load, i), p)))
+            .filter_map(|(i, r)| {
+                r.fits(sample, budget)
+                    .map(|p| ((r.load() + p.added_load, i), p))
+            })
             .min_by_key(|(key, _)| *key)?;
         let any_empty = self.rows.iter().any(TreeRow::is_empty);
         let max_load = self.rows.iter().map(TreeRow::load).max().unwrap_or(0);
@@ -174,16 +181,31 @@ mod tests {
 
     #[test]
     fn rejects_bad_arguments() {
-        assert_eq!(TokenBudgetBatcher::new(0, 10).unwrap_err(), PackError::BadRanks(0));
-        assert_eq!(TokenBudgetBatcher::new(2, 0).unwrap_err(), PackError::BadBudget(0));
+        assert_eq!(
+            TokenBudgetBatcher::new(0, 10).unwrap_err(),
+            PackError::BadRanks(0)
+        );
+        assert_eq!(
+            TokenBudgetBatcher::new(2, 0).unwrap_err(),
+            PackError::BadBudget(0)
+        );
     }
 
     #[test]
     fn group_stays_together_and_new_groups_fill_empty_ranks() {
         let mut b = TokenBudgetBatcher::new(2, 100).unwrap();
-        assert_eq!(b.push(s(0, 7, &[1, 2, 3, 4])).unwrap().0, Outcome::Placed { rank: 0 });
-        assert_eq!(b.push(s(1, 7, &[1, 2, 3, 5])).unwrap().0, Outcome::Placed { rank: 0 });
-        assert_eq!(b.push(s(2, 8, &[9, 2, 3, 5])).unwrap().0, Outcome::Placed { rank: 1 });
+        assert_eq!(
+            b.push(s(0, 7, &[1, 2, 3, 4])).unwrap().0,
+            Outcome::Placed { rank: 0 }
+        );
+        assert_eq!(
+            b.push(s(1, 7, &[1, 2, 3, 5])).unwrap().0,
+            Outcome::Placed { rank: 0 }
+        );
+        assert_eq!(
+            b.push(s(2, 8, &[9, 2, 3, 5])).unwrap().0,
+            Outcome::Placed { rank: 1 }
+        );
         assert_eq!(b.rows()[0].num_forwarded(), 5);
         let rows = b.finish().unwrap();
         assert_eq!(rows.len(), 2);
@@ -213,19 +235,31 @@ mod tests {
         let mut b = TokenBudgetBatcher::new(2, 100).unwrap();
         b.push(s(0, 0, &[1, 2, 3, 4, 5, 6])).unwrap(); // load 21
         b.push(s(1, 1, &[7, 8])).unwrap(); // rank 1, load 3
-        // 3 + (1+..+5) = 18 <= 21: goes to rank 1.
-        assert_eq!(b.push(s(2, 2, &[9, 9, 9, 9, 9])).unwrap().0, Outcome::Placed { rank: 1 });
+                                           // 3 + (1+..+5) = 18 <= 21: goes to rank 1.
+        assert_eq!(
+            b.push(s(2, 2, &[9, 9, 9, 9, 9])).unwrap().0,
+            Outcome::Placed { rank: 1 }
+        );
         // rank 1 would reach 18 + 21 > 21, rank 0 42 > 21: close.
-        assert_eq!(b.push(s(3, 3, &[4, 4, 4, 4, 4, 4])).unwrap().0, Outcome::Closed { rank: 0 });
+        assert_eq!(
+            b.push(s(3, 3, &[4, 4, 4, 4, 4, 4])).unwrap().0,
+            Outcome::Closed { rank: 0 }
+        );
     }
 
     #[test]
     fn one_rank_fills_its_row_to_the_budget() {
         let mut b = TokenBudgetBatcher::new(1, 12).unwrap();
         for g in 0..3 {
-            assert_eq!(b.push(s(g, g, &[g as i32 + 10, 1, 2, 3])).unwrap().0, Outcome::Placed { rank: 0 });
+            assert_eq!(
+                b.push(s(g, g, &[g as i32 + 10, 1, 2, 3])).unwrap().0,
+                Outcome::Placed { rank: 0 }
+            );
         }
         assert_eq!(b.rows()[0].num_forwarded(), 12);
-        assert_eq!(b.push(s(3, 3, &[20, 1])).unwrap().0, Outcome::Closed { rank: 0 });
+        assert_eq!(
+            b.push(s(3, 3, &[20, 1])).unwrap().0,
+            Outcome::Closed { rank: 0 }
+        );
     }
 }

@@ -84,11 +84,13 @@ impl PackError {
     /// The offending field (a sample field, a Sample-schema column or an argument), when there is one.
     pub fn field(&self) -> Option<&str> {
         match self {
-            PackError::LengthMismatch { field, .. } | PackError::BadTokenLists { field, .. } => Some(*field),
-            PackError::EmptySample { .. } => Some("input_ids"),
-            PackError::NoTrainedToken { .. } | PackError::FirstTokenTrained { .. } | PackError::BadMask { .. } => {
-                Some("completion_mask")
+            PackError::LengthMismatch { field, .. } | PackError::BadTokenLists { field, .. } => {
+                Some(*field)
             }
+            PackError::EmptySample { .. } => Some("input_ids"),
+            PackError::NoTrainedToken { .. }
+            | PackError::FirstTokenTrained { .. }
+            | PackError::BadMask { .. } => Some("completion_mask"),
             PackError::BadBudget(_) | PackError::DoesNotFit { .. } => Some("token_budget"),
             PackError::BadRanks(_) => Some("num_ranks"),
             PackError::Schema { field, .. } => Some(field.as_str()),
@@ -106,7 +108,10 @@ impl PackError {
             | PackError::BadMask { sample_id, .. }
             | PackError::BadTokenLists { sample_id, .. }
             | PackError::DoesNotFit { sample_id, .. } => Some(*sample_id),
-            PackError::BadBudget(_) | PackError::BadRanks(_) | PackError::Schema { .. } | PackError::Ipc { .. } => None,
+            PackError::BadBudget(_)
+            | PackError::BadRanks(_)
+            | PackError::Schema { .. }
+            | PackError::Ipc { .. } => None,
         }
     }
 }
@@ -117,16 +122,46 @@ mod tests {
 
     #[test]
     fn every_error_names_its_kind_field_and_sample() {
-        let e = PackError::LengthMismatch { sample_id: 7, field: "sampler_logprobs", expected: 3, got: 2 };
-        assert_eq!((e.kind(), e.field(), e.sample_id()), ("LengthMismatch", Some("sampler_logprobs"), Some(7)));
-        let e = PackError::BadMask { sample_id: 2, position: 1, value: 3 };
-        assert_eq!((e.kind(), e.field(), e.sample_id()), ("BadMask", Some("completion_mask"), Some(2)));
-        let e = PackError::Schema { field: "input_ids".into(), reason: "is missing".into() };
-        assert_eq!((e.kind(), e.field(), e.sample_id()), ("Schema", Some("input_ids"), None));
+        let e = PackError::LengthMismatch {
+            sample_id: 7,
+            field: "sampler_logprobs",
+            expected: 3,
+            got: 2,
+        };
+        assert_eq!(
+            (e.kind(), e.field(), e.sample_id()),
+            ("LengthMismatch", Some("sampler_logprobs"), Some(7))
+        );
+        let e = PackError::BadMask {
+            sample_id: 2,
+            position: 1,
+            value: 3,
+        };
+        assert_eq!(
+            (e.kind(), e.field(), e.sample_id()),
+            ("BadMask", Some("completion_mask"), Some(2))
+        );
+        let e = PackError::Schema {
+            field: "input_ids".into(),
+            reason: "is missing".into(),
+        };
+        assert_eq!(
+            (e.kind(), e.field(), e.sample_id()),
+            ("Schema", Some("input_ids"), None)
+        );
         let e = PackError::BadBudget(0);
-        assert_eq!((e.kind(), e.field(), e.sample_id()), ("BadBudget", Some("token_budget"), None));
-        assert!(e.to_string().contains("token_budget"), "the message names the field too: {e}");
-        let e = PackError::Ipc { path: "x".into(), reason: "gone".into() };
+        assert_eq!(
+            (e.kind(), e.field(), e.sample_id()),
+            ("BadBudget", Some("token_budget"), None)
+        );
+        assert!(
+            e.to_string().contains("token_budget"),
+            "the message names the field too: {e}"
+        );
+        let e = PackError::Ipc {
+            path: "x".into(),
+            reason: "gone".into(),
+        };
         assert_eq!((e.kind(), e.field(), e.sample_id()), ("Ipc", None, None));
     }
 }

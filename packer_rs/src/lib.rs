@@ -40,7 +40,12 @@ mod bindings {
     );
 
     /// A `PackingError` with its structured attributes set.
-    fn structured(kind: &str, field: Option<&str>, sample_id: Option<i64>, message: String) -> PyErr {
+    fn structured(
+        kind: &str,
+        field: Option<&str>,
+        sample_id: Option<i64>,
+        message: String,
+    ) -> PyErr {
         let e = PackingError::new_err(message);
         let failed = Python::attach(|py| {
             let value = e.value(py);
@@ -62,7 +67,11 @@ mod bindings {
         structured("BadInput", Some(field), None, message)
     }
 
-    fn array<'py, T: numpy::Element + Copy>(obj: &Bound<'py, PyAny>, field: &str, dtype: &str) -> PyResult<Vec<T>> {
+    fn array<'py, T: numpy::Element + Copy>(
+        obj: &Bound<'py, PyAny>,
+        field: &str,
+        dtype: &str,
+    ) -> PyResult<Vec<T>> {
         let value = obj.getattr(field)?;
         let arr = value.extract::<PyReadonlyArray1<'py, T>>().map_err(|_| {
             bad_input(field, format!(
@@ -73,19 +82,30 @@ mod bindings {
         Ok(arr.as_array().to_vec())
     }
 
-    fn token_lists(obj: &Bound<'_, PyAny>, field: &str, with_logprobs: bool) -> PyResult<Option<TokenLists>> {
+    fn token_lists(
+        obj: &Bound<'_, PyAny>,
+        field: &str,
+        with_logprobs: bool,
+    ) -> PyResult<Option<TokenLists>> {
         let value = obj.getattr(field)?;
         if value.is_none() {
             return Ok(None);
         }
         let offsets: Vec<i32> = array(&value, "offsets", "int32")?;
         if offsets.iter().any(|&o| o < 0) {
-            return Err(bad_input(field, format!("`{field}.offsets` must not be negative")));
+            return Err(bad_input(
+                field,
+                format!("`{field}.offsets` must not be negative"),
+            ));
         }
         Ok(Some(TokenLists {
             offsets: offsets.into_iter().map(|o| o as u32).collect(),
             ids: array(&value, "ids", "int32")?,
-            logprobs: if with_logprobs { Some(array(&value, "logprobs", "float32")?) } else { None },
+            logprobs: if with_logprobs {
+                Some(array(&value, "logprobs", "float32")?)
+            } else {
+                None
+            },
         }))
     }
 
@@ -106,9 +126,14 @@ mod bindings {
             advantage: obj
                 .getattr("advantage")?
                 .extract::<f64>()
-                .map_err(|_| bad_input("advantage", "`advantage` must be a float".into()))? as f32,
-            policy_version: i32::try_from(int("policy_version")?)
-                .map_err(|_| bad_input("policy_version", "`policy_version` must fit in int32".into()))?,
+                .map_err(|_| bad_input("advantage", "`advantage` must be a float".into()))?
+                as f32,
+            policy_version: i32::try_from(int("policy_version")?).map_err(|_| {
+                bad_input(
+                    "policy_version",
+                    "`policy_version` must fit in int32".into(),
+                )
+            })?,
             sampler_topk: token_lists(obj, "sampler_topk", true)?,
             sampling_mask: token_lists(obj, "sampling_mask", false)?,
         };
@@ -131,7 +156,10 @@ mod bindings {
         Ok(d)
     }
 
-    fn micro_batches_to_py<'py>(py: Python<'py>, mbs: Vec<Vec<RowBatches>>) -> PyResult<Bound<'py, PyList>> {
+    fn micro_batches_to_py<'py>(
+        py: Python<'py>,
+        mbs: Vec<Vec<RowBatches>>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for mb in mbs {
             let rows = PyList::empty(py);
@@ -222,18 +250,30 @@ mod bindings {
     impl PyBatcher {
         #[new]
         fn new(num_ranks: i64, token_budget: i64) -> PyResult<Self> {
-            crate::TokenBudgetBatcher::new(num_ranks, token_budget).map(Self).map_err(err)
+            crate::TokenBudgetBatcher::new(num_ranks, token_budget)
+                .map(Self)
+                .map_err(err)
         }
 
         /// Push a record batch of the Sample schema; returns the micro-batches it closed.
-        fn push<'py>(&mut self, py: Python<'py>, batch: PyRecordBatch) -> PyResult<Bound<'py, PyList>> {
+        fn push<'py>(
+            &mut self,
+            py: Python<'py>,
+            batch: PyRecordBatch,
+        ) -> PyResult<Bound<'py, PyList>> {
             let batch = batch.into_inner();
-            let mbs = py.detach(|| arrow::decode(&batch).map(|s| self.push_all(s))).map_err(err)?;
+            let mbs = py
+                .detach(|| arrow::decode(&batch).map(|s| self.push_all(s)))
+                .map_err(err)?;
             micro_batches_to_py(py, mbs)
         }
 
         /// Push sample objects (numpy fields); returns the micro-batches they closed.
-        fn push_samples<'py>(&mut self, py: Python<'py>, samples: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        fn push_samples<'py>(
+            &mut self,
+            py: Python<'py>,
+            samples: &Bound<'py, PyAny>,
+        ) -> PyResult<Bound<'py, PyList>> {
             let samples = extract_samples(samples)?;
             let mbs = py.detach(|| self.push_all(samples));
             micro_batches_to_py(py, mbs)
@@ -241,7 +281,11 @@ mod bindings {
 
         /// End of stream: the last, possibly partial, micro-batch (a list of 0 or 1).
         fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-            let mbs = py.detach(|| self.0.finish().map(|rows| rows.iter().map(arrow::encode_row).collect()));
+            let mbs = py.detach(|| {
+                self.0
+                    .finish()
+                    .map(|rows| rows.iter().map(arrow::encode_row).collect())
+            });
             micro_batches_to_py(py, mbs.into_iter().collect())
         }
 
@@ -261,7 +305,10 @@ mod bindings {
 
     /// Encode sample objects (numpy fields) as a pyarrow RecordBatch of the Sample schema.
     #[pyfunction]
-    fn encode_samples<'py>(py: Python<'py>, samples: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn encode_samples<'py>(
+        py: Python<'py>,
+        samples: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let samples = extract_samples(samples)?;
         let b = py.detach(|| arrow::encode(&samples)).map_err(err)?;
         PyRecordBatch::new(b).into_pyarrow(py)
@@ -272,9 +319,20 @@ mod bindings {
     }
 
     fn lists_to_py<'py>(py: Python<'py>, l: Option<TokenLists>) -> PyResult<Bound<'py, PyAny>> {
-        let Some(l) = l else { return Ok(py.None().into_bound(py)) };
+        let Some(l) = l else {
+            return Ok(py.None().into_bound(py));
+        };
         let d = PyDict::new(py);
-        d.set_item("offsets", np(py, l.offsets.into_iter().map(|o| o as i32).collect::<Vec<i32>>()))?;
+        d.set_item(
+            "offsets",
+            np(
+                py,
+                l.offsets
+                    .into_iter()
+                    .map(|o| o as i32)
+                    .collect::<Vec<i32>>(),
+            ),
+        )?;
         d.set_item("ids", np(py, l.ids))?;
         d.set_item("logprobs", l.logprobs.map(|v| np(py, v)))?;
         Ok(d.into_any())
@@ -305,29 +363,48 @@ mod bindings {
 
     /// Write a Sample-schema record batch to an Arrow IPC file (validated first).
     #[pyfunction]
-    fn write_samples_ipc(py: Python<'_>, path: std::path::PathBuf, batch: PyRecordBatch) -> PyResult<()> {
+    fn write_samples_ipc(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        batch: PyRecordBatch,
+    ) -> PyResult<()> {
         let batch = batch.into_inner();
-        py.detach(|| arrow::decode(&batch).and_then(|s| arrow::write_ipc(&path, &s))).map_err(err)
+        py.detach(|| arrow::decode(&batch).and_then(|s| arrow::write_ipc(&path, &s)))
+            .map_err(err)
     }
 
     /// Read every sample of an Arrow IPC file into one pyarrow RecordBatch.
     #[pyfunction]
-    fn read_samples_ipc<'py>(py: Python<'py>, path: std::path::PathBuf) -> PyResult<Bound<'py, PyAny>> {
-        let b = py.detach(|| arrow::read_ipc(&path).and_then(|s| arrow::encode(&s))).map_err(err)?;
+    fn read_samples_ipc<'py>(
+        py: Python<'py>,
+        path: std::path::PathBuf,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let b = py
+            .detach(|| arrow::read_ipc(&path).and_then(|s| arrow::encode(&s)))
+            .map_err(err)?;
         PyRecordBatch::new(b).into_pyarrow(py)
     }
 
     /// The schema of one part of a packed row (`tokens`, `segments`, `kv`, `loss`, `samples`) as a pyarrow Schema.
     #[pyfunction]
     #[pyo3(signature = (part, with_topk=false, with_mask=false))]
-    fn row_schema<'py>(py: Python<'py>, part: &str, with_topk: bool, with_mask: bool) -> PyResult<Bound<'py, PyAny>> {
+    fn row_schema<'py>(
+        py: Python<'py>,
+        part: &str,
+        with_topk: bool,
+        with_mask: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         PySchema::new(arrow::row_schema(part, with_topk, with_mask).map_err(err)?).into_pyarrow(py)
     }
 
     /// The Sample schema as a pyarrow Schema.
     #[pyfunction]
     #[pyo3(signature = (with_topk=false, with_mask=false))]
-    fn sample_schema<'py>(py: Python<'py>, with_topk: bool, with_mask: bool) -> PyResult<Bound<'py, PyAny>> {
+    fn sample_schema<'py>(
+        py: Python<'py>,
+        with_topk: bool,
+        with_mask: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         PySchema::new(arrow::sample_schema(with_topk, with_mask)).into_pyarrow(py)
     }
 
@@ -342,7 +419,10 @@ mod bindings {
         m.add_function(wrap_pyfunction!(read_samples_ipc, m)?)?;
         m.add_function(wrap_pyfunction!(sample_schema, m)?)?;
         m.add_function(wrap_pyfunction!(row_schema, m)?)?;
-        m.add("ROW_PARTS", PyTuple::new(m.py(), arrow::ROW_PARTS.map(|(name, _)| name))?)?;
+        m.add(
+            "ROW_PARTS",
+            PyTuple::new(m.py(), arrow::ROW_PARTS.map(|(name, _)| name))?,
+        )?;
         m.add("ROW_COUNTS", PyTuple::new(m.py(), arrow::ROW_COUNTS)?)?;
         Ok(())
     }

@@ -25,7 +25,11 @@ impl TokenLists {
     }
 
     fn validate(&self, sample_id: i64, field: &'static str, num_tokens: usize) -> Result<()> {
-        let bad = |reason: String| PackError::BadTokenLists { sample_id, field, reason };
+        let bad = |reason: String| PackError::BadTokenLists {
+            sample_id,
+            field,
+            reason,
+        };
         if self.offsets.len() != num_tokens + 1 {
             return Err(bad(format!(
                 "has {} entries but the sample has {} tokens",
@@ -41,7 +45,9 @@ impl TokenLists {
         }
         if let Some(l) = &self.logprobs {
             if l.len() != self.ids.len() {
-                return Err(bad("has a different number of log-probs than token ids".into()));
+                return Err(bad(
+                    "has a different number of log-probs than token ids".into()
+                ));
             }
         }
         Ok(())
@@ -106,13 +112,25 @@ impl Sample {
             ("sampler_logprobs", self.sampler_logprobs.len()),
         ] {
             if got != n {
-                return Err(PackError::LengthMismatch { sample_id, field, expected: n, got });
+                return Err(PackError::LengthMismatch {
+                    sample_id,
+                    field,
+                    expected: n,
+                    got,
+                });
             }
         }
-        if let Some((position, &value)) =
-            self.completion_mask.iter().enumerate().find(|(_, &m)| m != 0 && m != 1)
+        if let Some((position, &value)) = self
+            .completion_mask
+            .iter()
+            .enumerate()
+            .find(|(_, &m)| m != 0 && m != 1)
         {
-            return Err(PackError::BadMask { sample_id, position, value });
+            return Err(PackError::BadMask {
+                sample_id,
+                position,
+                value,
+            });
         }
         if self.completion_mask[0] != 0 {
             return Err(PackError::FirstTokenTrained { sample_id });
@@ -150,7 +168,10 @@ mod tests {
         s.sampler_logprobs.pop();
         let err = s.validate().unwrap_err().to_string();
         assert!(err.contains("sampler_logprobs"), "{err}");
-        assert!(matches!(sample(&[], &[]).validate(), Err(PackError::EmptySample { .. })));
+        assert!(matches!(
+            sample(&[], &[]).validate(),
+            Err(PackError::EmptySample { .. })
+        ));
         assert!(matches!(
             sample(&[1, 2], &[0, 0]).validate(),
             Err(PackError::NoTrainedToken { .. })
@@ -159,15 +180,26 @@ mod tests {
             sample(&[1, 2], &[1, 1]).validate(),
             Err(PackError::FirstTokenTrained { .. })
         ));
-        assert!(matches!(sample(&[1, 2], &[0, 2]).validate(), Err(PackError::BadMask { .. })));
+        assert!(matches!(
+            sample(&[1, 2], &[0, 2]).validate(),
+            Err(PackError::BadMask { .. })
+        ));
     }
 
     #[test]
     fn token_lists_offsets_are_checked() {
         let mut s = sample(&[1, 2], &[0, 1]);
-        s.sampler_topk = Some(TokenLists { offsets: vec![0, 0, 2], ids: vec![5, 6], logprobs: Some(vec![-1.0, -2.0]) });
+        s.sampler_topk = Some(TokenLists {
+            offsets: vec![0, 0, 2],
+            ids: vec![5, 6],
+            logprobs: Some(vec![-1.0, -2.0]),
+        });
         assert!(s.validate().is_ok());
         s.sampler_topk.as_mut().unwrap().offsets = vec![0, 3, 2];
-        assert!(s.validate().unwrap_err().to_string().contains("sampler_topk"));
+        assert!(s
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("sampler_topk"));
     }
 }

@@ -155,9 +155,15 @@ impl TreeRow {
 
     fn child(&self, parent: u32, token: i32) -> Option<u32> {
         let (first, count) = if parent == NONE {
-            (self.roots.first().copied().unwrap_or(NONE), self.roots.len() as u32)
+            (
+                self.roots.first().copied().unwrap_or(NONE),
+                self.roots.len() as u32,
+            )
         } else {
-            (self.first_child[parent as usize], self.num_children[parent as usize])
+            (
+                self.first_child[parent as usize],
+                self.num_children[parent as usize],
+            )
         };
         if first == NONE {
             return None;
@@ -253,10 +259,19 @@ impl TreeRow {
         self.parent.push(parent);
         // The first child is found without hashing; siblings go to the map,
         // and the first one joins them when the second arrives.
-        let siblings = if parent == NONE { self.roots.len() } else { self.num_children[parent as usize] as usize };
+        let siblings = if parent == NONE {
+            self.roots.len()
+        } else {
+            self.num_children[parent as usize] as usize
+        };
         if siblings == 1 {
-            let first = if parent == NONE { self.roots[0] } else { self.first_child[parent as usize] };
-            self.edges.insert((parent, self.tokens[first as usize]), first);
+            let first = if parent == NONE {
+                self.roots[0]
+            } else {
+                self.first_child[parent as usize]
+            };
+            self.edges
+                .insert((parent, self.tokens[first as usize]), first);
         }
         if siblings >= 1 {
             self.edges.insert((parent, token), id);
@@ -383,7 +398,11 @@ fn lists(with_logprobs: bool) -> crate::sample::TokenLists {
 }
 
 /// Append token `t`'s entry of `src` (an empty entry when the sample has none).
-fn append_entry(dst: &mut crate::sample::TokenLists, src: Option<&crate::sample::TokenLists>, t: usize) {
+fn append_entry(
+    dst: &mut crate::sample::TokenLists,
+    src: Option<&crate::sample::TokenLists>,
+    t: usize,
+) {
     if let Some(src) = src {
         let (ids, logprobs) = src.entry(t);
         dst.ids.extend_from_slice(ids);
@@ -402,7 +421,9 @@ mod tests {
     use super::*;
 
     fn s(id: i64, group: i64, ids: &[i32], trained_from: usize) -> Sample {
-        let mask = (0..ids.len()).map(|i| i8::from(i >= trained_from)).collect();
+        let mask = (0..ids.len())
+            .map(|i| i8::from(i >= trained_from))
+            .collect();
         Sample {
             sample_id: id,
             group_id: group,
@@ -425,7 +446,10 @@ mod tests {
         assert_eq!(p.position_ids, vec![0, 1, 2, 3, 4, 3, 4, 0, 1]);
         assert_eq!(p.subtree_end, vec![7, 7, 7, 5, 5, 7, 7, 9, 9]);
         assert_eq!(p.cu_seqlens_q, vec![0, 3, 5, 7, 9]);
-        assert_eq!(p.kv_index, vec![0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8]);
+        assert_eq!(
+            p.kv_index,
+            vec![0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8]
+        );
         assert_eq!(p.cu_seqlens_k, vec![0, 3, 8, 13, 15]);
         assert_eq!(p.token_index, vec![1, 2, 3, 1, 2, 5, 7]);
         assert_eq!(p.target_id, vec![3, 4, 5, 3, 6, 7, 2]);

@@ -8,7 +8,17 @@ use proptest::prelude::*;
 /// completions collide and fork at random depths.
 fn samples_strategy() -> impl Strategy<Value = Vec<Sample>> {
     let prompts = prop::collection::vec(prop::collection::vec(0i32..4, 1..6), 1..4);
-    (prompts, prop::collection::vec((0usize..4, prop::collection::vec(0i32..3, 1..8), any::<bool>()), 1..24))
+    (
+        prompts,
+        prop::collection::vec(
+            (
+                0usize..4,
+                prop::collection::vec(0i32..3, 1..8),
+                any::<bool>(),
+            ),
+            1..24,
+        ),
+    )
         .prop_map(|(prompts, specs)| {
             specs
                 .into_iter()
@@ -16,7 +26,9 @@ fn samples_strategy() -> impl Strategy<Value = Vec<Sample>> {
                 .map(|(i, (p, completion, topk))| {
                     let prompt = &prompts[p % prompts.len()];
                     let ids: Vec<i32> = prompt.iter().chain(&completion).copied().collect();
-                    let mask = (0..ids.len()).map(|t| i8::from(t >= prompt.len())).collect();
+                    let mask = (0..ids.len())
+                        .map(|t| i8::from(t >= prompt.len()))
+                        .collect();
                     let sampler_topk = topk.then(|| TokenLists {
                         offsets: (0..=ids.len() as u32).collect(),
                         ids: ids.iter().map(|t| t + 1).collect(),
@@ -60,7 +72,10 @@ fn check_row(row: &TreeRow) -> Result<(), TestCaseError> {
                 continue;
             }
             let q = p.token_index[m] as usize;
-            let prefix: Vec<i32> = ancestors(&p.subtree_end, q).iter().map(|&j| p.input_ids[j]).collect();
+            let prefix: Vec<i32> = ancestors(&p.subtree_end, q)
+                .iter()
+                .map(|&j| p.input_ids[j])
+                .collect();
             prop_assert_eq!(&prefix[..], &s.input_ids[..t]);
             prop_assert_eq!(p.target_id[m], s.input_ids[t]);
             prop_assert_eq!(p.sampler_logprob[m], s.sampler_logprobs[t]);
@@ -73,7 +88,8 @@ fn check_row(row: &TreeRow) -> Result<(), TestCaseError> {
     // Segment key paths are exactly the ancestors of the segment's last token.
     for w in 0..p.cu_seqlens_q.len() - 1 {
         let last = p.cu_seqlens_q[w + 1] as usize - 1;
-        let keys: Vec<usize> = p.kv_index[p.cu_seqlens_k[w] as usize..p.cu_seqlens_k[w + 1] as usize]
+        let keys: Vec<usize> = p.kv_index
+            [p.cu_seqlens_k[w] as usize..p.cu_seqlens_k[w + 1] as usize]
             .iter()
             .map(|&k| k as usize)
             .collect();
@@ -153,13 +169,19 @@ fn ipc_file_round_trip() {
             input_ids: vec![1, 2, i as i32],
             completion_mask: vec![0, 1, 1],
             sampler_logprobs: vec![0.0, -0.5, -1.5],
-            sampling_mask: (i == 1).then(|| TokenLists { offsets: vec![0, 0, 2, 3], ids: vec![4, 5, 6], logprobs: None }),
+            sampling_mask: (i == 1).then(|| TokenLists {
+                offsets: vec![0, 0, 2, 3],
+                ids: vec![4, 5, 6],
+                logprobs: None,
+            }),
             ..Default::default()
         })
         .collect();
     arrow::write_ipc(&path, &samples).unwrap();
     assert_eq!(arrow::read_ipc(&path).unwrap(), samples);
-    let err = arrow::read_ipc(&dir.join("missing.arrow")).unwrap_err().to_string();
+    let err = arrow::read_ipc(&dir.join("missing.arrow"))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("missing.arrow"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
