@@ -231,11 +231,15 @@ fn lists_of<T: ArrowPrimitiveType>(batch: &RecordBatch, name: &str) -> Result<Ve
         .collect())
 }
 
+/// One sample's ragged per-token lists: offsets into the values from 0 (one more than
+/// the sample's tokens) and the flat values.
+type Ragged<N> = (Vec<u32>, Vec<N>);
+
 /// Per sample, the ragged per-token lists of a `list<list<T>>` column.
 fn nested<T: ArrowPrimitiveType>(
     c: &ArrayRef,
     name: &str,
-) -> Result<Vec<Option<(Vec<u32>, Vec<T::Native>)>>> {
+) -> Result<Vec<Option<Ragged<T::Native>>>> {
     let wrong = || {
         schema_err(
             name,
