@@ -216,7 +216,7 @@ def trainer_logprobs(args, seqs: list[Sequence], sampling: dict) -> dict:
             rows, terms, _ = trainer.collect_step()
             if not rows:
                 break
-            tensors = [trainer._tensors(r) for r in rows]  # noqa: SLF001 - the trainer's own row building
+            tensors = [trainer._tensors(r) for r in rows]
             if args.stale_masks and trainer.flex is not None:  # the order before the fix: every mask up front
                 for rt in tensors:
                     rt.tree_mask = trainer.flex.build(rt.tree_mask.subtree_end, rt.tree_mask.length)

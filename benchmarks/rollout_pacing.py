@@ -72,10 +72,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # quiet
         pass
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         self._answer(404, b"")  # no /metrics: the concurrency cap stays at its ceiling
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv = self.server
         length = random.Random(body["seed"]).randint(min(srv.min_tokens, body["max_tokens"]), body["max_tokens"])

@@ -278,8 +278,8 @@ def print_table(results: list[dict], columns: list[tuple[str, str, str]]) -> Non
 
 def main() -> None:
     """CLI."""
-    from trainer_ranks import add_ranks_args, ranks  # noqa: PLC0415 - sibling module of this script
-    from trainer_sweep import add_sweep_args, sweep  # noqa: PLC0415
+    from trainer_ranks import add_ranks_args, ranks
+    from trainer_sweep import add_sweep_args, sweep
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)

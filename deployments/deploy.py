@@ -75,7 +75,8 @@ def register_servers(deployment: str | None, pool: str, env: dict[str, str]) -> 
     ``grpo-servers/gpu``) on work pool ``pool``; returns its id."""
     from prefect import flow
 
-    from flows.grpo_servers import DEFAULT_DEPLOYMENT, ENTRYPOINT as SERVERS_ENTRYPOINT, FLOW_NAME
+    from flows.grpo_servers import DEFAULT_DEPLOYMENT, FLOW_NAME
+    from flows.grpo_servers import ENTRYPOINT as SERVERS_ENTRYPOINT
 
     flow_name, _, name = (deployment or "").partition("/")
     name = name if flow_name == FLOW_NAME else DEFAULT_DEPLOYMENT
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ids = register(args.config, args.cron, args.pool, args.set)
     print(
-        f"registered grpo-train/{DEMO} ({ids[0]}), grpo-train/{NIGHTLY} ({ids[1]}) and the servers' "  # noqa: T201
+        f"registered grpo-train/{DEMO} ({ids[0]}), grpo-train/{NIGHTLY} ({ids[1]}) and the servers' "
         f"deployment ({ids[2]})"
     )
     return 0

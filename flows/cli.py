@@ -301,7 +301,7 @@ def train(
     config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")],
     set_: SetOption = [],
     retries: RetriesOption = None,
-) -> None:  # noqa: B006 - typer reads the default
+) -> None:
     """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary; the code the
     file names (reward functions, dataset, loop class, ...) joins the allow-list of this run. The config is
     checked first, as ``grpo validate`` does."""
@@ -311,7 +311,7 @@ def train(
 @app.command()
 def validate(
     config: Annotated[Path, typer.Option(help="run config (YAML, JSON or TOML)")], set_: SetOption = []
-) -> None:  # noqa: B006 - typer reads the default, never mutates it
+) -> None:
     """Run every check of the flow's ``prepare`` task (config, model, dataset columns, reward functions,
     tools, export options, the ``resume_from`` run) without starting a server, a process or an MLflow run, and
     without creating the run folder or the MLflow store (only that the run could create them is checked)."""
@@ -335,7 +335,7 @@ def config_schema() -> None:
 @config_app.command("show")
 def config_show(
     config: Annotated[Path | None, typer.Option(help="run config (YAML, JSON or TOML)")] = None, set_: SetOption = []
-) -> None:  # noqa: B006 - typer reads the default, never mutates it
+) -> None:
     """Print the resolved run config (file + overrides + defaults) as JSON."""
     typer.echo(_load(config, set_).model_dump_json(indent=1))
 
@@ -346,7 +346,7 @@ def resume(
     config: Annotated[Path | None, typer.Option(help="run config; default: the run's own")] = None,
     set_: SetOption = [],
     retries: RetriesOption = None,
-) -> None:  # noqa: B006 - typer reads the default
+) -> None:
     """Start a new run from the latest checkpoint of an MLflow run (resume_from=RUN_ID). The run's own config
     (fetched from MLflow) is checked like a run parameter: the code it names must be in GRPO_ALLOWED_MODULES;
     a --config file of yours joins the allow-list."""

@@ -76,7 +76,7 @@ class ServerRequestError(ServingError, ValueError):
         self.error_type = error_type
 
     @classmethod
-    def from_response(cls, url: str, status: int, body: str) -> "ServerRequestError":
+    def from_response(cls, url: str, status: int, body: str) -> ServerRequestError:
         """Build from an error answer; reads vLLM's ``{"error": {"message", "type", ...}}`` body."""
         import json
 

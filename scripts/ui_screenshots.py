@@ -79,7 +79,7 @@ def _shoot(
     page.wait_for_timeout(settle_ms)
     page.screenshot(path=str(out))
     _shrink(out)
-    print(f"wrote {out} ({out.stat().st_size // 1024} KiB)")  # noqa: T201 - script output
+    print(f"wrote {out} ({out.stat().st_size // 1024} KiB)")
 
 
 LOADING = "[class*='skeleton' i], [class*='spinner' i], [class*='loading' i], [aria-busy='true'], [role='progressbar']"
@@ -173,7 +173,7 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.reuse or Path(tempfile.mkdtemp(prefix="grpo-shots-"))
-    print(f"runs, stores and Prefect home in {tmp} (--reuse {tmp} screenshots them again)")  # noqa: T201
+    print(f"runs, stores and Prefect home in {tmp} (--reuse {tmp} screenshots them again)")
     model = "grpo-tiny"
     overrides = [
         f"train.output_dir={tmp / 'runs'}",

@@ -13,17 +13,17 @@ os.environ["GRPO_ALLOWED_MODULES"] = ",".join(
     filter(None, [os.environ.get("GRPO_ALLOWED_MODULES"), "rollout_helpers", "flow_helpers"])
 )
 
-import flow_helpers  # noqa: E402 - after the environment above
-from flow_helpers import api, stack, stack_tmp  # noqa: E402, F401 - the session's shared Prefect stack (fixtures)
+import flow_helpers
+from flow_helpers import api, stack, stack_tmp  # noqa: F401 - the session's shared Prefect stack (fixtures)
 
 SHARED_STACK = "stack"
 
 
-def _uses_stack(item) -> bool:  # noqa: ANN001 - a pytest Item
+def _uses_stack(item) -> bool:
     return SHARED_STACK in getattr(item, "fixturenames", ())
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001, ARG001
+def pytest_collection_modifyitems(session, config, items) -> None:
     """The tests of the shared Prefect stack (``flow_helpers.stack``) run one after another, from where the first
     of them was collected: the stack starts once and is stopped after the last of them (below), instead of idling
     while other files run."""
@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN0
         items[:] = rest[:first] + users + rest[first:]
 
 
-def pytest_runtest_teardown(item, nextitem) -> None:  # noqa: ANN001
+def pytest_runtest_teardown(item, nextitem) -> None:
     """Stop the shared stack once the last test that uses it is done (its processes use the 2 cores otherwise)."""
     if _uses_stack(item) and (nextitem is None or not _uses_stack(nextitem)):
         flow_helpers.stop_shared_stack()

@@ -33,7 +33,7 @@ def stack_tmp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(stack_tmp):  # noqa: ANN201 - flows.serve.PrefectStack
+def stack(stack_tmp):
     """The session's Prefect stack: pools ``grpo-process`` (train runs) and ``grpo-gpu`` (servers' runs), each with
     a worker polling every second, one ``gpu`` slot, the deployments registered from configs/tiny.yaml with
     ``tiny_overrides(stack_tmp)`` and 2 steps. Tests change a run's parameters with ``with_changes``, never the
@@ -187,7 +187,7 @@ def infinite_reward(completion_ids, **_):
     return [float("inf")] * len(completion_ids)
 
 
-def mlflow_run(tracking_dir: Path, flow_run_id: str, experiment: str = "grpo-tiny"):  # noqa: ANN201
+def mlflow_run(tracking_dir: Path, flow_run_id: str, experiment: str = "grpo-tiny"):
     """``(MlflowClient, MLflow run id)`` of a flow run, found by its ``grpo.flow_run_id`` tag in the SQLite store
     under ``tracking_dir`` (``tracking.dir``). Raises AssertionError when no MLflow run has the tag."""
     from grpo_core import tracking
@@ -214,7 +214,7 @@ TRAINER_STEP_METRICS = (
 )
 
 
-def assert_mlflow_steps_once(mc, run_id: str, metrics_file: Path, max_steps: int) -> int:  # noqa: ANN001
+def assert_mlflow_steps_once(mc, run_id: str, metrics_file: Path, max_steps: int) -> int:
     """Read back from the MLflow store, each training metric of the run's ``metrics.jsonl`` has each step at most
     once, within ``1..max_steps``, and the trainer's own (:data:`TRAINER_STEP_METRICS`) have exactly steps
     ``1..max_steps``: none twice, none missing. A step a killed attempt logged and the resumed one trained again

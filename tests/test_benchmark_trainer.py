@@ -7,11 +7,10 @@ import subprocess
 import sys
 
 import numpy as np
-
 from trainer_helpers import ROOT
 
 sys.path.append(str(ROOT / "benchmarks"))  # last: its module names (trainer, rollout, ...) shadow nothing
-from trainer_sweep import tree_flop_ceiling  # noqa: E402
+from trainer_sweep import tree_flop_ceiling
 
 
 def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):

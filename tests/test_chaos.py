@@ -29,7 +29,6 @@ from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_
 
 from grpo_core.durable import read_jsonl
 
-
 # --- the whole flow: trainer, rollout process and generation server, each SIGKILLed ---------------------------
 
 FLOW_STEPS, FLOW_SAVE_STEPS, FLOW_RANKS = 6, 2, 2
@@ -62,7 +61,7 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     from grpo_core.train.checkpoint import latest_checkpoint
 
     seed = int(os.environ.get("GRPO_CHAOS_SEED", random.randrange(2**31)))
-    print(f"chaos seed {seed} (GRPO_CHAOS_SEED={seed} replays it)")  # noqa: T201 - shown by pytest on failure
+    print(f"chaos seed {seed} (GRPO_CHAOS_SEED={seed} replays it)")
     rng = random.Random(seed)
     plan = rng.sample(list(ROLES), len(ROLES))
     runs, log = tmp_path / "runs", tmp_path / "flow.log"
@@ -116,7 +115,7 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
                 # after a checkpoint (resumes then start mid-run), before the last step (the run must not end first)
                 target = min(max(resumed + rng.randint(1, 3), FLOW_SAVE_STEPS + 1), FLOW_STEPS - 1)
                 moment = lambda t=target: (
-                    f"after step {t}"  # noqa: E731
+                    f"after step {t}"
                     if _last_step(run_dir / "metrics.jsonl", since) >= t
                     else ""
                 )
@@ -150,7 +149,7 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     checked = assert_mlflow_steps_once(mc, run_id, run_dir / "metrics.jsonl", FLOW_STEPS)
     assert mc.get_run(run_id).info.status == "FINISHED"
     print(
-        f"chaos seed {seed}: {len(kills)} kills: {'; '.join(kills)}; resumes from steps {resumes}; "  # noqa: T201
+        f"chaos seed {seed}: {len(kills)} kills: {'; '.join(kills)}; resumes from steps {resumes}; "
         f"{FLOW_STEPS} steps, "
         f"{len(trained)} prompts trained, duplicates 0, skipped 0; MLflow: {checked} metrics, each step once"
     )
@@ -192,7 +191,7 @@ def _last_step(metrics: Path, since: float) -> int:
     return records[-1]["step"] if records else 0
 
 
-def _wait_for(moment, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> str:  # noqa: ANN001
+def _wait_for(moment, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> str:
     """Poll ``moment()`` until it says what it saw; returns that."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -219,7 +218,7 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
     from grpo_core.rollout.process import start_rollout_process
 
     seed = int(os.environ.get("GRPO_CHAOS_SEED", random.randrange(2**31)))
-    print(f"chaos seed {seed} (GRPO_CHAOS_SEED={seed} replays it)")  # noqa: T201 - shown by pytest on failure
+    print(f"chaos seed {seed} (GRPO_CHAOS_SEED={seed} replays it)")
     rng = random.Random(seed)
     out, port = tmp_path / "out", free_port()
     cfg = load_config(
@@ -282,7 +281,7 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
     resynced = "replicas behind it" in trainer_log
     assert refused or not resynced, "the trainer synced again for a replica behind it, but none refused a version"
     print(
-        f"chaos seed {seed}: server {victims[0].pid} killed {when}, back after {pause_s:.1f} s; "  # noqa: T201
+        f"chaos seed {seed}: server {victims[0].pid} killed {when}, back after {pause_s:.1f} s; "
         f"{FLOW_STEPS} steps, {len(trained)} prompts trained, {retries:.0f} request retries, {updates} "
         f"weight-update retries, base-weight server refused a later version and was synced again: {refused}, "
         "duplicates 0, skipped 0"

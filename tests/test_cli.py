@@ -136,8 +136,9 @@ def test_validate_finds_the_resume_from_run_without_touching_the_store(tmp_path)
 
 @pytest.mark.parametrize("folder", ["runs?x/mlflow", "runs%20x/mlflow"])
 def test_a_tracking_dir_the_sqlite_url_cannot_carry_is_refused(folder, tmp_path):
-    from grpo_core.config import RunConfig
     from pydantic import ValidationError
+
+    from grpo_core.config import RunConfig
 
     with pytest.raises(ValidationError, match=r"tracking.dir: .* holds a '\?' or '%'"):
         RunConfig.model_validate({"tracking": {"dir": str(tmp_path / folder)}})

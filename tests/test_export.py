@@ -10,11 +10,11 @@ import sys
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from trainer_helpers import ROOT, read_jsonl, trainer_config, write_samples
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_core.config import ModelConfig
 from grpo_core.models import resolve_model_dir
-from trainer_helpers import ROOT, read_jsonl, trainer_config, write_samples
 
 
 def test_two_rank_run_exports_the_trained_weights_sharded(tmp_path):

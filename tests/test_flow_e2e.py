@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from flow_helpers import CRON, ROOT, Api, assert_mlflow_steps_once, mlflow_run, with_changes
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree
 
@@ -312,7 +311,7 @@ def test_a_run_says_it_waits_for_the_gpu_limit_exactly_when_the_server_refuses_i
             text=True,
         )
 
-    def result(process: subprocess.Popen):  # noqa: ANN202 - the probe's JSON
+    def result(process: subprocess.Popen):
         out, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-3000:]
         return json.loads(out.strip().splitlines()[-1])

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from grpo_core.packing import Sample, TokenLists, get_packer
 from grpo_core.train.attention import TREE_ATTENTION, TreeMask, register_tree_attention
-from grpo_core.train.policy import row_logprobs
 from grpo_core.train.loss import LossSettings, grpo_loss
+from grpo_core.train.policy import row_logprobs
 
 VOCAB, K = 53, 4
 

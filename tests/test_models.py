@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_helpers import FakeHub
 from safetensors import safe_open
 
 from grpo_core.config import ModelConfig
 from grpo_core.errors import ConfigError
 from grpo_core.models import load_model, load_tokenizer, registry_names, resolve_model_dir, smollm2_gguf_path
-
-from hub_helpers import FakeHub
 
 
 def test_registry_names():

@@ -74,7 +74,7 @@ def hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def in_namespace(ns: str, fn):  # noqa: ANN001, ANN201 - runs fn() on a thread that joined ns's network
+def in_namespace(ns: str, fn):
     """``fn()`` from inside network namespace ``ns`` (a thread that ``setns``-ed into it; this process stays)."""
     out: dict = {}
 

@@ -16,11 +16,11 @@ import subprocess
 import time
 
 import pytest
+from trainer_helpers import kill_all, process_tree, torchrun, trainer_config, write_samples
 
 from grpo_core.durable import JsonlAppender, read_jsonl
 from grpo_core.run_lock import RunLock
 from grpo_core.train.checkpoint import truncate_step_logs
-from trainer_helpers import kill_all, process_tree, torchrun, trainer_config, write_samples
 
 NUM_PROMPTS = 40
 RUN = {"max_steps": 8, "save_steps": 2, "save_total_limit": 2}

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rollout_helpers as h
-import yaml
 import torch
+import yaml
 from serving_helpers import TINY, adapter_dir, embedded_server, generated_tokens, holds_version, run
 
 from grpo_core.config import RunConfig
@@ -165,13 +165,12 @@ def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_
 
 def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp_path):
     config = _config(max_failed_groups=2, **rows(6), reward_functions=["rollout_helpers:raising_reward"])
-    with rollout(server, tmp_path, config) as source:
-        with pytest.raises(
-            TransportError,
-            match=r"3 groups failed in user code, more than rollout.max_failed_groups"
-            r"=2; the last: reward function 'raising_reward' raised RuntimeError",
-        ):
-            drain(source)
+    with rollout(server, tmp_path, config) as source, pytest.raises(
+        TransportError,
+        match=r"3 groups failed in user code, more than rollout.max_failed_groups"
+        r"=2; the last: reward function 'raising_reward' raised RuntimeError",
+    ):
+        drain(source)
     assert "raising_reward" in (tmp_path / "rollout_error.txt").read_text()
 
 

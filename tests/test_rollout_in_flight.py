@@ -55,12 +55,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # quiet
         pass
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         self.send_response(404)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv = self.server
         with srv.lock:

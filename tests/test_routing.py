@@ -18,12 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_helpers import TINY, generated_tokens as generated, run
+from serving_helpers import TINY, run
+from serving_helpers import generated_tokens as generated
 
 from grpo_core.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.config import ModelConfig, RunConfig
-from grpo_core.metrics import MetricWindow
 from grpo_core.errors import ServerRequestError
+from grpo_core.metrics import MetricWindow
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.routing import HIT, SPILL, UNMATCHED, ControlFanOutError, ReplicaSet, RoutingPolicy
 from grpo_core.serving.vllm import ServerHandle, embedded_command, launch, teardown, wait_healthy

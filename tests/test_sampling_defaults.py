@@ -43,7 +43,7 @@ def test_every_request_carries_every_sampling_field():
     bodies: list[dict] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
             data = json.dumps({"choices": [{"index": 0, "token_ids": [1], "finish_reason": "stop"}]}).encode()
             self.send_response(200)

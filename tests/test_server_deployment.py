@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
-
 from flow_helpers import ROOT, SERVERS_POOL, Api, tiny_overrides, with_changes
+
 from grpo_core.config import RunConfig
 
 EMBEDDED = "grpo_core.serving.embedded"
@@ -32,7 +32,6 @@ def test_deployment_name_and_urls_are_checked_at_load():
 
 def _embedded_under(pid: int) -> list:
     import psutil
-
     from trainer_helpers import process_tree
 
     out = []

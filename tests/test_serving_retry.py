@@ -22,7 +22,7 @@ def test_backoff_delay_is_uniform_below_the_exponential_bound():
     rng = random.Random(0)
     for attempt, bound in ((0, 0.5), (2, 2.0), (6, 8.0)):  # 0.5 * 2**6 = 32 is capped at 8
         draws = [backoff_delay(attempt, 0.5, 8.0, rng) for _ in range(4000)]
-        assert 0.0 <= min(draws) and max(draws) <= bound
+        assert min(draws) >= 0.0 and max(draws) <= bound
         # Uniform on [0, bound]: mean bound/2, standard deviation bound/sqrt(12).
         assert statistics.fmean(draws) == pytest.approx(bound / 2, rel=0.05)
         assert statistics.pstdev(draws) == pytest.approx(bound / 12**0.5, rel=0.05)
@@ -31,7 +31,7 @@ def test_backoff_delay_is_uniform_below_the_exponential_bound():
 class _Unavailable(BaseHTTPRequestHandler):
     arrivals: list[tuple[str, float]] = []
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         self.arrivals.append((self.headers.get("x-client", ""), time.monotonic()))
         self.send_response(503)
         self.send_header("content-length", "0")
@@ -95,10 +95,10 @@ class _DropsFirstCompletion(_JsonHandler):
 
     completions = 0
 
-    def do_GET(self):  # noqa: N802 - http.server's name
+    def do_GET(self):
         self._answer(200, b"{}")
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self.rfile.read(int(self.headers["content-length"]))
         type(self).completions += 1
         if type(self).completions == 1:
@@ -152,7 +152,7 @@ class _Generation(_JsonHandler):
     holding = peak = 0
     lock = threading.Lock()
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):
         self.rfile.read(int(self.headers["content-length"]))
         cls = type(self)
         with cls.lock:

@@ -279,7 +279,7 @@ def test_save_total_limit_keeps_a_checkpoint_until_its_upload_is_done_and_the_ta
     uploaded = {2: threading.Event(), 4: threading.Event()}
     real_upload = tracking.log_checkpoint
 
-    def slow_upload(tc, rid, path):  # noqa: ANN001
+    def slow_upload(tc, rid, path):
         step = int(Path(path).name[5:])
         started[step].set()
         assert release[step].wait(120), "the test never released the upload"

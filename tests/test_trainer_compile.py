@@ -5,9 +5,9 @@ first step and again after a resume (no step compiles anything), and the FSDP2 s
 import subprocess
 
 import pytest
+from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
 
 from grpo_core.train.rows import bucket_length, length_buckets
-from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
 
 
 def run(tmp_path, nproc, **train):

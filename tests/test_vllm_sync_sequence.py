@@ -184,7 +184,7 @@ def tiny_policy() -> torch.nn.Module:
     return policy
 
 
-def per_sync(update: bool = True, first: bool = False) -> list[tuple[str, dict]]:  # noqa: ARG001 - kept for callers
+def per_sync(update: bool = True, first: bool = False) -> list[tuple[str, dict]]:
     """One sync's requests to a replica; a replica that took the update has its fence lowered (whoever raised it:
     this trainer, an earlier one, the servers' flow that started it again with the base weights)."""
     steps = [("/pause", {"mode": ["keep"]}), ("/start_weight_update", {})]
@@ -363,6 +363,23 @@ def test_failed_pause_resumes_the_replicas_paused_and_names_the_refusing_one(mon
     assert pauses >= 2, "a refused pause is retried (server.control_retry_s) before the fan-out fails"
     assert refusing.paths()[-4:] == [("/pause", {"mode": ["keep"]})] + CLEANUP
     assert not any(p in ("/update_weights", "/grpo/stale") for p, _ in first.paths() + refusing.paths())
+
+
+@pytest.mark.parametrize("status", [401, 404])
+def test_a_final_refusal_of_the_pause_ends_the_fan_out_at_once(monkeypatch, servers, status):
+    """The full-weight sync asks the one retry policy of control calls (``routing.control_verdict``): a 401 (wrong
+    token) or 404 (a route the server lacks) is not retried for server.control_timeout_s, as for LoRA."""
+    from grpo_core.serving.routing import ControlFanOutError
+
+    stub_vllm(monkeypatch, [])
+    first, refusing = servers(), servers(fail={"/pause": status})
+    sync = VllmWeightTransferSync(
+        [first.url, refusing.url], "ipc", api_key=TOKEN, control_retry_s=0.05, control_timeout_s=30.0
+    )
+    with pytest.raises(ControlFanOutError, match=rf"answered {status}.*not retried: a {status} does not change"):
+        sync.sync(tiny_policy(), 1, rank=0)
+    assert [p for p, _ in refusing.paths()].count("/pause") == 1, "a final refusal is asked once"
+    assert not any(p == "/update_weights" for p, _ in first.paths() + refusing.paths())
 
 
 def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch, servers):

@@ -7,13 +7,13 @@ import subprocess
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from serving_helpers import embedded_server, run
+from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
 from transformers import AutoModelForCausalLM
 
 from grpo_core.config import ModelConfig
 from grpo_core.models import resolve_model_dir
 from grpo_core.serving.client import GenerationClient
-from serving_helpers import embedded_server, run
-from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
 
 PROMPT = [1, 504, 2682, 314, 3060, 28, 198]
 

@@ -262,7 +262,7 @@ def load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeStat
     """
     try:
         return _load(path, model, optimizer, scheduler, rank)
-    except Exception as exc:  # noqa: BLE001 - any failure here means this checkpoint cannot be resumed from
+    except Exception as exc:
         if rank == 0 and path.is_dir():
             path.rename(path.with_name(path.name + ".bad"))
             fsync_dir(path.parent)
