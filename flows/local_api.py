@@ -221,7 +221,7 @@ def _owned_server() -> Any:
     flow engine, which asks for ``SubprocessASGIServer()`` itself, finds this one; a plain one made earlier in
     this process and never started is replaced, a started one is kept (with a warning: a Ctrl-C reaches it)."""
     owned = _owned_server_class()
-    instances = owned._instances
+    instances = owned._instances  # noqa: SLF001 - Prefect's registry of servers by port (see above)
     plain = instances.get(None)
     if plain is not None and not isinstance(plain, owned):
         if plain.server_process is None and not plain.running:

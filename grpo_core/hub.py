@@ -51,7 +51,7 @@ def check_push(cfg: RunConfig) -> None:
         )
 
 
-def _base_model(cfg: RunConfig, model_dir: Path) -> str | None:
+def _base_model(cfg: RunConfig) -> str | None:
     """The base model's Hub id for the card metadata: ``model.name`` when it is not a local folder."""
     name = cfg.model.name
     return None if Path(name).expanduser().exists() else name
@@ -78,7 +78,7 @@ def write_model_card(
     """
     from huggingface_hub import ModelCard, ModelCardData
 
-    base = _base_model(cfg, model_dir)
+    base = _base_model(cfg)
     dataset = cfg.rollout.dataset
     data = ModelCardData(
         base_model=base,

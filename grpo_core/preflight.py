@@ -107,7 +107,7 @@ def check_sqlite(path: Path, what: str, create: bool = True) -> None:
 def sqlite_path(url: str) -> Path | None:
     """The file of a SQLAlchemy SQLite URL (``sqlite:///x.db``, ``sqlite+aiosqlite:////abs.db``); None otherwise."""
     scheme, sep, rest = url.partition("://")
-    if not sep or not scheme.split("+")[0] == "sqlite" or not rest.startswith("/"):
+    if not sep or scheme.split("+")[0] != "sqlite" or not rest.startswith("/"):
         return None
     file = rest[1:].split("?")[0]
     return Path(file) if file and file != ":memory:" else None

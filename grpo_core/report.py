@@ -96,7 +96,10 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
     trained = sum(r.get("batch/trained_tokens_per_step", 0.0) for r in records)
     forwarded = sum(r.get("batch/forwarded_tokens_per_step", 0.0) for r in records)
     generated = _mean([r["rollout/generated_tokens_per_s"] for r in records if "rollout/generated_tokens_per_s" in r])
-    rate = lambda n: n / seconds if seconds else float("nan")
+
+    def rate(n: float) -> float:
+        return n / seconds if seconds else float("nan")
+
     end = read_train_end(Path(metrics_path).parent) or {}
     return {
         "steps": float(end.get("steps", records[-1]["step"] if records else 0.0)),

@@ -176,7 +176,7 @@ class TreeRow:
         for root in self.roots.values():
             visit(root, [])
         extra = self._loss_terms(cols, position)
-        for i, s in enumerate(self.samples):
+        for s in self.samples:
             for name, value in (
                 ("sample_id", s.sample_id),
                 ("group_id", s.group_id),

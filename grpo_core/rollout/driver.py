@@ -141,7 +141,7 @@ async def poll_concurrency(loop: RolloutLoop, first: bool = False) -> None:
         window.add("rollout/vllm_queued_requests", waiting)
         preemptions = sum(s.num_preemptions for s in snaps)
         window.add("rollout/vllm_preemption_count", max(preemptions - getattr(loop, "_preemptions", 0.0), 0.0))
-        loop._preemptions = preemptions
+        loop._preemptions = preemptions  # noqa: SLF001 - the driver's own mark on the loop
     window.add("rollout/concurrency_cap", cap.cap)
     window.add("rollout/concurrency", cap.in_flight)
     window.add("rollout/timed_out_calls_running_max", running_after_timeout())  # blocked in C past their limit

@@ -142,11 +142,16 @@ class RolloutLoop:
     async def close(self) -> None:
         """Release what ``setup`` created; runs when the loop stops, failures included."""
 
-    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:
+    def filter_prompt(self, row_index: int, row: dict[str, Any], epoch: int) -> bool:  # noqa: ARG002 - a hook
         """Whether to generate for a prompt; a rejected prompt counts as consumed for the epoch."""
         return True
 
-    async def generate_one(self, prompt: list[dict[str, Any]], tools: list[Any], group_id: int = 0) -> Rollout:
+    async def generate_one(
+        self,
+        prompt: list[dict[str, Any]],
+        tools: list[Any],
+        group_id: int = 0,  # noqa: ARG002 - a hook's argument, for subclasses
+    ) -> Rollout:
         """One rollout: render with the chat template, sample, run tool calls, repeat.
 
         Stops when a reply calls no tool, hits ``max_completion_length``, the context is
@@ -222,12 +227,13 @@ class RolloutLoop:
             model = self.served_model(sampled_version)
             prompt = list(prompt_ids) + ids
 
-            def send(first: int, n: int, seed: int = seed) -> Any:
+            # awaited within this iteration, so the loop variables it reads are this iteration's (B023)
+            def send(first: int, n: int, seed: int = seed) -> Any:  # noqa: ARG001 - the coalescer's call
                 return server.complete(
-                    prompt,
-                    affinity_key=(group_id, sampled_version),
-                    model=model,
-                    max_tokens=budget - len(ids),
+                    prompt,  # noqa: B023
+                    affinity_key=(group_id, sampled_version),  # noqa: B023
+                    model=model,  # noqa: B023
+                    max_tokens=budget - len(ids),  # noqa: B023
                     n=n,
                     temperature=cfg.temperature,
                     top_p=cfg.top_p,
@@ -236,7 +242,7 @@ class RolloutLoop:
                     seed=seed,
                     num_logprobs=cfg.num_sampler_logprobs,
                     # full weights: a replica holding no weights of this version refuses
-                    policy_version=None if self.runtime.lora_name else sampled_version,
+                    policy_version=None if self.runtime.lora_name else sampled_version,  # noqa: B023
                 )
 
             try:
@@ -244,7 +250,7 @@ class RolloutLoop:
                     base = group_seed_base(cfg.seed, group_id)
                     key = (group_id, sampled_version, model, budget, tuple(prompt))
                     out = await self.coalescer.complete(
-                        key, rollout, lambda first, n: send(first, n, seed=base + first)
+                        key, rollout, lambda first, n, base=base: send(first, n, seed=base + first)
                     )
                 else:
                     (out,) = await send(rollout, 1)

@@ -110,6 +110,7 @@ class TokenAllowance:
             return needed <= self.limit or (self.queued_tokens == 0 and self.in_flight_groups == 0)
 
     def group_started(self) -> None:
+        """Count a group whose rollouts started."""
         with self._lock:
             self.in_flight_groups += 1
 
@@ -161,6 +162,7 @@ class ConcurrencyCap:
             self._cond.notify_all()
 
     async def set_cap(self, cap: int) -> None:
+        """Set the number of concurrent rollouts (clamped to ``[1, ceiling]``); waiters are woken."""
         async with self._cond:
             self.cap = max(1, min(int(cap), self.ceiling))
             self._cond.notify_all()

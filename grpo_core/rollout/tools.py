@@ -281,6 +281,7 @@ class EnvironmentPool:
         return free.pop() if free else self.factories[name]()
 
     def give_back(self, name: str, env: object) -> None:
+        """Return an instance ``take`` gave out, for the next rollout."""
         self._free[name].append(env)
 
 

@@ -263,7 +263,9 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/pause")
     async def pause(
-        mode: PauseMode = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True
+        mode: PauseMode = "abort",
+        wait_for_inflight_requests: bool = False,
+        clear_cache: bool = True,  # noqa: ARG001 - vLLM's query parameter, accepted and ignored
     ) -> dict[str, str]:
         # vLLM 0.25.1's query parameters: no mode aborts every in-flight request (finish_reason "abort");
         # the deprecated wait_for_inflight_requests means mode=wait; clear_cache has no cache to clear here.
@@ -316,7 +318,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:  # noqa: ARG001 - vLLM's
         # No prefix cache is shared between sequences here; each keeps its own KV (computed by the weights
         # that were current when its tokens were decoded, as vLLM's kept requests without a reset).
         return Response(status_code=200)
@@ -354,7 +356,7 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:] if isinstance(p, str)) or None
         message = f"{first.get('msg', 'invalid request')} (parameter={param or 'body'}, value={first.get('input')!r})"
@@ -365,11 +367,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(message, 400, param=param)
 
     @app.exception_handler(AdapterError)
-    async def adapter_error(request: Request, exc: AdapterError) -> JSONResponse:
+    async def adapter_error(_request: Request, exc: AdapterError) -> JSONResponse:
         return error_response(str(exc), exc.status, param="lora_name")
 
     @app.exception_handler(ServingError)
-    async def serving_error(request: Request, exc: ServingError) -> JSONResponse:
+    async def serving_error(_request: Request, exc: ServingError) -> JSONResponse:
         return error_response(str(exc), 400)
 
     @app.exception_handler(Exception)

@@ -159,6 +159,7 @@ class RunGuardMiddleware:
         self._expiry: asyncio.Task | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        """The ASGI entry: fence, pause and path checks around the wrapped app."""
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
@@ -206,7 +207,7 @@ class RunGuardMiddleware:
             await self._fenced(scope, receive, send)
             return
         if scope["type"] == "http" and scope.get("method") == "POST":
-            receive = await self._check_paths(path, scope, receive, send)
+            receive = await self._check_paths(path, receive, send)
             if receive is None:
                 return
             if path in PAUSE_PATHS or path == RESUME_PATH:
@@ -288,7 +289,7 @@ class RunGuardMiddleware:
 
         await self.app(scope, receive, fenced_send)
 
-    async def _check_paths(self, path: str, scope: dict, receive: Any, send: Any) -> Any:
+    async def _check_paths(self, path: str, receive: Any, send: Any) -> Any:
         """The request's ``receive`` (replaying the body read here), or None after a 403 answer."""
         if path not in ("/v1/load_lora_adapter", "/update_weights"):
             return receive

@@ -161,7 +161,7 @@ class FlexTreeMasks:
         if length not in self._buffers:
             buf = torch.zeros(length, dtype=torch.int32, device=self.device)
 
-            def mask_mod(b, h, q_idx, kv_idx):
+            def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:  # noqa: ARG001 - flex_attention's
                 return (kv_idx <= q_idx) & (q_idx < buf[kv_idx])
 
             self._buffers[length] = (buf, mask_mod)
@@ -182,11 +182,11 @@ def _compiled_flex_attention():
 
 
 def tree_attention(
-    module: torch.nn.Module,
+    module: torch.nn.Module,  # noqa: ARG001 - transformers' attention-function signature
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | None,
+    attention_mask: Tensor | None,  # noqa: ARG001 - the tree mask replaces it
     dropout: float = 0.0,
     scaling: float | None = None,
     tree_mask: TreeMask | None = None,

@@ -262,9 +262,9 @@ def _kernel(fn: Callable, compiled: bool) -> Callable:
     def call(*args):
         for a in args:
             if isinstance(a, Tensor) and a.dim() >= 1:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+                torch._dynamo.maybe_mark_dynamic(a, 0)  # noqa: SLF001 - torch's public API lives there
                 if a.dim() == 2 and a.dtype == torch.int64:
-                    torch._dynamo.maybe_mark_dynamic(a, 1)
+                    torch._dynamo.maybe_mark_dynamic(a, 1)  # noqa: SLF001
         return compiled_fn(*args)
 
     return call

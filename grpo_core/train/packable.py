@@ -75,7 +75,7 @@ def check_packable(model: nn.Module, model_name: str, max_len: int) -> None:
             raise _refuse(model_name, f"attention sinks ({cls} at {name or 'the root'})")
         if cls in SUPPORTED_RECURRENT:
             supported += 1
-        elif _RECURRENT_CLASS.search(cls) and not isinstance(module, nn.modules.conv._ConvNd):
+        elif _RECURRENT_CLASS.search(cls) and not isinstance(module, nn.modules.conv._ConvNd):  # noqa: SLF001
             raise _refuse(model_name, f"recurrent layers of type {cls} (at {name or 'the root'})")
     linear = layer_types.count("linear_attention")
     if linear != supported or (getattr(model, "_is_stateful", False) and not supported):

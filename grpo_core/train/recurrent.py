@@ -292,5 +292,5 @@ def install_tree_recurrence(model: nn.Module) -> int:
             return tree_gated_delta_net(_module, hidden_states, tree_mask)
 
         module.forward = forward
-        module._grpo_tree_forward = True
+        module._grpo_tree_forward = True  # noqa: SLF001 - our own mark on the patched module
     return count

@@ -299,7 +299,7 @@ class LoraAdapterSync:
         while len(self.loaded) > self.keep:
             old = self.adapter_name(self.loaded.pop(0))
             try:
-                self.servers.fan_out(f"LoRA unload {old}", lambda c: self._unload(c, old))
+                self.servers.fan_out(f"LoRA unload {old}", lambda c, old=old: self._unload(c, old))
             except ServingError as exc:  # a stale version left loaded costs a slot, not correctness
                 logger.warning("retiring %s: %s", old, exc)
             shutil.rmtree(self.root / old, ignore_errors=True)
