@@ -41,6 +41,16 @@ $(STAMPS)/chromium:
 bench-packing: $(STAMPS)/install
 	$(PY) benchmarks/packing.py
 
+# The manual: mkdocs + mkdocs-material (the `docs` extra of pyproject.toml) into .venv when missing, the
+# configuration reference generated from the config schema, then the site in site/; any warning fails it.
+.PHONY: docs
+docs: $(STAMPS)/deps
+	@$(PY) -c "import mkdocs, material" 2>/dev/null || $(PY) -c "import tomllib; \
+		print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))" \
+		| xargs $(PIP) install -q
+	$(PY) scripts/gen_config_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 # Offline GPU hosts: wheels of every dependency the H200 image lacks (CPython 3.12, manylinux x86_64, glibc 2.39)
 # plus TRL (the bench extra, for benchmarks/trl_async_grpo.py) and this project's own abi3 wheel, in parts of at most 56 MiB under .gpu/wheelhouse/partN/.
 # On the host: bash scripts/install_wheelhouse.sh <parts> <site folder> (pip --no-index); see README.
