@@ -53,7 +53,7 @@ docs: $(STAMPS)/deps
 
 # Offline GPU hosts: wheels of every dependency the H200 image lacks (CPython 3.12, manylinux x86_64, glibc 2.39)
 # plus TRL (the bench extra, for benchmarks/trl_async_grpo.py) and this project's own abi3 wheel, in parts of at most 56 MiB under .gpu/wheelhouse/partN/.
-# On the host: bash scripts/install_wheelhouse.sh <parts> <site folder> (pip --no-index); see README.
+# On the host: bash scripts/install_wheelhouse.sh <parts> <site folder> (pip --no-index); see docs/gpus.md.
 wheelhouse-h200: $(STAMPS)/deps
 	$(PY) scripts/wheelhouse.py --python-version 3.12 --glibc 2.39 --have scripts/hosts/h200-image.txt \
 		--without playwright --extra bench --out .gpu/wheelhouse

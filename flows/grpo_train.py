@@ -371,7 +371,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
         check_rendezvous_host(cfg)
         log.info(
             "trainer host 0 of %d: waiting up to %d s (train.rdzv_timeout_s) at %s for trainer hosts 1..%d; on "
-            "each run %s with its --node-rank and a copy of %s (README, Across hosts)",
+            "each run %s with its --node-rank and a copy of %s (docs/across-hosts.md)",
             cfg.train.nnodes,
             cfg.train.rdzv_timeout_s,
             cfg.train.rdzv_endpoint,

@@ -673,7 +673,7 @@ class TrainConfig(_Strict):
     """Data-parallel ranks per trainer host (torchrun --nproc-per-node); the world is nnodes x num_ranks."""
     nnodes: int = Field(default=1, ge=1)
     """Trainer hosts (torchrun ``--nnodes``); above 1 the flow's torchrun is node 0 and waits at
-    ``rdzv_endpoint`` for the others, started by hand or a deployment with the same command (README, Across hosts)."""
+    ``rdzv_endpoint`` for the others, started by hand or a deployment with the same command (docs/across-hosts.md)."""
     rdzv_endpoint: str | None = None
     """``host:port`` of torchrun's c10d rendezvous when ``nnodes`` > 1 (on the flow's host, reachable from every
     trainer host; e.g. ``trainer-0:29400``)."""

@@ -1,4 +1,4 @@
-"""Take the README's screenshots of the Prefect and MLflow UIs with headless Chromium (playwright).
+"""Take the docs' screenshots of the Prefect and MLflow UIs with headless Chromium (playwright).
 
 ``python scripts/ui_screenshots.py --out docs/`` starts a Prefect server and process worker on
 loopback (a temporary home), registers the deployments from ``configs/tiny.yaml`` (completion
