@@ -22,11 +22,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from grpo_core.config import RunConfig
+
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
@@ -88,7 +92,7 @@ def config_error(exc: BaseException) -> None:
     console.print(Text.assemble(("config error", "red"), ": ", str(exc)), soft_wrap=True)
 
 
-def _load(config: Path | None, overrides: list[str], trusted: bool | None = None):
+def _load(config: Path | None, overrides: list[str], trusted: bool | None = None) -> RunConfig:
     """Load and validate a config. ``trusted=True``: the caller's own file and overrides, whose code names join
     the allow-list of this process and its children (``grpo_core.allowlist.trust_config``); ``False`` (a config
     fetched from MLflow): its code names must already be allowed, checked here before anything starts;
@@ -183,9 +187,12 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
 def summary_table(summary: dict) -> Table:
     """The end-of-run table."""
     table = Table(title="grpo-flow run", show_header=False)
-    fmt = lambda v: (
-        str(int(v)) if isinstance(v, float) and v.is_integer() else f"{v:.3f}" if isinstance(v, float) else str(v)
-    )
+
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return str(int(v)) if v.is_integer() else f"{v:.3f}"
+        return str(v)
+
     steps = summary.get("steps")
     if summary.get("steps_requested") is not None and steps != summary["steps_requested"]:
         steps = f"{fmt(steps)} of {fmt(summary['steps_requested'])} asked: {summary.get('stopped_early')}"
@@ -427,7 +434,7 @@ def deploy(
 
     from flows.serve import PrefectStack
 
-    def interrupt(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM/SIGINT stop the stack like Ctrl-C
+    def interrupt(signum: int, frame: object) -> NoReturn:  # noqa: ARG001 - SIGTERM/SIGINT stop the stack like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
@@ -456,7 +463,8 @@ def deploy(
         stack.register(demo_config, cron)
         console.print(
             f"Prefect UI: [bold]{stack.ui_url}[/bold]  (deployments grpo-train/demo, "
-            f"grpo-train/nightly-retrain, grpo-servers/gpu on pool {demo.server.work_pool}; Ctrl-C stops the server and the worker); the UI asks for the "
+            f"grpo-train/nightly-retrain, grpo-servers/gpu on pool {demo.server.work_pool}; "
+            f"Ctrl-C stops the server and the worker); the UI asks for the "
             f"API auth string: it is in {stack.auth_file} (or PREFECT_SERVER_API_AUTH_STRING when set)"
         )
         try:
@@ -498,7 +506,7 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
     if artifact_root:
         env["MLFLOW_DEFAULT_ARTIFACT_ROOT"] = artifact_root
 
-    def interrupt(signum, frame):  # noqa: ANN001, ARG001 - SIGTERM stops the UI like Ctrl-C
+    def interrupt(signum: int, frame: object) -> NoReturn:  # noqa: ARG001 - SIGTERM stops the UI like Ctrl-C
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)

@@ -23,7 +23,9 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
@@ -505,7 +507,7 @@ def _no_more_retries(exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def _retry_only_curable():
+def _retry_only_curable() -> Iterator[None]:
     """Let the flow's retries (``@flow(retries=...)``) run only after a failure that :func:`retry_can_cure`."""
     try:
         yield
@@ -521,10 +523,10 @@ def _retry_only_curable():
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
+def _sigterm_raises() -> Iterator[None]:
     """Turn SIGTERM (cancellation by the worker) into an exception so ``finally`` stops every process."""
 
-    def handler(signum, frame):  # noqa: ANN001, ARG001
+    def handler(signum: int, frame: object) -> NoReturn:  # noqa: ARG001 - the signal handler's signature
         raise KeyboardInterrupt("flow run terminated (SIGTERM)")
 
     try:
@@ -601,7 +603,7 @@ def run_slots(config: RunConfig) -> int:
 
 
 @contextlib.contextmanager
-def gpu_slots(config: RunConfig):
+def gpu_slots(config: RunConfig) -> Iterator[None]:
     """Hold ``run_slots(config)`` slots of the global concurrency limit ``flow.concurrency_limit`` (waiting for
     them); a limit the server does not have is not waited for (e.g. ``grpo train`` on the embedded API).
 

@@ -108,7 +108,8 @@ class NothingToTrainError(GrpoError, ValueError):
 
 
 class RolloutError(GrpoError):
-    """The rollout loop cannot go on: a reward function raised or returned the wrong shape, or an epoch rejected every prompt."""
+    """The rollout loop cannot go on: a reward function raised or returned the wrong shape, or an epoch rejected
+    every prompt."""
 
 
 class UserCodeError(RolloutError):

@@ -40,7 +40,7 @@ from grpo_core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def _convert_smollm2(tokenizer_dir: Path) -> Callable[[Path], None]:
     return build
 
 
-def _random_config(arch: str, shape: dict[str, Any], tokenizer):
+def _random_config(arch: str, shape: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     from transformers import AutoConfig
 
     ids = {

@@ -48,7 +48,7 @@ def drop_non_language_parts(model: nn.Module) -> list[str]:
     return dropped
 
 
-def text_model_class(config: PretrainedConfig, where: str | Path):
+def text_model_class(config: PretrainedConfig, where: str | Path) -> type[PreTrainedModel]:
     """The transformers auto class that loads ``config``'s language model (see module docs).
 
     Raises:

@@ -347,7 +347,8 @@ def log_model(tc: TrackingConfig, run_id: str, model_dir: Path, adapter: bool = 
 
 
 def register_model(tc: TrackingConfig, run_id: str, source: str, description: str = ""):  # noqa: ANN201 - ModelVersion
-    """Register ``source`` as a new version of ``tc.registered_model_name`` and move ``tc.registered_model_alias`` to it.
+    """Register ``source`` as a new version of ``tc.registered_model_name`` and move
+    ``tc.registered_model_alias`` to it.
 
     Args:
         tc: tracking settings (registry name and alias).

@@ -7,9 +7,10 @@ The encoding itself runs in packer_rs; this module is its typed face.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from os import PathLike
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -152,7 +153,7 @@ def sample_schema(with_topk: bool = False, with_mask: bool = False) -> pa.Schema
     return packer_rs.sample_schema(with_topk, with_mask)
 
 
-def _rust(call, *args):
+def _rust(call: Callable[..., Any], *args: Any) -> Any:
     """Call into packer_rs; its ``PackingError`` surfaces as ``grpo_core.errors.PackingError`` with the same
     ``kind``, ``field`` and ``sample_id``."""
     try:

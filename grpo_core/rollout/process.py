@@ -140,7 +140,8 @@ def start_rollout_process(
     resume: ResumeState | Path | None = None,
     env: dict[str, str] | None = None,
 ) -> RolloutProcess:
-    """Start ``python -m grpo_core.rollout`` for ``server_urls``; returns at once (see :meth:`RolloutProcess.wait_location`).
+    """Start ``python -m grpo_core.rollout`` for ``server_urls``; returns at once
+    (see :meth:`RolloutProcess.wait_location`).
 
     Args:
         config: the run config, or the path of a config file (a ``RunConfig`` is written to

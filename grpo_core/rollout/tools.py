@@ -241,7 +241,7 @@ async def run_tool_calls(
             window.add(f"tools/{call.name}/failure_count", 1)
             window.add(f"tools/{call.name}/timeout_count", 1)
             content = f"Error: the tool took longer than {timeout_s:g} s and was abandoned"
-        except Exception as exc:  # a user tool failing is reported to the model and counted
+        except Exception as exc:  # noqa: BLE001 - a user tool failing is reported to the model and counted
             failures += 1
             window.add(f"tools/{call.name}/failure_count", 1)
             content = f"Error: {type(exc).__name__}: {exc}"

@@ -85,7 +85,8 @@ def request_sampling_fields(
 
 
 def generation_config_defaults(model_dir: str | Path) -> dict[str, Any]:
-    """The sampling defaults a model's ``generation_config.json`` sets, as vLLM's ``--generation-config auto`` reads them.
+    """The sampling defaults a model's ``generation_config.json`` sets, as vLLM's ``--generation-config auto``
+    reads them.
 
     Returns:
         ``{field: value}`` for the non-default keys of :data:`GENERATION_CONFIG_KEYS` (``max_new_tokens``

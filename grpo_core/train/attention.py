@@ -21,7 +21,9 @@ transformers forwards it to every attention layer.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -175,7 +177,7 @@ class FlexTreeMasks:
 
 
 @functools.cache
-def _compiled_flex_attention():
+def _compiled_flex_attention() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -190,7 +192,7 @@ def tree_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     tree_mask: TreeMask | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """The ``grpo_tree`` attention implementation.
 

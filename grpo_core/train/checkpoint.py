@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import torch
@@ -41,6 +42,10 @@ from grpo_core.errors import CheckpointError
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
 from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
 from grpo_core.transport.types import ResumeState
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +185,7 @@ def rotate(output_dir: Path, keep: int | None, protect: Path | Iterable[Path] | 
     return drop
 
 
-def _state_dict_options(model):
+def _state_dict_options(model: torch.nn.Module) -> StateDictOptions:
     """A LoRA policy's checkpoint holds only its trainable parameters (the adapter) and their optimizer state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -191,7 +196,7 @@ def _state_dict_options(model):
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
-def _state_dicts(model, optimizer, options) -> dict:
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: StateDictOptions) -> dict:
     """``{"model", "optim"}`` state dicts; with ``ignore_frozen_params`` no frozen tensor is left.
 
     torch's ``ignore_frozen_params`` misses a frozen tensor reachable under a second name (a tied ``lm_head``
@@ -210,9 +215,9 @@ def _state_dicts(model, optimizer, options) -> dict:
 
 def save(
     path: Path,
-    model,
-    optimizer,
-    scheduler,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: ResumeState,
     pending: pa.RecordBatch | None,
     rank: int,
@@ -252,7 +257,13 @@ def save(
     dist.barrier()
 
 
-def load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeState, pa.RecordBatch | None]:
+def load(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rank: int,
+) -> tuple[ResumeState, pa.RecordBatch | None]:
     """Restore a checkpoint into live objects (collective); returns the resume state and pending samples.
 
     Raises:
@@ -272,7 +283,13 @@ def load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeStat
         ) from exc
 
 
-def _load(path: Path, model, optimizer, scheduler, rank: int) -> tuple[ResumeState, pa.RecordBatch | None]:
+def _load(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rank: int,
+) -> tuple[ResumeState, pa.RecordBatch | None]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 

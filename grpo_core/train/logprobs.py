@@ -17,8 +17,8 @@ Two paths share that shape:
   respect to them (``dL/dlogp``, ``dL/dlogp_topk``) is known in the forward pass
   (from :func:`grpo_core.train.loss.grpo_loss` itself, through autograd on the
   chunk's ``[c]``/``[c, k]`` log-probs). Each chunk's logits are computed once
-  (bf16 operands, fp32 accumulation, on the sampler's grid: :func:`head_logits`), reduced to log-probs, entropy and top-k terms,
-  turned into ``dL/dlogits`` and multiplied back into the gradients of the hidden
+  (bf16 operands, fp32 accumulation, on the sampler's grid: :func:`head_logits`), reduced to log-probs, entropy
+  and top-k terms, turned into ``dL/dlogits`` and multiplied back into the gradients of the hidden
   states and of the output embedding, then freed: no ``[M, V]`` tensor exists and
   nothing is recomputed in the backward pass, which only scales the stored
   gradients by the incoming scalar.
@@ -29,12 +29,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .loss import LossSettings, grpo_loss
+
+#: ``fused_grpo_loss``'s default settings (one frozen instance, shared as a default argument's would be).
+_DEFAULT_SETTINGS = LossSettings()
 
 
 @dataclass
@@ -259,7 +263,7 @@ def _kernel(fn: Callable, compiled: bool) -> Callable:
         return fn
     compiled_fn = _compiled(fn)
 
-    def call(*args):
+    def call(*args: Any) -> Any:
         for a in args:
             if isinstance(a, Tensor) and a.dim() >= 1:
                 torch._dynamo.maybe_mark_dynamic(a, 0)  # noqa: SLF001 - torch's public API lives there
@@ -326,7 +330,9 @@ class _ChunkedHead:
         self.stats_fn = _kernel(_term_stats, compiled)
         self.grad_fn = _kernel(_logit_grad, compiled)
 
-    def run(self, hidden: Tensor, weight: Tensor, need_h: bool, need_w: bool):
+    def run(
+        self, hidden: Tensor, weight: Tensor, need_h: bool, need_w: bool
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, dict[str, Tensor]]:
         """Returns ``(loss, grad_hidden | None, grad_weight_fp32 | None, outputs)`` with ``outputs`` the
         concatenated ``logprobs``, ``entropy``, ``topk_logprobs`` and statistics."""
         m = hidden.shape[0]
@@ -341,7 +347,9 @@ class _ChunkedHead:
         outputs = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         return loss, grad_h, grad_w, outputs
 
-    def _chunk(self, h: Tensor, weight: Tensor, a: int, b: int, grad_h: Tensor | None, grad_w: Tensor | None):
+    def _chunk(
+        self, h: Tensor, weight: Tensor, a: int, b: int, grad_h: Tensor | None, grad_w: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         terms = _term_slice(self.terms, a, b)
         t = self.temperature
         logits = head_logits(h, weight, self.fp32_logits)  # [c, V] fp32 (on the sampler's grid)
@@ -379,7 +387,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     """Loss forward that stores the finished gradients; backward scales them by ``dloss``."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, head: _ChunkedHead, outputs: dict) -> Tensor:
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, head: _ChunkedHead, outputs: dict) -> Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, grad_h, grad_w, out = head.run(hidden, weight, need_h, need_w)
         outputs.update(out)
@@ -388,7 +396,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, dloss: Tensor):
+    def backward(ctx: Any, dloss: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else grad_h * dloss.to(grad_h.dtype)
         gw = None if grad_w is None else (grad_w * dloss).to(ctx.weight_dtype)
@@ -400,7 +408,7 @@ def fused_grpo_loss(
     weight: Tensor,
     terms: LossTerms,
     normaliser: float,
-    settings: LossSettings = LossSettings(),
+    settings: LossSettings = _DEFAULT_SETTINGS,
     temperature: float = 1.0,
     chunk_size: int = 1024,
     compiled: bool = False,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ def _op_policy() -> Callable:
     """Save the listed ops' outputs, except every second matmul (counted separately in forward and recompute)."""
     counts: dict[str, int] = defaultdict(int)
 
-    def policy(ctx, func, *args, **kwargs):
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if func in (_aten.mm.default, _aten.addmm.default):
             key = "recompute" if ctx.is_recompute else "forward"
             counts[key] += 1
@@ -65,12 +66,12 @@ def _op_policy() -> Callable:
     return policy
 
 
-def _op_context():
+def _op_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_op_policy())
 
 
 def _checkpointed(forward: Callable, op_level: bool) -> Callable:
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         if op_level:
             return checkpoint(forward, *args, use_reentrant=False, context_fn=_op_context, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)

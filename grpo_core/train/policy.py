@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +25,10 @@ from .logprobs import HeadLoss, LossTerms, TokenLogProbs, candidate_mask, fused_
 from .loss import LossSettings
 from .packable import check_packable
 from .recurrent import install_tree_recurrence
+
+if TYPE_CHECKING:
+    from .rows import RowTensors
+
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +146,13 @@ class Policy(nn.Module):
         )
         return (out.logprobs, out.entropy) + (() if out.topk_logprobs is None else (out.topk_logprobs,))
 
-    def logprobs(self, rt) -> TokenLogProbs:
+    def logprobs(self, rt: RowTensors) -> TokenLogProbs:
         """Forward one :class:`~grpo_core.train.rows.RowTensors` row."""
         return _as_logprobs(
             self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id, rt.topk_ids, rt.candidates)
         )
 
-    def grpo_loss(self, rt, settings: LossSettings, normaliser: float) -> HeadLoss:
+    def grpo_loss(self, rt: RowTensors, settings: LossSettings, normaliser: float) -> HeadLoss:
         """Forward one row through the fused head: its GRPO loss (backward-ready) and per-term values.
 
         Args:

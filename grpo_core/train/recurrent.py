@@ -30,7 +30,9 @@ the layer runs its own code, e.g. with a KV/recurrent cache in the embedded serv
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,7 +193,13 @@ def tree_causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, ancestors: 
 
 
 def tree_delta_rule(
-    chunk_fn, query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, plan: RecurrencePlan
+    chunk_fn: Callable[..., Any],
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    plan: RecurrencePlan,
 ) -> Tensor:
     """Chunked gated delta rule per segment, each started from its parent segment's final state.
 
@@ -204,7 +212,7 @@ def tree_delta_rule(
         ``[L, H, Dv]``; zeros at positions in no segment (padding).
     """
 
-    def ext(x):
+    def ext(x: Tensor) -> Tensor:
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
     q, k, v, gx, bx = (ext(x) for x in (query, key, value, g, beta))
@@ -231,7 +239,8 @@ def tree_delta_rule(
 
 
 def _projections(module: nn.Module, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(mixed_qkv [L, 2 Hk Dk + Hv Dv], z [L, Hv, Dv], b [L, Hv], a [L, Hv])`` as the layer's own forward makes them."""
+    """``(mixed_qkv [L, 2 Hk Dk + Hv Dv], z [L, Hv, Dv], b [L, Hv], a [L, Hv])``, as the layer's own forward
+    makes them."""
     n = h.shape[1]
     if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: fused, head-interleaved projections
         q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(h), module.in_proj_ba(h))
@@ -286,7 +295,14 @@ def install_tree_recurrence(model: nn.Module) -> int:
             continue
         original = module.forward
 
-        def forward(hidden_states, *args, tree_mask=None, _module=module, _original=original, **kwargs):
+        def forward(
+            hidden_states: Tensor,
+            *args: Any,
+            tree_mask: TreeMask | None = None,
+            _module: nn.Module = module,
+            _original: Callable[..., Any] = original,
+            **kwargs: Any,
+        ) -> Any:
             if tree_mask is None:
                 return _original(hidden_states, *args, **kwargs)
             return tree_gated_delta_net(_module, hidden_states, tree_mask)

@@ -45,7 +45,7 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def mark(self):
+    def mark(self) -> float | torch.cuda.Event:
         """A timestamp now (in stream order on CUDA)."""
         if not self.cuda:
             return time.perf_counter()
@@ -53,7 +53,7 @@ class Clock:
         event.record()
         return event
 
-    def seconds(self, start, end) -> float:
+    def seconds(self, start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
         """Seconds between two marks; ``end`` must have completed (see :meth:`PendingStats.values`)."""
         if not self.cuda:
             return end - start
@@ -61,7 +61,7 @@ class Clock:
         return start.elapsed_time(end) / 1000.0
 
 
-def _scalar(v, device: torch.device) -> Tensor:
+def _scalar(v: Tensor | float, device: torch.device) -> Tensor:
     if isinstance(v, Tensor):
         return v.detach().to(torch.float64)
     return torch.full((), float(v), dtype=torch.float64, device=device)

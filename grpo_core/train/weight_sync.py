@@ -30,8 +30,9 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import save_file
@@ -42,13 +43,20 @@ from grpo_core.errors import ServingError
 from .adapter_store import AdapterStore
 from .export import publish, save_adapter
 
+if TYPE_CHECKING:
+    from grpo_core.serving.client import GenerationClient
+    from grpo_core.serving.routing import ReplicaSet
+
+    from .policy import Policy
+
+
 logger = logging.getLogger(__name__)
 
 
 class WeightSync(Protocol):
     """Pushes the trainer's weights to the servers as policy version ``version``."""
 
-    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+    def sync(self, policy: Policy, version: int, rank: int) -> dict[str, float]:
         """Collective; returns ``perf/weight_sync_*`` timings in seconds (rank 0)."""
         ...
 
@@ -56,12 +64,12 @@ class WeightSync(Protocol):
 class NoWeightSync:
     """For offline training (no servers)."""
 
-    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+    def sync(self, policy: Policy, version: int, rank: int) -> dict[str, float]:  # noqa: ARG002 - WeightSync's
         """Nothing to do."""
         return {}
 
 
-def full_state_dict(policy) -> dict[str, torch.Tensor]:
+def full_state_dict(policy: Policy) -> dict[str, torch.Tensor]:
     """The policy's full, unsharded state dict on CPU (collective), HF parameter names."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -98,11 +106,11 @@ class _Servers:
         self.server = server or ServerConfig()
         self.timeout_s = timeout_s
 
-    def run(self, work) -> None:
+    def run(self, work: Callable[[ReplicaSet], Awaitable[None]]) -> None:
         """``await work(replica_set)`` over the servers (a ``ReplicaSet`` with the server settings)."""
         from grpo_core.serving.routing import ReplicaSet
 
-        async def run_all():
+        async def run_all() -> None:
             async with ReplicaSet.from_config(
                 self.server, self.urls, max_connections=4, timeout_s=self.timeout_s
             ) as rs:
@@ -110,7 +118,13 @@ class _Servers:
 
         asyncio.run(run_all())
 
-    def fan_out(self, name: str, call, undo=None, reads_storage: bool = False) -> None:
+    def fan_out(
+        self,
+        name: str,
+        call: Callable[[GenerationClient], Awaitable[Any]],
+        undo: Callable[[GenerationClient], Awaitable[Any]] | None = None,
+        reads_storage: bool = False,
+    ) -> None:
         """``await call(client)`` on every server; on a failure ``undo`` where it succeeded (``reads_storage``: the
         call loads files from shared storage, so its 400s are retried; ``ReplicaSet.fan_out``).
 
@@ -137,7 +151,7 @@ class DiskFullWeightSync:
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
 
-    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+    def sync(self, policy: Policy, version: int, rank: int) -> dict[str, float]:
         """Gather, write ``v{version}``, then pause every server, update every one, resume every one.
 
         Each phase is a fan-out, all or nothing: a refused pause resumes the servers paused and fails the sync;
@@ -215,7 +229,7 @@ class LoraAdapterSync:
         max_staleness: int,
         model_dir: str | Path | None = None,
         server: TrainerServerView | ServerConfig | None = None,
-        store=None,
+        store: AdapterStore | None = None,
     ):
         self.servers = _Servers(urls, server)
         self.store = store if store is not None else AdapterStore(None)
@@ -226,7 +240,7 @@ class LoraAdapterSync:
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
 
-    def checkpoint_keys(self, lm, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def checkpoint_keys(self, lm: torch.nn.Module, adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Adapter keys under the served checkpoint's module names (Qwen3.5: ``model.language_model.…``),
         which vLLM's LoRA loader maps like the checkpoint, and PEFT maps back when it loads the adapter
         into transformers' renamed model (the embedded server)."""
@@ -243,7 +257,7 @@ class LoraAdapterSync:
         """Served model name of a version: ``{name}-v{version}``."""
         return f"{self.name}-v{version}"
 
-    def save_adapter(self, policy, version: int) -> Path | None:
+    def save_adapter(self, policy: Policy, version: int) -> Path | None:
         """Collective gather; rank 0 writes the adapter folder with PEFT's ``save_pretrained``, atomically."""
         sd = full_state_dict(policy)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -254,7 +268,7 @@ class LoraAdapterSync:
         return None
 
     @staticmethod
-    async def _load(client, name: str, folder: str) -> None:
+    async def _load(client: GenerationClient, name: str, folder: str) -> None:
         """Load, replacing a same-named adapter a server kept from before a trainer restart."""
         from grpo_core.errors import ServerRequestError
 
@@ -265,7 +279,7 @@ class LoraAdapterSync:
         await client.load_lora_adapter(name, folder)
 
     @staticmethod
-    async def _unload(client, name: str) -> None:
+    async def _unload(client: GenerationClient, name: str) -> None:
         """Unload; an adapter the server no longer has (404) counts as unloaded."""
         from grpo_core.errors import ServerRequestError
 
@@ -275,7 +289,7 @@ class LoraAdapterSync:
             if exc.status != 404:
                 raise
 
-    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+    def sync(self, policy: Policy, version: int, rank: int) -> dict[str, float]:
         """Save ``{name}-v{version}``, load it everywhere (all or nothing), retire old versions."""
         t0 = time.perf_counter()
         folder = self.save_adapter(policy, version)
