@@ -4,13 +4,20 @@ A reward function is called once per group: every dataset column arrives as a li
 (here ``answer``), beside ``completions`` (each rollout's generated messages), ``completion_ids``, ``prompts`` and
 the rest of ``grpo_core.rollout.scoring.REWARD_ARGUMENTS``; it returns one number (or None: "does not apply") per
 rollout. Rewards of several functions are summed.
+
+``@config_entry("reward")`` registers each as an entry a config may name (``grpo_core.entries``): needed where a
+worker runs a deployment's parameters with this module in ``GRPO_ALLOWED_MODULES``; ``grpo train --config`` with
+your own file admits the names the file gives even without it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from grpo_core.entries import config_entry
 
+
+@config_entry("reward")
 def contains_answer(completions: list[list[dict[str, Any]]], answer: list[str], **_: Any) -> list[float]:
     """1.0 when the rollout's last message names the row's ``answer`` (case-insensitive), else 0.0.
 
@@ -24,6 +31,7 @@ def contains_answer(completions: list[list[dict[str, Any]]], answer: list[str], 
     return [float(a.lower() in (c[-1].get("content") or "").lower()) for c, a in zip(completions, answer, strict=True)]
 
 
+@config_entry("reward")
 def brevity(completion_ids: list[list[int]], **_: Any) -> list[float]:
     """A small bonus for short replies: ``0.2 * (1 - n / 32)`` for ``n`` generated tokens (at least 0).
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from grpo_core.entries import config_entry
+
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
@@ -25,6 +27,7 @@ def final_number(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+@config_entry("reward")
 def numeric_answer_reward(completions: list[list[dict[str, Any]]], answer: list[str], **_: Any) -> list[float]:
     """1.0 when the completion's final number (see :func:`final_number`) equals the row's ``answer``, else 0."""
     out = []
@@ -37,6 +40,7 @@ def numeric_answer_reward(completions: list[list[dict[str, Any]]], answer: list[
     return out
 
 
+@config_entry("reward")
 def answer_format_reward(completions: list[list[dict[str, Any]]], **_: Any) -> list[float]:
     """0.2 when the completion ends with its only ``<answer>…</answer>`` (the format the system prompt asks for)."""
     out = []
@@ -47,6 +51,7 @@ def answer_format_reward(completions: list[list[dict[str, Any]]], **_: Any) -> l
     return out
 
 
+@config_entry("reward")
 def even_token_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
     """Fraction of a completion's token ids that are even (0 for an empty completion).
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from flows.serve import SERVER_POOL
+from grpo_core.entries import config_entry
 from grpo_core.serving.client import backoff_delay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +77,7 @@ def tiny_overrides(tmp: Path) -> list[str]:
     ]
 
 
+@config_entry("reward")
 def varied_reward(completion_ids, **_):
     """A reward in [0, 1) that differs between different completions: no group of a random model has zero std,
     so every prompt is trained (the resume test checks that none is skipped)."""
@@ -182,6 +184,7 @@ def with_changes(parameters: dict, **sections: dict) -> dict:
     return out
 
 
+@config_entry("reward")
 def infinite_reward(completion_ids, **_):
     """+inf for every rollout: the rollout process fails on the first scored group (a reward must be finite)."""
     return [float("inf")] * len(completion_ids)

@@ -1,4 +1,7 @@
-"""Module-level pieces of the rollout tests (the rollout process imports them by name: tests/ is on its PYTHONPATH)."""
+"""Module-level pieces of the rollout tests (the rollout process imports them by name: tests/ is on its PYTHONPATH).
+
+The ones configs name are registered config entries (``@config_entry``, as a user module registers its own);
+``rollout_helpers`` is in ``GRPO_ALLOWED_MODULES`` (``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -9,33 +12,40 @@ import time
 import numpy as np
 
 from grpo_core.config import RolloutConfig
+from grpo_core.entries import config_entry
 from grpo_core.rollout import RolloutLoop, TurnRecord
 
 
+@config_entry("reward")
 def length_reward(completion_ids, **_):
     """Longer completions score higher (token count)."""
     return [float(len(ids)) for ids in completion_ids]
 
 
+@config_entry("reward")
 async def parity_reward(completion_ids, **_):
     """1 when the first generated token id is even (async)."""
     await asyncio.sleep(0)
     return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
 
 
+@config_entry("reward")
 def none_for_odd_rows(completion_ids, row_id, **_):
     """Applies only to even ``row_id`` rows."""
     return [None if r % 2 else 1.0 for r in row_id]
 
 
+@config_entry("reward")
 def raising_reward(**_):
     raise RuntimeError("boom in the reward")
 
 
+@config_entry("reward")
 def wrong_length_reward(completion_ids, **_):
     return [1.0] * (len(completion_ids) + 1)
 
 
+@config_entry("reward")
 def flaky_reward(completion_ids, row_id, **_):
     """Hangs (10 s) on row 1, raises on row 2, scores the others by length."""
     if row_id[0] == 1:
@@ -45,11 +55,13 @@ def flaky_reward(completion_ids, row_id, **_):
     return [float(len(ids)) for ids in completion_ids]
 
 
+@config_entry("reward")
 def needs_answer_column(completion_ids, answer):
     """Needs a dataset column ``answer`` the test rows do not have (a wrong signature)."""
     return [1.0] * len(completion_ids)
 
 
+@config_entry("environment")
 class FlakyEnv:
     """Environment whose ``reset`` hangs (10 s) on row 3 and whose ``get_reward`` raises on row 4."""
 
@@ -64,21 +76,25 @@ class FlakyEnv:
         return None
 
 
+@config_entry("reward")
 def even_share(completion_ids, **_):
     """Share of even token ids: varies inside a group, so no group is dropped."""
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+@config_entry("reward")
 def position_reward(completion_ids, **_):
     """The rollout's position in its group: never zero-std."""
     return [float(i) for i in range(len(completion_ids))]
 
 
+@config_entry("reward")
 def nan_first_reward(completion_ids, **_):
     """NaN for the first rollout of each group, length for the others."""
     return [math.nan if i == 0 else float(len(ids)) for i, ids in enumerate(completion_ids)]
 
 
+@config_entry("dataset")
 def rows(n: int, with_row_id: bool = True) -> list[dict]:
     return [
         {"prompt": [{"role": "user", "content": f"Count to {i}."}], **({"row_id": i} if with_row_id else {})}
@@ -91,6 +107,7 @@ class CurriculumConfig(RolloutConfig):
     """Skip prompts whose pass rate reached this."""
 
 
+@config_entry("loop_class")
 class CurriculumLoop(RolloutLoop):
     """Skips prompts it already solves (seed manual's curriculum example, written anew)."""
 
@@ -109,6 +126,7 @@ class CurriculumLoop(RolloutLoop):
         return super().compute_advantages(group)
 
 
+@config_entry("environment")
 class CounterEnv:
     """Counter environment: reach the target with ``increment`` tool calls."""
 
@@ -132,6 +150,7 @@ class CounterEnv:
         return self.counter
 
 
+@config_entry("environment")
 class SleepyCounterEnv(CounterEnv):
     """``increment`` sleeps 6 s on odd rows: a long multi-turn rollout that outlives a weight sync."""
 
@@ -152,6 +171,7 @@ class SleepyCounterEnv(CounterEnv):
         return super().increment(step)
 
 
+@config_entry("environment")
 class GameEnv:
     """Second environment for routing tests; its only tool is ``move``."""
 
@@ -169,6 +189,7 @@ class GameEnv:
         return f"moved {direction}"
 
 
+@config_entry("loop_class")
 class ScriptedToolLoop(RolloutLoop):
     """Makes the model's first turn a fixed tool call (a tiny random model never emits one),
     recording the tools each rollout saw; later turns sample from the server as usual."""
@@ -198,6 +219,7 @@ class ScriptedToolLoop(RolloutLoop):
         )
 
 
+@config_entry("reward")
 def curriculum_reward(completion_ids, row_id, **_):
     """Row 0 is always solved; other rows pass half their rollouts (by position)."""
     if row_id[0] == 0:
@@ -205,6 +227,7 @@ def curriculum_reward(completion_ids, row_id, **_):
     return [float(i % 2) for i in range(len(completion_ids))]
 
 
+@config_entry("loop_class")
 class RejectAllLoop(RolloutLoop):
     def filter_prompt(self, row_index, row, epoch):
         return False
@@ -214,6 +237,7 @@ class RejectAllLoop(RolloutLoop):
 REWARD_LOG_ENV = "ROLLOUT_HELPERS_REWARD_LOG"
 
 
+@config_entry("reward")
 def recording_reward(completion_ids, row_id, **_):
     """Parity reward that also appends what it scored to the file named by ``$ROLLOUT_HELPERS_REWARD_LOG``
     (for independent checks)."""
@@ -228,6 +252,7 @@ def recording_reward(completion_ids, row_id, **_):
     return rewards
 
 
+@config_entry("loop_class")
 class StallLoop(RolloutLoop):
     """Blocks its event loop for 8 s on the second prompt (a sync hook gone wrong)."""
 
@@ -239,6 +264,7 @@ class StallLoop(RolloutLoop):
         return True
 
 
+@config_entry("environment")
 class SelfSampledCounterEnv(CounterEnv):
     """Owns its data: reset() draws the target and returns the prompt (no dataset)."""
 
@@ -248,6 +274,7 @@ class SelfSampledCounterEnv(CounterEnv):
         return super().reset(target=random.randint(1, 3))
 
 
+@config_entry("reward")
 def state_reward(completion_ids, trainer_state, log_metric, environments, target, **_):
     """Reads what the rollout supplies besides columns: the environments' state after the rollout
     (the counter), and reports ``trainer_state`` through ``log_metric``."""
@@ -258,6 +285,7 @@ def state_reward(completion_ids, trainer_state, log_metric, environments, target
     return [float(env.counter == t) for env, t in zip(environments, target, strict=True)]
 
 
+@config_entry("reward")
 def needs_every_supplied_argument(
     prompts, completions, completion_ids, trainer_state, log_metric, environments, answer
 ):
@@ -265,16 +293,19 @@ def needs_every_supplied_argument(
     return [0.0] * len(completions)
 
 
+@config_entry("reward")
 def needs_log_extra(completions, log_extra):
     """Requires TRL's ``log_extra``, which grpo-flow does not supply."""
     return [0.0] * len(completions)
 
 
+@config_entry("dataset")
 def rows_of(rows):
     """A ``module:callable`` dataset: the given rows as a list."""
     return list(rows)
 
 
+@config_entry("loop_class")
 class PlainRenderLoop(RolloutLoop):
     """Renders prompts without a chat template (plain text of the messages)."""
 

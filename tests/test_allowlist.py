@@ -1,6 +1,8 @@
 """Run parameters never run code outside the allow-list (issue 11, item 1): a ``module:callable`` name from a
 config is refused before its module is imported or anything is called, naming the field and
-``GRPO_ALLOWED_MODULES``; the owner's own config file joins the allow-list."""
+``GRPO_ALLOWED_MODULES``; the owner's own config file joins the allow-list. Issue 26, item 1: only registered
+config entries of the field's kind can be named (no other function of grpo_core or of a listed module), and
+``server.extra_args`` carries only allow-listed vLLM flags."""
 
 from __future__ import annotations
 
@@ -21,14 +23,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def planted(tmp_path, monkeypatch):
-    """A module ``planted_mod`` whose import, and whose ``run`` function, each create a marker file."""
+    """A module ``planted_mod`` whose import, and whose ``run`` function, each create a marker file; it also holds
+    a registered dataset entry ``good``, module-level rows ``ROWS``, a re-exported file writer and an unregistered
+    subclass of a registered environment."""
     marker = tmp_path / "imported"
     (tmp_path / "planted_mod.py").write_text(
         "from pathlib import Path\n"
+        "from grpo_core.durable import atomic_write_text\n"
+        "from grpo_core.entries import config_entry\n"
         f"Path({str(marker)!r}).touch()\n"
+        "ROWS = [{'prompt': [{'role': 'user', 'content': 'hi'}]}]\n"
         "def run(**kwargs):\n"
         f"    Path({str(marker)!r} + '.called').touch()\n"
-        "    return [{'prompt': [{'role': 'user', 'content': 'hi'}]}]\n"
+        "    return ROWS\n"
+        "@config_entry('dataset')\n"
+        "def good(n=1):\n"
+        "    return ROWS * n\n"
+        "@config_entry('environment')\n"
+        "class Env:\n"
+        "    def reset(self, **row):\n"
+        "        return None\n"
+        "class SubEnv(Env):\n"
+        "    pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv(ALLOWED_MODULES_ENV, "")
@@ -72,69 +88,184 @@ def test_a_name_outside_the_allow_list_is_refused_in_preflight_before_any_import
 @pytest.mark.parametrize(
     ("spec", "why"),
     [
-        ("grpo_core.preflight:os.system", "is the module os"),
-        ("grpo_core.rollout.data:json.loads", "is the module json"),
-        ("grpo_core.config:Path", "defined in 'pathlib'"),
-        ("grpo_core.config:RunConfig.model_validate", "defined in 'pydantic"),
-        ("grpo_core.preflight:logger.info", "is no class of an allowed module"),
+        ("grpo_core.preflight:os.system", "not a registered dataset entry of grpo_core.preflight"),
+        ("grpo_core.rollout.data:json", "not a registered dataset entry of grpo_core.rollout.data"),
+        ("grpo_core.config:Path", "not a registered dataset entry of grpo_core.config"),
+        ("grpo_core.config:RunConfig.model_validate", "not a registered dataset entry"),
+        ("grpo_core.rollout.loop:RolloutLoop.render", "not a registered dataset entry"),
         ("grpo_core.config:RunConfig.__init__", "'__' is refused"),
         ("grpo_core.preflight:__builtins__", "'__' is refused"),
+        ("grpo_core.demo_rewards:no_such_name", "cannot be imported"),
         ("grpo_core:..x", "must be 'module:attribute'"),
         ("grpo_coreX.y:z", "not in the allow-list"),
     ],
 )
-def test_an_attribute_path_may_not_leave_the_allowed_modules(monkeypatch, spec, why):
+def test_nothing_but_a_registered_entry_of_grpo_core_can_be_named(monkeypatch, spec, why):
     monkeypatch.setenv(ALLOWED_MODULES_ENV, "")
     with pytest.raises(ConfigError, match=why):
         import_object(spec, "rollout.dataset")
 
 
-def test_an_allowed_name_resolves_to_its_own_object(monkeypatch):
+# Functions of grpo_core that run code or write files when called with keyword arguments of the attacker's choice
+# (issue 26, item 1): an atomic file writer, a private-file writer, and the helper that runs a module's __main__.
+GADGETS = [
+    ("grpo_core.durable:atomic_write_text", lambda target: {"path": str(target), "text": "written"}),
+    ("grpo_core.redact:write_private", lambda target: {"path": str(target), "text": "written"}),
+    ("grpo_core.lifeline:run_owned_module", lambda target: {"argv": ["planted_mod"]}),
+]
+
+
+@pytest.mark.parametrize(("spec", "kwargs"), GADGETS, ids=[g[0] for g in GADGETS])
+def test_a_gadget_of_grpo_core_named_as_a_dataset_factory_is_refused_and_not_called(planted, tmp_path, spec, kwargs):
+    """The dataset factory is called with ``rollout.dataset_kwargs`` (``load_dataset``, the rollout's own path):
+    every function of grpo_core used to pass; now the name is refused before the call, saying what can be named."""
+    from grpo_core.rollout.data import load_dataset
+
+    target = tmp_path / "written.txt"
+    cfg = RunConfig(rollout={"dataset": spec, "dataset_kwargs": kwargs(target)})
+    check_code_references(cfg)  # the module is allowed (grpo_core): only the entry check stands in the way
+    with pytest.raises(ConfigError, match="is not a registered dataset entry of grpo_core") as info:
+        load_dataset(cfg.rollout)
+    assert "rollout.dataset" in str(info.value) and "@config_entry" in str(info.value)
+    assert not target.exists() and not planted.exists()  # nothing written, no module's __main__ ran
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "why"),
+    [
+        ("grpo_core.demo_rewards:numeric_answer_reward", "rollout.loop_class", "not a RolloutLoop subclass"),
+        ("grpo_core.rollout.loop:RolloutLoop", "rollout.reward_functions[0]", "the class RolloutLoop, not a function"),
+        ("rollout_helpers:CounterEnv", "rollout.dataset", "the class CounterEnv, not a function"),
+        ("rollout_helpers:rows", "rollout.environment_factory", "a function object, not a class"),
+        ("rollout_helpers:CounterEnv", "rollout.loop_class", "not a RolloutLoop subclass"),
+        ("rollout_helpers:CurriculumLoop", "rollout.tools[0]", "not a function"),
+        ("rollout_helpers:parity_reward", "rollout.tools[0]", "registered as a reward entry, not a tool"),
+    ],
+)
+def test_each_kind_is_checked_where_a_config_names_it(monkeypatch, spec, field, why):
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, "rollout_helpers")
+    with pytest.raises(ConfigError, match=why) as info:
+        import_object(spec, field)
+    assert field in str(info.value)
+
+
+def test_the_decorator_checks_the_kind_when_an_entry_is_registered():
+    from grpo_core.entries import config_entry, registered
+
+    def positional_only(completions, /):
+        return completions
+
+    class NoReset:
+        pass
+
+    for kind, obj, why in [
+        ("reward", positional_only, "positional-only parameter 'completions'"),
+        ("dataset", NoReset, "the class NoReset, not a function"),
+        ("environment", NoReset, "has no reset method"),
+        ("tool", len, "not a function"),
+        ("loop_class", positional_only, "is not a class"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            config_entry(kind)(obj)
+    with pytest.raises(ValueError, match="one or more of dataset, reward"):
+        config_entry("gadget")
+    assert (
+        registered(f"{__name__}:test_the_decorator_checks_the_kind_when_an_entry_is_registered.<locals>.NoReset")
+        is None
+    )
+
+
+def test_a_module_level_object_re_export_or_subclass_that_is_not_registered_is_refused(planted, monkeypatch):
+    """Listing a module admits its registered entries only: its rows, an unregistered function, a function it
+    imported and an unregistered subclass of an entry are refused; an entry listed by name is admitted."""
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, "planted_mod")
+    assert (
+        import_object("planted_mod:good", "rollout.dataset")(n=2)
+        == [{"prompt": [{"role": "user", "content": "hi"}]}] * 2
+    )
+    assert import_object("planted_mod:Env", "rollout.environment_factory").__name__ == "Env"
+    for spec, field in [
+        ("planted_mod:ROWS", "rollout.dataset"),
+        ("planted_mod:run", "rollout.dataset"),
+        ("planted_mod:atomic_write_text", "rollout.dataset"),
+        ("planted_mod:SubEnv", "rollout.environment_factory"),
+    ]:
+        kind = "environment" if "environment" in field else "dataset"
+        with pytest.raises(ConfigError, match=f"is not a registered {kind} entry of planted_mod"):
+            import_object(spec, field)
+    assert not Path(str(planted) + ".called").exists()
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, "planted_mod:run,planted_mod:ROWS,planted_mod:atomic_write_text")
+    assert import_object("planted_mod:run", "rollout.dataset")() and Path(str(planted) + ".called").exists()
+    with pytest.raises(ConfigError, match="a module-level object"):
+        import_object("planted_mod:ROWS", "rollout.dataset")
+    with pytest.raises(ConfigError, match="defined in 'grpo_core.durable'"):
+        import_object("planted_mod:atomic_write_text", "rollout.dataset")
+    with pytest.raises(ConfigError, match="not in the allow-list"):
+        import_object("planted_mod:good", "rollout.dataset")  # the module itself is no longer listed
+
+
+def test_every_entry_the_ready_configs_name_resolves(monkeypatch):
+    """The configs in configs/ and the default loop class name registered entries of grpo_core only."""
+    from grpo_core.config import load_config
+
     monkeypatch.setenv(ALLOWED_MODULES_ENV, "")
-    from grpo_core.demo_rewards import numeric_answer_reward
+    from grpo_core.demo_rewards import answer_format_reward, even_token_reward, numeric_answer_reward
     from grpo_core.rollout.loop import RolloutLoop
 
-    assert import_object("grpo_core.demo_rewards:numeric_answer_reward", "f") is numeric_answer_reward
-    assert import_object("grpo_core.rollout.loop:RolloutLoop", "f") is RolloutLoop
-    assert import_object("grpo_core.rollout.loop:RolloutLoop.render", "f") is RolloutLoop.render
+    named = set()
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = load_config(path, [])
+        check_code_references(cfg)
+        for ref in code_references(cfg):
+            named.add(ref.spec)
+            assert import_object(ref.spec, ref.field) is not None
+    assert {f"grpo_core.demo_rewards:{f.__name__}" for f in (answer_format_reward, even_token_reward)} <= named
+    assert import_object("grpo_core.demo_rewards:numeric_answer_reward", "rollout.reward_functions[0]") is (
+        numeric_answer_reward
+    )
+    assert import_object("grpo_core.rollout.loop:RolloutLoop", "rollout.loop_class") is RolloutLoop
 
 
 def test_the_environment_variable_extends_the_allow_list_by_module_and_submodule(planted, monkeypatch):
-    cfg = RunConfig(rollout={"dataset": "planted_mod:run"})
+    cfg = RunConfig(rollout={"dataset": "planted_mod:good"})
     with pytest.raises(ConfigError):
         check_code_references(cfg)
     monkeypatch.setenv(ALLOWED_MODULES_ENV, "other, planted_mod")
     check_code_references(cfg)
     assert allowlist.is_allowed("planted_mod.sub") and not allowlist.is_allowed("planted_modx")
     assert not planted.exists()  # checking imports nothing
-    assert import_object("planted_mod:run", "rollout.dataset")() and planted.exists()
+    assert import_object("planted_mod:good", "rollout.dataset")() and planted.exists()
 
 
-def test_vllm_flags_that_load_code_are_names_of_code():
-    cfg = RunConfig(
-        server={
-            "extra_args": [
-                "--worker-extension-cls",
-                "evil.ext.Worker",
-                "--trust-remote-code",
-                "--middleware=a.b.mw,c.d",
-                "--max-num-seqs",
-                "8",
-            ]
-        }
+def _server_args(*args: str) -> RunConfig:
+    return RunConfig(server={"extra_args": list(args)})
+
+
+def test_vllm_flags_are_an_allow_list_not_a_deny_list():
+    """Tuning flags pass with nothing listed; any other flag (a KV-transfer config imports its connector's module,
+    --host opens a listener) must be listed itself, and the class path of a code-loading flag too."""
+    check_code_references(
+        _server_args("--max-num-seqs", "8", "--enable-prefix-caching", "--kv-cache-dtype=fp8", "--seed", "-1"),
+        ("grpo_core",),
     )
-    refs = {(r.spec, r.module) for r in code_references(cfg) if r.field.startswith("server")}
-    assert refs == {
-        ("evil.ext.Worker", "evil.ext"),
-        ("--trust-remote-code", "--trust-remote-code"),
-        ("a.b.mw", "a.b"),
-        ("c.d", "c"),
-    }
-    with pytest.raises(ConfigError, match=r"server.extra_args\[0\].*'evil.ext'"):
-        check_code_references(cfg, ("grpo_core",))
-    with pytest.raises(ConfigError, match=f"add --trust-remote-code to {ALLOWED_MODULES_ENV}"):
-        check_code_references(cfg, ("grpo_core", "evil"))
-    check_code_references(cfg, ("grpo_core", "evil", "a", "c", "--trust-remote-code"))
+    for args, why in [
+        (("--kv-transfer-config", '{"kv_connector_module_path": "evil"}'), "'--kv-transfer-config' is not a vLLM flag"),
+        (("--host", "0.0.0.0"), "'--host' is not a vLLM flag a run may set"),
+        (("--trust-remote-code",), f"add --trust-remote-code to {ALLOWED_MODULES_ENV}"),
+        (("--enforce-eager", "evil.py"), r"server.extra_args\[1\]='evil.py' is no vLLM flag"),
+        (("--enforce-eager=1",), "takes no value"),
+        (("--max-num-seqs",), "needs a value"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            check_code_references(_server_args(*args), ("grpo_core",))
+    cfg = _server_args("--worker-extension-cls", "evil.ext.Worker", "--middleware=a.b.mw,c.d", "--trust-remote-code")
+    refs = [r.spec for r in code_references(cfg) if r.field.startswith("server")]
+    assert refs == ["--worker-extension-cls", "evil.ext.Worker", "--middleware", "a.b.mw", "c.d", "--trust-remote-code"]
+    with pytest.raises(ConfigError, match=r"server.extra_args\[0\]='--worker-extension-cls'"):
+        check_code_references(cfg, ("grpo_core", "evil", "a", "c"))  # modules no longer admit a flag or a class
+    with pytest.raises(ConfigError, match=r"'evil.ext.Worker' names code vLLM imports"):
+        check_code_references(cfg, ("grpo_core", "evil", "--worker-extension-cls", "--middleware"))
+    check_code_references(cfg, ("grpo_core", *refs))
 
 
 def _cli(tmp_path: Path, *args: str, allowed: str = "") -> subprocess.CompletedProcess:

@@ -23,6 +23,7 @@ from typing import Any
 
 from grpo_core.allowlist import import_object
 from grpo_core.config import RolloutConfig
+from grpo_core.entries import config_entry
 from grpo_core.errors import ConfigError, did_you_mean
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
@@ -85,6 +86,7 @@ def extract_answer(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+@config_entry("reward")
 def reasoning_gym_reward(
     completions: list[list[dict[str, Any]]],
     rg_task: list[str] | None = None,

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from grpo_core.config import RolloutConfig
+from grpo_core.entries import config_entry
 from grpo_core.errors import RolloutError, ServerRequestError, UserCodeError, UserCodeTimeout
 from grpo_core.transport.types import ResumeState
 
@@ -113,6 +114,7 @@ class LoopRuntime:
     completions: CompletionSample | None = None
 
 
+@config_entry("loop_class")
 class RolloutLoop:
     """Generates, scores and queues groups. Override the hooks to customise a run."""
 
