@@ -220,9 +220,15 @@ def _mean(values: list[float]) -> float:
 def figures(records: list[dict], warmup: int) -> dict:
     """Steady-state figures of one run from its per-step metrics (DESIGN.md §7 names)."""
     steady = [r for r in records if r.get("step", 0) > warmup] or records
-    col = lambda key, rs=steady: [r[key] for r in rs if key in r]
+
+    def col(key: str, rs: list[dict] = steady) -> list:
+        return [r[key] for r in rs if key in r]
+
     step_s = sum(col("perf/step_s"))
-    rate = lambda key: sum(col(key)) / step_s if step_s else float("nan")
+
+    def rate(key: str) -> float:
+        return sum(col(key)) / step_s if step_s else float("nan")
+
     staleness0 = col("sampling/importance_sampling_ratio/staleness0_mean", records)
     fresh = [
         (

@@ -8,10 +8,10 @@ sampler served before any update):
 * ``hf_fp32``: Hugging Face transformers, fp32, eager attention, one sequence at a time (the reference);
 * ``hf_bf16``: the same in bf16 (logits upcast to fp32 before the softmax, as vLLM's sampler);
 * ``trainer``: the trainer's own path: :class:`grpo_core.train.trainer.Trainer` built from the run config
-  (``--config``, a whole run config, or defaults; its trainer sub-config as the flow gives it), the sequences packed into tree rows by its planner and packer under the
-  run's token budget, padded to its length buckets, FlexAttention block masks and ``torch.compile`` on
-  CUDA, FSDP2 mixed precision, and the fused log-prob head (:meth:`Trainer.row_loss`, then the backward
-  as in training; no optimizer step).
+  (``--config``, a whole run config, or defaults; its trainer sub-config as the flow gives it), the sequences
+  packed into tree rows by its planner and packer under the run's token budget, padded to its length buckets,
+  FlexAttention block masks and ``torch.compile`` on CUDA, FSDP2 mixed precision, and the fused log-prob head
+  (:meth:`Trainer.row_loss`, then the backward as in training; no optimizer step).
 
 Printed: for each path, the mean of exp(log π − log μ) over the sampled tokens (the staleness-0
 importance ratio; 1 when both sides compute the same distribution: E_μ[π/μ] = 1), mean and max
@@ -369,7 +369,8 @@ def print_report(results: dict) -> None:
             )
     print("\ntrainer vs hf_fp32 per packed row:")
     print(
-        f"{'row':>5}{'step':>5}{'mb':>4}{'row_len':>9}{'bucket':>8}{'tokens':>8}{'mean exp(Δ)':>14}{'mean |Δ|':>12}{'max |Δ|':>12}"
+        f"{'row':>5}{'step':>5}{'mb':>4}{'row_len':>9}{'bucket':>8}{'tokens':>8}"
+        f"{'mean exp(Δ)':>14}{'mean |Δ|':>12}{'max |Δ|':>12}"
     )
     for r in results["trainer_rows"]:
         print(

@@ -283,7 +283,11 @@ def bench_workload(name: str, samples: list[Sample], args: argparse.Namespace) -
         if backend == "rust":  # warm-up (first-call allocations), untimed
             pack_with_grpo_flow(backend, batches[:2], args.ranks, args.budget)
         repeat = args.rust_repeat if backend == "rust" else 1
-        res = measure(lambda: pack_with_grpo_flow(backend, batches, args.ranks, args.budget), args.budget, repeat)
+        res = measure(
+            lambda backend=backend, batches=batches: pack_with_grpo_flow(backend, batches, args.ranks, args.budget),
+            args.budget,
+            repeat,
+        )
         results.append({"workload": name, "backend": backend} | res)
     if trl_available() and not args.no_trl:
         trl_samples = to_trl_samples(groups_prefix(samples, args.trl_groups))

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             teardown(handles)
     results["naive"] = naive_loop(args.model, prompts(tokenizer, args.naive_requests), args.max_tokens, args.threads)
-    for name, row in results.items():
+    for row in results.values():
         row["speedup_vs_naive"] = row["tokens_per_s"] / results["naive"]["tokens_per_s"]
     return {
         "benchmark": "serving",

@@ -35,7 +35,8 @@ grpo-flow drops them before its trainer; besides TRL's own trained tokens/s the 
 the samples TRL pulled with a non-zero advantage (``signal_tokens_per_s_*``) and the speed-up against each, both
 over TRL's steady steps (``*_steady``), as grpo-flow's rates are; ``*_wall`` also counts TRL's start-up.
 
-    python benchmarks/trl_async_grpo.py --config configs/gpu-1xh200.yaml --steps 30 --out $OUT --compare $OUT/summary.json
+    python benchmarks/trl_async_grpo.py --config configs/gpu-1xh200.yaml --steps 30 --out $OUT \
+        --compare $OUT/summary.json
     python benchmarks/trl_async_grpo.py --dry-run            # CPU: builds everything but the trainer; lists blockers
 """
 

@@ -118,7 +118,8 @@ def url_port(parts: urllib.parse.SplitResult) -> int:
 
 def _check_fixed_ports(cfg: RunConfig) -> None:
     """Refuse two of the run's listeners on one fixed port of the flow's host: the replicas it starts
-    (``server.port`` + i) or those of ``server.urls`` on loopback, the router (``server.router_port``) and the rollout's Flight server
+    (``server.port`` + i) or those of ``server.urls`` on loopback, the router (``server.router_port``) and the rollout's
+    Flight server
     (``rollout.flight_port``); the later one would fail to start after the others (0 = a free port, never shared).
 
     Raises:
@@ -732,7 +733,8 @@ class TrainConfig(_Strict):
     max_grad_norm: float = Field(default=1.0, ge=0)
     """Gradient clipping by global norm; 0 = off."""
     max_nonfinite_steps: int = Field(default=10, ge=1)
-    """Steps in a row whose gradient norm is NaN/inf (each skipped: no update, sync or save) after which the run fails."""
+    """Steps in a row whose gradient norm is NaN/inf (each skipped: no update, sync or save) after which the run
+    fails."""
     max_untrainable_groups: int = Field(default=256, ge=1)
     """Groups in a row without a trainable sample (all rewards equal, stale, longer than the token budget)
     after which the run fails, naming the cause."""

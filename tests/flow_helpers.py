@@ -88,7 +88,8 @@ def varied_reward(completion_ids, **_):
 
 class RetryTransport(httpx.HTTPTransport):
     """Retries the answers a loaded Prefect server gives for a moment (429/502/503), as Prefect's own
-    client does (PREFECT_CLIENT_MAX_RETRIES, with jittered backoff); anything else, and the last attempt, is returned as is."""
+    client does (PREFECT_CLIENT_MAX_RETRIES, with jittered backoff); anything else, and the last attempt, is returned
+    as is."""
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         for attempt in range(6):

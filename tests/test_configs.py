@@ -163,7 +163,7 @@ def test_num_replicas_that_contradicts_server_urls_is_refused(urls):
     """``server.num_replicas`` counts the servers the flow starts; with ``server.urls`` each URL is a replica, so
     another count was silently ignored: refused, naming both fields and the fix."""
     with pytest.raises(
-        ValueError, match=r"server.num_replicas \(2\).*server.urls lists %d.*list every replica's URL" % len(urls)
+        ValueError, match=rf"server.num_replicas \(2\).*server.urls lists {len(urls)}.*list every replica's URL"
     ):
         RunConfig.model_validate({"server": {"urls": urls, "num_replicas": 2}})
     assert RunConfig.model_validate({"server": {"urls": urls[:2], "num_replicas": len(urls[:2])}}).server.urls
@@ -175,7 +175,8 @@ def test_num_replicas_that_contradicts_server_urls_is_refused(urls):
     [
         (
             ["server.port=8000", "server.num_replicas=2", "server.router_port=8001"],
-            "server.router_port (8001) is also server.port + 1 (replica 1): two of the run's listeners cannot share a port; "
+            "server.router_port (8001) is also server.port + 1 (replica 1): two of the run's listeners cannot share a "
+            "port; "
             "choose another server.router_port (0 = a free one)",
         ),
         (["server.port=8000", "server.router_port=8000"], "server.router_port (8000) is also server.port:"),
@@ -193,7 +194,8 @@ def test_num_replicas_that_contradicts_server_urls_is_refused(urls):
         ),
         (
             ["server.num_replicas=2", "server.gpu_ids=[0, 1, 2]"],
-            "server.gpu_ids lists 3 GPUs but server.num_replicas * server.tensor_parallel_size = 2: the last 1 would hold "
+            "server.gpu_ids lists 3 GPUs but server.num_replicas * server.tensor_parallel_size = 2: the last 1 would "
+            "hold "
             "no replica; list 2, or raise server.num_replicas to use them",
         ),
     ],

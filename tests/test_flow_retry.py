@@ -80,8 +80,8 @@ cfg = load_config(sys.argv[1], sys.argv[2:])
 state = grpo_train(cfg, return_state=True)
 with get_client(sync_client=True) as client:
     run = client.read_flow_run(state.state_details.flow_run_id)
-print("RESULT " + json.dumps({"state": state.type.value, "run_count": run.run_count, "retries": run.empirical_policy.retries,
-                              "message": state.message}))
+print("RESULT " + json.dumps({"state": state.type.value, "run_count": run.run_count,
+                              "retries": run.empirical_policy.retries, "message": state.message}))
 """
 
 

@@ -99,7 +99,10 @@ def reference_loss(model, samples, settings, normaliser):
 
 def packed_loss(model, samples, settings, normaliser):
     row = get_packer("rust").pack_row(samples, 1024)
-    col = lambda n: torch.from_numpy(row.column(n).copy())
+
+    def col(n):
+        return torch.from_numpy(row.column(n).copy())
+
     topk = row.loss.column("sampler_topk_ids")
     topk_ids = torch.as_tensor(np.stack(topk.to_numpy(zero_copy_only=False)), dtype=torch.long)
     topk_mu = torch.as_tensor(

@@ -106,7 +106,7 @@ def test_concurrent_builders_build_once():
     def build() -> None:
         try:
             results.append(resolve_model_dir(ModelConfig(name="tiny-qwen3", seed=7)))
-        except Exception as exc:  # collected and re-raised below
+        except Exception as exc:  # noqa: BLE001 - collected and re-raised below
             errors.append(exc)
 
     threads = [threading.Thread(target=build) for _ in range(4)]

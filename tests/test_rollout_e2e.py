@@ -165,10 +165,13 @@ def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_
 
 def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp_path):
     config = _config(max_failed_groups=2, **rows(6), reward_functions=["rollout_helpers:raising_reward"])
-    with rollout(server, tmp_path, config) as source, pytest.raises(
-        TransportError,
-        match=r"3 groups failed in user code, more than rollout.max_failed_groups"
-        r"=2; the last: reward function 'raising_reward' raised RuntimeError",
+    with (
+        rollout(server, tmp_path, config) as source,
+        pytest.raises(
+            TransportError,
+            match=r"3 groups failed in user code, more than rollout.max_failed_groups"
+            r"=2; the last: reward function 'raising_reward' raised RuntimeError",
+        ),
     ):
         drain(source)
     assert "raising_reward" in (tmp_path / "rollout_error.txt").read_text()
@@ -246,9 +249,11 @@ def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):
 
 
 def test_epoch_rejecting_every_prompt_raises(server, tmp_path):
-    with rollout(server, tmp_path, _config(**rows(3), loop_class="rollout_helpers:RejectAllLoop")) as source:
-        with pytest.raises(TransportError, match="rejected all 3 prompts of epoch 0"):
-            drain(source)
+    with (
+        rollout(server, tmp_path, _config(**rows(3), loop_class="rollout_helpers:RejectAllLoop")) as source,
+        pytest.raises(TransportError, match="rejected all 3 prompts of epoch 0"),
+    ):
+        drain(source)
 
 
 def test_environments_with_tool_calls_routed_by_column(server, tmp_path):

@@ -416,8 +416,8 @@ def _router(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
         (["--url", "http://gpu-1:8000/v1"], "--url: 'http://gpu-1:8000/v1' ends in /v1"),
         (
             ["--url", "http://gpu-1:8000", "--route-imbalance", "-1", "--control-timeout-s", "0"],
-            "--route-imbalance: Input should be greater than or equal to 0; --control-timeout-s: Input should be greater "
-            "than 0",
+            "--route-imbalance: Input should be greater than or equal to 0; "
+            "--control-timeout-s: Input should be greater than 0",
         ),
     ],
 )

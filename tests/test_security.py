@@ -159,7 +159,7 @@ class _Foreign(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b'{"status": "ok"}')
 
-    do_GET = do_POST = _answer
+    do_GET = do_POST = _answer  # noqa: N815 - http.server's method names
 
     def log_message(self, *args: object) -> None:
         pass

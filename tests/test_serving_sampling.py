@@ -67,7 +67,10 @@ def _seeded(seeds: list[int], **kw) -> RowSampling:
 
 def test_a_seed_repeats_its_draws_and_different_seeds_differ():
     logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0))
-    draws = lambda seeds: torch.stack([sample_tokens(logits, p)[0] for p in [_seeded(seeds)] for _ in range(40)])
+
+    def draws(seeds):
+        return torch.stack([sample_tokens(logits, p)[0] for p in [_seeded(seeds)] for _ in range(40)])
+
     first, again = draws(list(range(8))), draws(list(range(8)))
     assert torch.equal(first, again)  # 40 successive draws per row, same seeds: same tokens
     other = draws(list(range(100, 108)))

@@ -31,7 +31,7 @@ def is_async(func: Callable[..., Any]) -> bool:
     """Whether calling ``func`` gives a coroutine (async functions, partials of them, async ``__call__``)."""
     while isinstance(func, functools.partial):
         func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004 - the method itself
 
 
 class _Interrupted(BaseException):

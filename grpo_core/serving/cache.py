@@ -12,10 +12,14 @@ the recurrent states and left-pads only the attention layers, as continuous batc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -28,7 +32,7 @@ def left_pad(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
-def has_linear_layers(config) -> bool:
+def has_linear_layers(config: PretrainedConfig) -> bool:
     """Whether the model's decoder has linear-attention (recurrent) layers."""
     text = config.get_text_config(decoder=True)
     return "linear_attention" in (getattr(text, "layer_types", None) or [])
@@ -59,7 +63,7 @@ class BatchCache:
             )
         return cls(layers, tuple(linear))
 
-    def to_dynamic_cache(self, config) -> DynamicCache:
+    def to_dynamic_cache(self, config: PretrainedConfig) -> DynamicCache:
         """A transformers cache holding this state (the next forward appends to it)."""
         if not any(self.linear):
             return DynamicCache(ddp_cache_data=self.layers)
@@ -96,7 +100,7 @@ class BatchCache:
         return BatchCache(layers, self.linear)
 
 
-def new_cache(config) -> DynamicCache:
+def new_cache(config: PretrainedConfig) -> DynamicCache:
     """An empty cache: one layer object per decoder layer of a hybrid model (its recurrent layers
     look their state up by index), else layers created as the forward fills them."""
     return DynamicCache(config=config) if has_linear_layers(config) else DynamicCache()

@@ -18,7 +18,9 @@ import json
 import logging
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -88,7 +90,7 @@ class FlightSource:
         if self.process is not None and self.process.poll() is not None:
             raise self._fail(f"the rollout process (pid {self.process.pid}) exited with code {self.process.returncode}")
 
-    def _rpc(self, call, *args):  # noqa: ANN001, ANN202 - thin wrapper over a Flight call
+    def _rpc(self, call: Callable[..., Any], *args: Any) -> Any:
         """Run a Flight call; connection failures raise TransportError after ``timeout_s`` without contact."""
         while True:
             self._check_process()
