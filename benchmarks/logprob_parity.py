@@ -221,9 +221,9 @@ def trainer_logprobs(args, seqs: list[Sequence], sampling: dict) -> dict:
                 for rt in tensors:
                     rt.tree_mask = trainer.flex.build(rt.tree_mask.subtree_end, rt.tree_mask.length)
                     rt.tree_mask.owner = None  # let the stale masks through the policy's check
-            for mb, (row, rt, n) in enumerate(zip(rows, tensors, terms)):
+            for mb, (row, rt, norm) in enumerate(zip(rows, tensors, trainer.loss_normalisers(terms))):
                 row_steps.append([step, mb])
-                res = trainer.row_loss(rt, n, len(rows))
+                res = trainer.row_loss(rt, norm)
                 res.loss.backward()
                 trainer.optimizer.zero_grad(set_to_none=True)
                 _scatter(

@@ -742,6 +742,11 @@ class TrainConfig(_Strict):
     """Optimizer steps to train."""
     gradient_accumulation_steps: int = Field(default=1, ge=1)
     """Micro-batches per optimizer step."""
+    loss_normalization: Literal["step_tokens", "micro_batch"] = "step_tokens"
+    """What the loss sum is divided by: ``step_tokens`` = the trained tokens of the whole optimizer step (every
+    micro-batch, every rank), so the gradient does not depend on how the step was split into micro-batches;
+    ``micro_batch`` = each micro-batch by its own trained tokens, the micro-batches averaged (the rule before
+    2026-12: a token of a short micro-batch weighs more)."""
     clip_min: float = Field(default=0.5, gt=0)
     """Masked importance sampling: lowest ratio π/μ kept."""
     clip_max: float = Field(default=5.0, gt=0)

@@ -14,9 +14,15 @@ the loss entirely (masked importance sampling, MIS).
 * ``score_centering=False``: the clipped surrogate
   ``min(r·A, clip(r, 1−ε, 1+ε_high)·A)`` (PPO/GRPO), on the same MIS mask.
 
-The sum over loss terms is divided by ``num_trained_global``: the trained
-tokens of the micro-batch across all ranks, times the gradient-accumulation
-steps, so that accumulating micro-batches averages them.
+The sum over loss terms is divided by ``num_trained_global``, which
+:func:`loss_normalisers` gives per micro-batch. By default
+(``train.loss_normalization: step_tokens``, DESIGN.md §5 revised 2026-12) it is
+the trained tokens of the whole optimizer step (every micro-batch of the
+accumulation window, across all ranks), so every trained token of the step
+weighs the same and the gradient does not depend on how the packer split the
+step. ``micro_batch`` keeps the former rule (each micro-batch normalised by its
+own trained tokens, the micro-batches averaged), under which a token in a short
+micro-batch weighs more than one in a long micro-batch.
 
 Masking semantics (keep them in any fused or chunked rewrite): a term is kept
 when its log-ratio ``log π − log μ`` is finite and ``r`` lies in
@@ -33,7 +39,9 @@ that step (``train/skipped_nonfinite_steps``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -57,6 +65,47 @@ class LossSettings:
     epsilon_high: float | None = None
 
 
+LossNormalization = Literal["step_tokens", "micro_batch"]
+
+
+def loss_normalisers(
+    trained_per_micro_batch: Sequence[int], world_size: int, normalization: LossNormalization = "step_tokens"
+) -> list[float]:
+    """The divisor of each micro-batch's loss on every rank (``num_trained_global`` of :func:`grpo_loss`).
+
+    Each rank's gradient is averaged over the ranks by FSDP2's reduce-scatter (a mean), so the divisors are
+    divided by ``world_size`` to make the step's gradient the one of a sum over every rank's terms.
+
+    * ``step_tokens`` (default; DESIGN.md §5 "Loss", revised 2026-12): every micro-batch is divided by the
+      trained tokens of the whole step, ``N = Σ_m N_m``, so the step's gradient is that of
+      ``-(1/N) Σ_{all trained tokens} term`` however the step was split into micro-batches and ranks
+      (the "token-level" aggregation of DAPO, Yu et al. 2025, §3.3, over the accumulation window).
+    * ``micro_batch`` (the rule before 2026-12): micro-batch ``m`` is divided by ``N_m · M``, i.e. the mean of
+      the micro-batches' per-token means.
+
+    Args:
+        trained_per_micro_batch: ``N_m``, the trained tokens (loss terms) of each micro-batch of the step,
+            summed over all ranks.
+        world_size: data-parallel ranks.
+        normalization: ``step_tokens`` or ``micro_batch`` (``train.loss_normalization``).
+
+    Returns:
+        One divisor per micro-batch, each > 0 (a step or micro-batch without a trained token counts as 1,
+        its loss being 0 anyway).
+
+    Raises:
+        ValueError: an unknown ``normalization`` or ``world_size`` < 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    num = len(trained_per_micro_batch)
+    if normalization == "step_tokens":
+        return [max(sum(trained_per_micro_batch), 1) / world_size] * num
+    if normalization == "micro_batch":
+        return [max(n, 1) * num / world_size for n in trained_per_micro_batch]
+    raise ValueError(f"train.loss_normalization must be 'step_tokens' or 'micro_batch', got {normalization!r}")
+
+
 def grpo_loss(
     logprobs: Tensor,
     sampler_logprobs: Tensor,
@@ -72,7 +121,7 @@ def grpo_loss(
         logprobs: ``float[M]`` trainer log π of each trained token (differentiable).
         sampler_logprobs: ``float[M]`` sampler log μ of the same tokens.
         advantages: ``float[M]``.
-        num_trained_global: normaliser (see module docs), > 0.
+        num_trained_global: normaliser, > 0: the micro-batch's entry of :func:`loss_normalisers`.
         settings: :class:`LossSettings`.
         topk_logprobs: ``float[M, k]`` trainer log π at the sampler's top-k ids
             (``-inf`` = padding); needed with score centering.

@@ -40,7 +40,7 @@ class LossInputs:
     Attributes:
         sampler_logprobs, advantages: ``float32[M]``.
         sampler_topk_logprobs: ``float32[M, k]`` or None.
-        normaliser: the loss's divisor (trained tokens of the micro-batch across ranks × accumulation steps).
+        normaliser: the loss's divisor (``grpo_core.train.loss.loss_normalisers``).
         settings: :class:`LossSettings`.
     """
 

@@ -32,7 +32,7 @@ from grpo_core.transport.types import ResumeState, SampleSource
 from . import checkpoint
 from .attention import FlexTreeMasks
 from .distributed import RESYNC, ROW, STOP, World, broadcast_header, scatter_rows
-from .loss import LossSettings
+from .loss import LossSettings, loss_normalisers
 from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, shard
 from .planner import PlannedStep, Planner
 from .export import export_final_model
@@ -280,8 +280,8 @@ class Trainer:
 
     def collect_step(self) -> tuple[list, list[int], PlannedStep | None]:
         """Rank 0 plans the step; every rank gets its row of each micro-batch ([] = stop) and the
-        micro-batches' loss terms summed over ranks (the loss normalisers). Replicas the rollout reports behind
-        the policy version are synced first (:meth:`sync_servers`, at most once per policy version)."""
+        micro-batches' loss terms summed over ranks (for :meth:`loss_normalisers`). Replicas the rollout reports
+        behind the policy version are synced first (:meth:`sync_servers`, at most once per policy version)."""
         gas = self.cfg.train.gradient_accumulation_steps
         while True:
             planned, header = None, None
@@ -311,9 +311,16 @@ class Trainer:
             return to_tensors(row, self.world.device)
         return to_tensors(row, self.world.device, bucket_length(max(row.num_forwarded, 1), self.buckets))
 
-    def row_loss(self, rt, num_terms_global: int, num_micro_batches: int):
+    def loss_normalisers(self, terms: list[int]) -> list[float]:
+        """Each micro-batch's loss divisor on this rank from the step's loss terms per micro-batch summed over ranks
+        (:meth:`collect_step`), by ``train.loss_normalization`` (:func:`~grpo_core.train.loss.loss_normalisers`):
+        by default the trained tokens of the whole step, known to every rank before the first backward."""
+        return loss_normalisers(terms, self.world.world_size, self.cfg.train.loss_normalization)
+
+    def row_loss(self, rt, normaliser: float):
         """Forward one row of a micro-batch through the fused head: its :class:`~grpo_core.train.logprobs.HeadLoss`
-        (loss ready for backward, per-term log-probs and statistics), as training computes it.
+        (loss ready for backward, per-term log-probs and statistics), as training computes it. ``normaliser``: the
+        micro-batch's entry of :meth:`loss_normalisers`.
 
         On CUDA the row's FlexAttention mask is built here, just before its forward: every row of a
         length bucket shares one ``subtree_end`` buffer (:class:`~grpo_core.train.attention.FlexTreeMasks`),
@@ -322,13 +329,12 @@ class Trainer:
         """
         if self.flex is not None and rt.tree_mask.block_mask is None:
             rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, rt.tree_mask.length)
-        normaliser = max(num_terms_global, 1) * num_micro_batches / self.world.world_size
         return self.policy.grpo_loss(rt, self.loss_settings, normaliser)
 
-    def forward_backward(self, rt, num_terms_global: int, num_micro_batches: int) -> dict:
+    def forward_backward(self, rt, normaliser: float) -> dict:
         """One micro-batch on this rank: fused head loss (:meth:`row_loss`), backward; returns its statistics as
         device tensors."""
-        res = self.row_loss(rt, num_terms_global, num_micro_batches)
+        res = self.row_loss(rt, normaliser)
         res.loss.backward()
         st, n = res.stats, rt.num_terms
         staleness = (self.policy_version - rt.policy_version).float()
@@ -448,7 +454,7 @@ class Trainer:
         tensors = [self._tensors(r) for r in rows]
         collect_s = time.perf_counter() - t0
         marks = {"start": start, "fb": self.clock.mark()}
-        local = [self.forward_backward(rt, n, len(rows)) for rt, n in zip(tensors, terms)]
+        local = [self.forward_backward(rt, norm) for rt, norm in zip(tensors, self.loss_normalisers(terms))]
         marks["fb_end"] = self.clock.mark()
         self.flush_log()  # the previous step's values are ready; this step's work is queued
         opt = self.optimizer_step()
