@@ -16,8 +16,9 @@ import re
 import typing
 import urllib.parse
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -96,7 +97,8 @@ class _Strict(BaseModel):
         """pydantic takes ``true`` as 1 for an int or float field (``train.max_steps: true`` trained 1 step):
         a bool, alone or in a list, is refused where a number is expected."""
         items = value if isinstance(value, list | tuple) else [value]
-        if any(isinstance(v, bool) for v in items) and _number_field(cls.model_fields[info.field_name].annotation):
+        field = cls.model_fields.get(info.field_name or "")  # always set for a field validator
+        if any(isinstance(v, bool) for v in items) and field is not None and _number_field(field.annotation):
             if isinstance(value, bool):
                 raise ValueError(f"{str(value).lower()} is a boolean, not a number; write a number")
             raise ValueError("holds a boolean (true/false) where a number goes; write numbers")
@@ -161,6 +163,9 @@ def _view(owner: type[_Strict], names: tuple[str, ...], base: type[_Strict], doc
 class _ServerKey(_Strict):
     """The servers' bearer token (``api_key``), resolved the same way by every process that talks to them."""
 
+    if TYPE_CHECKING:  # the field of the subclass or view (not declared here: pydantic would make it a field)
+        api_key: SecretStr | None
+
     def resolved_api_key(self) -> str | None:
         """The bearer token: ``api_key``, else ``$GRPO_SERVER_API_KEY``, else None."""
         if self.api_key is not None:
@@ -170,6 +175,11 @@ class _ServerKey(_Strict):
 
 class _CandidateFilter(_Strict):
     """Whether the sampler's settings shrink its candidate set (``top_k``, ``top_p``, ``min_p``)."""
+
+    if TYPE_CHECKING:  # the fields of the subclass or view
+        top_k: int
+        top_p: float
+        min_p: float
 
     def uses_candidate_filter(self) -> bool:
         """Whether top-k/top-p/min-p shrink the sampler's candidate set."""
@@ -613,7 +623,8 @@ class LoraConfig(_Strict):
     alpha: float = Field(default=32.0, gt=0)
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Dropout on the adapter input."""
+    """Ignored: the trainer turns every dropout off, the adapter's included, so its log-probs are the sampler's
+    (DESIGN.md §5); a value above 0 is warned about."""
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
@@ -1017,33 +1028,39 @@ TRAINER_SERVER_FIELDS = (
 TRAINER_PACKING_FIELDS = ("backend",)
 TRAINER_EXPORT_FIELDS = ("max_shard_size",)
 
-TrainerRolloutView = _view(
-    RolloutConfig,
-    TRAINER_ROLLOUT_FIELDS,
-    _CandidateFilter,
-    "The rollout settings the trainer reads (``rollout.*``, owned by the rollout section): staleness, the sampler's "
-    "settings (the log-prob head matches them), the group size, and what identifies the dataset (the checkpoint's "
-    "fingerprint).",
-)
-TrainerServerView = _view(
-    ServerConfig,
-    TRAINER_SERVER_FIELDS,
-    _ServerKey,
-    "The server settings the trainer's weight sync reads (``server.*``): the bearer token, the control fan-out's "
-    "retries and the vLLM weight-transfer backend.",
-)
-TrainerPackingView = _view(
-    PackingConfig,
-    TRAINER_PACKING_FIELDS,
-    _Strict,
-    "The packer backend the trainer's planner uses (``packing.backend``).",
-)
-TrainerExportView = _view(
-    ExportConfig,
-    TRAINER_EXPORT_FIELDS,
-    _Strict,
-    "The export setting the trainer's final ``save_pretrained`` reads (``export.max_shard_size``).",
-)
+if TYPE_CHECKING:  # each view has a subset of its owner's fields, made at runtime (create_model)
+    TrainerRolloutView = RolloutConfig
+    TrainerServerView = ServerConfig
+    TrainerPackingView = PackingConfig
+    TrainerExportView = ExportConfig
+else:
+    TrainerRolloutView = _view(
+        RolloutConfig,
+        TRAINER_ROLLOUT_FIELDS,
+        _CandidateFilter,
+        "The rollout settings the trainer reads (``rollout.*``, owned by the rollout section): staleness, the "
+        "sampler's settings (the log-prob head matches them), the group size, and what identifies the dataset (the "
+        "checkpoint's fingerprint).",
+    )
+    TrainerServerView = _view(
+        ServerConfig,
+        TRAINER_SERVER_FIELDS,
+        _ServerKey,
+        "The server settings the trainer's weight sync reads (``server.*``): the bearer token, the control fan-out's "
+        "retries and the vLLM weight-transfer backend.",
+    )
+    TrainerPackingView = _view(
+        PackingConfig,
+        TRAINER_PACKING_FIELDS,
+        _Strict,
+        "The packer backend the trainer's planner uses (``packing.backend``).",
+    )
+    TrainerExportView = _view(
+        ExportConfig,
+        TRAINER_EXPORT_FIELDS,
+        _Strict,
+        "The export setting the trainer's final ``save_pretrained`` reads (``export.max_shard_size``).",
+    )
 
 
 class TrainerProcessConfig(_Strict):
@@ -1252,7 +1269,7 @@ class RunConfig(_Strict):
     def trainer_process(self) -> TrainerProcessConfig:
         """The trainer's sub-config (its section plus the values it reads from their owners)."""
 
-        def pick(section: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
+        def pick(section: BaseModel, names: tuple[str, ...]) -> Any:  # a dict pydantic validates into the view
             return {name: getattr(section, name) for name in names}
 
         return TrainerProcessConfig(
@@ -1426,7 +1443,7 @@ def _field_path(kind: type[BaseModel], loc: tuple) -> str:
     return path
 
 
-def _error_lines(kind: type[BaseModel], errors: list[dict]) -> list[str]:
+def _error_lines(kind: type[BaseModel], errors: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per field of a pydantic ValidationError: ``path: message``. An unknown key gets the section's
     closest field names; a ConfigError from a cross-field check is its own message (it names its fields); the
     failed members of a union are joined on one line."""
@@ -1467,7 +1484,7 @@ def _error_lines(kind: type[BaseModel], errors: list[dict]) -> list[str]:
     ]
 
 
-def _shown(errors: list[dict], path: str, kind: type[BaseModel]) -> str:
+def _shown(errors: Sequence[Mapping[str, Any]], path: str, kind: type[BaseModel]) -> str:
     """The input at ``path`` of the first error there, for a union's joined line."""
     for err in errors:
         if _field_path(kind, tuple(err["loc"])) == path:

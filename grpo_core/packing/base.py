@@ -196,7 +196,7 @@ BUILTIN_PACKERS = {
 
 
 @functools.cache
-def _entry_points() -> dict[str, object]:
+def _entry_points() -> dict[str, EntryPoint]:
     eps = {name: EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in BUILTIN_PACKERS.items()}
     eps.update({ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)})
     return eps

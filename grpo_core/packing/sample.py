@@ -48,7 +48,7 @@ class TokenLists:
         if not isinstance(other, TokenLists):
             return NotImplemented
         same_lp = (self.logprobs is None) == (other.logprobs is None) and (
-            self.logprobs is None or np.array_equal(self.logprobs, other.logprobs)
+            self.logprobs is None or other.logprobs is None or np.array_equal(self.logprobs, other.logprobs)
         )
         return np.array_equal(self.offsets, other.offsets) and np.array_equal(self.ids, other.ids) and same_lp
 

@@ -195,8 +195,11 @@ class FlightSource:
         """Drop samples more than ``max_staleness`` versions old; prompts left with no sample count as consumed."""
         if table.num_rows == 0:
             return table, [], 0
-        fresh = pc.less_equal(
-            pc.subtract(pa.scalar(policy_version, pa.int32()), table["policy_version"]),
+        # pyarrow.compute's functions are made at import: its stubs lack them
+        fresh = pc.less_equal(  # pyright: ignore[reportAttributeAccessIssue]
+            pc.subtract(  # pyright: ignore[reportAttributeAccessIssue]
+                pa.scalar(policy_version, pa.int32()), table["policy_version"]
+            ),
             pa.scalar(self.max_staleness, pa.int32()),
         )
         kept = table.filter(fresh)
