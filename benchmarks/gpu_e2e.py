@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from grpo_core.auth import TOKEN_ENV, bearer_headers, ensure_run_token, run_token  # noqa: E402
 from grpo_core.lifeline import interruptible  # noqa: E402
 from grpo_core.metrics import JsonlSink  # noqa: E402
+from grpo_core.run.children import signal_group, start_child, stop_child  # noqa: E402
 from grpo_core.serving.client import parse_metrics  # noqa: E402
 
 RUNS = {
@@ -116,14 +117,12 @@ def _stop_flow(proc: subprocess.Popen, grace_s: float) -> int:
     stop always completes. Returns the flow's exit code."""
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        os.killpg(proc.pid, signal.SIGINT)
+        signal_group(proc.pid, signal.SIGINT)
         try:
             return proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_child(proc, timeout_s=0)
             return proc.wait()
-    except ProcessLookupError:
-        return proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -156,14 +155,8 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
     with log.open("w") as f:
         # The run's token comes from here (the flow uses GRPO_RUN_TOKEN when set), so the sampler may read /metrics.
         # SIGINT's default action in the flow, which _stop_flow relies on, even when this script is a background job
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,
-            env={**os.environ, TOKEN_ENV: ensure_run_token()},
-            preexec_fn=interruptible,
+        proc = start_child(
+            cmd, stdout=f, cwd=ROOT, env={**os.environ, TOKEN_ENV: ensure_run_token()}, preexec_fn=interruptible
         )
         try:
             code = proc.wait(timeout=args.timeout_s)

@@ -15,7 +15,7 @@ import yaml
 
 from grpo_core.metrics import JsonlSink
 from grpo_core.packing import write_samples_ipc
-from trainer import DEVICE, packer_name, print_table, qwen3_config, workload, write_json
+from grpo_core.run.children import start_child, stop_child
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Kept off in every child, as the machines that lend several GPUs require (NVLink multicast).
@@ -110,12 +110,11 @@ def torchrun(config: Path, nproc: int, log: Path, timeout_s: float) -> None:
         str(config),
     ]
     with open(log, "a") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_child(cmd, cwd=ROOT, env=env, stdout=f)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+            stop_child(proc, timeout_s=0)
             code = "timeout"
     if code != 0:
         raise RuntimeError(f"torchrun ({nproc} ranks) ended with {code}:\n" + log.read_text()[-3000:])

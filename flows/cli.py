@@ -17,7 +17,6 @@ name the field.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -376,8 +375,6 @@ def _run_config_of(run_id: str, overrides: list[str]) -> Path:
     import json
     import tempfile
 
-    from grpo_core import tracking
-
     from mlflow.exceptions import MlflowException
 
     from grpo_core.errors import ConfigError
@@ -417,8 +414,6 @@ def deploy(
     ] = None,
 ) -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
-    from pydantic import ValidationError
-
     from prefect.client.schemas.schedules import CronSchedule
 
     try:
@@ -440,8 +435,6 @@ def deploy(
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
     from flows.local_api import PrefectApiError, prepare_home
-    from grpo_core.errors import ConfigError, PortInUseError
-
     from grpo_core.allowlist import ALLOWED_MODULES_ENV, trust_config
 
     demo = _load(demo_config, [])
@@ -498,7 +491,7 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
     started (its uvicorn workers and job-runner consumers), so nothing is left behind. Returns its exit code."""
     import signal
 
-    from flows.processes import stop_process
+    from grpo_core.run.children import start_child, stop_child
 
     # The store URI and artifact root (credentials included) go by environment, not argv: argv is world-readable.
     cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
@@ -510,14 +503,14 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
-    process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    process = start_child(cmd, env=env)
     try:
         return process.wait()
     except KeyboardInterrupt:
         console.print("stopping the MLflow UI")
         return 0
     finally:
-        stop_process(process, timeout_s=15)
+        stop_child(process, timeout_s=15)
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -39,6 +39,7 @@ from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
 from flows.processes import RunProcesses, setup_logging
+from grpo_core.run import layout
 
 FLOW_NAME = "grpo-servers"
 ENTRYPOINT = "flows/grpo_servers.py:grpo_servers"
@@ -154,7 +155,7 @@ def _start(cfg: Any, procs: RunProcesses, log: Any) -> list[str]:
 
     backend = choose_backend(cfg)
     for i in range(cfg.server.num_replicas):
-        procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
+        procs.follow(cfg.server.log_dir / layout.replica_log(backend, i), log, f"[server {i}] ")
     procs.servers.extend(provision(cfg, token=procs.token))
     return [advertised(h.url, cfg.server.host, cfg.server.advertise_host) for h in procs.servers]
 

@@ -36,9 +36,10 @@ from flows.processes import REGISTRY, child_env, setup_logging, stream, wait_chi
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
 from grpo_core.rollout.process import LOCATION_FILE
+from grpo_core.run import layout
 
-RESOLVED_CONFIG = "run_config.json"
-TRAIN_CONFIG = "train_config.json"  # the trainer's sub-config (``RunConfig.trainer_process()``)
+RESOLVED_CONFIG = layout.RUN_CONFIG
+TRAIN_CONFIG = layout.TRAIN_CONFIG  # the trainer's sub-config (``RunConfig.trainer_process()``)
 
 
 class RunChildError(RuntimeError):
@@ -118,7 +119,7 @@ def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict
         pass
     cfg = config.model_copy(deep=True)
     cfg.train.output_dir = run_dir
-    cfg.server.log_dir = run_dir / "servers"
+    cfg.server.log_dir = run_dir / layout.SERVERS_DIR
     mlflow_run_id = None
     if cfg.tracking.enabled:
         from grpo_core import tracking
@@ -217,12 +218,12 @@ def provision_servers(run_dir: str) -> list[str]:
     else:
         backend = choose_backend(cfg)
         for i in range(cfg.server.num_replicas):
-            procs.follow(cfg.server.log_dir / f"{backend}-replica{i}.log", log, f"[server {i}] ")
+            procs.follow(cfg.server.log_dir / layout.replica_log(backend, i), log, f"[server {i}] ")
         handles = provision(cfg, token=procs.token)
         procs.servers.extend(handles)
         urls = [h.url for h in handles]
     if cfg.server.router_port is not None:
-        procs.follow(cfg.server.log_dir / "router.log", log, "[router] ")
+        procs.follow(cfg.server.log_dir / layout.ROUTER_LOG, log, "[router] ")
         procs.servers.append(start_router(cfg.server, urls, token=procs.token))
         log.info("the replicas answer as one OpenAI-compatible URL at %s", procs.servers[-1].url)
     watch_servers(procs)  # a server that dies fails the attempt now, not after server.control_timeout_s
@@ -384,15 +385,15 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     env = _child_env(run_dir, secret_values(sub))
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[: cfg.train.num_ranks]))
-    progress = artifacts.TrainingProgress(root / "metrics.jsonl", cfg.train.max_steps)
+    progress = artifacts.TrainingProgress(root / layout.METRICS, cfg.train.max_steps)
     progress.start()
     try:
-        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / "trainer.pid", register=REGISTRY[run_dir])
+        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / layout.TRAINER_PID, register=REGISTRY[run_dir])
     finally:
         progress.stop()
     failure, failure_log = REGISTRY[run_dir].failure, REGISTRY[run_dir].failure_log
     if code != 0 and failure:
-        from grpo_core.serving.vllm import log_tail
+        from grpo_core.run.children import log_tail
 
         raise ChildDiedError(
             f"{failure}; the trainer was stopped (exit code {code})"
@@ -417,9 +418,9 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
     from grpo_core.train.export import FINAL_MODEL_DIR
 
     cfg, root, log = _config(run_dir), Path(run_dir), get_run_logger()
-    png = report.plot_reward_curve(root / "metrics.jsonl", root / "reward_curve.png")
+    png = report.plot_reward_curve(root / layout.METRICS, root / layout.REWARD_CURVE)
     summary = {
-        **report.summarize(root / "metrics.jsonl", wall_s),
+        **report.summarize(root / layout.METRICS, wall_s),
         "run_dir": run_dir,
         "checkpoint": str(latest_checkpoint(root)),
         "reward_curve": str(png) if png else None,

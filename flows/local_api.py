@@ -180,6 +180,7 @@ def _owned_server_class() -> type:
     import prefect.server.api.server as prefect_server
 
     from grpo_core.lifeline import owner_env
+    from grpo_core.run.children import start_child
 
     def popen(args: list[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
         args = list(args)
@@ -194,9 +195,7 @@ def _owned_server_class() -> type:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")])
         )
-        return subprocess.Popen(
-            [args[0], "-m", "grpo_core.lifeline", "uvicorn", *args[3:]], env=env, start_new_session=True, **kwargs
-        )
+        return start_child([args[0], "-m", "grpo_core.lifeline", "uvicorn", *args[3:]], env=env, **kwargs)
 
     # Prefect's server module sees this in place of the subprocess module while it starts the server, nothing else
     owned_subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})

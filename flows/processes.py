@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import signal
 import subprocess
 import threading
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 
 from grpo_core.auth import new_token, run_token
 from grpo_core.durable import atomic_write_text
+from grpo_core.run.children import start_child, stop_child
 
 # uvicorn access-log lines of the generation server: one per request, too many for the run log.
 _NOISE = ('HTTP/1.1"', "httpx: HTTP Request", "Loading weights:")
@@ -68,58 +68,6 @@ class LogForwarder(threading.Thread):
         self.join(timeout=5)
 
 
-def stop_process(process: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    """Stop ``process`` (started with ``start_new_session``), its process group and every process descended from it.
-
-    The targets are collected first (psutil): the live descendants, those that left the group too (a torchrun
-    rank has its own session), and the members of the group, which are signalled even when the leader already
-    exited. SIGTERM to each, SIGKILL to whatever still lives after ``timeout_s``; returns once all are gone.
-    """
-    import psutil
-
-    if process.poll() is not None and psutil.pid_exists(process.pid):
-        return  # the leader was reaped and its pid reused: that process and its group are not ours
-    targets = _group_members(process.pid)
-    try:
-        targets |= {psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for proc in targets:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        if process.poll() is None:  # reap our own child so it is not waited for as a zombie
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _, alive = psutil.wait_procs(list(targets), timeout=timeout_s)
-        targets = set(alive)
-        if not targets:
-            break
-    process.poll()
-
-
-def _group_members(pgid: int) -> set:
-    """The live processes of process group ``pgid`` (psutil), its leader gone or not."""
-    import psutil
-
-    members = set()
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid:
-                members.add(proc)
-        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-            continue
-    return members
-
-
 @dataclass
 class RunProcesses:
     """What one flow run started; :meth:`stop_all` ends it all (in reverse start order)."""
@@ -154,7 +102,7 @@ class RunProcesses:
             return
         self.failure, self.failure_log = reason, log
         for process in list(self.processes):
-            stop_process(process)
+            stop_child(process)
 
     def stop_all(self) -> None:
         """Stop the trainer and rollout processes, then the servers, then the log forwarders."""
@@ -162,7 +110,7 @@ class RunProcesses:
 
         self.stopping = True
         for process in reversed(self.processes):
-            stop_process(process)
+            stop_child(process)
         teardown(self.servers)
         for forwarder in self.forwarders:
             forwarder.stop()
@@ -204,17 +152,14 @@ def stream(
     """
     from grpo_core import lifeline
 
-    process = subprocess.Popen(
+    process = start_child(
         cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
         env=env,
+        stdout=subprocess.PIPE,
+        preexec_fn=lifeline.die_with_parent,
         text=True,
         errors="replace",
         bufsize=1,
-        start_new_session=True,
-        preexec_fn=lifeline.die_with_parent,
     )
     if register is not None:
         register.processes.append(process)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from grpo_core.run.children import free_port, start_child, stop_child
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class PrefectStack:
         gpu_slots: int | None = None,
         server_pool: str | None = SERVER_POOL,
     ):
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.home, self.pool, self.server_pool = Path(home).resolve(), pool, server_pool
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.ui_url = f"http://127.0.0.1:{self.port}"
@@ -111,14 +112,7 @@ class PrefectStack:
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
         self.home.mkdir(parents=True, exist_ok=True)
         with (self.home / log_name).open("ab") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "prefect", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env(),
-                start_new_session=True,
-            )
+            process = start_child([sys.executable, "-m", "prefect", *args], stdout=log, env=self.env())
         self.processes.append(process)
         return process
 
@@ -226,7 +220,7 @@ class PrefectStack:
     def stop(self) -> None:
         """Stop the worker (and its flow runs), then the server: SIGTERM to each group, SIGKILL after 15 s."""
         for process in reversed(self.processes):
-            _stop_group(process)
+            stop_child(process, timeout_s=15.0)
         self.processes, self.workers = [], {}
 
     def __enter__(self) -> PrefectStack:
@@ -234,24 +228,3 @@ class PrefectStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _stop_group(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if process.poll() is not None:
-            return
-        try:
-            os.killpg(process.pid, sig)
-            process.wait(timeout=timeout_s)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

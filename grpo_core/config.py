@@ -34,6 +34,7 @@ from pydantic import (
 
 from grpo_core.errors import ConfigError
 from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_secret_flags
+from grpo_core.run.layout import ADAPTER_DIR, WEIGHTS_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,6 @@ SERVER_API_KEY_ENV = "GRPO_SERVER_API_KEY"
 
 # vLLM's accepted ``--max-lora-rank`` values (vllm/config/lora.py, ``MaxLoRARanks``).
 VLLM_LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-ADAPTER_DIR = ".vllm_lora"
-"""Folder under ``train.output_dir`` holding the LoRA adapter versions the servers load."""
-WEIGHTS_DIR = ".weights"
-"""Folder under ``train.output_dir`` holding the full-weight versions the embedded server reads."""
 
 
 def default_cache_dir() -> Path:

@@ -19,11 +19,11 @@ import yaml
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.run.layout import REWARD_CURVE as CURVE
 
 logger = logging.getLogger(__name__)
 
 CARD = "README.md"
-CURVE = "reward_curve.png"
 
 
 def check_push(cfg: RunConfig) -> None:

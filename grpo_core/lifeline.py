@@ -24,6 +24,8 @@ import signal
 import sys
 import threading
 
+from grpo_core.run.children import signal_group
+
 OWNER_ENV = "GRPO_OWNER"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -98,7 +100,7 @@ def watch(parent: bool = False, interval_s: float = 0.5) -> threading.Thread | N
                 except (OSError, ValueError):
                     pass
                 if os.getpgrp() == os.getpid():
-                    os.killpg(os.getpid(), signal.SIGKILL)
+                    signal_group(os.getpid(), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGKILL)
             threading.Event().wait(interval_s)
 

@@ -14,12 +14,11 @@ from pathlib import Path
 
 from grpo_core.durable import atomic_write_text
 from grpo_core.metrics import JsonlSink
+from grpo_core.run.layout import TRAIN_END, TRAINER_ERROR
 
 logger = logging.getLogger(__name__)
 
 REWARD = "reward"
-TRAIN_END = "train_end.json"  # written by the trainer's rank 0 in its output folder when it stops
-TRAINER_ERROR = "trainer_error.txt"  # the error that ended a trainer run, one line per rank that failed
 
 
 def write_train_end(

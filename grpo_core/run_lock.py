@@ -18,9 +18,8 @@ from filelock import FileLock, Timeout
 
 from grpo_core.durable import atomic_write_text
 from grpo_core.errors import RunLockedError
-
-LOCK_FILE = "run.lock"
-OWNER_FILE = "run.lock.owner"
+from grpo_core.run.layout import RUN_LOCK as LOCK_FILE
+from grpo_core.run.layout import RUN_LOCK_OWNER as OWNER_FILE
 
 
 class RunLock:

@@ -44,6 +44,7 @@ from mlflow.tracking import MlflowClient
 
 from grpo_core.config import RunConfig, TrackingConfig
 from grpo_core.metrics import MetricsSink
+from grpo_core.run.layout import CHECKPOINT_URI as CHECKPOINT_URI_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ RESUMED_FROM_TAG = "grpo.resumed_from"
 LATEST_STEP_TAG = "grpo.latest_checkpoint_step"
 MODEL_KIND_TAG = "grpo.model_kind"
 MODEL_ARTIFACT = "model"
-CHECKPOINT_URI_FILE = "checkpoint_uri.txt"
 _MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 #: Prefix of MLflow's system-metrics sampler (``SystemMetricsMonitor``): its steps count samples, not optimizer steps.
 SYSTEM_METRICS_PREFIX = "system/"

@@ -18,8 +18,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,12 +30,6 @@ sys.path.insert(0, str(ROOT))
 
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 VIEWPORT = {"width": 1280, "height": 760}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_deployment(api: httpx.Client, name: str) -> str:
@@ -166,10 +158,10 @@ def main() -> int:
     args = p.parse_args()
     from playwright.sync_api import sync_playwright
 
-    from flows.processes import stop_process
     from flows.serve import PrefectStack
     from grpo_core import tracking
     from grpo_core.config import TrackingConfig
+    from grpo_core.run.children import free_port, start_child, stop_child
 
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.reuse or Path(tempfile.mkdtemp(prefix="grpo-shots-"))
@@ -208,8 +200,8 @@ def main() -> int:
         mc = tracking.client(tc)
         experiment = mc.get_run(run_id).info.experiment_id
         table = next(a.path for a in mc.list_artifacts(run_id, "completions") if a.path.endswith(".json"))
-        port = _free_port()
-        ui = subprocess.Popen(
+        port = free_port()
+        ui = start_child(
             [
                 sys.executable,
                 "-m",
@@ -222,7 +214,6 @@ def main() -> int:
                 str(_tracking_config(tmp)),
             ],
             cwd=ROOT,
-            start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         try:
@@ -231,7 +222,7 @@ def main() -> int:
         finally:
             ui.send_signal(signal.SIGTERM)
             ui.wait(timeout=60)
-            stop_process(ui, timeout_s=15)
+            stop_child(ui, timeout_s=15)
         browser.close()
     return 0
 

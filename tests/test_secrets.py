@@ -163,14 +163,15 @@ def mlflow_server(tmp_path):
             time.sleep(0.5)
         yield port
     finally:
-        from flows.processes import stop_process
+        from grpo_core.run.children import stop_child
 
-        stop_process(process, timeout_s=15)
+        stop_child(process, timeout_s=15)
         log.close()
     assert process.poll() is not None
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a whole `grpo train` against an MLflow server
+@pytest.mark.timeout(1200)
 def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow_server):
     """``grpo train`` with a tracking server password and a vLLM API key: neither reaches the MLflow params,
     the command's output (the Prefect run log included), or any file under the test's folder (run files, Prefect's

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -32,16 +31,15 @@ from typing import Any
 from grpo_core.auth import ensure_run_token
 from grpo_core.config import RolloutProcessConfig, RunConfig
 from grpo_core.errors import ConfigError, TransportError
+from grpo_core.run.children import log_tail, start_child, stop_child
+from grpo_core.run.layout import ROLLOUT_CONFIG as CONFIG_FILE
+from grpo_core.run.layout import ROLLOUT_ERROR as ERROR_FILE
+from grpo_core.run.layout import ROLLOUT_LOCATION as LOCATION_FILE
+from grpo_core.run.layout import ROLLOUT_LOG as LOG_FILE
+from grpo_core.run.layout import ROLLOUT_RESUME as RESUME_FILE
 from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
-
-#: Files of a rollout process in its run folder.
-CONFIG_FILE = "rollout_config.json"
-RESUME_FILE = "rollout_resume.json"
-LOCATION_FILE = "rollout.location"
-ERROR_FILE = "rollout_error.txt"
-LOG_FILE = "rollout.log"
 
 
 @dataclass
@@ -90,8 +88,6 @@ class RolloutProcess:
 
     def log_tail(self, num_lines: int = 40) -> str:
         """The last lines of the process's log ('' before it wrote any)."""
-        from grpo_core.serving.vllm import log_tail  # noqa: PLC0415 - httpx stays out of a bare import
-
         return log_tail(self.log_path, num_lines)
 
     def wait_location(self, timeout_s: float = 600.0) -> str:
@@ -117,19 +113,8 @@ class RolloutProcess:
         )
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``timeout_s``; returns the exit code."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.process.poll() is not None:
-                break
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.process.poll()
+        """Stop the process and all it started (:func:`grpo_core.run.children.stop_child`); returns the exit code."""
+        return stop_child(self.process, timeout_s)
 
 
 def start_rollout_process(
@@ -194,9 +179,7 @@ def start_rollout_process(
         "PYTHONUNBUFFERED": "1",
     }
     with (run_dir / LOG_FILE).open("ab") as log:
-        process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env, start_new_session=True
-        )
+        process = start_child(cmd, env=child_env, stdout=log)
     logger.info("started the rollout process %d (log %s)", process.pid, run_dir / LOG_FILE)
     return RolloutProcess(process, run_dir)
 
@@ -207,6 +190,7 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
     ``on_ready(location)`` is called once the Flight server listens.
     """
     from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
+
     from .pace import TokenAllowance
     from .window import CompletionSample, MetricWindow
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, TOKEN_ENV, authorized, run_token
 from grpo_core.config import SERVER_API_KEY_ENV
+from grpo_core.run.layout import ROUTER_LOG, ROUTER_PORT
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
     from grpo_core.serving.vllm import LaunchSpec, launch, wait_healthy
 
     check_port_free(server.host, server.router_port, "server.router_port")  # taken: no launch, the setting named
-    port_file = server.log_dir / "router.port"
+    port_file = server.log_dir / ROUTER_PORT
     argv = [
         sys.executable,
         "-m",
@@ -307,7 +308,7 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
             len(urls),
             server.host,
             server.router_port,
-            server.log_dir / "router.log",
+            server.log_dir / ROUTER_LOG,
             port_file,
             nonce=env[NONCE_ENV],
         ),

@@ -484,16 +484,59 @@ class ReplicaSet:
                 await call(client)
                 return None
             except ServingError as exc:
-                error = f"{type(exc).__name__}: {str(exc)[:300]}"
-                status = exc.status if isinstance(exc, ServerRequestError) else None
-                if refusal_is_final(status, str(exc), reads_storage):
-                    return f"{error} (not retried: a {status} does not change)", status
-            if time.monotonic() + self.control_retry_s > deadline:
+                error, status, again = control_verdict(exc, deadline, self.control_retry_s, reads_storage)
+            if not again:
                 return error, status
             logger.warning(
                 "control call on %s failed (%s); retrying in %.1f s", client.base_url, error, self.control_retry_s
             )
             await asyncio.sleep(self.control_retry_s)
+
+
+def control_verdict(
+    exc: ServingError, deadline: float, retry_s: float, reads_storage: bool = False
+) -> tuple[str, int | None, bool]:
+    """The one retry policy of control calls to a replica (every fan-out, async or not, asks it).
+
+    Args:
+        exc: the call's error (a :class:`ServerRequestError` carries the HTTP status; any other: no answer or 5xx).
+        deadline: ``time.monotonic()`` past which no retry starts (now + ``server.control_timeout_s`` at the
+            first attempt).
+        retry_s: the pause before the next attempt (``server.control_retry_s``).
+        reads_storage: the call loads files from shared storage (:func:`refusal_is_final`).
+
+    Returns:
+        ``(error text, HTTP status or None, whether to retry)``: no retry after a final refusal
+        (:func:`refusal_is_final`, said in the text) or when the next attempt would start past ``deadline``.
+    """
+    error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    status = exc.status if isinstance(exc, ServerRequestError) and exc.status else None
+    if refusal_is_final(status, str(exc), reads_storage):
+        return f"{error} (not retried: a {status} does not change)", status, False
+    return error, status, time.monotonic() + retry_s <= deadline
+
+
+def retry_control(
+    url: str, call: Callable[[], Any], retry_s: float, timeout_s: float, reads_storage: bool = False
+) -> Any:
+    """Run a blocking control call on one replica under :func:`control_verdict`'s policy (the synchronous twin of
+    :meth:`ReplicaSet.fan_out`'s retries, for the trainer's weight sync).
+
+    Raises:
+        ServingError: the last error, its text saying whether it was final (then not retried).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except ServingError as exc:
+            error, status, again = control_verdict(exc, deadline, retry_s, reads_storage)
+            if not again and refusal_is_final(status, str(exc), reads_storage):
+                raise ServerRequestError(f"{exc} (not retried: a {status} does not change)", status or 0) from None
+            if not again:
+                raise
+        logger.warning("control call on %s failed (%s); retrying in %.1f s", url, error, retry_s)
+        time.sleep(retry_s)
 
 
 async def token_refused(rs: ReplicaSet) -> tuple[str, int] | None:

@@ -34,9 +34,7 @@ import json
 import logging
 import os
 import re
-import signal
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -50,6 +48,8 @@ from grpo_core.auth import NONCE_ENV, NONCE_PATH, TOKEN_ENV, bearer_headers, che
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
 from grpo_core.redact import redact_argv, reveal
+from grpo_core.run.children import free_port, log_tail, start_child, stop_child
+from grpo_core.run.layout import replica_log, replica_port_file
 from grpo_core.serving.guard import ADAPTER_DIR_ENV, FENCE_HEADER, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
 from grpo_core.serving.sampling_defaults import sampling_problems
 
@@ -89,24 +89,11 @@ class ServerHandle:
     _log: object = field(default=None, repr=False)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the replica's process group, then SIGKILL after ``timeout_s`` seconds."""
-        if self.process.poll() is None:
-            _signal_group(self.process, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("replica %d ignored SIGTERM for %.0f s; sending SIGKILL", self.spec.replica, timeout_s)
-                _signal_group(self.process, signal.SIGKILL)
-                self.process.wait(timeout=timeout_s)
+        """Stop the replica and every process it started (:func:`grpo_core.run.children.stop_child`: SIGTERM, then
+        SIGKILL after ``timeout_s`` seconds), then close its log."""
+        stop_child(self.process, timeout_s, name=f"{self.spec.backend} replica {self.spec.replica}")
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def max_lora_rank_for(rank: int) -> int:
@@ -168,12 +155,6 @@ def choose_backend(config: RunConfig) -> str:
     return "embedded"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -> LaunchSpec:
     """The ``vllm serve`` command line and environment of one replica.
 
@@ -186,7 +167,7 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
 
     server, rollout = config.server, config.rollout
     if port is None:
-        port = server.port + replica if server.port else _free_port(server.host)
+        port = server.port + replica if server.port else free_port(server.host)
     argv = [
         sys.executable,
         "-m",
@@ -249,7 +230,7 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
     extra, secret_env = secret_flags_to_env(server.extra_args)
     argv += extra
     env.update(secret_env)
-    log_path = server.log_dir / f"vllm-replica{replica}.log"
+    log_path = server.log_dir / replica_log("vllm", replica)
     return LaunchSpec(argv, env, "vllm", replica, server.host, port, log_path, nonce=env[NONCE_ENV])
 
 
@@ -284,7 +265,7 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
     """The ``python -m grpo_core.serving.embedded`` command line of one replica."""
     server, model = config.server, config.model
     port = server.port + replica if server.port else 0
-    port_file = server.log_dir / f"embedded-replica{replica}.port"
+    port_file = server.log_dir / replica_port_file("embedded", replica)
     argv = [
         sys.executable,
         "-m",
@@ -333,7 +314,7 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
     env = {"HF_HUB_OFFLINE": "1", **guard_env(config)}
     if server.gpu_ids is not None or server.num_replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, replica_gpus(config, replica)))
-    log_path = server.log_dir / f"embedded-replica{replica}.log"
+    log_path = server.log_dir / replica_log("embedded", replica)
     return LaunchSpec(argv, env, "embedded", replica, server.host, port, log_path, port_file, nonce=env[NONCE_ENV])
 
 
@@ -373,24 +354,13 @@ def launch(spec: LaunchSpec, token: str) -> ServerHandle:
     # The run's token wins over a user's --api-key (whose value moved to VLLM_API_KEY in spec.env).
     secret = {TOKEN_ENV: token, **({"VLLM_API_KEY": token} if spec.backend == "vllm" else {})}
     # The embedded server watches its owner (grpo_core.lifeline); vLLM is not ours: it dies with this thread.
-    process = subprocess.Popen(
+    process = start_child(
         reveal(spec.argv),
         stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
         env={**os.environ, **spec.env, **secret, **lifeline.owner_env()},
-        start_new_session=True,
         preexec_fn=lifeline.die_with_parent if spec.backend == "vllm" else None,
     )
     return ServerHandle(spec, process, _log=log)
-
-
-def log_tail(path: Path, num_lines: int = 40) -> str:
-    """Last ``num_lines`` lines of a log file ('' if missing)."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError:
-        return ""
 
 
 def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: bool = False) -> str:

@@ -25,9 +25,11 @@ import torch
 
 from grpo_core.config import TrainerProcessConfig
 
+from grpo_core.run.layout import FINAL_MODEL_DIR
 logger = logging.getLogger(__name__)
 
-FINAL_MODEL_DIR = "final_model"
+
+logger = logging.getLogger(__name__)
 
 
 def publish(tmp: Path, final: Path) -> Path:

@@ -24,10 +24,10 @@ from typing import Any
 
 from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import ConfigError
+from grpo_core.run.layout import FINGERPRINT as FINGERPRINT_FILE
 
 logger = logging.getLogger(__name__)
 
-FINGERPRINT_FILE = "fingerprint.json"
 
 UNSAFE = (
     "model.name",

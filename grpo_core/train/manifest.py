@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.errors import CheckpointError
+from grpo_core.run.layout import CHECKPOINT_MANIFEST as MANIFEST_FILE
 
-MANIFEST_FILE = "manifest.json"
 _CHUNK = 1 << 20
 
 

@@ -10,6 +10,7 @@ from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import ConfigError
 from grpo_core.metrics import JsonlSink
 from grpo_core.models import resolve_model_dir
+from grpo_core.run.layout import METRICS
 from grpo_core.run_lock import RunLock
 from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState
@@ -138,7 +139,7 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
             checkpoint.truncate_step_logs(cfg.train.output_dir, resume.step if resume else 0)
         source = make_source(cfg, resume) if world.is_main else None
         if sink is None and world.is_main:
-            sink = JsonlSink(cfg.train.output_dir / "metrics.jsonl")
+            sink = JsonlSink(cfg.train.output_dir / METRICS)
             if cfg.tracking.enabled and cfg.tracking.run_id:
                 from grpo_core.tracking import MlflowSink  # noqa: PLC0415 - mlflow only when tracking
 

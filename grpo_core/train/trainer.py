@@ -28,6 +28,8 @@ from grpo_core.metrics import MetricsSink, MetricWindow
 from grpo_core.report import write_train_end
 from grpo_core.models import resolve_model_dir
 from grpo_core.transport.types import ResumeState, SampleSource
+from grpo_core.report import write_train_end
+from grpo_core.run.layout import TRAINED_PROMPTS
 
 from . import checkpoint
 from .attention import FlexTreeMasks
@@ -46,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 #: bf16 dense peak FLOP/s per device, for MFU (vendor datasheets).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-TRAINED_PROMPTS = "trained_prompts.jsonl"  # one line per step: the prompts it completed
 
 
 def compiled_graphs() -> int:

@@ -37,7 +37,6 @@ import base64
 import logging
 import pickle
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -49,7 +48,8 @@ import httpx
 import torch
 
 from grpo_core.auth import bearer_headers, run_token
-from grpo_core.errors import ServingError
+from grpo_core.errors import ServerRequestError, ServingError
+from grpo_core.run.children import free_port
 from grpo_core.serving.guard import STALE_PATH
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,9 @@ class VllmWeightTransferSync:
             r = self.http.post(url + path, json=body, params=params)
         except httpx.HTTPError as exc:
             raise ServingError(f"POST {url}{path}: {type(exc).__name__}: {exc}") from None
-        if r.status_code >= 400:
+        if 400 <= r.status_code < 500:  # a refusal: the status tells the retry policy whether it is final
+            raise ServerRequestError(f"POST {url}{path} answered {r.status_code}: {r.text[:300]}", r.status_code)
+        if r.status_code >= 500:
             raise ServingError(f"POST {url}{path} answered {r.status_code}: {r.text[:300]}")
         return r.json() if r.content else {}
 
@@ -159,9 +161,7 @@ class VllmWeightTransferSync:
 
         for url in self.urls:
             world = int(self.http.get(url + "/get_world_size").json()["world_size"]) + 1
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world}
             with ThreadPoolExecutor(1) as pool:  # the server joins the group while we do
                 server = pool.submit(self._post, url, "/init_weight_transfer_engine", {"init_info": info})
@@ -242,17 +242,12 @@ class VllmWeightTransferSync:
         }
 
     def _retry(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> None:
-        """``_post`` retried every ``control_retry_s`` until ``control_timeout_s``; raises the last error."""
-        deadline = time.monotonic() + self.control_timeout_s
-        while True:
-            try:
-                self._post(url, path, body, params)
-                return
-            except ServingError as exc:
-                if time.monotonic() + self.control_retry_s > deadline:
-                    raise
-                logger.warning("%s; retrying in %.1f s", exc, self.control_retry_s)
-                time.sleep(self.control_retry_s)
+        """``_post`` under the control calls' one retry policy (:func:`grpo_core.serving.routing.retry_control`:
+        every ``control_retry_s`` until ``control_timeout_s``, a final refusal such as a 401 or 404 at once); raises
+        the last error."""
+        from grpo_core.serving.routing import retry_control
+
+        retry_control(url, lambda: self._post(url, path, body, params), self.control_retry_s, self.control_timeout_s)
 
     def _pause_all(self, paused: list[str], version: int) -> None:
         """Pause (keep) and start the update on every replica at once, all or nothing.
