@@ -1215,6 +1215,8 @@ class RunConfig(_Strict):
             unused["train.rdzv_endpoint"] = "with train.nnodes > 1 only"
         if train.nnodes == 1 and "rdzv_timeout_s" in _changed(train):
             unused["train.rdzv_timeout_s"] = "with train.nnodes > 1 only"
+        if train.lora.enabled and train.lora.dropout > 0:
+            unused["train.lora.dropout"] = "the trainer's forward has no dropout, its log-probs must be the sampler's"
         if not train.lora.enabled:
             why = "train.lora.enabled is false"
             unused.update({f"train.lora.{name}": why for name in sorted(_changed(train.lora))})

@@ -253,6 +253,12 @@ def build_policy(
                 task_type="CAUSAL_LM",
             ),
         )
+    turned_off = disable_dropout(lm)
+    if turned_off:
+        logger.warning(
+            "dropout turned off in the trainer's forward (its log-probs must be the sampler's, DESIGN.md §5): %s",
+            ", ".join(turned_off),
+        )
     policy = Policy(lm, temperature, chunk_size, fp32_logits=fp32_logits).to(device)
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     logger.info(
@@ -264,3 +270,65 @@ def build_policy(
         num_recurrent,
     )
     return policy
+
+
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Turn off every stochastic layer of ``model``'s forward, whatever its config or adapter settings say.
+
+    The trainer's log-probs must be the sampler's distribution (DESIGN.md §5): a dropout active in the loss
+    forward makes ``π/μ ≠ 1`` at staleness 0 and masked importance sampling cut tokens at random. Gradients
+    are untouched (no ``torch.no_grad``, no ``eval()`` of the whole model, whose ``training`` flag other layers
+    may read). Turned off:
+
+    * every ``nn.Dropout``-like module (``torch.nn.modules.dropout._DropoutNd``: PEFT's ``lora_dropout``,
+      a model's dropout layers): ``p = 0`` and put in eval mode;
+    * every float attribute of a module or of the model's configs (the config, its text and vision
+      sub-configs, PEFT's adapter configs) whose name contains ``dropout`` (``attention_dropout``
+      read as ``dropout_p`` by the attention functions, ``hidden_dropout``, ``lora_dropout``, …): set to 0.
+
+    Args:
+        model: a transformers model, possibly PEFT-wrapped; changed in place.
+
+    Returns:
+        What was on before, e.g. ``["config.attention_dropout=0.5", "lora_dropout modules (p=0.5) x4"]``;
+        empty when nothing was.
+    """
+    turned_off: list[str] = []
+    for where, obj in _dropout_holders(model):
+        for key, value in list(vars(obj).items()):
+            if "dropout" in key and isinstance(value, float | int) and not isinstance(value, bool) and value > 0:
+                setattr(obj, key, 0.0)
+                if where:
+                    turned_off.append(f"{where}.{key}={value}")
+    modules: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):  # noqa: SLF001 - the base of every dropout module
+            if module.p > 0:
+                kind = "lora_dropout" if ".lora_dropout." in f".{name}." else type(module).__name__
+                label = f"{kind} modules (p={module.p})"
+                modules[label] = modules.get(label, 0) + 1
+            module.p = 0.0
+            module.eval()
+    turned_off += [f"{label} x{count}" for label, count in modules.items()]
+    return turned_off
+
+
+def _dropout_holders(model: nn.Module) -> list[tuple[str, object]]:
+    """The objects whose ``*dropout*`` floats a forward may read: configs (named) and modules (unnamed: many)."""
+    holders: list[tuple[str, object]] = []
+    config = getattr(model, "config", None)
+    seen: set[int] = set()
+    configs = [("config", config)] if config is not None else []
+    while configs:
+        name, cfg = configs.pop()
+        if id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        holders.append((name, cfg))
+        configs += [
+            (f"{name}.{k}", v) for k, v in vars(cfg).items() if hasattr(v, "to_dict") and hasattr(v, "model_type")
+        ]
+    for adapter, cfg in (getattr(model, "peft_config", None) or {}).items():
+        holders.append((f"peft_config[{adapter!r}]", cfg))
+    holders += [("", module) for module in model.modules()]
+    return holders
