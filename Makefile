@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMPS := .stamps
 RUST_SOURCES := Cargo.toml packer_rs/Cargo.toml $(wildcard packer_rs/src/*.rs)
 
-.PHONY: demo demo-smoke serve test test-rust test-python bench-packing wheelhouse-h200 clean
+.PHONY: demo demo-smoke serve lint fmt test test-rust test-python bench-packing wheelhouse-h200 clean
 
 # The main job: the grpo-train flow on SmolLM2-135M-Instruct (Prefect's embedded API, MLflow on SQLite).
 # `make demo STEPS=2` trains that many optimizer steps instead of the config's train.max_steps.
@@ -21,6 +21,21 @@ demo-smoke: $(STAMPS)/install
 # Prefect server + process worker on 127.0.0.1:4200 with the deployments registered; Ctrl-C stops all.
 serve: $(STAMPS)/install
 	$(VENV)/bin/grpo deploy
+
+# The style checks, run first by .ci/run and by pre-commit (.pre-commit-config.yaml): ruff format and check over
+# the tree, pyright (basic) on the packages [tool.pyright] lists, rustfmt and clippy (warnings are errors) on
+# packer_rs. They change nothing; `make fmt` applies what can be applied (formatting, import order, unused noqa).
+lint: $(STAMPS)/lint $(STAMPS)/deps
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pyright
+	cargo fmt --all --check
+	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --all-targets --all-features -- -D warnings
+
+fmt: $(STAMPS)/lint
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+	cargo fmt --all
 
 test: test-rust test-python
 
@@ -67,6 +82,13 @@ $(STAMPS)/deps: pyproject.toml | $(PY)
 	@mkdir -p $(STAMPS)
 	$(PIP) install -q "maturin>=1.9,<2"
 	$(PY) scripts/install_deps.py
+	@touch $@
+
+# The style tools: the lint extra of pyproject.toml (exact pins), reinstalled when pyproject.toml changes.
+$(STAMPS)/lint: pyproject.toml | $(PY)
+	@mkdir -p $(STAMPS)
+	$(PY) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['lint'], sep='\n')" \
+		| $(PIP) install -q -r /dev/stdin
 	@touch $@
 
 # The project itself, editable, with packer_rs built in release mode; rebuilt when Rust changes.
