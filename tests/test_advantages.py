@@ -1,5 +1,6 @@
 """Group advantages and rewards (issue 9, items 3 and 4): zero variance within a tolerance relative to the
-reward scale, advantages of a kept group summing to 0, NaN rewards as "does not apply", ±inf as an error."""
+reward scale, advantages of a kept group summing to 0, NaN rewards as "does not apply", ±inf as an error; issue 27
+item 6: a non-numeric reward (a string, bytes, another object) refused naming the function."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import asyncio
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
 from fractions import Fraction
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,3 +147,54 @@ def test_infinite_environment_or_rollout_reward_is_an_error_naming_the_source(wh
     source = "CounterEnv.get_reward()" if where == "environment" else "Rollout.reward"
     with ThreadPoolExecutor(1) as pool, pytest.raises(RolloutError, match=re.escape(source) + " returned -?inf"):
         asyncio.run(score_group(group, [], pool, MetricWindow()))
+
+
+def _returning(value, name="graded"):
+    """A reward function of a group of 3 that returns ``[1.0, value, 0.0]``, named ``name``."""
+
+    def func(completion_ids, **_):
+        return [1.0, value, 0.0]
+
+    func.__name__ = name
+    return func
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0.5", "1", b"1", bytearray(b"1"), object(), 1 + 0j, [1.0], {"score": 1.0}, np.array([1.0]), np.str_("1")],
+    ids=repr,
+)
+def test_a_non_numeric_reward_is_refused_naming_the_function(value):
+    # float() reads "0.5", b"1", bytearray(b"1") and np.array([1.0]) as numbers; none of them is one.
+    with pytest.raises(
+        RolloutError, match=r"reward function 'graded' returned .* at position 1; rewards must be numbers"
+    ):
+        _reward_sources(_returning(value))
+
+
+def test_bytes_returned_for_the_whole_group_are_refused_naming_the_function():
+    def byte_scores(completion_ids, **_):
+        return b"\x01\x00\x01"  # a Sequence of 3 ints to Python, not a list of rewards
+
+    with pytest.raises(RolloutError, match="reward function 'byte_scores' returned bytes; it must return a list"):
+        _reward_sources(byte_scores)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (True, 1.0),
+        (False, 0.0),
+        (np.bool_(True), 1.0),
+        (np.float32(0.25), 0.25),
+        (np.int64(-2), -2.0),
+        (Fraction(3, 4), 0.75),
+        (Decimal("0.5"), 0.5),
+        (np.array(0.125), 0.125),
+        (torch.tensor(1.5), 1.5),
+    ],
+    ids=repr,
+)
+def test_numeric_rewards_of_every_kind_are_read_as_their_value(value, expected):
+    (values,) = _reward_sources(_returning(value)).values()
+    assert list(values) == [1.0, expected, 0.0]

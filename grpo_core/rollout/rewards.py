@@ -3,17 +3,21 @@
 Reward functions are called once per group with keyword arguments ``prompts``,
 ``completions``, ``completion_ids`` (one entry per rollout) and every other dataset column
 (repeated per rollout). Sync functions run in a thread pool, async ones are awaited; all run
-together. A function returns one value per rollout: a number, or None (or NaN) for "does not apply";
-±inf is an error naming the function (DESIGN.md §5). The reward of a rollout is the sum over
-its sources (functions, the environment's ``get_reward``, ``Rollout.reward``) that applied;
-NaN when none did.
+together. A function returns one value per rollout: a number (int, float, bool, a NumPy or other 0-d numeric
+scalar, ``Decimal``), or None (or NaN) for "does not apply"; ±inf, a string, bytes or any other object is an error
+naming the function (DESIGN.md §5) — a string such as ``"0.5"`` is never read as a number. The reward of a
+rollout is the sum over its sources (functions, the environment's ``get_reward``, ``Rollout.reward``) that
+applied; NaN when none did.
 """
 
 from __future__ import annotations
 
 import asyncio
+import decimal
 import functools
 import math
+import numbers
+import reprlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -36,7 +40,7 @@ def source_name(func: Callable[..., Any]) -> str:
 
 def _check_values(name: str, values: Any, size: int) -> np.ndarray:
     """``float64[size]`` from a function's answer; None -> NaN. Raises RolloutError naming the function."""
-    if not isinstance(values, Sequence | np.ndarray) or isinstance(values, str):
+    if not isinstance(values, Sequence | np.ndarray) or isinstance(values, str | bytes | bytearray):
         raise RolloutError(
             f"reward function {name!r} returned {type(values).__name__}; it must return a list "
             f"of {size} floats (None where it does not apply)"
@@ -57,6 +61,10 @@ def _check_values(name: str, values: Any, size: int) -> np.ndarray:
 def checked_reward(source: str, value: Any, position: int) -> float:
     """One reward as a float: NaN means "does not apply" (as None); ±inf or a non-number is an error.
 
+    Numbers are ``numbers.Real`` (int, float, bool as 1/0, NumPy and SymPy reals, fractions), NumPy's
+    ``bool_``, ``decimal.Decimal`` and 0-d numeric arrays or tensors. A string or bytes is refused even when
+    it spells a number (``"0.5"``, ``b"1"``), as is any other object: ``float()`` would read some of them.
+
     Args:
         source: the reward source as the error should name it, e.g. ``"reward function 'accuracy'"``.
         value: what the source returned for one rollout.
@@ -66,18 +74,35 @@ def checked_reward(source: str, value: Any, position: int) -> float:
         RolloutError: ``value`` is not a number (a misconfigured source; names ``source`` and ``position``).
         UserCodeError: ``value`` is ±inf (the group fails; charged to ``rollout.max_failed_groups``).
     """
-    try:
-        reward = float(value)
-    except (TypeError, ValueError):
+    reward = _as_number(value)
+    if reward is None:
         raise RolloutError(
-            f"{source} returned {value!r} at position {position}; rewards must be numbers or None"
-        ) from None
+            f"{source} returned {reprlib.repr(value)} ({type(value).__name__}) at position {position}; rewards "
+            "must be numbers (int, float, bool) or None: return float(...) of the score, not a string, bytes or "
+            "another object"
+        )
     if math.isinf(reward):
         raise UserCodeError(
             f"{source} returned {reward} at position {position}; rewards must be finite: return "
             "None (or NaN) where the reward does not apply, or a large finite penalty"
         )
     return reward
+
+
+def _as_number(value: Any) -> float | None:
+    """``float(value)`` for a numeric reward (see :func:`checked_reward`), None for anything else."""
+    if isinstance(value, str | bytes | bytearray):
+        return None
+    if isinstance(value, numbers.Real | np.bool_ | decimal.Decimal):
+        return float(value)
+    if hasattr(value, "__array__") and getattr(value, "shape", None) == ():  # a 0-d array or tensor
+        try:
+            array = np.asarray(value)
+        except (RuntimeError, TypeError, ValueError):  # e.g. a tensor that requires grad
+            return None
+        if array.dtype.kind in "biuf":
+            return float(array)
+    return None
 
 
 async def call_reward_functions(
