@@ -6,7 +6,7 @@ import pyarrow as pa
 from grpo_core.packing import Sample, samples_to_arrow
 from grpo_core.train.checkpoint import PromptTracker
 from grpo_core.train.planner import Planner
-from grpo_core.transport.types import PulledBatch
+from grpo_core.transport.types import PulledBatch, ResumeState
 
 
 class ScriptedSource:
@@ -32,7 +32,7 @@ class ScriptedSource:
         pass
 
 
-def group(prompt_index, n=2):
+def group(prompt_index, n=2, version=0):
     return samples_to_arrow(
         [
             Sample.build(
@@ -41,6 +41,7 @@ def group(prompt_index, n=2):
                 sample_id=prompt_index * 10 + i,
                 group_id=prompt_index,
                 prompt_index=prompt_index,
+                policy_version=version,
             )
             for i in range(n)
         ]
@@ -107,3 +108,51 @@ def test_replicas_behind_end_the_plan_early_keeping_what_was_pulled_and_the_head
     header = step_header(step, [], resynced_version=3, policy_version=3)
     assert header == [ROW, 2, 4, 4]  # per micro-batch: one group, 2 samples x 2 loss-mask ones
     assert step_header(None, [], resynced_version=3, policy_version=3) == [STOP, 0]
+
+
+def prompts_of(step):
+    return sorted({p for mb in step.micro_batches for r in mb for p in r.samples.column("prompt_index").to_pylist()})
+
+
+def test_samples_held_past_max_staleness_are_dropped_when_the_step_is_assembled_and_their_prompts_settled():
+    """One pull brings six groups of policy version 0; a step trains one micro-batch (two groups: 5 forwarded
+    tokens each in a budget of 12), so four groups wait in the planner. The next step trains at policy version 2:
+    with max_staleness 1 (2 - 0 > 1) they are dropped there, not trained; with max_staleness 2 they train."""
+    for max_staleness, want in ((1, [6]), (2, [2, 3])):
+        script = [PulledBatch(pa.concat_batches([group(p) for p in range(6)])), PulledBatch(group(6, version=2))]
+        planner = Planner(
+            ScriptedSource(script), 1, 12, "rust", PromptTracker(), flush_after_s=0.01, max_staleness=max_staleness
+        )
+        first = planner.next_step(1, policy_version=0)
+        planner.step_trained(first)
+        assert prompts_of(first) == [0, 1] and planner.pending_samples().num_rows == 8  # set-up: four groups wait
+        second = planner.next_step(1, policy_version=2)
+        assert prompts_of(second) == want
+        if max_staleness == 1:
+            assert planner.take_dropped_stale_count() == 8 and planner.take_dropped_stale_count() == 0
+            assert planner.total.stale_samples == 8 and planner.total.dropped_groups == 4
+            planner.step_trained(second)
+            # prompts 0-6 settled: trained (0, 1, 6) or dropped as stale (2-5); nothing left to save as pending
+            assert planner.pending_samples() is None
+            assert planner.tracker.state(step=2, policy_version=2).first_untrained_prompt_index == 7
+        else:
+            assert planner.take_dropped_stale_count() == 0
+
+
+def test_pending_samples_of_a_checkpoint_too_old_for_the_resumed_version_are_dropped_not_trained():
+    resume = ResumeState(policy_version=3, step=5, first_untrained_prompt_index=2)
+    pending = pa.concat_batches([group(0, version=1), group(1, version=3)])  # saved by the checkpoint
+    planner = Planner(
+        ScriptedSource([PulledBatch(EMPTY, exhausted=True)]),
+        1,
+        64,
+        "rust",
+        PromptTracker(resume),
+        pending,
+        max_staleness=1,
+    )
+    step = planner.next_step(1, policy_version=3)
+    assert prompts_of(step) == [1] and planner.take_dropped_stale_count() == 2  # 3 - 1 > 1: prompt 0 dropped
+    planner.step_trained(step)
+    assert planner.pending_samples() is None
+    assert planner.tracker.state(step=6, policy_version=3).first_untrained_prompt_index == 2

@@ -140,7 +140,8 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
     assert dropped > 0 and metrics["sample/dropped_stale_count"] > 0
     assert sorted({s.prompt_index for s in seen} | set(consumed)) == list(range(8))
     largest_group = max(len(s.input_ids) for s in seen) * 3 if seen else 0  # raw tokens of one group of 3
-    assert metrics["rollout/queued_tokens_max"] <= max(step_tokens, largest_group)
+    # (max_staleness + 1) steps of tokens; this consumer holds nothing between pulls (it reports held_tokens 0)
+    assert metrics["rollout/queued_tokens_max"] <= max(2 * step_tokens, largest_group)
     assert metrics["rollout/backpressure_s"] > 0
 
 

@@ -178,10 +178,10 @@ def test_dropped_groups_do_not_count_against_the_staleness_limit(tokenizer):
     # Groups 0-7 are answered: group 0 is kept (it queues one group's tokens T), groups 1-7 are dropped.
     # Every later group is held in flight.
     rows = [{"prompt": "Count to 3.", "keep": i == 0} for i in range(200)]
-    held, loop, group_tokens = run_until_blocked(tokenizer, rows, step_groups=10, answered_groups=8)
+    held, loop, group_tokens = run_until_blocked(tokenizer, rows, step_groups=5, answered_groups=8)
     assert loop.runtime.allowance.queued_tokens == group_tokens
-    # Limit 10 T (max_staleness 1). A group in flight may queue T times the Wilson upper bound (z = 2) of the
-    # kept share, 1 of 8: (1/8 + 4/16 + 2 sqrt(7/512 + 4/256)) / (1 + 4/8) = 0.4782 (math, not the code).
+    # Limit 10 T: (max_staleness 1 + 1) steps of 5 T. A group in flight may queue T times the Wilson upper bound
+    # (z = 2) of the kept share, 1 of 8: (1/8 + 4/16 + 2 sqrt(7/512 + 4/256)) / (1 + 4/8) = 0.4782 (math, not the code).
     upper = (1 / 8 + 4 / 16 + 2 * math.sqrt(7 / 512 + 4 / 256)) / (1 + 4 / 8)
     assert abs(upper - 0.4782) < 1e-4
     # A group may start while T + n x upper T + upper T <= 10 T: n <= 17, so 18 groups end up in flight.

@@ -137,18 +137,25 @@ def test_group_tokens_are_raw_sample_tokens():
 
 
 def test_token_allowance_one_group_until_first_completes_then_tokens():
+    # (max_staleness + 1) steps of tokens: queued + in flight + held by the trainer (pulled, not yet trained)
     a = TokenAllowance(max_staleness=2, first_step_tokens=1000)
     assert a.may_start_group()
     a.group_started()
     assert not a.may_start_group(), "one group at a time until the first completes"
     a.group_finished(300, queued=True)
-    assert a.limit == 2000 and a.may_start_group()  # 300 queued + 300 next <= 2000
+    assert a.limit == 3 * 1000 and a.may_start_group()  # 300 queued + 300 next <= 3000
     a.report(policy_version=1, tokens_consumed=250)
-    assert a.limit == 500 and not a.may_start_group()  # 300 + 300 > 500
+    assert a.limit == 3 * 250 and a.may_start_group()  # 300 queued + 300 next <= 750
+    a.dequeued(300)  # the trainer pulls the group; another one queues
+    a.group_started()
+    a.group_finished(300, queued=True)
+    assert not a.may_start_group(), "pulled tokens count until a report: 300 queued + 300 held + 300 next > 750"
+    a.report(policy_version=2, tokens_consumed=250, held_tokens=100)
+    assert a.held_tokens == 100 and a.may_start_group()  # 300 + 100 + 300 <= 750
+    a.report(policy_version=3, tokens_consumed=0, held_tokens=10_000)
+    assert a.policy_version == 3 and a.limit == 750 and not a.may_start_group()
     a.dequeued(300)
-    assert a.may_start_group()
-    a.report(policy_version=3, tokens_consumed=0)
-    assert a.policy_version == 3 and a.limit == 500
+    assert a.may_start_group(), "nothing queued or in flight: one group may start whatever the trainer holds"
     assert TokenAllowance(max_staleness=0, first_step_tokens=10).limit == 10
 
 

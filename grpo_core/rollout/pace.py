@@ -1,8 +1,13 @@
 """Pace of the rollout: token allowance (staleness) and adaptive concurrency (DESIGN.md §5).
 
 - :class:`TokenAllowance`: the trainer reports the tokens it used per step; the rollout may
-  hold at most ``max(max_staleness, 1) x`` that many tokens queued + in flight, and starts a
-  new group only while under it. Before the first report it assumes ``first_step_tokens``
+  hold at most ``(max_staleness + 1) x`` that many tokens queued + in flight + pulled by the
+  trainer and not yet trained (the step being trained counts until its report), and starts a
+  new group only while under it: a group started at policy version ``v`` then has at most
+  ``max_staleness + 1`` steps of tokens ahead of it, the steps that train versions ``v`` to
+  ``v + max_staleness`` (one sync per step). The hard bound is the trainer's: it drops a sample
+  older than ``max_staleness`` when it assembles a step; this pacing keeps such drops rare
+  instead of letting pulled samples pile up in the trainer. Before the first report it assumes ``first_step_tokens``
   (full rows); until the first group completes it starts one group at a time (seed manual,
   "concurrency"). A group in flight counts the tokens it may *queue*: a group whose rewards all
   tie is dropped and never reaches the trainer, so it cannot make anything stale
@@ -49,7 +54,7 @@ class TokenAllowance:
     """
 
     def __init__(self, max_staleness: int, first_step_tokens: int) -> None:
-        self.factor = max(max_staleness, 1)
+        self.factor = max_staleness + 1
         self.step_tokens = first_step_tokens
         self.policy_version = 0
         # The newest policy version the servers are known to serve: fresh servers hold the base weights (0)
@@ -57,6 +62,8 @@ class TokenAllowance:
         self.served_version = 0
         self.trainer_step = 0  # optimizer steps done: one report per step (set from the resume state)
         self.queued_tokens = 0
+        #: raw tokens the trainer pulled and has neither trained nor dropped: set by each report, raised by each pull
+        self.held_tokens = 0
         self.in_flight_groups = 0
         self.completed_groups = 0
         self._recent: deque[tuple[int, bool]] = deque(maxlen=YIELD_WINDOW_GROUPS)  # (raw tokens, queued)
@@ -64,12 +71,19 @@ class TokenAllowance:
 
     @property
     def limit(self) -> int:
-        """Tokens that may be queued + in flight."""
+        """Tokens that may be queued + in flight + held by the trainer."""
         return self.factor * self.step_tokens
 
-    def report(self, policy_version: int, tokens_consumed: int) -> None:
-        """The trainer's feedback after each optimizer step (so reports also count the steps)."""
+    def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:
+        """The trainer's feedback after each optimizer step (so reports also count the steps).
+
+        Args:
+            policy_version: the trainer's policy version after the step.
+            tokens_consumed: raw tokens of the step's samples (0: keep the last step size).
+            held_tokens: raw tokens the trainer still holds, pulled but neither trained nor dropped.
+        """
         with self._lock:
+            self.held_tokens = max(held_tokens, 0)
             self.trainer_step += 1
             self.policy_version = max(self.policy_version, policy_version)
             self.served_version = max(self.served_version, policy_version)
@@ -106,7 +120,7 @@ class TokenAllowance:
         with self._lock:
             if self.completed_groups == 0:
                 return self.in_flight_groups == 0
-            needed = self.queued_tokens + self.in_flight_tokens() + self.expected_group_tokens()
+            needed = self.queued_tokens + self.held_tokens + self.in_flight_tokens() + self.expected_group_tokens()
             return needed <= self.limit or (self.queued_tokens == 0 and self.in_flight_groups == 0)
 
     def group_started(self) -> None:
@@ -129,9 +143,10 @@ class TokenAllowance:
             self.in_flight_groups -= 1
 
     def dequeued(self, tokens: int) -> None:
-        """The trainer pulled ``tokens``."""
+        """The trainer pulled ``tokens``: they leave the queue and count as held until the next report."""
         with self._lock:
             self.queued_tokens -= tokens
+            self.held_tokens += tokens
 
 
 class ConcurrencyCap:

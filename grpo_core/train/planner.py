@@ -5,6 +5,13 @@ the samples through the packer's token-budget batcher (one row per rank) and
 hands out whole optimizer steps of micro-batches. It remembers every sample
 pulled but not yet trained, so a checkpoint can store them as pending samples
 and a resumed run can train them without regenerating or repeating a prompt.
+
+Staleness is bounded where a sample is trained (DESIGN.md §5): a step assembled at policy
+version ``v`` holds only samples with ``v - sample.policy_version <= max_staleness``. Samples
+pulled, packed or restored from a checkpoint that fall behind before their step are dropped
+when the step is assembled (the open rows are packed again without them), counted in
+``sample/dropped_stale_count`` and settled like the rollout's stale groups: their prompts
+count as done, so a resume neither regenerates nor skips them.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -30,11 +38,12 @@ class UntrainableCounts:
     """What came back from the rollout side without a trainable sample (since a reset).
 
     Attributes:
-        dropped_groups: prompts the rollout side finished without a sample: every reward of the
-            group equal (or fewer than two scored), a prompt ``filter_prompt`` rejected, or every
-            sample older than ``rollout.max_staleness``.
+        dropped_groups: prompts finished without a trained sample: every reward of the group equal
+            (or fewer than two scored), a prompt ``filter_prompt`` rejected, or every sample older
+            than ``rollout.max_staleness`` (when pulled, or when the step was assembled).
         oversize_groups: groups whose every sample was longer than the token budget.
-        stale_samples: samples dropped as older than ``rollout.max_staleness``.
+        stale_samples: samples dropped as older than ``rollout.max_staleness`` (when pulled or when the
+            step was assembled).
         oversize_samples: samples dropped as longer than the token budget.
     """
 
@@ -81,6 +90,9 @@ class Planner:
         max_untrainable_groups: consecutive groups without a trainable sample after which
             :meth:`next_step` raises ``NothingToTrainError`` (``train.max_untrainable_groups``).
         hints: config values quoted in that error (``packing.token_budget``, ``rollout.max_staleness`` …).
+        max_staleness: ``rollout.max_staleness``: a step at policy version ``v`` trains no sample older than
+            ``v - max_staleness``; older ones are dropped when the step is assembled. None: no bound (a file of
+            samples replayed offline).
     """
 
     def __init__(
@@ -94,8 +106,11 @@ class Planner:
         flush_after_s: float = 10.0,
         max_untrainable_groups: int = 256,
         hints: dict[str, object] | None = None,
+        max_staleness: int | None = None,
     ):
         self.source = source
+        self.max_staleness = max_staleness
+        self.dropped_stale_count = 0  # samples dropped here as stale since the last take_dropped_stale_count()
         self.flush_after_s = flush_after_s
         self.max_untrainable_groups = max_untrainable_groups
         self.hints = dict(hints or {})
@@ -103,6 +118,7 @@ class Planner:
         self.total = UntrainableCounts()  # over the whole run
         self.num_trainable_samples = 0
         self.token_budget = token_budget
+        self.backend, self.num_ranks = backend, num_ranks
         self.batcher = get_packer(backend).batcher(num_ranks, token_budget)
         self.tracker = tracker
         self.ready: list[MicroBatch] = []
@@ -115,11 +131,15 @@ class Planner:
         if pending is not None and pending.num_rows:
             self._push(pending)
 
-    def _push(self, batch: pa.RecordBatch) -> UntrainableCounts:
-        """Hand a pulled batch to the batcher, less the samples over the budget; returns what those were."""
+    def _push(self, batch: pa.RecordBatch, policy_version: int | None = None) -> UntrainableCounts:
+        """Hand a pulled batch to the batcher, less the samples over the budget and those too old to train at
+        ``policy_version`` (None: no staleness check); returns what was dropped."""
         self.tracker.received(batch.column("prompt_index").to_pylist())
-        oversize = pc.list_value_length(batch.column("input_ids")).to_numpy() > self.token_budget
         groups_before = set(batch.column("group_id").to_pylist())
+        stale_counts = UntrainableCounts()
+        if policy_version is not None:
+            batch, stale_counts = self._drop_stale(batch, policy_version)
+        oversize = pc.list_value_length(batch.column("input_ids")).to_numpy() > self.token_budget
         if oversize.any():  # dropped here, so that their prompts still count as settled
             self.dropped_oversize_count += int(oversize.sum())
             self.tracker.trained_samples(batch.filter(pa.array(oversize)).column("prompt_index").to_pylist())
@@ -133,10 +153,71 @@ class Planner:
             self.held.append(batch)
             self._emit(self.batcher.push(batch))
         self.num_trainable_samples += batch.num_rows
+        lost = len(groups_before - set(batch.column("group_id").to_pylist()))
         return UntrainableCounts(
-            oversize_groups=len(groups_before - set(batch.column("group_id").to_pylist())),
+            dropped_groups=stale_counts.dropped_groups,
+            oversize_groups=lost - stale_counts.dropped_groups,
+            stale_samples=stale_counts.stale_samples,
             oversize_samples=int(oversize.sum()),
         )
+
+    def _stale_mask(self, batch: pa.RecordBatch, policy_version: int) -> np.ndarray:
+        """``[num_rows]`` bool: samples a step at ``policy_version`` may not train (``rollout.max_staleness``)."""
+        if self.max_staleness is None or batch.num_rows == 0:
+            return np.zeros(batch.num_rows, dtype=bool)
+        versions = batch.column("policy_version").to_numpy(zero_copy_only=False).astype(np.int64)
+        return policy_version - versions > self.max_staleness
+
+    def _drop_stale(self, batch: pa.RecordBatch, policy_version: int) -> tuple[pa.RecordBatch, UntrainableCounts]:
+        """``batch`` less its samples too old for a step at ``policy_version``, whose prompts are settled (their
+        samples count as used, as the oversize ones do); returns it and the count (``stale_samples``, and
+        ``dropped_groups``: groups left with no sample)."""
+        stale = self._stale_mask(batch, policy_version)
+        if not stale.any():
+            return batch, UntrainableCounts()
+        dropped = batch.filter(pa.array(stale))
+        kept = batch.filter(pa.array(~stale))
+        self.tracker.trained_samples(dropped.column("prompt_index").to_pylist())
+        self.dropped_stale_count += len(dropped)
+        groups = set(dropped.column("group_id").to_pylist()) - set(kept.column("group_id").to_pylist())
+        logger.info(
+            "dropped %d samples more than rollout.max_staleness=%d versions behind policy version %d",
+            len(dropped),
+            self.max_staleness,
+            policy_version,
+        )
+        return kept, UntrainableCounts(dropped_groups=len(groups), stale_samples=len(dropped))
+
+    def _drop_stale_held(self, policy_version: int) -> None:
+        """Drop the held samples (open rows, planned micro-batches, restored pending samples) that a step at
+        ``policy_version`` may not train; the rest are packed again, in the order they were pulled."""
+        if self.max_staleness is None:
+            return
+        pending = self.pending_samples()
+        if pending is None or not self._stale_mask(pending, policy_version).any():
+            return  # nothing to drop: the rows stay as packed
+        fresh, counts = self._drop_stale(pending, policy_version)
+        self.held, self.trained, self.ready = [], set(), []
+        self.batcher = get_packer(self.backend).batcher(self.num_ranks, self.token_budget)
+        if fresh.num_rows:
+            self.held.append(fresh)
+            self._emit(self.batcher.push(fresh))
+            if self.exhausted:
+                self._emit(self.batcher.finish())
+        self._count_untrainable(counts, trainable=fresh.num_rows > 0)
+
+    def take_dropped_stale_count(self) -> int:
+        """Samples dropped here as stale since the last call (for ``sample/dropped_stale_count``)."""
+        count, self.dropped_stale_count = self.dropped_stale_count, 0
+        return count
+
+    def held_tokens(self) -> int:
+        """Raw tokens (sum of sample lengths) of the samples pulled and neither trained nor dropped: what the
+        trainer holds ahead of the rollout (reported to its token allowance)."""
+        pending = self.pending_samples()
+        if pending is None:
+            return 0
+        return int(pc.sum(pc.list_value_length(pending.column("input_ids"))).as_py() or 0)
 
     def _count_untrainable(self, counts: UntrainableCounts, trainable: bool) -> None:
         """Count a pull's groups without a trainable sample; raise after too many in a row."""
@@ -205,6 +286,7 @@ class Planner:
         is then set: the caller syncs them and asks again; what was pulled is kept)."""
         wait = 0.0
         self.servers_behind = []
+        self._drop_stale_held(policy_version)
         while len(self.ready) < num_micro_batches and not self.exhausted:
             t0 = time.perf_counter()
             pulled = self.source.pull(policy_version, timeout_s=self.flush_after_s)
@@ -218,9 +300,9 @@ class Planner:
             self.tracker.consumed(pulled.consumed_prompt_indices)
             before, counts = self.num_trainable_samples, UntrainableCounts()
             if pulled.samples.num_rows:
-                counts = self._push(pulled.samples)
-            counts.dropped_groups = len(set(pulled.consumed_prompt_indices))
-            counts.stale_samples = pulled.dropped_stale_count
+                counts = self._push(pulled.samples, policy_version)
+            counts.dropped_groups += len(set(pulled.consumed_prompt_indices))
+            counts.stale_samples += pulled.dropped_stale_count
             self._count_untrainable(counts, trainable=self.num_trainable_samples > before)
             if pulled.exhausted:
                 self.exhausted = True

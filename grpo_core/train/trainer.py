@@ -162,6 +162,8 @@ class Trainer:
                 flush_after_s=tc.flush_partial_after_s,
                 max_untrainable_groups=tc.max_untrainable_groups,
                 hints=hints,
+                # bounded where samples are trained; a file of samples is replayed whatever its versions
+                max_staleness=ro.max_staleness if tc.samples_path is None else None,
             )
         self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
         self._trained_log: JsonlAppender | None = None  # trained_prompts.jsonl (rank 0)
@@ -471,7 +473,9 @@ class Trainer:
             sync = self.weight_sync.sync(self.policy, self.policy_version, self.world.rank)
             sync["perf/weight_sync_s"] = time.perf_counter() - t3
         if self.world.is_main:
-            self.source.report(self.policy_version, int(planned.stats["batch/raw_tokens_per_step"]))
+            self.source.report(
+                self.policy_version, int(planned.stats["batch/raw_tokens_per_step"]), self.planner.held_tokens()
+            )
         stats = reduce_step(local, opt.pop("grad_norm"), self.world.device)
         stats.marks = marks
         if self.compiled:  # graphs compiled during this step (0 once every bucket is warm)
@@ -560,6 +564,8 @@ class Trainer:
         self._mfu(planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
         if step % self.cfg.train.logging_steps == 0:
             w.add("batch/dropped_oversize_count", self.planner.dropped_oversize_count)
+            # stale at step assembly; the source adds those it dropped when pulled (the same name, summed)
+            w.add("sample/dropped_stale_count", self.planner.take_dropped_stale_count())
             w.add("train/skipped_nonfinite_steps", self.skipped_nonfinite_steps)  # running total of the run
             w.update(self.source.metrics())
             metrics = w.flush()

@@ -53,7 +53,7 @@ class ArrowFileSource:
             self._next += 1
         return PulledBatch(self._batch.slice(start, end - start), exhausted=self._next >= len(self._groups))
 
-    def report(self, policy_version: int, tokens_consumed: int) -> None:
+    def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:
         """Recorded for tests; a file has no pace to set."""
         self.reports.append((policy_version, tokens_consumed))
 

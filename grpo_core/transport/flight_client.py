@@ -226,12 +226,17 @@ class FlightSource:
             time.sleep(0.1)
         raise self._fail(f"the rollout loop did not start within {timeout_s} s")
 
-    def report(self, policy_version: int, tokens_consumed: int) -> None:
-        """Trainer feedback after a step: its policy version and the raw sample tokens it consumed.
+    def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:
+        """Trainer feedback after a step: its policy version, the raw sample tokens it consumed and those it holds.
 
-        ``tokens_consumed`` is ``batch/raw_tokens_per_step`` (sum of the samples' lengths, unpacked).
+        ``tokens_consumed`` is ``batch/raw_tokens_per_step`` (sum of the samples' lengths, unpacked);
+        ``held_tokens`` the raw tokens of the samples pulled but neither trained nor dropped
+        (``Planner.held_tokens``): the rollout's token allowance counts them with its queue.
         """
-        self._action("report", {"policy_version": policy_version, "tokens_consumed": tokens_consumed})
+        self._action(
+            "report",
+            {"policy_version": policy_version, "tokens_consumed": tokens_consumed, "held_tokens": held_tokens},
+        )
 
     def synced(self, policy_version: int) -> None:
         """The servers hold ``policy_version`` now (a resumed trainer's first sync): the rollout, which waits for this

@@ -9,7 +9,7 @@ Flight server (its own gRPC threads) serves them to the trainer:
   ``grpo.consumed`` (JSON list of prompts finished without a sample), ``grpo.exhausted`` and
   ``grpo.servers_behind`` (JSON list of the replicas that refused a request for a policy version they do not
   hold, e.g. restarted with the base weights: the trainer syncs its weights again).
-- ``DoAction``: ``report`` ``{"policy_version", "tokens_consumed"}`` (token allowance),
+- ``DoAction``: ``report`` ``{"policy_version", "tokens_consumed", "held_tokens"}`` (token allowance),
   ``metrics`` (JSON metric window), ``completions`` (JSON list of the window's sampled
   completion rows; empty unless ``tracking.log_completions``), ``heartbeat`` (seconds since the
   loop last ticked, the failure traceback if it failed), ``shutdown``.
@@ -220,7 +220,9 @@ class RolloutFlightServer(flight.FlightServerBase):
     def do_action(self, context: flight.ServerCallContext, action: flight.Action):
         body = json.loads(action.body.to_pybytes().decode() or "{}") if action.body else {}
         if action.type == "report":
-            self.queue.allowance.report(int(body["policy_version"]), int(body["tokens_consumed"]))
+            self.queue.allowance.report(
+                int(body["policy_version"]), int(body["tokens_consumed"]), int(body.get("held_tokens", 0))
+            )
             answer: object = {"ok": True}
         elif action.type == "synced":
             self.queue.allowance.synced(int(body["policy_version"]))
@@ -253,4 +255,5 @@ class RolloutFlightServer(flight.FlightServerBase):
         allowance = self.queue.allowance
         out["rollout/token_allowance"] = float(allowance.limit)
         out["rollout/queued_tokens"] = float(allowance.queued_tokens)
+        out["rollout/trainer_held_tokens"] = float(allowance.held_tokens)
         return out

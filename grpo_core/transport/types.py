@@ -44,8 +44,9 @@ class SampleSource(Protocol):
         """Block until ``min_samples`` samples (or the end of the stream); drop stale ones."""
         ...
 
-    def report(self, policy_version: int, tokens_consumed: int) -> None:
-        """Feedback for the token allowance: the policy version and tokens used by the last step."""
+    def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:
+        """Feedback for the token allowance: the policy version, the raw tokens used by the last step, and the raw
+        tokens the trainer holds pulled but neither trained nor dropped (they count against the allowance)."""
         ...
 
     def synced(self, policy_version: int) -> None:
