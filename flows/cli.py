@@ -212,7 +212,7 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
-def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunConfig, imported lazily
+def run_locally(cfg: RunConfig, retries: int | None = None) -> dict:
     """Run the flow in this process with a progress bar; returns its summary.
 
     ``retries``: the flow run's retries after a failed attempt (Prefect's ``Flow.with_options``); None keeps the
@@ -248,7 +248,7 @@ def run_locally(cfg, retries: int | None = None) -> dict:  # noqa: ANN001 - RunC
     return summary
 
 
-def _check_servers_deployment(cfg, online: bool = False) -> None:  # noqa: ANN001 - RunConfig, imported lazily
+def _check_servers_deployment(cfg: RunConfig, online: bool = False) -> None:
     """A run here with ``server.deployment`` needs the Prefect server that holds it (``PREFECT_API_URL``; Prefect's
     temporary server of ``grpo train`` has no deployments and no workers) and, ``online``, the deployment there.
 
@@ -280,7 +280,7 @@ def _check_servers_deployment(cfg, online: bool = False) -> None:  # noqa: ANN00
         raise typer.Exit(EXIT_CONFIG) from None
 
 
-def _checked(cfg, runs_here: bool = True):  # noqa: ANN001, ANN202 - RunConfig, imported lazily
+def _checked(cfg: RunConfig, runs_here: bool = True) -> RunConfig:
     """``cfg`` after every check of the flow's ``prepare`` task (``preflight.check_run``); ``runs_here``: also that a
     run of it can start from this command (``server.deployment`` needs ``PREFECT_API_URL``), and its folders and
     MLflow store are created (not for ``grpo validate``, which creates nothing).

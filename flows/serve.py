@@ -19,10 +19,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from grpo_core.run.children import free_port, start_child, stop_child
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +168,7 @@ class PrefectStack:
         logger.info("Prefect server at %s, process workers on pools %s", self.ui_url, ", ".join(pools))
         return self
 
-    def client(self):  # noqa: ANN201 - prefect's SyncPrefectClient, imported lazily
+    def client(self) -> SyncPrefectClient:
         """A synchronous Prefect client on this stack's API (whatever ``PREFECT_API_URL`` this process has)."""
         from prefect.client.orchestration import SyncPrefectClient
 

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 from mlflow.entities import Metric, Param
@@ -45,6 +45,11 @@ from mlflow.tracking import MlflowClient
 from grpo_core.config import RunConfig, TrackingConfig
 from grpo_core.metrics import MetricsSink
 from grpo_core.run.layout import CHECKPOINT_URI as CHECKPOINT_URI_FILE
+
+if TYPE_CHECKING:
+    from mlflow.entities.model_registry import ModelVersion
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +351,7 @@ def log_model(tc: TrackingConfig, run_id: str, model_dir: Path, adapter: bool = 
     return f"{mc.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL_ARTIFACT}"
 
 
-def register_model(tc: TrackingConfig, run_id: str, source: str, description: str = ""):  # noqa: ANN201 - ModelVersion
+def register_model(tc: TrackingConfig, run_id: str, source: str, description: str = "") -> ModelVersion:
     """Register ``source`` as a new version of ``tc.registered_model_name`` and move
     ``tc.registered_model_alias`` to it.
 
@@ -450,7 +455,7 @@ class MlflowSink:
         self._thread.start()
         self._monitor = self._start_system_metrics() if tc.log_system_metrics else None
 
-    def _start_system_metrics(self):  # noqa: ANN202 - mlflow's SystemMetricsMonitor
+    def _start_system_metrics(self) -> SystemMetricsMonitor:
         """MLflow's sampler of ``system/*`` metrics (steps continue those already in the run)."""
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

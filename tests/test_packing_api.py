@@ -434,7 +434,10 @@ def test_three_sample_row_by_hand(backend):
         Sample.build([9, 2], [0, 1], [0, -7], sample_id=2, group_id=1, advantage=2.0),
     ]
     row = backend.pack_row(samples, 9)  # exactly the 9 forwarded tokens
-    col = lambda name: row.column(name).tolist()  # noqa: E731
+
+    def col(name):
+        return row.column(name).tolist()
+
     assert col("input_ids") == [1, 2, 3, 4, 5, 6, 7, 9, 2]
     assert col("position_ids") == [0, 1, 2, 3, 4, 3, 4, 0, 1]
     assert col("subtree_end") == [7, 7, 7, 5, 5, 7, 7, 9, 9]

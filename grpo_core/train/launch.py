@@ -22,13 +22,20 @@ import socket
 import sys
 import uuid
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
 
 BACKEND = "grpo-loopback"
 LOOPBACK = "127.0.0.1"
 _SOCKETS: list[socket.socket] = []
 
 
-def loopback_store(timeout_s: float = 600.0):  # noqa: ANN201 - torch.distributed.TCPStore, imported lazily
+def loopback_store(timeout_s: float = 600.0) -> TCPStore:
     """A multi-tenant ``TCPStore`` server listening on 127.0.0.1 only (a free port)."""
     import torch.distributed as dist
 
@@ -47,14 +54,14 @@ def loopback_store(timeout_s: float = 600.0):  # noqa: ANN201 - torch.distribute
     return store
 
 
-def _handler(params):  # noqa: ANN001, ANN202 - RendezvousParameters -> DynamicRendezvousHandler
+def _handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 
     class LoopbackHandler(DynamicRendezvousHandler):
         """torchrun's dynamic rendezvous, whose store for the ranks also listens on loopback only."""
 
-        def _create_tcp_store_server(self, master_addr, master_port):  # noqa: ANN001, ANN202, ARG002
+        def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:  # noqa: ARG002 - torch's
             return loopback_store()
 
     store = loopback_store(float(params.get_as_int("read_timeout", 600)))

@@ -276,7 +276,10 @@ def _kernel(fn: Callable, compiled: bool) -> Callable:
 
 def _term_slice(terms: LossTerms, a: int, b: int) -> LossTerms:
     sl = slice(a, b)
-    opt = lambda t: None if t is None else t[sl]  # noqa: E731
+
+    def opt(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[sl]
+
     return LossTerms(
         terms.targets[sl],
         terms.sampler_logprobs[sl],

@@ -153,7 +153,10 @@ def plan_recurrence(subtree_end: Tensor, kernel_size: int) -> RecurrencePlan:
         valid = np.arange(t)[None, :] < lengths[segs, None]
         index = np.where(valid, index, n)
         src = np.nonzero(valid.ravel())[0]
-        as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=device)  # noqa: E731
+
+        def as_t(a: np.ndarray) -> Tensor:
+            return torch.as_tensor(a, dtype=torch.int64, device=device)
+
         levels.append(
             _Level(as_t(index), None if lv == 0 else as_t(slot[parent_seg[segs]]), as_t(src), as_t(index.ravel()[src]))
         )
