@@ -38,8 +38,8 @@ from typing import Any
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
-from flows.processes import RunProcesses, setup_logging
 from grpo_core.run import layout
+from grpo_core.run.processes import RunProcesses, setup_logging
 
 FLOW_NAME = "grpo-servers"
 ENTRYPOINT = "flows/grpo_servers.py:grpo_servers"
@@ -441,7 +441,7 @@ class ServerRun:
         self._thread.start()
 
     def watch(self, register: Any) -> None:
-        """Fail the attempt (``register.fail``, a ``flows.processes.RunProcesses``) as soon as the servers' flow run
+        """Fail the attempt (``register.fail``, a ``grpo_core.run.processes.RunProcesses``) as soon as the servers' flow run
         ends on its own (crashed, failed, cancelled by someone else) while this flow run still needs it; polled every
         second on a daemon thread in the flow run's Prefect context."""
         from prefect.client.orchestration import get_client

@@ -17,167 +17,59 @@ to the MLflow run, training progress, the summary table, the reward curve) are i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import json
-import re
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled
 
 from flows import artifacts
-from flows.processes import REGISTRY, child_env, setup_logging, stream, wait_child, watch_servers
-from grpo_core.auth import TOKEN_ENV
 from grpo_core.config import RunConfig
+from grpo_core.errors import ChildDiedError, RolloutProcessError, TrainerError
 from grpo_core.rollout.process import LOCATION_FILE
 from grpo_core.run import layout
+from grpo_core.run.commands import run_slots, trainer_launch
+from grpo_core.run.finalize import finalize_run
+from grpo_core.run.prepare import SECRETS, prepare_run, run_child_env, run_config
+from grpo_core.run.processes import REGISTRY, setup_logging, stream, wait_child, watch_servers
+from grpo_core.run.retry import raise_if_rollout_failed, retry_can_cure, rollout_failed, trainer_failed
+
+if TYPE_CHECKING:
+    from prefect import Task
+    from prefect.client.schemas.objects import TaskRun
+    from prefect.futures import PrefectFuture
+    from prefect.states import State
+
 
 RESOLVED_CONFIG = layout.RUN_CONFIG
-TRAIN_CONFIG = layout.TRAIN_CONFIG  # the trainer's sub-config (``RunConfig.trainer_process()``)
-
-
-class RunChildError(RuntimeError):
-    """A child process of the run failed. ``causes``: the class names of the exceptions that ended it, as it
-    recorded them (empty when it recorded none: killed, or died without a traceback); they decide whether a
-    retry may cure the failure (:func:`retry_can_cure`)."""
-
-    def __init__(self, message: str, causes: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.causes = list(causes or [])
-
-
-class TrainerError(RunChildError):
-    """The trainer process failed; the message holds the tail of its output."""
-
-
-class RolloutProcessError(RunChildError):
-    """The rollout process failed to start or exited with an error; the message holds its log's tail."""
-
-
-class ChildDiedError(RuntimeError):
-    """A child of the run (the rollout process, a generation server replica, the router) exited on its own, so
-    the flow stopped the trainer; the message names the child, its exit code and its log's tail."""
-
-
-#: Secret values of each run's config by run folder: kept in this process, never in the (redacted) run files.
-_SECRETS: dict[str, dict[str, str]] = {}
-
-
-def _config(run_dir: str) -> RunConfig:
-    from grpo_core.redact import apply_secrets
-
-    data = json.loads((Path(run_dir) / RESOLVED_CONFIG).read_text())
-    return RunConfig.model_validate(apply_secrets(data, _SECRETS.get(run_dir, {})))
-
-
-def _child_env(run_dir: str, secrets: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of the run's rollout and trainer processes (``flows.processes.child_env``: owned by this process):
-    the run's token and the config's secrets (``GRPO_RUN_SECRETS``; ``secrets``: those of a process's sub-config,
-    else the run config's) travel here, never on a command line."""
-    from grpo_core.redact import SECRETS_ENV
-
-    extra = {TOKEN_ENV: REGISTRY[run_dir].token}
-    secrets = _SECRETS.get(run_dir) if secrets is None else secrets
-    if secrets:
-        extra[SECRETS_ENV] = json.dumps(secrets)
-    return child_env(extra)
 
 
 @task(name="prepare", cache_policy=NO_CACHE, persist_result=False)
 def prepare(config: RunConfig, flow_run_id: str, deployment: str | None) -> dict:
-    """Check the config (code it names inside the allow-list ``GRPO_ALLOWED_MODULES`` before any import, then
-    imports, dataset columns, Hub push), lay out the run folder (0700; the config file 0600 with its secrets
-    redacted, kept in this process), open the MLflow run (and publish the link artifact to it), fetch a checkpoint
-    and check it against its manifest.
+    """Check the config, lay out the run folder, open the MLflow run (its link as an artifact), fetch and check the
+    checkpoint it resumes from (:func:`grpo_core.run.prepare.prepare_run`).
 
     Returns:
-        ``{"run_dir", "mlflow_run_id", "resume_state"}`` (paths as strings; resume_state None = fresh start).
+        ``{"run_dir", "mlflow_run_id", "mlflow_url", "resume_state"}`` (paths as strings; resume_state None = fresh).
     """
-    from grpo_core import preflight
-    from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
-    from grpo_core.run_lock import RunLock
-    from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
-    from grpo_core.train.fingerprint import check_resume
-    from grpo_core.train.manifest import verify_manifest
-
-    secrets = secret_values(config)
-    redact_logs(mask_values(secrets))
-    log = get_run_logger()
-    preflight.check_run(config)
-    run_dir = (config.train.output_dir / flow_run_id).resolve()
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    run_dir.chmod(0o700)  # the run's files (logs, configs, checkpoints) are its owner's only
-    _SECRETS[str(run_dir)] = secrets
-    # an orphaned trainer of a killed attempt may still write the folder: wait for it, or fail naming its pid
-    with RunLock(run_dir, "prepare", config.train.run_lock_timeout_s):
-        pass
-    cfg = config.model_copy(deep=True)
-    cfg.train.output_dir = run_dir
-    cfg.server.log_dir = run_dir / layout.SERVERS_DIR
-    mlflow_run_id = None
-    if cfg.tracking.enabled:
-        from grpo_core import tracking
-
-        mlflow_run_id, continued = tracking.start_run(cfg, flow_run_id, deployment, run_name=runtime.flow_run.name)
-        cfg.tracking.run_id = mlflow_run_id
-        if latest_checkpoint(run_dir) is None:  # a retry on a host without the run folder, or resume_from
-            fetch_checkpoint(cfg, run_dir, continued)
-    write_private(run_dir / RESOLVED_CONFIG, cfg.model_dump_json(indent=1))  # secrets redacted
-    if mlflow_run_id:
-        from grpo_core import tracking
-
-        artifacts.publish_mlflow_link(tracking.run_url(cfg.tracking, mlflow_run_id), mlflow_run_id)
-    latest = latest_checkpoint(run_dir)
-    if latest is not None:
-        verify_manifest(latest)  # a downloaded checkpoint is refused here, naming its tampered or missing file
-        check_resume(cfg.trainer_process(), latest)  # a different run refuses here, before any server starts
-        log.info("resuming from checkpoint %s", latest)
-    log.info("run folder %s, MLflow run %s", run_dir, mlflow_run_id)
-    return {
-        "run_dir": str(run_dir),
-        "mlflow_run_id": mlflow_run_id,
-        "resume_state": str(latest / STATE_FILE) if latest is not None else None,
-    }
+    run = prepare_run(
+        config,
+        flow_run_id,
+        deployment,
+        run_name=runtime.flow_run.name,
+        log=get_run_logger(),
+        on_mlflow_run=artifacts.publish_mlflow_link,
+    )
+    return dataclasses.asdict(run)
 
 
-def fetch_checkpoint(cfg: RunConfig, run_dir: Path, continued: bool) -> Path | None:
-    """Fetch the checkpoint a run without a local one resumes from: its own MLflow run's (a retry on a host
-    where the run folder is gone), else ``resume_from``'s; each the latest completely uploaded one.
-
-    Returns:
-        The local checkpoint folder, or None (a fresh start: neither run completed a checkpoint upload, and
-        ``resume_from`` is unset).
-
-    Raises:
-        CheckpointError: a checkpoint exists but cannot be fetched (names the run, the checkpoint and why), or
-            ``resume_from`` names a run without a completely uploaded checkpoint.
-    """
-    from grpo_core import tracking
-    from grpo_core.errors import CheckpointError
-    from grpo_core.train.checkpoint import verify
-
-    fetched = None
-    if continued:
-        fetched = tracking.download_latest_checkpoint(cfg.tracking, cfg.tracking.run_id, run_dir, verify=verify)
-    source = cfg.resume_from
-    if fetched is None and source:
-        fetched = tracking.download_latest_checkpoint(cfg.tracking, source, run_dir, verify=verify)
-        if fetched is None:
-            raise CheckpointError(
-                f"resume_from={source}: MLflow run {source} has no completely uploaded checkpoint "
-                f"(no tag {tracking.LATEST_STEP_TAG}); pick a run that saved one, or drop "
-                "resume_from to start a new run"
-            )
-    return fetched
-
-
-def server_start_failed(task, task_run, state) -> bool:  # noqa: ANN001, ARG001 - Prefect's retry_condition_fn
+def server_start_failed(task: Task, task_run: TaskRun, state: State) -> bool:  # noqa: ARG001 - retry_condition_fn
     """Retry ``provision_servers`` only when a replica failed to start (``ServerStartError``: exited during
     start-up, or not healthy in time); config errors, missing files and server/config mismatches fail at once."""
     from grpo_core.errors import ServerStartError
@@ -204,11 +96,11 @@ def provision_servers(run_dir: str) -> list[str]:
     from grpo_core.serving.routing import wait_external
     from grpo_core.serving.vllm import choose_backend, provision
 
-    log, procs, cfg = get_run_logger(), REGISTRY[run_dir], _config(run_dir)
+    log, procs, cfg = get_run_logger(), REGISTRY[run_dir], run_config(run_dir)
     if cfg.server.deployment:  # replicas in a flow run of their own, on the servers' work pool
         from flows.grpo_servers import ServerRun
 
-        server_run = ServerRun(cfg, str(runtime.flow_run.id), procs.token, _SECRETS.get(run_dir, {}), log)
+        server_run = ServerRun(cfg, str(runtime.flow_run.id), procs.token, SECRETS.get(run_dir, {}), log)
         procs.servers.append(server_run)  # stopped (its flow run cancelled) with the run's processes
         urls = server_run.start()
         log.info("replicas of %s healthy: %s", cfg.server.deployment, ", ".join(urls))
@@ -257,20 +149,20 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
         server_urls,
         root,
         resume=Path(resume_state) if resume_state else None,
-        env=_child_env(run_dir),
+        env=run_child_env(run_dir),
     )
     process = started.process
     procs.processes.append(process)
     try:
         location = started.wait_location(timeout_s=600)
     except TransportError as exc:
-        _raise_if_failed(started.error_path, started.log_path, exc)
+        raise_if_rollout_failed(started.error_path, started.log_path, exc)
         if procs.stopping:
             return Cancelled(message=f"rollout process stopped by the flow before it served ({exc})")
         raise RolloutProcessError(str(exc)) from None
     log.info("rollout process %d serves samples at %s", process.pid, location)
     code = wait_child(process, procs, "rollout", started.log_path)  # a death stops the trainer now
-    _raise_if_failed(started.error_path, started.log_path, f"exited with code {code}")
+    raise_if_rollout_failed(started.error_path, started.log_path, f"exited with code {code}")
     if procs.stopping:
         return Cancelled(message=f"rollout process stopped by the flow (exit code {code})")
     if code != 0:
@@ -281,19 +173,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     return location
 
 
-def _raise_if_failed(error_file: Path, log_file: Path, how: object) -> None:
-    """Raise RolloutProcessError when the rollout process reported its own failure in ``error_file``."""
-    if not error_file.is_file():
-        return
-    lines = [line for line in error_file.read_text(errors="replace").splitlines() if line.strip()]
-    cause = lines[-1] if lines else "no traceback"
-    causes = [m.group(1)] if (m := re.match(r"([\w.]+)(?::|$)", cause)) else []  # `module.Type: message`
-    raise RolloutProcessError(
-        f"rollout process failed ({how}): {cause}; traceback in {error_file}, log {log_file}", causes
-    )
-
-
-def _await_location(run_dir: str, rollout_run) -> str:  # noqa: ANN001 - a PrefectFuture
+def _await_location(run_dir: str, rollout_run: PrefectFuture) -> str:
     """The rollout process's Flight location once it serves; raises the rollout task's error if it ended first."""
     location_file = Path(run_dir) / LOCATION_FILE
     while True:
@@ -303,48 +183,6 @@ def _await_location(run_dir: str, rollout_run) -> str:  # noqa: ANN001 - a Prefe
             rollout_run.result()  # raises the task's failure
             raise RolloutProcessError("the rollout task ended before the rollout process served")
         time.sleep(0.2)
-
-
-def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], node_rank: int = 0) -> list[str]:
-    """The torchrun command of trainer host ``node_rank`` (the flow runs node 0; with ``train.nnodes`` > 1 every
-    other trainer host runs this command with its own ``node_rank`` and a copy of ``config_path``).
-
-    One host: ``grpo_core.train.launch`` (torchrun with its stores on loopback only). Several: torchrun's static
-    rendezvous at ``train.rdzv_endpoint`` (node 0 hosts the store and holds global rank 0, the rank that pulls
-    samples, syncs the servers and writes checkpoints); that store must be reachable from the other trainer hosts.
-
-    Raises:
-        ValueError: ``node_rank`` outside ``0 .. train.nnodes - 1``.
-    """
-    tc = cfg.train
-    if not 0 <= node_rank < tc.nnodes:
-        raise ValueError(
-            f"node_rank={node_rank} is not a trainer host of train.nnodes={tc.nnodes} (0 to "
-            f"{tc.nnodes - 1}); raise train.nnodes to add a host"
-        )
-    if tc.nnodes == 1:
-        cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
-    else:
-        host, _, port = tc.rdzv_endpoint.rpartition(":")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(tc.num_ranks),
-            "--nnodes",
-            str(tc.nnodes),
-            "--node-rank",
-            str(node_rank),
-            "--master-addr",
-            host or tc.rdzv_endpoint,
-            "--master-port",
-            port or "29400",
-            "--rdzv-conf",
-            f"timeout={tc.rdzv_timeout_s}",
-        ]
-    cmd += ["-m", "grpo_core.train", "--config", str(config_path)]
-    return cmd + [arg for url in server_urls for arg in ("--server-url", url)]
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
@@ -357,35 +195,12 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
         ChildDiedError: the rollout process, a server replica or the router died, so the flow stopped the trainer
             (names the child, its exit code and its log's tail).
     """
-    from grpo_core.redact import secret_values, write_private
-    from grpo_core.report import TRAINER_ERROR, read_trainer_error
+    from grpo_core.report import read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
     log, root = get_run_logger(), Path(run_dir)
-    cfg = _config(run_dir)
-    cfg.train.rollout_location = rollout_location
-    (root / TRAINER_ERROR).unlink(missing_ok=True)
-    config_path, sub = root / TRAIN_CONFIG, cfg.trainer_process()  # the trainer reads only its sub-config
-    write_private(config_path, sub.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
-    cmd = trainer_command(cfg, config_path, server_urls)
-    if cfg.train.nnodes > 1:  # torchrun says nothing while it waits for the other hosts
-        from grpo_core.preflight import check_rendezvous_host
-
-        check_rendezvous_host(cfg)
-        log.info(
-            "trainer host 0 of %d: waiting up to %d s (train.rdzv_timeout_s) at %s for trainer hosts 1..%d; on "
-            "each run %s with its --node-rank and a copy of %s (docs/across-hosts.md)",
-            cfg.train.nnodes,
-            cfg.train.rdzv_timeout_s,
-            cfg.train.rdzv_endpoint,
-            cfg.train.nnodes - 1,
-            " ".join(trainer_command(cfg, Path(TRAIN_CONFIG), server_urls, node_rank=1)[1:]),
-            config_path,
-        )
-    env = _child_env(run_dir, secret_values(sub))
-    if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[: cfg.train.num_ranks]))
-    progress = artifacts.TrainingProgress(root / layout.METRICS, cfg.train.max_steps)
+    cmd, env = trainer_launch(run_dir, server_urls, rollout_location, log)
+    progress = artifacts.TrainingProgress(root / layout.METRICS, run_config(run_dir).train.max_steps)
     progress.start()
     try:
         code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / layout.TRAINER_PID, register=REGISTRY[run_dir])
@@ -400,11 +215,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
             + (f"; log {failure_log}:\n{log_tail(failure_log)}" if failure_log else "")
         )
     if code != 0:
-        cause = read_trainer_error(root)
-        causes = re.findall(r"^rank \d+: ([\w.]+):", cause, flags=re.M)  # `rank R: Type: message` per rank
-        raise TrainerError(
-            f"trainer exited with code {code}" + (f": {cause}" if cause else "") + f"\nlast output:\n{tail}", causes
-        )
+        raise trainer_failed(code, read_trainer_error(root), tail)
     return str(latest_checkpoint(root))
 
 
@@ -413,79 +224,11 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
     """Reward curve, summary, model card; the exported model to MLflow (a registered version with the alias)
     and to the Hub (``export.push_to_hub``); summary and reward-curve artifacts. Returns the summary (JSON-able).
     """
-    from grpo_core import hub, report
-    from grpo_core.train.checkpoint import latest_checkpoint
-    from grpo_core.train.export import FINAL_MODEL_DIR
-
-    cfg, root, log = _config(run_dir), Path(run_dir), get_run_logger()
-    png = report.plot_reward_curve(root / layout.METRICS, root / layout.REWARD_CURVE)
-    summary = {
-        **report.summarize(root / layout.METRICS, wall_s),
-        "run_dir": run_dir,
-        "checkpoint": str(latest_checkpoint(root)),
-        "reward_curve": str(png) if png else None,
-        "mlflow_run_id": mlflow_run_id,
-        "mlflow_uri": cfg.tracking.shown_tracking_uri(),
-    }
-    model_dir = root / FINAL_MODEL_DIR
-    adapter = cfg.train.lora.enabled
-    if model_dir.is_dir():
-        hub.write_model_card(cfg, model_dir, summary, png, adapter=adapter)
-        summary["model"] = str(model_dir)
-    status = "FAILED"
-    try:
-        if mlflow_run_id:
-            summary.update(_track_final(cfg, mlflow_run_id, png, model_dir if model_dir.is_dir() else None, summary))
-        if cfg.export.push_to_hub and model_dir.is_dir():
-            summary["hub_commit"] = hub.push_to_hub(cfg, model_dir)
-        status = "FINISHED"
-    finally:
-        if mlflow_run_id:
-            from grpo_core import tracking
-
-            tracking.end_run(cfg.tracking, mlflow_run_id, status)
+    summary = finalize_run(run_config(run_dir), run_dir, mlflow_run_id, wall_s, get_run_logger())
     artifacts.publish_summary(summary)
-    artifacts.publish_reward_curve(png, summary)
-    log.info("summary: %s", summary)
-    if summary.get("stopped_early"):
-        log.warning(
-            "trained %s of %s steps: %s", summary["steps"], summary["steps_requested"], summary["stopped_early"]
-        )
+    png = summary.get("reward_curve")
+    artifacts.publish_reward_curve(Path(png) if png else None, summary)
     return summary
-
-
-def _track_final(cfg: RunConfig, run_id: str, png: Path | None, model_dir: Path | None, summary: dict) -> dict:
-    """Reward curve and exported model to the MLflow run; a registered version when configured."""
-    from grpo_core import tracking
-
-    tc, out = cfg.tracking, {}
-    if png is not None:
-        tracking.log_file(tc, run_id, png, "plots")
-    if tc.log_model and model_dir is not None:
-        source = tracking.log_model(tc, run_id, model_dir, adapter=cfg.train.lora.enabled)
-        if tc.registered_model_name:
-            version = tracking.register_model(
-                tc,
-                run_id,
-                source,
-                description=f"{summary.get('steps', 0):.0f} steps; reward of the last five steps "
-                f"{summary.get('reward_last5', float('nan')):.4f}",
-            )
-            out["registered_model"] = f"{tc.registered_model_name} v{version.version} @{tc.registered_model_alias}"
-    return out
-
-
-def retry_can_cure(exc: BaseException) -> bool:
-    """Whether a flow retry may cure ``exc`` (the flow's retry condition; Prefect's ``retry_condition_fn`` is for
-    tasks only). No when it is deterministic (``grpo_core.errors.is_deterministic``: bad config, a resume refused,
-    nothing to train, user code that raises, ...) or a child process recorded such an error as its cause; yes for
-    the rest: a process killed, a server or the network gone, a timeout, a held run lock."""
-    from grpo_core.errors import is_deterministic
-
-    causes = getattr(exc, "causes", None)
-    if causes:
-        return not any(is_deterministic(name) for name in causes)
-    return not is_deterministic(exc)
 
 
 def _no_more_retries(exc: BaseException) -> None:
@@ -572,35 +315,23 @@ def _attempt(config: RunConfig) -> dict:
             urls = provision_servers.with_options(retries=config.server.start_retries)(run_dir)
             (Path(run_dir) / LOCATION_FILE).unlink(missing_ok=True)  # a retried flow run's old location
             rollout_run = rollout.submit(run_dir, urls, run["resume_state"])
-            train(run_dir, urls, _await_location(run_dir, rollout_run))
+            try:
+                train(run_dir, urls, _await_location(run_dir, rollout_run))
+            except TrainerError as exc:  # the rollout's own failure, when it recorded one, is the root cause
+                rollout_failed(run_dir, exc)
+                raise
             rollout_run.result()  # the trainer shut the rollout down: its exit decides the task's state
     except BaseException:
         if mlflow_run_id:
             from grpo_core import tracking
 
-            tracking.end_run(_config(run_dir).tracking, mlflow_run_id, "FAILED")
+            tracking.end_run(run_config(run_dir).tracking, mlflow_run_id, "FAILED")
         raise
     finally:
         _stop(run_dir)
         if rollout_run is not None:
             rollout_run.wait(timeout=60)  # its state turns final (Cancelled when stopped here)
     return finalize(run_dir, mlflow_run_id, time.monotonic() - start)
-
-
-def run_slots(config: RunConfig) -> int:
-    """Slots of ``flow.concurrency_limit`` a run holds: ``flow.concurrency_slots``, else the GPUs it uses (the
-    servers' and the trainer's, counted once)."""
-    if config.flow.concurrency_slots is not None:
-        return config.flow.concurrency_slots
-    if not config.server.starts_here():  # the servers run elsewhere: only the trainer's ranks here
-        return config.train.num_ranks
-    from grpo_core.serving.vllm import choose_backend, replica_gpus
-
-    if choose_backend(config) != "vllm":
-        return 1
-    servers = {g for replica in range(config.server.num_replicas) for g in replica_gpus(config, replica)}
-    ranks = config.train.gpu_ids[: config.train.num_ranks] if config.train.gpu_ids else range(config.train.num_ranks)
-    return len(servers | set(ranks))
 
 
 @contextlib.contextmanager
@@ -627,6 +358,8 @@ def gpu_slots(config: RunConfig) -> Iterator[None]:
         with get_client(sync_client=True) as client:
             limit = client.read_global_concurrency_limit_by_name(name)
     except ObjectNotFound:
+        limit = None  # the run's body runs outside this handler: its errors are not chained to this 404
+    if limit is None:
         log.info("no global concurrency limit %r on this Prefect server: not waiting for slots", name)
         yield
         return

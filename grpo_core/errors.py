@@ -134,6 +134,33 @@ class RunLockedError(GrpoError):
     """Another process holds the run folder's lock (the message names its pid)."""
 
 
+class RunChildError(GrpoError, RuntimeError):
+    """A child process of the run failed.
+
+    Attributes:
+        causes: the class names of the exceptions that ended it, as it recorded them (empty when it recorded none:
+            killed, or died without a traceback); they decide whether a retry may cure the failure
+            (``grpo_core.run.retry.retry_can_cure``).
+    """
+
+    def __init__(self, message: str, causes: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.causes = list(causes or [])
+
+
+class TrainerError(RunChildError):
+    """The trainer process failed; the message holds the tail of its output."""
+
+
+class RolloutProcessError(RunChildError):
+    """The rollout process failed to start or exited with an error; the message holds its log's tail."""
+
+
+class ChildDiedError(GrpoError, RuntimeError):
+    """A child of the run (the rollout process, a generation server replica, the router) exited on its own, so
+    the run stopped the trainer; the message names the child, its exit code and its log's tail."""
+
+
 #: Errors that an attempt meets again on a retry: the same config, data and code fail the same way (bad input:
 #: every ``ValueError``, ConfigError, NothingToTrainError and pydantic's ValidationError among them; user code
 #: that raises or times out; a checkpoint that cannot be used), and programming errors. Everything else (a

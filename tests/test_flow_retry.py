@@ -1,4 +1,4 @@
-"""The grpo-train flow retries only failures a retry can cure (``flows.grpo_train.retry_can_cure``).
+"""The grpo-train flow retries only failures a retry can cure (``grpo_core.run.retry.retry_can_cure``).
 
 A deterministic failure (bad config met inside the flow, nothing to train, a refused resume, user code that
 raises) used to be retried by ``@flow(retries=1)``: the retry met the same error and printed its tracebacks again.
@@ -13,15 +13,19 @@ import sys
 import traceback
 from pathlib import Path
 
-from flows.grpo_train import ChildDiedError, RolloutProcessError, TrainerError, _raise_if_failed, retry_can_cure
 from grpo_core.errors import (
+    ChildDiedError,
     ConfigError,
     NothingToTrainError,
     PortInUseError,
+    RolloutError,
+    RolloutProcessError,
     ServerUnavailableError,
+    TrainerError,
     TransportError,
     UserCodeError,
 )
+from grpo_core.run.retry import raise_if_rollout_failed, retry_can_cure, rollout_failed, trainer_failed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,12 +63,56 @@ def test_the_rollout_process_traceback_names_its_cause(tmp_path):
         except Exception:  # noqa: BLE001 - the rollout process writes its traceback like this
             error_file.write_text(traceback.format_exc())
         try:
-            _raise_if_failed(error_file, tmp_path / "rollout.log", "exited with code 1")
+            raise_if_rollout_failed(error_file, tmp_path / "rollout.log", "exited with code 1")
         except RolloutProcessError as err:
             assert err.causes == [f"grpo_core.errors.{type(exc).__name__}"]
             assert retry_can_cure(err) is curable
         else:
             raise AssertionError("no RolloutProcessError")
+
+
+def test_a_failure_raised_from_a_deterministic_one_is_not_retried_however_wrapped():
+    try:
+        try:
+            raise UserCodeError("reward raised")
+        except UserCodeError as cause:
+            raise TransportError("the sample stream broke") from cause
+    except TransportError as wrapped:
+        assert not retry_can_cure(wrapped), "the root cause (user code) decides, not the transport error"
+    try:
+        try:
+            raise KeyError("handled nearby")
+        except KeyError:
+            raise TransportError("gone") from None  # noqa: B904 - a context, not a cause
+    except TransportError as unrelated:
+        assert retry_can_cure(unrelated), "an exception merely handled nearby is not a cause"
+
+
+def test_the_rollouts_recorded_failure_is_the_root_cause_of_the_trainers(tmp_path):
+    """The trainer sees a failed rollout only as a broken sample stream (TransportError, curable); the rollout's own
+    record (a reward returning the wrong number of values: RolloutError) must decide: one attempt."""
+    trainer = trainer_failed(1, "rank 0: grpo_core.errors.TransportError: stream broke", "...")
+    assert retry_can_cure(trainer)
+    rollout_failed(tmp_path, trainer)  # nothing recorded: nothing raised
+    try:
+        raise RolloutError("reward_fn returned 3 values for 4 completions")
+    except RolloutError:
+        (tmp_path / "rollout_error.txt").write_text(traceback.format_exc())
+    try:
+        rollout_failed(tmp_path, trainer)
+    except RolloutProcessError as err:
+        assert err.__cause__ is trainer and err.causes == ["grpo_core.errors.RolloutError"]
+        assert not retry_can_cure(err)
+        assert "reward_fn returned 3 values" in str(err)
+    else:
+        raise AssertionError("the rollout's recorded failure was not raised")
+
+
+def test_a_killed_trainer_is_reported_with_the_signal():
+    assert str(trainer_failed(-9, "", "tail")).startswith("trainer was killed by SIGKILL")
+    tail = "exitcode  : -9 (pid: 4242)\nerror_file: <N/A>\ntraceback : Signal 9 (SIGKILL) received by PID 4242"
+    message = str(trainer_failed(1, "", tail))
+    assert message.startswith("trainer exited with code 1 (a rank, pid 4242, was killed by SIGKILL)"), message
 
 
 SCRIPT = """

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.grpo_train import trainer_command
+from grpo_core.run.commands import trainer_command
 from grpo_core.config import SERVER_API_KEY_ENV, RunConfig, load_config
 from grpo_core.errors import ConfigError
 from grpo_core.train.adapter_store import AdapterStore

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
 
-from flows.processes import RunProcesses, child_env, stream, wait_child, watch_servers
+from grpo_core.run.processes import RunProcesses, child_env, stream, wait_child, watch_servers
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.lifeline import interruptible
 from grpo_core.rollout.process import start_rollout_process

@@ -1,4 +1,4 @@
-"""The processes of one flow run (servers, rollout, trainer) and their logs in the Prefect run log.
+"""The processes of one run (servers, rollout, trainer) and their logs in the run's log (the Prefect run log).
 
 Tasks receive references (the run folder), not process objects: the processes a run starts are
 kept here, in :data:`REGISTRY` keyed by the run folder, so the flow's ``finally`` can stop every

@@ -1,0 +1,114 @@
+"""The command lines and resources of a run's trainer: the torchrun command of each trainer host, and the GPU slots a
+run holds (no Prefect here; ``flows/grpo_train.py`` calls these)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from grpo_core.config import RunConfig
+from grpo_core.run import layout
+
+
+def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], node_rank: int = 0) -> list[str]:
+    """The torchrun command of trainer host ``node_rank`` (the flow runs node 0; with ``train.nnodes`` > 1 every
+    other trainer host runs this command with its own ``node_rank`` and a copy of ``config_path``).
+
+    One host: ``grpo_core.train.launch`` (torchrun with its stores on loopback only). Several: torchrun's static
+    rendezvous at ``train.rdzv_endpoint`` (node 0 hosts the store and holds global rank 0, the rank that pulls
+    samples, syncs the servers and writes checkpoints); that store must be reachable from the other trainer hosts.
+
+    Raises:
+        ValueError: ``node_rank`` outside ``0 .. train.nnodes - 1``.
+    """
+    tc = cfg.train
+    if not 0 <= node_rank < tc.nnodes:
+        raise ValueError(
+            f"node_rank={node_rank} is not a trainer host of train.nnodes={tc.nnodes} (0 to "
+            f"{tc.nnodes - 1}); raise train.nnodes to add a host"
+        )
+    if tc.nnodes == 1:
+        cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
+    else:
+        host, _, port = tc.rdzv_endpoint.rpartition(":")
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(tc.num_ranks),
+            "--nnodes",
+            str(tc.nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            host or tc.rdzv_endpoint,
+            "--master-port",
+            port or "29400",
+            "--rdzv-conf",
+            f"timeout={tc.rdzv_timeout_s}",
+        ]
+    cmd += ["-m", "grpo_core.train", "--config", str(config_path)]
+    return cmd + [arg for url in server_urls for arg in ("--server-url", url)]
+
+
+def run_slots(config: RunConfig) -> int:
+    """Slots of ``flow.concurrency_limit`` a run holds: ``flow.concurrency_slots``, else the GPUs it uses (the
+    servers' and the trainer's, counted once; 1 for a run on CPU)."""
+    if config.flow.concurrency_slots is not None:
+        return config.flow.concurrency_slots
+    if not config.server.starts_here():  # the servers run elsewhere: only the trainer's ranks here
+        return config.train.num_ranks
+    from grpo_core.serving.vllm import choose_backend, replica_gpus
+
+    if choose_backend(config) != "vllm":
+        return 1
+    servers = {g for replica in range(config.server.num_replicas) for g in replica_gpus(config, replica)}
+    ranks = config.train.gpu_ids[: config.train.num_ranks] if config.train.gpu_ids else range(config.train.num_ranks)
+    return len(servers | set(ranks))
+
+
+def trainer_launch(run_dir: str, server_urls: list[str], rollout_location: str, log: Any) -> tuple[list[str], dict]:
+    """Write the trainer's sub-config to the run folder and return its torchrun command and environment.
+
+    Args:
+        run_dir: the run folder (:func:`grpo_core.run.prepare.prepare_run`).
+        server_urls: the generation servers the trainer syncs.
+        rollout_location: the rollout process's Arrow Flight location.
+        log: where the lines for the user go (with ``train.nnodes`` > 1: the command the other hosts run).
+
+    Returns:
+        ``(argv, env)``: the secrets travel in ``env`` (``GRPO_RUN_SECRETS``), never in the files or the argv.
+
+    Raises:
+        ConfigError: with ``train.nnodes`` > 1, ``train.rdzv_endpoint``'s host is not this host.
+    """
+    from grpo_core.redact import secret_values, write_private
+    from grpo_core.run.prepare import run_child_env, run_config
+
+    root = Path(run_dir)
+    cfg = run_config(run_dir)
+    cfg.train.rollout_location = rollout_location
+    (root / layout.TRAINER_ERROR).unlink(missing_ok=True)
+    config_path, sub = root / layout.TRAIN_CONFIG, cfg.trainer_process()  # the trainer reads only its sub-config
+    write_private(config_path, sub.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
+    cmd = trainer_command(cfg, config_path, server_urls)
+    if cfg.train.nnodes > 1:  # torchrun says nothing while it waits for the other hosts
+        from grpo_core.preflight import check_rendezvous_host
+
+        check_rendezvous_host(cfg)
+        log.info(
+            "trainer host 0 of %d: waiting up to %d s (train.rdzv_timeout_s) at %s for trainer hosts 1..%d; on "
+            "each run %s with its --node-rank and a copy of %s (docs/across-hosts.md)",
+            cfg.train.nnodes,
+            cfg.train.rdzv_timeout_s,
+            cfg.train.rdzv_endpoint,
+            cfg.train.nnodes - 1,
+            " ".join(trainer_command(cfg, Path(layout.TRAIN_CONFIG), server_urls, node_rank=1)[1:]),
+            config_path,
+        )
+    env = run_child_env(run_dir, secret_values(sub))
+    if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[: cfg.train.num_ranks]))
+    return cmd, env
