@@ -120,7 +120,7 @@ class _Terminated(BaseException):
     """SIGTERM reached the servers' flow run (its worker cancels it)."""
 
 
-def _terminate(signum, frame) -> None:  # noqa: ANN001, ARG001 - a signal handler
+def _terminate(signum: int, frame: object) -> None:  # noqa: ARG001 - a signal handler
     raise _Terminated
 
 
@@ -172,105 +172,48 @@ def _publish(handles: list[Any], urls: list[str], train_flow_run_id: str) -> Non
 
 
 def _keep(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: str, log: Any) -> str:
-    """Health-check the replicas until a reason to stop; returns the reason.
+    """Watch Prefect until a reason to stop (this run cancelled, the train run final or its lifeline silent for
+    ``server.lifeline_timeout_s``) and keep the replicas serving meanwhile
+    (:class:`grpo_core.serving.supervisor.ReplicaSupervisor`); returns the reason.
 
-    A replica that exits is started again on its port (``relaunch``, here: vLLM dies with the thread that launched
-    it) while ``server.start_retries`` lasts; the wait for it to serve (up to ``server.startup_timeout_s``, minutes
-    for a large model) runs on a thread, so the lifeline, the train flow run and a cancellation are still checked
-    every pass meanwhile. The servers' run fails only when every replica is dead with its restarts spent.
+    Raises:
+        ServerStartError: every replica exited with its restarts spent (``server.start_retries``).
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(max_workers=max(1, len(procs.servers)), thread_name_prefix="replica-start")
-    try:
-        return _watch(cfg, procs, own_id, train_id, lifeline, log, pool)
-    finally:  # a wait still going ends within 0.5 s of the teardown stopping its replica
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _watch(cfg: Any, procs: RunProcesses, own_id: str, train_id: str, lifeline: str, log: Any, pool: Any) -> str:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from grpo_core.errors import ServerStartError, ServingError
-    from grpo_core.serving.vllm import relaunch, wait_healthy
+    from grpo_core.serving.supervisor import ReplicaSupervisor
 
     period = min(2.0, cfg.server.lifeline_timeout_s / 4)
-    restarts = [0] * len(procs.servers)
-    starting: dict[int, Any] = {}  # replica -> the Future of its wait_healthy after a relaunch
-
-    def failed_start(i: int, exc: Exception) -> None:  # tried again on a later pass while restarts last
-        log.warning("replica %d did not start again (%d of %d): %s", i, restarts[i], cfg.server.start_retries, exc)
-
+    supervisor = ReplicaSupervisor(cfg.server, procs.servers, procs.token, cfg.serves_lora(), log)
     last_beat, last_change = None, time.monotonic()
-    with get_client(sync_client=True) as client:
-        while True:
-            try:
-                own, train = client.read_flow_run(own_id), client.read_flow_run(train_id)
-                beat = client.read_variable_by_name(lifeline)
-            except ObjectNotFound:
-                return f"train flow run {train_id} (or this flow run) was deleted"
-            except Exception as exc:  # noqa: BLE001 - the API unreachable: the lifeline timeout decides
-                log.warning("Prefect API not answering (%s); replicas kept until server.lifeline_timeout_s", exc)
-                own = train = beat = None
-            if own is not None and own.state is not None and own.state.is_cancelling():
-                return f"cancelled: {own.state.message or 'flow run cancelled'}"
-            if train is not None and train.state is not None and train.state.is_final():
-                return f"train flow run {train_id} is {train.state.name}"
-            value = beat.value if beat is not None else None
-            if value is not None and value != last_beat:
-                last_beat, last_change = value, time.monotonic()
-            elif time.monotonic() - last_change > cfg.server.lifeline_timeout_s:
-                return (
-                    f"train flow run {train_id} stopped beating its lifeline for "
-                    f"{cfg.server.lifeline_timeout_s:.0f} s (server.lifeline_timeout_s)"
-                )
-            for i, handle in enumerate(procs.servers):
-                if i in starting:
-                    if not starting[i].done():
-                        continue
-                    try:
-                        starting.pop(i).result()
-                        log.info(
-                            "replica %d serves again at %s%s",
-                            i,
-                            handle.url,
-                            ""
-                            if cfg.serves_lora()
-                            else " (it refuses later policy versions until a weight sync reaches it)",
-                        )
-                    except ServerStartError as exc:  # its process is stopped
-                        failed_start(i, exc)
-                    continue
-                if handle.process.poll() is None or handle.url == "":
-                    continue
-                if restarts[i] >= cfg.server.start_retries:
-                    continue
-                restarts[i] += 1
-                log.warning(
-                    "replica %d exited with code %s; starting it again on %s (%d of %d)",
-                    i,
-                    handle.process.returncode,
-                    handle.url,
-                    restarts[i],
-                    cfg.server.start_retries,
-                )
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
                 try:
-                    procs.servers[i] = relaunch(handle, procs.token)
-                except ServingError as exc:  # nothing started (its log cannot be written)
-                    failed_start(i, exc)
-                    continue
-                starting[i] = pool.submit(
-                    wait_healthy, procs.servers[i], cfg.server.startup_timeout_s, procs.token, fenced_ok=True
-                )  # no generation check follows
-            if not starting and all(
-                h.process.poll() is not None and n >= cfg.server.start_retries for h, n in zip(procs.servers, restarts)
-            ):
-                raise ServerStartError(
-                    f"every replica exited and server.start_retries ({cfg.server.start_retries}) "
-                    "restarts each are spent; logs in " + str(cfg.server.log_dir)
-                )
-            time.sleep(period)
+                    own, train = client.read_flow_run(own_id), client.read_flow_run(train_id)
+                    beat = client.read_variable_by_name(lifeline)
+                except ObjectNotFound:
+                    return f"train flow run {train_id} (or this flow run) was deleted"
+                except Exception as exc:  # noqa: BLE001 - the API unreachable: the lifeline timeout decides
+                    log.warning("Prefect API not answering (%s); replicas kept until server.lifeline_timeout_s", exc)
+                    own = train = beat = None
+                if own is not None and own.state is not None and own.state.is_cancelling():
+                    return f"cancelled: {own.state.message or 'flow run cancelled'}"
+                if train is not None and train.state is not None and train.state.is_final():
+                    return f"train flow run {train_id} is {train.state.name}"
+                value = beat.value if beat is not None else None
+                if value is not None and value != last_beat:
+                    last_beat, last_change = value, time.monotonic()
+                elif time.monotonic() - last_change > cfg.server.lifeline_timeout_s:
+                    return (
+                        f"train flow run {train_id} stopped beating its lifeline for "
+                        f"{cfg.server.lifeline_timeout_s:.0f} s (server.lifeline_timeout_s)"
+                    )
+                supervisor.check()
+                time.sleep(period)
+    finally:
+        supervisor.close()
 
 
 # ----- the train flow's side ---------------------------------------------------------------------------------------
