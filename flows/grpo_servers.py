@@ -384,9 +384,9 @@ class ServerRun:
         self._thread.start()
 
     def watch(self, register: Any) -> None:
-        """Fail the attempt (``register.fail``, a ``grpo_core.run.processes.RunProcesses``) as soon as the servers' flow run
-        ends on its own (crashed, failed, cancelled by someone else) while this flow run still needs it; polled every
-        second on a daemon thread in the flow run's Prefect context."""
+        """Fail the attempt (``register.fail``, a ``grpo_core.run.processes.RunProcesses``) as soon as the servers'
+        flow run ends on its own (crashed, failed, cancelled by someone else) while this flow run still needs it;
+        polled every second on a daemon thread in the flow run's Prefect context."""
         from prefect.client.orchestration import get_client
 
         def poll() -> None:

@@ -83,7 +83,7 @@ def test_a_failure_raised_from_a_deterministic_one_is_not_retried_however_wrappe
         try:
             raise KeyError("handled nearby")
         except KeyError:
-            raise TransportError("gone") from None  # noqa: B904 - a context, not a cause
+            raise TransportError("gone") from None
     except TransportError as unrelated:
         assert retry_can_cure(unrelated), "an exception merely handled nearby is not a cause"
 

@@ -27,7 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_helpers import ROOT, read_jsonl, torchrun, write_samples  # noqa: E402
+from trainer_helpers import ROOT, read_jsonl, torchrun, write_samples
 
 GOLDEN = ROOT / "tests" / "assets" / "golden_tiny.json"
 METRICS = ("loss", "grad_norm", "entropy", "sampling/importance_sampling_ratio/mean")
@@ -77,4 +77,4 @@ if __name__ == "__main__":
     GOLDEN.write_text(
         json.dumps({"rel_tol": REL_TOL, "abs_tol": ABS_TOL, "metrics": METRICS, "steps": steps}, indent=1)
     )
-    print(f"wrote {GOLDEN}")  # noqa: T201
+    print(f"wrote {GOLDEN}")

@@ -218,8 +218,8 @@ def test_a_refused_batch_keeps_the_other_metrics_and_the_resume_step(tmp_path, c
 
 
 def test_only_a_completely_uploaded_checkpoint_is_fetched_and_an_unreachable_one_fails(tmp_path):
-    from grpo_core.run.prepare import fetch_checkpoint
     from grpo_core.errors import CheckpointError
+    from grpo_core.run.prepare import fetch_checkpoint
 
     cfg = _cfg(tmp_path, checkpoint_artifact_max_mib=0.5)
     run_id, _ = tracking.start_run(cfg, "flow-3")
