@@ -373,21 +373,10 @@ def resume(
 def _run_config_of(run_id: str, overrides: list[str]) -> Path:
     """Download ``config/run_config.json`` of an MLflow run (tracking settings from the overrides)."""
     import json
-    import tempfile
 
-    from mlflow.exceptions import MlflowException
+    from grpo_core import tracking
 
-    from grpo_core.errors import ConfigError
-
-    tc = _load(None, overrides).tracking
-    try:
-        path = Path(tracking.client(tc).download_artifacts(run_id, "config/run_config.json", tempfile.mkdtemp()))
-    except (MlflowException, OSError) as exc:
-        raise ConfigError(
-            f"run {run_id!r}: its config (config/run_config.json) cannot be read from the MLflow store "
-            f"{tc.shown_tracking_uri()} ({type(exc).__name__}); check the id (grpo ui --mlflow lists the "
-            "runs) or the tracking settings (--set tracking.dir=... / tracking.tracking_uri=...)"
-        ) from None
+    path = tracking.download_run_config(_load(None, overrides).tracking, run_id)
     data = json.loads(path.read_text())
     data["tracking"]["run_id"] = None
     data["resume_from"] = None
@@ -415,6 +404,7 @@ def deploy(
 ) -> None:
     """Start a Prefect server + process worker on loopback, register the deployments, serve until Ctrl-C."""
     from prefect.client.schemas.schedules import CronSchedule
+    from pydantic import ValidationError
 
     try:
         CronSchedule(cron=cron)  # before the server starts
@@ -436,6 +426,7 @@ def deploy(
     signal.signal(signal.SIGINT, interrupt)
     from flows.local_api import PrefectApiError, prepare_home
     from grpo_core.allowlist import ALLOWED_MODULES_ENV, trust_config
+    from grpo_core.errors import ConfigError, PortInUseError
 
     demo = _load(demo_config, [])
     allowed = {ALLOWED_MODULES_ENV: ",".join(trust_config(demo))}  # the deployment's own file

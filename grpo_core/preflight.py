@@ -162,30 +162,14 @@ def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
             f"resume_from={cfg.resume_from!r} needs tracking.enabled: true (the checkpoint is found "
             "through the MLflow run)"
         )
-    from mlflow.exceptions import MlflowException
-
     from grpo_core import tracking
 
-    db = sqlite_path(tc.resolved_tracking_uri())
-    try:
-        if db is not None and not db.expanduser().is_file():  # no store holds no run (and opening one creates it)
-            raise MlflowException(f"no MLflow store at {db}")
-        if db is not None and not create:
-            try:
-                with open_sqlite(db, read_only=True) as store:
-                    found = store.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (cfg.resume_from,)).fetchone()
-            except sqlite3.Error as exc:  # not a database, or no runs table yet
-                raise MlflowException(str(exc)) from None
-            if found is None:
-                raise MlflowException(f"no run {cfg.resume_from}")
-        else:
-            tracking.client(tc).get_run(cfg.resume_from)
-    except MlflowException:
+    if not tracking.has_run(tc, cfg.resume_from, read_only=not create):
         raise ConfigError(
             f"resume_from={cfg.resume_from!r}: no such run in the MLflow store "
             f"{tc.shown_tracking_uri()}; copy the id from the MLflow UI (grpo ui --mlflow) or point "
             "tracking.dir / tracking.tracking_uri at the store that holds it"
-        ) from None
+        )
 
 
 def check_model(cfg: RunConfig) -> None:

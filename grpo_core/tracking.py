@@ -568,3 +568,52 @@ __all__ = [
     "run_url",
     "start_run",
 ]
+
+
+def has_run(tc: TrackingConfig, run_id: str, read_only: bool = False) -> bool:
+    """Whether the MLflow store of ``tc`` holds run ``run_id``.
+
+    Args:
+        tc: the tracking settings naming the store.
+        run_id: the MLflow run id.
+        read_only: a local SQLite store is read directly, read-only (MLflow's ``runs`` table), instead of through an
+            MLflow client, which makes its folder and lock file and migrates its schema (``grpo validate``).
+    """
+    from grpo_core.preflight import open_sqlite, sqlite_path
+
+    db = sqlite_path(tc.resolved_tracking_uri())
+    if db is not None and not db.expanduser().is_file():  # no store holds no run (and opening one creates it)
+        return False
+    if db is not None and read_only:
+        import sqlite3
+
+        try:
+            with open_sqlite(db, read_only=True) as store:
+                return store.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (run_id,)).fetchone() is not None
+        except sqlite3.Error:  # not a database, or no runs table yet
+            return False
+    try:
+        client(tc).get_run(run_id)
+    except MlflowException:
+        return False
+    return True
+
+
+def download_run_config(tc: TrackingConfig, run_id: str) -> Path:
+    """Download ``config/run_config.json`` of MLflow run ``run_id`` into a new temporary folder; returns its path.
+
+    Raises:
+        ConfigError: the run or its config cannot be read from the store (names the id, the store and the fix).
+    """
+    import tempfile
+
+    from grpo_core.errors import ConfigError
+
+    try:
+        return Path(client(tc).download_artifacts(run_id, "config/run_config.json", tempfile.mkdtemp()))
+    except (MlflowException, OSError) as exc:
+        raise ConfigError(
+            f"run {run_id!r}: its config (config/run_config.json) cannot be read from the MLflow store "
+            f"{tc.shown_tracking_uri()} ({type(exc).__name__}); check the id (grpo ui --mlflow lists the "
+            "runs) or the tracking settings (--set tracking.dir=... / tracking.tracking_uri=...)"
+        ) from None
