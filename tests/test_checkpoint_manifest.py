@@ -1,10 +1,13 @@
 """Restoring a checkpoint never unpickles code (issue 11, item 2): every file is checked against the SHA-256
 digests of its ``manifest.json`` before anything is read, tensors load with ``weights_only=True``, and DCP's
-pickled metadata goes through a restricted unpickler."""
+pickled metadata goes through a restricted unpickler. Issue 26, item 2: DCP pickles every non-tensor value
+(an AdamW's lr, betas, ...) and its default planner unpickles them on load; now they are JSON, and a checkpoint
+listing a pickled item is refused unread even with a manifest that matches."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import pickle
 from pathlib import Path
@@ -70,7 +73,9 @@ def test_a_verified_checkpoint_restores_weights_rng_and_state(saved):
 
 
 @pytest.mark.parametrize("damage", ["change", "delete", "add", "no-manifest"])
-@pytest.mark.parametrize("name", ["dcp/.metadata", "rng_rank0.pt", "scheduler.pt", "rollout_state.json"])
+@pytest.mark.parametrize(
+    "name", ["dcp/.metadata", "rng_rank0.pt", "scheduler.json", "nontensor_state.json", "rollout_state.json"]
+)
 def test_a_tampered_or_missing_file_is_refused_naming_it(saved, damage, name):
     path, _ = saved
     target = path / name
@@ -118,3 +123,96 @@ def test_forged_metadata_with_a_matching_manifest_runs_no_code(saved, tmp_path):
     for payload in (pickle.dumps(eval), pickle.dumps(torch.load), pickle.dumps(print)):
         with pytest.raises(CheckpointError, match="refused"):
             read_dcp_metadata(payload)
+
+
+def _optimizer_after_two_steps():
+    model, optimizer, scheduler = _objects(0)
+    for _ in range(2):
+        model(torch.randn(4, 6)).square().sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def test_a_resume_restores_the_optimizer_and_scheduler_exactly_and_nothing_is_pickled(saved):
+    """Every optimizer value (tensors and the param groups' lr, betas, ... with their types) and the scheduler
+    come back equal to the saved objects (rebuilt here from the same seed); the DCP folder lists tensors only."""
+    import torch.distributed.checkpoint as dcp
+
+    from grpo_core.train.plain_state import bytes_items
+
+    path, _ = saved
+    torch.manual_seed(0)  # the fixture's batches: the same two steps give the saved objects again
+    _, want_opt, want_sched = _optimizer_after_two_steps()
+    model, optimizer, scheduler = _objects(1)
+    assert optimizer.param_groups[0]["lr"] != want_opt.param_groups[0]["lr"]  # a real change is needed
+    checkpoint.load(path, model, optimizer, scheduler, rank=0)
+    got, want = optimizer.state_dict(), want_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert type(got["param_groups"][0]["betas"]) is tuple
+    assert got["state"].keys() == want["state"].keys()
+    for i, per_param in want["state"].items():
+        for name, value in per_param.items():
+            assert torch.equal(got["state"][i][name], value), (i, name)
+    assert scheduler.state_dict() == want_sched.state_dict()
+    assert bytes_items(dcp.FileSystemReader(str(path / "dcp")).read_metadata()) == []
+
+
+class _Payload:
+    """Unpickles as a call of ``open(marker, "w")``: it creates the marker file (what a forged optimizer value
+    could run instead)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+@pytest.mark.parametrize("key", ["lr", "params"])
+def test_a_checkpoint_whose_bytes_item_carries_a_pickle_is_refused_and_the_payload_never_runs(saved, tmp_path, key):
+    """The forger writes the DCP folder with DCP itself (the optimizer's param group value replaced by a payload)
+    and rewrites the manifest to match: verify() and load() refuse it, naming the item, and the payload never ran
+    (the old loader unpickled it with torch.load(weights_only=False) and created the file)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    path, _ = saved
+    marker = tmp_path / "payload-ran"
+    model, optimizer, _ = _optimizer_after_two_steps()
+    sd = checkpoint._state_dicts(model, optimizer, checkpoint._state_dict_options(model))
+    sd["optim"]["param_groups"][0][key] = _Payload(marker)
+    shutil.rmtree(path / "dcp")
+    dcp.save(sd, checkpoint_id=str(path / "dcp"))
+    assert not marker.exists()  # saving pickled it; nothing ran yet
+    write_manifest(path)
+    verify_manifest(path)  # the manifest proves nothing against whoever can rewrite it
+    assert f"optim.param_groups.0.{key}" in (checkpoint.verify(path) or "")
+    assert checkpoint.latest_checkpoint(path.parent.parent) is None  # skipped as damaged, never loaded
+    model, optimizer, scheduler = _objects(1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"optim\.param_groups\.0\.{key}.*which DCP would unpickle"):
+        checkpoint.load(path, model, optimizer, scheduler, rank=0)
+    assert not marker.exists()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_planner_refuses_a_bytes_item_even_if_the_metadata_check_were_passed():
+    from types import SimpleNamespace
+
+    from grpo_core.train.plain_state import tensor_only_planner
+
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    with pytest.raises(CheckpointError, match="optim.param_groups.0.lr is pickled bytes"):
+        tensor_only_planner().load_bytes(item, io.BytesIO(pickle.dumps(_Payload(Path("/nonexistent/x")))))
+
+
+def test_state_values_round_trip_as_json_with_their_types():
+    from grpo_core.train.plain_state import from_json, to_json
+
+    values = {"betas": (0.9, 0.999), "lr": 1e-3, "eps": float("inf"), "names": ["a.b", "c"], "none": None, "ok": True}
+    back = from_json(to_json(values), "x")
+    assert back == values and type(back["betas"]) is tuple and type(back["ok"]) is bool
+    with pytest.raises(CheckpointError, match=r"checkpoint state dtype is a dtype"):
+        to_json({"dtype": torch.float32})

@@ -1,7 +1,8 @@
 """Checkpoints and exact resume (DESIGN.md §5, resume).
 
 A checkpoint folder ``<output_dir>/checkpoints/step-{N}`` holds the model and
-optimizer state (``torch.distributed.checkpoint``, sharded), the scheduler,
+optimizer tensors (``torch.distributed.checkpoint``, sharded), their other values (the optimizer's
+learning rate, betas, ...: ``nontensor_state.json``), the scheduler (``scheduler.json``),
 each rank's RNG state, ``pending_samples.arrow`` (samples pulled but not yet
 trained: restored into the batcher on resume, so their prompts are neither
 regenerated nor lost) and ``rollout_state.json`` (:class:`ResumeState`). It is
@@ -10,9 +11,11 @@ complete (the parent folder fsynced too), so a crash mid-save leaves the previou
 checkpoint as the latest. A LoRA checkpoint holds the adapter and its optimizer
 state only (``ignore_frozen_params``): the frozen base model comes from ``model``.
 
-Restoring never unpickles code (``grpo_core.train.manifest``): ``manifest.json`` holds the SHA-256
-digest of every file and is checked before anything is read; RNG state and scheduler are loaded
-with ``weights_only=True``; DCP's pickled metadata is read by a restricted unpickler.
+Restoring never unpickles code: ``manifest.json`` holds the SHA-256 digest of every file and is checked
+before anything is read (``grpo_core.train.manifest``; it finds damage, not forgery); non-tensor state is
+JSON (``grpo_core.train.plain_state``) and DCP loads tensors only, with a planner that refuses a checkpoint
+listing any pickled bytes item (DCP would read one with ``torch.load(weights_only=False)``); the RNG state
+loads with ``weights_only=True``; DCP's pickled metadata is read by a restricted unpickler.
 
 :func:`latest_checkpoint` returns the newest checkpoint that passes :func:`verify` (manifest
 included); a damaged newer one is skipped with a warning (the previous one is used). One that
@@ -41,6 +44,7 @@ from grpo_core.durable import fsync_dir, fsync_tree, read_jsonl, rewrite_jsonl
 from grpo_core.errors import CheckpointError
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
 from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
+from grpo_core.train.plain_state import from_json, refuse_bytes_items, restore, split, tensor_only_planner, to_json
 from grpo_core.transport.types import ResumeState
 
 if TYPE_CHECKING:
@@ -51,7 +55,8 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "rollout_state.json"
 PENDING_FILE = "pending_samples.arrow"
-SCHEDULER_FILE = "scheduler.pt"
+SCHEDULER_FILE = "scheduler.json"
+NONTENSOR_FILE = "nontensor_state.json"
 _NAME = re.compile(r"step-(\d+)")
 
 
@@ -121,7 +126,8 @@ def verify(path: Path) -> str | None:
 
     Checks without loading tensors: every file matches the SHA-256 manifest (:func:`verify_manifest`),
     ``rollout_state.json`` parses, the ``dcp`` metadata reads (restricted unpickler) and every shard file it
-    names is there and as long as its entries need, the scheduler and rank 0's RNG state are there.
+    names is there and as long as its entries need, it lists no pickled bytes item, the scheduler and the
+    non-tensor state parse as JSON and rank 0's RNG state is there.
     """
     path = Path(path)
     try:
@@ -136,6 +142,14 @@ def verify(path: Path) -> str | None:
         metadata = safe_reader(path / "dcp").read_metadata()
     except Exception as exc:  # noqa: BLE001 - any failure to read the metadata means a damaged checkpoint
         return f"dcp/.metadata: {type(exc).__name__}: {exc}"
+    try:
+        refuse_bytes_items(metadata, "dcp/.metadata")
+        for name in (SCHEDULER_FILE, NONTENSOR_FILE):
+            from_json((path / name).read_text(), name)
+    except CheckpointError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
     needed: dict[str, int] = {}  # shard file -> bytes its entries reach
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
@@ -145,7 +159,7 @@ def verify(path: Path) -> str | None:
         shard = path / "dcp" / name
         if not shard.is_file() or shard.stat().st_size < size:
             return f"dcp/{name} is missing or shorter than its {size} bytes"
-    for name in (SCHEDULER_FILE, "rng_rank0.pt"):
+    for name in ("rng_rank0.pt",):
         if not (path / name).is_file():
             return f"{name} is missing"
     return None
@@ -229,18 +243,21 @@ def save(
     """
     import torch.distributed.checkpoint as dcp
 
+    tensors, values = split(_state_dicts(model, optimizer, _state_dict_options(model)))
+    plain = {NONTENSOR_FILE: to_json(values), SCHEDULER_FILE: to_json(scheduler.state_dict())}  # every rank: fail alike
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state_dicts(model, optimizer, _state_dict_options(model)), checkpoint_id=str(tmp / "dcp"))
+    dcp.save(tensors, checkpoint_id=str(tmp / "dcp"))  # tensors only: DCP pickles nothing
     torch.save(
         {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         tmp / f"rng_rank{rank}.pt",
     )
     if rank == 0:
-        torch.save(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+        for name, text in plain.items():
+            (tmp / name).write_text(text)
         if pending is not None and pending.num_rows:
             write_samples_ipc(tmp / PENDING_FILE, pending)
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
@@ -271,16 +288,28 @@ def load(
             since, DCP metadata naming code, ...); it is renamed
             ``step-N.bad`` (rank 0), so the next attempt falls back to the previous checkpoint.
     """
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
+
     try:
         return _load(path, model, optimizer, scheduler, rank)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         if rank == 0 and path.is_dir():
             path.rename(path.with_name(path.name + ".bad"))
             fsync_dir(path.parent)
+        cause = _first_failure(exc)
         raise CheckpointError(
-            f"checkpoint {path} failed to load ({type(exc).__name__}: {exc}); it was renamed "
+            f"checkpoint {path} failed to load ({type(cause).__name__}: {cause}); it was renamed "
             f"{path.name}.bad, so the next attempt resumes from the previous checkpoint"
         ) from exc
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The error of the first failed rank of DCP's ``CheckpointException`` (which wraps them), else ``exc``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else exc
+    return exc
 
 
 def _load(
@@ -294,11 +323,15 @@ def _load(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     verify_manifest(path)  # before anything is read
+    values = from_json((path / NONTENSOR_FILE).read_text(), NONTENSOR_FILE)
+    scheduler_state = from_json((path / SCHEDULER_FILE).read_text(), SCHEDULER_FILE)
     options = _state_dict_options(model)
     sd = _state_dicts(model, optimizer, options)
-    dcp.load(sd, storage_reader=safe_reader(path / "dcp"))
+    tensors, _ = split(sd)
+    dcp.load(tensors, storage_reader=safe_reader(path / "dcp"), planner=tensor_only_planner())  # fills sd in place
+    restore(sd, values, NONTENSOR_FILE)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
-    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, weights_only=True))
+    scheduler.load_state_dict(scheduler_state)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=True)  # tensors and plain containers
