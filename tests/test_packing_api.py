@@ -462,9 +462,8 @@ def test_three_sample_row_by_hand(backend):
 
 @pytest.mark.parametrize("backend", BOTH)
 def test_rows_cross_ranks_in_the_rust_layout_unchanged(backend):
-    from grpo_core.train.rows import row_from_bytes, row_to_bytes
 
     row = backend.pack_row(_samples(), 64)
-    back = row_from_bytes(row_to_bytes(row))
+    back = base.PackedRow.from_ipc(row.to_ipc())
     assert back.equals(row) and back.num_forwarded == row.num_forwarded == len(row.column("input_ids"))
     assert [getattr(back, c) for c in base.ROW_COUNTS] == [row.num_forwarded, row.num_trained, row.num_raw, 3, row.load]

@@ -100,6 +100,50 @@ class PackedRow:
         """Raw tokens per forwarded token (1.0 when nothing is shared)."""
         return self.num_raw / self.num_forwarded if self.num_forwarded else 1.0
 
+    def to_ipc(self) -> bytes:
+        """The row's one wire format (rank 0 hands each rank its row in it; nothing is pickled).
+
+        Layout: for each part of :data:`ROW_PARTS` (the Rust core's row layout), a little-endian ``uint64`` length
+        and that record batch as an Arrow IPC stream; then the :data:`ROW_COUNTS` as ``uint64``.
+        """
+        import io
+        import struct
+
+        import pyarrow.ipc as ipc
+
+        out = io.BytesIO()
+        for part in ROW_PARTS:
+            batch: pa.RecordBatch = getattr(self, part)
+            sink = pa.BufferOutputStream()
+            with ipc.new_stream(sink, batch.schema) as writer:
+                writer.write_batch(batch)
+            buf = sink.getvalue()
+            out.write(struct.pack("<Q", buf.size))
+            out.write(buf.to_pybytes())
+        out.write(struct.pack(f"<{len(ROW_COUNTS)}Q", *(getattr(self, k) for k in ROW_COUNTS)))
+        return out.getvalue()
+
+    @classmethod
+    def from_ipc(cls, data: bytes | memoryview) -> PackedRow:
+        """Inverse of :meth:`to_ipc` (the record batches reference ``data``, no copy).
+
+        Raises:
+            pyarrow.ArrowInvalid: ``data`` is not a row in :meth:`to_ipc`'s layout.
+        """
+        import struct
+
+        import pyarrow.ipc as ipc
+
+        buf = pa.py_buffer(data)
+        pos, parts = 0, {}
+        for part in ROW_PARTS:
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8
+            parts[part] = ipc.open_stream(buf.slice(pos, n)).read_next_batch()
+            pos += n
+        counts = struct.unpack_from(f"<{len(ROW_COUNTS)}Q", buf, pos)
+        return cls(**parts, **dict(zip(ROW_COUNTS, counts, strict=True)))
+
     def equals(self, other: PackedRow) -> bool:
         """Exact equality of every record batch and count."""
         return all(getattr(self, p).equals(getattr(other, p)) for p in ROW_PARTS) and all(

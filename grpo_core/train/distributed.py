@@ -28,8 +28,6 @@ import torch.distributed as dist
 
 from grpo_core.packing import PackedRow
 
-from .rows import row_from_bytes, row_to_bytes
-
 logger = logging.getLogger(__name__)
 
 # Header commands.
@@ -313,7 +311,7 @@ def scatter_rows(world: World, rows: list[PackedRow] | None) -> PackedRow:
     """Rank 0 passes one row per rank (its own stays local) over the control group; each rank returns its row."""
     if world.is_main:
         for r in range(1, world.world_size):
-            data = np.frombuffer(row_to_bytes(rows[r]), dtype=np.uint8)
+            data = np.frombuffer(rows[r].to_ipc(), dtype=np.uint8)
             dist.send(torch.tensor([data.size], dtype=torch.int64), r, group=world.control)
             dist.send(torch.from_numpy(data.copy()), r, group=world.control)
         return rows[0]
@@ -321,4 +319,4 @@ def scatter_rows(world: World, rows: list[PackedRow] | None) -> PackedRow:
     dist.recv(n, 0, group=world.control)
     buf = torch.empty(int(n.item()), dtype=torch.uint8)
     dist.recv(buf, 0, group=world.control)
-    return row_from_bytes(buf.numpy().tobytes())
+    return PackedRow.from_ipc(buf.numpy().tobytes())

@@ -1,59 +1,22 @@
 """Packed rows on the wire and on the device.
 
-Rank 0 plans micro-batches and sends each rank its row as Arrow IPC bytes (no
-pickled objects). A rank turns its row into tensors: the forwarded tokens
+Rank 0 plans micro-batches and sends each rank its row in the row's one wire format
+(``PackedRow.to_ipc``: Arrow IPC, no pickled objects). A rank turns its row into tensors: the forwarded tokens
 padded to a length bucket, the tree mask, and the loss-term columns.
 """
 
 from __future__ import annotations
 
-import io
-import struct
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.ipc as ipc
 import torch
 from torch import Tensor
 
 from grpo_core.packing import PackedRow
-from grpo_core.packing.base import ROW_COUNTS, ROW_PARTS
 
 from .attention import TreeMask
-
-
-def row_to_bytes(row: PackedRow) -> bytes:
-    """Serialise a row: its five record batches as IPC streams, then the counts.
-
-    Layout: for each part of ``ROW_PARTS`` (the Rust core's row layout), ``uint64`` length + IPC stream; then
-    the ``ROW_COUNTS`` as ``uint64``.
-    """
-    out = io.BytesIO()
-    for part in ROW_PARTS:
-        batch: pa.RecordBatch = getattr(row, part)
-        sink = pa.BufferOutputStream()
-        with ipc.new_stream(sink, batch.schema) as w:
-            w.write_batch(batch)
-        buf = sink.getvalue()
-        out.write(struct.pack("<Q", buf.size))
-        out.write(buf.to_pybytes())
-    out.write(struct.pack(f"<{len(ROW_COUNTS)}Q", *(getattr(row, k) for k in ROW_COUNTS)))
-    return out.getvalue()
-
-
-def row_from_bytes(data: bytes | memoryview) -> PackedRow:
-    """Inverse of :func:`row_to_bytes` (the record batches reference ``data``)."""
-    buf = pa.py_buffer(data)
-    pos, parts = 0, {}
-    for part in ROW_PARTS:
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        pos += 8
-        parts[part] = ipc.open_stream(buf.slice(pos, n)).read_next_batch()
-        pos += n
-    counts = struct.unpack_from(f"<{len(ROW_COUNTS)}Q", buf, pos)
-    return PackedRow(**parts, **dict(zip(ROW_COUNTS, counts)))
 
 
 def _transfer(arrays: dict[str, np.ndarray], dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
