@@ -40,12 +40,20 @@ class _Interrupted(BaseException):
 
 
 _stuck_lock = threading.Lock()
-_stuck = 0  # sync calls interrupted at their timeout that have not returned yet
+#: Sync calls interrupted at their timeout that have not returned yet, by ``id`` of the executor that runs them
+#: (a stuck call holds its executor, so the id is not reused while it counts); zero counts are removed.
+_stuck: dict[int, int] = {}
 
 
-def running_after_timeout() -> int:
-    """Sync user calls interrupted at their timeout (or cancelled) that are still running: blocked in a C call."""
-    return _stuck
+def running_after_timeout(executor: Executor | None = None) -> int:
+    """Sync user calls interrupted at their timeout (or cancelled) that are still running: blocked in a C call.
+
+    Args:
+        executor: count only the calls of this executor (the one given to :func:`call_user`); None counts those
+            of every executor in the process.
+    """
+    with _stuck_lock:
+        return sum(_stuck.values()) if executor is None else _stuck.get(id(executor), 0)
 
 
 def _async_raise(thread_id: int, exc: type[BaseException] | None) -> None:
@@ -58,8 +66,8 @@ def _async_raise(thread_id: int, exc: type[BaseException] | None) -> None:
 class _SyncCall:
     """One sync user call for a worker thread, which :meth:`interrupt` can stop while (and only while) it runs."""
 
-    def __init__(self, func: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        self.func, self.kwargs = func, kwargs
+    def __init__(self, func: Callable[..., Any], kwargs: dict[str, Any], executor: Executor) -> None:
+        self.func, self.kwargs, self.executor = func, kwargs, executor
         self.lock = threading.Lock()
         self.state = "queued"  # → running → done, or → cancelled (before it ran), or running → interrupted → done
         self.thread_id = 0
@@ -78,14 +86,16 @@ class _SyncCall:
 
     def _leave(self) -> None:
         """Mark the call done; an interrupt sent but not raised yet is withdrawn (one raised here is retried over)."""
-        global _stuck
         while True:
             try:
                 with self.lock:
                     if self.state == "interrupted":
+                        _async_raise(self.thread_id, None)  # first: nothing can be raised here after it
                         with _stuck_lock:
-                            _stuck -= 1
-                        _async_raise(self.thread_id, None)
+                            key = id(self.executor)
+                            _stuck[key] -= 1
+                            if not _stuck[key]:
+                                del _stuck[key]
                     self.state = "done"
                 return
             except _Interrupted:
@@ -93,14 +103,13 @@ class _SyncCall:
 
     def interrupt(self) -> None:
         """Stop the call: never start it if no thread took it yet, else raise ``_Interrupted`` in its thread."""
-        global _stuck
         with self.lock:
             if self.state == "queued":
                 self.state = "cancelled"
             elif self.state == "running":
                 self.state = "interrupted"
                 with _stuck_lock:
-                    _stuck += 1
+                    _stuck[id(self.executor)] = _stuck.get(id(self.executor), 0) + 1
                 _async_raise(self.thread_id, _Interrupted)
 
 
@@ -117,7 +126,7 @@ async def call_user(
     """
     if is_async(func):
         return await asyncio.wait_for(func(**kwargs), timeout_s)
-    call = _SyncCall(func, kwargs)
+    call = _SyncCall(func, kwargs, executor)
     try:
         return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(executor, call), timeout_s)
     except (TimeoutError, asyncio.CancelledError):
