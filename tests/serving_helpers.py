@@ -80,7 +80,7 @@ def holds_version(url: str, version: int) -> None:
     ).raise_for_status()
 
 
-def run(coro):  # noqa: ANN001, ANN201 - thin asyncio.run alias for readability
+def run(coro):
     """Run a coroutine to completion in a fresh event loop."""
     return asyncio.run(coro)
 
@@ -136,3 +136,38 @@ def generated_tokens(url: str) -> float:
         for s in f.samples
         if s.name == "vllm:generation_tokens_total"
     )
+
+
+#: Routes a listener of the run answers without a token: liveness only.
+OPEN_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
+#: Request headers that must not open a guarded route: none, a wrong bearer token, another scheme.
+BAD_AUTH = ({}, {"Authorization": "Bearer not-the-token"}, {"Authorization": "Basic abc"})
+
+
+def app_routes(app) -> list[tuple[str, str]]:
+    """``(method, path)`` of every route of ``app``, read from ``app.routes`` (FastAPI's own docs routes included;
+    a path parameter is filled with ``x``), so a route added later is checked without editing a test.
+
+    Raises:
+        AssertionError: a route without HTTP methods (a mount, a websocket): the caller cannot probe it this way.
+    """
+    import re
+
+    found = []
+    for route in app.routes:
+        methods = getattr(route, "methods", None)
+        assert methods, f"route {route!r} has no HTTP methods: probe it in its own test"
+        found += [(method, re.sub(r"\{[^}]*\}", "x", route.path)) for method in sorted(methods)]
+    return found
+
+
+async def answers_without_token(app, routes: list[tuple[str, str]]) -> dict[tuple[str, str, str], int]:
+    """Status of each route of ``routes`` asked in-process (ASGI) with each of :data:`BAD_AUTH`'s headers, keyed by
+    ``(method, path, Authorization header)``."""
+    status = {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://listener") as http:
+        for headers in BAD_AUTH:
+            for method, path in routes:
+                answer = await http.request(method, path, headers=headers)
+                status[(method, path, headers.get("Authorization", "-"))] = answer.status_code
+    return status

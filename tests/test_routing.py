@@ -519,6 +519,49 @@ def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
         client.portal.call(replicas.aclose)
 
 
+def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkeypatch):
+    """Every route and method of the router's app (read from ``app.routes``, so a route added later is covered)
+    answers 401 without the servers' key or the run's token, with a wrong one or another scheme; only ``/health``
+    answers (503 here: its replicas are down). Either token opens a route."""
+    import socket
+
+    from serving_helpers import BAD_AUTH, OPEN_ROUTES, answers_without_token, app_routes
+
+    from grpo_core.auth import NONCE_PATH, TOKEN_ENV
+    from grpo_core.serving.router import create_router_app
+
+    monkeypatch.setenv(TOKEN_ENV, "the-runs-token-0123")
+    dead = []
+    for _ in range(2):  # ports nothing listens on: connections are refused
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead.append(f"http://127.0.0.1:{s.getsockname()[1]}")
+    replicas = ReplicaSet(dead, api_key="servers-key-0123", max_retries=1, backoff_s=0.01, max_backoff_s=0.01)
+    app = create_router_app(replicas, api_key="servers-key-0123")
+    routes = app_routes(app)
+    known = {("POST", p) for p in ("/pause", "/resume", "/reset_prefix_cache", "/update_weights", "/v1/completions")}
+    assert known | {("GET", "/metrics"), ("GET", "/v1/models"), ("GET", NONCE_PATH)} <= set(routes)
+
+    async def go():
+        try:
+            status = await answers_without_token(app, routes)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as http:
+                opened = [
+                    (await http.get(NONCE_PATH, headers=bearer_headers(token))).status_code
+                    for token in ("servers-key-0123", "the-runs-token-0123")
+                ]
+            return status, opened
+        finally:
+            await replicas.aclose()
+
+    status, opened = run(go())
+    assert len(status) == len(routes) * len(BAD_AUTH)
+    left_open = {key: code for key, code in status.items() if (key[0], key[1]) not in OPEN_ROUTES and code != 401}
+    assert left_open == {}, f"answered without a token: {left_open}"
+    assert {code for key, code in status.items() if (key[0], key[1]) in OPEN_ROUTES} == {503}
+    assert opened == [200, 200]
+
+
 def test_router_url_routes_by_prefix_checks_the_token_and_fans_out(replicas, store_url, tmp_path):
     """The routed set as one OpenAI-compatible URL: bearer token checked, 8 identical prompts prefilled on one
     replica (server counters), a LoRA load refused by one replica rolled back everywhere."""

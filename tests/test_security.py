@@ -19,34 +19,84 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from serving_helpers import TINY, adapter_dir, embedded_server, run, weights_dir
+from serving_helpers import (
+    BAD_AUTH,
+    OPEN_ROUTES,
+    TINY,
+    adapter_dir,
+    answers_without_token,
+    app_routes,
+    embedded_server,
+    run,
+    weights_dir,
+)
 
 from grpo_core.auth import NONCE_PATH, bearer_headers, run_token
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import PortInUseError, ServerRequestError, ServerStartError
 from grpo_core.serving.client import GenerationClient
+from grpo_core.serving.guard import STALE_PATH
 from grpo_core.serving.vllm import LaunchSpec, ServerHandle, provision, wait_healthy
 
-# Every route of the embedded server but /health, each with a body that would change state if it got through.
-PROTECTED = [
-    ("GET", "/v1/models", None),
-    ("POST", "/v1/completions", {"model": TINY, "prompt": [5, 6], "max_tokens": 2}),
-    ("GET", "/metrics", None),
-    ("POST", "/pause", None),
-    ("POST", "/resume", None),
-    ("GET", "/is_paused", None),
-    ("GET", "/server_info", None),
-    ("GET", "/get_world_size", None),
-    ("POST", "/reset_prefix_cache", None),
-    ("POST", "/init_weight_transfer_engine", {}),
-    ("POST", "/start_weight_update", {}),
-    ("POST", "/update_weights", {"update_info": {"path": "/nonexistent"}}),
-    ("POST", "/finish_weight_update", None),
-    ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}),
-    ("POST", "/v1/unload_lora_adapter", {"lora_name": "x"}),
-    ("GET", NONCE_PATH, None),
-    ("GET", "/docs", None),
-]
+# A body for each route that would change state if a request got through the guard.
+BODIES = {
+    "/v1/completions": {"model": TINY, "prompt": [5, 6], "max_tokens": 2},
+    "/init_weight_transfer_engine": {},
+    "/start_weight_update": {},
+    "/update_weights": {"update_info": {"path": "/nonexistent"}},
+    "/v1/load_lora_adapter": {"lora_name": "x", "lora_path": "/nonexistent"},
+    "/v1/unload_lora_adapter": {"lora_name": "x"},
+}
+#: What the embedded server must guard at least (the set-up check of the routes read from its app).
+KNOWN = {
+    ("POST", "/pause"),
+    ("POST", "/resume"),
+    ("POST", "/update_weights"),
+    ("POST", "/reset_prefix_cache"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("GET", "/metrics"),
+    ("GET", "/server_info"),
+    ("GET", "/docs"),
+}
+
+
+def _embedded_app(token: str = "in-process-token-0123"):
+    """The embedded server's FastAPI app over no engine: its routes and its guard, nothing behind them."""
+    from grpo_core.serving.app import ServerState, create_app
+
+    state = ServerState(
+        engine=None,
+        tokenizer=None,
+        weights=None,
+        model_name=TINY,
+        model_path="",
+        max_logprobs=0,
+        max_loras=0,
+        guard={"token": token},
+    )
+    return create_app(state)
+
+
+# The routes the guard answers itself (on vLLM too), ahead of the app's.
+GUARD_ROUTES = [("GET", NONCE_PATH), ("POST", STALE_PATH)]
+# Every route of the embedded server but /health, read from its app (a route added later is covered).
+PROTECTED = [(m, p, BODIES.get(p)) for m, p in app_routes(_embedded_app()) + GUARD_ROUTES if (m, p) not in OPEN_ROUTES]
+
+
+def test_every_route_of_the_embedded_app_but_health_is_closed_without_the_token():
+    """In-process, on the app the server process builds: every route and method read from ``app.routes``, and the
+    guard's own routes, answer 401 to a request without the token, a wrong one or another scheme; only ``/health``
+    answers."""
+    app = _embedded_app()
+    routes = app_routes(app)
+    assert set(routes) >= KNOWN, KNOWN - set(routes)
+    routes += GUARD_ROUTES
+    status = run(answers_without_token(app, routes))
+    assert len(status) == len(routes) * len(BAD_AUTH)
+    opened = {key: code for key, code in status.items() if (key[0], key[1]) not in OPEN_ROUTES and code != 401}
+    assert opened == {}, f"answered without the run's token: {opened}"
+    assert {code for key, code in status.items() if (key[0], key[1]) in OPEN_ROUTES} == {200}
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +116,15 @@ def _state(server) -> tuple:
     return paused, models
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer not-the-token"}, {"Authorization": "Basic abc"}])
+@pytest.mark.parametrize("headers", BAD_AUTH)
 def test_every_route_but_health_refuses_requests_without_the_run_token(server, headers):
     before = _state(server)
+    assert {(m, p) for m, p, _ in PROTECTED} >= KNOWN
     for method, path, body in PROTECTED:
         answer = httpx.request(method, server.url + path, json=body, headers=headers, timeout=60)
         assert answer.status_code == 401, (method, path, answer.status_code, answer.text)
-        assert answer.json()["error"]["code"] == 401 and run_token() not in answer.text
+        if method != "HEAD":  # a HEAD answer has no body
+            assert answer.json()["error"]["code"] == 401 and run_token() not in answer.text
     assert _state(server) == before == (False, [TINY])
     health = httpx.get(server.url + "/health", headers=headers)
     assert health.status_code == 200 and health.content == b""  # liveness only
@@ -379,9 +431,9 @@ class _Rollout:
 
     def __init__(self, token: str = "flight-token", port: int = 0) -> None:
         from grpo_core.packing import Sample
-        from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
         from grpo_core.rollout.pace import TokenAllowance
         from grpo_core.rollout.window import MetricWindow
+        from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
 
         self.queue = SampleQueue(TokenAllowance(1, 100), with_topk=False)
         samples = [
