@@ -689,6 +689,9 @@ class TrainConfig(_Strict):
     rdzv_timeout_s: int = Field(default=900, ge=1)
     """Seconds each trainer host waits at ``rdzv_endpoint`` for the others (``nnodes`` > 1; torchrun's static
     rendezvous ``--rdzv-conf timeout``); then its torchrun fails saying how many hosts joined."""
+    shared_folder_wait_s: float = Field(default=30.0, ge=0)
+    """Seconds each rank looks for the probe file rank 0 writes in ``output_dir`` before the run stops, naming the
+    ranks that do not see it (``nnodes`` > 1: an NFS client may cache a missing name that long)."""
     adapter_store: str | None = None
     """Where LoRA adapter versions are published for the servers: a folder every server host mounts, or an fsspec
     URL (``s3://bucket/run``); None = ``<output_dir>/.vllm_lora`` (servers on this host)."""
@@ -1215,6 +1218,8 @@ class RunConfig(_Strict):
             unused["train.rdzv_endpoint"] = "with train.nnodes > 1 only"
         if train.nnodes == 1 and "rdzv_timeout_s" in _changed(train):
             unused["train.rdzv_timeout_s"] = "with train.nnodes > 1 only"
+        if train.nnodes == 1 and "shared_folder_wait_s" in _changed(train):
+            unused["train.shared_folder_wait_s"] = "with train.nnodes > 1 only"
         if train.lora.enabled and train.lora.dropout > 0:
             unused["train.lora.dropout"] = "the trainer's forward has no dropout, its log-probs must be the sampler's"
         if not train.lora.enabled:

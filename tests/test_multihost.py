@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.run.commands import trainer_command
 from grpo_core.config import SERVER_API_KEY_ENV, RunConfig, load_config
 from grpo_core.errors import ConfigError
+from grpo_core.run.commands import trainer_command
 from grpo_core.train.adapter_store import AdapterStore
 
 
@@ -156,6 +156,7 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
         save_steps=2,
         nnodes=2,
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        shared_folder_wait_s=1.0,  # node 1's own folder never shows rank 0's probe: a test-sized wait (default 30 s)
     )
     cfg = load_config(config)
     tokens = ["run-token-0123", {"no token": None, "another token": "someone-elses-token"}.get(node1, "run-token-0123")]
@@ -296,17 +297,31 @@ def test_bad_remote_settings_are_refused_without_echoing_secrets(override, says)
     assert says in str(info.value) and "hunter22" not in str(info.value) and "a key" not in str(info.value)
 
 
-def test_the_rendezvous_host_must_resolve_to_this_host():
+def test_the_rendezvous_host_must_resolve_to_this_host(monkeypatch):
+    """Names resolve through a table of the test's own (no DNS: the test stays on this host): this host's name to
+    loopback, an unknown name to the resolver's error, and an address of nobody's (TEST-NET-1) to itself."""
     import socket
 
     from grpo_core.preflight import check_rendezvous_host
+
+    table = {"127.0.0.1": "127.0.0.1", "trainer-0.this-host.test": "127.0.0.1", "192.0.2.7": "192.0.2.7"}
+    asked = []
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        asked.append(host)
+        if host not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (table[host], port or 0))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
 
     def cfg(endpoint: str) -> RunConfig:
         return RunConfig(train={"nnodes": 2, "rdzv_endpoint": endpoint})
 
     check_rendezvous_host(cfg("127.0.0.1:29400"))
-    check_rendezvous_host(cfg(f"{socket.gethostname()}:29400"))  # this host by name
+    check_rendezvous_host(cfg("trainer-0.this-host.test:29400"))  # this host by name
     with pytest.raises(ConfigError, match="'nosuchhost-zz.invalid' does not resolve on this host"):
         check_rendezvous_host(cfg("nosuchhost-zz.invalid:29400"))
     with pytest.raises(ConfigError, match=r"'192.0.2.7' \(192.0.2.7\) is not this host"):  # TEST-NET-1: nobody's
         check_rendezvous_host(cfg("192.0.2.7:29400"))
+    assert asked == ["127.0.0.1", "trainer-0.this-host.test", "nosuchhost-zz.invalid", "192.0.2.7"]  # all ours

@@ -114,13 +114,14 @@ def test_killed_run_resumes_from_a_mid_run_checkpoint_with_the_uninterrupted_los
 
 def test_resume_applies_safe_config_changes_refuses_another_dataset_and_locks_the_folder(tmp_path, reference):
     _, reference_out = reference
-    config, out = _run(tmp_path / "a", learning_rate=5e-4)
+    config, out = _run(tmp_path / "a", learning_rate=5e-4, run_lock_timeout_s=1.0)  # a test-sized wait (30 s)
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(reference_out / "checkpoints" / "step-0000006", out / "checkpoints" / "step-0000006")
 
     with RunLock(out, "test"):  # another writer holds the run folder
         code, log = _train(config, tmp_path / "locked.log", nproc=1)
         assert code != 0 and f"is in use by pid {os.getpid()}" in log, log[-3000:]
+        assert "waited 1 s (train.run_lock_timeout_s)" in log
     assert not (out / "metrics.jsonl").exists()  # it touched nothing
 
     code, log = _train(config, tmp_path / "a.log", nproc=1)

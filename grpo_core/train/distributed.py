@@ -84,8 +84,6 @@ def init_world(device: str = "auto", timeout_s: float = 1800.0) -> World:
 
 _DIGEST = 32  # bytes of an HMAC-SHA256
 _HOST = 64  # bytes of a rank's host name in the checks below (UTF-8, cut, zero-padded)
-#: Seconds a rank looks for rank 0's file in a shared folder (an NFS client may cache "no such file" that long).
-SHARED_WAIT_S = 30.0
 
 
 def _tag(token: str, nonce: bytes, what: bytes) -> bytes:
@@ -243,9 +241,7 @@ def check_same_config(world: World, config: dict[str, Any]) -> None:
     )
 
 
-def check_shared_folder(
-    world: World, folder: Path, field: str = "train.output_dir", wait_s: float = SHARED_WAIT_S
-) -> None:
+def check_shared_folder(world: World, folder: Path, wait_s: float, field: str = "train.output_dir") -> None:
     """Every rank sees the file rank 0 writes in ``folder``; raise on every rank otherwise.
 
     The checkpoint is sharded (``torch.distributed.checkpoint``: each rank writes its own shard files into the
@@ -257,8 +253,8 @@ def check_shared_folder(
     Args:
         world: the joined process group; a one-rank world passes at once.
         folder: the folder that must be shared (made by rank 0 when missing).
+        wait_s: seconds a rank keeps looking for the file (``train.shared_folder_wait_s``).
         field: its config path, for the message.
-        wait_s: seconds a rank keeps looking for the file.
 
     Raises:
         ConfigError: on every rank when any rank does not see rank 0's file, naming the ranks and their hosts.

@@ -124,7 +124,8 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
                 },
             ),
         )
-        check_shared_folder(world, cfg.train.output_dir)  # every rank writes its checkpoint shards there
+        # every rank writes its checkpoint shards there
+        check_shared_folder(world, cfg.train.output_dir, cfg.train.shared_folder_wait_s)
     lock = RunLock(cfg.train.output_dir, "trainer", cfg.train.run_lock_timeout_s) if world.is_main else None
     try:
         from . import checkpoint
