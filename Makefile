@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMPS := .stamps
 RUST_SOURCES := Cargo.toml packer_rs/Cargo.toml $(wildcard packer_rs/src/*.rs)
 
-.PHONY: demo demo-smoke serve lint fmt test test-rust test-python bench-packing wheelhouse-h200 clean
+.PHONY: demo demo-smoke serve lint fmt test test-rust test-python test-slow bench-packing wheelhouse-h200 clean
 
 # The main job: the grpo-train flow on SmolLM2-135M-Instruct (Prefect's embedded API, MLflow on SQLite).
 # `make demo STEPS=2` trains that many optimizer steps instead of the config's train.max_steps.
@@ -37,15 +37,22 @@ fmt: $(STAMPS)/lint
 	$(VENV)/bin/ruff check --fix .
 	cargo fmt --all
 
+# Tests in two tiers (CONTRIBUTING.md, Test tiers): `make test` is the default tier (Rust, then every Python test
+# not marked slow); `make test-slow` runs the tests marked slow (full flow runs, seeded chaos, multi-node, network
+# namespaces, the browser, compile, benchmark smokes). CI runs both.
 test: test-rust test-python
 
 test-rust:
 	cargo test --release -p packer_rs
 
-test-python: $(STAMPS)/install $(STAMPS)/chromium
-	$(PY) -m pytest -q --durations=25
+test-python: $(STAMPS)/install
+	$(PY) -m pytest -q -m "not slow" --durations=25
 
-# Debian's chromium for the browser test of the Prefect UI (as root on a fresh machine; else the test skips).
+test-slow: $(STAMPS)/install $(STAMPS)/chromium
+	$(PY) -m pytest -q -m slow --durations=25
+
+# Debian's chromium for the browser tests of the Prefect and MLflow UIs (slow tier; as root on a fresh machine, else
+# those tests skip).
 $(STAMPS)/chromium:
 	@mkdir -p $(STAMPS)
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \

@@ -4,8 +4,9 @@ Every process grpo-flow starts runs in its own session (so a stop reaches its wh
 also cuts it loose from its parent: when the flow-run process is SIGKILLed (Prefect kills 30 s after
 SIGTERM, an OOM kill, ``kill -9``), nothing tells the children. So the launcher names itself in the
 child's environment (:func:`owner_env`, variable ``GRPO_OWNER``: pid and start time, so a reused pid
-is not mistaken for the owner), and each grpo-flow entry point (rollout process, embedded server,
-trainer rank) calls :func:`watch` first thing: a daemon thread polls the owner, and the process's
+is not mistaken for the owner; on Linux the start time is in clock ticks since boot, so a step of the
+wall clock changes nothing), and each grpo-flow entry point (rollout process, embedded server, trainer
+rank) calls :func:`watch` first thing: a daemon thread polls the owner, and the process's
 original parent where asked (a trainer rank watches torchrun, which torch 2.11 starts each rank
 apart from: its own session), and SIGKILLs this process's group (or this process alone when it
 leads none) once one of them is gone. Programs that are not grpo-flow's (vLLM, torchrun itself)
@@ -23,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from grpo_core.run.children import signal_group
 
@@ -31,12 +33,29 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 _ORIGINAL_PARENT = os.getppid()  # read when the entry point imports this module: the parent that started us
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # resolved before any fork
+_PROC_STAT = Path(f"/proc/{os.getpid()}/stat").is_file()  # Linux: start times in ticks since boot
 
 logger = logging.getLogger(__name__)
 
 
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22, ``proc(5)``), None when no such
+    live process. Boot-relative: a step of the wall clock (NTP, a VM resumed) leaves it unchanged."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:  # no such process (or /proc unreadable: treated as gone)
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()  # after the command name, which may hold spaces and ')'
+    if fields[0] in (b"Z", b"X"):  # field 3, the state: dead, not yet reaped by its parent
+        return None
+    return int(fields[19])  # field 22, starttime
+
+
 def _start_time(pid: int) -> float | None:
-    """Start time of ``pid`` (seconds since the epoch, psutil), None when no such live process."""
+    """Start time of ``pid``, None when no such live process: clock ticks since boot on Linux
+    (:func:`_start_ticks`); elsewhere seconds since the epoch (psutil), which a wall-clock step moves."""
+    if _PROC_STAT:
+        return _start_ticks(pid)
     import psutil
 
     try:
@@ -65,8 +84,10 @@ def _owner() -> tuple[int, float] | None:
 
 
 def _alive(pid: int, start: float | None = None) -> bool:
+    """Whether ``pid`` lives and, given ``start`` (:func:`_start_time` when it was named), is that same process: the
+    same start tick on Linux, the same second elsewhere (a reused pid starts later)."""
     now = _start_time(pid)
-    return now is not None and (start is None or abs(now - start) < 1.0)
+    return now is not None and (start is None or abs(now - start) < (0.5 if _PROC_STAT else 1.0))
 
 
 def orphaned(parent: bool = True) -> str | None:

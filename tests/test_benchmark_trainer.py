@@ -7,12 +7,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from trainer_helpers import ROOT
 
 sys.path.append(str(ROOT / "benchmarks"))  # last: its module names (trainer, rollout, ...) shadow nothing
 from trainer_sweep import tree_flop_ceiling
 
 
+@pytest.mark.slow  # a benchmark smoke
 def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):
     cmd = [
         sys.executable,

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from flow_helpers import ROOT, assert_mlflow_steps_once, mlflow_run, tiny_overrides
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree, torchrun
 
@@ -54,6 +55,8 @@ def _step_of(path: Path | None) -> int:
     return int(path.name.split("-")[1]) if path is not None else 0
 
 
+@pytest.mark.slow  # a whole `grpo train` (2 ranks) with three kills and the flow's retries
+@pytest.mark.timeout(1800)
 def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     """``grpo train`` on configs/tiny.yaml; the trainer (during a checkpoint write), the rollout process and the
     embedded server are each SIGKILLed once, in an order and at steps drawn from the seed; the flow retries each

@@ -17,7 +17,7 @@ import pytest
 from flow_helpers import CRON, ROOT, Api, assert_mlflow_steps_once, mlflow_run, with_changes
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # flow runs on the shared Prefect stack
 
 
 def test_nightly_deployment_has_its_schedule(api):

@@ -21,7 +21,8 @@ from grpo_core.models import resolve_model_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a whole `grpo train`
+@pytest.mark.timeout(1500)
 def test_grpo_train_trains_tiny_qwen35_on_the_embedded_server(tmp_path):
     sets = [
         f"train.output_dir={tmp_path / 'runs'}",

@@ -197,7 +197,8 @@ def _grpo_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a whole `grpo train`; the default tier keeps the one below
+@pytest.mark.timeout(1200)
 def test_grpo_train_with_no_reward_variance_fails_naming_cause_and_keys(tmp_path):
     # The verifier alone gives a random model 0 on every rollout: every group has zero reward variance.
     # Before: the flow ended Completed with "steps 0" and reward nan.
@@ -209,7 +210,7 @@ def test_grpo_train_with_no_reward_variance_fails_naming_cause_and_keys(tmp_path
     assert "2 groups by the rollout" in output and "rollout.reward_functions" in output
 
 
-@pytest.mark.slow
+@pytest.mark.timeout(1200)  # the default tier's `grpo train` end to end: every process of the flow, one step
 def test_grpo_train_that_trains_fewer_steps_than_asked_says_so_and_exits_3(tmp_path):
     # configs/tiny.yaml as shipped trains (its reward varies on a random model); one prompt makes one step.
     done = _grpo_train(tmp_path, "rollout.dataset_size=1", "train.max_steps=4")

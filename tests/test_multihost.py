@@ -132,6 +132,7 @@ def test_trainer_command_per_host():
             trainer_command(cfg, Path("c.json"), [], node_rank=outside)
 
 
+@pytest.mark.slow  # multi-node: two torchrun nodes per case
 @pytest.mark.parametrize(
     "node1", ["the run's token", "no token", "another token", "its own output folder", "another learning rate"]
 )

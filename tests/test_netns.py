@@ -173,7 +173,8 @@ def _config(tmp: Path) -> dict:
     }
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # network namespaces: four hosts, a whole run across them
+@pytest.mark.timeout(1200)
 def test_run_across_namespaces_with_a_bearer_token(hosts, tmp_path):
     cfg = _config(tmp_path)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))

@@ -21,12 +21,11 @@ import psutil
 import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
 
-from grpo_core.run.processes import RunProcesses, child_env, stream, wait_child, watch_servers
 from grpo_core.auth import TOKEN_ENV
 from grpo_core.lifeline import interruptible
 from grpo_core.rollout.process import start_rollout_process
+from grpo_core.run.processes import RunProcesses, child_env, stream, wait_child, watch_servers
 
-pytestmark = pytest.mark.slow
 DEATH_BOUND_S = 30  # the lifeline polls every 0.5 s; the bound only absorbs a loaded CI machine
 
 
@@ -60,6 +59,7 @@ def _named(procs: list[psutil.Process], marker: str) -> psutil.Process:
     return proc
 
 
+@pytest.mark.slow  # real servers, rollout and trainer started and killed
 def test_every_child_dies_with_its_sigkilled_flow_process(tmp_path):
     # Before: every child ran in its own session with no watchdog: all of them outlived the killed flow.
     owner = subprocess.Popen(
@@ -112,6 +112,7 @@ def _assert_stopped(trainer: threading.Thread, result: dict, run: list[psutil.Pr
     assert not alive
 
 
+@pytest.mark.slow  # real servers, rollout and trainer started and killed
 def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
     # Before: nothing watched the rollout process; the trainer noticed only after rollout_worker_timeout_s.
     config, procs, result = _config(tmp_path), RunProcesses(), {}
@@ -130,6 +131,7 @@ def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
     assert procs.failure == f"the rollout process {rollout.pid} exited with code -9"
 
 
+@pytest.mark.slow  # real servers, rollout and trainer started and killed
 def test_a_sigkilled_generation_server_stops_the_trainer_at_once(tmp_path):
     # Before: nothing watched the servers the flow started; the trainer's weight update retried a dead server for
     # server.control_timeout_s (60 s) and the rollout's requests for rollout.max_retries before the attempt failed.
@@ -191,6 +193,7 @@ def _trained_steps(out: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in out.glob("*/metrics.jsonl"))
 
 
+@pytest.mark.slow  # a whole `grpo train`
 def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path):
     # Ctrl-C in a terminal is SIGINT to the whole foreground process group. Before: Prefect's temporary API server
     # was in that group, died first, and the flow retried its final state on the dead API for minutes (seen on
@@ -268,6 +271,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # real servers, rollout and trainer started and killed
 def test_the_temporary_prefect_api_dies_with_its_sigkilled_command(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)

@@ -30,7 +30,7 @@ from grpo_core.rollout import start_rollout_process
 from grpo_core.transport.flight_client import FlightSource
 from grpo_core.transport.types import ResumeState
 
-pytestmark = pytest.mark.slow
+# The default tier keeps the two staleness tests (each a rollout process on the module's server); the rest are slow.
 
 #: The rollout process imports ``rollout_helpers`` by name.
 HELPERS_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
@@ -87,6 +87,7 @@ def drain(source, policy_version=0, **kw):
             return samples, consumed, source.metrics()
 
 
+@pytest.mark.slow
 def test_advantages_match_rewards_recomputed_from_the_log(server, tmp_path):
     log = tmp_path / "rewards.jsonl"
     config = _config(num_generations=4, **rows(5), reward_functions=["rollout_helpers:recording_reward"])
@@ -145,6 +146,7 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
     assert metrics["rollout/backpressure_s"] > 0
 
 
+@pytest.mark.slow
 def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_path):
     # Before: no timeouts (a hang blocked its group forever) and the first raising reward failed the run.
     config = _config(
@@ -164,6 +166,7 @@ def test_user_code_that_hangs_or_raises_costs_its_group_not_the_run(server, tmp_
     assert metrics["env/reset_timeout_count"] == 3, "each of the G=3 rollouts of row 3 timed out in reset"
 
 
+@pytest.mark.slow
 def test_failures_past_the_budget_fail_the_run_naming_the_last_error(server, tmp_path):
     config = _config(max_failed_groups=2, **rows(6), reward_functions=["rollout_helpers:raising_reward"])
     with (
@@ -232,6 +235,7 @@ def test_group_outliving_its_lora_version_is_dropped_as_stale_not_failing_the_ru
     assert {s.policy_version for s in samples if s.prompt_index != 0} <= {2}, "no stale sample trained"
 
 
+@pytest.mark.slow
 def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):
     config = _config(
         num_generations=4,
@@ -249,6 +253,7 @@ def test_curriculum_subclass_from_config_skips_solved_prompts(server, tmp_path):
     assert sorted({s.prompt_index for s in samples}) == [1, 2, 4, 5, 7, 8]
 
 
+@pytest.mark.slow
 def test_epoch_rejecting_every_prompt_raises(server, tmp_path):
     with (
         rollout(server, tmp_path, _config(**rows(3), loop_class="rollout_helpers:RejectAllLoop")) as source,
@@ -257,6 +262,7 @@ def test_epoch_rejecting_every_prompt_raises(server, tmp_path):
         drain(source)
 
 
+@pytest.mark.slow
 def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
     prompts = [
         {"prompt": [{"role": "user", "content": "Play."}], "environment": env, "target": target}
@@ -295,6 +301,7 @@ def test_environments_with_tool_calls_routed_by_column(server, tmp_path):
         assert s.completion_mask[len(tok.encode(text[:tool_answer], add_special_tokens=False)) :].any()
 
 
+@pytest.mark.slow
 def test_reward_functions_get_trainer_state_log_metric_and_the_environments(server, tmp_path):
     # Before: preflight accepted these arguments but scoring never passed them: the first group failed the run.
     prompts = [{"prompt": [{"role": "user", "content": "Count."}], "target": target} for target in (2, 3, 2)]
@@ -321,6 +328,7 @@ def test_reward_functions_get_trainer_state_log_metric_and_the_environments(serv
     assert metrics["rewards/CounterEnv/mean"] == pytest.approx(2 / 3)
 
 
+@pytest.mark.slow
 def test_environment_owns_the_data_without_a_dataset(server, tmp_path):
     config = _config(
         num_generations=4,
@@ -335,6 +343,7 @@ def test_environment_owns_the_data_without_a_dataset(server, tmp_path):
     assert metrics["tools/increment/call_count"] == 12 and "rewards/SelfSampledCounterEnv/mean" in metrics
 
 
+@pytest.mark.slow
 def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_path):
     config = _config(rollout_worker_timeout_s=5, **rows(200), reward_functions=["rollout_helpers:parity_reward"])
     with rollout(server, tmp_path, config) as source:
@@ -350,6 +359,7 @@ def test_killed_rollout_process_fails_the_pull_within_the_timeout(server, tmp_pa
         remote.close()
 
 
+@pytest.mark.slow
 def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
     resume = ResumeState(policy_version=3, first_untrained_prompt_index=2, trained_above=[3])
     config = _config(num_generations=4, **rows(5), reward_functions=["rollout_helpers:curriculum_reward"])
@@ -367,6 +377,7 @@ def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
     assert {s.policy_version for s in samples} == {3}
 
 
+@pytest.mark.slow
 def test_stalled_rollout_loop_fails_the_pull(server, tmp_path):
     config = _config(
         rollout_worker_timeout_s=4,
@@ -382,6 +393,7 @@ def test_stalled_rollout_loop_fails_the_pull(server, tmp_path):
         assert time.monotonic() - start < 8 + 4 + 5, "within the stall (8 s) + timeout (4 s) + slack"
 
 
+@pytest.mark.slow
 def test_config_file_with_a_reasoning_gym_dataset_and_a_trainer_that_did_not_start_the_process(server, tmp_path):
     config = {
         "model": {"name": TINY},

@@ -61,7 +61,8 @@ def _servers_runs(api: Api, train_run_id: str) -> list[dict]:
     return response.json()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # flow runs on the shared Prefect stack
+@pytest.mark.timeout(1200)
 def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
     import psutil
 
@@ -126,6 +127,7 @@ def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
     assert not [b for b in blocks if (b.get("name") or "").startswith("grpo-run-credentials-")]
 
 
+@pytest.mark.slow  # the shared Prefect stack: started for the slow tier only
 def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
     """What the train flow's ``provision_servers`` calls: refused at once, before any flow run or secret exists."""
     import logging
@@ -146,7 +148,8 @@ def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
     assert not [b for b in blocks if (b.get("name") or "") == run.credentials]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # flow runs on the shared Prefect stack
+@pytest.mark.timeout(1200)
 def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_frees_them(stack, api, stack_tmp):
     """Two attempts of one train flow run: the second's start cancels the first's servers' run (its replica
     stops); a replica of the second that is killed is started again on its port; then the second attempt dies without cancelling anything (its lifeline thread stops, as when its

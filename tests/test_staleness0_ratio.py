@@ -19,11 +19,10 @@ from trainer_helpers import read_jsonl, torchrun, trainer_config
 
 from grpo_core.packing import write_samples_ipc
 
-pytestmark = pytest.mark.slow
-
 TEMPERATURE, TOP, COMPLETION = 0.7, 4, 40
 
 
+@pytest.mark.slow  # server, rollout and trainer end to end; test_logprob_parity holds the parity in the default tier
 def test_staleness0_ratio_is_one_on_the_embedded_server_in_fp32(tmp_path):
     with embedded_server(tmp_path / "server") as server:  # model.dtype auto: float32 on CPU
         samples, _ = run_count_groups(

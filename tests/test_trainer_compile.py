@@ -18,6 +18,7 @@ def run(tmp_path, nproc, **train):
     return read_jsonl(tmp_path / "out" / "metrics.jsonl")
 
 
+@pytest.mark.slow  # torch.compile of every length bucket, twice
 def test_every_length_bucket_compiles_before_the_first_step_and_after_a_resume(tmp_path):
     write_samples(tmp_path / "samples.arrow", 14)
     settings = dict(compile=True, compile_backend="aot_eager", length_buckets=4, save_steps=3)
