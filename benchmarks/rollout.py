@@ -40,15 +40,15 @@ import psutil
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from grpo_core.auth import bearer_headers, run_token  # noqa: E402
-from grpo_core.config import RunConfig, load_config  # noqa: E402
-from grpo_core.packing import samples_from_arrow  # noqa: E402
-from grpo_core.rollout import start_rollout_process  # noqa: E402
-from grpo_core.serving.client import parse_metrics  # noqa: E402
-from grpo_core.serving.vllm import provision, teardown  # noqa: E402
-from grpo_core.transport.flight_client import FlightSource  # noqa: E402
+from common import git_commit
 
-from common import git_commit  # noqa: E402
+from grpo_core.auth import bearer_headers, run_token
+from grpo_core.config import RunConfig, load_config
+from grpo_core.packing import samples_from_arrow
+from grpo_core.rollout import start_rollout_process
+from grpo_core.serving.client import parse_metrics
+from grpo_core.serving.vllm import provision, teardown
+from grpo_core.transport.flight_client import FlightSource
 
 
 def run_config(args: argparse.Namespace, log_dir: Path) -> RunConfig:

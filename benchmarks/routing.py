@@ -31,11 +31,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from grpo_core.config import ModelConfig, RunConfig  # noqa: E402
-from grpo_core.serving.routing import ReplicaSet, RouteCounts  # noqa: E402
-from grpo_core.serving.vllm import provision, teardown  # noqa: E402
+from common import git_commit
 
-from common import git_commit  # noqa: E402
+from grpo_core.config import ModelConfig, RunConfig
+from grpo_core.serving.routing import ReplicaSet, RouteCounts
+from grpo_core.serving.vllm import provision, teardown
 
 
 def parse_args() -> argparse.Namespace:

@@ -32,11 +32,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from grpo_core.config import ModelConfig, RunConfig  # noqa: E402
-from grpo_core.serving.client import GenerationClient  # noqa: E402
-from grpo_core.serving.vllm import provision, teardown  # noqa: E402
+from common import git_commit
 
-from common import git_commit  # noqa: E402
+from grpo_core.config import ModelConfig, RunConfig
+from grpo_core.serving.client import GenerationClient
+from grpo_core.serving.vllm import provision, teardown
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -50,7 +50,7 @@ QUESTIONS = [
 ]
 
 
-def prompts(tokenizer, count: int) -> list[list[int]]:  # noqa: ANN001 - a transformers tokenizer
+def prompts(tokenizer, count: int) -> list[list[int]]:
     """``count`` chat prompts (token ids), cycling through ``QUESTIONS``."""
     return [
         tokenizer.apply_chat_template(

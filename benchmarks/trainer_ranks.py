@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from trainer import DEVICE, packer_name, print_table, qwen3_config, workload, write_json
 
 from grpo_core.metrics import JsonlSink
 from grpo_core.packing import write_samples_ipc

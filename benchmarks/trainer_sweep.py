@@ -6,13 +6,6 @@ import gc
 import time
 
 import torch
-
-from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
-from grpo_core.train.logprobs import LossTerms, fused_grpo_loss, projected_logprobs
-from grpo_core.train.loss import LossSettings, grpo_loss
-from grpo_core.train.parallelize import apply_layer_wrappers, decoder_layers
-from grpo_core.train.policy import Policy
-from grpo_core.train.rows import synthetic_row
 from trainer import (
     AUTO_CHECKPOINTING,
     DEVICE,
@@ -27,6 +20,13 @@ from trainer import (
     workload,
     write_json,
 )
+
+from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
+from grpo_core.train.logprobs import LossTerms, fused_grpo_loss, projected_logprobs
+from grpo_core.train.loss import LossSettings, grpo_loss
+from grpo_core.train.parallelize import apply_layer_wrappers, decoder_layers
+from grpo_core.train.policy import Policy
+from grpo_core.train.rows import synthetic_row
 
 
 def add_sweep_args(q) -> None:

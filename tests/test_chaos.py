@@ -113,15 +113,17 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
             seen.update(p.pid for p in procs)
             every += procs
             if role == "trainer":
-                moment = lambda: _writing_checkpoint(run_dir / "checkpoints", since)  # noqa: E731
+
+                def moment(run_dir: Path = run_dir, since: float = since) -> str:
+                    return _writing_checkpoint(run_dir / "checkpoints", since)
+
             else:
                 # after a checkpoint (resumes then start mid-run), before the last step (the run must not end first)
                 target = min(max(resumed + rng.randint(1, 3), FLOW_SAVE_STEPS + 1), FLOW_STEPS - 1)
-                moment = lambda t=target: (
-                    f"after step {t}"
-                    if _last_step(run_dir / "metrics.jsonl", since) >= t
-                    else ""
-                )
+
+                def moment(t: int = target, run_dir: Path = run_dir, since: float = since) -> str:
+                    return f"after step {t}" if _last_step(run_dir / "metrics.jsonl", since) >= t else ""
+
             when = _wait_for(moment, flow_proc, log)
             assert all(p.is_running() for p in procs), f"a process of the attempt died before the {role} kill"
             tree = {r: process_tree(group[0].pid) for r, group in attempt.items()}  # with any child started since

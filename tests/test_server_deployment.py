@@ -140,9 +140,11 @@ def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
     cfg = RunConfig.model_validate({"server": {"deployment": "grpo-servers/nope"}})
     train_id = "00000000-0000-0000-0000-000000000013"
     run = ServerRun(cfg, train_id, "a-token", {}, logging.getLogger("test"))
-    with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
-        with pytest.raises(ConfigError, match=r"server.deployment='grpo-servers/nope': no such deployment"):
-            run.start()
+    with (
+        temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}),
+        pytest.raises(ConfigError, match=r"server.deployment='grpo-servers/nope': no such deployment"),
+    ):
+        run.start()
     assert _servers_runs(api, train_id) == []
     blocks = api.http.post("/block_documents/filter", json={}).json()
     assert not [b for b in blocks if (b.get("name") or "") == run.credentials]
@@ -152,8 +154,9 @@ def test_a_bad_deployment_name_fails_fast_naming_the_field(stack, api):
 @pytest.mark.timeout(1200)
 def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_frees_them(stack, api, stack_tmp):
     """Two attempts of one train flow run: the second's start cancels the first's servers' run (its replica
-    stops); a replica of the second that is killed is started again on its port; then the second attempt dies without cancelling anything (its lifeline thread stops, as when its
-    process is killed) and its servers stop by themselves after ``server.lifeline_timeout_s``."""
+    stops); a replica of the second that is killed is started again on its port; then the second attempt dies
+    without cancelling anything (its lifeline thread stops, as when its process is killed) and its servers stop by
+    themselves after ``server.lifeline_timeout_s``."""
     import logging
 
     import psutil

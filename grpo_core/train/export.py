@@ -20,13 +20,17 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpo_core.config import TrainerProcessConfig
-
 from grpo_core.run.layout import FINAL_MODEL_DIR
-logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from .policy import Policy
 
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,7 @@ def _fresh_tmp(final: Path) -> Path:
 
 
 def save_adapter(
-    peft_model,
+    peft_model: PeftModel,
     state_dict: dict[str, torch.Tensor],
     out: Path,
     rename: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
@@ -144,7 +148,9 @@ def _is_vision_language(base_dir: Path) -> bool:
     return is_vision_language(AutoConfig.from_pretrained(base_dir))
 
 
-def export_final_model(policy, cfg: TrainerProcessConfig, state_dict: dict[str, torch.Tensor] | None) -> Path | None:
+def export_final_model(
+    policy: Policy, cfg: TrainerProcessConfig, state_dict: dict[str, torch.Tensor] | None
+) -> Path | None:
     """Write ``<train.output_dir>/final_model`` from the gathered state dict (rank 0 passes it; others None).
 
     Returns:

@@ -8,18 +8,18 @@ import torch.distributed as dist
 
 from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import ConfigError
-from grpo_core.metrics import JsonlSink
+from grpo_core.metrics import JsonlSink, MetricsSink
 from grpo_core.models import resolve_model_dir
 from grpo_core.run.layout import METRICS
 from grpo_core.run_lock import RunLock
 from grpo_core.transport.file_source import ArrowFileSource
-from grpo_core.transport.types import ResumeState
+from grpo_core.transport.types import ResumeState, SampleSource
 
 from .adapter_store import AdapterStore
 from .distributed import check_members, check_same_config, check_shared_folder, init_world
 from .fingerprint import check_resume
 from .trainer import Trainer, rotate_checkpoints
-from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync
+from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def server_backend(url: str, api_key: str | None = None) -> str:
     return "embedded" if info.get("backend") == "embedded" else "vllm"
 
 
-def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]):
+def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]) -> WeightSync:
     """The weight sync for the servers: LoRA adapters (either server), full weights through a
     folder (embedded server) or vLLM's weight transfer (``server.weight_transfer_backend``)."""
     if not server_urls:
@@ -65,7 +65,7 @@ def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]):
         raise ConfigError("--server-url mixes vLLM and embedded servers; use one kind per run")
     if cfg.server.weight_transfer_backend is None:
         raise ConfigError("server.weight_transfer_backend is None: vLLM servers need 'ipc' (same GPU) or 'nccl'")
-    from .vllm_sync import VllmWeightTransferSync  # noqa: PLC0415 - needs vllm, present where vLLM runs
+    from .vllm_sync import VllmWeightTransferSync
 
     return VllmWeightTransferSync(
         server_urls,
@@ -78,21 +78,23 @@ def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]):
     )
 
 
-def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None):
+def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None) -> SampleSource:
     """The sample source: an Arrow IPC file (offline) or the rollout process's Flight server."""
     tc = cfg.train
     if tc.samples_path is not None:
         return ArrowFileSource(tc.samples_path, max_staleness=cfg.rollout.max_staleness, resume=resume)
     if tc.rollout_location is None:
         raise ConfigError("train.samples_path or train.rollout_location must be set: the trainer needs samples")
-    from grpo_core.transport.flight_client import FlightSource  # noqa: PLC0415 - only with a rollout process
+    from grpo_core.transport.flight_client import FlightSource
 
     return FlightSource(
         tc.rollout_location, max_staleness=cfg.rollout.max_staleness, timeout_s=cfg.rollout.rollout_worker_timeout_s
     )
 
 
-def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None, sink=None) -> ResumeState | None:
+def run_trainer(
+    cfg: TrainerProcessConfig, server_urls: list[str] | None = None, sink: MetricsSink | None = None
+) -> ResumeState | None:
     """Train per ``cfg`` (the trainer's sub-config, ``RunConfig.trainer_process()``) on this process's rank;
     returns the final resume state on rank 0.
 
@@ -142,7 +144,7 @@ def run_trainer(cfg: TrainerProcessConfig, server_urls: list[str] | None = None,
         if sink is None and world.is_main:
             sink = JsonlSink(cfg.train.output_dir / METRICS)
             if cfg.tracking.enabled and cfg.tracking.run_id:
-                from grpo_core.tracking import MlflowSink  # noqa: PLC0415 - mlflow only when tracking
+                from grpo_core.tracking import MlflowSink
 
                 sink = MlflowSink(cfg.tracking, cfg.tracking.run_id, inner=sink, trained=JsonlSink.read(sink.path))
         trainer = Trainer(cfg, world, source, make_weight_sync(cfg, server_urls or []), sink)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,24 +27,30 @@ from grpo_core.config import TrainerProcessConfig
 from grpo_core.durable import JsonlAppender
 from grpo_core.errors import NothingToTrainError
 from grpo_core.metrics import MetricsSink, MetricWindow
-from grpo_core.report import write_train_end
 from grpo_core.models import resolve_model_dir
-from grpo_core.transport.types import ResumeState, SampleSource
 from grpo_core.report import write_train_end
 from grpo_core.run.layout import TRAINED_PROMPTS
+from grpo_core.transport.types import ResumeState, SampleSource
 
 from . import checkpoint
 from .attention import FlexTreeMasks
 from .distributed import RESYNC, ROW, STOP, World, broadcast_header, scatter_rows
+from .export import export_final_model
+from .fingerprint import FINGERPRINT_FILE, fingerprint_text
 from .loss import LossSettings, loss_normalisers
 from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, shard
 from .planner import PlannedStep, Planner
-from .export import export_final_model
-from .fingerprint import FINGERPRINT_FILE, fingerprint_text
 from .policy import build_policy
 from .rows import bucket_length, length_buckets, synthetic_row, to_tensors
 from .step_stats import Clock, reduce_step
 from .weight_sync import NoWeightSync, WeightSync, full_state_dict
+
+if TYPE_CHECKING:
+    from grpo_core.packing import PackedRow
+
+    from .logprobs import HeadLoss
+    from .rows import RowTensors
+
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +65,7 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def lr_lambda(kind: str, warmup: int, total: int):
+def lr_lambda(kind: str, warmup: int, total: int) -> Callable[[int], float]:
     """LR multiplier per step: linear warmup, then constant / linear / cosine decay to 0 at ``total``."""
 
     def f(step: int) -> float:
@@ -168,7 +176,7 @@ class Trainer:
         self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
         self._trained_log: JsonlAppender | None = None  # trained_prompts.jsonl (rank 0)
 
-    def _build_policy(self, on_cuda: bool):
+    def _build_policy(self, on_cuda: bool) -> torch.nn.Module:
         """Load, checkpoint/compile each layer, shard (torchtitan's order; :mod:`grpo_core.train.parallelize`)."""
         cfg, tc = self.cfg, self.cfg.train
         policy = build_policy(
@@ -307,7 +315,7 @@ class Trainer:
         mbs = planned.micro_batches if planned else [None] * n[1]
         return [scatter_rows(self.world, mb) for mb in mbs], n[2 : 2 + n[1]], planned
 
-    def _tensors(self, row):
+    def _tensors(self, row: PackedRow) -> RowTensors:
         """A row on the device, padded to its length bucket (the FlexAttention mask comes later:
         :meth:`forward_backward`)."""
         if self.buckets is None:
@@ -320,7 +328,7 @@ class Trainer:
         by default the trained tokens of the whole step, known to every rank before the first backward."""
         return loss_normalisers(terms, self.world.world_size, self.cfg.train.loss_normalization)
 
-    def row_loss(self, rt, normaliser: float):
+    def row_loss(self, rt: RowTensors, normaliser: float) -> HeadLoss:
         """Forward one row of a micro-batch through the fused head: its :class:`~grpo_core.train.logprobs.HeadLoss`
         (loss ready for backward, per-term log-probs and statistics), as training computes it. ``normaliser``: the
         micro-batch's entry of :meth:`loss_normalisers`.
@@ -334,7 +342,7 @@ class Trainer:
             rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, rt.tree_mask.length)
         return self.policy.grpo_loss(rt, self.loss_settings, normaliser)
 
-    def forward_backward(self, rt, normaliser: float) -> dict:
+    def forward_backward(self, rt: RowTensors, normaliser: float) -> dict:
         """One micro-batch on this rank: fused head loss (:meth:`row_loss`), backward; returns its statistics as
         device tensors."""
         res = self.row_loss(rt, normaliser)

@@ -42,7 +42,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import torch
@@ -51,6 +51,10 @@ from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import ServerRequestError, ServingError
 from grpo_core.run.children import free_port
 from grpo_core.serving.guard import STALE_PATH
+
+if TYPE_CHECKING:
+    from .policy import Policy
+
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +77,7 @@ def vllm_name(name: str, lora_names: bool, name_map: dict[str, str] | None = Non
 
 
 def full_tensors(
-    policy, lora_names: bool, name_map: dict[str, str] | None = None
+    policy: Policy, lora_names: bool, name_map: dict[str, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(vLLM name, full tensor on this rank's GPU)``, one parameter at a time (collective)."""
     for name, p in policy.named_parameters():
@@ -176,7 +180,7 @@ class VllmWeightTransferSync:
             self._init_nccl()
         self.initialised = True
 
-    def sync(self, policy, version: int, rank: int) -> dict[str, float]:
+    def sync(self, policy: Policy, version: int, rank: int) -> dict[str, float]:
         """Push the policy's weights to every server as version ``version`` (collective).
 
         A fan-out over the replicas: every replica is paused (keep) and started (all or nothing: a replica that
@@ -210,7 +214,7 @@ class VllmWeightTransferSync:
                 if not self.initialised:
                     self._initialise()
                 self._pause_all(paused, version)
-        except BaseException as exc:  # the other ranks still meet us at the barrier and in the gather
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the collective: the other ranks still meet us
             error = exc
         t_paused = time.perf_counter()
         if torch.distributed.is_initialized():
@@ -218,7 +222,7 @@ class VllmWeightTransferSync:
         try:
             # Gathering full tensors is collective, so every rank takes part even when rank 0 already failed.
             self._send(policy, rank, skip_post=error is not None)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised after the barrier below
             error = error or exc
         finally:
             if torch.distributed.is_initialized():
@@ -344,7 +348,7 @@ class VllmWeightTransferSync:
                     error = error or failed
         return error
 
-    def _send(self, policy, rank: int, skip_post: bool = False) -> None:
+    def _send(self, policy: Policy, rank: int, skip_post: bool = False) -> None:
         if self.backend == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 

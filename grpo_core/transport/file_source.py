@@ -25,7 +25,7 @@ class ArrowFileSource:
         resume: prompts it marks done are skipped (as the rollout engine would).
     """
 
-    def __init__(self, path: str | Path, *, max_staleness: int = 0, resume: ResumeState | None = None):
+    def __init__(self, path: str | Path, *, max_staleness: int = 0, resume: ResumeState | None = None):  # noqa: ARG002
         batch = read_samples_ipc(path)
         if resume is not None:
             done = np.array([resume.is_done(int(p)) for p in batch.column("prompt_index").to_pylist()], dtype=bool)
@@ -45,7 +45,13 @@ class ArrowFileSource:
         ends = np.concatenate([starts[1:], [len(g)]])
         return list(zip(starts.tolist(), ends.tolist()))
 
-    def pull(self, policy_version: int, *, min_samples: int = 1, timeout_s: float | None = None) -> PulledBatch:
+    def pull(
+        self,
+        policy_version: int,  # noqa: ARG002 - the SampleSource interface: a file has no versions
+        *,
+        min_samples: int = 1,
+        timeout_s: float | None = None,  # noqa: ARG002 - and never waits
+    ) -> PulledBatch:
         """The next whole groups holding at least ``min_samples`` samples (fewer at the end)."""
         start = end = self._groups[self._next][0] if self._next < len(self._groups) else self._batch.num_rows
         while self._next < len(self._groups) and end - start < min_samples:
@@ -53,7 +59,7 @@ class ArrowFileSource:
             self._next += 1
         return PulledBatch(self._batch.slice(start, end - start), exhausted=self._next >= len(self._groups))
 
-    def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:
+    def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:  # noqa: ARG002
         """Recorded for tests; a file has no pace to set."""
         self.reports.append((policy_version, tokens_consumed))
 

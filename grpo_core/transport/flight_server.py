@@ -66,7 +66,7 @@ class SampleQueue:
         self.running = False
         self.last_beat = time.monotonic()
 
-    def put_group(self, prompt_index: int, samples: list[Sample], tokens: int) -> None:
+    def put_group(self, prompt_index: int, samples: list[Sample], tokens: int) -> None:  # noqa: ARG002 - the queue's interface
         """Queue one group's samples (encoded to Arrow here, in the loop's thread)."""
         batch = samples_to_arrow(samples)
         with self._cond:
@@ -133,7 +133,7 @@ class BearerAuthFactory(flight.ServerMiddlewareFactory):
         super().__init__()
         self._token = token
 
-    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:  # noqa: ARG002 - Flight's
         """Check the call's headers (gRPC lower-cases their names).
 
         Raises:
@@ -190,7 +190,8 @@ class RolloutFlightServer(flight.FlightServerBase):
         self.servers_behind = servers_behind or list
         self._rate_mark = (time.monotonic(), 0)
 
-    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:  # noqa: ARG002
+        """The queued groups the ticket asks for (``min_samples``, waiting up to ``wait_s``), as one stream."""
         request = json.loads(ticket.ticket.decode())
         batches, consumed, exhausted, queued = self.queue.take(
             int(request.get("min_samples", 1)), float(request.get("wait_s", 1.0))
@@ -207,7 +208,8 @@ class RolloutFlightServer(flight.FlightServerBase):
             table = self.queue.schema.empty_table()
         return flight.RecordBatchStream(table.replace_schema_metadata(metadata))
 
-    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:  # noqa: ARG002
+        """The actions ``do_action`` serves, with one line each."""
         return [
             ("report", "trainer feedback: policy version, tokens consumed by the last step"),
             ("synced", "the trainer pushed a policy version to the servers outside a step (a resume)"),
@@ -217,7 +219,8 @@ class RolloutFlightServer(flight.FlightServerBase):
             ("shutdown", "stop the rollout process"),
         ]
 
-    def do_action(self, context: flight.ServerCallContext, action: flight.Action):
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> list[flight.Result]:  # noqa: ARG002
+        """Serve one of the actions of ``list_actions``."""
         body = json.loads(action.body.to_pybytes().decode() or "{}") if action.body else {}
         if action.type == "report":
             self.queue.allowance.report(
