@@ -44,6 +44,7 @@ from mlflow.tracking import MlflowClient
 
 from grpo_core.config import RunConfig, TrackingConfig
 from grpo_core.metrics import MetricsSink
+from grpo_core.run.layout import CHECKPOINT_STATE, CHECKPOINTS_DIR, checkpoint_dir, checkpoint_step
 from grpo_core.run.layout import CHECKPOINT_URI as CHECKPOINT_URI_FILE
 
 if TYPE_CHECKING:
@@ -242,14 +243,14 @@ def _dir_mib(path: Path) -> float:
 def log_checkpoint(tc: TrackingConfig, run_id: str, path: Path) -> None:
     """Log a checkpoint folder (or, when large, its URI) and its ``rollout_state.json`` as artifacts."""
     mc, path = client(tc), Path(path)
-    dest = f"checkpoints/{path.name}"
+    dest = f"{CHECKPOINTS_DIR}/{path.name}"
     if _dir_mib(path) <= tc.checkpoint_artifact_max_mib:
         mc.log_artifacts(run_id, str(path), dest)
     else:
-        mc.log_artifact(run_id, str(path / "rollout_state.json"), dest)
+        mc.log_artifact(run_id, str(path / CHECKPOINT_STATE), dest)
         mc.log_text(run_id, path.resolve().as_uri(), f"{dest}/{CHECKPOINT_URI_FILE}")
-    mc.log_artifact(run_id, str(path / "rollout_state.json"), "resume")
-    mc.set_tag(run_id, LATEST_STEP_TAG, path.name.removeprefix("step-").lstrip("0") or "0")
+    mc.log_artifact(run_id, str(path / CHECKPOINT_STATE), "resume")
+    mc.set_tag(run_id, LATEST_STEP_TAG, str(checkpoint_step(path.name)))
 
 
 def download_latest_checkpoint(
@@ -275,7 +276,7 @@ def download_latest_checkpoint(
     mc = client(tc)
     tag = mc.get_run(run_id).data.tags.get(LATEST_STEP_TAG)
     if tag is None:
-        partial = [a.path for a in mc.list_artifacts(run_id, "checkpoints")]
+        partial = [a.path for a in mc.list_artifacts(run_id, CHECKPOINTS_DIR)]
         if partial:
             logger.warning(
                 "MLflow run %s has checkpoint folders %s but none was completely uploaded (no tag %s)",
@@ -284,8 +285,8 @@ def download_latest_checkpoint(
                 LATEST_STEP_TAG,
             )
         return None
-    name = f"step-{int(tag):07d}"
-    local = Path(output_dir) / "checkpoints" / name
+    local = checkpoint_dir(output_dir, int(tag))
+    name = local.name
 
     def fail(why: str) -> CheckpointError:
         return CheckpointError(
@@ -294,16 +295,16 @@ def download_latest_checkpoint(
         )
 
     try:
-        files = {a.path.split("/")[-1] for a in mc.list_artifacts(run_id, f"checkpoints/{name}")}
+        files = {a.path.split("/")[-1] for a in mc.list_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}")}
         local.parent.mkdir(parents=True, exist_ok=True)
         download = local.parent / ".download"
         shutil.rmtree(download, ignore_errors=True)
         if "dcp" in files:
-            tmp = Path(mc.download_artifacts(run_id, f"checkpoints/{name}", str(download)))
+            tmp = Path(mc.download_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}", str(download)))
         elif CHECKPOINT_URI_FILE in files:
-            uri = mc.download_artifacts(run_id, f"checkpoints/{name}/{CHECKPOINT_URI_FILE}", str(download))
+            uri = mc.download_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}/{CHECKPOINT_URI_FILE}", str(download))
             source = Path(Path(uri).read_text().strip().removeprefix("file://"))
-            if not (source / "rollout_state.json").is_file():
+            if not (source / CHECKPOINT_STATE).is_file():
                 raise fail(f"it lies at {source} (checkpoint_uri.txt), which is not reachable from this host")
             tmp = download / name
             shutil.copytree(source, tmp)
