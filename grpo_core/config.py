@@ -101,6 +101,20 @@ class _Strict(BaseModel):
             raise ValueError("holds a boolean (true/false) where a number goes; write numbers")
         return value
 
+    @field_validator("*", mode="after")
+    @classmethod
+    def _expand_user_paths(cls, value: Any) -> Any:
+        """Every path a user writes means the same to ``grpo validate`` and to the run: ``~`` and ``$VARS``
+        expanded here, once (:func:`user_path`); a relative path stays relative to the working folder."""
+        return user_path(value) if isinstance(value, Path) else value
+
+
+def user_path(path: str | Path) -> Path:
+    """A path as the user meant it: ``~`` / ``~user`` and environment variables (``$HOME``, ``${RUNS}``) expanded;
+    relative paths are left relative (to the working folder of whoever reads them); an unset variable is left as
+    written (``$UNSET/x``), so the path still names it."""
+    return Path(os.path.expandvars(os.fspath(path))).expanduser()
+
 
 #: Host names of this machine's loopback interface, as a URL may spell them.
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})

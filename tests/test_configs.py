@@ -454,3 +454,27 @@ def test_a_run_setting_that_has_no_effect_is_warned_about(caplog, data, path, wh
     with caplog.at_level("WARNING", logger="grpo_core.config"):
         RunConfig()  # defaults: nothing to warn about
     assert "no effect" not in caplog.text
+
+
+def test_user_paths_mean_the_same_to_validate_and_to_the_run(monkeypatch, tmp_path):
+    """``~`` and ``$VARS`` in any path field are expanded when the config is read (a run used to write to a folder
+    literally named ``~`` while ``grpo validate`` checked the home folder)."""
+    from grpo_core.config import RunConfig, load_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("GRPO_TEST_RUNS", str(tmp_path / "runs"))
+    cfg = RunConfig.model_validate(
+        {
+            "train": {"output_dir": "~/out", "samples_path": "$GRPO_TEST_RUNS/samples.arrow"},
+            "tracking": {"dir": "${GRPO_TEST_RUNS}/mlflow"},
+            "server": {"log_dir": "relative/servers"},
+        }
+    )
+    assert cfg.train.output_dir == tmp_path / "home" / "out"
+    assert cfg.train.samples_path == tmp_path / "runs" / "samples.arrow"
+    assert cfg.tracking.dir == tmp_path / "runs" / "mlflow"
+    assert cfg.server.log_dir == Path("relative/servers"), "a relative path stays relative to the working folder"
+    overridden = load_config(None, ["train.output_dir=~/elsewhere"])
+    assert overridden.train.output_dir == tmp_path / "home" / "elsewhere"
+    unset = RunConfig.model_validate({"train": {"output_dir": "$GRPO_SURELY_UNSET_VAR/x"}})
+    assert str(unset.train.output_dir) == "$GRPO_SURELY_UNSET_VAR/x"
