@@ -117,7 +117,7 @@ def test_advantages_match_rewards_recomputed_from_the_log(server, tmp_path):
 
 
 def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance(server, tmp_path):
-    step_tokens = 120
+    step_tokens = 60  # the allowance: (max_staleness 1 + 1) x 60 = 120 tokens queued + in flight + held
     config = _config(
         max_staleness=1, first_step_tokens=step_tokens, **rows(8), reward_functions=["rollout_helpers:parity_reward"]
     )
@@ -141,7 +141,7 @@ def test_slow_consumer_never_sees_stale_samples_and_queue_stays_within_allowance
     assert dropped > 0 and metrics["sample/dropped_stale_count"] > 0
     assert sorted({s.prompt_index for s in seen} | set(consumed)) == list(range(8))
     largest_group = max(len(s.input_ids) for s in seen) * 3 if seen else 0  # raw tokens of one group of 3
-    # (max_staleness + 1) steps of tokens; this consumer holds nothing between pulls (it reports held_tokens 0)
+    # this consumer holds nothing between pulls (it reports held_tokens 0): the queue alone stays within the allowance
     assert metrics["rollout/queued_tokens_max"] <= max(2 * step_tokens, largest_group)
     assert metrics["rollout/backpressure_s"] > 0
 
