@@ -130,6 +130,11 @@ class CheckpointError(GrpoError):
     the run, the checkpoint and why)."""
 
 
+class DiskFullError(GrpoError):
+    """A write found its device full (``ENOSPC``) or the user's quota spent (``EDQUOT``); the message names the
+    path. A retry meets the same full disk until space is freed, so it is not retried."""
+
+
 class RunLockedError(GrpoError):
     """Another process holds the run folder's lock (the message names its pid)."""
 
@@ -163,12 +168,13 @@ class ChildDiedError(GrpoError, RuntimeError):
 
 #: Errors that an attempt meets again on a retry: the same config, data and code fail the same way (bad input:
 #: every ``ValueError``, ConfigError, NothingToTrainError and pydantic's ValidationError among them; user code
-#: that raises or times out; a checkpoint that cannot be used), and programming errors. Everything else (a
+#: that raises or times out; a checkpoint that cannot be used; a full disk), and programming errors. Everything else (a
 #: process killed, a server or the network gone, a transport timeout, a held run lock) a retry may cure.
 DETERMINISTIC_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
     RolloutError,
     CheckpointError,
+    DiskFullError,
     TypeError,
     AttributeError,
     ImportError,

@@ -26,6 +26,7 @@ next attempt falls back). ``train.save_total_limit`` keeps the newest N
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_core.durable import fsync_dir, fsync_tree, read_jsonl, rewrite_jsonl
-from grpo_core.errors import CheckpointError
+from grpo_core.errors import CheckpointError, DiskFullError
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
 from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
 from grpo_core.train.plain_state import from_json, refuse_bytes_items, restore, split, tensor_only_planner, to_json
@@ -239,17 +240,60 @@ def save(
 ) -> None:
     """Write a checkpoint collectively (every rank calls it); rank 0 publishes it by rename.
 
-    ``extra`` (rank 0): more text files of the checkpoint, name -> content (e.g. ``fingerprint.json``).
+    ``extra`` (rank 0): more text files of the checkpoint, name -> content (e.g. ``fingerprint.json``). Rank 0 first
+    removes every ``step-*.tmp`` folder an earlier save left (a killed or failed one), and removes this save's own
+    when it fails, so a partial checkpoint never keeps the disk full.
+
+    Raises:
+        DiskFullError: a write found no space left (``ENOSPC``) or the quota spent (``EDQUOT``), on this or, through
+            DCP, another rank; not retried, since a retry meets the same full disk.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
 
     tensors, values = split(_state_dicts(model, optimizer, _state_dict_options(model)))
     plain = {NONTENSOR_FILE: to_json(values), SCHEDULER_FILE: to_json(scheduler.state_dict())}  # every rank: fail alike
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in path.parent.glob("step-*.tmp") if path.parent.is_dir() else []:
+            logger.warning("removing %s, left by a checkpoint save that did not finish", stale)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    try:
+        _write(tmp, tensors, plain, state, pending, rank, extra)
+    except (Exception, CheckpointException) as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = _disk_full(exc)
+        if full is not None:
+            raise DiskFullError(
+                f"no space left for checkpoint step {state.step} in {path.parent} ({full}); the partial checkpoint "
+                "was removed: free space on that disk (or lower train.save_total_limit), then resume"
+            ) from exc
+        raise
+    dist.barrier()
+    if rank == 0:
+        write_manifest(tmp)  # every rank's files are written and closed
+        fsync_tree(tmp)  # make them (and the manifest) durable before the rename publishes them
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        fsync_dir(path.parent)
+        logger.info("checkpoint step %d saved to %s", state.step, path)
+    dist.barrier()
+
+
+def _write(
+    tmp: Path,
+    tensors: dict[str, torch.Tensor],
+    plain: dict[str, str],
+    state: ResumeState,
+    pending: pa.RecordBatch | None,
+    rank: int,
+    extra: dict[str, str] | None,
+) -> None:
+    """Every file of a checkpoint into ``tmp``: this rank's DCP shard and RNG state; rank 0 the rest."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(tensors, checkpoint_id=str(tmp / "dcp"))  # tensors only: DCP pickles nothing
     torch.save(
         {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -263,15 +307,25 @@ def save(
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
-    dist.barrier()
-    if rank == 0:
-        write_manifest(tmp)  # every rank's files are written and closed
-        fsync_tree(tmp)  # make them (and the manifest) durable before the rename publishes them
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        fsync_dir(path.parent)
-        logger.info("checkpoint step %d saved to %s", state.step, path)
-    dist.barrier()
+
+
+def _disk_full(exc: BaseException) -> OSError | None:
+    """The ``ENOSPC``/``EDQUOT`` error behind ``exc``: itself, its causes and contexts, and every rank's failure
+    that DCP's ``CheckpointException`` wraps; None when there is none."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] for f in failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def load(
