@@ -6,9 +6,11 @@ a path an MLflow artifact names. Restoring one must never run code, so:
 * :func:`write_manifest` writes ``manifest.json`` beside the checkpoint's files when it is saved: the
   SHA-256 digest (hex) of every file under the checkpoint folder, by relative path;
 * :func:`verify_manifest` checks it before anything of the checkpoint is read: a file missing, changed,
-  or not in the manifest (and a missing manifest) refuses the checkpoint, naming the file;
-* tensors are read with ``torch.load(weights_only=True)`` (RNG state and scheduler are tensors and plain
-  containers);
+  or not in the manifest (and a missing manifest) refuses the checkpoint, naming the file. It finds damage,
+  not forgery: whoever can rewrite the files can rewrite the manifest, so nothing below relies on it;
+* tensors are read with ``torch.load(weights_only=True)`` (the RNG state and DCP's tensor items); the
+  scheduler and every non-tensor value are JSON, and DCP's pickled ("bytes") items are refused
+  (``grpo_core.train.plain_state``);
 * ``torch.distributed.checkpoint`` stores its metadata (``dcp/.metadata``) as a pickle:
   :class:`SafeFileSystemReader` reads it with :class:`MetadataUnpickler`, which builds only the
   metadata's own classes, ``torch.Size`` and dtype/layout/memory-format constants, so even a checkpoint
