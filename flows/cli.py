@@ -467,6 +467,15 @@ def ui(
     """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C."""
     tc = _load(config, []).tracking
     shown = tc.shown_tracking_uri()
+    if mlflow:
+        from grpo_core.auth import check_port_free
+        from grpo_core.errors import PortInUseError
+
+        try:  # before any URL is printed: another server there would be shown as ours while ours fails to bind
+            check_port_free("127.0.0.1", mlflow_port, "--mlflow-port")
+        except PortInUseError as exc:
+            config_error(exc)
+            raise typer.Exit(2) from None
     console.print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (started by `grpo deploy` / `make serve`)")
     console.print(f"MLflow tracking URI: {shown}")
     console.print(
@@ -474,7 +483,10 @@ def ui(
         f"`.venv/bin/mlflow ui --backend-store-uri {shown} --port {mlflow_port}`)"
     )
     if mlflow:
-        serve_mlflow_ui(tc.resolved_tracking_uri(), tc.resolved_artifact_location(), mlflow_port)
+        code = serve_mlflow_ui(tc.resolved_tracking_uri(), tc.resolved_artifact_location(), mlflow_port)
+        if code:
+            console.print(f"[red]the MLflow UI exited with code {code}[/red]")
+            raise typer.Exit(code if code > 0 else 1)
 
 
 def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:

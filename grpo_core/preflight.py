@@ -147,12 +147,13 @@ def check_tracking(cfg: RunConfig, create: bool = True) -> None:
 
 
 def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
-    """``resume_from`` names a run of the MLflow store, before the flow opens a run of its own (``create``: False,
-    ``grpo validate``: a local SQLite store is read read-only, MLflow's ``runs`` table, instead of through an MLflow
-    client, which makes its folder and lock file and migrates its schema).
+    """``resume_from`` names a run of the MLflow store with a completely uploaded checkpoint, before the flow opens
+    a run of its own (``create``: False, ``grpo validate``: a local SQLite store is read read-only, MLflow's tables,
+    instead of through an MLflow client, which makes its folder and lock file and migrates its schema).
 
     Raises:
-        ConfigError: no such run (or tracking is off), naming the id, the store and the fix.
+        ConfigError: no such run, a run without a finished checkpoint, or tracking is off; naming the id, the store
+            and the fix.
     """
     if not cfg.resume_from:
         return
@@ -164,11 +165,19 @@ def check_resume_from(cfg: RunConfig, create: bool = True) -> None:
         )
     from grpo_core import tracking
 
-    if not tracking.has_run(tc, cfg.resume_from, read_only=not create):
+    try:
+        step = tracking.uploaded_checkpoint_step(tc, cfg.resume_from, read_only=not create)
+    except LookupError:
         raise ConfigError(
             f"resume_from={cfg.resume_from!r}: no such run in the MLflow store "
             f"{tc.shown_tracking_uri()}; copy the id from the MLflow UI (grpo ui --mlflow) or point "
             "tracking.dir / tracking.tracking_uri at the store that holds it"
+        ) from None
+    if step is None:
+        raise ConfigError(
+            f"resume_from={cfg.resume_from!r}: MLflow run {cfg.resume_from} has no completely uploaded checkpoint "
+            f"(no tag {tracking.LATEST_STEP_TAG}: it stopped before its first train.save_steps); pick a run that "
+            "saved one, or drop resume_from to start a new run"
         )
 
 

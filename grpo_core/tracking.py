@@ -571,33 +571,46 @@ __all__ = [
 ]
 
 
-def has_run(tc: TrackingConfig, run_id: str, read_only: bool = False) -> bool:
-    """Whether the MLflow store of ``tc`` holds run ``run_id``.
+def uploaded_checkpoint_step(tc: TrackingConfig, run_id: str, read_only: bool = False) -> int | None:
+    """The step of MLflow run ``run_id``'s latest completely uploaded checkpoint (its ``LATEST_STEP_TAG``).
 
     Args:
         tc: the tracking settings naming the store.
         run_id: the MLflow run id.
-        read_only: a local SQLite store is read directly, read-only (MLflow's ``runs`` table), instead of through an
-            MLflow client, which makes its folder and lock file and migrates its schema (``grpo validate``).
+        read_only: a local SQLite store is read directly, read-only (MLflow's ``runs`` and ``tags`` tables), instead
+            of through an MLflow client, which makes its folder and lock file and migrates its schema
+            (``grpo validate``).
+
+    Returns:
+        The step, or None when the run completed no checkpoint upload.
+
+    Raises:
+        LookupError: the store holds no run ``run_id`` (or there is no store).
     """
     from grpo_core.preflight import open_sqlite, sqlite_path
 
     db = sqlite_path(tc.resolved_tracking_uri())
     if db is not None and not db.expanduser().is_file():  # no store holds no run (and opening one creates it)
-        return False
+        raise LookupError(f"no MLflow store at {db}")
     if db is not None and read_only:
         import sqlite3
 
         try:
             with open_sqlite(db, read_only=True) as store:
-                return store.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (run_id,)).fetchone() is not None
-        except sqlite3.Error:  # not a database, or no runs table yet
-            return False
-    try:
-        client(tc).get_run(run_id)
-    except MlflowException:
-        return False
-    return True
+                if store.execute("SELECT 1 FROM runs WHERE run_uuid = ?", (run_id,)).fetchone() is None:
+                    raise LookupError(f"no run {run_id}")
+                tag = store.execute(
+                    "SELECT value FROM tags WHERE run_uuid = ? AND key = ?", (run_id, LATEST_STEP_TAG)
+                ).fetchone()
+        except sqlite3.Error as exc:  # not a database, or no runs table yet
+            raise LookupError(str(exc)) from None
+        value = tag[0] if tag else None
+    else:
+        try:
+            value = client(tc).get_run(run_id).data.tags.get(LATEST_STEP_TAG)
+        except MlflowException as exc:
+            raise LookupError(str(exc)) from None
+    return int(value) if value is not None else None
 
 
 def download_run_config(tc: TrackingConfig, run_id: str) -> Path:

@@ -112,13 +112,17 @@ def test_validate_opens_an_existing_store_read_only_whatever_its_path(tmp_path):
 
 def test_validate_finds_the_resume_from_run_without_touching_the_store(tmp_path):
     """``grpo validate --set resume_from=ID`` looks the run up read-only: an MLflow client would make the store's lock
-    file and migrate its schema. A run the store lacks, and a store that does not exist, are named."""
+    file and migrate its schema. A run the store lacks, a run that finished no checkpoint upload (``grpo resume``
+    of it used to start a flow and an MLflow run, then fail), and a store that does not exist, are named."""
     import mlflow
 
     store = tmp_path / "mlflow"
     store.mkdir()
     client = mlflow.MlflowClient(f"sqlite:///{store / 'mlflow.db'}")
-    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    experiment = client.create_experiment("e")
+    run_id = client.create_run(experiment).info.run_id
+    client.set_tag(run_id, "grpo.latest_checkpoint_step", "2")  # what tracking.log_checkpoint sets after an upload
+    unfinished = client.create_run(experiment).info.run_id  # stopped before its first checkpoint
     before = {p.name: p.stat().st_mtime_ns for p in store.iterdir()}
     where = ["--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={store}"]
     tiny = str(ROOT / "configs" / "tiny.yaml")
@@ -126,6 +130,8 @@ def test_validate_finds_the_resume_from_run_without_touching_the_store(tmp_path)
     assert ok.exit_code == 0, ok.output
     missing = _invoke("validate", "--config", tiny, *where, "--set", "resume_from=0123456789abcdef0123456789abcdef")
     assert missing.exit_code == 2 and "no such run in the MLflow store" in " ".join(missing.output.split())
+    early = _invoke("validate", "--config", tiny, *where, "--set", f"resume_from={unfinished}")
+    assert early.exit_code == 2 and "has no completely uploaded checkpoint" in " ".join(early.output.split())
     assert {p.name: p.stat().st_mtime_ns for p in store.iterdir()} == before, "validate wrote to the store"
     elsewhere = _invoke(
         "validate", "--config", tiny, "--set", f"tracking.dir={tmp_path / 'none'}", "--set", f"resume_from={run_id}"
@@ -338,3 +344,17 @@ def test_train_with_a_servers_deployment_but_no_prefect_server_to_hold_it_stops_
     assert not runs.exists() and not mlflow_dir.exists(), "nothing was created"
     ok = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"), *where)
     assert ok.exit_code == 0, ok.output
+
+
+def test_ui_mlflow_on_a_taken_port_fails_naming_it_before_printing_a_url():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = _invoke("ui", "--mlflow", "--mlflow-port", str(port))
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert f"127.0.0.1:{port} is already in use" in out and "--mlflow-port" in out
+    assert "MLflow UI: http" not in out, "the other server's URL must not be shown as ours"
