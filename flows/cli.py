@@ -156,7 +156,7 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
         TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
         BarColumn(),
         TextColumn("reward {task.fields[reward]}"),
-        TextColumn("{task.fields[tps]} tok/s"),
+        TextColumn("perf/trained_tokens_per_s {task.fields[tps]}"),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
@@ -179,13 +179,16 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
                 job,
                 completed=last["step"],
                 reward=f"{reward:.3f}" if reward is not None else "-",
-                tps=f"{last.get('perf/tokens_per_s', 0.0):.0f}",
+                tps=f"{last.get('perf/trained_tokens_per_s', 0.0):.0f}",
             )
 
 
 def summary_table(summary: dict) -> Table:
-    """The end-of-run table."""
+    """The end-of-run table: rates named as the metrics are (wall-clock rates over the whole training), paths
+    wrapped, never cut (they are meant to be copied)."""
     table = Table(title="grpo-flow run", show_header=False)
+    table.add_column(overflow="fold")
+    table.add_column(overflow="fold")
 
     def fmt(v: object) -> str:
         if isinstance(v, float):
@@ -197,19 +200,36 @@ def summary_table(summary: dict) -> Table:
         steps = f"{fmt(steps)} of {fmt(summary['steps_requested'])} asked: {summary.get('stopped_early')}"
     rows = [
         ("steps", steps),
+        ("resumed from", summary.get("resumed_from") or "no (a fresh start)"),
         ("reward, first 5 steps", summary.get("reward_first5")),
         ("reward, last 5 steps", summary.get("reward_last5")),
-        ("generated tokens/s", summary.get("generated_tokens_per_s")),
-        ("trained tokens/s", summary.get("trained_tokens_per_s")),
-        ("forwarded tokens/s", summary.get("forwarded_tokens_per_s")),
+        ("rollout/generated_tokens_per_s (mean)", summary.get("generated_tokens_per_s")),
+        ("perf/wall_clock_trained_tokens_per_s", summary.get("trained_tokens_per_s")),
+        ("perf/wall_clock_forwarded_tokens_per_s", summary.get("forwarded_tokens_per_s")),
         ("MLflow run id", summary.get("mlflow_run_id")),
         ("MLflow tracking URI", summary.get("mlflow_uri")),
         ("checkpoint", summary.get("checkpoint")),
         ("reward curve", summary.get("reward_curve")),
     ]
+    if summary.get("skipped_nonfinite_steps"):
+        rows.insert(1, ("skipped steps (non-finite loss or gradient)", summary["skipped_nonfinite_steps"]))
     for name, value in rows:
         table.add_row(name, fmt(value))
     return table
+
+
+def _share_console() -> None:
+    """Prefect's console log handlers print through this command's console, so its lines scroll above the live
+    progress bar instead of each leaving a frozen copy of the bar behind (rich keeps one live display per console)."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.console = console
 
 
 def run_locally(cfg: RunConfig, retries: int | None = None) -> dict:
@@ -232,6 +252,7 @@ def run_locally(cfg: RunConfig, retries: int | None = None) -> dict:
     watcher = threading.Thread(
         target=_progress, args=(cfg.train.output_dir.resolve(), cfg.train.max_steps, started, done), daemon=True
     )
+    _share_console()
     watcher.start()
     try:
         summary = (grpo_train if retries is None else grpo_train.with_options(retries=retries))(cfg)
@@ -243,6 +264,15 @@ def run_locally(cfg: RunConfig, retries: int | None = None) -> dict:
         console.print(
             f"[red]trained {summary.get('steps', 0):.0f} of {summary.get('steps_requested')} steps[/red]: "
             f"{summary['stopped_early']}"
+        )
+        raise typer.Exit(EXIT_FEWER_STEPS)
+    if summary.get("skipped_nonfinite_steps"):
+        skipped, steps = summary["skipped_nonfinite_steps"], summary.get("steps", 0)
+        console.print(
+            f"[red]{skipped:.0f} of {steps:.0f} steps were skipped[/red]: "
+            "their loss or gradient was not finite (NaN or inf), so the optimizer did not step; lower "
+            "train.learning_rate (or check train.max_grad_norm and the rewards' scale) and run again",
+            soft_wrap=True,
         )
         raise typer.Exit(EXIT_FEWER_STEPS)
     return summary

@@ -220,11 +220,11 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
 
 
 @task(name="finalize", cache_policy=NO_CACHE, persist_result=False)
-def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float) -> dict:
+def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float, resumed_from: str | None = None) -> dict:
     """Reward curve, summary, model card; the exported model to MLflow (a registered version with the alias)
     and to the Hub (``export.push_to_hub``); summary and reward-curve artifacts. Returns the summary (JSON-able).
     """
-    summary = finalize_run(run_config(run_dir), run_dir, mlflow_run_id, wall_s, get_run_logger())
+    summary = finalize_run(run_config(run_dir), run_dir, mlflow_run_id, wall_s, get_run_logger(), resumed_from)
     artifacts.publish_summary(summary)
     png = summary.get("reward_curve")
     artifacts.publish_reward_curve(Path(png) if png else None, summary)
@@ -331,7 +331,8 @@ def _attempt(config: RunConfig) -> dict:
         _stop(run_dir)
         if rollout_run is not None:
             rollout_run.wait(timeout=60)  # its state turns final (Cancelled when stopped here)
-    return finalize(run_dir, mlflow_run_id, time.monotonic() - start)
+    resumed_from = str(Path(run["resume_state"]).parent) if run["resume_state"] else None
+    return finalize(run_dir, mlflow_run_id, time.monotonic() - start, resumed_from)
 
 
 @contextlib.contextmanager

@@ -358,3 +358,78 @@ def test_ui_mlflow_on_a_taken_port_fails_naming_it_before_printing_a_url():
     assert result.exit_code == 2, result.output
     assert f"127.0.0.1:{port} is already in use" in out and "--mlflow-port" in out
     assert "MLflow UI: http" not in out, "the other server's URL must not be shown as ours"
+
+
+def _summary(tmp_path, **extra) -> dict:
+    deep = tmp_path / ("a-long-folder-name-" * 6) / "checkpoints" / "step-0000004"
+    return {
+        "steps": 4.0,
+        "steps_requested": 4,
+        "stopped_early": None,
+        "skipped_nonfinite_steps": 0,
+        "reward_first5": 0.25,
+        "reward_last5": 0.5,
+        "generated_tokens_per_s": 100.0,
+        "trained_tokens_per_s": 40.0,
+        "forwarded_tokens_per_s": 60.0,
+        "checkpoint": str(deep),
+        "reward_curve": str(deep.parent.parent / "reward_curve.png"),
+        "mlflow_run_id": "0" * 32,
+        "mlflow_uri": f"sqlite:///{tmp_path}/mlflow/mlflow.db",
+        "resumed_from": None,
+        **extra,
+    }
+
+
+def test_the_summary_at_80_columns_keeps_every_path_whole_and_names_rates_as_the_metrics(tmp_path):
+    from rich.console import Console
+
+    from flows.cli import summary_table
+
+    summary = _summary(tmp_path, resumed_from=str(tmp_path / "run" / "checkpoints" / "step-0000002"))
+    narrow = Console(width=80, record=True, force_terminal=False)
+    narrow.print(summary_table(summary))
+    text = narrow.export_text()
+    joined = "".join(line.strip("│ ").strip() for line in text.splitlines())  # the folded cells, rejoined
+    for path in (summary["checkpoint"], summary["reward_curve"], summary["resumed_from"]):
+        assert path.replace(" ", "") in joined.replace(" ", ""), f"cut: {path}"
+    assert "…" not in text
+    assert "perf/wall_clock_trained_tokens_per_s" in text and "resumed from" in text
+
+
+def test_a_run_with_skipped_non_finite_steps_exits_3_naming_the_setting(tmp_path, monkeypatch):
+    import typer
+
+    import flows.cli as cli
+    import flows.grpo_train as grpo_train_module
+    from grpo_core.config import RunConfig
+
+    monkeypatch.setattr(cli, "_start_prefect_api", lambda: None)
+    monkeypatch.setattr(grpo_train_module, "grpo_train", lambda cfg: _summary(tmp_path, skipped_nonfinite_steps=2))
+    cfg = RunConfig.model_validate({"train": {"output_dir": str(tmp_path / "runs"), "max_steps": 4}})
+    with cli.console.capture() as captured, pytest.raises(typer.Exit) as exit_:
+        cli.run_locally(cfg)
+    assert exit_.value.exit_code == 3
+    out = " ".join(captured.get().split())
+    assert "2 of 4 steps were skipped" in out and "train.learning_rate" in out
+    labels = list(cli.summary_table(_summary(tmp_path, skipped_nonfinite_steps=2)).columns[0].cells)
+    assert "skipped steps (non-finite loss or gradient)" in labels
+
+
+def test_prefect_log_lines_go_through_the_progress_bars_console():
+    """rich keeps one live display per console: Prefect's lines printed through another console each left a frozen
+    copy of the progress bar in the scrollback."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    import flows.cli as cli
+
+    handler = PrefectConsoleHandler()
+    logging.getLogger("prefect.flow_runs").addHandler(handler)
+    try:
+        assert handler.console is not cli.console
+        cli._share_console()
+        assert handler.console is cli.console
+    finally:
+        logging.getLogger("prefect.flow_runs").removeHandler(handler)

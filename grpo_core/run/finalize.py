@@ -14,7 +14,14 @@ from grpo_core.run import layout
 logger = logging.getLogger(__name__)
 
 
-def finalize_run(cfg: RunConfig, run_dir: str, mlflow_run_id: str | None, wall_s: float, log: Any = logger) -> dict:
+def finalize_run(
+    cfg: RunConfig,
+    run_dir: str,
+    mlflow_run_id: str | None,
+    wall_s: float,
+    log: Any = logger,
+    resumed_from: str | None = None,
+) -> dict:
     """Reward curve, summary, model card; the exported model to MLflow and to the Hub (``export.push_to_hub``); the
     MLflow run ended FINISHED (FAILED when an upload failed).
 
@@ -24,10 +31,12 @@ def finalize_run(cfg: RunConfig, run_dir: str, mlflow_run_id: str | None, wall_s
         mlflow_run_id: the run's MLflow run (None: not tracked).
         wall_s: seconds from the servers' start to the end of training, for the summary's rates.
         log: where the lines for the user go (the Prefect run logger).
+        resumed_from: the checkpoint folder the last attempt resumed from (None: it started fresh).
 
     Returns:
         The summary (JSON-able): ``grpo_core.report.summarize``'s figures plus the run folder, checkpoint, reward
-        curve, MLflow run and URI, and the model's places (``model``, ``registered_model``, ``hub_commit``).
+        curve, MLflow run and URI, ``resumed_from``, and the model's places (``model``, ``registered_model``,
+        ``hub_commit``).
     """
     from grpo_core import hub, report
     from grpo_core.train.checkpoint import latest_checkpoint
@@ -41,6 +50,7 @@ def finalize_run(cfg: RunConfig, run_dir: str, mlflow_run_id: str | None, wall_s
         "reward_curve": str(png) if png else None,
         "mlflow_run_id": mlflow_run_id,
         "mlflow_uri": cfg.tracking.shown_tracking_uri(),
+        "resumed_from": resumed_from,
     }
     model_dir = root / layout.FINAL_MODEL_DIR
     if model_dir.is_dir():
