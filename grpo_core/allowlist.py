@@ -234,6 +234,20 @@ def check_code_references(cfg: RunConfig, allowed: tuple[str, ...] | None = None
             raise _refuse(ref, allowed)
 
 
+def check_vllm_args(args: list[Any], allowed: tuple[str, ...] | None = None) -> None:
+    """Refuse ``server.extra_args`` carrying a vLLM flag outside :data:`VLLM_SAFE_FLAGS` that the allow-list does not
+    list, or a code flag's class path it does not list; where vLLM is launched (``serving.vllm.vllm_command``), with
+    that worker's allow-list, since a servers' flow run takes its config as a parameter too.
+
+    Raises:
+        ConfigError: the first such flag or class path, naming the field and ``GRPO_ALLOWED_MODULES``.
+    """
+    allowed = allowed_modules() if allowed is None else allowed
+    for ref in _flag_refs(args):
+        if ref.spec not in allowed:
+            raise _refuse(ref, allowed)
+
+
 def trust_config(cfg: RunConfig) -> tuple[str, ...]:
     """Add the entries (``module:name``) and vLLM flags ``cfg`` names to ``$GRPO_ALLOWED_MODULES`` of this process
     and its children: for a config file its owner passed on the command line. Returns the new allow-list."""

@@ -561,6 +561,12 @@ class RolloutConfig(_CandidateFilter):
     """Seed of a generated (``reasoning_gym:``) dataset."""
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``module:callable`` dataset, or the task config of a ``reasoning_gym:`` one."""
+    shuffle: bool = True
+    """Visit the prompts in a seeded random order, a new one each epoch (the same for a given ``shuffle_seed`` and
+    epoch, so a resume continues it exactly); false = the dataset's order. A streaming (iterable) dataset is read
+    in its order."""
+    shuffle_seed: int = Field(default=0, ge=0)
+    """Seed of the prompt order (``shuffle``)."""
     reward_functions: list[str] = Field(default_factory=list)
     """Reward functions as ``module:name``; rewards of all sources are summed."""
     tools: list[str] = Field(default_factory=list)
@@ -1031,6 +1037,8 @@ TRAINER_ROLLOUT_FIELDS = (
     "dataset_size",
     "dataset_seed",
     "dataset_kwargs",
+    "shuffle",
+    "shuffle_seed",
 )
 TRAINER_SERVER_FIELDS = (
     "api_key",
@@ -1224,6 +1232,8 @@ class RunConfig(_Strict):
             unused["rollout.dataset_seed"] = "reasoning_gym: datasets only"
         if rollout.dataset is not None and not generated and "dataset_size" in _changed(rollout):
             unused["rollout.dataset_size"] = "reasoning_gym: datasets, or an environment's epoch without a dataset"
+        if not rollout.shuffle and "shuffle_seed" in _changed(rollout):
+            unused["rollout.shuffle_seed"] = "rollout.shuffle is false"
         if (rollout.dataset or "").startswith("json:") and rollout.dataset_kwargs:
             unused["rollout.dataset_kwargs"] = "reasoning_gym: and module:callable datasets only"
         if train.gradient_checkpointing != "selective" and "selective_checkpointing" in _changed(train):

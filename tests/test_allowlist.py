@@ -310,3 +310,23 @@ def test_grpo_resume_checks_a_fetched_config_like_a_parameter(planted, tmp_path)
     assert done.returncode == 2, done.stdout + done.stderr
     assert ALLOWED_MODULES_ENV in done.stderr and "rollout.dataset" in done.stderr
     assert not planted.exists() and not (tmp_path / "runs").exists()
+
+
+def test_vllm_is_launched_only_with_flags_the_launching_workers_allow_list_admits(monkeypatch):
+    """The servers' flow run (``grpo-servers``) takes its config as a parameter and never runs preflight: the vLLM
+    command line itself is checked against the allow-list where it is built."""
+    from grpo_core.serving.vllm import vllm_command
+
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, "")
+    cfg = RunConfig(
+        model={"name": "tiny-llama"}, server={"extra_args": ["--kv-transfer-config", '{"kv_connector": "x"}']}
+    )
+    with pytest.raises(
+        ConfigError, match=f"'--kv-transfer-config' is not a vLLM flag a run may set.*{ALLOWED_MODULES_ENV}"
+    ):
+        vllm_command(cfg)
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, "--kv-transfer-config")
+    assert "--kv-transfer-config" in vllm_command(cfg).argv
+    safe = RunConfig(model={"name": "tiny-llama"}, server={"extra_args": ["--max-num-batched-tokens", "4096"]})
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, "")
+    assert vllm_command(safe).argv[-2:] == ["--max-num-batched-tokens", "4096"]

@@ -6,8 +6,9 @@ environment's ``reset`` as keyword arguments. With an ``environment_factory`` th
 column may be missing (``reset`` returns the prompt text).
 
 Prompt positions: the rollout numbers prompts across epochs, ``prompt_index = epoch *
-num_rows + row_index``; it is the ``prompt_index`` and ``group_id`` of the samples and
-the position a resume restarts from.
+num_rows + k`` for the k-th prompt of an epoch (in a seeded order of its own with
+``rollout.shuffle``, ``grpo_core.rollout.driver.prompt_stream``); it is the ``prompt_index``
+and ``group_id`` of the samples and the position a resume restarts from.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from grpo_core.errors import RolloutError, ServingError
 
 from .data import iter_rows, num_rows
@@ -24,12 +26,23 @@ logger = logging.getLogger(__name__)
 ALLOWANCE_POLL_S = 0.02
 
 
-def prompt_stream(dataset: Any, num_epochs: int | None, start: int = 0) -> Iterator[tuple[int, int, int, dict]]:
+def epoch_order(num_rows: int, seed: int, epoch: int) -> list[int]:
+    """The row indices of epoch ``epoch`` in shuffled order (``rollout.shuffle``): a permutation of
+    ``range(num_rows)`` drawn by NumPy's PCG64 from the seed sequence ``[seed, epoch]``, so each epoch has its own
+    order and the same ``(seed, epoch)`` always gives the same one (a resume continues it exactly)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows).tolist()
+
+
+def prompt_stream(
+    dataset: Any, num_epochs: int | None, start: int = 0, shuffle_seed: int | None = None
+) -> Iterator[tuple[int, int, int, dict]]:
     """``(epoch, row_index, prompt_index, row)`` in order, from prompt position ``start``.
 
-    ``prompt_index = epoch * num_rows + row_index``. Map-style datasets jump straight to
-    ``start``; streaming ones are read from their first row and the rows before ``start``
-    skipped (no request is made for them). ``num_epochs`` None = cycle forever.
+    ``prompt_index = epoch * num_rows + k`` for the k-th prompt of the epoch, whose dataset row is ``row_index``:
+    ``k`` itself in the dataset's order, ``epoch_order(num_rows, shuffle_seed, epoch)[k]`` with a
+    ``shuffle_seed``. Map-style datasets jump straight to ``start``; streaming ones are read from their first
+    row and the rows before ``start`` skipped (no request is made for them), always in their order.
+    ``num_epochs`` None = cycle forever.
 
     Raises:
         RolloutError: the dataset has no rows.
@@ -41,7 +54,8 @@ def prompt_stream(dataset: Any, num_epochs: int | None, start: int = 0) -> Itera
     while num_epochs is None or epoch < num_epochs:
         if indexable:
             first = max(start - position, 0)
-            rows = ((i, dict(dataset[i])) for i in range(first, n))
+            order = epoch_order(n, shuffle_seed, epoch) if shuffle_seed is not None else range(n)
+            rows = ((order[k], dict(dataset[order[k]])) for k in range(first, n))
             position += first
         else:
             rows = enumerate(iter_rows(dataset))
@@ -92,7 +106,10 @@ async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:
     done = set(resume.trained_above) if resume else set()
     epochs = cfg.num_epochs  # None: cycle until the trainer stops the run at train.max_steps
     current, offered, accepted = -1, 0, 0
-    for epoch, row_index, prompt_index, row in prompt_stream(loop.runtime.dataset, epochs, start):
+    dataset, seed = loop.runtime.dataset, cfg.shuffle_seed if cfg.shuffle else None
+    if seed is not None and num_rows(dataset) is None:
+        logger.warning("rollout.shuffle: the dataset is streaming (no length); its prompts are read in its order")
+    for epoch, row_index, prompt_index, row in prompt_stream(dataset, epochs, start, seed):
         if epoch != current:
             _check_epoch(current, offered, accepted)
             current, offered, accepted = epoch, 0, 0

@@ -196,7 +196,7 @@ class RolloutGroup:
     """The G rollouts of one prompt, scored together (one entry per rollout in every list).
 
     Attributes:
-        prompt_index: position of the prompt in the run (``epoch * num_rows + row_index``); also the group id.
+        prompt_index: position of the prompt in the run (``epoch * num_rows + k``, the k-th of its epoch); the group id.
         row_index: index of the row in the dataset.
         epoch: dataset pass the prompt belongs to.
         row: the dataset row (its columns reach reward functions as keyword arguments).

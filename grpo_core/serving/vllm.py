@@ -162,7 +162,12 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         config: the run config (``model``, ``server``, ``rollout``).
         replica: replica index; it gets GPUs ``replica_gpus(config, replica)``.
         port: port to listen on; default ``server.port + replica``.
+
+    Raises:
+        ConfigError: ``server.extra_args`` carries a vLLM flag this worker's allow-list does not admit
+            (``grpo_core.allowlist.check_vllm_args``).
     """
+    from grpo_core.allowlist import check_vllm_args
     from grpo_core.models import resolve_model_dir
 
     server, rollout = config.server, config.rollout
@@ -227,6 +232,8 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if rollout.uses_candidate_filter():
         argv += ["--return-sampling-mask", "--enable-scale-out"]
+    # this worker's allow-list: a servers' flow run takes its config as a parameter too
+    check_vllm_args(server.extra_args)
     extra, secret_env = secret_flags_to_env(server.extra_args)
     argv += extra
     env.update(secret_env)

@@ -4,8 +4,8 @@ On resume (:func:`check_resume`) the fingerprint of the checkpoint is compared w
 
 * **unsafe** changes make the checkpoint belong to a different run and are refused with a diff: another
   model (name, revision, seed of a random init), parameter dtype, LoRA shape, group size, or another
-  dataset (its spec, size, seed and options; the SHA-256 of a ``json:`` file or of ``train.samples_path``)
-  — prompt indices in the checkpoint would point at other prompts;
+  dataset (its spec, size, seed and options, its order: ``rollout.shuffle`` and its seed; the SHA-256 of a
+  ``json:`` file or of ``train.samples_path``) — prompt indices in the checkpoint would point at other prompts;
 * **safe** changes are applied and logged: optimizer settings (the trainer puts the config's learning
   rate, betas and weight decay into the restored optimizer, see ``Trainer._apply_optimizer_config``),
   schedule, clipping, loss settings, step counts.
@@ -54,12 +54,17 @@ SAFE = (
     "train.epsilon_high",
     "train.score_centering",
     "train.gradient_accumulation_steps",
+    "train.loss_normalization",
     "train.save_steps",
     "train.save_total_limit",
     "train.weight_sync_steps",
     "rollout.max_staleness",
     "rollout.temperature",
 )
+
+
+#: What a checkpoint written before ``rollout.shuffle`` existed trained on: the dataset's order.
+BEFORE_SHUFFLE = {"rollout.shuffle": False, "rollout.shuffle_seed": None}
 
 
 def _sha256(path: Path) -> str:
@@ -84,6 +89,8 @@ def dataset_fingerprint(cfg: TrainerProcessConfig) -> dict[str, Any]:
         "rollout.dataset_size": ro.dataset_size,
         "rollout.dataset_seed": ro.dataset_seed,
         "rollout.dataset_kwargs": ro.dataset_kwargs,
+        "rollout.shuffle": ro.shuffle,  # the prompt order: prompt indices of another order are other prompts
+        "rollout.shuffle_seed": ro.shuffle_seed if ro.shuffle else None,
     }
     if ro.dataset and ro.dataset.startswith("json:") and Path(ro.dataset[5:]).is_file():
         out["rollout.dataset sha256"] = _sha256(Path(ro.dataset[5:]))
@@ -123,6 +130,7 @@ def check_resume(cfg: TrainerProcessConfig, checkpoint_dir: Path) -> list[str]:
         )
         return []
     stored, now = json.loads(path.read_text()), fingerprint(cfg)
+    stored["dataset"] = {**BEFORE_SHUFFLE, **stored["dataset"]}
     unsafe = [
         f"  {k}: {stored['dataset'].get(k)!r} -> {v!r}"
         for k, v in now["dataset"].items()
