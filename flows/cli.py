@@ -53,7 +53,7 @@ RetriesOption = Annotated[
     ),
 ]
 ENV_DEFAULTS = {
-    "PREFECT_HOME": str(ROOT / "runs" / "prefect"),
+    "PREFECT_HOME": "runs/prefect",  # under the working folder, like the run folders and the MLflow store
     "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "240",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -66,9 +66,11 @@ EXIT_FAILED, EXIT_CONFIG, EXIT_FEWER_STEPS = 1, 2, 3
 
 
 def set_env_defaults() -> None:
-    """Prefect settings of grpo-flow, unless the environment sets them (before prefect is imported)."""
+    """Prefect settings of grpo-flow, unless the environment sets them (before prefect is imported). Prefect's home
+    is ``runs/prefect`` under the working folder, made absolute now (was under the checkout, or inside
+    site-packages for an installed package, whatever folder the command ran in)."""
     for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+        os.environ.setdefault(key, str(Path.cwd() / value) if key == "PREFECT_HOME" else value)
 
 
 def _start_prefect_api() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -433,3 +434,15 @@ def test_prefect_log_lines_go_through_the_progress_bars_console():
         assert handler.console is cli.console
     finally:
         logging.getLogger("prefect.flow_runs").removeHandler(handler)
+
+
+def test_prefects_home_is_under_the_working_folder(tmp_path, monkeypatch):
+    import flows.cli as cli
+
+    monkeypatch.delenv("PREFECT_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cli.set_env_defaults()
+    assert os.environ["PREFECT_HOME"] == str(tmp_path / "runs" / "prefect")
+    monkeypatch.setenv("PREFECT_HOME", "/elsewhere/prefect")
+    cli.set_env_defaults()
+    assert os.environ["PREFECT_HOME"] == "/elsewhere/prefect", "the environment's own setting wins"
