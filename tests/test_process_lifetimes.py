@@ -265,6 +265,8 @@ def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path)
 
 API_OWNER = """
 import sys, time
+from flows.cli import set_env_defaults
+set_env_defaults()  # as every grpo command does: the API's start-up timeout (240 s) covers a loaded machine
 from flows.local_api import start_local_api
 print(start_local_api(), flush=True)
 time.sleep(600)
