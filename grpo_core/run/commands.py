@@ -31,6 +31,7 @@ def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], n
     if tc.nnodes == 1:
         cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
     else:
+        assert tc.rdzv_endpoint is not None  # the config refuses train.nnodes > 1 without it
         host, _, port = tc.rdzv_endpoint.rpartition(":")
         cmd = [
             sys.executable,

@@ -153,6 +153,7 @@ def fetch_checkpoint(cfg: RunConfig, run_dir: Path, continued: bool) -> Path | N
 
     fetched = None
     if continued:
+        assert cfg.tracking.run_id is not None  # a continued run: prepare set it to the MLflow run it continues
         fetched = tracking.download_latest_checkpoint(cfg.tracking, cfg.tracking.run_id, run_dir, verify=verify)
     source = cfg.resume_from
     if fetched is None and source:
