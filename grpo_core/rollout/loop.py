@@ -133,6 +133,7 @@ class RolloutLoop:
         self.generated_tokens = 0
         self.failed_groups = 0
         self.unfinished_rollouts = 0  # rollouts of started groups not yet finished (running or waiting for a slot)
+        self.unscored_groups = 0  # groups whose rollouts all finished and whose scoring has not (rollout/score_*)
         self.debug_dump = RolloutDump.from_env(config)  # $GRPO_DEBUG_ROLLOUT_DUMP; None = off
         self.coalescer = TurnCoalescer() if config.batch_group_prompts else None
 
@@ -361,6 +362,12 @@ class RolloutLoop:
             self._drop_failed_group(prompt_index, failures)
             return
         prompts, rollouts, envs = [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
+        # Scoring runs inline, concurrently per group (no bounded stage, so it never blocks generation and
+        # rollout/score_block_s is not logged): the finished groups not yet scored that this one finds, and the
+        # time from its last rollout's end to the start of its scoring.
+        generated = time.monotonic()
+        self.window.add("rollout/score_queue_size", self.unscored_groups)
+        self.unscored_groups += 1
         try:
             sequences = [self._reconcile(r) for r in rollouts]
             group = RolloutGroup(
@@ -378,6 +385,7 @@ class RolloutLoop:
             )
             if self.debug_dump is not None:
                 self.debug_dump.add_group(group)
+            self.window.add("rollout/score_wait_s", time.monotonic() - generated)
             await score_group(
                 group, self.runtime.reward_functions, self.executor, self.window, self.config.reward_timeout_s
             )
@@ -387,6 +395,7 @@ class RolloutLoop:
             self._drop_failed_group(prompt_index, [exc])
             return
         finally:  # the reward functions have read the environments' state: hand them back
+            self.unscored_groups -= 1
             self._give_back(envs)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
         if advantages.shape != (len(rollouts),):

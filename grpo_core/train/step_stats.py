@@ -12,6 +12,7 @@ Times come from the same timeline: CUDA events on GPUs, ``perf_counter`` on CPU.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,58 @@ SUM_KEYS = (
     "terms_fresh",
 )
 #: Per-rank extremes reduced with MAX (minima travel negated); ``grad_norm`` is already global.
-MAX_KEYS = ("ratio_max", "ratio_min_neg", "logp_diff_max", "staleness_max", "grad_norm")
+MAX_KEYS = (
+    "ratio_max",
+    "ratio_min_neg",
+    "logp_diff_max",
+    "staleness_max",
+    "clip_low_min_neg",
+    "clip_high_max",
+    "grad_norm",
+)
+
+
+def per_sample_fractions(sample_index: Tensor, num_samples: int, stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Per completion of a row, the share of its trained tokens clipped below and above the trust region.
+
+    The seed manual's ``clip_ratio/low_min`` is the smallest of the first over the step's completions,
+    ``clip_ratio/high_max`` the largest of the second.
+
+    Args:
+        sample_index: ``int64[M]`` the sample of each loss term (``RowTensors.sample_index``).
+        num_samples: samples in the row.
+        stats: the loss statistics (``grpo_core.train.loss``), with ``clipped_low`` and ``clipped_high``:
+            ``float[M]``, 1.0 where the term's ratio is outside the region on that side.
+
+    Returns:
+        ``(low, high)``: ``float64[k]`` each, one entry per sample with at least one trained token (``k >= 1``
+        whenever ``M >= 1``).
+    """
+    index = sample_index.long()
+    ones = torch.ones(index.shape, dtype=torch.float64, device=index.device)
+    terms = torch.zeros(num_samples, dtype=torch.float64, device=index.device).index_add_(0, index, ones)
+    trained = terms > 0
+    out = []
+    for key in ("clipped_low", "clipped_high"):
+        clipped = torch.zeros_like(terms).index_add_(0, index, stats[key].detach().to(torch.float64))
+        out.append((clipped / terms.clamp(min=1))[trained])
+    return out[0], out[1]
+
+
+def max_sample_tokens(planned: object) -> float:
+    """The longest sample of a planned step in tokens (prompt + completion, before the packing shares a prefix).
+
+    Args:
+        planned: a ``PlannedStep``: ``micro_batches``, each a list of ``PackedRow`` whose ``samples`` batch has
+            a ``num_tokens`` column.
+    """
+    lengths = [n for mb in planned.micro_batches for row in mb for n in row.samples.column("num_tokens").to_pylist()]
+    return float(max(lengths, default=0))
+
+
+def finite_or_nan(value: float) -> float:
+    """``value``, or NaN when it is ±inf (an extreme over no element; the metric window skips NaN)."""
+    return value if math.isfinite(value) else math.nan
 
 
 class Clock:

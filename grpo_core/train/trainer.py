@@ -42,7 +42,7 @@ from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, sh
 from .planner import PlannedStep, Planner
 from .policy import build_policy
 from .rows import bucket_length, length_buckets, synthetic_row, to_tensors
-from .step_stats import Clock, reduce_step
+from .step_stats import Clock, finite_or_nan, max_sample_tokens, per_sample_fractions, reduce_step
 from .weight_sync import NoWeightSync, WeightSync, full_state_dict
 
 if TYPE_CHECKING:
@@ -345,10 +345,13 @@ class Trainer:
     def forward_backward(self, rt: RowTensors, normaliser: float) -> dict:
         """One micro-batch on this rank: fused head loss (:meth:`row_loss`), backward; returns its statistics as
         device tensors."""
+        fwd_start = self.clock.mark()
         res = self.row_loss(rt, normaliser)
+        fwd_end = self.clock.mark()
         res.loss.backward()
         st, n = res.stats, rt.num_terms
         staleness = (self.policy_version - rt.policy_version).float()
+        low_frac, high_frac = per_sample_fractions(rt.sample_index, staleness.numel(), st) if n else (None, None)
         out = {
             "loss": res.loss,
             "terms": n,
@@ -360,6 +363,10 @@ class Trainer:
             "ratio_max": st["ratio"].max() if n else 0.0,
             "ratio_min_neg": -st["ratio"].min() if n else -math.inf,
             "logp_diff_max": st["logp_diff"].max() if n else 0.0,
+            # per completion: the share of its trained tokens clipped below / above the trust region
+            "clip_low_min_neg": -low_frac.min() if n else -math.inf,
+            "clip_high_max": high_frac.max() if n else -math.inf,
+            "fwd_marks": (fwd_start, fwd_end),  # read by flush_log (perf/fwd_s), not reduced
         }
         for k in ("ratio", "logp_diff", "masked", "clipped_low", "clipped_high"):
             out[k] = st[k].sum()
@@ -467,6 +474,7 @@ class Trainer:
         marks = {"start": start, "fb": self.clock.mark()}
         local = [self.forward_backward(rt, norm) for rt, norm in zip(tensors, self.loss_normalisers(terms))]
         marks["fb_end"] = self.clock.mark()
+        marks["fwd"] = [d.pop("fwd_marks") for d in local]
         self.flush_log()  # the previous step's values are ready; this step's work is queued
         opt = self.optimizer_step()
         skipped = bool(opt.pop("skipped", 0.0))
@@ -526,6 +534,7 @@ class Trainer:
             times = {
                 "perf/step_s": self.clock.seconds(m["start"], m["end"]),
                 "perf/fwd_bwd_s": self.clock.seconds(m["fb"], m["fb_end"]),
+                "perf/fwd_s": sum(self.clock.seconds(a, b) for a, b in m["fwd"]),
                 "perf/optimizer_s": self.clock.seconds(m["fb_end"], m["end"]),
                 "perf/collect_s": collect_s,
             }
@@ -548,6 +557,8 @@ class Trainer:
                 "clip_ratio/low_mean": v["clipped_low"] / n,
                 "clip_ratio/high_mean": v["clipped_high"] / n,
                 "clip_ratio/region_mean": (v["clipped_low"] + v["clipped_high"]) / n,
+                "clip_ratio/low_min": finite_or_nan(-v["clip_low_min_neg"]),  # NaN (no trained token): not logged
+                "clip_ratio/high_max": finite_or_nan(v["clip_high_max"]),
                 "sample/staleness_mean": v["staleness"] / max(v["samples"], 1),
                 "sample/staleness_max": v["staleness_max"],
                 "policy_version": self.policy_version,
@@ -566,10 +577,21 @@ class Trainer:
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", v["sampler_mass"] / n)
         step_s, fwd_bwd_s = extra["perf/step_s"], extra["perf/fwd_bwd_s"]
-        w.rate("perf/tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], step_s)
-        w.rate("perf/trained_tokens_per_s", planned.stats["batch/trained_tokens_per_step"], step_s)
-        w.rate("perf/fwd_bwd_forwarded_tokens_per_s", planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
-        self._mfu(planned.stats["batch/forwarded_tokens_per_step"], fwd_bwd_s)
+        forwarded, trained = (
+            planned.stats["batch/forwarded_tokens_per_step"],
+            planned.stats["batch/trained_tokens_per_step"],
+        )
+        w.rate("perf/tokens_per_s", forwarded, step_s)
+        w.rate("perf/trained_tokens_per_s", trained, step_s)
+        w.rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)  # the manual's names of the two above
+        w.rate("perf/wall_clock_trained_tokens_per_s", trained, step_s)
+        w.rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd_s)
+        # per sample (averaged over the window's samples): its own tokens, before the packing shares a prefix
+        samples = planned.stats["batch/samples_per_step"]
+        w.rate("sample/forwarded_tokens_mean", planned.stats["batch/raw_tokens_per_step"], samples)
+        w.rate("sample/trained_tokens_mean", trained, samples)
+        w.add("sample/forwarded_tokens_max", max_sample_tokens(planned))
+        self._mfu(forwarded, fwd_bwd_s, step_s)
         if step % self.cfg.train.logging_steps == 0:
             w.add("batch/dropped_oversize_count", self.planner.dropped_oversize_count)
             # stale at step assembly; the source adds those it dropped when pulled (the same name, summed)
@@ -594,7 +616,9 @@ class Trainer:
         if self.cfg.tracking.log_completions and log_table is not None and pull is not None:
             log_table(step, pull())
 
-    def _mfu(self, forwarded_tokens: float, fwd_bwd_s: float) -> None:
+    def _mfu(self, forwarded_tokens: float, fwd_bwd_s: float, step_s: float) -> None:
+        """perf/fwd_bwd_mfu and perf/wall_clock_mfu: model FLOPs of the step's forwarded tokens per second of
+        forward + backward, and of the whole step, ÷ the devices' peak (logged only on a GPU in ``PEAK_FLOPS``)."""
         if self.world.device.type != "cuda" or fwd_bwd_s <= 0:
             return
         name = torch.cuda.get_device_name(self.world.device)
@@ -604,6 +628,8 @@ class Trainer:
         n_params = sum(p.numel() for p in self.policy.parameters())  # DTensor numel is the global size
         flops = 6 * n_params * forwarded_tokens  # dense matmuls, forward + backward; attention left out
         self.window.add("perf/fwd_bwd_mfu", flops / fwd_bwd_s / (peak * self.world.world_size))
+        if step_s > 0:
+            self.window.add("perf/wall_clock_mfu", flops / step_s / (peak * self.world.world_size))
 
     # -- checkpoints ---------------------------------------------------------------------
     def save(self) -> None:

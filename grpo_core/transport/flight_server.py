@@ -57,7 +57,7 @@ class SampleQueue:
     def __init__(self, allowance: TokenAllowance, with_topk: bool) -> None:
         self.allowance = allowance
         self.schema = sample_schema(with_topk, False)
-        self._groups: deque[tuple[pa.RecordBatch, int]] = deque()
+        self._groups: deque[tuple[pa.RecordBatch, int, float]] = deque()  # (samples, tokens, monotonic put time)
         self._consumed: list[int] = []
         self._num_samples = 0
         self._cond = threading.Condition()
@@ -70,7 +70,7 @@ class SampleQueue:
         """Queue one group's samples (encoded to Arrow here, in the loop's thread)."""
         batch = samples_to_arrow(samples)
         with self._cond:
-            self._groups.append((batch, tokens))
+            self._groups.append((batch, tokens, time.monotonic()))
             self._num_samples += batch.num_rows
             self._cond.notify_all()
 
@@ -102,6 +102,13 @@ class SampleQueue:
         Returns:
             ``(batches, consumed prompt indices, exhausted, samples queued before the pop)``.
         """
+        return self.take_timed(min_samples, wait_s)[:4]
+
+    def take_timed(
+        self, min_samples: int, wait_s: float
+    ) -> tuple[list[pa.RecordBatch], list[int], bool, int, list[float]]:
+        """:meth:`take`, and the seconds each popped sample spent in the queue (one entry per sample, in the order
+        of the batches' rows, from its group's :meth:`put_group` to the pop: ``sample/time_in_queue_s``)."""
         deadline = time.monotonic() + wait_s
         with self._cond:
             while (
@@ -118,8 +125,10 @@ class SampleQueue:
             consumed, self._consumed = self._consumed, []
             self._num_samples = 0
             exhausted = self.finished
-        self.allowance.dequeued(sum(t for _, t in groups))
-        return [b for b, _ in groups], consumed, exhausted, queued
+            now = time.monotonic()
+        self.allowance.dequeued(sum(t for _, t, _ in groups))
+        waits = [now - put for b, _, put in groups for _ in range(b.num_rows)]
+        return [b for b, _, _ in groups], consumed, exhausted, queued, waits
 
 
 class BearerAuthFactory(flight.ServerMiddlewareFactory):
@@ -193,10 +202,11 @@ class RolloutFlightServer(flight.FlightServerBase):
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:  # noqa: ARG002
         """The queued groups the ticket asks for (``min_samples``, waiting up to ``wait_s``), as one stream."""
         request = json.loads(ticket.ticket.decode())
-        batches, consumed, exhausted, queued = self.queue.take(
+        batches, consumed, exhausted, queued, waits = self.queue.take_timed(
             int(request.get("min_samples", 1)), float(request.get("wait_s", 1.0))
         )
         self.window.add("rollout/queue_size", queued)
+        self.window.add_many("sample/time_in_queue_s", waits)  # scored and queued -> pulled by the trainer
         metadata = {
             META_CONSUMED: json.dumps(consumed).encode(),
             META_EXHAUSTED: b"1" if exhausted else b"0",
