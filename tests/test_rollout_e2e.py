@@ -371,6 +371,7 @@ def test_resume_skips_trained_prompts_without_requests(server, tmp_path):
         early = source.pull(3, timeout_s=4)
         assert early.samples.num_rows == 0 and not early.consumed_prompt_indices and not early.exhausted
         assert generated_tokens(server.url) == before, "sampled before the trainer synced the resumed version"
+        holds_version(server.url, 3)  # the resumed trainer's sync reaches the server (not left to an earlier test)
         source.synced(3)
         samples, consumed, metrics = drain(source, policy_version=3)
     assert sorted({s.prompt_index for s in samples} | set(consumed)) == [2, 4]
