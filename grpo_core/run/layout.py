@@ -70,6 +70,15 @@ CHECKPOINT_PREFIX = "step-"
 CHECKPOINT_STATE = "rollout_state.json"
 """The resume state inside a checkpoint folder (also logged to MLflow under ``resume/``)."""
 CHECKPOINT_MANIFEST = "manifest.json"
+CHECKPOINT_PENDING = "pending_samples.arrow"
+"""Samples pulled but not yet trained when the checkpoint was saved (trained first on resume)."""
+CHECKPOINT_SCHEDULER = "scheduler.json"
+CHECKPOINT_NONTENSOR = "nontensor_state.json"
+"""The optimizer's non-tensor state (learning rate, betas, ...) as JSON: nothing in a checkpoint is unpickled."""
+CHECKPOINT_TMP_SUFFIX = ".tmp"
+"""A checkpoint being written (renamed to its final name once complete)."""
+CHECKPOINT_BAD_SUFFIX = ".bad"
+"""A checkpoint that failed to load (kept for inspection, skipped by resume)."""
 CHECKPOINT_URI = "checkpoint_uri.txt"
 """Where an MLflow run keeps a checkpoint that was too large to upload: its URI."""
 STEP_LOGS = (METRICS, TRAINED_PROMPTS)
@@ -89,6 +98,11 @@ def replica_port_file(backend: str, replica: int) -> str:
 def checkpoint_dir(output_dir: Path | str, step: int) -> Path:
     """The checkpoint folder of optimizer step ``step`` (``checkpoints/step-0000012``)."""
     return Path(output_dir) / CHECKPOINTS_DIR / f"{CHECKPOINT_PREFIX}{step:07d}"
+
+
+def checkpoint_rng(rank: int) -> str:
+    """File name of rank ``rank``'s RNG state inside a checkpoint folder."""
+    return f"rng_rank{rank}.pt"
 
 
 def checkpoint_step(name: str) -> int:

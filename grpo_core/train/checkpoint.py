@@ -44,6 +44,7 @@ import torch.distributed as dist
 from grpo_core.durable import fsync_dir, fsync_tree, read_jsonl, rewrite_jsonl
 from grpo_core.errors import CheckpointError, DiskFullError
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
+from grpo_core.run import layout
 from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
 from grpo_core.train.plain_state import from_json, refuse_bytes_items, restore, split, tensor_only_planner, to_json
 from grpo_core.transport.types import ResumeState
@@ -54,11 +55,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "rollout_state.json"
-PENDING_FILE = "pending_samples.arrow"
-SCHEDULER_FILE = "scheduler.json"
-NONTENSOR_FILE = "nontensor_state.json"
-_NAME = re.compile(r"step-(\d+)")
+STATE_FILE = layout.CHECKPOINT_STATE
+PENDING_FILE = layout.CHECKPOINT_PENDING
+SCHEDULER_FILE = layout.CHECKPOINT_SCHEDULER
+NONTENSOR_FILE = layout.CHECKPOINT_NONTENSOR
+_NAME = re.compile(re.escape(layout.CHECKPOINT_PREFIX) + r"(\d+)")
 
 
 class PromptTracker:
@@ -112,14 +113,14 @@ class PromptTracker:
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     """Folder of the checkpoint after optimizer step ``step``."""
-    return Path(output_dir) / "checkpoints" / f"step-{step:07d}"
+    return layout.checkpoint_dir(output_dir, step)
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
     """Published checkpoint folders ``step-N`` (not ``.tmp``, not ``.bad``), oldest first."""
-    root = Path(output_dir) / "checkpoints"
-    found = [p for p in root.glob("step-*") if _NAME.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    root = Path(output_dir) / layout.CHECKPOINTS_DIR
+    found = [p for p in root.glob(layout.CHECKPOINT_PREFIX + "*") if _NAME.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: layout.checkpoint_step(p.name))
 
 
 def verify(path: Path) -> str | None:
@@ -160,7 +161,7 @@ def verify(path: Path) -> str | None:
         shard = path / "dcp" / name
         if not shard.is_file() or shard.stat().st_size < size:
             return f"dcp/{name} is missing or shorter than its {size} bytes"
-    for name in ("rng_rank0.pt",):
+    for name in (layout.checkpoint_rng(0),):
         if not (path / name).is_file():
             return f"{name} is missing"
     return None
@@ -190,13 +191,14 @@ def rotate(output_dir: Path, keep: int | None, protect: Path | Iterable[Path] | 
     drop = [p for p in found[: max(len(found) - keep, 0)] if p.resolve() not in kept]
     if found[-keep:]:
         oldest_kept = int(found[-keep:][0].name[5:])
-        root = Path(output_dir) / "checkpoints"
-        drop += [p for p in root.glob("step-*.bad") if int(p.name[5:].split(".")[0]) < oldest_kept]
+        root = Path(output_dir) / layout.CHECKPOINTS_DIR
+        bad = root.glob(f"{layout.CHECKPOINT_PREFIX}*{layout.CHECKPOINT_BAD_SUFFIX}")
+        drop += [p for p in bad if layout.checkpoint_step(p.name.split(".")[0]) < oldest_kept]
     for path in drop:
         shutil.rmtree(path, ignore_errors=True)
         logger.info("checkpoint %s deleted (train.save_total_limit=%d)", path, keep)
     if drop:
-        fsync_dir(Path(output_dir) / "checkpoints")
+        fsync_dir(Path(output_dir) / layout.CHECKPOINTS_DIR)
     return drop
 
 
@@ -252,9 +254,13 @@ def save(
 
     tensors, values = split(_state_dicts(model, optimizer, _state_dict_options(model)))
     plain = {NONTENSOR_FILE: to_json(values), SCHEDULER_FILE: to_json(scheduler.state_dict())}  # every rank: fail alike
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + layout.CHECKPOINT_TMP_SUFFIX)
     if rank == 0:
-        for stale in path.parent.glob("step-*.tmp") if path.parent.is_dir() else []:
+        for stale in (
+            path.parent.glob(f"{layout.CHECKPOINT_PREFIX}*{layout.CHECKPOINT_TMP_SUFFIX}")
+            if path.parent.is_dir()
+            else []
+        ):
             logger.warning("removing %s, left by a checkpoint save that did not finish", stale)
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -297,7 +303,7 @@ def _write(
     dcp.save(tensors, checkpoint_id=str(tmp / "dcp"))  # tensors only: DCP pickles nothing
     torch.save(
         {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        tmp / f"rng_rank{rank}.pt",
+        tmp / layout.checkpoint_rng(rank),
     )
     if rank == 0:
         for name, text in plain.items():
@@ -348,7 +354,7 @@ def load(
         return _load(path, model, optimizer, scheduler, rank)
     except (Exception, CheckpointException) as exc:
         if rank == 0 and path.is_dir():
-            path.rename(path.with_name(path.name + ".bad"))
+            path.rename(path.with_name(path.name + layout.CHECKPOINT_BAD_SUFFIX))
             fsync_dir(path.parent)
         cause = _first_failure(exc)
         raise CheckpointError(
@@ -386,7 +392,7 @@ def _load(
     restore(sd, values, NONTENSOR_FILE)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     scheduler.load_state_dict(scheduler_state)
-    rng_file = path / f"rng_rank{rank}.pt"
+    rng_file = path / layout.checkpoint_rng(rank)
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=True)  # tensors and plain containers
         torch.set_rng_state(rng["cpu"])
@@ -403,7 +409,7 @@ def read_state(path: Path) -> ResumeState:
     return ResumeState(**json.loads((Path(path) / STATE_FILE).read_text()))
 
 
-STEP_LOGS = ("metrics.jsonl", "trained_prompts.jsonl")
+STEP_LOGS = layout.STEP_LOGS
 
 
 def truncate_step_logs(output_dir: Path, step: int) -> None:
