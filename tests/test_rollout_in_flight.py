@@ -22,9 +22,9 @@ from grpo_core.models import resolve_model_dir
 from grpo_core.rollout.driver import drive
 from grpo_core.rollout.loop import LoopRuntime, RolloutLoop, request_seed
 from grpo_core.rollout.pace import TokenAllowance
+from grpo_core.rollout.queue import SampleQueue
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.routing import ReplicaSet
-from grpo_core.transport.flight_server import SampleQueue
 
 G = 2
 COMPLETION = 8  # tokens of every completion (finish "length")
@@ -105,8 +105,13 @@ def run_until_blocked(
     """Drive a real loop against a :class:`HoldingServer` until it admits nothing more; returns the requests
     held, the loop, and the tokens of one group. The first ``answered_groups`` groups are answered at once,
     and with ``first_rollout_answered`` the first rollout of every group too."""
-    cfg = RolloutConfig(
-        num_generations=G, max_completion_length=COMPLETION, num_sampler_logprobs=0, max_staleness=1, **rollout
+    cfg = RolloutConfig(  # in the dataset's order: the server answers groups by their position
+        num_generations=G,
+        max_completion_length=COMPLETION,
+        num_sampler_logprobs=0,
+        max_staleness=1,
+        shuffle=False,
+        **rollout,
     )
     answer_now = {request_seed(cfg.seed, group, i, 0) for group in range(answered_groups) for i in range(G)}
     if first_rollout_answered:
