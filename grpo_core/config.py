@@ -552,6 +552,13 @@ class RolloutConfig(_CandidateFilter):
     signature, wrong return type or length) fails the run at once."""
     num_generations: int = Field(default=8, ge=2)
     """G: rollouts per prompt (one group); advantages are normalised inside it."""
+    scale_rewards: Literal["group", "none"] = "group"
+    """Advantages A = r − mean of the group, divided by the group's reward std (``group``, GRPO) or not
+    (``none``, Dr. GRPO, Liu et al. 2025)."""
+    mask_truncated_completions: bool = False
+    """Leave out of the loss the rollouts whose last turn hit ``max_completion_length``
+    (``finish_reason: length``; DAPO's overlong filtering, Yu et al. 2025, §3.4); they still count in their
+    group's mean and std. Counted in ``rollout/truncated_masked_count``."""
     dataset: str | None = None
     """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` giving a Dataset; None = the
     environment's ``reset()`` makes each prompt (``rollout.environment_factory``)."""
@@ -787,7 +794,11 @@ class TrainConfig(_Strict):
     epsilon: float = Field(default=0.2, gt=0)
     """Clipped surrogate: lower trust-region width."""
     epsilon_high: float | None = Field(default=None, gt=0)
-    """Clipped surrogate: upper width; None = epsilon."""
+    """Clipped surrogate: upper width; None = epsilon. Above epsilon = DAPO's clip-higher (DAPO uses 0.28)."""
+    loss_type: Literal["grpo", "cispo"] = "grpo"
+    """``grpo``: the score-centred gradient or the clipped surrogate, as ``score_centering`` says; ``cispo``: the
+    clipped IS weight of CISPO (MiniMax-M1, 2025), sg(clip(π/μ, 1 − epsilon, 1 + epsilon_high))·A·log π, which
+    needs ``score_centering: false`` (docs/algorithms.md)."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Loss terms per chunk of the fused log-prob head (extra memory about chunk × vocabulary × 6 bytes);
     None = 4096 on CUDA, 1024 on CPU."""
@@ -990,6 +1001,10 @@ def _check_trainer_fields(config: Any) -> None:
     train = config.train
     if train.clip_min >= train.clip_max:
         raise ConfigError(f"train.clip_min ({train.clip_min}) must be below train.clip_max ({train.clip_max})")
+    if train.loss_type == "cispo" and train.score_centering:
+        raise ConfigError(
+            "train.loss_type: cispo replaces the score-centred gradient: set train.score_centering: false"
+        )
     if train.score_centering and config.rollout.num_sampler_logprobs == 0:
         raise ConfigError(
             "train.score_centering needs the sampler's top log-probs: set rollout.num_sampler_logprobs > 0 "
@@ -1130,6 +1145,59 @@ TRACKING_ONLY_FIELDS = (
 )
 
 
+#: ``algorithm`` presets: the fields each sets, by section (docs/algorithms.md gives the papers).
+ALGORITHM_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "grpo": {},
+    "dapo": {
+        "train": {"score_centering": False, "loss_type": "grpo", "epsilon": 0.2, "epsilon_high": 0.28},
+        "rollout": {"scale_rewards": "group", "mask_truncated_completions": True},
+    },
+    "dr_grpo": {
+        "train": {"score_centering": False, "loss_type": "grpo"},
+        "rollout": {"scale_rewards": "none"},
+    },
+    "cispo": {
+        "train": {
+            "score_centering": False,
+            "loss_type": "cispo",
+            "epsilon": 1.0,
+            "epsilon_high": 5.0,
+            "clip_max": 10.0,
+        },
+    },
+}
+
+
+def apply_algorithm_preset(data: Any) -> Any:
+    """A run config's input with its ``algorithm`` preset's fields filled in where the input leaves them unset.
+
+    Args:
+        data: the raw run config (a dict; anything else is returned as it is for pydantic to refuse).
+
+    Returns:
+        A copy of ``data`` whose sections hold the preset's values for the fields they did not set.
+
+    Raises:
+        ConfigError: an unknown preset name (lists the valid ones).
+    """
+    if not isinstance(data, dict):
+        return data
+    name = data.get("algorithm", "grpo")
+    if name not in ALGORITHM_PRESETS:
+        raise ConfigError(f"algorithm: {name!r} is not a preset; choose one of {', '.join(ALGORITHM_PRESETS)}")
+    data = dict(data)
+    for section, values in ALGORITHM_PRESETS[name].items():
+        given = data.get(section)
+        if isinstance(given, BaseModel):
+            given = given.model_dump(exclude_unset=True)
+        if given is None:
+            given = {}
+        if not isinstance(given, dict):
+            continue  # pydantic refuses it, naming the section
+        data[section] = {**values, **given}
+    return data
+
+
 class RunConfig(_Strict):
     """Root config of one grpo-flow run."""
 
@@ -1151,6 +1219,15 @@ class RunConfig(_Strict):
     """How the Prefect flow schedules the run."""
     resume_from: str | None = None
     """MLflow run id whose latest checkpoint this run starts from (a new run continuing an old one)."""
+    algorithm: str = "grpo"
+    """Named preset of the loss and advantage settings (:data:`ALGORITHM_PRESETS`, docs/algorithms.md): ``grpo``
+    (the defaults), ``dapo``, ``dr_grpo``, ``cispo``. It fills in only the fields the config leaves unset; a field
+    set in the config or by an override wins."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_algorithm_preset(cls, data: Any) -> Any:
+        return apply_algorithm_preset(data)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> RunConfig:

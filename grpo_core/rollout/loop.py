@@ -30,7 +30,7 @@ from .coalesce import TurnCoalescer
 from .debug_dump import RolloutDump
 from .pace import ConcurrencyCap, TokenAllowance
 from .rewards import group_advantages, is_zero_std, log_group_rewards
-from .scoring import completion_rows, group_samples, group_tokens, log_completions, score_group
+from .scoring import completion_rows, group_samples, group_tokens, is_truncated, log_completions, score_group
 from .tools import (
     EnvironmentPool,
     environment_tools,
@@ -298,9 +298,10 @@ class RolloutLoop:
         )
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """``float32[G]`` group-normalised advantages; NaN rewards get 0 and are left out (DESIGN.md §5)."""
+        """``float32[G]`` group-relative advantages, divided by the group's std unless ``rollout.scale_rewards`` is
+        ``none``; NaN rewards get 0 and are left out (DESIGN.md §5)."""
         assert group.rewards is not None
-        return group_advantages(group.rewards)
+        return group_advantages(group.rewards, self.config.scale_rewards)
 
     # ----- helpers hooks may use ----------------------------------------------------------------
 
@@ -407,7 +408,18 @@ class RolloutLoop:
         if self.runtime.completions is not None:
             for row in completion_rows(group, advantages):
                 self.runtime.completions.offer(row)
-        samples = [] if dropped else group_samples(group, advantages, self.config.num_sampler_logprobs > 0)
+        if self.config.mask_truncated_completions and not dropped:
+            self.window.add("rollout/truncated_masked_count", sum(map(is_truncated, group.rollouts)))
+        samples = (
+            []
+            if dropped
+            else group_samples(
+                group,
+                advantages,
+                self.config.num_sampler_logprobs > 0,
+                mask_truncated=self.config.mask_truncated_completions,
+            )
+        )
         tokens = group_tokens(
             [s.input_ids for s in samples] if samples else [seq.input_ids for seqs in sequences for seq in seqs]
         )

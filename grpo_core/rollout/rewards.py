@@ -193,28 +193,40 @@ def is_zero_std(rewards: np.ndarray) -> bool:
     return len(scored) < 2 or bool(np.ptp(scored) <= ZERO_STD_RTOL * np.max(np.abs(scored)))
 
 
-def group_advantages(rewards: np.ndarray) -> np.ndarray:
-    """Group-normalised advantages A = (r - mean) / std over the scored rollouts (DESIGN.md §5).
+def group_advantages(rewards: np.ndarray, scale: str = "group") -> np.ndarray:
+    """Group-relative advantages over the scored rollouts (DESIGN.md §5): A = (r - mean) / std with
+    ``scale="group"`` (GRPO, Shao et al. 2024, §4.1), A = r - mean with ``scale="none"`` (Dr. GRPO, Liu et al.
+    2025, §3.2: no division by the std, which weighs groups of low reward spread up).
 
-    Computed on rewards divided by the group's largest |reward| (so squares cannot overflow) with a
-    second centring pass (so the advantages of a kept group sum to 0 up to float32 rounding,
+    Computed on rewards divided by the group's largest |reward| (so squares cannot overflow; ``none`` multiplies
+    it back) with a second centring pass (so the advantages of a kept group sum to 0 up to float32 rounding,
     about ``G * 1e-7``); both leave A unchanged in exact arithmetic.
 
     Args:
         rewards: ``float64[G]``, NaN = unscored; the scored ones finite.
+        scale: ``group`` or ``none`` (``rollout.scale_rewards``).
 
     Returns:
         ``float32[G]``; 0 for unscored rollouts, and for all when :func:`is_zero_std`. std is the
         population std (ddof=0) of the scored rewards.
+
+    Raises:
+        ValueError: an unknown ``scale``.
     """
+    if scale not in ("group", "none"):
+        raise ValueError(f"rollout.scale_rewards must be 'group' or 'none', got {scale!r}")
     adv = np.zeros(len(rewards), dtype=np.float32)
     if is_zero_std(rewards):
         return adv
     ok = ~np.isnan(rewards)
-    scored = rewards[ok] / np.max(np.abs(rewards[ok]))
+    largest = np.max(np.abs(rewards[ok]))
+    scored = rewards[ok] / largest
     centred = scored - scored.mean()
     centred -= centred.mean()
-    adv[ok] = (centred / np.sqrt(np.mean(centred * centred))).astype(np.float32)
+    if scale == "group":
+        adv[ok] = (centred / np.sqrt(np.mean(centred * centred))).astype(np.float32)
+    else:
+        adv[ok] = (centred * largest).astype(np.float32)
     return adv
 
 

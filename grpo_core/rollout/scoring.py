@@ -16,7 +16,7 @@ import numpy as np
 from grpo_core.packing import Sample, TokenLists
 
 from .rewards import call_reward_functions, checked_reward, sum_rewards
-from .types import RolloutGroup, TrainingSequence
+from .types import Rollout, RolloutGroup, TrainingSequence
 from .window import MetricWindow
 
 # Sample ids: group_id * SAMPLE_ID_STRIDE + position of the sample in its group.
@@ -193,15 +193,25 @@ def _sample(seq: TrainingSequence, *, sample_id: int, group: RolloutGroup, advan
     return sample
 
 
-def group_samples(group: RolloutGroup, advantages: np.ndarray, with_topk: bool) -> list[Sample]:
+def is_truncated(rollout: Rollout) -> bool:
+    """Whether a rollout's last turn stopped at the token limit (``finish_reason: length``)."""
+    return bool(rollout.turns) and rollout.turns[-1].finish_reason == "length"
+
+
+def group_samples(
+    group: RolloutGroup, advantages: np.ndarray, with_topk: bool, mask_truncated: bool = False
+) -> list[Sample]:
     """The group's samples: every sequence of every scored rollout, with its rollout's advantage.
 
-    Unscored rollouts (NaN reward) have advantage 0 and carry no gradient, so they are left out.
+    Unscored rollouts (NaN reward) have advantage 0 and carry no gradient, so they are left out. With
+    ``mask_truncated`` (``rollout.mask_truncated_completions``; DAPO's overlong filtering, Yu et al. 2025, §3.4)
+    so are the rollouts whose last turn hit the token limit (:func:`is_truncated`): no loss, and no share of
+    the step's token normaliser; their rewards still entered the group's advantages.
     """
     assert group.rewards is not None
     samples: list[Sample] = []
     for i, seqs in enumerate(group.sequences):
-        if np.isnan(group.rewards[i]):
+        if np.isnan(group.rewards[i]) or (mask_truncated and is_truncated(group.rollouts[i])):
             continue
         for seq in seqs:
             samples.append(

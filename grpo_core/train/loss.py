@@ -12,7 +12,11 @@ the loss entirely (masked importance sampling, MIS).
   the surrogate ``A·(r_t − Σ_v 1[v in range]·π(v))`` has exactly that
   gradient. A position whose sampled token is masked drops out whole.
 * ``score_centering=False``: the clipped surrogate
-  ``min(r·A, clip(r, 1−ε, 1+ε_high)·A)`` (PPO/GRPO), on the same MIS mask.
+  ``min(r·A, clip(r, 1−ε, 1+ε_high)·A)`` (PPO/GRPO; ``ε_high > ε`` is DAPO's
+  clip-higher, Yu et al. 2025, §3.1), on the same MIS mask.
+* ``loss_type="cispo"`` (CISPO, MiniMax-M1, Chen et al. 2025, eq. 4): the term
+  ``sg(clip(r, 1−ε, 1+ε_high))·A·log π``: the clipped IS weight is a constant,
+  so no token inside the MIS range loses its gradient to the clip.
 
 The sum over loss terms is divided by ``num_trained_global``, which
 :func:`loss_normalisers` gives per micro-batch. By default
@@ -46,6 +50,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+LossType = Literal["grpo", "cispo"]
+
 
 @dataclass(frozen=True)
 class LossSettings:
@@ -56,6 +62,8 @@ class LossSettings:
         score_centering: score-centred gradient (True) or clipped surrogate.
         epsilon: lower trust-region width ε of the clipped surrogate.
         epsilon_high: upper width (defaults to ``epsilon``).
+        loss_type: ``grpo`` (score centering or the clipped surrogate, as ``score_centering`` says) or
+            ``cispo`` (clipped IS weight, needs ``score_centering=False``).
     """
 
     clip_min: float = 0.5
@@ -63,6 +71,7 @@ class LossSettings:
     score_centering: bool = True
     epsilon: float = 0.2
     epsilon_high: float | None = None
+    loss_type: LossType = "grpo"
 
 
 LossNormalization = Literal["step_tokens", "micro_batch"]
@@ -134,10 +143,15 @@ def grpo_loss(
         and ``sampler_mass`` (``float[M]``, with score centering).
 
     Raises:
-        ValueError: score centering without top-k log-probs, or a bad normaliser.
+        ValueError: score centering without top-k log-probs, CISPO with score centering, an unknown
+            ``loss_type``, or a bad normaliser.
     """
     if num_trained_global <= 0:
         raise ValueError(f"num_trained_global must be > 0, got {num_trained_global}")
+    if settings.loss_type not in ("grpo", "cispo"):
+        raise ValueError(f"train.loss_type must be 'grpo' or 'cispo', got {settings.loss_type!r}")
+    if settings.loss_type == "cispo" and settings.score_centering:
+        raise ValueError("train.loss_type 'cispo' needs train.score_centering: false")
     log_ratio = logprobs - sampler_logprobs
     keep = in_clip_range(log_ratio.detach(), settings)
     # Select before exp: a dropped term's ratio is exp(0) = 1 with no path to logprobs, so neither an
@@ -159,6 +173,10 @@ def grpo_loss(
         pi_v = torch.where(in_v, topk_logprobs, torch.full_like(topk_logprobs, float("-inf"))).exp()
         per_term = advantages * (ratio - pi_v.sum(-1))
         stats["sampler_mass"] = sampler_topk_logprobs.detach().exp().nan_to_num(0.0).sum(-1)
+    elif settings.loss_type == "cispo":
+        # sg(clip(r)) · A · log π: the clipped weight is a constant; a dropped term's log π is replaced by 0 too.
+        weight = ratio.detach().clamp(1 - settings.epsilon, 1 + eps_high)
+        per_term = weight * advantages * torch.where(keep, logprobs, torch.zeros_like(logprobs))
     else:
         clipped = ratio.clamp(1 - settings.epsilon, 1 + eps_high)
         per_term = torch.minimum(ratio * advantages, clipped * advantages)

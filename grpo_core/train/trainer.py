@@ -131,7 +131,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps)
         )
-        self.loss_settings = LossSettings(tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high)
+        self.loss_settings = LossSettings(
+            tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high, tc.loss_type
+        )
         self.token_budget = cfg.token_budget
         self.flex = FlexTreeMasks(world.device) if on_cuda else None
         # static shapes for compiled layers and FlexAttention: rows are padded to a few lengths
