@@ -42,9 +42,9 @@ from grpo_core.models import resolve_model_dir  # noqa: E402
 from grpo_core.rollout.driver import drive  # noqa: E402
 from grpo_core.rollout.loop import LoopRuntime, RolloutLoop  # noqa: E402
 from grpo_core.rollout.pace import TokenAllowance  # noqa: E402
+from grpo_core.rollout.queue import SampleQueue  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
 from grpo_core.serving.routing import ReplicaSet  # noqa: E402
-from grpo_core.transport.flight_server import SampleQueue  # noqa: E402
 
 
 class TimedServer(ThreadingHTTPServer):

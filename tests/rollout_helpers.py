@@ -324,8 +324,8 @@ def run_count_groups(server_url: str, num_prompts: int, **rollout):
     from grpo_core.rollout.build import build_loop
     from grpo_core.rollout.pace import TokenAllowance
     from grpo_core.rollout.process import RolloutJob
+    from grpo_core.rollout.queue import SampleQueue
     from grpo_core.rollout.window import MetricWindow
-    from grpo_core.transport.flight_server import SampleQueue
 
     rows = [{"prompt": [{"role": "user", "content": f"Count to {i}."}]} for i in range(num_prompts)]
     cfg = RunConfig(

@@ -22,9 +22,9 @@ from grpo_core.rollout.coalesce import TurnCoalescer, consecutive_runs
 from grpo_core.rollout.driver import drive
 from grpo_core.rollout.loop import LoopRuntime, RolloutLoop, group_seed_base
 from grpo_core.rollout.pace import TokenAllowance
+from grpo_core.rollout.queue import SampleQueue
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.routing import ReplicaSet
-from grpo_core.transport.flight_server import SampleQueue
 
 G = 4
 

@@ -432,8 +432,9 @@ class _Rollout:
     def __init__(self, token: str = "flight-token", port: int = 0) -> None:
         from grpo_core.packing import Sample
         from grpo_core.rollout.pace import TokenAllowance
+        from grpo_core.rollout.queue import SampleQueue
         from grpo_core.rollout.window import MetricWindow
-        from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
+        from grpo_core.transport.flight_server import RolloutFlightServer
 
         self.queue = SampleQueue(TokenAllowance(1, 100), with_topk=False)
         samples = [

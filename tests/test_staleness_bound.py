@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 
 from grpo_core.packing import Sample
 from grpo_core.rollout.pace import TokenAllowance
+from grpo_core.rollout.queue import SampleQueue
 from grpo_core.train.checkpoint import PromptTracker
 from grpo_core.train.planner import Planner
 from grpo_core.transport.flight_client import FlightSource
-from grpo_core.transport.flight_server import SampleQueue
 from grpo_core.transport.types import PulledBatch, ResumeState
 
 TOKEN_BUDGET = 24

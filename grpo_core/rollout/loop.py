@@ -91,7 +91,7 @@ class LoopRuntime:
         max_model_len: the server's prompt + completion limit in tokens.
         dataset: prompt rows (HF Dataset, IterableDataset, list of dicts).
         reward_functions, tools: callables; environment_factory: class or name -> class.
-        queue: sink of finished groups (``SampleQueue``).
+        queue: sink of finished groups (``grpo_core.rollout.queue.SampleQueue``).
         allowance: token allowance shared with the Flight server.
         resume: prompts to skip (already trained) and where to start.
         lora_name: LoRA runs: the trainer's adapter name; policy version v >= 1 is served as ``{name}-v{v}``.

@@ -189,9 +189,10 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
 
     ``on_ready(location)`` is called once the Flight server listens.
     """
-    from grpo_core.transport.flight_server import RolloutFlightServer, SampleQueue
+    from grpo_core.transport.flight_server import RolloutFlightServer
 
     from .pace import TokenAllowance
+    from .queue import SampleQueue
     from .window import CompletionSample, MetricWindow
 
     rollout = job.config.rollout

@@ -28,13 +28,21 @@ import pyarrow.flight as flight
 
 from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import TransportError
-from grpo_core.transport.types import PulledBatch
+from grpo_core.transport.types import (
+    ACTION_COMPLETIONS,
+    ACTION_HEARTBEAT,
+    ACTION_METRICS,
+    ACTION_REPORT,
+    ACTION_SHUTDOWN,
+    ACTION_SYNCED,
+    META_CONSUMED,
+    META_EXHAUSTED,
+    META_SERVERS_BEHIND,
+    PulledBatch,
+)
 
 logger = logging.getLogger(__name__)
 
-META_CONSUMED = b"grpo.consumed"
-META_EXHAUSTED = b"grpo.exhausted"
-META_SERVERS_BEHIND = b"grpo.servers_behind"
 POLL_S = 1.0
 STARTUP_TIMEOUT_S = 600.0
 
@@ -124,7 +132,7 @@ class FlightSource:
         return json.loads(results[0].body.to_pybytes().decode()) if results else {}
 
     def _check_heartbeat(self) -> None:
-        beat = self._action("heartbeat", timeout_s=min(30.0, self.timeout_s))
+        beat = self._action(ACTION_HEARTBEAT, timeout_s=min(30.0, self.timeout_s))
         if beat.get("failure"):
             raise TransportError(f"rollout at {self.location}: the rollout loop failed:\n{beat['failure']}")
         # While the loop is being built (tokenizer, dataset) it cannot tick: allow STARTUP_TIMEOUT_S.
@@ -218,7 +226,7 @@ class FlightSource:
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            beat = self._action("heartbeat")
+            beat = self._action(ACTION_HEARTBEAT)
             if beat.get("failure"):
                 raise TransportError(f"rollout at {self.location}: the rollout loop failed:\n{beat['failure']}")
             if beat.get("running", True):
@@ -234,25 +242,25 @@ class FlightSource:
         (``Planner.held_tokens``): the rollout's token allowance counts them with its queue.
         """
         self._action(
-            "report",
+            ACTION_REPORT,
             {"policy_version": policy_version, "tokens_consumed": tokens_consumed, "held_tokens": held_tokens},
         )
 
     def synced(self, policy_version: int) -> None:
         """The servers hold ``policy_version`` now (a resumed trainer's first sync): the rollout, which waits for this
         before sampling a full-weight run's resumed version, may start."""
-        self._action("synced", {"policy_version": policy_version})
+        self._action(ACTION_SYNCED, {"policy_version": policy_version})
 
     def metrics(self) -> dict[str, float]:
         """The rollout metric window since the last call, plus ``sample/dropped_stale_count``."""
-        out = {k: float(v) for k, v in self._action("metrics").items()}
+        out = {k: float(v) for k, v in self._action(ACTION_METRICS).items()}
         out["sample/dropped_stale_count"] = float(self._dropped_since_metrics)
         self._dropped_since_metrics = 0
         return out
 
     def completions(self) -> list[dict]:
         """The rollout's sampled completion rows since the last call (``tracking.log_completions``)."""
-        rows = self._action("completions")
+        rows = self._action(ACTION_COMPLETIONS)
         return rows if isinstance(rows, list) else []
 
     def close(self) -> None:
@@ -261,7 +269,7 @@ class FlightSource:
             return
         self._closed = True
         try:
-            self._client.do_action(flight.Action("shutdown", b"{}"), options=self._options(5.0))
+            self._client.do_action(flight.Action(ACTION_SHUTDOWN, b"{}"), options=self._options(5.0))
         except (flight.FlightError, OSError) as exc:
             logger.debug("shutdown action failed (process already gone?): %s", exc)
         self._client.close()

@@ -1,7 +1,8 @@
-"""The rollout side of the transport: the sample queue and an Arrow Flight server over it.
+"""The rollout side of the transport: an Arrow Flight server over the rollout's sample queue.
 
-The rollout loop (asyncio thread) pushes finished groups into :class:`SampleQueue`; the
-Flight server (its own gRPC threads) serves them to the trainer:
+The rollout loop (asyncio thread) pushes finished groups into its sample queue (``grpo_core.rollout.queue``, seen
+here only through the :class:`~grpo_core.transport.types.RolloutQueue` protocol); the Flight server (its own gRPC
+threads) serves them to the trainer:
 
 - ``DoGet`` ticket ``{"policy_version", "min_samples", "wait_s"}`` (JSON): waits up to
   ``wait_s`` for ``min_samples`` queued samples (or the end), then streams every queued
@@ -26,9 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -36,99 +35,23 @@ import pyarrow.flight as flight
 
 from grpo_core.auth import TOKEN_ENV, authorized, check_port_free, run_token
 from grpo_core.errors import TransportError
-from grpo_core.packing import Sample, sample_schema, samples_to_arrow
-from grpo_core.transport.flight_client import META_CONSUMED, META_EXHAUSTED, META_SERVERS_BEHIND
-
-if TYPE_CHECKING:  # the rollout engine passes these in; the transport never imports it at run time
-    from grpo_core.rollout.pace import TokenAllowance
-    from grpo_core.rollout.window import CompletionSample, MetricWindow
+from grpo_core.transport.types import (
+    ACTION_COMPLETIONS,
+    ACTION_HEARTBEAT,
+    ACTION_METRICS,
+    ACTION_REPORT,
+    ACTION_SHUTDOWN,
+    ACTION_SYNCED,
+    ACTIONS,
+    META_CONSUMED,
+    META_EXHAUSTED,
+    META_SERVERS_BEHIND,
+    CompletionDrain,
+    MetricDrain,
+    RolloutQueue,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class SampleQueue:
-    """Finished groups waiting for the trainer, and the loop's liveness (thread-safe).
-
-    Args:
-        allowance: told when queued tokens leave.
-        with_topk: whether batches carry the sampler top-k columns.
-    """
-
-    def __init__(self, allowance: TokenAllowance, with_topk: bool) -> None:
-        self.allowance = allowance
-        self.schema = sample_schema(with_topk, False)
-        self._groups: deque[tuple[pa.RecordBatch, int, float]] = deque()  # (samples, tokens, monotonic put time)
-        self._consumed: list[int] = []
-        self._num_samples = 0
-        self._cond = threading.Condition()
-        self.finished = False
-        self.failure: str | None = None
-        self.running = False
-        self.last_beat = time.monotonic()
-
-    def put_group(self, prompt_index: int, samples: list[Sample], tokens: int) -> None:  # noqa: ARG002 - the queue's interface
-        """Queue one group's samples (encoded to Arrow here, in the loop's thread)."""
-        batch = samples_to_arrow(samples)
-        with self._cond:
-            self._groups.append((batch, tokens, time.monotonic()))
-            self._num_samples += batch.num_rows
-            self._cond.notify_all()
-
-    def consumed(self, prompt_index: int) -> None:
-        """A prompt finished without a trainable sample (rejected, or zero-std group)."""
-        with self._cond:
-            self._consumed.append(prompt_index)
-            self._cond.notify_all()
-
-    def finish(self) -> None:
-        """Every prompt was generated; the stream ends once the queue is empty."""
-        with self._cond:
-            self.finished = True
-            self._cond.notify_all()
-
-    def fail(self, traceback_text: str) -> None:
-        """The loop failed; every later pull raises with this traceback."""
-        with self._cond:
-            self.failure = traceback_text
-            self._cond.notify_all()
-
-    def beat(self) -> None:
-        """The loop is alive (called from its event loop)."""
-        self.last_beat = time.monotonic()
-
-    def take(self, min_samples: int, wait_s: float) -> tuple[list[pa.RecordBatch], list[int], bool, int]:
-        """Wait up to ``wait_s`` for ``min_samples`` (or the end), then pop everything queued.
-
-        Returns:
-            ``(batches, consumed prompt indices, exhausted, samples queued before the pop)``.
-        """
-        return self.take_timed(min_samples, wait_s)[:4]
-
-    def take_timed(
-        self, min_samples: int, wait_s: float
-    ) -> tuple[list[pa.RecordBatch], list[int], bool, int, list[float]]:
-        """:meth:`take`, and the seconds each popped sample spent in the queue (one entry per sample, in the order
-        of the batches' rows, from its group's :meth:`put_group` to the pop: ``sample/time_in_queue_s``)."""
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while (
-                self._num_samples < min_samples
-                and not self.finished
-                and self.failure is None
-                and time.monotonic() < deadline
-            ):
-                self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            if self.failure is not None:
-                raise flight.FlightServerError(f"rollout loop failed:\n{self.failure}")
-            queued = self._num_samples
-            groups, self._groups = list(self._groups), deque()
-            consumed, self._consumed = self._consumed, []
-            self._num_samples = 0
-            exhausted = self.finished
-            now = time.monotonic()
-        self.allowance.dequeued(sum(t for _, t, _ in groups))
-        waits = [now - put for b, _, put in groups for _ in range(b.num_rows)]
-        return [b for b, _, _ in groups], consumed, exhausted, queued, waits
 
 
 class BearerAuthFactory(flight.ServerMiddlewareFactory):
@@ -177,11 +100,11 @@ class RolloutFlightServer(flight.FlightServerBase):
     def __init__(
         self,
         location: str,
-        queue: SampleQueue,
-        window: MetricWindow,
+        queue: RolloutQueue,
+        window: MetricDrain,
         generated_tokens: Callable[[], int],
         on_shutdown: Callable[[], None],
-        completions: CompletionSample | None = None,
+        completions: CompletionDrain | None = None,
         token: str | None = None,
         servers_behind: Callable[[], list[str]] | None = None,
     ) -> None:
@@ -220,38 +143,31 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:  # noqa: ARG002
         """The actions ``do_action`` serves, with one line each."""
-        return [
-            ("report", "trainer feedback: policy version, tokens consumed by the last step"),
-            ("synced", "the trainer pushed a policy version to the servers outside a step (a resume)"),
-            ("metrics", "rollout metric window as JSON"),
-            ("completions", "the window's sampled completion rows as JSON"),
-            ("heartbeat", "liveness of the rollout loop"),
-            ("shutdown", "stop the rollout process"),
-        ]
+        return list(ACTIONS.items())
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> list[flight.Result]:  # noqa: ARG002
         """Serve one of the actions of ``list_actions``."""
         body = json.loads(action.body.to_pybytes().decode() or "{}") if action.body else {}
-        if action.type == "report":
+        if action.type == ACTION_REPORT:
             self.queue.allowance.report(
                 int(body["policy_version"]), int(body["tokens_consumed"]), int(body.get("held_tokens", 0))
             )
             answer: object = {"ok": True}
-        elif action.type == "synced":
+        elif action.type == ACTION_SYNCED:
             self.queue.allowance.synced(int(body["policy_version"]))
             answer = {"ok": True}
-        elif action.type == "metrics":
+        elif action.type == ACTION_METRICS:
             answer = self._metrics()
-        elif action.type == "completions":
+        elif action.type == ACTION_COMPLETIONS:
             answer = self.completions.drain() if self.completions is not None else []
-        elif action.type == "heartbeat":
+        elif action.type == ACTION_HEARTBEAT:
             answer = {
                 "age_s": time.monotonic() - self.queue.last_beat,
                 "failure": self.queue.failure,
                 "finished": self.queue.finished,
                 "running": self.queue.running,
             }
-        elif action.type == "shutdown":
+        elif action.type == ACTION_SHUTDOWN:
             threading.Thread(target=self.on_shutdown, daemon=True).start()
             answer = {"ok": True}
         else:

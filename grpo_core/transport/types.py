@@ -62,6 +62,95 @@ class SampleSource(Protocol):
         ...
 
 
+#: Schema-metadata keys of a ``DoGet`` stream (the Flight protocol of ``grpo_core.transport.flight_server``).
+META_CONSUMED = b"grpo.consumed"
+"""JSON list of the prompts finished without a trainable sample since the last pull."""
+META_EXHAUSTED = b"grpo.exhausted"
+"""``b"1"`` once every prompt was generated and delivered."""
+META_SERVERS_BEHIND = b"grpo.servers_behind"
+"""JSON list of the replicas that refused a request for a policy version they do not hold."""
+
+# ``DoAction`` types the rollout's Flight server serves.
+ACTION_REPORT = "report"
+ACTION_SYNCED = "synced"
+ACTION_METRICS = "metrics"
+ACTION_COMPLETIONS = "completions"
+ACTION_HEARTBEAT = "heartbeat"
+ACTION_SHUTDOWN = "shutdown"
+#: Each action with one line (the server's ``ListActions``).
+ACTIONS: dict[str, str] = {
+    ACTION_REPORT: "trainer feedback: policy version, tokens consumed by the last step, tokens held",
+    ACTION_SYNCED: "the trainer pushed a policy version to the servers outside a step (a resume)",
+    ACTION_METRICS: "rollout metric window as JSON",
+    ACTION_COMPLETIONS: "the window's sampled completion rows as JSON",
+    ACTION_HEARTBEAT: "liveness of the rollout loop",
+    ACTION_SHUTDOWN: "stop the rollout process",
+}
+
+
+class Allowance(Protocol):
+    """The rollout's token allowance as the transport drives it (``grpo_core.rollout.pace.TokenAllowance``)."""
+
+    def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:
+        """The trainer's feedback after a step (see :meth:`SampleSource.report`)."""
+        ...
+
+    def synced(self, policy_version: int) -> None:
+        """The servers hold ``policy_version`` now."""
+        ...
+
+
+class RolloutQueue(Protocol):
+    """The rollout's queue of finished groups as the Flight server serves it (``grpo_core.rollout.queue``).
+
+    Attributes:
+        allowance: the token allowance the trainer's reports feed.
+        schema: the Sample schema of the batches it hands out.
+        last_beat: ``time.monotonic()`` of the rollout loop's last tick.
+        failure: the loop's traceback once it failed, else None.
+        finished: every prompt was generated.
+        running: the loop started.
+    """
+
+    allowance: Allowance
+    schema: pa.Schema
+    last_beat: float
+    failure: str | None
+    finished: bool
+    running: bool
+
+    def take_timed(
+        self, min_samples: int, wait_s: float
+    ) -> tuple[list[pa.RecordBatch], list[int], bool, int, list[float]]:
+        """Wait up to ``wait_s`` for ``min_samples`` (or the end), then pop everything queued: ``(batches, consumed
+        prompt indices, exhausted, samples queued before the pop, seconds each popped sample waited)``."""
+        ...
+
+
+class MetricDrain(Protocol):
+    """The rollout's metric window as the Flight server reads it (``grpo_core.rollout.window.MetricWindow``)."""
+
+    def add(self, name: str, value: float) -> None:
+        """Record one value of metric ``name``."""
+        ...
+
+    def add_many(self, name: str, values: list[float]) -> None:
+        """Record several values of metric ``name``."""
+        ...
+
+    def drain(self) -> dict[str, float]:
+        """The window's aggregated metrics; the window starts empty again."""
+        ...
+
+
+class CompletionDrain(Protocol):
+    """The sampled completion rows of a logging window (``grpo_core.rollout.window.CompletionSample``)."""
+
+    def drain(self) -> list[dict]:
+        """The rows sampled since the last call."""
+        ...
+
+
 @dataclass
 class ResumeState:
     """Where a resumed run restarts (written as ``rollout_state.json`` in checkpoints).
