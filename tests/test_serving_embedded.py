@@ -334,3 +334,36 @@ def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):
         error, retries, elapsed = run(go())
     assert type(error).__name__ == "ServerUnavailableError" and url in str(error)
     assert retries == 2 and elapsed < 10
+
+
+def test_eos_ends_a_sequence_unless_ignore_eos():
+    """The engine stops a sequence at an EOS id (kept as its last token, finish_reason "stop") and goes on past it
+    only with ``ignore_eos``. Which id is EOS is chosen from a greedy run's own third token, so the test does not
+    depend on what a random model happens to sample."""
+    import torch
+
+    from grpo_core.config import ModelConfig
+    from grpo_core.models import load_model
+    from grpo_core.serving.engine import Engine, Sequence
+
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(name=TINY))[0]
+
+    def greedy(eos: set[int], ignore_eos: bool) -> Sequence:
+        engine = Engine(model, eos_token_ids=eos, max_model_len=256, max_num_seqs=2, kv_cache_size_tokens=1024)
+        seq = Sequence(list(range(7, 19)), max_tokens=8, seed=0, temperature=0.0, ignore_eos=ignore_eos)
+        engine.submit([seq])
+        for _ in range(50):
+            if seq.future.done():
+                return seq
+            engine._step()
+        raise AssertionError("the sequence did not finish")
+
+    free = greedy(set(), ignore_eos=False)
+    assert free.finish_reason == "length" and len(free.output_ids) == 8
+    eos = free.output_ids[2]
+    first = free.output_ids.index(eos)  # greedy decoding repeats itself: the first place this id comes
+    stopped = greedy({eos}, ignore_eos=False)
+    assert stopped.finish_reason == "stop" and stopped.output_ids == free.output_ids[: first + 1]
+    kept_going = greedy({eos}, ignore_eos=True)
+    assert kept_going.finish_reason == "length" and kept_going.output_ids == free.output_ids
