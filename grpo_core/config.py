@@ -795,10 +795,11 @@ class TrainConfig(_Strict):
     """Clipped surrogate: lower trust-region width."""
     epsilon_high: float | None = Field(default=None, gt=0)
     """Clipped surrogate: upper width; None = epsilon. Above epsilon = DAPO's clip-higher (DAPO uses 0.28)."""
-    loss_type: Literal["grpo", "cispo"] = "grpo"
+    loss_type: Literal["grpo", "cispo", "gspo"] = "grpo"
     """``grpo``: the score-centred gradient or the clipped surrogate, as ``score_centering`` says; ``cispo``: the
-    clipped IS weight of CISPO (MiniMax-M1, 2025), sg(clip(π/μ, 1 − epsilon, 1 + epsilon_high))·A·log π, which
-    needs ``score_centering: false`` (docs/algorithms.md)."""
+    clipped IS weight of CISPO (MiniMax-M1, 2025), sg(clip(π/μ, 1 − epsilon, 1 + epsilon_high))·A·log π;
+    ``gspo``: the clipped surrogate on one ratio per sequence, exp(mean of log π − log μ) (GSPO, Zheng et al.
+    2025). Both need ``score_centering: false`` (docs/algorithms.md)."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Loss terms per chunk of the fused log-prob head (extra memory about chunk × vocabulary × 6 bytes);
     None = 4096 on CUDA, 1024 on CPU."""
@@ -1001,9 +1002,9 @@ def _check_trainer_fields(config: Any) -> None:
     train = config.train
     if train.clip_min >= train.clip_max:
         raise ConfigError(f"train.clip_min ({train.clip_min}) must be below train.clip_max ({train.clip_max})")
-    if train.loss_type == "cispo" and train.score_centering:
+    if train.loss_type != "grpo" and train.score_centering:
         raise ConfigError(
-            "train.loss_type: cispo replaces the score-centred gradient: set train.score_centering: false"
+            f"train.loss_type: {train.loss_type} replaces the score-centred gradient: set train.score_centering: false"
         )
     if train.score_centering and config.rollout.num_sampler_logprobs == 0:
         raise ConfigError(
@@ -1156,6 +1157,9 @@ ALGORITHM_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": {"score_centering": False, "loss_type": "grpo"},
         "rollout": {"scale_rewards": "none"},
     },
+    "gspo": {
+        "train": {"score_centering": False, "loss_type": "gspo", "epsilon": 3e-4, "epsilon_high": 4e-4},
+    },
     "cispo": {
         "train": {
             "score_centering": False,
@@ -1221,7 +1225,7 @@ class RunConfig(_Strict):
     """MLflow run id whose latest checkpoint this run starts from (a new run continuing an old one)."""
     algorithm: str = "grpo"
     """Named preset of the loss and advantage settings (:data:`ALGORITHM_PRESETS`, docs/algorithms.md): ``grpo``
-    (the defaults), ``dapo``, ``dr_grpo``, ``cispo``. It fills in only the fields the config leaves unset; a field
+    (the defaults), ``dapo``, ``dr_grpo``, ``gspo``, ``cispo``. It fills in only the fields the config leaves unset; a field
     set in the config or by an override wins."""
 
     @model_validator(mode="before")

@@ -4,6 +4,8 @@
 * DAPO clip-higher (Yu et al. 2025, §3.1): min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A) with ε_high > ε_low.
 * DAPO overlong filtering (§3.4): completions that hit the token limit get no loss (``mask_truncated_completions``).
 * CISPO (MiniMax-M1, Chen et al. 2025, eq. 4): sg(clip(r, 1 − ε_low, 1 + ε_high))·A·log π.
+* GSPO (Zheng et al. 2025, eq. 5-7): s_i = exp(mean over sequence i of log π − log μ), min(s_i·A, clip(s_i)·A),
+  each sequence weighing its tokens over the step's (grpo-flow's token normalisation).
 * The ``algorithm`` presets fill those fields in, and a field the config sets wins.
 """
 
@@ -23,7 +25,7 @@ from grpo_core.rollout.rewards import group_advantages
 from grpo_core.rollout.scoring import group_samples
 from grpo_core.rollout.types import Rollout, RolloutGroup, TurnRecord, reconcile_turns
 from grpo_core.train.logprobs import LossTerms, fused_grpo_loss
-from grpo_core.train.loss import LossSettings, grpo_loss, in_clip_range
+from grpo_core.train.loss import LossSettings, grpo_loss, in_clip_range, sequence_log_ratios
 
 # -- advantages: GRPO and Dr. GRPO -------------------------------------------------------------------------------
 
@@ -217,6 +219,94 @@ def test_fused_head_cispo_gradients_match_a_float64_reference_through_the_head()
     assert torch.equal(in_clip_range(res.logprobs.logprobs.double() - sampler, settings), keep)
 
 
+# -- GSPO ---------------------------------------------------------------------------------------------------------
+
+# Four sequences of trained terms: (ratios π/μ, advantage). Sequence 0's geometric mean ratio (1.18) lies inside
+# the clip range although its first token (1.5) is above 1 + ε_high; 1 is clipped high (1.50, A > 0); 2 is clipped
+# low (0.74, A < 0); 3 holds a token outside the MIS range, left out of its mean and of the loss.
+SEQUENCES = [([1.5, 1.1, 1.0], 1.0), ([1.6, 1.4], 2.0), ([0.7, 0.75, 0.8, 0.7], -1.0), ([0.9, 8.0, 1.2], -0.5)]
+
+
+def _gspo_reference(settings: LossSettings, normaliser: float) -> tuple[float, list[float]]:
+    """float64 loss and dL/dlog π_t: L = −(1/N) Σ_i n_i·min(s_i A_i, clip(s_i) A_i) over the kept terms, whose
+    derivative in log π_t (t in sequence i) is −s_i·A_i/N on the unclipped branch (∂ log s_i/∂ log π_t = 1/n_i)."""
+    lo, hi = 1 - settings.epsilon, 1 + (settings.epsilon if settings.epsilon_high is None else settings.epsilon_high)
+    loss, grad = 0.0, []
+    for ratios, a in SEQUENCES:
+        kept = [settings.clip_min <= r <= settings.clip_max for r in ratios]
+        logs = [math.log(r) for r, k in zip(ratios, kept, strict=True) if k]
+        s = math.exp(math.fsum(logs) / len(logs))
+        clipped = min(max(s, lo), hi)
+        loss -= len(logs) * min(s * a, clipped * a) / normaliser
+        g = -s * a / normaliser if s * a <= clipped * a else 0.0
+        grad += [g if k else 0.0 for k in kept]
+    return loss, grad
+
+
+def _gspo_terms() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ratios = [r for rs, _ in SEQUENCES for r in rs]
+    sampler = -torch.linspace(0.3, 2.5, len(ratios), dtype=torch.float64)
+    policy = sampler + torch.tensor([math.log(r) for r in ratios], dtype=torch.float64)
+    adv = torch.tensor([a for rs, a in SEQUENCES for _ in rs], dtype=torch.float64)
+    index = torch.tensor([i for i, (rs, _) in enumerate(SEQUENCES) for _ in rs])
+    return policy, sampler, adv, index
+
+
+def test_gspo_clips_one_ratio_per_sequence():
+    settings = LossSettings(score_centering=False, loss_type="gspo", epsilon=0.2, epsilon_high=0.28)
+    policy, sampler, adv, index = _gspo_terms()
+    policy = policy.clone().requires_grad_()
+    seq = sequence_log_ratios(policy.detach() - sampler, index, settings)
+    loss, _ = grpo_loss(policy, sampler, adv, 11.0, settings, sequence_log_ratio=seq)
+    loss.backward()
+    want_loss, want_grad = _gspo_reference(settings, 11.0)
+    assert loss.item() == pytest.approx(want_loss, rel=1e-12)
+    assert policy.grad is not None and policy.grad.tolist() == pytest.approx(want_grad, rel=1e-12, abs=1e-15)
+    # The set-up covers each case: sequence 0 trains all its tokens although its first token (r = 1.5) would be
+    # clipped token by token; 1 and 2 are clipped whole; 3 keeps two of its three tokens.
+    g = policy.grad.tolist()
+    assert all(x != 0 for x in g[0:3]) and all(x == 0 for x in g[3:9])
+    assert g[9] != 0 and g[10] == 0 and g[11] != 0
+    with pytest.raises(ValueError, match="sequence_log_ratio"):
+        grpo_loss(policy, sampler, adv, 11.0, settings)
+
+
+def test_fused_head_gspo_matches_a_float64_reference_when_chunks_split_sequences():
+    gen = torch.Generator().manual_seed(1)
+    m, h, v, temperature = 12, 16, 40, 1.0
+    hidden = torch.randn(m, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * 0.3
+    targets = torch.randint(0, v, (m,), generator=gen)
+    index = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2])
+    true_lp = torch.log_softmax(hidden @ weight.T / temperature, -1).gather(1, targets[:, None])[:, 0]
+    shift = torch.tensor([0.1, 0.2, 0.0, -0.1, 0.15, 0.4, 0.35, 0.5, -0.05, 0.0, 0.02, -2.0], dtype=torch.float64)
+    sampler = true_lp - shift  # log r = shift: sequence 1 clipped high, the last term masked (r ≈ 0.14)
+    adv = torch.tensor([1.0] * 5 + [2.0] * 3 + [-1.0] * 4, dtype=torch.float64)
+    settings = LossSettings(score_centering=False, loss_type="gspo", epsilon=0.2, epsilon_high=0.28)
+
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp = torch.log_softmax(h64 @ w64.T / temperature, -1).gather(1, targets[:, None])[:, 0]
+    keep = in_clip_range((lp - sampler).detach(), settings)
+    ref = torch.zeros((), dtype=torch.float64)
+    for i in range(3):  # n_i · min(s_i A_i, clip(s_i) A_i), s_i differentiable through the mean of its kept terms
+        sel = (index == i) & keep
+        s_i = torch.exp((lp - sampler)[sel].mean())
+        a = adv[sel][0]
+        ref = ref - sel.sum() * torch.minimum(s_i * a, s_i.clamp(0.8, 1.28) * a) / 5.0
+    ref.backward()
+    assert not bool(keep[-1]) and bool(keep[:-1].all())
+
+    h32, w32 = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    terms = LossTerms(targets, sampler.float(), adv.float(), sequence_index=index)
+    res = fused_grpo_loss(h32, w32, terms, 5.0, settings, temperature, chunk_size=3)  # chunks split sequences 0, 2
+    res.loss.backward()
+    assert res.loss.item() == pytest.approx(ref.item(), rel=1e-4)
+    assert h32.grad is not None and w32.grad is not None and h64.grad is not None and w64.grad is not None
+    assert float(h64.grad.abs().max()) > 1e-3  # something trains (not all clipped)
+    torch.testing.assert_close(h32.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w32.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
 # -- presets -----------------------------------------------------------------------------------------------------
 
 
@@ -237,6 +327,7 @@ def test_the_default_preset_changes_nothing():
         ),
         ("dr_grpo", {"score_centering": False, "loss_type": "grpo"}, {"scale_rewards": "none"}),
         ("cispo", {"score_centering": False, "loss_type": "cispo", "epsilon_high": 5.0}, {}),
+        ("gspo", {"score_centering": False, "loss_type": "gspo", "epsilon": 3e-4, "epsilon_high": 4e-4}, {}),
     ],
 )
 def test_a_preset_sets_its_fields(name, train, rollout):
@@ -265,3 +356,42 @@ def test_an_unknown_preset_names_the_valid_ones():
     assert "'ppo'" in str(err.value)
     for name in ALGORITHM_PRESETS:
         assert name in str(err.value)
+
+
+def test_trainer_path_gspo_on_a_tree_packed_row_matches_the_per_sample_formula():
+    """Policy.grpo_loss (what the trainer runs) on one prefix-shared row: every sample's sequence ratio is formed
+    from its own terms (``RowTensors.sample_index``), against float64 per-sample forwards with causal attention."""
+    from test_loss import grads, model64, samples_with_sampler
+
+    from grpo_core.packing import get_packer
+    from grpo_core.train.policy import Policy
+    from grpo_core.train.rows import to_tensors
+
+    model = model64()
+    samples = samples_with_sampler(model, np.random.default_rng(3))  # five samples of one prompt, sampler ≠ policy
+    for s, a in zip(samples, [1.0, -0.5, 2.0, -1.0, 0.3], strict=True):
+        s.advantage = a
+    settings = LossSettings(score_centering=False, loss_type="gspo", epsilon=0.1, epsilon_high=0.15)
+    normaliser = float(sum(s.num_trained for s in samples))
+
+    row = get_packer("rust").pack_row(samples, 1024)
+    assert row.num_forwarded < row.num_raw  # the prompt really is shared in the tree
+    res = Policy(model, chunk_size=4).grpo_loss(to_tensors(row, torch.device("cpu")), settings, normaliser)
+    g_packed = grads(model, res.loss)
+
+    model.config._attn_implementation = "sdpa"
+    ref, ratios = torch.zeros((), dtype=torch.float64), []
+    for s in samples:
+        ids = torch.as_tensor(s.input_ids, dtype=torch.long)
+        logp_all = torch.log_softmax(model(input_ids=ids[None]).logits[0], -1)
+        lr = [logp_all[t - 1, ids[t]] - float(s.sampler_logprobs[t]) for t in np.nonzero(s.completion_mask)[0]]
+        kept = [x for x in lr if settings.clip_min <= math.exp(float(x.detach())) <= settings.clip_max]
+        s_i = torch.exp(torch.stack(kept).mean())
+        ratios.append(float(s_i.detach()))
+        a = s.advantage
+        ref = ref - len(kept) * torch.minimum(s_i * a, s_i.clamp(0.9, 1.15) * a) / normaliser
+    g_ref = grads(model, ref)
+    clipped = [(r > 1.15 and a > 0) or (r < 0.9 and a < 0) for r, a in zip(ratios, [1.0, -0.5, 2.0, -1.0, 0.3])]
+    assert any(clipped) and not all(clipped), ratios  # some sequences clipped whole, some trained
+    assert res.loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(g_packed, g_ref, atol=1e-6, rtol=1e-5)

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .loss import LossSettings, grpo_loss
+from .loss import LossSettings, grpo_loss, sequence_log_ratios
 
 #: ``fused_grpo_loss``'s default settings (one frozen instance, shared as a default argument's would be).
 _DEFAULT_SETTINGS = LossSettings()
@@ -181,6 +181,9 @@ class LossTerms:
         topk_ids: ``int64[M, k]`` sampler top-k ids (``-1`` = padding), or None.
         sampler_topk_logprobs: ``float32[M, k]`` sampler log μ at those ids (``-inf`` padding), or None.
         candidates: CSR sampling mask ``(offsets int64[M + 1], ids int64[E])``, or None.
+        sequence_index: ``int64[M]`` the sample of each term in its row; needed by GSPO, else unused.
+        sequence_log_ratio: ``float32[M]`` GSPO's per-sequence mean log-ratio of each term's sample, filled in by
+            :func:`fused_grpo_loss` (:func:`grpo_core.train.loss.sequence_log_ratios`).
     """
 
     targets: Tensor
@@ -189,6 +192,8 @@ class LossTerms:
     topk_ids: Tensor | None = None
     sampler_topk_logprobs: Tensor | None = None
     candidates: tuple[Tensor, Tensor] | None = None
+    sequence_index: Tensor | None = None
+    sequence_log_ratio: Tensor | None = None
 
 
 @dataclass
@@ -287,6 +292,8 @@ def _term_slice(terms: LossTerms, a: int, b: int) -> LossTerms:
         opt(terms.topk_ids),
         opt(terms.sampler_topk_logprobs),
         terms.candidates,
+        opt(terms.sequence_index),
+        opt(terms.sequence_log_ratio),
     )
 
 
@@ -306,7 +313,14 @@ def _loss_coefficients(
             topk = picked[:, 1:].detach().requires_grad_(True)
             leaves.append(topk)
         loss, stats = grpo_loss(
-            logp, terms.sampler_logprobs, terms.advantages, normaliser, settings, topk, terms.sampler_topk_logprobs
+            logp,
+            terms.sampler_logprobs,
+            terms.advantages,
+            normaliser,
+            settings,
+            topk,
+            terms.sampler_topk_logprobs,
+            terms.sequence_log_ratio,
         )
         if not loss.requires_grad:  # nothing in the loss depends on the policy (e.g. every term masked)
             return loss.detach(), torch.zeros_like(picked), stats
@@ -443,11 +457,23 @@ def fused_grpo_loss(
         k = 0 if terms.topk_ids is None else terms.topk_ids.shape[1]
         empty = hidden.new_zeros(0, dtype=torch.float32)
         sampler_topk = terms.sampler_topk_logprobs if terms.sampler_topk_logprobs is not None else empty.reshape(0, k)
-        loss, stats = grpo_loss(empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk)
+        loss, stats = grpo_loss(empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk, empty)
         loss = loss + hidden.sum() * 0.0 + weight.sum() * 0.0
         return HeadLoss(
             loss, TokenLogProbs(empty, empty, None if terms.topk_ids is None else empty.reshape(0, k)), stats
         )
+    if settings.loss_type == "gspo":
+        # GSPO's ratio is one per sequence, and a chunk may hold part of a sequence: a first pass (no gradient,
+        # the head's matmul once more) gives every term's log π, hence each sequence's mean log-ratio.
+        if terms.sequence_index is None:
+            raise ValueError("train.loss_type 'gspo' needs the terms' sequence_index")
+        plain = replace(settings, loss_type="grpo", score_centering=False)
+        with torch.no_grad():
+            _, _, _, first = _ChunkedHead(terms, normaliser, plain, temperature, chunk_size, compiled, fp32_logits).run(
+                hidden.detach(), weight.detach(), False, False
+            )
+        log_ratio = first["logprobs"].float() - terms.sampler_logprobs.float()
+        terms = replace(terms, sequence_log_ratio=sequence_log_ratios(log_ratio, terms.sequence_index, settings))
     head = _ChunkedHead(terms, normaliser, settings, temperature, chunk_size, compiled, fp32_logits)
     outputs: dict[str, Tensor] = {}
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

@@ -17,6 +17,14 @@ the loss entirely (masked importance sampling, MIS).
 * ``loss_type="cispo"`` (CISPO, MiniMax-M1, Chen et al. 2025, eq. 4): the term
   ``sg(clip(r, 1−ε, 1+ε_high))·A·log π``: the clipped IS weight is a constant,
   so no token inside the MIS range loses its gradient to the clip.
+* ``loss_type="gspo"`` (GSPO, Zheng et al. 2025, §4.1 and the GSPO-token form of
+  §4.3): one ratio per sequence, ``s = exp(mean over the sequence's kept terms
+  of log π − log μ)``, in ``min(s·A, clip(s, 1−ε, 1+ε_high)·A)`` per term with
+  ``s_t = sg(s)·π_t/sg(π_t)`` (value ``s``, gradient ``s·∇log π_t``). Summed over
+  the terms and divided by the step's trained tokens, a sequence weighs its
+  kept tokens (the paper averages sequences, 1/G each). The per-sequence mean
+  comes in precomputed (:func:`sequence_log_ratios`), so chunks can split a
+  sequence.
 
 The sum over loss terms is divided by ``num_trained_global``, which
 :func:`loss_normalisers` gives per micro-batch. By default
@@ -50,7 +58,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-LossType = Literal["grpo", "cispo"]
+LossType = Literal["grpo", "cispo", "gspo"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class LossSettings:
         epsilon: lower trust-region width ε of the clipped surrogate.
         epsilon_high: upper width (defaults to ``epsilon``).
         loss_type: ``grpo`` (score centering or the clipped surrogate, as ``score_centering`` says) or
-            ``cispo`` (clipped IS weight, needs ``score_centering=False``).
+            ``cispo`` (clipped IS weight) or ``gspo`` (sequence-level ratio), both with ``score_centering=False``.
     """
 
     clip_min: float = 0.5
@@ -123,6 +131,7 @@ def grpo_loss(
     settings: LossSettings = LossSettings(),
     topk_logprobs: Tensor | None = None,
     sampler_topk_logprobs: Tensor | None = None,
+    sequence_log_ratio: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one rank's micro-batch and its per-term statistics.
 
@@ -135,6 +144,8 @@ def grpo_loss(
         topk_logprobs: ``float[M, k]`` trainer log π at the sampler's top-k ids
             (``-inf`` = padding); needed with score centering.
         sampler_topk_logprobs: ``float[M, k]`` sampler log μ at those ids.
+        sequence_log_ratio: ``float[M]``, GSPO only: for each term, the mean log-ratio of its sequence's kept
+            terms (:func:`sequence_log_ratios`; a constant, no gradient flows through it).
 
     Returns:
         ``(loss, stats)``: the scalar loss and detached ``float[M]`` tensors
@@ -143,15 +154,17 @@ def grpo_loss(
         and ``sampler_mass`` (``float[M]``, with score centering).
 
     Raises:
-        ValueError: score centering without top-k log-probs, CISPO with score centering, an unknown
-            ``loss_type``, or a bad normaliser.
+        ValueError: score centering without top-k log-probs, CISPO or GSPO with score centering, GSPO without
+            ``sequence_log_ratio``, an unknown ``loss_type``, or a bad normaliser.
     """
     if num_trained_global <= 0:
         raise ValueError(f"num_trained_global must be > 0, got {num_trained_global}")
-    if settings.loss_type not in ("grpo", "cispo"):
-        raise ValueError(f"train.loss_type must be 'grpo' or 'cispo', got {settings.loss_type!r}")
-    if settings.loss_type == "cispo" and settings.score_centering:
-        raise ValueError("train.loss_type 'cispo' needs train.score_centering: false")
+    if settings.loss_type not in ("grpo", "cispo", "gspo"):
+        raise ValueError(f"train.loss_type must be 'grpo', 'cispo' or 'gspo', got {settings.loss_type!r}")
+    if settings.loss_type != "grpo" and settings.score_centering:
+        raise ValueError(f"train.loss_type {settings.loss_type!r} needs train.score_centering: false")
+    if settings.loss_type == "gspo" and sequence_log_ratio is None:
+        raise ValueError("train.loss_type 'gspo' needs each term's sequence_log_ratio (sequence_log_ratios)")
     log_ratio = logprobs - sampler_logprobs
     keep = in_clip_range(log_ratio.detach(), settings)
     # Select before exp: a dropped term's ratio is exp(0) = 1 with no path to logprobs, so neither an
@@ -173,6 +186,14 @@ def grpo_loss(
         pi_v = torch.where(in_v, topk_logprobs, torch.full_like(topk_logprobs, float("-inf"))).exp()
         per_term = advantages * (ratio - pi_v.sum(-1))
         stats["sampler_mass"] = sampler_topk_logprobs.detach().exp().nan_to_num(0.0).sum(-1)
+    elif settings.loss_type == "gspo":
+        assert sequence_log_ratio is not None
+        zero = torch.zeros_like(log_ratio)
+        # s_t = sg(s)·π_t/sg(π_t): value s, gradient s·∇log π_t; dropped terms selected out before the exp.
+        own = torch.where(keep, logprobs - logprobs.detach(), zero)
+        s_t = (own + torch.where(keep, sequence_log_ratio.detach(), zero)).exp()
+        clipped = s_t.clamp(1 - settings.epsilon, 1 + eps_high)
+        per_term = torch.minimum(s_t * advantages, clipped * advantages)
     elif settings.loss_type == "cispo":
         # sg(clip(r)) · A · log π: the clipped weight is a constant; a dropped term's log π is replaced by 0 too.
         weight = ratio.detach().clamp(1 - settings.epsilon, 1 + eps_high)
@@ -182,6 +203,28 @@ def grpo_loss(
         per_term = torch.minimum(ratio * advantages, clipped * advantages)
     loss = -torch.where(keep, per_term, torch.zeros_like(per_term)).sum() / num_trained_global
     return loss, stats
+
+
+def sequence_log_ratios(log_ratio: Tensor, sequence_index: Tensor, settings: LossSettings) -> Tensor:
+    """GSPO's per-sequence log-ratio, ``log s_i = mean over the kept terms of sequence i of log π − log μ``,
+    given back per term (Zheng et al. 2025, eq. 7; "kept" as :func:`in_clip_range`).
+
+    Args:
+        log_ratio: ``float[M]`` ``log π − log μ`` of every term (detached).
+        sequence_index: ``int64[M]`` the sequence (sample) of each term, ``0 <= index < M``.
+        settings: :class:`LossSettings` (the MIS range).
+
+    Returns:
+        ``float[M]``, detached; 0 for a term whose sequence has no kept term.
+    """
+    log_ratio = log_ratio.detach()
+    keep = in_clip_range(log_ratio, settings)
+    kept = torch.where(keep, log_ratio, torch.zeros_like(log_ratio))
+    index = sequence_index.long()
+    size = int(index.max().item()) + 1 if index.numel() else 0
+    total = log_ratio.new_zeros(size).index_add_(0, index, kept)
+    count = log_ratio.new_zeros(size).index_add_(0, index, keep.to(log_ratio.dtype))
+    return (total / count.clamp_min(1))[index]
 
 
 def in_clip_range(log_ratio: Tensor, settings: LossSettings) -> Tensor:

@@ -42,6 +42,7 @@ class LossInputs:
         sampler_topk_logprobs: ``float32[M, k]`` or None.
         normaliser: the loss's divisor (``grpo_core.train.loss.loss_normalisers``).
         settings: :class:`LossSettings`.
+        sample_index: ``int64[M]`` the sample of each term in its row (GSPO's sequences), or None.
     """
 
     sampler_logprobs: Tensor
@@ -49,6 +50,7 @@ class LossInputs:
     sampler_topk_logprobs: Tensor | None
     normaliser: float
     settings: LossSettings
+    sample_index: Tensor | None = None
 
 
 class Policy(nn.Module):
@@ -113,7 +115,13 @@ class Policy(nn.Module):
         weight = base.get_output_embeddings().weight
         if loss is not None:
             terms = LossTerms(
-                targets, loss.sampler_logprobs, loss.advantages, topk_ids, loss.sampler_topk_logprobs, candidates
+                targets,
+                loss.sampler_logprobs,
+                loss.advantages,
+                topk_ids,
+                loss.sampler_topk_logprobs,
+                candidates,
+                sequence_index=loss.sample_index,
             )
             res = fused_grpo_loss(
                 hidden.index_select(0, token_index),
@@ -168,7 +176,7 @@ class Policy(nn.Module):
             rt.target_id,
             rt.topk_ids,
             rt.candidates,
-            LossInputs(rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings),
+            LossInputs(rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings, rt.sample_index),
         )
         token = TokenLogProbs(out.pop("logprobs"), out.pop("entropy"), out.pop("topk_logprobs", None))
         return HeadLoss(out.pop("loss"), token, out)
