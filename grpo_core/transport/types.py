@@ -89,7 +89,20 @@ ACTIONS: dict[str, str] = {
 
 
 class Allowance(Protocol):
-    """The rollout's token allowance as the transport drives it (``grpo_core.rollout.pace.TokenAllowance``)."""
+    """The rollout's token allowance as the transport drives it (``grpo_core.rollout.pace.TokenAllowance``).
+
+    Attributes:
+        queued_tokens: tokens of the finished groups in the queue.
+        held_tokens: tokens the trainer pulled and has not trained yet (its last report).
+    """
+
+    queued_tokens: int
+    held_tokens: int
+
+    @property
+    def limit(self) -> int:
+        """Tokens the rollout may hold queued, in flight and held by the trainer."""
+        ...
 
     def report(self, policy_version: int, tokens_consumed: int, held_tokens: int = 0) -> None:
         """The trainer's feedback after a step (see :meth:`SampleSource.report`)."""
