@@ -103,7 +103,8 @@ def database_path(home: Path, env: Mapping[str, str]) -> Path | None:
 
 
 def prepare_home(home: Path, env: Mapping[str, str] | None = None) -> Path:
-    """Create Prefect's home folder (with parents) and open its SQLite database once.
+    """Create Prefect's home folder (with parents) and open its SQLite database once: the folder 0700, the
+    database 0600 (Prefect's database holds every run's parameters and log lines).
 
     Args:
         home: the ``PREFECT_HOME`` folder.
@@ -116,10 +117,14 @@ def prepare_home(home: Path, env: Mapping[str, str] | None = None) -> Path:
         ConfigError: the folder or the database cannot be created or opened (path and cause named).
     """
     env = os.environ if env is None else env
-    home = ensure_dir(Path(home), "PREFECT_HOME (Prefect's home folder)")
+    home = ensure_dir(Path(home), "PREFECT_HOME (Prefect's home folder)", private=True)
     db = database_path(home, env)
     if db is not None:
-        check_sqlite(db, "Prefect's database (PREFECT_HOME/prefect.db or PREFECT_SERVER_DATABASE_CONNECTION_URL)")
+        check_sqlite(
+            db,
+            "Prefect's database (PREFECT_HOME/prefect.db or PREFECT_SERVER_DATABASE_CONNECTION_URL)",
+            private=db.parent == home,
+        )
     else:
         _check_database_server(next(env[k] for k in DATABASE_SETTINGS if env.get(k)))
     return home

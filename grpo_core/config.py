@@ -25,15 +25,18 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
     create_model,
     field_serializer,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from grpo_core.errors import ConfigError
-from grpo_core.redact import MASK, SecretUrl, redact_url, secret_fields, split_secret_flags
+from grpo_core.redact import MASK, SecretUrl, mask_secret_keys, redact_url, secret_fields, split_secret_flags
 from grpo_core.run.layout import ADAPTER_DIR, WEIGHTS_DIR
 
 logger = logging.getLogger(__name__)
@@ -107,6 +110,25 @@ class _Strict(BaseModel):
         """Every path a user writes means the same to ``grpo validate`` and to the run: ``~`` and ``$VARS``
         expanded here, once (:func:`user_path`); a relative path stays relative to the working folder."""
         return user_path(value) if isinstance(value, Path) else value
+
+    @model_serializer(mode="wrap")
+    def _mask_secret_keys(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        """Every JSON form of a config (``model_dump(mode="json")``, ``model_dump_json``: MLflow params and
+        artifacts, run config files, Prefect parameters, the model card) shows the values under a secret key of a
+        dict-valued field (``rollout.dataset_kwargs.api_key``) as ``**********`` (:func:`mask_secret_keys`); the
+        Python form keeps them for the code that reads them, and the run's processes get them in
+        ``GRPO_RUN_SECRETS`` (:func:`grpo_core.redact.secret_values`)."""
+        data = handler(self)
+        if info.mode_is_json() and isinstance(data, dict):
+            for name in type(self).model_fields:
+                if name in data and isinstance(getattr(self, name, None), dict | list | tuple):
+                    data[name] = mask_secret_keys(data[name])
+        return data
+
+    def __repr_args__(self) -> Any:
+        """``repr``/``str`` mask secret dict keys as the JSON forms do."""
+        for name, value in super().__repr_args__():
+            yield name, mask_secret_keys(value) if isinstance(value, dict) else value
 
 
 def user_path(path: str | Path) -> Path:

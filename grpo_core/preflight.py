@@ -27,7 +27,32 @@ from grpo_core.redact import mask_values, redact_text
 logger = logging.getLogger(__name__)
 
 
-def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
+#: Mode of a store's folder (the MLflow store, Prefect's home) and of its database file: its owner's only.
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create ``path`` and the parents it lacks as mode 0700, and make an existing ``path`` of this user 0700: a
+    store's folder (checkpoints, configs, every forwarded log line) is its owner's only, whatever the umask.
+
+    Raises:
+        OSError: the folder cannot be created or its mode set.
+    """
+    path = Path(path)
+    missing = []
+    target = path
+    while not target.exists():
+        missing.append(target)
+        target = target.parent
+    path.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+    for folder in missing:
+        folder.chmod(PRIVATE_DIR_MODE)  # mkdir's mode applies to the leaf only, and through the umask
+    if not missing and path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o077:
+        path.chmod(PRIVATE_DIR_MODE)
+    return path
+
+
+def ensure_dir(path: Path, what: str, create: bool = True, private: bool = False) -> Path:
     """Create ``path`` with its parents and check that files can be written in it.
 
     Args:
@@ -35,6 +60,8 @@ def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
         what: what the folder is for and which setting names it, e.g. ``"tracking.dir (the MLflow store)"``.
         create: False (``grpo validate``): create nothing; a folder that does not exist yet passes when its
             nearest existing parent is a writable folder (the run could create it).
+        private: a store's own folder: created 0700 (with the parents it lacks), an existing one of this user
+            made 0700 (:func:`make_private_dir`).
 
     Returns:
         ``path``, resolved.
@@ -46,7 +73,7 @@ def ensure_dir(path: Path, what: str, create: bool = True) -> Path:
     target = path
     if create:
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            make_private_dir(path) if private else path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(
                 f"{what}: cannot create the folder {path}: {exc.strerror or exc}; "
@@ -81,20 +108,22 @@ def open_sqlite(path: Path, read_only: bool = False) -> contextlib.closing:
     return contextlib.closing(sqlite3.connect(target, timeout=10, uri=read_only))
 
 
-def check_sqlite(path: Path, what: str, create: bool = True) -> None:
-    """Create ``path``'s folder and open (or create) the SQLite database there once.
+def check_sqlite(path: Path, what: str, create: bool = True, private: bool = False) -> None:
+    """Create ``path``'s folder and open (or create) the SQLite database there once; the database file is made
+    0600 (SQLite gives its journal and WAL files the database's mode).
 
     Args:
         path: the database file.
         what: the setting that names it (for errors).
         create: False (``grpo validate``): create nothing; an existing database is opened read-only, a missing one
             passes when :func:`ensure_dir` ``(create=False)`` passes for its folder.
+        private: the folder is the store's own: 0700 (:func:`ensure_dir`).
 
     Raises:
         ConfigError: the folder or the database cannot be opened (names ``what``, the path and the cause).
     """
     path = Path(path).expanduser()
-    ensure_dir(path.parent, what, create)
+    ensure_dir(path.parent, what, create, private)
     if not create and not path.exists():
         return
     try:
@@ -102,6 +131,8 @@ def check_sqlite(path: Path, what: str, create: bool = True) -> None:
             db.execute("PRAGMA schema_version").fetchone()
     except sqlite3.Error as exc:
         raise ConfigError(f"{what}: cannot open the SQLite database {path.resolve()}: {exc}") from None
+    if create and path.stat().st_uid == os.getuid():
+        path.chmod(PRIVATE_FILE_MODE)
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -127,7 +158,8 @@ def check_tracking(cfg: RunConfig, create: bool = True) -> None:
     uri = tc.resolved_tracking_uri()
     db = sqlite_path(uri)
     if db is not None:
-        check_sqlite(db, "tracking.dir / tracking.tracking_uri (the MLflow store)", create)
+        # the embedded store's folder (tracking.dir) is its own: 0700; a database URL's folder keeps its mode
+        check_sqlite(db, "tracking.dir / tracking.tracking_uri (the MLflow store)", create, tc.tracking_uri is None)
     elif uri.startswith(("http://", "https://")):
         import httpx
 
@@ -141,7 +173,8 @@ def check_tracking(cfg: RunConfig, create: bool = True) -> None:
             ) from None
     artifacts = tc.resolved_artifact_location()
     if artifacts and "://" not in artifacts:
-        ensure_dir(Path(artifacts), "tracking.artifact_location (MLflow artifacts)", create)
+        own = tc.artifact_location is None  # tracking.dir/artifacts
+        ensure_dir(Path(artifacts), "tracking.artifact_location (MLflow artifacts)", create, own)
     elif artifacts and artifacts.startswith("file://"):
         ensure_dir(Path(artifacts.removeprefix("file://")), "tracking.artifact_location (MLflow artifacts)", create)
 

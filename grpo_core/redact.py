@@ -10,6 +10,13 @@ The processes of a run get the real values by environment, never by file: the fl
 rollout and trainer processes, which put them back into the redacted config file they read
 (:func:`apply_secrets`). :class:`RedactFilter` replaces known secret values in log records as a last guard.
 
+Free-form dict fields (``rollout.dataset_kwargs``, ``rollout.chat_template_kwargs``, ``rollout.loop_options``,
+any dict-valued field) are masked by key name: the string and number values under a key whose name says secret
+(:func:`is_secret_key`: ``api_key``, ``hf_token``, ``password``, ``auth``, ``credentials``, ..., at any depth, and
+everything nested under such a key) are shown as :data:`MASK` in every JSON form of a config
+(:func:`mask_secret_keys`) and travel to the run's processes in :data:`SECRETS_ENV` like the ``SecretStr`` fields;
+the code that reads the dict (a dataset factory, the chat template, a loop class) gets the real values.
+
 Only pydantic and the standard library are imported here.
 """
 
@@ -31,6 +38,61 @@ MASK = "**********"
 SECRETS_ENV = "GRPO_RUN_SECRETS"
 # A flag whose value is secret: its name ends in key, token, password or secret (``--api-key``, ``--hf-token``).
 _SECRET_FLAG = re.compile(r"--?[\w-]*(key|token|password|passwd|secret)", re.IGNORECASE)
+
+
+# Words of a dict key that say its value is secret (``hf_token``, ``apiKey``, ``db-password``, ``auth``).
+_SECRET_WORDS = frozenset(
+    [
+        "token",
+        "password",
+        "passwd",
+        "pwd",
+        "passphrase",
+        "secret",
+        "secrets",
+        "credential",
+        "credentials",
+        "creds",
+        "auth",
+        "authorization",
+        "apikey",
+        "cookie",
+        "cookies",
+        "bearer",
+        "jwt",
+        "signature",
+    ]
+)
+
+
+def _key_words(key: str) -> list[str]:
+    """``key`` split into lower-case words at ``_``, ``-``, ``.``, spaces and camelCase (``hfToken`` -> hf, token)."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", key)
+    return [w for w in re.split(r"[\W_]+", spaced.lower()) if w]
+
+
+def is_secret_key(key: Any) -> bool:
+    """Whether a dict key names a secret value: one of its words is token, password, secret, credential(s), auth,
+    apikey, ... (:data:`_SECRET_WORDS`), or it ends in ``key`` after another word (``api_key``, ``openai_key``,
+    ``access-key``). ``tokenizer``, ``max_tokens`` or a bare ``key`` are not secret."""
+    if not isinstance(key, str):
+        return False
+    words = _key_words(key)
+    return any(w in _SECRET_WORDS for w in words) or (len(words) > 1 and words[-1] in ("key", "keys"))
+
+
+def _is_secret_leaf(value: Any) -> bool:
+    return isinstance(value, str | int | float) and not isinstance(value, bool)
+
+
+def mask_secret_keys(value: Any, secret: bool = False) -> Any:
+    """A copy of ``value`` (dicts and lists of JSON values) with every string or number under a secret key
+    (:func:`is_secret_key`, at any depth, and everything nested under one) shown as :data:`MASK`."""
+    if isinstance(value, dict):
+        return {k: mask_secret_keys(v, secret or is_secret_key(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [mask_secret_keys(v, secret) for v in value]
+    return MASK if secret and _is_secret_leaf(value) else value
 
 
 def is_secret_flag(arg: str) -> bool:
@@ -100,31 +162,37 @@ class SecretUrl(SecretStr):
         return redact_url(self.get_secret_value())
 
 
-def _walk(value: Any, path: str) -> Iterable[tuple[str, SecretStr]]:
+def _walk(value: Any, path: str, secret: bool = False) -> Iterable[tuple[str, SecretStr, Any]]:
+    """``(path, value as SecretStr, real value)`` of every secret under ``value``; ``secret``: under a dict key
+    that names a secret."""
     if isinstance(value, SecretStr):
-        yield path, value
+        yield path, value, value.get_secret_value()
     elif isinstance(value, BaseModel):
         for name in type(value).model_fields:
             yield from _walk(getattr(value, name), f"{path}.{name}" if path else name)
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            yield from _walk(item, f"{path}.{i}")
+            yield from _walk(item, f"{path}.{i}", secret)
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _walk(item, f"{path}.{key}")
+            yield from _walk(item, f"{path}.{key}", secret or is_secret_key(key))
+    elif secret and _is_secret_leaf(value):
+        yield path, SecretStr(str(value)), value
 
 
 def secret_fields(model: BaseModel) -> list[tuple[str, SecretStr]]:
-    """Every secret of ``model`` with its path (``tracking.tracking_uri``, ``server.extra_args.3``)."""
-    return list(_walk(model, ""))
+    """Every secret of ``model`` with its path (``tracking.tracking_uri``, ``server.extra_args.3``, and a value under
+    a secret key of a dict field, ``rollout.dataset_kwargs.api_key``)."""
+    return [(path, s) for path, s, _ in _walk(model, "")]
 
 
-def secret_values(model: BaseModel) -> dict[str, str]:
-    """``{path: real value}`` of every non-empty secret of ``model`` (what :data:`SECRETS_ENV` carries)."""
-    return {path: s.get_secret_value() for path, s in secret_fields(model) if s.get_secret_value()}
+def secret_values(model: BaseModel) -> dict[str, Any]:
+    """``{path: real value}`` of every non-empty secret of ``model`` (what :data:`SECRETS_ENV` carries): a string,
+    or the number a secret dict key holds (``pin: 1234`` stays a number)."""
+    return {path: real for path, s, real in _walk(model, "") if s.get_secret_value()}
 
 
-def apply_secrets(data: dict[str, Any], secrets: dict[str, str]) -> dict[str, Any]:
+def apply_secrets(data: dict[str, Any], secrets: dict[str, Any]) -> dict[str, Any]:
     """Put ``secrets`` (``{path: value}``) into the raw config ``data`` (dicts and lists, in place); returns it.
 
     Raises:
@@ -145,16 +213,18 @@ def apply_secrets(data: dict[str, Any], secrets: dict[str, str]) -> dict[str, An
     return data
 
 
-def secrets_from_env(environ: dict[str, str]) -> dict[str, str]:
+def secrets_from_env(environ: dict[str, str]) -> dict[str, Any]:
     """The secret values a parent process passed in :data:`SECRETS_ENV` (empty when unset)."""
     text = environ.get(SECRETS_ENV)
     return json.loads(text) if text else {}
 
 
-def mask_values(secrets: dict[str, str]) -> list[str]:
+def mask_values(secrets: dict[str, Any]) -> list[str]:
     """The strings to mask in text for ``secrets`` (:func:`secret_values`): each value, and a URL's password."""
-    out = [v for v in secrets.values() if v]
+    out = [str(v) for v in secrets.values() if v]
     for value in secrets.values():
+        if not isinstance(value, str):
+            continue
         try:
             password = urlsplit(value).password
         except ValueError:

@@ -23,6 +23,7 @@ from grpo_core.redact import MASK, SECRETS_ENV, RedactFilter, redact_argv, revea
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD, API_KEY, HF_TOKEN = "pw-Zq81xT", "key-Yv27sLm", "hf_Wn93kPd"
+DICT_SECRETS = ("sk-Dk41Jq", "hf_Rt58Vw", "pw-Lm02Hs", "cookie-Ua73Ze")  # values under secret keys of dict fields
 
 
 def _config(**tracking) -> RunConfig:
@@ -173,9 +174,10 @@ def mlflow_server(tmp_path):
 @pytest.mark.slow  # a whole `grpo train` against an MLflow server
 @pytest.mark.timeout(1200)
 def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow_server):
-    """``grpo train`` with a tracking server password and a vLLM API key: neither reaches the MLflow params,
-    the command's output (the Prefect run log included), or any file under the test's folder (run files, Prefect's
-    database with its logs and parameters, MLflow's stores); the run's config files are 0600, its folder 0700."""
+    """``grpo train`` with a tracking server password, a vLLM API key and a token in a dict field: none reaches the
+    MLflow params, the command's output (the Prefect run log included), or any file under the test's folder (run
+    files, Prefect's database with its logs and parameters, MLflow's stores); the run's config files are 0600, its
+    folder 0700."""
     from mlflow.tracking import MlflowClient
 
     uri = f"http://grpo:{PASSWORD}@127.0.0.1:{mlflow_server}"
@@ -187,6 +189,7 @@ def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow
         "train.max_steps=1",
         "train.flush_partial_after_s=1",
         "rollout.dataset_size=4",
+        f"rollout.chat_template_kwargs={{enable_thinking: false, hf_token: {DICT_SECRETS[1]}}}",
     ]
     cmd = [
         sys.executable,
@@ -219,9 +222,76 @@ def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow
     assert _no_secret(json.dumps(params))
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert any(p.name == "run_config.json" for p in files) and any(p.suffix == ".db" for p in files)
-    leaks = [str(p) for p in files if any(s.encode() in p.read_bytes() for s in (PASSWORD, API_KEY, HF_TOKEN))]
+    assert params["rollout.chat_template_kwargs.hf_token"] == MASK
+    assert DICT_SECRETS[1] not in output
+    secrets = (PASSWORD, API_KEY, HF_TOKEN, DICT_SECRETS[1])
+    leaks = [str(p) for p in files if any(s.encode() in p.read_bytes() for s in secrets)]
     assert not leaks
     run_dir = next((tmp_path / "runs").iterdir())
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     for name in ("run_config.json", "train_config.json"):
         assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600
+    # Prefect's home (its database holds the run's parameters and log lines) is the user's only too
+    home = tmp_path / "prefect"
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "prefect.db").stat().st_mode) == 0o600
+
+
+def test_secret_keys_of_dict_fields_are_masked_where_written_and_real_where_read(tmp_path):
+    """A secret in a free-form dict field (found by its key's name, nested too) is masked in every JSON form a
+    config is written or logged in (MLflow params and artifact, run config files, Prefect parameters, the model
+    card, the checkpoint fingerprint, repr), while the run's processes, given ``GRPO_RUN_SECRETS``, read the real
+    values: the dataset factory gets its rows back with the secret in them."""
+    from grpo_core import hub
+    from grpo_core.redact import secrets_from_env
+    from grpo_core.rollout.data import load_dataset
+    from grpo_core.run.prepare import run_child_env
+    from grpo_core.tracking import flatten
+    from grpo_core.train.fingerprint import fingerprint_text
+
+    sk, hf, pw, cookie = DICT_SECRETS
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "auth": {"api_key": sk, "pin": 4417}}]
+    cfg = RunConfig(
+        train={"output_dir": str(tmp_path / "runs")},
+        rollout={
+            "dataset": "rollout_helpers:rows_of",
+            "dataset_kwargs": {"rows": rows},
+            "chat_template_kwargs": {"enable_thinking": False, "hfToken": hf, "max_tokens": 7},
+            "loop_options": {"db": {"password": pw}, "Session-Cookie": cookie, "tokenizer": "plain"},
+        },
+    )
+    card = hub.write_model_card(cfg, tmp_path / "model", {"steps": 1}, None, adapter=False).read_text()
+    written = {
+        "model_dump_json": cfg.model_dump_json(),
+        "model_dump(json)": json.dumps(cfg.model_dump(mode="json")),
+        "mlflow params": json.dumps(flatten(cfg.model_dump(mode="json"))),
+        "repr": repr(cfg),
+        "model card": card,
+        "fingerprint": fingerprint_text(cfg.trainer_process()),
+    }
+    for name, text in written.items():
+        leaked = [s for s in (*DICT_SECRETS, "4417") if s in text]
+        assert not leaked, f"{name} holds {leaked}"
+    shown = cfg.model_dump(mode="json")["rollout"]
+    assert shown["dataset_kwargs"]["rows"][0]["auth"] == {"api_key": MASK, "pin": MASK}
+    assert shown["chat_template_kwargs"] == {"enable_thinking": False, "hfToken": MASK, "max_tokens": 7}
+    assert shown["loop_options"] == {"db": {"password": MASK}, "Session-Cookie": MASK, "tokenizer": "plain"}
+    assert cfg.rollout.chat_template_kwargs["hfToken"] == hf  # the Python object keeps the value
+
+    # a process of the run: the redacted file plus GRPO_RUN_SECRETS from the environment it is started with
+    path = write_private(tmp_path / "run_config.json", cfg.model_dump_json())
+    with pytest.raises(ConfigError, match=r"rollout\.\S+ holds a redacted value"):
+        load_config(path)
+    env = run_child_env(str(tmp_path / "runs" / "x"), secret_values(cfg))
+    child = load_config(path, secrets=secrets_from_env(env))
+    assert child.rollout.chat_template_kwargs == {"enable_thinking": False, "hfToken": hf, "max_tokens": 7}
+    assert child.rollout.loop_options == {"db": {"password": pw}, "Session-Cookie": cookie, "tokenizer": "plain"}
+    assert load_dataset(child.rollout) == rows  # the dataset factory receives the real values (the pin a number)
+
+
+def test_which_dict_keys_name_a_secret():
+    """By the key's words, as a reader would judge them: these name secrets, the others do not."""
+    from grpo_core.redact import is_secret_key
+
+    assert all(map(is_secret_key, ["auth", "api_key", "hfToken", "password", "Session-Cookie", "OPENAI_API_KEY"]))
+    assert not any(map(is_secret_key, ["rows", "enable_thinking", "max_tokens", "tokenizer", "key", "pin", "db"]))

@@ -24,6 +24,7 @@ from typing import Any
 
 from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import ConfigError
+from grpo_core.redact import mask_secret_keys
 from grpo_core.run.layout import FINGERPRINT as FINGERPRINT_FILE
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def dataset_fingerprint(cfg: TrainerProcessConfig) -> dict[str, Any]:
         "rollout.dataset": ro.dataset,
         "rollout.dataset_size": ro.dataset_size,
         "rollout.dataset_seed": ro.dataset_seed,
-        "rollout.dataset_kwargs": ro.dataset_kwargs,
+        "rollout.dataset_kwargs": mask_secret_keys(ro.dataset_kwargs),  # fingerprint.json travels with checkpoints
         "rollout.shuffle": ro.shuffle,  # the prompt order: prompt indices of another order are other prompts
         "rollout.shuffle_seed": ro.shuffle_seed if ro.shuffle else None,
     }
