@@ -73,6 +73,42 @@ def owner_env(pid: int | None = None) -> dict[str, str]:
     return {OWNER_ENV: f"{pid}:{_start_time(pid)!r}"}
 
 
+def _boot_id() -> str:
+    """This boot of this host: the kernel's random boot id on Linux, else the boot time (psutil)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        import psutil
+
+        return f"{psutil.boot_time():.0f}"
+
+
+def process_tag(pid: int | None = None) -> str:
+    """Who ``pid`` (default: this process) is, for another process to tell later whether it still lives
+    (:func:`process_gone`): ``host|boot id|pid|start time`` (clock ticks since boot on Linux, so neither a reused
+    pid nor a step of the wall clock confuses it)."""
+    import socket
+
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}|{_boot_id()}|{pid}|{_start_time(pid)!r}"
+
+
+def process_gone(tag: str) -> bool | None:
+    """Whether the process a :func:`process_tag` names has ended: True when this host has rebooted since or the pid
+    is gone or now another process; False while it lives; None when it cannot be told from here (another host, or
+    a malformed tag)."""
+    import socket
+
+    try:
+        host, boot, pid, start = tag.split("|")
+        pid_n, start_n = int(pid), None if start == "None" else float(start)
+    except ValueError:
+        return None
+    if host != socket.gethostname():
+        return None
+    return boot != _boot_id() or start_n is None or not _alive(pid_n, start_n)
+
+
 def _owner() -> tuple[int, float] | None:
     """``(pid, start time)`` from ``GRPO_OWNER``, None when unset or malformed."""
     value = os.environ.get(OWNER_ENV, "")

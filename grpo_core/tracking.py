@@ -59,6 +59,8 @@ DEPLOYMENT_TAG = "grpo.deployment"
 RESUMED_FROM_TAG = "grpo.resumed_from"
 LATEST_STEP_TAG = "grpo.latest_checkpoint_step"
 MODEL_KIND_TAG = "grpo.model_kind"
+#: The process that opened (or continued) the run and ends it (:func:`grpo_core.lifeline.process_tag`).
+OWNER_TAG = "grpo.owner"
 MODEL_ARTIFACT = "model"
 _MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 #: Prefix of MLflow's system-metrics sampler (``SystemMetricsMonitor``): its steps count samples, not optimizer steps.
@@ -100,11 +102,14 @@ def client(tc: TrackingConfig) -> MlflowClient:
         return MlflowClient(tracking_uri=uri)
     from filelock import FileLock
 
-    tc.dir.mkdir(parents=True, exist_ok=True)
+    from grpo_core.preflight import PRIVATE_FILE_MODE, make_private_dir
+
+    make_private_dir(tc.dir)  # the store holds checkpoints, configs and logs: its owner's only
     with FileLock(str(tc.dir / "mlflow.db.lock")):
         mc = MlflowClient(tracking_uri=uri)
         mc.search_experiments(max_results=1)  # opens the tracking store: creates and migrates its tables
         mc.search_registered_models(max_results=1)  # and the model registry's store on the same database
+        (tc.dir / "mlflow.db").chmod(PRIVATE_FILE_MODE)
         _READY_STORES.add(uri)
     return mc
 
@@ -152,13 +157,18 @@ def start_run(
     Returns:
         ``(run_id, continued)``; ``continued`` is True when an existing run was found and reopened.
     """
+    from grpo_core.lifeline import process_tag
+
     tc, mc = cfg.tracking, client(cfg.tracking)
+    end_orphaned_runs(tc)
     existing = find_run(tc, flow_run_id) if flow_run_id else None
     if existing is not None:
         mc.update_run(existing, status="RUNNING")
+        mc.set_tag(existing, OWNER_TAG, process_tag())
         logger.info("continuing MLflow run %s of flow run %s", existing, flow_run_id)
         return existing, True
     tags = {
+        OWNER_TAG: process_tag(),
         FLOW_RUN_TAG: flow_run_id or "",
         DEPLOYMENT_TAG: deployment or "",
         RESUMED_FROM_TAG: cfg.resume_from or "",
@@ -172,6 +182,35 @@ def start_run(
     mc.log_text(run_id, cfg.model_dump_json(indent=1), "config/run_config.json")
     logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.shown_tracking_uri())
     return run_id, False
+
+
+def end_orphaned_runs(tc: TrackingConfig) -> list[str]:
+    """End as ``KILLED`` the runs of the store left ``RUNNING`` by a process that is gone (a SIGKILLed
+    ``grpo train``, an OOM kill, a reboot): those whose owner (tag ``grpo.owner``, set by :func:`start_run`) ran on
+    this host and has ended (:func:`grpo_core.lifeline.process_gone`). Runs of other hosts, of a live owner, or
+    without the tag (made by other tools) are left as they are.
+
+    Returns:
+        The ids of the runs ended.
+    """
+    from grpo_core.lifeline import process_gone
+
+    mc = client(tc)
+    experiments = [e.experiment_id for e in mc.search_experiments()]
+    if not experiments:
+        return []
+    ended = []
+    for run in mc.search_runs(experiments, "attributes.status = 'RUNNING'", max_results=1000):
+        tag = run.data.tags.get(OWNER_TAG)
+        if tag is not None and process_gone(tag):
+            mc.set_terminated(run.info.run_id, status="KILLED")
+            ended.append(run.info.run_id)
+            logger.warning(
+                "MLflow run %s was left RUNNING by a process that is gone (%s): ended as KILLED",
+                run.info.run_id,
+                tag,
+            )
+    return ended
 
 
 def end_run(tc: TrackingConfig, run_id: str, status: str = "FINISHED") -> None:
@@ -240,6 +279,17 @@ def _dir_mib(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
+def file_uri_path(uri: str) -> Path:
+    """The local path of a ``file:`` URI as :meth:`Path.as_uri` writes it (``file:///a%20b/c%25d`` ->
+    ``/a b/c%d``: percent-decoded, RFC 8089); a bare path is taken as it is."""
+    from urllib.parse import unquote, urlsplit
+
+    if not uri.startswith("file:"):
+        return Path(uri)
+    parts = urlsplit(uri)
+    return Path(unquote(parts.path))
+
+
 def log_checkpoint(tc: TrackingConfig, run_id: str, path: Path) -> None:
     """Log a checkpoint folder (or, when large, its URI) and its ``rollout_state.json`` as artifacts."""
     mc, path = client(tc), Path(path)
@@ -303,7 +353,7 @@ def download_latest_checkpoint(
             tmp = Path(mc.download_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}", str(download)))
         elif CHECKPOINT_URI_FILE in files:
             uri = mc.download_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}/{CHECKPOINT_URI_FILE}", str(download))
-            source = Path(Path(uri).read_text().strip().removeprefix("file://"))
+            source = file_uri_path(Path(uri).read_text().strip())
             if not (source / CHECKPOINT_STATE).is_file():
                 raise fail(f"it lies at {source} (checkpoint_uri.txt), which is not reachable from this host")
             tmp = download / name
