@@ -505,8 +505,13 @@ def ui(
 
         try:  # before any URL is printed: another server there would be shown as ours while ours fails to bind
             check_port_free("127.0.0.1", mlflow_port, "--mlflow-port")
-        except PortInUseError as exc:
-            config_error(exc)
+        except PortInUseError:
+            config_error(
+                PortInUseError(
+                    f"127.0.0.1:{mlflow_port} is already in use: another MLflow UI (or another program) listens "
+                    "there; open it if it is yours, or choose a free port with --mlflow-port"
+                )
+            )
             raise typer.Exit(2) from None
     console.print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (started by `grpo deploy` / `make serve`)")
     console.print(f"MLflow tracking URI: {shown}")
@@ -550,7 +555,11 @@ def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. The working folder comes first on ``sys.path``, as for the rollout and trainer
+    processes (``python -m`` puts it there): ``grpo validate`` and the run import the same ``module:callable`` a
+    config names (an installed console script would otherwise see the checkout's copy, or none)."""
+    if sys.path[:1] != [os.getcwd()]:
+        sys.path.insert(0, os.getcwd())
     app()
 
 

@@ -260,7 +260,12 @@ def trust_config(cfg: RunConfig) -> tuple[str, ...]:
 def _check_form(path: str, field: str) -> tuple[str, str]:
     module_name, _, attr = path.partition(":")
     if not _NAME.fullmatch(module_name) or not _NAME.fullmatch(attr or "-"):
-        raise ConfigError(f"{field}={path!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")
+        example = (
+            "'json:PATH' for a JSON-lines file, 'reasoning_gym:TASK', or 'module:function' of your own"
+            if field == "rollout.dataset"
+            else "'module:attribute', e.g. 'my_rewards:accuracy'"
+        )
+        raise ConfigError(f"{field}={path!r} must be {example}")
     if any(p.startswith("__") for p in attr.split(".")):
         raise ConfigError(f"{field}={path!r}: a name with '__' is refused; name the function or class itself")
     return module_name, attr
@@ -320,6 +325,11 @@ def import_object(path: str, field: str, allowed: tuple[str, ...] | None = None,
                 f"({'its ' + kind + ' entries: ' + ', '.join(names) if names else 'it registers no ' + kind}); "
                 f"only config entries can be named: {_HINT}"
             )
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"{field}={path!r} cannot be imported: {exc}; modules are found in the working folder "
+            f"({os.getcwd()}) and on PYTHONPATH: run from the folder that holds it or add its folder to PYTHONPATH"
+        ) from exc
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"{field}={path!r} cannot be imported: {exc}") from exc
     check_kind(obj, kind, field, path)

@@ -446,3 +446,38 @@ def test_prefects_home_is_under_the_working_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_HOME", "/elsewhere/prefect")
     cli.set_env_defaults()
     assert os.environ["PREFECT_HOME"] == "/elsewhere/prefect", "the environment's own setting wins"
+
+
+def test_validate_imports_user_code_from_the_working_folder_as_the_run_does(tmp_path):
+    """The rollout and trainer processes (``python -m``) import ``module:callable`` from the working folder; the
+    ``grpo`` console script did not (its sys.path starts at the venv's bin folder), so validate refused a reward file
+    of the user's own folder ("No module named") or checked the checkout's copy of a same-named one."""
+    (tmp_path / "my_fresh_rewards.py").write_text(
+        "def length_reward(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    )
+    config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    config["rollout"]["reward_functions"] = ["my_fresh_rewards:length_reward"]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    grpo = Path(sys.executable).parent / "grpo"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [str(grpo), "validate", "--config", "run.yaml", "--set", "train.output_dir=runs", "--set", "tracking.dir=mlf"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump({**config, "rollout": {**config["rollout"], "reward_functions": ["not_here_at_all:f"]}})
+    )
+    missing = subprocess.run(
+        [str(grpo), "validate", "--config", "run.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert missing.returncode == 2 and "modules are found in the working folder" in " ".join(missing.stderr.split())

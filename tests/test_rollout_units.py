@@ -469,3 +469,13 @@ def test_completion_table_rows_lead_with_prompt_completion_reward_and_advantage(
         ("p", "c1", 0.0, -0.5),
     ]
     assert rows[0]["prompt_index"] == 3 and rows[0]["policy_version"] == 1 and rows[0]["completion_tokens"] == 2
+
+
+def test_a_json_lines_dataset_path_expands_home_and_variables(tmp_path, monkeypatch):
+    from grpo_core.rollout.data import _json_lines_files
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "x"}\n')
+    monkeypatch.setenv("GRPO_TEST_DATA", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _json_lines_files("$GRPO_TEST_DATA/d.jsonl") == [tmp_path / "d.jsonl"]
+    assert _json_lines_files("~/d.jsonl") == [tmp_path / "d.jsonl"]

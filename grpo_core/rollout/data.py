@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.allowlist import import_object
-from grpo_core.config import RolloutConfig
+from grpo_core.config import RolloutConfig, user_path
 from grpo_core.entries import config_entry
 from grpo_core.errors import ConfigError, did_you_mean
 
@@ -124,7 +124,7 @@ def _json_lines_files(pattern: str) -> list[Path]:
     spec = f"rollout.dataset='{JSON_PREFIX}{pattern}'"
     if "://" in pattern:
         return []  # a URL (https://, hf://, s3://): datasets fetches and reads it
-    path = Path(pattern).expanduser()
+    path = user_path(pattern)  # ~ and $VARS, as every path setting (grpo_core.config.user_path)
     if glob.has_magic(pattern):
         files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
         if not files:
