@@ -220,6 +220,26 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
+def _print_failure(exc: BaseException) -> None:
+    """The last lines of a failed run: what failed and its root cause, one line each (the tracebacks, the children's
+    output and Prefect's task states are in the log above), without another traceback after them."""
+    from rich.text import Text
+
+    def first_line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    console.print(Text.assemble(("grpo train failed", "red"), ": ", first_line(exc)), soft_wrap=True)
+    if root is not exc:
+        console.print(Text.assemble(("root cause", "red"), ": ", first_line(root)), soft_wrap=True)
+    console.print(
+        "(the full output and tracebacks are above; the run folder keeps the children's logs)", soft_wrap=True
+    )
+
+
 def _share_console() -> None:
     """Prefect's console log handlers print through this command's console, so its lines scroll above the live
     progress bar instead of each leaving a frozen copy of the bar behind (rich keeps one live display per console)."""
@@ -258,6 +278,9 @@ def run_locally(cfg: RunConfig, retries: int | None = None) -> dict:
     watcher.start()
     try:
         summary = (grpo_train if retries is None else grpo_train.with_options(retries=retries))(cfg)
+    except Exception as exc:  # noqa: BLE001 - the run's failure, logged in full above: end with its cause
+        _print_failure(exc)
+        raise typer.Exit(EXIT_FAILED) from None
     finally:
         done.set()
         watcher.join(timeout=5)

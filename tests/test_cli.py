@@ -481,3 +481,32 @@ def test_validate_imports_user_code_from_the_working_folder_as_the_run_does(tmp_
         timeout=300,
     )
     assert missing.returncode == 2 and "modules are found in the working folder" in " ".join(missing.stderr.split())
+
+
+def test_a_failed_run_ends_with_what_failed_and_its_root_cause(tmp_path, monkeypatch):
+    import typer
+
+    import flows.cli as cli
+    import flows.grpo_train as grpo_train_module
+    from grpo_core.config import RunConfig
+    from grpo_core.errors import RolloutError, RolloutProcessError, TrainerError
+
+    def failing(cfg):
+        trainer = TrainerError("trainer exited with code 1: rank 0: TransportError: stream broke\nlast output:\n...")
+        try:
+            raise RolloutProcessError(
+                "rollout process failed: RolloutError: reward returned 3 values for 4"
+            ) from trainer
+        except RolloutProcessError as exc:
+            raise exc from RolloutError("reward_fn returned 3 values for 4 completions")
+
+    monkeypatch.setattr(cli, "_start_prefect_api", lambda: None)
+    monkeypatch.setattr(grpo_train_module, "grpo_train", failing)
+    cfg = RunConfig.model_validate({"train": {"output_dir": str(tmp_path / "runs")}})
+    with cli.console.capture() as captured, pytest.raises(typer.Exit) as exit_:
+        cli.run_locally(cfg)
+    assert exit_.value.exit_code == 1
+    lines = [line for line in captured.get().splitlines() if line.strip()]
+    assert lines[-3].startswith("grpo train failed: RolloutProcessError: rollout process failed")
+    assert lines[-2] == "root cause: RolloutError: reward_fn returned 3 values for 4 completions"
+    assert "Traceback" not in captured.get()
