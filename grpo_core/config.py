@@ -1247,8 +1247,8 @@ class RunConfig(_Strict):
     """MLflow run id whose latest checkpoint this run starts from (a new run continuing an old one)."""
     algorithm: str = "grpo"
     """Named preset of the loss and advantage settings (:data:`ALGORITHM_PRESETS`, docs/algorithms.md): ``grpo``
-    (the defaults), ``dapo``, ``dr_grpo``, ``gspo``, ``cispo``. It fills in only the fields the config leaves unset; a field
-    set in the config or by an override wins."""
+    (the defaults), ``dapo``, ``dr_grpo``, ``gspo``, ``cispo``. It fills in only the fields the config leaves unset;
+    a field set in the config or by an override wins."""
 
     @model_validator(mode="before")
     @classmethod
