@@ -71,14 +71,34 @@ def _key_words(key: str) -> list[str]:
     return [w for w in re.split(r"[\W_]+", spaced.lower()) if w]
 
 
+# A ``…_token`` key after one of these words names a vocabulary token, not a credential (``eos_token``).
+_VOCAB_TOKEN_WORDS = frozenset(["bos", "eos", "pad", "unk", "sep", "cls", "mask", "add", "special", "stop", "end"])
+# A ``…_key`` key after one of these words names a credential (``api_key``); any other (``prompt_key``,
+# ``sort_key``, ``cache_key``) names a column or a lookup.
+_KEY_QUALIFIERS = frozenset(
+    ["api", "access", "secret", "private", "openai", "anthropic", "hf", "aws", "auth", "client", "signing",
+     "encryption", "master", "service", "license", "session", "ssh", "gpg", "deploy", "app", "account"]
+)  # fmt: skip
+
+
 def is_secret_key(key: Any) -> bool:
-    """Whether a dict key names a secret value: one of its words is token, password, secret, credential(s), auth,
-    apikey, ... (:data:`_SECRET_WORDS`), or it ends in ``key`` after another word (``api_key``, ``openai_key``,
-    ``access-key``). ``tokenizer``, ``max_tokens`` or a bare ``key`` are not secret."""
-    if not isinstance(key, str):
+    """Whether a dict key names a secret value, by its last word (``hf_token``, ``db-password``, ``apiKey``): one of
+    :data:`_SECRET_WORDS` (token, password, secret, credential(s), auth, apikey, cookie, ...) — but not a vocabulary
+    token (``eos_token``, ``pad_token``, ``add_bos_token``) —, or ``key`` after a word that makes it a credential
+    (``api_key``, ``OPENAI_API_KEY``, ``access-key``; not ``prompt_key`` or ``sort_key``). ``tokenizer``,
+    ``max_tokens``, ``token_limit`` or a bare ``key`` are not secret, nor is a key holding a ``.`` (a config path
+    cannot name it, so its value could not be handed to the run's processes apart from the config)."""
+    if not isinstance(key, str) or "." in key:
         return False
     words = _key_words(key)
-    return any(w in _SECRET_WORDS for w in words) or (len(words) > 1 and words[-1] in ("key", "keys"))
+    if not words:
+        return False
+    last, before = words[-1], words[-2] if len(words) > 1 else ""
+    if last in ("key", "keys"):
+        return before in _KEY_QUALIFIERS
+    if last in ("token", "tokens"):
+        return last == "token" and before not in _VOCAB_TOKEN_WORDS and not any(w in _VOCAB_TOKEN_WORDS for w in words)
+    return last in _SECRET_WORDS
 
 
 def _is_secret_leaf(value: Any) -> bool:

@@ -294,4 +294,10 @@ def test_which_dict_keys_name_a_secret():
     from grpo_core.redact import is_secret_key
 
     assert all(map(is_secret_key, ["auth", "api_key", "hfToken", "password", "Session-Cookie", "OPENAI_API_KEY"]))
+    assert all(map(is_secret_key, ["access_token", "refresh-token", "db_password", "client_secret", "aws_secret_key"]))
     assert not any(map(is_secret_key, ["rows", "enable_thinking", "max_tokens", "tokenizer", "key", "pin", "db"]))
+    # vocabulary tokens, columns and lookups: their values (a column name, "</s>") would be blanked in every log line
+    vocabulary = ["eos_token", "pad_token", "bos_token", "add_bos_token", "token_limit", "max_token_length"]
+    columns = ["prompt_key", "answer_key", "text_key", "sort_key", "cache_key", "key_column"]
+    assert not any(map(is_secret_key, vocabulary + columns))
+    assert not is_secret_key("storage_options.token"), "a key holding '.' cannot be named by a config path"
