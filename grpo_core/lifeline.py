@@ -83,30 +83,62 @@ def _boot_id() -> str:
         return f"{psutil.boot_time():.0f}"
 
 
+def _machine_id() -> str:
+    """This machine (``/etc/machine-id``; '' where there is none): two hosts may share a host name."""
+    try:
+        return Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; '' where there is none): containers on one
+    host (host networking) share its name and boot id, not their pids."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
 def process_tag(pid: int | None = None) -> str:
     """Who ``pid`` (default: this process) is, for another process to tell later whether it still lives
-    (:func:`process_gone`): ``host|boot id|pid|start time`` (clock ticks since boot on Linux, so neither a reused
-    pid nor a step of the wall clock confuses it)."""
+    (:func:`process_gone`): ``host|machine id|boot id|pid namespace|pid|start time`` (clock ticks since boot on
+    Linux, so neither a reused pid nor a step of the wall clock confuses it)."""
     import socket
 
     pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}|{_boot_id()}|{pid}|{_start_time(pid)!r}"
+    return f"{socket.gethostname()}|{_machine_id()}|{_boot_id()}|{_pid_namespace()}|{pid}|{_start_time(pid)!r}"
 
 
 def process_gone(tag: str) -> bool | None:
-    """Whether the process a :func:`process_tag` names has ended: True when this host has rebooted since or the pid
-    is gone or now another process; False while it lives; None when it cannot be told from here (another host, or
-    a malformed tag)."""
+    """Whether the process a :func:`process_tag` names has ended.
+
+    Returns:
+        True when its machine has rebooted since, or its pid (in this PID namespace) is gone or now another
+        process; False while it lives, or when its ``/proc`` entry cannot be read (another user's process under
+        ``hidepid``: alive as far as we can tell); None when it cannot be told from here: another host or machine,
+        another PID namespace (a container), a malformed tag. Only True may lead a caller to end what it owned.
+    """
     import socket
 
     try:
-        host, boot, pid, start = tag.split("|")
+        host, machine, boot, namespace, pid, start = tag.split("|")
         pid_n, start_n = int(pid), None if start == "None" else float(start)
     except ValueError:
         return None
-    if host != socket.gethostname():
+    if host != socket.gethostname() or machine != _machine_id():
         return None
-    return boot != _boot_id() or start_n is None or not _alive(pid_n, start_n)
+    if boot != _boot_id():
+        return True  # this very machine rebooted: nothing of before lives
+    if namespace != _pid_namespace() or start_n is None:
+        return None
+    try:
+        Path(f"/proc/{pid_n}/stat").read_bytes()
+    except PermissionError:
+        return False
+    except OSError:
+        pass  # no such process: _alive says gone
+    return not _alive(pid_n, start_n)
 
 
 def _owner() -> tuple[int, float] | None:

@@ -162,9 +162,9 @@ def start_run(
     tc, mc = cfg.tracking, client(cfg.tracking)
     end_orphaned_runs(tc)
     existing = find_run(tc, flow_run_id) if flow_run_id else None
-    if existing is not None:
-        mc.update_run(existing, status="RUNNING")
+    if existing is not None:  # the owner first: a run RUNNING under its dead owner would look orphaned
         mc.set_tag(existing, OWNER_TAG, process_tag())
+        mc.update_run(existing, status="RUNNING")
         logger.info("continuing MLflow run %s of flow run %s", existing, flow_run_id)
         return existing, True
     tags = {
@@ -186,9 +186,12 @@ def start_run(
 
 def end_orphaned_runs(tc: TrackingConfig) -> list[str]:
     """End as ``KILLED`` the runs of the store left ``RUNNING`` by a process that is gone (a SIGKILLed
-    ``grpo train``, an OOM kill, a reboot): those whose owner (tag ``grpo.owner``, set by :func:`start_run`) ran on
-    this host and has ended (:func:`grpo_core.lifeline.process_gone`). Runs of other hosts, of a live owner, or
-    without the tag (made by other tools) are left as they are.
+    ``grpo train``, an OOM kill, a reboot): the runs whose owner (tag ``grpo.owner``, set by
+    :func:`start_run`) ran on this machine, in this PID namespace, and has ended
+    (:func:`grpo_core.lifeline.process_gone` is True). Runs of other hosts, machines or containers, of a live
+    owner (another user's process whose ``/proc`` entry is hidden counts as live), or without the tag (made by other
+    tools) are left as they are; a run the store refuses to end (another user's, on a server with authentication) is
+    logged and skipped.
 
     Returns:
         The ids of the runs ended.
@@ -202,14 +205,17 @@ def end_orphaned_runs(tc: TrackingConfig) -> list[str]:
     ended = []
     for run in mc.search_runs(experiments, "attributes.status = 'RUNNING'", max_results=1000):
         tag = run.data.tags.get(OWNER_TAG)
-        if tag is not None and process_gone(tag):
+        if tag is None or process_gone(tag) is not True:
+            continue
+        try:
             mc.set_terminated(run.info.run_id, status="KILLED")
-            ended.append(run.info.run_id)
-            logger.warning(
-                "MLflow run %s was left RUNNING by a process that is gone (%s): ended as KILLED",
-                run.info.run_id,
-                tag,
-            )
+        except MlflowException as exc:
+            logger.warning("MLflow run %s looks orphaned (%s) but could not be ended: %s", run.info.run_id, tag, exc)
+            continue
+        ended.append(run.info.run_id)
+        logger.warning(
+            "MLflow run %s was left RUNNING by a process that is gone (%s): ended as KILLED", run.info.run_id, tag
+        )
     return ended
 
 

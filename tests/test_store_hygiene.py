@@ -110,7 +110,7 @@ def test_a_run_left_running_by_a_sigkilled_owner_ends_as_killed_on_the_next_star
 
         resumed, continued = tracking.start_run(_cfg(store), "flow-killed")
         assert continued and resumed == killed_run and mc.get_run(killed_run).info.status == "RUNNING"
-        assert mc.get_run(killed_run).data.tags[tracking.OWNER_TAG].split("|")[2] == str(os.getpid())
+        assert mc.get_run(killed_run).data.tags[tracking.OWNER_TAG].split("|")[4] == str(os.getpid())
     finally:
         for proc in (killed, alive):
             proc.kill()
@@ -137,3 +137,24 @@ def test_a_checkpoint_uri_of_a_folder_with_a_space_and_percent_round_trips(tmp_p
     got = tracking.download_latest_checkpoint(cfg.tracking, run_id, tmp_path / "b")
     assert got == tmp_path / "b" / "checkpoints" / "step-0000003"
     assert (got / "dcp" / "data").read_bytes() == b"x" * 2**20
+
+
+def test_an_owner_that_cannot_be_judged_from_here_is_never_taken_for_gone():
+    """Only a process this machine can see may be declared gone: another host or machine with the same host name,
+    another PID namespace (a container with host networking), a malformed tag are unknown (None), never True; a
+    reboot of this very machine is True."""
+    import socket
+
+    from grpo_core import lifeline
+
+    me = lifeline.process_tag()
+    host, machine, boot, namespace, pid, start = me.split("|")
+    assert lifeline.process_gone(me) is False
+    assert lifeline.process_gone("|".join([host, "another-machine", boot, namespace, pid, start])) is None
+    assert (
+        lifeline.process_gone("|".join(["not-" + socket.gethostname(), machine, boot, namespace, pid, start])) is None
+    )
+    other_namespace = str(int(namespace) + 1) if namespace else "another-namespace"
+    assert lifeline.process_gone("|".join([host, machine, boot, other_namespace, pid, start])) is None
+    assert lifeline.process_gone("|".join([host, machine, "another-boot", namespace, pid, start])) is True
+    assert lifeline.process_gone("host|boot|1|2") is None  # the four-field tag of no release
