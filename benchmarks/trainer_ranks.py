@@ -17,6 +17,7 @@ from trainer import DEVICE, packer_name, print_table, qwen3_config, workload, wr
 from grpo_core.metrics import JsonlSink
 from grpo_core.packing import write_samples_ipc
 from grpo_core.run.children import start_child, stop_child
+from grpo_core.run.layout import METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Kept off in every child, as the machines that lend several GPUs require (NVLink multicast).
@@ -167,7 +168,7 @@ def ranks(args) -> list[dict]:
         torchrun(run_config(args, work, model, out / "run", args.steps, args.steps), n, log, args.timeout_s)
         if resume_at and "resumed from" not in log.read_text():
             raise RuntimeError(f"the {n}-rank run did not resume; see {log}")
-        metrics = JsonlSink.read(out / "run" / "metrics.jsonl")
+        metrics = JsonlSink.read(out / "run" / METRICS)
         results.append(summary(metrics, n, resume_at))
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)

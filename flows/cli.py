@@ -154,6 +154,8 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    from grpo_core.run.layout import METRICS
+
     columns = [
         TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
         BarColumn(),
@@ -166,7 +168,7 @@ def _progress(output_dir: Path, max_steps: int, started: float, done: threading.
     with Progress(*columns, console=console, transient=False) as bar:
         job = bar.add_task("train", total=max_steps, reward="-", tps="-")
         while not done.wait(1.0):
-            files = [p for p in output_dir.glob("*/metrics.jsonl") if p.stat().st_mtime >= started]
+            files = [p for p in output_dir.glob(f"*/{METRICS}") if p.stat().st_mtime >= started]
             if not files:
                 continue
             lines = max(files, key=lambda p: p.stat().st_mtime).read_text().splitlines()

@@ -44,7 +44,14 @@ from mlflow.tracking import MlflowClient
 
 from grpo_core.config import RunConfig, TrackingConfig
 from grpo_core.metrics import MetricsSink
-from grpo_core.run.layout import CHECKPOINT_STATE, CHECKPOINTS_DIR, checkpoint_dir, checkpoint_step
+from grpo_core.run.layout import (
+    CHECKPOINT_DCP,
+    CHECKPOINT_DOWNLOAD,
+    CHECKPOINT_STATE,
+    CHECKPOINTS_DIR,
+    checkpoint_dir,
+    checkpoint_step,
+)
 from grpo_core.run.layout import CHECKPOINT_URI as CHECKPOINT_URI_FILE
 
 if TYPE_CHECKING:
@@ -353,9 +360,9 @@ def download_latest_checkpoint(
     try:
         files = {a.path.split("/")[-1] for a in mc.list_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}")}
         local.parent.mkdir(parents=True, exist_ok=True)
-        download = local.parent / ".download"
+        download = local.parent / CHECKPOINT_DOWNLOAD
         shutil.rmtree(download, ignore_errors=True)
-        if "dcp" in files:
+        if CHECKPOINT_DCP in files:
             tmp = Path(mc.download_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}", str(download)))
         elif CHECKPOINT_URI_FILE in files:
             uri = mc.download_artifacts(run_id, f"{CHECKPOINTS_DIR}/{name}/{CHECKPOINT_URI_FILE}", str(download))

@@ -41,7 +41,7 @@ MUTATIONS = (
         "skip-resume",
         "a resume restores the weights and optimizer state exactly",
         "grpo_core/train/checkpoint.py",
-        '    dcp.load(tensors, storage_reader=safe_reader(path / "dcp"), planner=tensor_only_planner())',
+        "    dcp.load(tensors, storage_reader=reader, planner=tensor_only_planner())",
         "    pass  # mutation: nothing loaded",
         ("tests/test_resume_faults.py",),
     ),

@@ -101,7 +101,7 @@ def test_the_rollouts_recorded_failure_is_the_root_cause_of_the_trainers(tmp_pat
     try:
         rollout_failed(tmp_path, trainer)
     except RolloutProcessError as err:
-        assert err.__cause__ is trainer and err.causes == ["grpo_core.errors.RolloutError"]
+        assert err.__context__ is trainer and err.__cause__ is None and err.causes == ["grpo_core.errors.RolloutError"]
         assert not retry_can_cure(err)
         assert "reward_fn returned 3 values" in str(err)
     else:

@@ -58,17 +58,19 @@ def raise_if_rollout_failed(error_file: Path, log_file: Path, how: object) -> No
 
 
 def rollout_failed(run_dir: str | Path, trainer_error: BaseException) -> None:
-    """Raise the rollout process's own failure, when it recorded one in the run folder, as the cause of the
-    trainer's (which then only saw its sample stream break: a transport error a retry would seem to cure).
+    """Raise the rollout process's own failure, when it recorded one in the run folder, in place of the trainer's
+    (which then only saw its sample stream break: a transport error a retry would seem to cure).
 
     Raises:
-        RolloutProcessError: from ``trainer_error``, with the rollout's recorded exception class in ``causes``.
+        RolloutProcessError: the root cause, with the rollout's recorded exception class in ``causes``; the
+            trainer's error, its symptom, is its ``__context__`` (shown above it in a traceback, not as its cause).
     """
     root = Path(run_dir)
     try:
         raise_if_rollout_failed(root / layout.ROLLOUT_ERROR, root / layout.ROLLOUT_LOG, "the trainer stopped")
     except RolloutProcessError as exc:
-        raise exc from trainer_error
+        exc.__context__ = trainer_error
+        raise
 
 
 def trainer_failed(code: int, recorded: str, tail: str) -> TrainerError:

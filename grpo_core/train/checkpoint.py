@@ -141,7 +141,7 @@ def verify(path: Path) -> str | None:
     except (OSError, ValueError, TypeError) as exc:
         return f"{STATE_FILE}: {type(exc).__name__}: {exc}"
     try:
-        metadata = safe_reader(path / "dcp").read_metadata()
+        metadata = safe_reader(path / layout.CHECKPOINT_DCP).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any failure to read the metadata means a damaged checkpoint
         return f"dcp/.metadata: {type(exc).__name__}: {exc}"
     try:
@@ -158,7 +158,7 @@ def verify(path: Path) -> str | None:
         if name:
             needed[name] = max(needed.get(name, 0), int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0)))
     for name, size in sorted(needed.items()):
-        shard = path / "dcp" / name
+        shard = path / layout.CHECKPOINT_DCP / name
         if not shard.is_file() or shard.stat().st_size < size:
             return f"dcp/{name} is missing or shorter than its {size} bytes"
     for name in (layout.checkpoint_rng(0),):
@@ -300,7 +300,7 @@ def _write(
     """Every file of a checkpoint into ``tmp``: this rank's DCP shard and RNG state; rank 0 the rest."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(tensors, checkpoint_id=str(tmp / "dcp"))  # tensors only: DCP pickles nothing
+    dcp.save(tensors, checkpoint_id=str(tmp / layout.CHECKPOINT_DCP))  # tensors only: DCP pickles nothing
     torch.save(
         {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         tmp / layout.checkpoint_rng(rank),
@@ -388,7 +388,8 @@ def _load(
     options = _state_dict_options(model)
     sd = _state_dicts(model, optimizer, options)
     tensors, _ = split(sd)
-    dcp.load(tensors, storage_reader=safe_reader(path / "dcp"), planner=tensor_only_planner())  # fills sd in place
+    reader = safe_reader(path / layout.CHECKPOINT_DCP)
+    dcp.load(tensors, storage_reader=reader, planner=tensor_only_planner())  # fills sd in place
     restore(sd, values, NONTENSOR_FILE)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     scheduler.load_state_dict(scheduler_state)

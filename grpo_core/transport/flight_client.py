@@ -277,8 +277,10 @@ class FlightSource:
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                logger.warning("rollout process %s did not stop in 30 s; killing it", self.process.pid)
-                self.process.kill()
+                from grpo_core.run.children import stop_child
+
+                logger.warning("rollout process %s did not stop in 30 s; stopping it", self.process.pid)
+                stop_child(self.process, timeout_s=5)
                 self.process.wait(timeout=10)
 
     def __enter__(self) -> FlightSource:
