@@ -260,12 +260,11 @@ def trust_config(cfg: RunConfig) -> tuple[str, ...]:
 def _check_form(path: str, field: str) -> tuple[str, str]:
     module_name, _, attr = path.partition(":")
     if not _NAME.fullmatch(module_name) or not _NAME.fullmatch(attr or "-"):
-        example = (
-            "'json:PATH' for a JSON-lines file, 'reasoning_gym:TASK', or 'module:function' of your own"
-            if field == "rollout.dataset"
-            else "'module:attribute', e.g. 'my_rewards:accuracy'"
+        forms = "; a dataset is 'json:PATH' (JSON lines) or 'reasoning_gym:TASK' otherwise"
+        raise ConfigError(
+            f"{field}={path!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')"
+            + (forms if field == "rollout.dataset" else "")
         )
-        raise ConfigError(f"{field}={path!r} must be {example}")
     if any(p.startswith("__") for p in attr.split(".")):
         raise ConfigError(f"{field}={path!r}: a name with '__' is refused; name the function or class itself")
     return module_name, attr
