@@ -50,9 +50,9 @@ def test_two_rank_run_exports_the_trained_weights_sharded(tmp_path):
     # Independent source: the final DCP checkpoint, converted by torch's own tool.
     checkpoint = out / "checkpoints" / "step-0000002"
     dcp_to_torch_save(str(checkpoint / "dcp"), str(tmp_path / "ckpt.pt"))
-    trained = {
-        k.removeprefix("lm."): v for k, v in torch.load(tmp_path / "ckpt.pt", weights_only=False)["model"].items()
-    }
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # tensors only, keyed by their dotted state path
+    trained = {k.removeprefix("model.").removeprefix("lm."): v for k, v in saved.items() if k.startswith("model.")}
+    assert trained, sorted(saved)[:5]
     base = AutoModelForCausalLM.from_pretrained(resolve_model_dir(ModelConfig(name="tiny-qwen3"))).state_dict()
     moved = 0
     for name, tensor in exported.items():
