@@ -177,7 +177,7 @@ def test_a_retry_cancels_the_first_attempts_servers_and_a_silent_train_flow_free
             *tiny_overrides(stack_tmp),
             f"server.work_pool={SERVERS_POOL}",
             "server.deployment=grpo-servers/gpu",
-            "server.lifeline_timeout_s=6",  # beats every 1.5 s: margin for a loaded box (2 s ended a run early under load)
+            "server.lifeline_timeout_s=6",  # beats every 1.5 s: room for a slow API round trip on a loaded box
             "server.startup_timeout_s=120",
         ],
     )
