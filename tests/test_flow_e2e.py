@@ -269,7 +269,9 @@ def take(tag: str, hold_s: float = 1.5):
 def phase(fn):
     events.clear()
     fn()
-    return [(t, m) for t, m in events if "slot" in m or m.startswith(("asking", "inside", "left", "released"))]
+    # "slot(s) of the global": a flow run's random name ("Beginning flow run 'slothful-...'") says "slot" too
+    ours = ("asking", "inside", "left", "released")
+    return [(t, m) for t, m in events if "slot(s) of the global" in m or m.startswith(ours)]
 
 def held():
     holding = threading.Event()
