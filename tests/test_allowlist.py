@@ -90,7 +90,7 @@ def test_a_name_outside_the_allow_list_is_refused_in_preflight_before_any_import
     [
         ("grpo_core.preflight:os.system", "not a registered dataset entry of grpo_core.preflight"),
         ("grpo_core.rollout.data:json", "not a registered dataset entry of grpo_core.rollout.data"),
-        ("grpo_core.config:Path", "not a registered dataset entry of grpo_core.config"),
+        ("grpo_core.config.base:Path", "not a registered dataset entry of grpo_core.config.base"),
         ("grpo_core.config:RunConfig.model_validate", "not a registered dataset entry"),
         ("grpo_core.rollout.loop:RolloutLoop.render", "not a registered dataset entry"),
         ("grpo_core.config:RunConfig.__init__", "'__' is refused"),

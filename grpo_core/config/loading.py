@@ -1,0 +1,287 @@
+"""Reading a config file: YAML/TOML/JSON parsing, ``--set`` overrides and one-line validation errors."""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+)
+
+from grpo_core.config.base import _Strict
+from grpo_core.config.run import RunConfig
+from grpo_core.config.views import TrainerProcessConfig
+from grpo_core.errors import ConfigError
+
+
+def _set_dotted(data: dict, key: str, value: object) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _yaml_where(e: Exception) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
+def _yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last silently).
+
+    Raises:
+        yaml.YAMLError: malformed YAML, or a duplicate key (its ``problem_mark`` is the second key's line).
+    """
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: explicit keys may override it
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"the key {key!r} is given twice (first on line {seen[key]}); keep one",
+                        key_node.start_mark,
+                    )
+                if isinstance(key, typing.Hashable):
+                    seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    duplicate = next((k for k in keys if keys.count(k) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"the key {duplicate!r} is given twice in one object; keep one")
+    return dict(pairs)
+
+
+def _parse(path: Path, text: str) -> Any:
+    """The data of a config file by its suffix (``.toml``, ``.json``, else YAML).
+
+    Raises:
+        ConfigError: the text does not parse (names the file, the format, line and column).
+    """
+    import json
+    import tomllib
+
+    import yaml
+
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text)
+        if path.suffix == ".json":
+            return json.loads(text, object_pairs_hook=_unique_json_keys)
+        return _yaml_load(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_where(e)}") from None
+    except ValueError as e:  # a duplicate key of a JSON object
+        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+
+
+def _read_config(path: str | Path) -> dict:
+    """The mapping of a config file (YAML, JSON or TOML by suffix).
+
+    Raises:
+        ConfigError: unreadable, not UTF-8, empty, unparsable or a key given twice (names the line), or not a
+            mapping.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file {p}: {e.strerror}; check the --config path") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    data = _parse(p, text) if text.strip() else None
+    if data is None:
+        raise ConfigError(
+            f"config file {p} is empty (or holds only comments); give it the run's sections, e.g. "
+            "configs/tiny.yaml, or leave out --config to use the defaults"
+        )
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _section_model(kind: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model of the section at ``loc`` (field names; list indices and union tags are stepped over), or None."""
+    model: Any = kind
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if fields is None or part not in fields:
+            continue
+        model = next(
+            (
+                t
+                for t in (fields[part].annotation, *getattr(fields[part].annotation, "__args__", ()))
+                if isinstance(t, type) and issubclass(t, BaseModel)
+            ),
+            None,
+        )
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _field_path(kind: type[BaseModel], loc: tuple) -> str:
+    """``loc`` as the dotted path a user writes: field names and list indices (``extra_args[2]``), without
+    pydantic's union-member tags (``list[str]``, ``literal['all-linear']``)."""
+    path, model = "", kind
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif model is not None:  # a section: ``part`` is one of its fields (past a leaf field: a union tag)
+            path += f".{part}" if path else str(part)
+            model = _section_model(model, (part,))
+    return path
+
+
+def _error_lines(kind: type[BaseModel], errors: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per field of a pydantic ValidationError: ``path: message``. An unknown key gets the section's
+    closest field names; a ConfigError from a cross-field check is its own message (it names its fields); the
+    failed members of a union are joined on one line."""
+    from grpo_core.errors import did_you_mean
+
+    lines: dict[str, list[str]] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            lines.setdefault(str(cause), [])
+            continue
+        path = _field_path(kind, loc)
+        if err["type"] == "extra_forbidden":
+            section = _section_model(kind, loc[:-1])
+            names = section.model_fields if section is not None else ()
+            prefix = f"{_field_path(kind, loc[:-1])}." if loc[:-1] else ""
+            path = f"{prefix}{loc[-1]}"
+            msg = "unknown key" + did_you_mean(str(loc[-1]), names, prefix)
+        elif err["type"] == "value_error" and cause is not None:
+            msg = str(cause)
+            if path and msg.startswith(path):  # the validator's message names the field already
+                lines.setdefault(msg, [])
+                continue
+        elif err["type"] == "list_type" and isinstance(err.get("input"), str | int | float):  # one value, no list
+            msg = f"{err['msg']}; write [{err['input']}] for one item"
+        else:
+            msg = err["msg"]
+        if msg not in lines.setdefault(path or "config", []):
+            lines[path or "config"].append(msg)
+    return [
+        f"{path}: {', or '.join(msgs)} (got {_shown(errors, path, kind)})"
+        if len(msgs) > 1
+        else f"{path}: {msgs[0]}"
+        if msgs
+        else path
+        for path, msgs in lines.items()
+    ]
+
+
+def _shown(errors: Sequence[Mapping[str, Any]], path: str, kind: type[BaseModel]) -> str:
+    """The input at ``path`` of the first error there, for a union's joined line."""
+    for err in errors:
+        if _field_path(kind, tuple(err["loc"])) == path:
+            return repr(err.get("input"))[:80]
+    return "?"
+
+
+def _validate(
+    kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None, hint: str = ""
+) -> Any:
+    """``kind`` validated from ``data`` after ``secrets`` and ``key.sub=value`` overrides (see :func:`load_config`)."""
+    import yaml
+    from pydantic import ValidationError
+
+    if secrets:
+        from grpo_core.redact import apply_secrets
+
+        try:
+            apply_secrets(data, secrets)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, value = item.split("=", 1)
+        if not key.strip():
+            raise ConfigError(
+                f"override {item!r}: the key before '=' is empty; write key.sub=value, e.g. train.max_steps=5"
+            )
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError(
+                f"override {item!r}: the key {key!r} has an empty part; write section.field=value, "
+                "e.g. train.max_steps=5"
+            )
+        try:
+            parsed = _yaml_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
+                "quote it, e.g. key='text: with colon'"
+            ) from None
+        _set_dotted(data, key.strip(), parsed)
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        lines = _error_lines(kind, e.errors())
+        extra = hint if any(err["type"] == "extra_forbidden" for err in e.errors()) else ""
+        what = "trainer sub-config" if kind is TrainerProcessConfig else "run config"
+        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines) + extra) from None
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, secrets: dict[str, str] | None = None
+) -> RunConfig:
+    """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
+
+    Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
+    ``secrets`` (``{field path: value}``, what a run's processes get in ``GRPO_RUN_SECRETS``) replace the
+    redacted secrets of a config file grpo-flow wrote, before the overrides.
+
+    Raises:
+        ConfigError: unreadable or unparsable file (names the line), bad override, or a validation
+            error (naming the field).
+    """
+    return _validate(RunConfig, _read_config(path) if path is not None else {}, overrides, secrets)
+
+
+def load_trainer_config(
+    path: str | Path, overrides: list[str] | None = None, secrets: dict[str, str] | None = None
+) -> TrainerProcessConfig:
+    """The trainer's sub-config from a config file: a trainer sub-config (the flow's ``train_config.json``,
+    ``"process": "trainer"``) as it is, or a whole run config turned into one (:meth:`RunConfig.trainer_process`).
+
+    Overrides and secrets use the fields' paths in the file (``train.max_steps=5``, ``server.api_key``; a sub-config
+    holds only what the trainer reads).
+
+    Raises:
+        ConfigError: as :func:`load_config`; a sub-config override of a field the trainer does not read says so.
+    """
+    data = _read_config(path)
+    if data.get("process") == "trainer":
+        return _validate(
+            TrainerProcessConfig,
+            data,
+            overrides,
+            secrets,
+            hint=f"\n{path} is a trainer sub-config: it holds only the fields the trainer reads "
+            "(TrainerProcessConfig); set other fields in the run config it was made from",
+        )
+    return _validate(RunConfig, data, overrides, secrets).trainer_process()

@@ -1,0 +1,146 @@
+"""The ``rollout`` section: dataset, sampling, rewards, staleness and the rollout loop."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    model_validator,
+)
+
+from grpo_core.config.base import REMOVED_ROLLOUT_FIELDS, _CandidateFilter, _refuse_removed
+from grpo_core.errors import ConfigError
+
+logger = logging.getLogger("grpo_core.config")
+
+
+class RolloutConfig(_CandidateFilter):
+    """The rollout process: sampling settings, dataset, rewards, tools/environments, pace and transport.
+
+    The ``module:name`` fields (``dataset``, ``reward_functions``, ``tools``, ``environment_factory``,
+    ``loop_class``) resolve only inside the allow-list ``GRPO_ALLOWED_MODULES`` (``grpo_core.allowlist``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        return _refuse_removed(data, "rollout", REMOVED_ROLLOUT_FIELDS)
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass kept; 1.0 = off. Below 1 needs top_k > 0."""
+    top_k: int = Field(default=0, ge=0)
+    """Candidates kept per step; 0 = off."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Drop tokens below min_p times the top probability; 0 = off."""
+    max_completion_length: int = Field(default=2048, ge=1)
+    """Most tokens generated per turn (the request's ``max_tokens``)."""
+    num_sampler_logprobs: int = Field(default=8, ge=0)
+    """Top log-probs requested per generated token (score centering); 0 = none."""
+    max_staleness: int = Field(default=4, ge=0)
+    """Most policy versions a sample may lag the trainer before it is dropped."""
+    max_concurrent_rollouts: int = Field(default=512, ge=1)
+    """Most rollouts in flight at once (also the HTTP connection pool size)."""
+    batch_group_prompts: bool = False
+    """Send the first requests of a group's rollouts that start together as one request with ``n`` choices
+    instead of ``n`` requests (``grpo_core.rollout.coalesce``): on a small model vLLM's API server spends its CPU
+    mostly per request. Each rollout keeps its own seed either way; the router then sees one request per group
+    (``router/affinity_hit_frac`` counts requests, so it falls towards 0)."""
+    server_timeout_s: float = Field(default=1800.0, gt=0)
+    """Seconds a single request to the server may take before it is retried."""
+    max_retries: int = Field(default=5, ge=0)
+    """Retries of a request after connection errors, timeouts and 5xx answers."""
+    max_abort_retries: int = Field(default=3, ge=0)
+    """Times a turn the server cut short (``finish_reason: abort``) is resubmitted as its continuation before
+    its group is dropped (counted in ``rollout/aborted_group_count``); aborted tokens are never trained as a
+    finished turn."""
+    reward_timeout_s: float | None = Field(default=300.0, gt=0)
+    """Seconds one reward function call, or one environment ``get_reward()``, may take; past it the group fails
+    (counted in ``rewards/<name>/timeout_count``, charged to ``max_failed_groups``). None = no limit."""
+    tool_timeout_s: float | None = Field(default=120.0, gt=0)
+    """Seconds one tool call, or one environment ``reset()``, may take. A timed-out tool call answers the model
+    with an error message (``tools/<name>/timeout_count``); a timed-out ``reset()`` fails its group. None = no
+    limit. A timed-out sync call keeps its worker thread until it returns (Python cannot stop a thread)."""
+    max_failed_groups: int = Field(default=10, ge=0)
+    """Groups that may fail in user code (a reward function, ``env.reset``/``get_reward`` raising or timing out)
+    before the run fails naming the last error; each failed group's prompt counts as consumed and is counted in
+    ``rollout/failed_group_count``. 0 = the first failure fails the run. A misconfigured function (wrong
+    signature, wrong return type or length) fails the run at once."""
+    num_generations: int = Field(default=8, ge=2)
+    """G: rollouts per prompt (one group); advantages are normalised inside it."""
+    scale_rewards: Literal["group", "none"] = "group"
+    """Advantages A = r − mean of the group, divided by the group's reward std (``group``, GRPO) or not
+    (``none``, Dr. GRPO, Liu et al. 2025)."""
+    mask_truncated_completions: bool = False
+    """Leave out of the loss the rollouts whose last turn hit ``max_completion_length``
+    (``finish_reason: length``; DAPO's overlong filtering, Yu et al. 2025, §3.4); they still count in their
+    group's mean and std. Counted in ``rollout/truncated_masked_count``."""
+    dataset: str | None = None
+    """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` giving a Dataset; None = the
+    environment's ``reset()`` makes each prompt (``rollout.environment_factory``)."""
+    dataset_size: int = Field(default=1000, ge=1)
+    """Prompts of a ``reasoning_gym:`` dataset, or of an epoch when an environment's reset() makes the prompts."""
+    dataset_seed: int = Field(default=0, ge=0)
+    """Seed of a generated (``reasoning_gym:``) dataset."""
+    dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a ``module:callable`` dataset, or the task config of a ``reasoning_gym:`` one."""
+    shuffle: bool = True
+    """Visit the prompts in a seeded random order, a new one each epoch (the same for a given ``shuffle_seed`` and
+    epoch, so a resume continues it exactly); false = the dataset's order. A streaming (iterable) dataset is read
+    in its order."""
+    shuffle_seed: int = Field(default=0, ge=0)
+    """Seed of the prompt order (``shuffle``)."""
+    reward_functions: list[str] = Field(default_factory=list)
+    """Reward functions as ``module:name``; rewards of all sources are summed."""
+    tools: list[str] = Field(default_factory=list)
+    """Tool functions as ``module:name`` (typed, Google docstrings), shown to the model through the chat template."""
+    environment_factory: str | dict[str, str] | None = None
+    """Environment class ``module:Class``, or name -> class routed by the dataset's ``environment`` column."""
+    loop_class: str = "grpo_core.rollout.loop:RolloutLoop"
+    """Rollout loop class ``module:Class`` (a ``RolloutLoop`` subclass with overridden hooks)."""
+    loop_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields of the loop class's own config subclass (its ``config_class``)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of ``tokenizer.apply_chat_template`` (e.g. ``enable_thinking``)."""
+    response_template: str | dict[str, Any] | None = None
+    """How tool calls are read from a reply (transformers' ``parse_response``): a built-in name (``hermes``,
+    ``mistral``, ``llama3``) or a response-template dict; None = the tokenizer's own ``response_template``, else
+    the Hermes ``<tool_call>`` regex."""
+    max_tool_calling_iterations: int | None = Field(default=None, ge=0)
+    """Most tool-calling turns per rollout; None = until the model stops calling tools."""
+    num_epochs: int | None = Field(default=1, ge=1)
+    """Passes over the prompt dataset (a rejected prompt counts as consumed); None = cycle the dataset until the
+    trainer stops the run at ``train.max_steps`` (the one owner of the run's length)."""
+    seed: int = Field(default=0, ge=0)
+    """Base of the per-request sampler seeds (each rollout of a group gets its own seed)."""
+    first_step_tokens: int = Field(default=8192, ge=1)
+    """Raw sample tokens a step is assumed to consume before the first report (~ budget x ranks x accumulation)."""
+    concurrency_poll_s: float = Field(default=5.0, gt=0)
+    """Seconds between ``/metrics`` polls of the adaptive concurrency cap."""
+    rollout_worker_timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds without a heartbeat from the rollout process before the trainer fails the run."""
+    flight_host: str = "127.0.0.1"
+    """Interface the rollout process's Arrow Flight server binds; loopback unless the trainer is on another host."""
+    flight_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the Flight server; 0 = a free port, reported at start."""
+
+    @model_validator(mode="after")
+    def _check_rollout_fields(self) -> RolloutConfig:
+        if self.temperature == 0 and self.num_generations > 1:
+            logger.warning(
+                "rollout.temperature=0 makes the %d rollouts of a group identical: every group has zero "
+                "reward std and is dropped; raise rollout.temperature",
+                self.num_generations,
+            )
+        if isinstance(self.environment_factory, dict) and not self.environment_factory:
+            raise ConfigError("rollout.environment_factory is an empty dict; name at least one environment or set None")
+        for name in [*self.reward_functions, *self.tools, self.loop_class]:
+            if ":" not in name:
+                raise ConfigError(f"rollout: {name!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")
+        if self.max_tool_calling_iterations is not None and not self.tools and self.environment_factory is None:
+            logger.warning(
+                "rollout.max_tool_calling_iterations has no effect without rollout.tools or rollout.environment_factory"
+            )
+        return self
