@@ -8,7 +8,8 @@ watched, so any failure ends the command within seconds with an error naming the
 
 A server started here requires a basic-auth string (``PREFECT_SERVER_API_AUTH_STRING``; its clients send
 ``PREFECT_API_AUTH_STRING``): the environment's, or a fresh random one; and it is used only once it proves to
-be the process started here (:func:`verify_own_server`), never another server that answers on its port.
+be the process started here (:func:`verify_own_server`: it holds every socket listening on the port), never
+sent to another server that answers on its port.
 
 The temporary server runs in its own session, owned by this process (``grpo_core.lifeline``): a Ctrl-C in the
 terminal (SIGINT to the foreground process group) reaches the flow, which records its crash on the still-running
@@ -61,8 +62,10 @@ def local_auth_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def verify_own_server(api_url: str, auth_string: str, process: Any, what: str) -> None:
     """Raise ``PrefectApiError`` unless ``api_url`` is served by the Prefect server ``process`` we started.
 
-    Ours is alive, refuses a request without the auth string (401) and accepts it with it; another
-    server on the port (one without auth, or with another auth string) fails one of the two.
+    Ours is alive and holds every socket listening on the URL's port (it or its descendants:
+    ``grpo_core.auth.listener_owned``, read from ``/proc``); only then is the auth string sent, and ours
+    refuses a request without it (401) and accepts it with it. Another server on the port is never sent the auth
+    string: Prefect's server cannot answer a challenge, so the socket's owner is what proves identity.
 
     Args:
         api_url: ``http://host:port/api``.
@@ -71,23 +74,33 @@ def verify_own_server(api_url: str, auth_string: str, process: Any, what: str) -
         what: the server's name in the message (e.g. ``grpo deploy --port 4200``).
     """
     import base64
+    from urllib.parse import urlsplit
 
     import httpx
 
+    from grpo_core.auth import listener_owned
+
     if process.poll() is not None:
         raise PrefectApiError(f"the Prefect server of {what} exited with code {process.returncode}")
+    port = urlsplit(api_url).port or 80
+    problem = listener_owned(port, process.pid)
+    if problem is not None:
+        raise PrefectApiError(
+            f"{api_url} is not served by the Prefect server {what} started (port {port}: {problem}); its auth "
+            "string was not sent; stop that server or use another port"
+        )
     probe = api_url.rstrip("/") + "/admin/version"
     basic = {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
     try:
         anonymous = httpx.get(probe, timeout=10).status_code
-        authed = httpx.get(probe, headers=basic, timeout=10).status_code
+        authed = httpx.get(probe, headers=basic, timeout=10).status_code if anonymous == 401 else None
     except httpx.HTTPError as exc:
         raise PrefectApiError(f"the Prefect server of {what} at {api_url} does not answer: {exc}") from None
     if anonymous != 401 or authed != 200:
         raise PrefectApiError(
             f"{api_url} is answered by a Prefect server {what} did not start (without credentials: "
-            f"HTTP {anonymous}, with this server's: HTTP {authed}); stop that server or use "
-            "another port"
+            f"HTTP {anonymous}, with this server's: {'not sent' if authed is None else f'HTTP {authed}'}); stop "
+            "that server or use another port"
         )
 
 

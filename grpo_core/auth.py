@@ -6,15 +6,27 @@ file or a log line. Every listener the run starts answers only requests carrying
 ``Authorization: Bearer <token>`` (HTTP) or the same ``authorization`` call header (Arrow Flight);
 anything else gets 401 (Flight: ``FlightUnauthenticatedError``) and changes nothing.
 
-Each server launch also gets a random nonce (``GRPO_RUN_NONCE``, not secret) that the server reports
-on an authenticated route, so the launcher can tell the process it started from any other server that
-answers on the same port (a leftover of an earlier attempt holds the same token, not the same nonce).
+Each server launch also gets a random nonce (``GRPO_RUN_NONCE``, not secret). Before the launcher sends the
+token to a port it checks who answers there without handing the token over: it sends a fresh random challenge
+to the unauthenticated ``GET /grpo/identity?challenge=...`` and accepts the server only when the answer holds
+this launch's nonce and ``HMAC-SHA256(K, challenge ‖ 0 ‖ nonce)`` with ``K = HMAC-SHA256(token, "grpo-flow
+identity v1")`` (:func:`identity_proof`), compared in constant time. Another run's server (other token), a
+server of an earlier launch (same token, other nonce) or any other program on the port fails the check and is
+never sent the token. The route is an HMAC oracle under a key derived for this purpose only, so its answers
+prove nothing anywhere else and reveal nothing of the token. It does not stop a process that relays the
+challenge to our own server and back (a man in the middle on the same host): only TLS with a pinned certificate
+would; every listener binds loopback by default.
+
+A server that cannot answer the challenge (Prefect's API server) is checked by the socket instead
+(:func:`listener_owned`): every socket listening on its port must belong to the process started (or its
+descendants), read from ``/proc``, before the credential is sent.
 
 Only the standard library (and ``grpo_core.errors``) is imported here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -31,6 +43,10 @@ NONCE_PATH = "/grpo/run_nonce"
 """Authenticated route of the generation servers answering ``{"nonce": ...}``."""
 OPEN_PATHS = frozenset({"/health"})
 """HTTP paths answered without a token (they reveal nothing but liveness)."""
+IDENTITY_PATH = "/grpo/identity"
+"""Unauthenticated route of the run's HTTP listeners answering a challenge (:func:`identity_answer`)."""
+_IDENTITY_LABEL = b"grpo-flow identity v1"
+_CHALLENGE_HEX = range(32, 129)  # accepted challenge lengths (hex digits): 128 to 512 bits
 
 
 #: Fewest characters of a token that several trainer hosts share (``train.nnodes`` > 1).
@@ -87,6 +103,130 @@ def authorized(header_value: str | None, token: str) -> bool:
         return False
     scheme, _, given = header_value.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def new_challenge() -> str:
+    """A fresh identity challenge: 16 random bytes from ``secrets``, as 32 hex digits."""
+    return secrets.token_hex(16)
+
+
+def identity_proof(token: str, nonce: str, challenge: str) -> str:
+    """The answer of a server holding ``token`` to ``challenge`` at launch ``nonce`` (hex, 64 digits).
+
+    ``HMAC-SHA256(K, challenge ‖ 0x00 ‖ nonce)`` with ``K = HMAC-SHA256(token, "grpo-flow identity v1")``: the key
+    derived for identity proofs only, so no answer is a valid tag of anything else the run MACs with its token
+    (the trainer ranks' membership check, ``grpo_core.train.distributed``). RFC 2104 HMAC; a PRF, so answers to
+    chosen challenges reveal nothing of the token.
+    """
+    key = hmac.new(token.encode(), _IDENTITY_LABEL, hashlib.sha256).digest()
+    return hmac.new(key, challenge.encode() + b"\x00" + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def identity_answer(query_string: bytes | str, token: str, nonce: str) -> tuple[int, dict[str, str]]:
+    """``(status, JSON body)`` of ``GET /grpo/identity`` on a listener holding ``token``, launched with ``nonce``.
+
+    Args:
+        query_string: the request's raw query string (``challenge=<32 to 128 hex digits>``).
+        token: the listener's token.
+        nonce: its launch's nonce ('' = none).
+
+    Returns:
+        ``(200, {"nonce", "proof"})``, or ``(400, {"error"})`` for a missing or malformed challenge.
+    """
+    from urllib.parse import parse_qs
+
+    raw = query_string.decode("latin-1") if isinstance(query_string, bytes) else query_string
+    given = parse_qs(raw).get("challenge", [""])[0]
+    if len(given) not in _CHALLENGE_HEX or any(c not in "0123456789abcdef" for c in given):
+        return 400, {"error": "challenge must be 32 to 128 lowercase hex digits (a fresh random value per check)"}
+    return 200, {"nonce": nonce, "proof": identity_proof(token, nonce, given)}
+
+
+def identity_problem(status: int, body: object, token: str, nonce: str, challenge: str) -> str | None:
+    """Why an answer to ``GET /grpo/identity?challenge=...`` is not our launch's (None when it is).
+
+    Args:
+        status: the answer's HTTP status.
+        body: its decoded JSON body (anything else counts as no proof).
+        token: the run's token (never sent: only compared against).
+        nonce: the launch's nonce.
+        challenge: the challenge sent.
+    """
+    if status != 200:
+        return f"it has no identity route (HTTP {status})"
+    given_nonce = body.get("nonce") if isinstance(body, dict) else None
+    proof = body.get("proof") if isinstance(body, dict) else None
+    if not isinstance(given_nonce, str) or not isinstance(proof, str):
+        return "it does not prove that it holds this run's token"
+    if not hmac.compare_digest(proof.encode(), identity_proof(token, given_nonce, challenge).encode()):
+        return "it does not prove that it holds this run's token"
+    return (
+        None if hmac.compare_digest(given_nonce.encode(), nonce.encode()) else "it does not report this launch's nonce"
+    )
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP ``port`` (IPv4 and IPv6) in this network namespace; None without ``/proc``."""
+    found, readable = set(), False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                lines = rows.read().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                found.add(fields[9])
+    return found if readable else None
+
+
+def _process_tree(pid: int) -> set[int]:
+    """``pid`` and its descendants, read from ``/proc/<pid>/stat``."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree
+
+
+def listener_owned(port: int, pid: int) -> str | None:
+    """Why TCP ``port`` is not served by process ``pid`` alone (None when it is): every socket listening on the
+    port must be held by ``pid`` or one of its descendants (``/proc/net/tcp*`` and ``/proc/<pid>/fd``), so no
+    other process (not one sharing the port through ``SO_REUSEPORT`` either) can be handed a credential sent there.
+
+    Linux only; processes of the same user (their ``fd`` folders are readable).
+    """
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return "/proc/net/tcp cannot be read, so who listens there cannot be checked"
+    if not inodes:
+        return "nothing listens on it"
+    held: set[str] = set()
+    for member in _process_tree(pid):
+        try:
+            fds = os.listdir(f"/proc/{member}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{member}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                held.add(link[8:-1])
+    foreign = inodes - held
+    return f"{len(foreign)} of its {len(inodes)} listening socket(s) belong to another process" if foreign else None
 
 
 def check_port_free(host: str, port: int, field_name: str = "server.port") -> None:

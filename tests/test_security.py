@@ -203,9 +203,11 @@ class _Foreign(BaseHTTPRequestHandler):
     """Another run's server: answers 200 to everything and records what it was sent."""
 
     seen: list[str] = []
+    received: list[str] = []  # every request line and header as sent
 
     def _answer(self) -> None:
         self.seen.append(f"{self.command} {self.path}")
+        self.received.append(f"{self.requestline}\n{self.headers}")
         self.send_response(200)
         self.send_header("content-type", "application/json")
         self.end_headers()
@@ -220,7 +222,7 @@ class _Foreign(BaseHTTPRequestHandler):
 @pytest.fixture
 def foreign():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Foreign)
-    _Foreign.seen = []
+    _Foreign.seen, _Foreign.received = [], []
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield httpd
@@ -309,14 +311,40 @@ def test_a_server_answering_on_our_port_is_never_adopted(who, foreign, server, t
     token = "another-run-token" if who == "another run" else run_token()
     handle = _sleeper(port, tmp_path)
     reason = {
-        "no guard": "does not report this launch's nonce",
-        "another run": "refused this run's token",
+        "no guard": "does not prove that it holds this run's token",
+        "another run": "does not prove that it holds this run's token",
         "another launch": "does not report this launch's nonce",
     }[who]
-    with pytest.raises(PortInUseError, match=f"did not start \\(it {reason}\\)"):
+    with pytest.raises(PortInUseError) as info:
         wait_healthy(handle, 60, token)
+    if who == "no guard":  # it was asked (so the check ran), and never sent the token
+        assert _Foreign.received and not any(token in r or "authorization" in r.lower() for r in _Foreign.received)
+        assert any(s.startswith("GET /grpo/identity?challenge=") for s in _Foreign.seen), _Foreign.seen
+    assert f"did not start (it {reason})" in str(info.value), str(info.value)
     assert handle.process.poll() is not None  # our replica was stopped
     assert not any(s.startswith("POST") for s in _Foreign.seen)  # nothing pushed
+
+
+def test_the_identity_answer_proves_the_token_without_revealing_it(server):
+    """The embedded server answers a fresh challenge without a token: HMAC-SHA256 under a key derived from the
+    token (recomputed here with hashlib/hmac from the documented construction), bound to the challenge and the
+    launch's nonce; a malformed challenge is refused."""
+    import hashlib
+    import hmac
+    import secrets
+
+    token = run_token()
+    challenges = [secrets.token_hex(16) for _ in range(2)]
+    answers = [httpx.get(server.url + "/grpo/identity", params={"challenge": c}) for c in challenges]
+    assert [a.status_code for a in answers] == [200, 200]
+    key = hmac.new(token.encode(), b"grpo-flow identity v1", hashlib.sha256).digest()
+    for challenge, answer in zip(challenges, answers, strict=True):
+        expected = hmac.new(key, challenge.encode() + b"\x00" + server.spec.nonce.encode(), hashlib.sha256)
+        assert answer.json() == {"nonce": server.spec.nonce, "proof": expected.hexdigest()}
+        assert token not in answer.text
+    assert answers[0].json()["proof"] != answers[1].json()["proof"]  # bound to the challenge
+    for bad in ("", "xyz", "ab" * 8, "AB" * 16, "ab" * 65):
+        assert httpx.get(server.url + "/grpo/identity", params={"challenge": bad}).status_code == 400, bad
 
 
 def test_a_replica_fenced_before_its_launcher_saw_it_healthy_is_adopted_at_once(server, tmp_path):
@@ -358,16 +386,59 @@ def test_prefect_stack_on_a_taken_port_starts_nothing(tmp_path):
     assert not (tmp_path / "prefect" / "server.log").exists()
 
 
-def test_a_prefect_server_that_needs_no_auth_string_is_not_ours(foreign, tmp_path):
+def test_a_prefect_server_that_needs_no_auth_string_is_not_ours_and_is_never_sent_it(foreign, tmp_path):
     from flows.local_api import PrefectApiError, verify_own_server
 
     ours = _sleeper(0, tmp_path).process  # alive, but another server answers on the port
     try:
-        with pytest.raises(PrefectApiError, match=r"did not start \(without credentials: HTTP 200"):
+        with pytest.raises(PrefectApiError) as info:
             verify_own_server(f"http://127.0.0.1:{foreign.server_address[1]}/api", "grpo:secret", ours, "test")
     finally:
         ours.kill()
         ours.wait()
+    basic = "Z3JwbzpzZWNyZXQ="  # base64 of grpo:secret
+    assert not any("secret" in r or basic in r or "authorization" in r.lower() for r in _Foreign.received)
+    assert "is not served by the Prefect server test started" in str(info.value), str(info.value)
+    assert "belong to another process" in str(info.value)
+
+
+# A Prefect-like API started as a grandchild (``prefect server start`` runs uvicorn as its child): 401 without the
+# auth string, 200 with it; prints its port.
+_BASIC_SERVER = """
+import base64, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+want = "Basic " + base64.b64encode(b"grpo:secret").decode()
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.headers.get("authorization") == want else 401)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+httpd = HTTPServer(("127.0.0.1", 0), H)
+print(httpd.server_address[1], flush=True)
+httpd.serve_forever()
+"""
+
+
+def test_a_prefect_server_we_started_is_recognised_by_its_socket():
+    from flows.local_api import verify_own_server
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_BASIC_SERVER!r}])"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        port = int(parent.stdout.readline())  # the grandchild listens: set-up happened
+        assert httpx.get(f"http://127.0.0.1:{port}/api/admin/version").status_code == 401
+        verify_own_server(f"http://127.0.0.1:{port}/api", "grpo:secret", parent, "test")  # no error: ours
+    finally:
+        import os
+        import signal
+
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
 
 
 PROBE = """

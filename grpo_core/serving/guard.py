@@ -11,8 +11,10 @@ fallback). It:
   (vLLM 0.25.1 ``AuthenticationMiddleware``); its dev-mode routes (``/pause``, ``/resume``,
   ``/start_weight_update``, ``/update_weights``, ``/collective_rpc``, ``/server_info``, …) and
   ``/metrics`` are covered here;
-* answers ``GET /grpo/run_nonce`` (authenticated) with the launch's nonce, so the launcher can tell
-  the process it started from another server on the same port (``grpo_core.serving.vllm.wait_healthy``);
+* answers ``GET /grpo/identity?challenge=<hex>`` without a token with the launch's nonce and an HMAC of the
+  challenge under the run's token (``grpo_core.auth.identity_answer``), so the launcher can tell the process it
+  started from another server on the same port without sending that server the token
+  (``grpo_core.serving.vllm.wait_healthy``); ``GET /grpo/run_nonce`` (authenticated) reports the nonce as well;
 * refuses (403) a LoRA adapter load whose ``lora_path`` is outside the run's adapter folder, and a
   full-weight update whose ``update_info.path`` is outside the run's weights folder;
 * fences a replica whose full-weight update failed (``POST /grpo/stale {"stale": true, "reason"}``, sent by the
@@ -45,7 +47,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, TOKEN_ENV, authorized, run_token
+from grpo_core.auth import (
+    IDENTITY_PATH,
+    NONCE_ENV,
+    NONCE_PATH,
+    OPEN_PATHS,
+    TOKEN_ENV,
+    authorized,
+    identity_answer,
+    run_token,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +147,13 @@ class RunGuardMiddleware:
         weights_dir: str | Path | None = None,
     ) -> None:
         self.app = app
-        self._token = token or run_token()
-        if not self._token:
+        token = token or run_token()
+        if not token:
             raise RuntimeError(
                 f"{TOKEN_ENV} is not set: the server needs the run's bearer token in its environment "
                 f"(e.g. {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'))"
             )
+        self._token: str = token
         self.nonce = nonce if nonce is not None else os.environ.get(NONCE_ENV, "")
         env_pause = os.environ.get(MAX_PAUSE_ENV)
         self.max_pause_s = (
@@ -165,6 +177,9 @@ class RunGuardMiddleware:
             return
         path = scope.get("path", "").removeprefix(scope.get("root_path", "") or "") or "/"
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if path == IDENTITY_PATH and scope["type"] == "http" and scope.get("method") == "GET":
+            await _send_json(send, *identity_answer(scope.get("query_string", b""), self._token, self.nonce))
+            return
         if path not in OPEN_PATHS and not authorized(headers.get("authorization"), self._token):
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})

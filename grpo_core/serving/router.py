@@ -32,7 +32,16 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import NONCE_ENV, NONCE_PATH, OPEN_PATHS, TOKEN_ENV, authorized, run_token
+from grpo_core.auth import (
+    IDENTITY_PATH,
+    NONCE_ENV,
+    NONCE_PATH,
+    OPEN_PATHS,
+    TOKEN_ENV,
+    authorized,
+    identity_answer,
+    run_token,
+)
 from grpo_core.config import SERVER_API_KEY_ENV
 from grpo_core.run.layout import ROUTER_LOG, ROUTER_PORT
 
@@ -143,6 +152,10 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
 
     @app.middleware("http")
     async def check_token(request: Request, call_next: Any) -> Any:
+        if request.url.path == IDENTITY_PATH and request.method == "GET" and run_token():
+            # the launcher's check that it reached the process it started, before it sends a token (grpo_core.auth)
+            status, body = identity_answer(request.url.query, run_token() or "", os.environ.get(NONCE_ENV, ""))
+            return JSONResponse(body, status_code=status)
         if tokens and request.url.path not in OPEN_PATHS:  # /health: probes need no token (as vLLM's --api-key)
             given = request.headers.get("authorization")
             if not any(authorized(given, t) for t in tokens):

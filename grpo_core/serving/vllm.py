@@ -44,7 +44,15 @@ from pathlib import Path
 import httpx
 
 from grpo_core import lifeline
-from grpo_core.auth import NONCE_ENV, NONCE_PATH, TOKEN_ENV, bearer_headers, check_port_free, ensure_run_token
+from grpo_core.auth import (
+    IDENTITY_PATH,
+    NONCE_ENV,
+    TOKEN_ENV,
+    check_port_free,
+    ensure_run_token,
+    identity_problem,
+    new_challenge,
+)
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
 from grpo_core.redact import redact_argv, reveal
@@ -375,10 +383,11 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
 
     Accepted only when our process is alive, ``/health`` answers 200 (or, with ``fenced_ok``, the guard's fence
     503: a replica restarted on a port its clients know, which a request for a later policy version reached before
-    this poll, is loaded and only out of routing until the next weight sync; :func:`relaunch`), and the authenticated
-    ``GET /grpo/run_nonce`` (``grpo_core.serving.guard``) returns this launch's nonce: a server of another
-    run (other token: 401; no guard: 404) or of an earlier launch (other nonce) on the same port is never
-    adopted, and no weights are ever pushed to it.
+    this poll, is loaded and only out of routing until the next weight sync; :func:`relaunch`), and its answer to
+    a fresh challenge on the unauthenticated ``GET /grpo/identity`` (``grpo_core.auth.identity_problem``) holds
+    this launch's nonce and an HMAC of the challenge under ``token``: a server of another run (other token), of
+    an earlier launch (other nonce) or without the route on the same port is never adopted, never sent the token,
+    and no weights are ever pushed to it.
 
     Args:
         handle: the launched replica.
@@ -411,11 +420,14 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
                 healthy = health.status_code == 200 or (
                     fenced_ok and health.status_code == 503 and health.headers.get(FENCE_HEADER) == "up"
                 )
-                answer = httpx.get(url + NONCE_PATH, headers=bearer_headers(token), timeout=5.0) if healthy else None
+                challenge = new_challenge()
+                answer = (
+                    httpx.get(url + IDENTITY_PATH, params={"challenge": challenge}, timeout=5.0) if healthy else None
+                )
             except httpx.HTTPError:
                 answer = None
             if answer is not None:
-                problem = _foreign(answer, spec.nonce)
+                problem = identity_problem(answer.status_code, _json(answer), token, spec.nonce, challenge)
                 if problem is None:
                     handle.url = url
                     return url
@@ -433,17 +445,12 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
     )
 
 
-def _foreign(answer: httpx.Response, nonce: str) -> str | None:
-    """Why a ``/grpo/run_nonce`` answer is not our launch's (None when it is)."""
-    if answer.status_code == 401:
-        return "it refused this run's token"
-    if answer.status_code != 200:
-        return f"it has no run nonce route (HTTP {answer.status_code})"
+def _json(answer: httpx.Response) -> object:
+    """An answer's JSON body, or None when it is not JSON."""
     try:
-        given = answer.json().get("nonce")
-    except (ValueError, AttributeError):
-        given = None
-    return None if given == nonce else "it does not report this launch's nonce"
+        return answer.json()
+    except ValueError:
+        return None
 
 
 async def check_server(url: str, config: RunConfig, token: str | None = None) -> None:
