@@ -1,7 +1,20 @@
-"""Reading a config file: YAML/TOML/JSON parsing, ``--set`` overrides and one-line validation errors."""
+"""Reading a config file: YAML/TOML/JSON parsing, ``--set`` overrides and one-line validation errors.
+
+An override's value is YAML (``train.max_steps=5``), or, for a secret, read off the command line (where any
+user of the host reads it in ``/proc/<pid>/cmdline`` or ``ps`` for as long as the command runs):
+``key=@env:NAME`` (the environment variable ``NAME``), ``key=@file:PATH`` (the file's text, one trailing newline
+dropped) or ``key=@stdin`` (one line of standard input; a prompt that does not echo on a terminal), each taken as
+a string. ``@`` cannot start a plain YAML value, so no value meant as YAML reads as one of these. An override
+that puts a secret on the command line (a ``SecretStr`` field, a flag of ``server.extra_args`` such as
+``--api-key``, a dict key such as ``api_key``) is applied with a warning naming these forms.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import sys
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,6 +28,12 @@ from grpo_core.config.base import _Strict
 from grpo_core.config.run import RunConfig
 from grpo_core.config.views import TrainerProcessConfig
 from grpo_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Prefixes of an override value read off the command line (see the module docstring).
+ENV_VALUE, FILE_VALUE, STDIN_VALUE = "@env:", "@file:", "@stdin"
+_warned: set[str] = set()  # override keys warned about in this process (grpo resume loads its overrides twice)
 
 
 def _set_dotted(data: dict, key: str, value: object) -> None:
@@ -202,6 +221,72 @@ def _shown(errors: Sequence[Mapping[str, Any]], path: str, kind: type[BaseModel]
     return "?"
 
 
+@functools.cache
+def _stdin_line(key: str) -> str:
+    """One line of standard input (read once per process: ``grpo resume`` applies its overrides twice)."""
+    if sys.stdin is None:
+        raise ConfigError(f"--set {key}=@stdin: this process has no standard input; use @env:NAME or @file:PATH")
+    if sys.stdin.isatty():
+        import getpass
+
+        return getpass.getpass(f"{key}: ")
+    return sys.stdin.readline().rstrip("\r\n")
+
+
+def _indirect_value(key: str, value: str) -> str | None:
+    """The value of an override written ``@env:NAME``, ``@file:PATH`` or ``@stdin``; None for any other value.
+
+    Raises:
+        ConfigError: the variable is unset or empty, the file cannot be read, or the form is unknown.
+    """
+    if not value.startswith("@"):
+        return None
+    if value.startswith(ENV_VALUE):
+        name = value[len(ENV_VALUE) :]
+        if not os.environ.get(name):
+            raise ConfigError(f"--set {key}={value}: the environment variable {name!r} is unset or empty; export it")
+        return os.environ[name]
+    if value.startswith(FILE_VALUE):
+        path = Path(os.path.expandvars(value[len(FILE_VALUE) :])).expanduser()
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"--set {key}={value}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+            ) from None
+        return text[:-1] if text.endswith("\n") else text
+    if value == STDIN_VALUE:
+        return _stdin_line(key)
+    raise ConfigError(
+        f"--set {key}={value}: a value starting with '@' must be {ENV_VALUE}NAME, {FILE_VALUE}PATH or "
+        f"{STDIN_VALUE}; quote it for a literal '@' (key=\"'@...'\")"
+    )
+
+
+def _warn_secrets_on_command_line(config: BaseModel, keys: list[str]) -> None:
+    """Warn once per key about each override of ``keys`` (given as ``key=value`` on the command line) that holds a
+    secret of ``config``: a ``SecretStr`` field (a URL only with a password), or a secret under it."""
+    from grpo_core.redact import SecretUrl, secret_fields
+
+    secret = [
+        path
+        for path, value in secret_fields(config)
+        if value.get_secret_value() and not (isinstance(value, SecretUrl) and str(value) == value.get_secret_value())
+    ]
+    for key in keys:
+        inside = [path for path in secret if path == key or path.startswith(key + ".")]
+        if inside and key not in _warned:
+            _warned.add(key)
+            # the field holding the secret alone, when a path can name it (not an item of a list: extra_args)
+            target = next((p for p in inside if not any(part.isdigit() for part in p.split("."))), key)
+            logger.warning(
+                "--set %s=... puts a secret on the command line, readable by any user of this host "
+                "(/proc/<pid>/cmdline, ps) while the command runs; use --set %s=@env:NAME, @file:PATH or @stdin",
+                key,
+                target,
+            )
+
+
 def _validate(
     kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None, hint: str = ""
 ) -> Any:
@@ -216,6 +301,7 @@ def _validate(
             apply_secrets(data, secrets)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    plain: list[str] = []  # keys of the overrides whose value is on the command line
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
@@ -229,16 +315,21 @@ def _validate(
                 f"override {item!r}: the key {key!r} has an empty part; write section.field=value, "
                 "e.g. train.max_steps=5"
             )
-        try:
-            parsed = _yaml_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(
-                f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
-                "quote it, e.g. key='text: with colon'"
-            ) from None
-        _set_dotted(data, key.strip(), parsed)
+        indirect = _indirect_value(key.strip(), value)
+        if indirect is None:
+            plain.append(key.strip())
+            try:
+                parsed = _yaml_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(
+                    f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
+                    "quote it, e.g. key='text: with colon'"
+                ) from None
+        _set_dotted(data, key.strip(), parsed if indirect is None else indirect)
     try:
-        return kind.model_validate(data)
+        config = kind.model_validate(data)
+        _warn_secrets_on_command_line(config, plain)
+        return config
     except ValidationError as e:
         lines = _error_lines(kind, e.errors())
         extra = hint if any(err["type"] == "extra_forbidden" for err in e.errors()) else ""
