@@ -154,6 +154,12 @@ class ConcurrencyCap:
 
     Args:
         max_concurrent_rollouts: the hard ceiling.
+    def requeued(self, tokens: int) -> None:
+        """A pull the trainer never received came back to the queue: ``tokens`` count as queued again."""
+        with self._lock:
+            self.queued_tokens += tokens
+            self.held_tokens = max(self.held_tokens - tokens, 0)
+
     """
 
     def __init__(self, max_concurrent_rollouts: int) -> None:

@@ -10,12 +10,20 @@ Failure detection (the heartbeat): every pull first asks for the loop's heartbea
 raises ``TransportError`` when the rollout loop failed (with its traceback), when its event
 loop has not ticked for ``timeout_s`` (stalled), when the process (if given) has exited, or
 when the server has not answered for ``timeout_s`` (dead or unreachable host).
+
+Hand-over (issue 26, item 9): a ``DoGet`` stream broken half-way is retried with a fresh ``DoGet``; the server keeps
+what it streamed in flight until this source acknowledges the stream's delivery id, and queues it again when this
+source (its ``consumer`` id) pulls without having acknowledged it, so the retry gets those groups again. Each read
+stream is acknowledged at once (``ack`` action) and again in the next ticket (the ack itself may be lost); a
+group sent twice (an acknowledgement that came after the server's ``ack_timeout_s``) is dropped here by sample id,
+as is a settled prompt index seen before.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import subprocess
 import time
 from collections.abc import Callable
@@ -29,6 +37,7 @@ import pyarrow.flight as flight
 from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import TransportError
 from grpo_core.transport.types import (
+    ACTION_ACK,
     ACTION_COMPLETIONS,
     ACTION_HEARTBEAT,
     ACTION_METRICS,
@@ -36,6 +45,7 @@ from grpo_core.transport.types import (
     ACTION_SHUTDOWN,
     ACTION_SYNCED,
     META_CONSUMED,
+    META_DELIVERY,
     META_EXHAUSTED,
     META_SERVERS_BEHIND,
     PulledBatch,
@@ -81,6 +91,11 @@ class FlightSource:
         self._last_contact = time.monotonic()
         self._dropped_since_metrics = 0
         self._closed = False
+        self.consumer = secrets.token_hex(8)  # this source's id on the server: its unacknowledged pulls were lost
+        self._unacked: list[int] = []  # delivery ids read whose ack the server has not confirmed
+        self._seen_samples: set[int] = set()  # sample ids received: a re-sent group is dropped
+        self._seen_consumed: set[int] = set()  # settled prompt indices received
+        self.num_duplicate_samples = 0
 
     # ----- failures ---------------------------------------------------------------------------
 
@@ -187,17 +202,44 @@ class FlightSource:
         )
 
     def _get(self, policy_version: int, min_samples: int, wait_s: float) -> tuple[pa.Table, list[int], bool, list[str]]:
-        ticket = flight.Ticket(
-            json.dumps(
-                {"policy_version": policy_version, "min_samples": max(min_samples, 1), "wait_s": wait_s}
-            ).encode()
-        )
+        request = {
+            "policy_version": policy_version,
+            "min_samples": max(min_samples, 1),
+            "wait_s": wait_s,
+            "consumer": self.consumer,
+            "acks": list(self._unacked),
+        }
+        ticket = flight.Ticket(json.dumps(request).encode())
         options = self._options(wait_s + 60.0)
         table = self._rpc(lambda: self._client.do_get(ticket, options=options).read_all())
         meta = table.schema.metadata or {}
-        consumed = json.loads(meta.get(META_CONSUMED, b"[]"))
+        self._acknowledge(int(meta.get(META_DELIVERY, b"0")))
+        consumed = [p for p in json.loads(meta.get(META_CONSUMED, b"[]")) if p not in self._seen_consumed]
+        self._seen_consumed.update(consumed)
         behind = json.loads(meta.get(META_SERVERS_BEHIND, b"[]"))
-        return table.replace_schema_metadata(None), consumed, meta.get(META_EXHAUSTED) == b"1", behind
+        table = self._drop_duplicates(table.replace_schema_metadata(None))
+        return table, consumed, meta.get(META_EXHAUSTED) == b"1", behind
+
+    def _acknowledge(self, delivery_id: int) -> None:
+        """Tell the server this source holds ``delivery_id`` (and every earlier unconfirmed one)."""
+        if delivery_id > 0:
+            self._unacked.append(delivery_id)
+        if self._unacked:
+            self._action(ACTION_ACK, {"consumer": self.consumer, "delivery_ids": self._unacked})
+            self._unacked = []
+
+    def _drop_duplicates(self, table: pa.Table) -> pa.Table:
+        """Drop samples received before (a group the server sent again); remember the rest."""
+        if table.num_rows == 0:
+            return table
+        ids = table["sample_id"].to_pylist()
+        fresh = [i not in self._seen_samples for i in ids]
+        self._seen_samples.update(ids)
+        if all(fresh):
+            return table
+        self.num_duplicate_samples += fresh.count(False)
+        logger.info("dropped %d samples the rollout sent again", fresh.count(False))
+        return table.filter(pa.array(fresh))
 
     def _drop_stale(self, table: pa.Table, policy_version: int) -> tuple[pa.Table, list[int], int]:
         """Drop samples more than ``max_staleness`` versions old; prompts left with no sample count as consumed."""

@@ -4,16 +4,20 @@ The rollout loop (asyncio thread) pushes finished groups into its sample queue (
 here only through the :class:`~grpo_core.transport.types.RolloutQueue` protocol); the Flight server (its own gRPC
 threads) serves them to the trainer:
 
-- ``DoGet`` ticket ``{"policy_version", "min_samples", "wait_s"}`` (JSON): waits up to
+- ``DoGet`` ticket ``{"policy_version", "min_samples", "wait_s", "consumer", "acks"}`` (JSON): waits up to
   ``wait_s`` for ``min_samples`` queued samples (or the end), then streams every queued
-  group as one Sample-schema batch (whole groups only). The schema metadata carries
+  group as one Sample-schema batch (whole groups only). What it streams stays in flight under the delivery id of
+  ``grpo.delivery`` until the consumer acknowledges it (``ack`` action, or ``acks`` of its next ticket); a
+  ``DoGet`` of the same ``consumer`` first queues again what that consumer left unacknowledged (its last stream
+  broke, so it pulls again), and a delivery unacknowledged for ``ack_timeout_s`` goes back too
+  (``grpo_core.rollout.queue``). The schema metadata carries
   ``grpo.consumed`` (JSON list of prompts finished without a sample), ``grpo.exhausted`` and
   ``grpo.servers_behind`` (JSON list of the replicas that refused a request for a policy version they do not
   hold, e.g. restarted with the base weights: the trainer syncs its weights again).
 - ``DoAction``: ``report`` ``{"policy_version", "tokens_consumed", "held_tokens"}`` (token allowance),
   ``metrics`` (JSON metric window), ``completions`` (JSON list of the window's sampled
   completion rows; empty unless ``tracking.log_completions``), ``heartbeat`` (seconds since the
-  loop last ticked, the failure traceback if it failed), ``shutdown``.
+  loop last ticked, the failure traceback if it failed), ``shutdown``, ``ack`` ``{"consumer", "delivery_ids"}``.
 
 Every call (``DoGet``, ``DoAction``, ``ListActions``, …) needs the run's bearer token in its
 ``authorization`` call header (:class:`BearerAuthFactory`); without it the call fails with
@@ -36,6 +40,7 @@ import pyarrow.flight as flight
 from grpo_core.auth import TOKEN_ENV, authorized, check_port_free, run_token
 from grpo_core.errors import TransportError
 from grpo_core.transport.types import (
+    ACTION_ACK,
     ACTION_COMPLETIONS,
     ACTION_HEARTBEAT,
     ACTION_METRICS,
@@ -44,6 +49,7 @@ from grpo_core.transport.types import (
     ACTION_SYNCED,
     ACTIONS,
     META_CONSUMED,
+    META_DELIVERY,
     META_EXHAUSTED,
     META_SERVERS_BEHIND,
     CompletionDrain,
@@ -124,22 +130,35 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.RecordBatchStream:  # noqa: ARG002
         """The queued groups the ticket asks for (``min_samples``, waiting up to ``wait_s``), as one stream."""
+        return flight.RecordBatchStream(self.take_table(ticket))
+
+    def take_table(self, ticket: flight.Ticket) -> pa.Table:
+        """Take the delivery a ``DoGet`` ticket asks for off the queue (it stays in flight until acknowledged).
+
+        Returns:
+            The Sample-schema table, with the stream's schema metadata (``grpo.consumed``, ``grpo.exhausted``,
+            ``grpo.servers_behind``, ``grpo.delivery``).
+        """
         request = json.loads(ticket.ticket.decode())
-        batches, consumed, exhausted, queued, waits = self.queue.take_timed(
-            int(request.get("min_samples", 1)), float(request.get("wait_s", 1.0))
+        got = self.queue.deliver(
+            int(request.get("min_samples", 1)),
+            float(request.get("wait_s", 1.0)),
+            str(request.get("consumer", "")),
+            [int(i) for i in request.get("acks", [])],
         )
-        self.window.add("rollout/queue_size", queued)
-        self.window.add_many("sample/time_in_queue_s", waits)  # scored and queued -> pulled by the trainer
+        self.window.add("rollout/queue_size", got.queued)
+        self.window.add_many("sample/time_in_queue_s", got.waits)  # scored and queued -> pulled by the trainer
         metadata = {
-            META_CONSUMED: json.dumps(consumed).encode(),
-            META_EXHAUSTED: b"1" if exhausted else b"0",
+            META_CONSUMED: json.dumps(got.consumed).encode(),
+            META_EXHAUSTED: b"1" if got.exhausted else b"0",
             META_SERVERS_BEHIND: json.dumps(list(self.servers_behind())).encode(),
+            META_DELIVERY: str(got.delivery_id).encode(),
         }
-        if batches:  # groups may differ in optional columns (sampling masks): missing ones become null
-            table = pa.concat_tables([pa.Table.from_batches([b]) for b in batches], promote_options="default")
+        if got.batches:  # groups may differ in optional columns (sampling masks): missing ones become null
+            table = pa.concat_tables([pa.Table.from_batches([b]) for b in got.batches], promote_options="default")
         else:
             table = self.queue.schema.empty_table()
-        return flight.RecordBatchStream(table.replace_schema_metadata(metadata))
+        return table.replace_schema_metadata(metadata)
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:  # noqa: ARG002
         """The actions ``do_action`` serves, with one line each."""
@@ -167,6 +186,9 @@ class RolloutFlightServer(flight.FlightServerBase):
                 "finished": self.queue.finished,
                 "running": self.queue.running,
             }
+        elif action.type == ACTION_ACK:
+            self.queue.ack(str(body.get("consumer", "")), [int(i) for i in body.get("delivery_ids", [])])
+            answer = {"ok": True}
         elif action.type == ACTION_SHUTDOWN:
             threading.Thread(target=self.on_shutdown, daemon=True).start()
             answer = {"ok": True}

@@ -69,6 +69,9 @@ META_EXHAUSTED = b"grpo.exhausted"
 """``b"1"`` once every prompt was generated and delivered."""
 META_SERVERS_BEHIND = b"grpo.servers_behind"
 """JSON list of the replicas that refused a request for a policy version they do not hold."""
+META_DELIVERY = b"grpo.delivery"
+"""The stream's delivery id (decimal): the consumer acknowledges it (``ack`` action, and again in its next ticket)
+once it read the whole stream; ``0`` = nothing to acknowledge."""
 
 # ``DoAction`` types the rollout's Flight server serves.
 ACTION_REPORT = "report"
@@ -77,6 +80,7 @@ ACTION_METRICS = "metrics"
 ACTION_COMPLETIONS = "completions"
 ACTION_HEARTBEAT = "heartbeat"
 ACTION_SHUTDOWN = "shutdown"
+ACTION_ACK = "ack"
 #: Each action with one line (the server's ``ListActions``).
 ACTIONS: dict[str, str] = {
     ACTION_REPORT: "trainer feedback: policy version, tokens consumed by the last step, tokens held",
@@ -85,6 +89,7 @@ ACTIONS: dict[str, str] = {
     ACTION_COMPLETIONS: "the window's sampled completion rows as JSON",
     ACTION_HEARTBEAT: "liveness of the rollout loop",
     ACTION_SHUTDOWN: "stop the rollout process",
+    ACTION_ACK: "the consumer holds these deliveries (JSON consumer and delivery ids): they are not sent again",
 }
 
 
@@ -132,12 +137,38 @@ class RolloutQueue(Protocol):
     finished: bool
     running: bool
 
-    def take_timed(
-        self, min_samples: int, wait_s: float
-    ) -> tuple[list[pa.RecordBatch], list[int], bool, int, list[float]]:
-        """Wait up to ``wait_s`` for ``min_samples`` (or the end), then pop everything queued: ``(batches, consumed
-        prompt indices, exhausted, samples queued before the pop, seconds each popped sample waited)``."""
+    def deliver(
+        self, min_samples: int, wait_s: float, consumer: str, acks: list[int] | tuple[int, ...] = ()
+    ) -> Delivery:
+        """One pull of ``consumer``: acknowledge ``acks``, queue again what it holds unacknowledged, wait up to
+        ``wait_s`` for ``min_samples`` (or the end), then pop everything queued as one delivery that stays in flight
+        until :meth:`ack`."""
         ...
+
+    def ack(self, consumer: str, delivery_ids: list[int] | tuple[int, ...]) -> None:
+        """``consumer`` holds these deliveries: they are never sent again."""
+        ...
+
+
+@dataclass
+class Delivery:
+    """What one pull takes off the rollout's queue (``grpo_core.rollout.queue.SampleQueue.deliver``).
+
+    Attributes:
+        delivery_id: the id the consumer acknowledges once it holds the delivery (0: nothing to acknowledge).
+        batches: Sample-schema record batches, one per group, whole groups only.
+        consumed: prompts finished without a trainable sample.
+        exhausted: every prompt was generated and nothing is left queued or in flight.
+        queued: samples queued before the pop (re-queued ones included).
+        waits: seconds each taken sample spent in the queue (one per sample, in row order).
+    """
+
+    delivery_id: int
+    batches: list[pa.RecordBatch]
+    consumed: list[int]
+    exhausted: bool
+    queued: int
+    waits: list[float] = field(default_factory=list)
 
 
 class MetricDrain(Protocol):
