@@ -148,18 +148,18 @@ class TokenAllowance:
             self.queued_tokens -= tokens
             self.held_tokens += tokens
 
-
-class ConcurrencyCap:
-    """An adjustable semaphore over rollouts in flight.
-
-    Args:
-        max_concurrent_rollouts: the hard ceiling.
     def requeued(self, tokens: int) -> None:
         """A pull the trainer never received came back to the queue: ``tokens`` count as queued again."""
         with self._lock:
             self.queued_tokens += tokens
             self.held_tokens = max(self.held_tokens - tokens, 0)
 
+
+class ConcurrencyCap:
+    """An adjustable semaphore over rollouts in flight.
+
+    Args:
+        max_concurrent_rollouts: the hard ceiling.
     """
 
     def __init__(self, max_concurrent_rollouts: int) -> None:
