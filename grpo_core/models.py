@@ -10,8 +10,8 @@ tokenizer files) that transformers, PEFT and vLLM can all load:
   the SmolLM2 tokenizer, for fast tests and throughput work; not "real input".
 - ``tiny-qwen3.5``: the same for Qwen3.5, saved as the vision-language checkpoint Qwen3.5 ships
   (a Gated DeltaNet + attention hybrid language model and a small vision tower).
-- ``random-qwen3-0.6b``: Qwen3-0.6B's shape (SmolLM2 vocabulary), random bf16 weights, for
-  GPU throughput runs only.
+- ``random-smollm2-135m``, ``random-qwen3-0.6b``, ``random-qwen3-1.7b``: those models' shapes (SmolLM2
+  vocabulary), random bf16 weights, for GPU throughput runs only.
 - an existing local HF folder path.
 - a Hugging Face Hub id (``owner/name``, optional ``model.revision``): downloaded by
   ``huggingface_hub`` into its cache (``HF_HUB_CACHE``); offline (``HF_HUB_OFFLINE=1`` or no
@@ -87,11 +87,44 @@ _TINY_VISION: dict[str, Any] = {
 # Full-size shapes with random weights, for throughput work (bf16 folders). Qwen3-0.6B's config.json,
 # except the vocabulary: the SmolLM2 tokenizer's 49152 ids instead of 151936 (no Qwen tokenizer ships offline).
 RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    # SmolLM2-135M's own shape (its config.json), random weights: the engine calibration's model
+    # (benchmarks/engine_calibration.py), where only the shape matters and no weights need carrying.
+    "random-smollm2-135m": (
+        "llama",
+        {
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "max_position_embeddings": 8192,
+            "rope_theta": 100000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        },
+    ),
     "random-qwen3-0.6b": (
         "qwen3",
         {
             "hidden_size": 1024,
             "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Qwen3-1.7B's config.json (SmolLM2 vocabulary, as above).
+    "random-qwen3-1.7b": (
+        "qwen3",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
             "num_hidden_layers": 28,
             "num_attention_heads": 16,
             "num_key_value_heads": 8,

@@ -7,6 +7,10 @@
 #   setup          reassemble and verify the vLLM 0.25.1 bundle (shared/vllm-h200/stage_vllm.sh) into /tmp/site
 #                  and the wheelhouse (scripts/wheelhouse.py) into /tmp/grpo-site, link packer_rs's extension
 #                  into the checkout, convert SmolLM2 once, and check that everything imports
+#   setup-vllm     only the vLLM bundle of setup (no wheelhouse): enough for the engine calibration, whose model
+#                  is built on the box (random weights in a registry shape) from the tokenizer carried in .gpu/calib
+#   calib[=ARGS]   benchmarks/engine_calibration.py (decode-step time against running sequences, seeded and n = G
+#                  variants, K engines on GPU 0); ARGS: its arguments, e.g. "--model random-qwen3-0.6b --engines 1"
 #   probe          benchmarks/rollout.py on configs/gpu-1xh200.yaml's vLLM without a trainer, 30 s per variant: as
 #                  configured, with a group's first requests as one (rollout.batch_group_prompts), and with top-8
 #                  sampler log-probs (score centering); where the rollout's time goes
@@ -42,13 +46,20 @@ collect() {
     echo "collect: $n files; /tmp/parts now holds:"; ls -l /tmp/parts
 }
 
-setup() {
+setup_vllm() {
     if [ ! -d /tmp/site/vllm ]; then
         cat /tmp/parts/bundle.tar.xz.* > /tmp/bundle.tar.xz
         (cd /tmp && sed 's#/tmp/bundle.tar.xz#bundle.tar.xz#' /tmp/parts/bundle.sha256 | sha256sum -c --quiet) \
             || { echo "vLLM bundle incomplete (a .vllm part is missing)"; return 3; }
         rm -rf /tmp/site && "$PY" -c "import tarfile; tarfile.open('/tmp/bundle.tar.xz').extractall('/tmp/site', filter='data')" || return 4
     fi
+    mkdir -p "$GRPO_FLOW_CACHE_DIR/models"
+    [ -d .gpu/calib ] && cp -rn .gpu/calib/* "$GRPO_FLOW_CACHE_DIR/models/"
+    return 0
+}
+
+setup() {
+    setup_vllm || return $?
     [ -d /tmp/grpo-site/prefect ] || bash scripts/install_wheelhouse.sh /tmp/parts /tmp/grpo-site || return 5
     ln -sf /tmp/grpo-site/packer_rs/_native.abi3.so packer_rs/_native.abi3.so
     "$PY" - <<'PYEOF' || return 6
@@ -88,6 +99,10 @@ for step in "$@"; do
     case $step in
         collect) collect ;;
         setup) setup || { rc=$?; echo "setup failed ($rc)"; exit $rc; } ;;
+        setup-vllm) setup_vllm || { rc=$?; echo "setup-vllm failed ($rc)"; exit $rc; } ;;
+        calib|calib=*) a=${step#calib}; a=${a#=}; n=$(ls "$RES"/calib*.json 2>/dev/null | wc -l)
+                       timeout -k 30 560 "$PY" benchmarks/engine_calibration.py $a --log-dir /tmp/calib-logs \
+                           --out "$RES/calib$n.json" || { rc=1; tail -30 /tmp/calib-logs/*/*.log; } ;;
         probe) timeout 400 "$PY" benchmarks/rollout.py --config configs/gpu-1xh200.yaml --seconds 30 --variant "" \
                    --variant rollout.batch_group_prompts=true \
                    --variant rollout.num_sampler_logprobs=8,train.score_centering=true \

@@ -26,8 +26,27 @@ def test_registry_names():
         "tiny-llama",
         "tiny-qwen3",
         "tiny-qwen3.5",
+        "random-smollm2-135m",
         "random-qwen3-0.6b",
+        "random-qwen3-1.7b",
     ]
+
+
+@pytest.mark.parametrize(
+    ("name", "published"),
+    [
+        # HuggingFaceTB/SmolLM2-135M-Instruct and Qwen/Qwen3-1.7B config.json: hidden, intermediate, layers, heads,
+        # KV heads, head dim, tied embeddings
+        ("random-smollm2-135m", ("llama", 576, 1536, 30, 9, 3, 64, True)),
+        ("random-qwen3-1.7b", ("qwen3", 2048, 6144, 28, 16, 8, 128, True)),
+    ],
+)
+def test_random_shapes_are_the_published_ones(name, published):
+    from grpo_core.models import RANDOM_SHAPES
+
+    arch, shape = RANDOM_SHAPES[name]
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    assert (arch, *(shape[k] for k in keys), shape["head_dim"], shape["tie_word_embeddings"]) == published
 
 
 def test_random_qwen3_shape_is_qwen3_0_6b_with_the_smollm2_vocabulary():
