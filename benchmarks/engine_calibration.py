@@ -164,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--memory", type=float, default=0.6, help="GPU memory fraction of all engines together")
+    p.add_argument("--fit", help="a, b of an earlier sweep (ms,us), for predictions when 1 is not in --engines")
     p.add_argument("--log-dir", default="runs/engine-calibration")
     p.add_argument("--out", help="write the rows and the fit as JSON here")
     args = p.parse_args(argv)
@@ -171,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     rows: list[dict] = []
     fit: dict = {}
+    if args.fit:
+        a_ms, b_us = (float(x) for x in args.fit.split(","))
+        fit.update(a_ms=a_ms, b_us=b_us)
     result = {"model": args.model, "backend": args.backend, "rows": rows, "fit": fit}
 
     def save() -> None:
