@@ -123,6 +123,12 @@ def test_replicas_may_share_a_gpu_listed_once_per_replica():
     assert [shares_gpu(cfg, i) for i in range(3)] == [False, True, False]
     tp = config(num_replicas=2, tensor_parallel_size=2, gpu_ids=[2, 3, 3, 2], gpu_memory_utilization=0.4)
     assert replica_gpus(tp, 1) == [3, 2] and shares_gpu(tp, 1)
+    # a KV cache size given to vLLM: nothing is profiled from free memory, so replicas on one GPU start together
+    fixed = config(
+        num_replicas=2, gpu_ids=[0, 0], gpu_memory_utilization=0.3, extra_args=["--kv-cache-memory-bytes=4000000000"]
+    )
+    assert [shares_gpu(fixed, i) for i in range(2)] == [False, False]
+    assert "--kv-cache-memory-bytes=4000000000" in vllm_command(fixed, 1).argv
 
 
 @pytest.mark.parametrize(

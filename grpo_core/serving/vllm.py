@@ -125,9 +125,16 @@ def replica_gpus(config: RunConfig, replica: int) -> list[int]:
 
 def shares_gpu(config: RunConfig, replica: int) -> bool:
     """Whether ``replica`` is on a GPU an earlier replica also uses (it must start after that one is up:
-    vLLM sizes its KV cache from the memory free while it profiles, which a neighbour's start would change)."""
+    vLLM sizes its KV cache from the memory free while it profiles, which a neighbour's start would change),
+    unless :func:`fixed_kv_cache` says no replica profiles."""
     earlier = {g for r in range(replica) for g in replica_gpus(config, r)}
-    return bool(earlier & set(replica_gpus(config, replica)))
+    return bool(earlier & set(replica_gpus(config, replica))) and not fixed_kv_cache(config)
+
+
+def fixed_kv_cache(config: RunConfig) -> bool:
+    """Whether ``server.extra_args`` gives vLLM its KV cache size (``--kv-cache-memory-bytes``): then no replica
+    sizes it from the free memory it measures, and replicas sharing a GPU start together."""
+    return any(str(a).split("=", 1)[0] == "--kv-cache-memory-bytes" for a in config.server.extra_args or [])
 
 
 def vllm_available() -> bool:
