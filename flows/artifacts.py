@@ -31,6 +31,7 @@ from prefect.artifacts import (
 logger = logging.getLogger(__name__)
 
 LINK_KEY, PROGRESS_KEY, SUMMARY_KEY, CURVE_KEY = "grpo-mlflow-run", "grpo-progress", "grpo-summary", "grpo-reward-curve"
+EVAL_KEY = "grpo-eval"
 
 
 def last_record(metrics_path: Path) -> dict[str, Any] | None:
@@ -120,6 +121,7 @@ SUMMARY_ROWS = (
     ("stopped_early", "stopped early because"),
     ("reward_first5", "reward, first 5 steps"),
     ("reward_last5", "reward, last 5 steps"),
+    ("eval", "held-out evaluation, last"),
     ("generated_tokens_per_s", "generated tokens/s"),
     ("trained_tokens_per_s", "trained tokens/s"),
     ("forwarded_tokens_per_s", "forwarded tokens/s"),
@@ -163,3 +165,20 @@ def publish_reward_curve(png: Path | None, summary: dict[str, Any]) -> None:
             f"({table_cell(summary.get('steps'))} steps)."
         )
     create_markdown_artifact(text, key=CURVE_KEY, description="Reward curve of grpo-train")
+
+
+def eval_markdown(history: list[dict[str, Any]]) -> str:
+    """The held-out evaluations as a markdown table: one row per evaluated step, one column per ``eval/*`` metric."""
+    names = sorted({k for r in history for k in r if k.startswith("eval/")})
+    head = "| step | " + " | ".join(n.removeprefix("eval/") for n in names) + " |"
+    rule = "|---:|" + "---:|" * len(names)
+    rows = [
+        f"| {table_cell(float(r['step']))} | " + " | ".join(table_cell(r.get(n)) for n in names) + " |" for r in history
+    ]
+    return "\n".join(["### Held-out evaluation (eval/*) per optimizer step", "", head, rule, *rows])
+
+
+def publish_eval(history: list[dict[str, Any]]) -> None:
+    """The held-out evaluations of the run (``eval``) as a markdown table artifact; nothing without any."""
+    if history:
+        create_markdown_artifact(eval_markdown(history), key=EVAL_KEY, description="Held-out evaluation of grpo-train")

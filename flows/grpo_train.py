@@ -32,6 +32,7 @@ from prefect.states import Cancelled
 from flows import artifacts
 from grpo_core.config import RunConfig
 from grpo_core.errors import ChildDiedError, RolloutProcessError, TrainerError
+from grpo_core.report import eval_history
 from grpo_core.rollout.process import LOCATION_FILE
 from grpo_core.run import layout
 from grpo_core.run.commands import run_slots, trainer_launch
@@ -228,6 +229,7 @@ def finalize(run_dir: str, mlflow_run_id: str | None, wall_s: float, resumed_fro
     artifacts.publish_summary(summary)
     png = summary.get("reward_curve")
     artifacts.publish_reward_curve(Path(png) if png else None, summary)
+    artifacts.publish_eval(eval_history(Path(run_dir) / layout.METRICS))
     return summary
 
 

@@ -15,6 +15,7 @@ dependency, the MLflow sink lives in ``grpo_core.tracking``.
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -86,6 +87,34 @@ def merge(windows: Iterable[Mapping[str, float]]) -> dict[str, float]:
     for d in windows:
         w.update(d)
     return w.flush()
+
+
+#: ``eval@12/pass@4``: a metric of step 12 carried in a later window (the head's ``@N`` names the step).
+_AT_STEP = re.compile(r"^([^/@]+)@(\d+)/(.+)$")
+
+
+def at_step(name: str, step: int) -> str:
+    """``name`` tagged with the step it belongs to, for a window drained at a later step: ``eval/pass@4`` of step
+    12 becomes ``eval@12/pass@4`` (its last part, and so its aggregation, unchanged). The trainer logs it at step 12
+    as ``eval/pass@4`` (:func:`split_at_step`)."""
+    head, sep, tail = name.partition("/")
+    if not sep or "@" in head:
+        raise ValueError(f"at_step needs a name 'section/metric' without '@' in its section; got {name!r}")
+    return f"{head}@{step}/{tail}"
+
+
+def split_at_step(metrics: Mapping[str, float]) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+    """Split a drained window into its own metrics and those tagged by :func:`at_step`: ``(plain, {step: {name:
+    value}})`` with the names untagged."""
+    plain: dict[str, float] = {}
+    tagged: dict[int, dict[str, float]] = defaultdict(dict)
+    for name, value in metrics.items():
+        m = _AT_STEP.match(name)
+        if m is None:
+            plain[name] = value
+        else:
+            tagged[int(m[2])][f"{m[1]}/{m[3]}"] = value
+    return plain, dict(tagged)
 
 
 class MetricsSink(Protocol):

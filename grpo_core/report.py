@@ -19,6 +19,8 @@ from grpo_core.run.layout import TRAIN_END, TRAINER_ERROR
 logger = logging.getLogger(__name__)
 
 REWARD = "reward"
+#: The metric every held-out evaluation logs (``grpo_core.rollout.evaluate``): marks a ``metrics.jsonl`` line as one.
+EVAL_MARK = "eval/num_prompts"
 
 
 def write_train_end(
@@ -86,9 +88,10 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         trained fewer steps than asked; None when it did not), ``skipped_nonfinite_steps``,
         ``reward_first5`` / ``reward_last5`` (mean reward of the first and last five logged steps),
         ``trained_tokens_per_s``, ``forwarded_tokens_per_s``, ``generated_tokens_per_s`` (tokens/s;
-        NaN when unknown).
+        NaN when unknown), ``eval`` (the last held-out evaluation in words, :func:`eval_line`; None without one).
     """
     records = JsonlSink.read(metrics_path) if Path(metrics_path).exists() else []
+    records = [r for r in records if EVAL_MARK not in r]  # the steps' own lines, not the evaluations'
     rewards = [r[REWARD] for r in records if REWARD in r]
     step_s = sum(r.get("perf/step_s", 0.0) for r in records)
     seconds = wall_s if wall_s else step_s
@@ -100,7 +103,9 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         return n / seconds if seconds else float("nan")
 
     end = read_train_end(Path(metrics_path).parent) or {}
+    evals = eval_history(metrics_path)
     return {
+        "eval": eval_line(evals[-1]) if evals else None,
         "steps": float(end.get("steps", records[-1]["step"] if records else 0.0)),
         "steps_requested": end.get("max_steps"),
         "stopped_early": end.get("stopped_early"),
@@ -111,6 +116,27 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         "forwarded_tokens_per_s": rate(forwarded),
         "generated_tokens_per_s": generated,
     }
+
+
+def eval_history(metrics_path: Path) -> list[dict[str, float]]:
+    """The held-out evaluations of a run's ``metrics.jsonl`` (``eval``), in step order: each ``{"step", "eval/..."}``
+    (a resumed run's evaluation of an already evaluated step: the last one logged)."""
+    records = JsonlSink.read(metrics_path) if Path(metrics_path).exists() else []
+    by_step = {r["step"]: r for r in records if EVAL_MARK in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def eval_line(record: dict[str, float]) -> str:
+    """One evaluation in words: ``step 8 (policy version 8), 16 prompts: reward_mean 0.41, pass@4 0.62, ...``."""
+    figures = ", ".join(
+        f"{k.removeprefix('eval/')} {v:.4g}"
+        for k, v in sorted(record.items())
+        if k.startswith("eval/") and k not in (EVAL_MARK, "eval/policy_version", "eval/duration_s")
+    )
+    return (
+        f"step {record['step']:.0f} (policy version {record.get('eval/policy_version', float('nan')):.0f}), "
+        f"{record[EVAL_MARK]:.0f} prompts: {figures}"
+    )
 
 
 def plot_reward_curve(metrics_path: Path, png_path: Path) -> Path | None:

@@ -99,8 +99,10 @@ def test_the_trainer_gets_only_its_sub_config_from_the_owners(tmp_path):
         "server",
         "packing",
         "export",
+        "eval",
         "token_budget",
     }
+    assert set(type(sub.eval).model_fields) == {"dataset", "every_steps", "at_end", "final_timeout_s"}
     assert sub.train == cfg.train and sub.model == cfg.model and sub.tracking == cfg.tracking
     assert (sub.rollout.max_staleness, sub.rollout.num_generations, sub.rollout.dataset_size) == (3, 4, 77)
     assert sub.rollout.uses_candidate_filter() and not RunConfig().trainer_process().rollout.uses_candidate_filter()

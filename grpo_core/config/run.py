@@ -15,11 +15,13 @@ from pydantic import (
 )
 
 from grpo_core.config.base import LOOPBACK_HOSTS, _changed, _Strict, _warn_unused, url_port
+from grpo_core.config.evaluation import EvalConfig
 from grpo_core.config.rollout import RolloutConfig
 from grpo_core.config.server import ModelConfig, ServerConfig
 from grpo_core.config.tracking import FlowConfig, TrackingConfig
 from grpo_core.config.train import ExportConfig, PackingConfig, TrainConfig
 from grpo_core.config.views import (
+    TRAINER_EVAL_FIELDS,
     TRAINER_EXPORT_FIELDS,
     TRAINER_PACKING_FIELDS,
     TRAINER_ROLLOUT_FIELDS,
@@ -154,6 +156,8 @@ class RunConfig(_Strict):
     """The exported model (Hugging Face folder, model card, Hub push)."""
     flow: FlowConfig = Field(default_factory=FlowConfig)
     """How the Prefect flow schedules the run."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation during training (docs/evaluation.md); off while ``eval.dataset`` is unset."""
     resume_from: str | None = None
     """MLflow run id whose latest checkpoint this run starts from (a new run continuing an old one)."""
     algorithm: str = "grpo"
@@ -282,6 +286,8 @@ class RunConfig(_Strict):
                     if name in _changed(self.tracking)
                 }
             )
+        if not self.eval.enabled:
+            unused.update({f"eval.{name}": "eval.dataset is unset" for name in sorted(_changed(self.eval))})
         if self.flow.concurrency_limit is None and self.flow.concurrency_slots is not None:
             unused["flow.concurrency_slots"] = "flow.concurrency_limit is None"
         return unused
@@ -306,6 +312,8 @@ class RunConfig(_Strict):
             adapter_name=lora.name if lora.enabled else None,
             log_completions=tracking.log_completions,
             num_completions_to_print=tracking.num_completions_to_print,
+            eval=self.eval,
+            max_steps=self.train.max_steps,
         )
 
     def trainer_process(self) -> TrainerProcessConfig:
@@ -322,6 +330,7 @@ class RunConfig(_Strict):
             server=pick(self.server, TRAINER_SERVER_FIELDS),
             packing=pick(self.packing, TRAINER_PACKING_FIELDS),
             export=pick(self.export, TRAINER_EXPORT_FIELDS),
+            eval=pick(self.eval, TRAINER_EVAL_FIELDS),
             token_budget=self.token_budget(),
         )
 

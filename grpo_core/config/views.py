@@ -12,6 +12,7 @@ from pydantic import (
 )
 
 from grpo_core.config.base import LOOPBACK_HOSTS, _CandidateFilter, _ServerKey, _Strict, _view
+from grpo_core.config.evaluation import EvalConfig
 from grpo_core.config.rollout import RolloutConfig
 from grpo_core.config.server import ModelConfig, ServerConfig
 from grpo_core.config.tracking import TrackingConfig
@@ -44,6 +45,10 @@ class RolloutProcessConfig(_Strict):
     """``tracking.log_completions``: keep a sample of each window's completions for the trainer to log."""
     num_completions_to_print: int | None = Field(default=16, ge=1)
     """``tracking.num_completions_to_print``: rows of each window's completion sample; None = all."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """The held-out evaluation the rollout process runs beside the training rollouts (``eval``)."""
+    max_steps: int = Field(default=1000, ge=1)
+    """``train.max_steps``: the step of the final evaluation (``eval.at_end``)."""
 
 
 def _refuse_masked(config: BaseModel) -> None:
@@ -139,11 +144,15 @@ TRAINER_PACKING_FIELDS = ("backend",)
 TRAINER_EXPORT_FIELDS = ("max_shard_size",)
 
 
+TRAINER_EVAL_FIELDS = ("dataset", "every_steps", "at_end", "final_timeout_s")
+
+
 if TYPE_CHECKING:  # each view has a subset of its owner's fields, made at runtime (create_model)
     TrainerRolloutView = RolloutConfig
     TrainerServerView = ServerConfig
     TrainerPackingView = PackingConfig
     TrainerExportView = ExportConfig
+    TrainerEvalView = EvalConfig
 else:
     TrainerRolloutView = _view(
         RolloutConfig,
@@ -172,6 +181,13 @@ else:
         _Strict,
         "The export setting the trainer's final ``save_pretrained`` reads (``export.max_shard_size``).",
     )
+    TrainerEvalView = _view(
+        EvalConfig,
+        TRAINER_EVAL_FIELDS,
+        _Strict,
+        "The evaluation settings the trainer reads (``eval.*``): when the rollout evaluates and how long the end "
+        "waits for it.",
+    )
 
 
 class TrainerProcessConfig(_Strict):
@@ -197,6 +213,8 @@ class TrainerProcessConfig(_Strict):
     """The packer backend."""
     export: TrainerExportView
     """The shard size of the exported model."""
+    eval: TrainerEvalView = Field(default_factory=lambda: TrainerEvalView())
+    """When the rollout evaluates (the trainer logs each evaluation at its step and waits for the last ones)."""
     token_budget: int = Field(ge=16)
     """Row token budget: ``packing.token_budget``, else ``server.max_model_len`` (:meth:`RunConfig.token_budget`)."""
 

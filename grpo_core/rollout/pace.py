@@ -24,6 +24,7 @@ import asyncio
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 
 #: Completed groups whose queued tokens estimate what a group in flight will queue (recent ones: the share of
 #: dropped groups changes as the policy learns).
@@ -68,6 +69,8 @@ class TokenAllowance:
         self.completed_groups = 0
         self._recent: deque[tuple[int, bool]] = deque(maxlen=YIELD_WINDOW_GROUPS)  # (raw tokens, queued)
         self._lock = threading.Lock()
+        #: called with ``(trainer_step, policy_version)`` after each report (the eval board's step trigger), or None
+        self.on_report: Callable[[int, int], None] | None = None
 
     @property
     def limit(self) -> int:
@@ -89,6 +92,9 @@ class TokenAllowance:
             self.served_version = max(self.served_version, policy_version)
             if tokens_consumed > 0:
                 self.step_tokens = tokens_consumed
+            step, version = self.trainer_step, self.policy_version
+        if self.on_report is not None:
+            self.on_report(step, version)
 
     def synced(self, policy_version: int) -> None:
         """The trainer pushed ``policy_version`` to every server outside a step (a resumed trainer's first sync)."""

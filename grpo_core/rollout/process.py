@@ -201,12 +201,19 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         allowance.policy_version = job.resume.policy_version
         allowance.trainer_step = job.resume.step
     queue = SampleQueue(allowance, with_topk=rollout.num_sampler_logprobs > 0)
+    state: dict[str, Any] = {}
+    evaluation = job.config.eval
+    if evaluation.enabled:  # the trainer's reports name the steps to evaluate (grpo_core.rollout.evaluate)
+        from .evaluate import EvalBoard
+
+        final_step = job.config.max_steps if evaluation.at_end else None
+        state["eval_board"] = board = EvalBoard(evaluation.every_steps, final_step)
+        allowance.on_report = board.on_report
     window = MetricWindow()
     completions = (
         CompletionSample(job.config.num_completions_to_print, rollout.seed) if job.config.log_completions else None
     )
     stop = threading.Event()
-    state: dict[str, Any] = {}
 
     def shutdown() -> None:
         stop.set()
@@ -322,6 +329,40 @@ async def _main(job: RolloutJob, queue: Any, window: Any, state: dict[str, Any],
     queue.running = True
     state["rollout_loop"] = rollout_loop
     try:
-        await drive(rollout_loop)
+        if "eval_board" not in state:
+            await drive(rollout_loop)
+            return
+        await _drive_with_eval(job, rollout_loop, queue, state["eval_board"])
     finally:
         await rollout_loop.runtime.server.aclose()
+
+
+async def _drive_with_eval(job: RolloutJob, rollout_loop: Any, queue: Any, board: Any) -> None:
+    """``drive`` beside the held-out evaluation task (``eval``); once every prompt is generated the queue is
+    finished and the evaluations go on (the trainer still trains the queued samples) until the shutdown.
+
+    Raises:
+        BaseException: the first failure of either task (not wrapped in an exception group).
+    """
+    from grpo_core import lifeline
+
+    from .driver import drive
+    from .evaluate import build_evaluator
+
+    evaluator = build_evaluator(job.config.eval, job.config.rollout, rollout_loop, board)
+    queue.beat()  # loading and rendering the eval prompts blocked the event loop
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(evaluator.run())
+            await drive(rollout_loop)
+            queue.finish()
+            logger.info("rollout loop finished every prompt; evaluating until shutdown")
+            while not lifeline.orphaned():  # the trainer's stall detection still reads the ticks
+                queue.beat()
+                await asyncio.sleep(0.5)
+            raise asyncio.CancelledError  # the process that started this one is gone
+    except BaseExceptionGroup as group:
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        raise exc from None

@@ -35,6 +35,7 @@ from grpo_core.transport.types import ResumeState, SampleSource
 from . import checkpoint
 from .attention import FlexTreeMasks
 from .distributed import RESYNC, ROW, STOP, World, broadcast_header, scatter_rows
+from .eval_log import EvalLog
 from .export import export_final_model
 from .fingerprint import FINGERPRINT_FILE, fingerprint_text
 from .loss import LossSettings, loss_normalisers
@@ -177,6 +178,10 @@ class Trainer:
             )
         self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
         self._trained_log: JsonlAppender | None = None  # trained_prompts.jsonl (rank 0)
+        ev = cfg.eval  # held-out evaluations of the rollout, logged at the steps they evaluated (rank 0)
+        self.eval_log = EvalLog(
+            sink, ev.every_steps, tc.max_steps if ev.at_end else None, ev.final_timeout_s, self.step
+        )
 
     def _build_policy(self, on_cuda: bool) -> torch.nn.Module:
         """Load, checkpoint/compile each layer, shard (torchtitan's order; :mod:`grpo_core.train.parallelize`)."""
@@ -433,6 +438,8 @@ class Trainer:
             if not self.train_step():
                 break
         self.flush_log()
+        if self.cfg.eval.dataset is not None and self.world.is_main:  # before explain() drains the rollout window
+            self.eval_log.wait(self.source.metrics, self.step)
         stopped_early = None
         if self.step < tc.max_steps and self.world.is_main:
             ro = self.cfg.rollout
@@ -599,7 +606,7 @@ class Trainer:
             # stale at step assembly; the source adds those it dropped when pulled (the same name, summed)
             w.add("sample/dropped_stale_count", self.planner.take_dropped_stale_count())
             w.add("train/skipped_nonfinite_steps", self.skipped_nonfinite_steps)  # running total of the run
-            w.update(self.source.metrics())
+            w.update(self.eval_log.split(self.source.metrics()))  # evaluations are logged at their own step
             metrics = w.flush()
             logger.info(
                 "step %d: loss %.4f, %.0f tokens/s",

@@ -1,0 +1,215 @@
+"""Held-out evaluation during training (issue 27, item 3): the pass@k estimator against the closed form and brute
+force, the step tagging that carries an evaluation to the step it evaluated, the trainer's end wait, and a `grpo
+train` end to end on the embedded CPU server where evaluations run at steps N and at the end without changing the
+trained prompts."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from math import comb
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grpo_core.config import RunConfig
+from grpo_core.metrics import MetricWindow, at_step, split_at_step
+from grpo_core.rollout.evaluate import EvalBoard, eval_metrics, pass_at_k
+from grpo_core.train.eval_log import EvalLog
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _brute_force_pass_at_k(correct: list[bool], k: int) -> float:
+    """Fraction of the k-subsets of the samples holding at least one correct sample (the definition)."""
+    subsets = list(itertools.combinations(range(len(correct)), k))
+    return sum(any(correct[i] for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_hand_computed_values():
+    # 1 - C(n-c, k) / C(n, k), worked by hand
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # C(3,2)=3, C(5,2)=10
+    assert pass_at_k(4, 1, 1) == pytest.approx(1 / 4)
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # C(7,5)=21, C(10,5)=252
+    assert pass_at_k(3, 0, 2) == 0.0
+    assert pass_at_k(3, 2, 2) == 1.0  # n - c = 1 < k: every pair holds a correct one
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8])
+def test_pass_at_k_equals_brute_force_enumeration_and_the_closed_form(n):
+    for c in range(n + 1):
+        correct = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            expected = _brute_force_pass_at_k(correct, k)
+            assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+            assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
+
+
+def test_eval_metrics_average_pass_at_k_over_prompts_and_count_unscored_as_wrong():
+    rewards = [np.array([1.0, 0.0, 0.0, 0.5]), np.array([0.0, np.nan, 0.0, 0.0]), np.array([2.0, 2.0, 0.0, 1.0])]
+    m = eval_metrics(rewards, [1, 2], correct_above=0.0)
+    # correct counts 2, 0, 3 of 4 samples each
+    assert m["eval/accuracy"] == pytest.approx(5 / 12)
+    assert m["eval/pass@1"] == pytest.approx((2 / 4 + 0 + 3 / 4) / 3)
+    assert m["eval/pass@2"] == pytest.approx(((1 - comb(2, 2) / comb(4, 2)) + 0 + 1) / 3)
+    assert m["eval/reward_mean"] == pytest.approx((1 + 0.5 + 2 + 2 + 1) / 11)  # 11 scored samples
+    assert m["eval/num_prompts"] == 3
+    # a configured threshold: reward > 1 only
+    assert eval_metrics(rewards, [1], correct_above=1.0)["eval/accuracy"] == pytest.approx(2 / 12)
+
+
+def test_step_tagged_metrics_survive_the_window_and_split_back_to_their_step():
+    w = MetricWindow()
+    w.add("reward", 0.5)
+    w.add(at_step("eval/pass@4", 12), 0.25)
+    w.add(at_step("eval/failed_count", 14), 1)
+    w.add(at_step("eval/failed_count", 14), 1)  # counts keep their aggregation (summed)
+    plain, tagged = split_at_step(w.flush())
+    assert plain == {"reward": 0.5}
+    assert tagged == {12: {"eval/pass@4": 0.25}, 14: {"eval/failed_count": 2.0}}
+
+
+def test_board_asks_for_every_nth_step_and_the_final_one():
+    board = EvalBoard(every_steps=2, final_step=5)
+    for step in range(1, 6):
+        board.on_report(step, policy_version=step)
+    asked = []
+    while not board.requests.empty():
+        asked.append(board.requests.get())
+    assert asked == [(2, 2), (4, 4), (5, 5)]
+
+
+class _Sink:
+    def __init__(self):
+        self.lines = []
+
+    def log(self, step, metrics):
+        self.lines.append((step, dict(metrics)))
+
+
+def test_trainer_logs_evaluations_at_their_step_and_waits_for_the_missing_ones_at_the_end():
+    sink = _Sink()
+    log = EvalLog(sink, every_steps=2, final_step=5, timeout_s=30, first_step=0)
+    assert log.split({"reward": 1.0, at_step("eval/accuracy", 2): 0.5}) == {"reward": 1.0}
+    assert sink.lines == [(2, {"eval/accuracy": 0.5})]
+    windows = iter([{}, {at_step("eval/accuracy", 4): 0.75}, {"x": 1.0, at_step("eval/accuracy", 5): 1.0}])
+    assert log.wait(lambda: next(windows), last_step=5) == set()
+    assert sink.lines[1:] == [(4, {"eval/accuracy": 0.75}), (5, {"eval/accuracy": 1.0})]
+    # a resumed trainer (from step 4) that stopped at step 3 of... nothing is expected before its first step
+    assert EvalLog(sink, 2, 5, 30, first_step=4).expected(5) == {5}
+    assert EvalLog(sink, None, None, 30, first_step=0).expected(7) == set()
+
+
+def test_eval_config_refuses_what_cannot_be_computed():
+    with pytest.raises(ValueError, match="eval.greedy"):
+        RunConfig.model_validate({"eval": {"dataset": "json:x.jsonl", "greedy": True, "num_samples": 2}})
+    with pytest.raises(ValueError, match=r"eval.pass_at_k \[8\]"):
+        RunConfig.model_validate({"eval": {"dataset": "json:x.jsonl", "num_samples": 4, "pass_at_k": [1, 8]}})
+    cfg = RunConfig.model_validate({"eval": {"dataset": "json:x.jsonl", "every_steps": 3}, "train": {"max_steps": 7}})
+    assert cfg.rollout_process().eval.every_steps == 3 and cfg.rollout_process().max_steps == 7
+    assert cfg.trainer_process().eval.every_steps == 3
+    assert not RunConfig().eval.enabled
+
+
+def _grpo_train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``grpo train`` of configs/tiny.yaml (the flow, its embedded server, rollout and trainer processes)."""
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    for o in (
+        f"train.output_dir={tmp / 'runs'}",
+        f"tracking.dir={tmp / 'mlflow'}",
+        "train.flush_partial_after_s=1",
+        "rollout.reward_functions=[flow_helpers:varied_reward]",  # varies within every group: every prompt trains
+        "rollout.max_concurrent_rollouts=4",  # one group of 4 at a time: groups finish in the order they start
+        "train.max_steps=5",
+        *overrides,
+    ):
+        cmd += ["--set", o]
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        "PREFECT_HOME": str(tmp / "prefect"),
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",
+    }
+    tmp.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
+
+
+def _run_dir(tmp: Path) -> Path:
+    (metrics,) = (tmp / "runs").glob("*/metrics.jsonl")
+    return metrics.parent
+
+
+def _trained_order(run_dir: Path) -> list[int]:
+    lines = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    return [i for line in lines for i in line["prompt_indices"]]
+
+
+EVAL_OVERRIDES = (
+    "eval.dataset=reasoning_gym:basic_arithmetic",
+    "eval.dataset_size=3",
+    "eval.every_steps=2",
+    "eval.num_samples=4",
+    "eval.pass_at_k=[1,2,4]",
+    "eval.correct_above=0.5",
+    "eval.max_completion_length=8",
+)
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory) -> tuple[Path, str]:
+    """One `grpo train` of 5 steps evaluating 3 held-out prompts every 2 steps and at the end: (its folder, output)."""
+    tmp = tmp_path_factory.mktemp("eval-run")
+    done = _grpo_train(tmp, *EVAL_OVERRIDES)
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 0, out[-4000:]
+    return tmp, out
+
+
+@pytest.mark.timeout(1200)
+def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_its_step(evaluated_run):
+    tmp, out = evaluated_run
+    run_dir = _run_dir(tmp)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in lines if "eval/num_prompts" in r]
+    # steps 2 and 4 (every_steps) and 5 (the end), each once, with the policy version of that step
+    assert sorted(r["step"] for r in evals) == [2, 4, 5], evals
+    for r in evals:
+        assert r["eval/num_prompts"] == 3
+        assert r["eval/policy_version"] == r["step"]  # train.weight_sync_steps 1: version N after step N
+        assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= r["eval/pass@4"] <= 1.0
+        assert r["eval/pass@1"] == pytest.approx(r["eval/accuracy"])  # both = correct samples / all (n=4 each)
+        assert 0.0 <= r["eval/reward_mean"] < 1.0  # varied_reward is in [0, 1)
+    step_lines = [r for r in lines if "eval/num_prompts" not in r]
+    assert sorted(r["step"] for r in step_lines) == [1, 2, 3, 4, 5]  # the steps' own lines are unchanged
+    assert not any(k.startswith("eval") for r in step_lines for k in r), "an eval metric leaked into a step's line"
+    # MLflow holds the same values at the same steps ('@' is not an MLflow character: pass@4 -> pass_4)
+    from grpo_core import tracking
+    from grpo_core.config import TrackingConfig
+
+    client = tracking.client(TrackingConfig(dir=tmp / "mlflow", experiment_name="grpo-tiny"))
+    (run,) = client.search_runs([client.get_experiment_by_name("grpo-tiny").experiment_id])
+    for name, mlflow_name in (("eval/pass@4", "eval/pass_4"), ("eval/accuracy", "eval/accuracy")):
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, mlflow_name)}
+        assert history == pytest.approx({r["step"]: r[name] for r in evals}), name
+    assert "'eval': 'step 5 (policy version 5), 3 prompts: accuracy" in out  # the summary's line
+
+
+@pytest.mark.slow  # a second whole `grpo train`
+@pytest.mark.timeout(1800)
+def test_the_trained_prompts_are_those_of_the_same_run_without_evaluation(evaluated_run, tmp_path):
+    # One group at a time (rollout.max_concurrent_rollouts = num_generations): the trained order is the started
+    # order, so a run without eval trains the same prompts in the same order; eval takes none of them.
+    tmp, _ = evaluated_run
+    plain = _grpo_train(tmp_path)
+    assert plain.returncode == 0, " ".join((plain.stdout + plain.stderr).split())[-4000:]
+    with_eval, without = _trained_order(_run_dir(tmp)), _trained_order(_run_dir(tmp_path))
+    n = min(len(with_eval), len(without))
+    assert n >= 5 and with_eval[:n] == without[:n], (with_eval, without)
+    assert len(set(with_eval)) == len(with_eval)  # none trained twice
