@@ -521,7 +521,8 @@ def ui(
     mlflow_port: Annotated[int, typer.Option(min=1, max=65535)] = 5000,
     prefect_port: Annotated[int, typer.Option(min=1, max=65535)] = 4200,
 ) -> None:
-    """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C."""
+    """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C, behind a password
+    (``flows.mlflow_ui``: MLflow on a private Unix socket, an authenticating proxy on ``--mlflow-port``)."""
     tc = _load(config, []).tracking
     shown = tc.shown_tracking_uri()
     if mlflow:
@@ -540,43 +541,21 @@ def ui(
             raise typer.Exit(2) from None
     console.print(f"Prefect UI: http://127.0.0.1:{prefect_port}  (started by `grpo deploy` / `make serve`)")
     console.print(f"MLflow tracking URI: {shown}")
+    if not mlflow:
+        console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`: behind a password)")
+        return
+    from flows.mlflow_ui import serve, ui_password
+
+    password, where = ui_password(mlflow_port)
     console.print(
-        f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`, or "
-        f"`.venv/bin/mlflow ui --backend-store-uri {shown} --port {mlflow_port}`)"
+        f"MLflow UI: http://127.0.0.1:{mlflow_port}  (user grpo, password "
+        + (f"in {where}, mode 0600)" if where is not None else "from $GRPO_UI_PASSWORD)"),
+        soft_wrap=True,
     )
-    if mlflow:
-        code = serve_mlflow_ui(tc.resolved_tracking_uri(), tc.resolved_artifact_location(), mlflow_port)
-        if code:
-            console.print(f"[red]the MLflow UI exited with code {code}[/red]")
-            raise typer.Exit(code if code > 0 else 1)
-
-
-def serve_mlflow_ui(uri: str, artifact_root: str | None, port: int) -> int:
-    """Run ``mlflow ui`` on 127.0.0.1 until it exits, Ctrl-C or SIGTERM; then stop it and every process it
-    started (its uvicorn workers and job-runner consumers), so nothing is left behind. Returns its exit code."""
-    import signal
-
-    from grpo_core.run.children import start_child, stop_child
-
-    # The store URI and artifact root (credentials included) go by environment, not argv: argv is world-readable.
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": uri}
-    if artifact_root:
-        env["MLFLOW_DEFAULT_ARTIFACT_ROOT"] = artifact_root
-
-    def interrupt(signum: int, frame: object) -> NoReturn:  # noqa: ARG001 - SIGTERM stops the UI like Ctrl-C
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    process = start_child(cmd, env=env)
-    try:
-        return process.wait()
-    except KeyboardInterrupt:
-        console.print("stopping the MLflow UI")
-        return 0
-    finally:
-        stop_child(process, timeout_s=15)
-        signal.signal(signal.SIGTERM, previous)
+    code = serve(tc.resolved_tracking_uri(), tc.resolved_artifact_location(), mlflow_port, password)
+    if code:
+        console.print(f"[red]the MLflow UI exited with code {code}[/red]")
+        raise typer.Exit(code if code > 0 else 1)
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """``grpo ui --mlflow`` as the README starts it: the MLflow UI serves a run's metrics page (seen in a headless
-browser), and SIGTERM to ``grpo`` leaves no process behind (server, uvicorn worker, job-runner consumers)."""
+browser given the UI's password), and SIGTERM to ``grpo`` leaves no process behind (server, uvicorn worker,
+job-runner consumers)."""
 
 from __future__ import annotations
 
@@ -79,13 +80,16 @@ def test_mlflow_ui_serves_the_run_metrics_and_stops_with_nothing_left(tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "GRPO_UI_PASSWORD": "ui-test-password"},
     )
     try:
         _wait_healthy(url, grpo)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page = browser.new_page(  # the UI is behind its password (basic auth, user grpo)
+                viewport={"width": 1400, "height": 900},
+                http_credentials={"username": "grpo", "password": "ui-test-password"},
+            )
             page.goto(f"{url}/#/experiments/{experiment}/runs/{run_id}/model-metrics", timeout=120_000)
             expect(page.get_by_text("reward", exact=True).first).to_be_visible(timeout=120_000)
             expect(page.get_by_text("ui-test-run").first).to_be_visible(timeout=60_000)
