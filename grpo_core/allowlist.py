@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_core.config import RunConfig
+from grpo_core.config import RunConfig, dataset_form
 from grpo_core.entries import check_kind, entries_of, kind_of_field, registered
 from grpo_core.errors import ConfigError
 
@@ -156,7 +156,8 @@ def _flag_refs(args: list[Any]) -> list[CodeRef]:
 
 
 def code_references(cfg: RunConfig) -> list[CodeRef]:
-    """Every name of code in ``cfg``, in field order (the forms ``reasoning_gym:`` and ``json:`` name data), then
+    """Every name of code in ``cfg``, in field order (a dataset's data forms, ``grpo_core.config.dataset_form``, name
+    data), then
     the vLLM flags of ``server.extra_args`` that need listing.
 
     Raises:
@@ -164,8 +165,11 @@ def code_references(cfg: RunConfig) -> list[CodeRef]:
     """
     r = cfg.rollout
     pairs: list[tuple[str, str]] = []
-    if r.dataset is not None and not r.dataset.startswith(("reasoning_gym:", "json:")):
+    if r.dataset is not None and dataset_form(r.dataset)[0] == "module":
         pairs.append(("rollout.dataset", r.dataset))
+    pairs += [
+        (f"rollout.datasets[{i}].path", d.path) for i, d in enumerate(r.datasets) if dataset_form(d.path)[0] == "module"
+    ]
     pairs += [(f"rollout.reward_functions[{i}]", s) for i, s in enumerate(r.reward_functions)]
     pairs += [(f"rollout.tools[{i}]", s) for i, s in enumerate(r.tools)]
     env = r.environment_factory
@@ -260,10 +264,14 @@ def trust_config(cfg: RunConfig) -> tuple[str, ...]:
 def _check_form(path: str, field: str) -> tuple[str, str]:
     module_name, _, attr = path.partition(":")
     if not _NAME.fullmatch(module_name) or not _NAME.fullmatch(attr or "-"):
-        forms = "; a dataset is 'json:PATH' (JSON lines) or 'reasoning_gym:TASK' otherwise"
+        forms = (
+            "; a dataset is 'json:PATH' (JSON lines) or 'reasoning_gym:TASK' otherwise, or a data file "
+            "(.jsonl, .parquet, .csv, .arrow; 'parquet:PATH', 'csv:PATH', 'arrow:PATH'), 'disk:FOLDER' or "
+            "'hf:owner/name'"
+        )
         raise ConfigError(
             f"{field}={path!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')"
-            + (forms if field == "rollout.dataset" else "")
+            + (forms if field.startswith("rollout.dataset") else "")
         )
     if any(p.startswith("__") for p in attr.split(".")):
         raise ConfigError(f"{field}={path!r}: a name with '__' is refused; name the function or class itself")

@@ -51,6 +51,7 @@ def kind_of_field(field: str) -> str:
     key = field.partition("[")[0].removeprefix("rollout.")
     kinds = {
         "dataset": "dataset",
+        "datasets": "dataset",  # rollout.datasets[i].path, a mixture's module:callable source
         "reward_functions": "reward",
         "tools": "tool",
         "environment_factory": "environment",

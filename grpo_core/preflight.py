@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 from grpo_core.config import RunConfig
@@ -283,25 +284,53 @@ def required_reward_columns(cfg: RunConfig) -> dict[str, str]:
     return needed
 
 
-def check_dataset(cfg: RunConfig) -> None:
-    """Check the dataset's rows: each has a usable ``prompt`` and every column the reward functions need.
-
-    Every row is read, up to :data:`MAX_CHECKED_ROWS` (a warning says so when the dataset is longer).
+def dataset_rows(cfg: RunConfig) -> Iterator[tuple[str, int, dict]]:
+    """``(where, index, row)`` of every row the run's prompts come from, up to :data:`MAX_CHECKED_ROWS` of each
+    dataset (a warning says when one is longer): ``where`` names the setting (``rollout.dataset='...'``, or
+    ``rollout.datasets[i].path='...'`` for each source of a mixture), ``index`` the row in that dataset.
 
     Raises:
-        ConfigError: no dataset, an empty one, a row without a usable ``prompt`` (without an environment),
-            a reward function argument that is no column of a row, or one grpo-flow cannot supply;
-            the message names the row.
+        ConfigError: a dataset that cannot be read (:func:`grpo_core.rollout.data.load_dataset`).
     """
     from grpo_core.rollout.data import iter_rows, load_dataset
 
-    rollout, spec = cfg.rollout, cfg.rollout.dataset
+    rollout = cfg.rollout
+    data = load_dataset(rollout)
+    if rollout.datasets:
+        parts = [
+            (f"rollout.datasets[{i}].path={d.path!r}", source.rows)
+            for i, (d, source) in enumerate(zip(rollout.datasets, data.sources, strict=True))
+        ]
+    else:
+        parts = [(f"rollout.dataset={rollout.dataset!r}", data)]
+    for where, rows in parts:
+        count = 0
+        for count, row in enumerate(iter_rows(rows), start=1):
+            if count > MAX_CHECKED_ROWS:
+                logger.warning("%s: checked its first %d rows only", where, MAX_CHECKED_ROWS)
+                break
+            yield where, count - 1, row
+        if count == 0:
+            raise ConfigError(f"{where} has no rows")
+
+
+def check_dataset(cfg: RunConfig) -> None:
+    """Check the dataset's rows: each has a usable ``prompt`` and a value (not null) in every column the reward
+    functions need. Every row is read, up to :data:`MAX_CHECKED_ROWS` of each dataset (:func:`dataset_rows`).
+
+    Raises:
+        ConfigError: no dataset, an empty one, a row without a usable ``prompt`` (without an environment),
+            a reward function argument that is no column of a row or null there, or one grpo-flow cannot supply;
+            the message names the dataset, the row and the column.
+    """
+    rollout = cfg.rollout
     needed = required_reward_columns(cfg)
-    if spec is None:
+    if rollout.dataset is None and not rollout.datasets:
         if rollout.environment_factory is None:
             raise ConfigError(
                 "rollout.dataset is unset and there is no rollout.environment_factory: set "
-                "rollout.dataset to 'reasoning_gym:TASK', 'json:PATH' or 'module:callable'"
+                "rollout.dataset to a data file (.jsonl, .parquet, .csv, .arrow), 'hf:owner/name', "
+                "'reasoning_gym:TASK', 'json:PATH' or 'module:callable' (or rollout.datasets to a mixture)"
             )
         if needed:  # the environment makes the prompts: there are no columns
             column, name = next(iter(needed.items()))
@@ -310,38 +339,90 @@ def check_dataset(cfg: RunConfig) -> None:
                 "rollout.dataset is unset (the environment makes the prompts)"
             )
         return
-    count = 0
-    for count, row in enumerate(iter_rows(load_dataset(rollout)), start=1):
-        if count > MAX_CHECKED_ROWS:
-            logger.warning("rollout.dataset=%r: checked its first %d rows only", spec, MAX_CHECKED_ROWS)
-            break
-        _check_row(cfg, count - 1, row, needed)
-    if count == 0:
-        raise ConfigError(f"rollout.dataset={spec!r} has no rows")
+    for where, index, row in dataset_rows(cfg):
+        _check_row(cfg, where, index, row, needed)
 
 
-def _check_row(cfg: RunConfig, index: int, row: dict, needed: dict[str, str]) -> None:
-    spec = cfg.rollout.dataset
+def _check_row(cfg: RunConfig, where: str, index: int, row: dict, needed: dict[str, str]) -> None:
     if cfg.rollout.environment_factory is None:
         if "prompt" not in row:
             raise ConfigError(
-                f"rollout.dataset={spec!r} row {index} has no 'prompt' column (columns: {sorted(row)}); "
-                "add a 'prompt' column (a list of {'role', 'content'} messages) or set "
-                "rollout.environment_factory"
+                f"{where} row {index} has no 'prompt' column (columns: {sorted(row)}); "
+                "add a 'prompt' column (a list of {'role', 'content'} messages), name the column holding the "
+                "prompt (rollout.prompt_column), or set rollout.environment_factory"
             )
         problem = _prompt_problem(row["prompt"])
         if problem is not None:
             raise ConfigError(
-                f"rollout.dataset={spec!r} row {index}: its 'prompt' is {problem}; every row needs a "
+                f"{where} row {index}: its 'prompt' is {problem}; every row needs a "
                 "prompt (a non-empty list of {'role', 'content'} messages, or a string): fix or drop "
                 "the row"
             )
     for column, name in needed.items():
-        if column not in row:
+        if row.get(column) is None:
+            state = "no such column" if column not in row else "null or missing there"
             raise ConfigError(
                 f"rollout.reward_functions: {name} needs the dataset column {column!r}, which "
-                f"rollout.dataset={spec!r} lacks in row {index} (columns: {sorted(row)})"
+                f"{where} lacks in row {index} ({state}; columns: {sorted(row)}); fill it in that row, drop the row, "
+                f"or give the function's {column!r} a default if it can score without it"
             )
+
+
+def check_prompt_lengths(cfg: RunConfig) -> None:
+    """Every prompt leaves room for a full completion: rendered with the chat template (and the tools' schemas) as
+    the rollout renders it, no longer than ``server.max_model_len - rollout.max_completion_length`` tokens. Rows an
+    environment makes, and a loop class with its own ``render``, are not judged (the rollout counts what it skips
+    in ``rollout/overlong_prompt_count``).
+
+    Raises:
+        ConfigError: without ``rollout.skip_overlong_prompts``, the first prompt over the limit (names the dataset,
+            the row, its length and the fixes); with it, a warning counts them instead.
+    """
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from grpo_core.allowlist import import_object
+    from grpo_core.models import tokenizer_dir
+    from grpo_core.rollout.build import loop_class_and_config
+    from grpo_core.rollout.loop import RolloutLoop
+    from grpo_core.rollout.tools import tool_schemas
+
+    rollout = cfg.rollout
+    cls, _ = loop_class_and_config(rollout)
+    if rollout.environment_factory is not None or (rollout.dataset is None and not rollout.datasets):
+        return
+    if cls.render is not RolloutLoop.render:
+        logger.warning("rollout.loop_class renders prompts itself: their lengths are judged by the rollout only")
+        return
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.model))
+    tools = [import_object(name, "rollout.tools") for name in rollout.tools]
+    schemas = tool_schemas(tools) if tools else None
+    loop = SimpleNamespace(tokenizer=tokenizer, config=rollout)  # what RolloutLoop.render reads
+    limit = cfg.server.max_model_len - rollout.max_completion_length
+    over = 0
+    for where, index, row in dataset_rows(cfg):
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        length = len(RolloutLoop.render(loop, messages, schemas))  # type: ignore[arg-type]
+        if length <= limit:
+            continue
+        over += 1
+        if not rollout.skip_overlong_prompts:
+            raise ConfigError(
+                f"{where} row {index}: its prompt is {length} tokens (chat template applied), more than "
+                f"server.max_model_len ({cfg.server.max_model_len}) - rollout.max_completion_length "
+                f"({rollout.max_completion_length}) = {limit}, so it could never be trained; raise "
+                "server.max_model_len, lower rollout.max_completion_length, shorten or drop the row, or set "
+                "rollout.skip_overlong_prompts: true to skip such prompts (counted in rollout/overlong_prompt_count)"
+            )
+    if over:
+        logger.warning(
+            "%d prompts are longer than server.max_model_len - rollout.max_completion_length = %d tokens: the run "
+            "skips them (rollout.skip_overlong_prompts), counted in rollout/overlong_prompt_count",
+            over,
+            limit,
+        )
 
 
 def check_chat_template(cfg: RunConfig) -> None:
@@ -518,5 +599,7 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     resolve_response_template(cfg.rollout.response_template)
     check_dataset(cfg)
     check_chat_template(cfg)
+    check_prompt_lengths(cfg)
     check_push(cfg)
-    logger.info("run config checked: model %s, dataset %s", cfg.model.name, cfg.rollout.dataset)
+    data = cfg.rollout.dataset or ", ".join(f"{d.path} ({d.weight:g})" for d in cfg.rollout.datasets) or None
+    logger.info("run config checked: model %s, dataset %s", cfg.model.name, data)

@@ -229,7 +229,7 @@ def test_an_infinite_learning_rate_is_refused():
         ("broken.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n{"prompt": "c"}\n', "line 3 is not JSON"),
         ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
         ("latin1.jsonl", b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', "line 2 is not UTF-8"),
-        ("array.json", '[{"prompt": "a"},\n', "the datasets json loader cannot read"),
+        ("array.json", '[{"prompt": "a"},\n', "is not a JSON array of objects"),
         ("missing.jsonl", None, "no such file"),
         ("folder", "DIR", "is a folder"),
     ],

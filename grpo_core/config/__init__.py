@@ -42,7 +42,11 @@ from grpo_core.config.loading import (  # noqa: F401 - the package's names, as o
     load_trainer_config,
 )
 from grpo_core.config.rollout import (  # noqa: F401 - the package's names, as one module had them
+    COLUMN_TYPES,
+    DATA_PREFIXES,
+    DatasetSource,
     RolloutConfig,
+    dataset_form,
 )
 from grpo_core.config.run import (  # noqa: F401 - the package's names, as one module had them
     ALGORITHM_PRESETS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -10,10 +11,76 @@ from pydantic import (
     model_validator,
 )
 
-from grpo_core.config.base import REMOVED_ROLLOUT_FIELDS, _CandidateFilter, _refuse_removed
+from grpo_core.config.base import REMOVED_ROLLOUT_FIELDS, _CandidateFilter, _refuse_removed, _Strict
 from grpo_core.errors import ConfigError
 
 logger = logging.getLogger("grpo_core.config")
+
+
+#: Prefixes of ``rollout.dataset`` that name data, not code: the form, then what it reads.
+DATA_PREFIXES = ("reasoning_gym:", "json:", "parquet:", "csv:", "arrow:", "disk:", "hf:")
+#: File suffixes that make a plain path a data file (with compression suffixes after them).
+DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".csv", ".tsv", ".arrow")
+#: Types ``column_types`` may name for a CSV column (``str`` keeps the text as written).
+COLUMN_TYPES = ("str", "int", "float", "bool", "json")
+
+
+def dataset_form(spec: str) -> tuple[str, str]:
+    """The form of a dataset spec and what it names: ``(prefix without ':', rest)`` for :data:`DATA_PREFIXES`,
+    ``("path", spec)`` for a path (a ``/``, a leading ``~``, ``.`` or ``$``, or a data-file suffix of
+    :data:`DATA_SUFFIXES`, compressed or not), else ``("module", spec)`` (``module:callable``)."""
+    for prefix in DATA_PREFIXES:
+        if spec.startswith(prefix):
+            return prefix[:-1], spec[len(prefix) :]
+    name = spec.lower()
+    for compressed in (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip"):
+        name = name.removesuffix(compressed)
+    if "/" in spec or "\\" in spec or spec.startswith(("~", ".", "$")) or name.endswith(DATA_SUFFIXES):
+        return "path", spec
+    return "module", spec
+
+
+def _check_column_types(types: dict[str, str], field: str) -> None:
+    bad = {k: v for k, v in types.items() if v not in COLUMN_TYPES}
+    if bad:
+        raise ConfigError(f"{field}: {bad} are not column types; use one of {', '.join(COLUMN_TYPES)}")
+
+
+class DatasetSource(_Strict):
+    """One dataset of a weighted mixture (``rollout.datasets``)."""
+
+    path: str = Field(min_length=1)
+    """The dataset, in any form ``rollout.dataset`` takes (a file, ``hf:owner/name``, ``reasoning_gym:TASK``, ...)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Relative share of the mixture's prompts (normalised over the sources)."""
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Name in the per-source metrics ``rollout/source/<name>/...``; None = from the path (its file stem, task or
+    dataset name)."""
+    split: str = "train"
+    """Split of an ``hf:`` dataset or of a saved ``DatasetDict``."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt (chat messages or a string)."""
+    system_prompt: str | None = None
+    """System message put before each prompt that has none (a string prompt becomes a user message after it)."""
+    column_types: dict[str, str] = Field(default_factory=dict)
+    """Types of CSV columns (``str``, ``int``, ``float``, ``bool``, ``json``); other columns are strings."""
+    dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a ``module:callable`` source, or the task config of a ``reasoning_gym:`` one."""
+
+    def source_name(self) -> str:
+        """``name``, else a name from the path: the task, the dataset's or the file's stem (metric-safe)."""
+        if self.name:
+            return self.name
+        form, rest = dataset_form(self.path)
+        rest = rest.partition("@")[0].rstrip("/")
+        stem = rest.rsplit(":", 1)[-1] if form == "module" else rest.replace("\\", "/").rsplit("/", 1)[-1]
+        stem = stem.split(".")[0] if form in ("path", "json", "parquet", "csv", "arrow") else stem
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", stem) or "source"
+
+    @model_validator(mode="after")
+    def _check_source(self) -> DatasetSource:
+        _check_column_types(self.column_types, f"rollout.datasets ({self.path}).column_types")
+        return self
 
 
 class RolloutConfig(_CandidateFilter):
@@ -78,14 +145,36 @@ class RolloutConfig(_CandidateFilter):
     (``finish_reason: length``; DAPO's overlong filtering, Yu et al. 2025, §3.4); they still count in their
     group's mean and std. Counted in ``rollout/truncated_masked_count``."""
     dataset: str | None = None
-    """``reasoning_gym:TASK``, ``json:PATH`` (JSON lines) or ``module:callable`` giving a Dataset; None = the
-    environment's ``reset()`` makes each prompt (``rollout.environment_factory``)."""
+    """A data file (``.jsonl``/``.json``, ``.parquet``, ``.csv``/``.tsv``, ``.arrow``, or with the prefix
+    ``json:``, ``parquet:``, ``csv:``, ``arrow:``), a folder saved with ``save_to_disk`` (``disk:FOLDER``), a Hub
+    dataset from the local cache (``hf:owner/name``), ``reasoning_gym:TASK`` or ``module:callable`` giving a Dataset;
+    None = ``datasets``, or the environment's ``reset()`` makes each prompt (``rollout.environment_factory``)."""
     dataset_size: int = Field(default=1000, ge=1)
     """Prompts of a ``reasoning_gym:`` dataset, or of an epoch when an environment's reset() makes the prompts."""
     dataset_seed: int = Field(default=0, ge=0)
     """Seed of a generated (``reasoning_gym:``) dataset."""
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``module:callable`` dataset, or the task config of a ``reasoning_gym:`` one."""
+    dataset_split: str = "train"
+    """Split of an ``hf:`` dataset or of a ``DatasetDict`` saved with ``save_to_disk``."""
+    prompt_column: str = "prompt"
+    """Column holding each row's prompt: chat messages (a list of ``{"role", "content"}``) or a plain string (one
+    user message). The rollout reads it as ``prompt``; the column itself stays for the reward functions."""
+    system_prompt: str | None = None
+    """System message put before each prompt that has none; None = none added."""
+    column_types: dict[str, str] = Field(default_factory=dict)
+    """Types of CSV columns (``str``, ``int``, ``float``, ``bool``, ``json``); every other CSV column is read as
+    strings, as written. JSON lines, Parquet and Arrow keep their own types."""
+    datasets: list[DatasetSource] = Field(default_factory=list)
+    """A weighted mixture instead of ``dataset``: a list of sources, each with ``path`` (any form of ``dataset``) and
+    ``weight``, and optionally ``name``, ``split``, ``prompt_column``, ``system_prompt``, ``column_types`` and
+    ``dataset_kwargs`` of its own. Each prompt's source is drawn by weight from ``shuffle_seed`` (a resume continues
+    the order exactly); metrics per source under ``rollout/source/<name>/``."""
+    mixture_epoch_size: int | None = Field(default=None, ge=1)
+    """Prompts of one epoch of a mixture (``datasets``); None = the sources' rows together."""
+    skip_overlong_prompts: bool = False
+    """False: preflight refuses a prompt longer than ``server.max_model_len - rollout.max_completion_length``
+    tokens, naming its row. True: such prompts are skipped when met (counted in ``rollout/overlong_prompt_count``)."""
     shuffle: bool = True
     """Visit the prompts in a seeded random order, a new one each epoch (the same for a given ``shuffle_seed`` and
     epoch, so a resume continues it exactly); false = the dataset's order. A streaming (iterable) dataset is read
@@ -134,6 +223,18 @@ class RolloutConfig(_CandidateFilter):
                 "reward std and is dropped; raise rollout.temperature",
                 self.num_generations,
             )
+        if self.datasets and self.dataset is not None:
+            raise ConfigError("rollout.dataset and rollout.datasets are both set; keep one (datasets is a mixture)")
+        names = [s.source_name() for s in self.datasets]
+        if len(set(names)) < len(names):
+            raise ConfigError(f"rollout.datasets: two sources are named alike ({names}); give each its own name")
+        if self.mixture_epoch_size is not None and not self.datasets:
+            logger.warning("rollout.mixture_epoch_size has no effect without rollout.datasets")
+        if self.datasets:
+            for name in ("dataset_split", "prompt_column", "system_prompt", "column_types"):
+                if name in self.model_fields_set:
+                    logger.warning("rollout.%s has no effect with rollout.datasets: each source sets its own", name)
+        _check_column_types(self.column_types, "rollout.column_types")
         if isinstance(self.environment_factory, dict) and not self.environment_factory:
             raise ConfigError("rollout.environment_factory is an empty dict; name at least one environment or set None")
         for name in [*self.reward_functions, *self.tools, self.loop_class]:

@@ -126,6 +126,12 @@ TRAINER_ROLLOUT_FIELDS = (
     "dataset_kwargs",
     "shuffle",
     "shuffle_seed",
+    "dataset_split",
+    "prompt_column",
+    "system_prompt",
+    "column_types",
+    "datasets",
+    "mixture_epoch_size",
 )
 
 

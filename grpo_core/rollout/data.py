@@ -1,4 +1,5 @@
-"""Prompt datasets of the rollout loop: HF Dataset / IterableDataset, reasoning-gym, JSON lines.
+"""Prompt datasets of the rollout loop: data files (``grpo_core.rollout.sources``), reasoning-gym, ``module:callable``
+and weighted mixtures (``grpo_core.rollout.mixture``).
 
 A prompt dataset yields rows (dicts) with a conversational ``prompt`` column (a list of
 ``{"role", "content"}`` messages); other columns reach reward functions and an
@@ -14,18 +15,19 @@ and ``group_id`` of the samples and the position a resume restarts from.
 from __future__ import annotations
 
 import functools
-import glob
 import json
-import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from grpo_core.allowlist import import_object
-from grpo_core.config import RolloutConfig, user_path
+from grpo_core.config import RolloutConfig, dataset_form
 from grpo_core.entries import config_entry
 from grpo_core.errors import ConfigError, did_you_mean
+
+from .mixture import Mixture, Source, view
+from .sources import json_dataset, local_files, read_source
 
 REASONING_GYM_PREFIX = "reasoning_gym:"
 RG_SYSTEM_PROMPT = "Solve the problem. Think briefly, then give only the final answer inside <answer></answer> tags."
@@ -108,11 +110,6 @@ def reasoning_gym_reward(
 
 
 JSON_PREFIX = "json:"
-_JSON_FIX = 'write one JSON object per line ({"prompt": [{"role": "user", "content": "..."}]}), or fix the path'
-
-
-#: Compressed files the datasets json loader opens (fsspec's compression by suffix).
-COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 
 
 def _json_lines_files(pattern: str) -> list[Path]:
@@ -121,117 +118,88 @@ def _json_lines_files(pattern: str) -> list[Path]:
     Raises:
         ConfigError: nothing matches, or the path is a folder (names ``rollout.dataset`` and the fix).
     """
-    spec = f"rollout.dataset='{JSON_PREFIX}{pattern}'"
-    if "://" in pattern:
-        return []  # a URL (https://, hf://, s3://): datasets fetches and reads it
-    path = user_path(pattern)  # ~ and $VARS, as every path setting (grpo_core.config.user_path)
-    if glob.has_magic(pattern):
-        files = sorted(Path(p) for p in glob.glob(str(path)) if Path(p).is_file())
-        if not files:
-            raise ConfigError(f"{spec}: no file matches {pattern!r}; {_JSON_FIX}")
-        return files
-    if path.is_dir():
-        raise ConfigError(
-            f"{spec}: {path} is a folder; name a JSON-lines file in it (or a glob, e.g. '{JSON_PREFIX}{path}/*.jsonl')"
-        )
-    if not path.is_file():
-        raise ConfigError(f"{spec}: no such file {path.resolve()}; {_JSON_FIX}")
-    return [path]
-
-
-def _json_lines_problem(path: Path) -> str | None:
-    """Where ``path`` stops being JSON lines (``line N is ...``); None when every non-blank line is a JSON object, or
-    the file starts with ``[`` (one JSON array) or is compressed (``.gz``, ...), which ``datasets`` reads and checks
-    itself."""
-    if path.suffix.lower() in COMPRESSED_SUFFIXES:
-        return None
-    try:
-        with path.open("rb") as f:
-            if f.read(4096).lstrip().startswith(b"["):
-                return None
-            f.seek(0)
-            for number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    return f"line {number} is not UTF-8 text (byte {e.start})"
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as e:
-                    return f"line {number} is not JSON ({e.msg}, column {e.colno}): {line[:60]!r}"
-                if not isinstance(value, dict):
-                    return f"line {number} is a JSON {type(value).__name__}, not an object: {line[:60]!r}"
-    except OSError as e:
-        return f"cannot be read ({e.strerror or e})"
-    return None
+    return local_files(pattern, f"rollout.dataset='{JSON_PREFIX}{pattern}'", "JSON-lines")
 
 
 def json_lines_dataset(pattern: str) -> Any:
-    """A ``json:PATH`` prompt dataset: an HF Dataset of the JSON-lines file(s) ``pattern`` names (a path or a glob;
-    a file holding one JSON array of objects is read too, as ``datasets``' json loader does).
+    """A ``json:PATH`` prompt dataset: the JSON-lines file(s) ``pattern`` names (a path or a glob; a file holding
+    one JSON array of objects, or a compressed one, is read too), values exactly as written
+    (:func:`grpo_core.rollout.sources.json_dataset`).
 
     Raises:
-        ConfigError: no such file, a folder, or a file ``datasets`` cannot read; names ``rollout.dataset``, the
-            file, the first line that is not a JSON object when there is one, and the fix.
+        ConfigError: no such file, a folder, a line that is not a JSON object, or no rows; names
+            ``rollout.dataset``, the file, the line and the fix.
     """
-    import datasets
+    return json_dataset(pattern, f"rollout.dataset='{JSON_PREFIX}{pattern}'")
 
-    files = _json_lines_files(pattern)
-    for path in files:  # pyarrow takes some broken files (bytes that are not UTF-8) and fails only on reading a row
-        problem = _json_lines_problem(path)
-        if problem is not None:
-            raise ConfigError(f"rollout.dataset='{JSON_PREFIX}{pattern}': {path}, {problem}; {_JSON_FIX}")
-    loader_log = logging.getLogger("datasets.packaged_modules.json.json")  # logs each failure before it raises
-    level, bars_off = loader_log.level, datasets.utils.are_progress_bars_disabled()
-    loader_log.setLevel(logging.CRITICAL)
-    datasets.utils.disable_progress_bars()
-    try:
-        return datasets.load_dataset("json", data_files=[str(f) for f in files] or pattern, split="train")
-    except Exception as exc:  # noqa: BLE001 - pyarrow/datasets raise many types; each is reported as bad input
-        cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        where = ", ".join(map(str, files)) or pattern
-        raise ConfigError(
-            f"rollout.dataset='{JSON_PREFIX}{pattern}': the datasets json loader cannot read {where} "
-            f"({type(exc).__name__}: {cause}); {_JSON_FIX}"
-        ) from None
-    finally:
-        loader_log.setLevel(level)
-        if not bars_off:
-            datasets.utils.enable_progress_bars()
+
+def open_dataset(
+    spec: str, where: str, config: RolloutConfig, split: str, column_types: dict[str, str], kwargs: dict[str, Any]
+) -> Any:
+    """The rows one dataset spec names, unmapped: ``reasoning_gym:TASK`` (``config.dataset_size`` rows of
+    ``config.dataset_seed``), ``module:callable`` (called with ``kwargs``), or a data form read by
+    :func:`grpo_core.rollout.sources.read_source`.
+
+    Raises:
+        ConfigError: names ``where`` and the problem (no such file or task, unreadable rows, ...).
+    """
+    form, rest = dataset_form(spec)
+    if form == "reasoning_gym":
+        return reasoning_gym_dataset(rest, config.dataset_size, config.dataset_seed, **kwargs)
+    if form != "module":
+        return read_source(spec, where, split, column_types)
+    factory = import_object(spec, where.partition("=")[0])
+    data = factory(**kwargs) if callable(factory) else factory
+    if not isinstance(data, Iterable):
+        raise ConfigError(f"{where} returned {type(data).__name__}, not a Dataset or rows")
+    return data
 
 
 def load_dataset(config: RolloutConfig) -> Any:
-    """The prompt dataset named by ``config.dataset``.
+    """The prompt rows of a run: ``config.dataset`` with its prompt column mapped onto ``prompt``
+    (:func:`~grpo_core.rollout.mixture.view`), or the weighted :class:`~grpo_core.rollout.mixture.Mixture` of
+    ``config.datasets``.
 
     Raises:
-        ConfigError: unset, unknown form, a ``json:`` file that is missing or not JSON lines
-            (:func:`json_lines_dataset`), or the callable does not return rows.
+        ConfigError: unset, unknown form, a file that is missing, empty or unreadable, a mixture source that is
+            streaming or empty, or the callable does not return rows.
     """
+    if config.datasets:
+        return load_mixture(config)
     spec = config.dataset
     if spec is None:
         raise ConfigError(
             "rollout.dataset is unset and no rollout.environment_factory makes the prompts; set it to "
-            "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'"
+            f"a data file (.jsonl, .parquet, .csv, .arrow), 'hf:owner/name', {_FORMS}"
         )
-    if spec.startswith(REASONING_GYM_PREFIX):
-        return reasoning_gym_dataset(
-            spec[len(REASONING_GYM_PREFIX) :], config.dataset_size, config.dataset_seed, **config.dataset_kwargs
-        )
-    if spec.startswith(JSON_PREFIX):
-        return json_lines_dataset(spec[len(JSON_PREFIX) :])
-    factory = import_object(spec, "rollout.dataset")
-    data = factory(**config.dataset_kwargs) if callable(factory) else factory
-    if not isinstance(data, Iterable):
-        raise ConfigError(f"rollout.dataset={spec!r} returned {type(data).__name__}, not a Dataset or rows")
-    return data
+    where = f"rollout.dataset={spec!r}"
+    data = open_dataset(spec, where, config, config.dataset_split, config.column_types, config.dataset_kwargs)
+    return view(data, config.prompt_column, config.system_prompt)
+
+
+_FORMS = "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'"
+
+
+def load_mixture(config: RolloutConfig) -> Mixture:
+    """The :class:`~grpo_core.rollout.mixture.Mixture` of ``config.datasets``, seeded by ``shuffle_seed``.
+
+    Raises:
+        ConfigError: a source that cannot be read, is streaming (no length) or empty; names ``rollout.datasets[i]``.
+    """
+    sources = []
+    for i, item in enumerate(config.datasets):
+        where = f"rollout.datasets[{i}].path={item.path!r}"
+        data = open_dataset(item.path, where, config, item.split, item.column_types, item.dataset_kwargs)
+        if num_rows(data) is None:
+            raise ConfigError(f"{where} is a streaming dataset (no length); a mixture needs map-style sources")
+        sources.append(Source(item.source_name(), view(data, item.prompt_column, item.system_prompt), item.weight))
+    return Mixture(sources, config.mixture_epoch_size, config.shuffle_seed, config.shuffle)
 
 
 def default_rewards(config: RolloutConfig) -> list[Callable[..., Any]]:
     """Reward functions implied by the dataset (reasoning-gym's verifier)."""
-    if config.dataset and config.dataset.startswith(REASONING_GYM_PREFIX):
+    specs = [config.dataset] if config.dataset else [s.path for s in config.datasets]
+    if any(spec.startswith(REASONING_GYM_PREFIX) for spec in specs):
         return [reasoning_gym_reward]
     return []
 

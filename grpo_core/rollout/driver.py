@@ -19,6 +19,7 @@ from grpo_core.errors import RolloutError, ServingError
 
 from .data import iter_rows, num_rows
 from .loop import RolloutLoop
+from .mixture import Mixture
 from .usercode import running_after_timeout
 
 logger = logging.getLogger(__name__)
@@ -40,21 +41,27 @@ def prompt_stream(
 
     ``prompt_index = epoch * num_rows + k`` for the k-th prompt of the epoch, whose dataset row is ``row_index``:
     ``k`` itself in the dataset's order, ``epoch_order(num_rows, shuffle_seed, epoch)[k]`` with a
-    ``shuffle_seed``. Map-style datasets jump straight to ``start``; streaming ones are read from their first
-    row and the rows before ``start`` skipped (no request is made for them), always in their order.
+    ``shuffle_seed``. A :class:`~grpo_core.rollout.mixture.Mixture` has ``epoch_size`` prompts an epoch in its own
+    order (``Mixture.epoch_rows``; ``row_index`` is the row's end-to-end index). Map-style datasets jump straight
+    to ``start``; streaming ones are read from their first row and the rows before ``start`` skipped (no request is
+    made for them), always in their order.
     ``num_epochs`` None = cycle forever.
 
     Raises:
         RolloutError: the dataset has no rows.
     """
-    n = num_rows(dataset)
+    mixture = dataset if isinstance(dataset, Mixture) else None
+    n = mixture.epoch_size if mixture is not None else num_rows(dataset)
     indexable = n is not None
     epoch = start // n if n else 0
     position = epoch * n if n else 0
     while num_epochs is None or epoch < num_epochs:
         if indexable:
             first = max(start - position, 0)
-            order = epoch_order(n, shuffle_seed, epoch) if shuffle_seed is not None else range(n)
+            if mixture is not None:  # its own seeded order (rollout.shuffle_seed), grpo_core.rollout.mixture
+                order = mixture.epoch_rows(epoch)
+            else:
+                order = epoch_order(n, shuffle_seed, epoch) if shuffle_seed is not None else range(n)
             rows = ((order[k], dict(dataset[order[k]])) for k in range(first, n))
             position += first
         else:
@@ -107,6 +114,7 @@ async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:
     epochs = cfg.num_epochs  # None: cycle until the trainer stops the run at train.max_steps
     current, offered, accepted = -1, 0, 0
     dataset, seed = loop.runtime.dataset, cfg.shuffle_seed if cfg.shuffle else None
+    mixture = dataset if isinstance(dataset, Mixture) else None
     if seed is not None and num_rows(dataset) is None:
         logger.warning("rollout.shuffle: the dataset is streaming (no length); its prompts are read in its order")
     for epoch, row_index, prompt_index, row in prompt_stream(dataset, epochs, start, seed):
@@ -121,6 +129,8 @@ async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:
             loop.window.add("rollout/filtered_prompt_count", 1)
             continue
         accepted += 1
+        if mixture is not None:
+            loop.window.add(f"rollout/source/{mixture.source_of(row_index)}/prompt_count", 1)
         await _wait_allowance(loop)
         tasks.create_task(loop.run_group(prompt_index, row_index, epoch, row))
         await asyncio.sleep(0)

@@ -305,6 +305,11 @@ class RolloutLoop:
 
     # ----- helpers hooks may use ----------------------------------------------------------------
 
+    def source_of(self, row_index: int) -> str | None:
+        """The name of the dataset of a mixture (``rollout.datasets``) holding row ``row_index``; None otherwise."""
+        source_of = getattr(self.runtime.dataset, "source_of", None)
+        return source_of(row_index) if source_of is not None else None
+
     def served_model(self, policy_version: int) -> str:
         """Model name to sample policy version ``policy_version`` from (the adapter version in LoRA runs).
 
@@ -346,8 +351,37 @@ class RolloutLoop:
 
     # ----- one group ----------------------------------------------------------------------------
 
+    def prompt_too_long(self, row: dict[str, Any]) -> int | None:
+        """The rendered token count of a row's prompt when it exceeds ``max_model_len - max_completion_length``
+        (the room a full completion needs), else None. Rows whose prompt an environment makes are not judged."""
+        if self.environments is not None or not row.get("prompt"):
+            return None
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        tools = list(self.runtime.tools)
+        length = len(self.render(messages, tool_schemas(tools) if tools else None))
+        return length if length > self.runtime.max_model_len - self.config.max_completion_length else None
+
     async def run_group(self, prompt_index: int, row_index: int, epoch: int, row: dict[str, Any]) -> None:
-        """Generate, score and queue the group of one accepted prompt."""
+        """Generate, score and queue the group of one accepted prompt; a prompt too long to train
+        (:meth:`prompt_too_long`) is consumed untried and counted in ``rollout/overlong_prompt_count``."""
+        source = self.source_of(row_index)
+        length = self.prompt_too_long(row)
+        if length is not None:
+            logger.warning(
+                "prompt %d (dataset row %d) is %d tokens, more than server.max_model_len (%d) - "
+                "rollout.max_completion_length (%d): skipped, counted in rollout/overlong_prompt_count",
+                prompt_index,
+                row_index,
+                length,
+                self.runtime.max_model_len,
+                self.config.max_completion_length,
+            )
+            self.window.add("rollout/overlong_prompt_count", 1)
+            if source is not None:
+                self.window.add(f"rollout/source/{source}/overlong_prompt_count", 1)
+            self.runtime.queue.consumed(prompt_index)
+            return
         allowance = self.runtime.allowance
         allowance.group_started()
         self.unfinished_rollouts += self.config.num_generations
@@ -404,6 +438,10 @@ class RolloutLoop:
         dropped = is_zero_std(group.rewards)
         self.window.add("rollout/group_count", 1)
         log_group_rewards(self.window, group, dropped)
+        if source is not None:  # a mixture's per-source metrics (grpo_core.rollout.mixture)
+            scored = group.rewards[~np.isnan(group.rewards)] if group.rewards is not None else []
+            self.window.add(f"rollout/source/{source}/group_count", 1)
+            self.window.add_many(f"rollout/source/{source}/reward_mean", list(map(float, scored)))
         log_completions(group, self.window, with_tools=bool(self.runtime.tools or self.environments))
         if self.runtime.completions is not None:
             for row in completion_rows(group, advantages):

@@ -5,7 +5,8 @@ On resume (:func:`check_resume`) the fingerprint of the checkpoint is compared w
 * **unsafe** changes make the checkpoint belong to a different run and are refused with a diff: another
   model (name, revision, seed of a random init), parameter dtype, LoRA shape, group size, or another
   dataset (its spec, size, seed and options, its order: ``rollout.shuffle`` and its seed; the SHA-256 of a
-  ``json:`` file or of ``train.samples_path``) — prompt indices in the checkpoint would point at other prompts;
+  data file or of ``train.samples_path``; a mixture's sources and weights, the prompt column and system prompt)
+  — prompt indices in the checkpoint would point at other prompts;
 * **safe** changes are applied and logged: optimizer settings (the trainer puts the config's learning
   rate, betas and weight decay into the restored optimizer, see ``Trainer._apply_optimizer_config``),
   schedule, clipping, loss settings, step counts.
@@ -22,7 +23,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from grpo_core.config import TrainerProcessConfig
+from grpo_core.config import TrainerProcessConfig, dataset_form, user_path
 from grpo_core.errors import ConfigError
 from grpo_core.redact import mask_secret_keys
 from grpo_core.run.layout import FINGERPRINT as FINGERPRINT_FILE
@@ -76,6 +77,13 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _data_file(spec: str) -> Path | None:
+    """The one local file a dataset spec names (a path or a ``json:``/``csv:``/``parquet:``/``arrow:`` file)."""
+    form, rest = dataset_form(spec)
+    path = user_path(rest)
+    return path if form in ("path", "json", "csv", "parquet", "arrow") and path.is_file() else None
+
+
 def _get(data: dict, dotted: str) -> Any:
     for part in dotted.split("."):
         data = data.get(part) if isinstance(data, dict) else None
@@ -93,8 +101,21 @@ def dataset_fingerprint(cfg: TrainerProcessConfig) -> dict[str, Any]:
         "rollout.shuffle": ro.shuffle,  # the prompt order: prompt indices of another order are other prompts
         "rollout.shuffle_seed": ro.shuffle_seed if ro.shuffle else None,
     }
-    if ro.dataset and ro.dataset.startswith("json:") and Path(ro.dataset[5:]).is_file():
-        out["rollout.dataset sha256"] = _sha256(Path(ro.dataset[5:]))
+    # Issue 27's data settings, recorded when not their default (a checkpoint without them trained with their
+    # defaults): the prompt column and system prompt change the prompts, a mixture's sources and weights the order.
+    fields = type(ro).model_fields
+    for name in ("dataset_split", "prompt_column", "system_prompt", "column_types", "mixture_epoch_size"):
+        if getattr(ro, name) != fields[name].get_default(call_default_factory=True):
+            out[f"rollout.{name}"] = getattr(ro, name)
+    if ro.datasets:
+        out["rollout.datasets"] = [mask_secret_keys(s.model_dump()) for s in ro.datasets]
+        for i, source in enumerate(ro.datasets):
+            path = _data_file(source.path)
+            if path is not None:
+                out[f"rollout.datasets[{i}] sha256"] = _sha256(path)
+    data_file = _data_file(ro.dataset) if ro.dataset else None
+    if data_file is not None:
+        out["rollout.dataset sha256"] = _sha256(data_file)
     if tc.samples_path is not None and Path(tc.samples_path).is_file():
         out["train.samples_path sha256"] = _sha256(Path(tc.samples_path))
     return out
