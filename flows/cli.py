@@ -222,9 +222,23 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
-def _print_failure(exc: BaseException) -> None:
-    """The last lines of a failed run: what failed and its root cause, one line each (the tracebacks, the children's
-    output and Prefect's task states are in the log above), without another traceback after them."""
+def _log_to_file(cfg: RunConfig) -> Path:
+    """The command's log file, ``<train.output_dir>/logs/grpo-train-<UTC time>-<pid>.log``: every Prefect log
+    record of the command in full, tracebacks included, while the console prints grpo-flow's own failures as one
+    line each (:mod:`flows.console_log`); the file takes records until the process exits. Returns its path."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from flows import console_log
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path = cfg.train.output_dir.expanduser().resolve() / "logs" / f"grpo-train-{stamp}-{os.getpid()}.log"
+    console_log.attach(path, PrefectConsoleHandler)
+    return path
+
+
+def _print_failure(exc: BaseException, log_path: Path | None = None) -> None:
+    """The last lines of a failed run: what failed and its root cause, one line each, and where the tracebacks are
+    (``log_path``, the command's log file, and the run folder's logs), without another traceback after them."""
     from rich.text import Text
 
     def first_line(e: BaseException) -> str:
@@ -237,9 +251,8 @@ def _print_failure(exc: BaseException) -> None:
     console.print(Text.assemble(("grpo train failed", "red"), ": ", first_line(exc)), soft_wrap=True)
     if root is not exc:
         console.print(Text.assemble(("root cause", "red"), ": ", first_line(root)), soft_wrap=True)
-    console.print(
-        "(the full output and tracebacks are above; the run folder keeps the children's logs)", soft_wrap=True
-    )
+    where = f"tracebacks: {log_path}" if log_path is not None else "tracebacks: in the log above"
+    console.print(f"({where}; the run folder keeps the children's logs)", soft_wrap=True)
 
 
 def _share_console() -> None:
@@ -276,16 +289,23 @@ def run_locally(cfg: RunConfig, retries: int | None = None) -> dict:
     watcher = threading.Thread(
         target=_progress, args=(cfg.train.output_dir.resolve(), cfg.train.max_steps, started, done), daemon=True
     )
+    from flows import console_log
+
     _share_console()
+    log_path = _log_to_file(cfg)
     watcher.start()
     try:
         summary = (grpo_train if retries is None else grpo_train.with_options(retries=retries))(cfg)
-    except Exception as exc:  # noqa: BLE001 - the run's failure, logged in full above: end with its cause
-        _print_failure(exc)
+    except Exception as exc:  # noqa: BLE001 - the run's failure, logged in full in the log file: end with its cause
+        done.set()
+        watcher.join(timeout=5)
+        console_log.quiet()
+        _print_failure(exc, log_path)
         raise typer.Exit(EXIT_FAILED) from None
     finally:
         done.set()
         watcher.join(timeout=5)
+    console_log.quiet()
     console.print(summary_table(summary))
     if summary.get("stopped_early"):
         console.print(

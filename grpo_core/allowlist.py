@@ -42,7 +42,7 @@ from typing import Any
 
 from grpo_core.config import RunConfig, dataset_form
 from grpo_core.entries import check_kind, entries_of, kind_of_field, registered
-from grpo_core.errors import ConfigError
+from grpo_core.errors import ConfigError, did_you_mean
 
 #: Environment variable of the allow-list (comma-separated modules, ``module:name`` entries and vLLM flags).
 ALLOWED_MODULES_ENV = "GRPO_ALLOWED_MODULES"
@@ -294,6 +294,16 @@ def _listed_object(path: str, module: Any, attr: str, field: str) -> Any:
     return obj
 
 
+def _close_entries(module_name: str, attr: str, kind: str) -> str:
+    """``"; did you mean module:a?"`` for ``module``'s registered entries of ``kind`` closest to a misspelt ``attr``
+    (:func:`grpo_core.errors.did_you_mean`), else ``"; its <kind> entries: ..."`` or ``""`` when it has none."""
+    names = [name.partition(":")[2] for name in entries_of(module_name, kind)]
+    close = did_you_mean(attr, names, f"{module_name}:")
+    if close or not names:
+        return close
+    return f"; its {kind} entries: {', '.join(f'{module_name}:{n}' for n in names)}"
+
+
 def import_object(path: str, field: str, allowed: tuple[str, ...] | None = None, kind: str | None = None) -> Any:
     """Import the config entry ``module:name`` that config field ``field`` names, checked for its kind.
 
@@ -325,7 +335,11 @@ def import_object(path: str, field: str, allowed: tuple[str, ...] | None = None,
         elif listed:
             obj = _listed_object(path, module, attr, field)
         else:
-            getattr(module, attr.split(".")[0])  # a missing name says so; an existing one is still no entry
+            if not hasattr(module, attr.split(".")[0]):
+                raise ConfigError(
+                    f"{field}={path!r} cannot be imported: module {module_name!r} has no attribute "
+                    f"{attr.split('.')[0]!r}" + _close_entries(module_name, attr, kind)
+                )
             names = entries_of(module_name, kind)
             raise ConfigError(
                 f"{field}={path!r} is not a registered {kind} entry of {module_name} "

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
@@ -88,14 +89,38 @@ def torchrun_args(argv: list[str]) -> list[str]:
     ]
 
 
+def failure_lines(exc: ChildFailedError) -> list[str]:
+    """One line per failed rank of torchrun's ``ChildFailedError``, instead of its traceback (frames of torchrun's
+    launcher) and framed report: ``torchrun: rank R (pid P) exited with code C`` or, for a rank a signal ended,
+    ``torchrun: rank R: Signal 9 (SIGKILL) received by PID P`` (torchrun's own words, which the flow reads)."""
+    lines = []
+    for rank, failure in sorted(exc.failures.items()):
+        if failure.exitcode < 0:
+            how = f"Signal {-failure.exitcode} ({failure.signal_name()}) received by PID {failure.pid}"
+            lines.append(f"torchrun: rank {rank}: {how}")
+        else:
+            lines.append(f"torchrun: rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Register the loopback rendezvous backend and run torchrun with it."""
+    """Register the loopback rendezvous backend and run torchrun with it.
+
+    Raises:
+        SystemExit: code 1 when a rank failed, after one line per failed rank on stderr (:func:`failure_lines`;
+            the rank's own traceback is in its output above and its error in the run folder's trainer_error.txt).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.run import main as torchrun
 
     rendezvous_handler_registry.register(BACKEND, _handler)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torchrun(torchrun_args(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        torchrun(torchrun_args(list(sys.argv[1:] if argv is None else argv)))
+    except ChildFailedError as exc:
+        print("\n".join(failure_lines(exc)), file=sys.stderr, flush=True)  # noqa: T201 - the launcher's report
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
