@@ -471,7 +471,13 @@ def deploy(
         int, typer.Option(help="Prefect server port on 127.0.0.1 (0: a free one)", min=0, max=65535)
     ] = 4200,
     demo_config: Annotated[Path, typer.Option(help="parameters of grpo-train/demo")] = DEMO_CONFIG,
-    cron: Annotated[str, typer.Option(help="schedule of grpo-train/nightly-retrain")] = "0 2 * * *",
+    cron: Annotated[
+        str | None,
+        typer.Option(
+            help="schedule of grpo-train/nightly-retrain (UTC); default: keep its schedules as they are (0 2 * * * "
+            "for a new one); schedules added in the UI are kept either way"
+        ),
+    ] = None,
     gpu_slots: Annotated[
         int | None,
         typer.Option(
@@ -484,7 +490,8 @@ def deploy(
     from pydantic import ValidationError
 
     try:
-        CronSchedule(cron=cron)  # before the server starts
+        if cron is not None:
+            CronSchedule(cron=cron)  # before the server starts
     except ValidationError:
         console.print(
             f"[red]bad --cron[/red] {cron!r}: not a cron string (five fields: minute hour day month "

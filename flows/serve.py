@@ -198,19 +198,12 @@ class PrefectStack:
             client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, slots)
         logger.info("global concurrency limit %r: %d slot(s)", GPU_LIMIT, slots)
 
-    def register(self, demo_config: Path, cron: str = "0 2 * * *", overrides: list[str] | None = None) -> None:
-        """Register ``grpo-train/demo`` and ``grpo-train/nightly-retrain`` (in a child process, on this server)."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "deployments.deploy",
-            "--config",
-            str(demo_config),
-            "--cron",
-            cron,
-            "--pool",
-            self.pool,
-        ]
+    def register(self, demo_config: Path, cron: str | None = None, overrides: list[str] | None = None) -> None:
+        """Register ``grpo-train/demo`` and ``grpo-train/nightly-retrain`` (in a child process, on this server);
+        ``cron`` None keeps the nightly deployment's schedules (``deployments.deploy.nightly_schedules``)."""
+        cmd = [sys.executable, "-m", "deployments.deploy", "--config", str(demo_config), "--pool", self.pool]
+        if cron is not None:
+            cmd += ["--cron", cron]
         for item in overrides or []:
             cmd += ["--set", item]
         done = subprocess.run(cmd, env=self.env(), capture_output=True, text=True, check=False)
