@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMPS := .stamps
 RUST_SOURCES := Cargo.toml packer_rs/Cargo.toml $(wildcard packer_rs/src/*.rs)
 
-.PHONY: demo demo-smoke serve lint fmt test test-rust test-python test-slow bench-packing wheelhouse-h200 clean
+.PHONY: demo demo-smoke serve lint fmt test test-rust test-python test-slow models bench-packing wheelhouse-h200 clean
 
 # The main job: the grpo-train flow on SmolLM2-135M-Instruct (Prefect's embedded API, MLflow on SQLite).
 # `make demo STEPS=2` trains that many optimizer steps instead of the config's train.max_steps.
@@ -45,11 +45,19 @@ test: test-rust test-python
 test-rust:
 	cargo test --release -p packer_rs
 
-test-python: $(STAMPS)/install
+test-python: $(STAMPS)/install models
 	$(PY) -m pytest -q -m "not slow" --durations=25
 
-test-slow: $(STAMPS)/install $(STAMPS)/chromium
+test-slow: $(STAMPS)/install $(STAMPS)/chromium models
 	$(PY) -m pytest -q -m slow --durations=25
+
+# The registry models the tests load, built once into the tests' cache (.cache, tests/conftest.py) before any test
+# runs, so that no test's time or timeout includes a conversion or a random build (each is reused afterwards).
+TEST_MODELS := smollm2-135m-instruct tiny-llama tiny-qwen3 tiny-qwen3.5
+models: $(STAMPS)/install
+	HF_HUB_OFFLINE=1 GRPO_FLOW_CACHE_DIR=$(CURDIR)/.cache $(PY) -c "import sys; \
+		from grpo_core.config import ModelConfig; from grpo_core.models import resolve_model_dir; \
+		[print(resolve_model_dir(ModelConfig(name=n))) for n in sys.argv[1:]]" $(TEST_MODELS)
 
 # Debian's chromium for the browser tests of the Prefect and MLflow UIs (slow tier; as root on a fresh machine, else
 # those tests skip).
