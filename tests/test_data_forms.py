@@ -330,3 +330,13 @@ def test_the_rollout_skips_and_counts_a_prompt_too_long_to_train(tmp_path):
     finally:
         loop.executor.shutdown()
     assert consumed == [5] and loop.window.drain()["rollout/overlong_prompt_count"] == 1
+
+
+def test_top_level_mapping_beside_a_mixture_is_warned_about_once_set_not_when_a_saved_config_is_read(caplog):
+    mixed = RolloutConfig(datasets=[{"path": "a.jsonl"}])
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RolloutConfig.model_validate_json(mixed.model_dump_json())  # the rollout process reads every field back
+    assert "has no effect with rollout.datasets" not in caplog.text
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        RolloutConfig(datasets=[{"path": "a.jsonl"}], prompt_column="question")
+    assert "rollout.prompt_column has no effect with rollout.datasets: each source sets its own" in caplog.text

@@ -11,7 +11,7 @@ from pydantic import (
     model_validator,
 )
 
-from grpo_core.config.base import REMOVED_ROLLOUT_FIELDS, _CandidateFilter, _refuse_removed, _Strict
+from grpo_core.config.base import REMOVED_ROLLOUT_FIELDS, _CandidateFilter, _changed, _refuse_removed, _Strict
 from grpo_core.errors import ConfigError
 
 logger = logging.getLogger("grpo_core.config")
@@ -231,8 +231,9 @@ class RolloutConfig(_CandidateFilter):
         if self.mixture_epoch_size is not None and not self.datasets:
             logger.warning("rollout.mixture_epoch_size has no effect without rollout.datasets")
         if self.datasets:
+            changed = _changed(self)  # not model_fields_set: a saved config sets every field
             for name in ("dataset_split", "prompt_column", "system_prompt", "column_types"):
-                if name in self.model_fields_set:
+                if name in changed:
                     logger.warning("rollout.%s has no effect with rollout.datasets: each source sets its own", name)
         _check_column_types(self.column_types, "rollout.column_types")
         if isinstance(self.environment_factory, dict) and not self.environment_factory:
