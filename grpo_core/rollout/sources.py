@@ -248,6 +248,8 @@ def arrow_dataset(pattern: str, where: str) -> Any:
     import datasets
 
     files = local_files(pattern, where, "Arrow")
+    if not files:  # a URL
+        return _datasets_loader("arrow", pattern, where)
     try:
         parts = [datasets.Dataset.from_file(str(f), in_memory=True) for f in files]
     except Exception:  # noqa: BLE001 - one format of the two; the loader below reads the other or says why
