@@ -227,6 +227,20 @@ def test_the_rollout_starts_a_mixtures_groups_in_order_after_a_resume_and_counts
     assert run(resume)[0] == [g for g in full[17:] if g[0] not in (20, 41)]
 
 
+def test_without_shuffle_a_mixtures_order_does_not_depend_on_the_unrecorded_seed(tmp_path):
+    """The checkpoint's fingerprint records no shuffle_seed with shuffle off: a resume that changed it must find the
+    same order."""
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": str(i)} for i in range(5)])
+    write_jsonl(tmp_path / "b.jsonl", [{"prompt": str(i)} for i in range(7)])
+    sources = [{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / "b.jsonl"), "weight": 2}]
+
+    def order(**kw):
+        return [r for _, r, _, _ in prompt_stream(load_dataset(RolloutConfig(datasets=sources, **kw)), 2)]
+
+    assert order(shuffle=False, shuffle_seed=1) == order(shuffle=False, shuffle_seed=2)
+    assert order(shuffle_seed=1) != order(shuffle_seed=2)
+
+
 def test_a_mixture_from_config_names_sources_and_loads_each_form(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "007"}])
     with (tmp_path / "b.csv").open("w") as f:

@@ -181,7 +181,8 @@ _FORMS = "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'"
 
 
 def load_mixture(config: RolloutConfig) -> Mixture:
-    """The :class:`~grpo_core.rollout.mixture.Mixture` of ``config.datasets``, seeded by ``shuffle_seed``.
+    """The :class:`~grpo_core.rollout.mixture.Mixture` of ``config.datasets``, seeded by ``shuffle_seed`` (by 0 with
+    ``shuffle`` off: the sources still interleave by weight, each read in its own order).
 
     Raises:
         ConfigError: a source that cannot be read, is streaming (no length) or empty; names ``rollout.datasets[i]``.
@@ -193,7 +194,10 @@ def load_mixture(config: RolloutConfig) -> Mixture:
         if num_rows(data) is None:
             raise ConfigError(f"{where} is a streaming dataset (no length); a mixture needs map-style sources")
         sources.append(Source(item.source_name(), view(data, item.prompt_column, item.system_prompt), item.weight))
-    return Mixture(sources, config.mixture_epoch_size, config.shuffle_seed, config.shuffle)
+    # shuffle off: a fixed draw (seed 0), as the fingerprint records no shuffle_seed then (a resume that changed it
+    # must not change the order)
+    seed = config.shuffle_seed if config.shuffle else 0
+    return Mixture(sources, config.mixture_epoch_size, seed, config.shuffle)
 
 
 def default_rewards(config: RolloutConfig) -> list[Callable[..., Any]]:
