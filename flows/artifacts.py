@@ -28,6 +28,8 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from grpo_core.report import EVAL_MARK
+
 logger = logging.getLogger(__name__)
 
 LINK_KEY, PROGRESS_KEY, SUMMARY_KEY, CURVE_KEY = "grpo-mlflow-run", "grpo-progress", "grpo-summary", "grpo-reward-curve"
@@ -35,16 +37,19 @@ EVAL_KEY = "grpo-eval"
 
 
 def last_record(metrics_path: Path) -> dict[str, Any] | None:
-    """The last complete JSON line of a ``metrics.jsonl`` (None when there is none yet)."""
+    """The last complete step line of a ``metrics.jsonl`` (None when there is none yet); a held-out evaluation's
+    line, logged later at the earlier step it evaluated (``eval``), is skipped."""
     try:
         lines = Path(metrics_path).read_text().splitlines()
     except OSError:
         return None
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            record = json.loads(line)
         except ValueError:  # a line being written
             continue
+        if EVAL_MARK not in record:
+            return record
     return None
 
 

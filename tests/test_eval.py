@@ -117,6 +117,29 @@ def test_eval_config_refuses_what_cannot_be_computed():
     assert not RunConfig().eval.enabled
 
 
+def test_summary_artifact_and_progress_read_evaluation_lines_apart_from_the_steps(tmp_path):
+    from flows.artifacts import eval_markdown, last_record
+    from grpo_core.report import eval_history, summarize
+
+    lines = [
+        {"step": 1, "reward": 0.2},
+        {"step": 2, "reward": 0.4},
+        {"step": 2, "eval/num_prompts": 3, "eval/pass@2": 0.5, "eval/policy_version": 2},  # logged after step 3
+        {"step": 3, "reward": 0.6},
+        {"step": 3, "eval/num_prompts": 3, "eval/pass@2": 0.75, "eval/policy_version": 3},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [r["step"] for r in eval_history(path)] == [2, 3]
+    summary = summarize(path)
+    assert summary["reward_first5"] == pytest.approx(0.4) and summary["steps"] == 3
+    assert summary["eval"] == "step 3 (policy version 3), 3 prompts: pass@2 0.75"
+    assert last_record(path) == {"step": 3, "reward": 0.6}  # the progress bar's step, not an evaluation's
+    table = eval_markdown(eval_history(path)).splitlines()
+    assert table[2] == "| step | num_prompts | pass@2 | policy_version |"
+    assert table[4:] == ["| 2 | 3 | 0.5000 | 2 |", "| 3 | 3 | 0.7500 | 3 |"]
+
+
 def _grpo_train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     """``grpo train`` of configs/tiny.yaml (the flow, its embedded server, rollout and trainer processes)."""
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
