@@ -354,3 +354,33 @@ def test_top_level_mapping_beside_a_mixture_is_warned_about_once_set_not_when_a_
     with caplog.at_level("WARNING", logger="grpo_core.config"):
         RolloutConfig(datasets=[{"path": "a.jsonl"}], prompt_column="question")
     assert "rollout.prompt_column has no effect with rollout.datasets: each source sets its own" in caplog.text
+
+
+def test_a_resume_with_other_sources_weights_or_mapping_is_refused(tmp_path):
+    from grpo_core.train.fingerprint import FINGERPRINT_FILE, check_resume, fingerprint_text
+
+    def checkpoint(rollout):
+        folder = tmp_path / "step-0000002"
+        folder.mkdir(exist_ok=True)
+        (folder / FINGERPRINT_FILE).write_text(fingerprint_text(RunConfig(rollout=rollout).trainer_process()))
+        return folder
+
+    def resume(rollout, folder):
+        return check_resume(RunConfig(rollout=rollout).trainer_process(), folder)
+
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x"}])
+    mix = {"datasets": [{"path": str(tmp_path / "a.jsonl")}, {"path": "reasoning_gym:chain_sum", "weight": 2}]}
+    folder = checkpoint(mix)
+    assert resume(mix, folder) == []
+    for change in ({"weight": 3}, {"system_prompt": "S"}):
+        other = {"datasets": [mix["datasets"][0], {**mix["datasets"][1], **change}]}
+        with pytest.raises(ConfigError, match=r"rollout.datasets"):
+            resume(other, folder)
+    write_jsonl(tmp_path / "a.jsonl", [{"prompt": "y"}])  # the file's rows changed
+    with pytest.raises(ConfigError, match=r"rollout.datasets\[0\] sha256"):
+        resume(mix, folder)
+    single = {"dataset": "reasoning_gym:chain_sum"}
+    folder = checkpoint(single)  # a checkpoint of before these settings: none of them recorded at their defaults
+    assert resume(single, folder) == []
+    with pytest.raises(ConfigError, match=r"rollout.system_prompt: None -> 'Be brief.'"):
+        resume({**single, "system_prompt": "Be brief."}, folder)
