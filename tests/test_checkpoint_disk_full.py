@@ -100,3 +100,36 @@ def test_the_next_save_removes_a_partial_checkpoint_an_earlier_save_left(group, 
     saved = _save(tmp_path, 4)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [saved.name]
     assert checkpoint.verify(saved) is None
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """``tmp_path/checkpoints`` on a real 512 KiB tmpfs (root only; skipped where mounting is not allowed)."""
+    import os
+    import subprocess
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_tmpfs_that_torch_reports_as_a_bad_zip_position_is_a_full_disk(group, tmp_path, tiny_tmpfs):
+    """On a real full filesystem torch's zip writer loses the ENOSPC and raises ``RuntimeError: ... unexpected pos``
+    (DCP wraps it in a CheckpointException, not an Exception): the save must still say the disk is full."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # 257 KiB of parameters, 3 times that with AdamW's two moments: > 512 KiB
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    path = checkpoint.checkpoint_dir(tmp_path, 1)
+    with pytest.raises(DiskFullError, match=r"no space left for checkpoint step 1 .*bytes free there") as info:
+        checkpoint.save(path, model, optimizer, scheduler, ResumeState(1, 1, 0, [], 0), None, rank=0)
+    assert is_deterministic(info.value)
+    assert list(tiny_tmpfs.iterdir()) == []  # the partial step-0000001.tmp is gone

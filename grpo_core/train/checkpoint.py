@@ -248,7 +248,8 @@ def save(
 
     Raises:
         DiskFullError: a write found no space left (``ENOSPC``) or the quota spent (``EDQUOT``), on this or, through
-            DCP, another rank; not retried, since a retry meets the same full disk.
+            DCP, another rank, or failed while the folder holds less free space than this rank's tensors (torch's
+            zip writer loses the ``ENOSPC``: :func:`_no_room`); not retried, since a retry meets the same full disk.
     """
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
 
@@ -268,9 +269,9 @@ def save(
     try:
         _write(tmp, tensors, plain, state, pending, rank, extra)
     except (Exception, CheckpointException) as exc:
+        full = _disk_full(exc) or _no_room(exc, path.parent, tensors)  # before the partial checkpoint is removed
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        full = _disk_full(exc)
         if full is not None:
             raise DiskFullError(
                 f"no space left for checkpoint step {state.step} in {path.parent} ({full}); the partial checkpoint "
@@ -313,6 +314,27 @@ def _write(
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
+
+
+def _no_room(exc: BaseException, folder: Path, tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why a failed write was a full disk although no ``ENOSPC`` reached Python, or None.
+
+    torch's zip writer (``torch.save``, DCP's item files) writes through C++ streams that drop the error of a write
+    to a full disk: the save then fails with ``RuntimeError: ... unexpected pos 704 vs 598`` (seen on a full
+    tmpfs). So a failed save whose folder has fewer bytes free than this rank's tensors take is a full disk.
+    """
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    if free >= needed:
+        return None
+    said = str(exc).strip().splitlines()
+    return (
+        f"{free} bytes free there, fewer than this rank's {needed} bytes of tensors; the write failed with "
+        f"{type(exc).__name__}: {said[0] if said else '(no message)'}"
+    )
 
 
 def _disk_full(exc: BaseException) -> OSError | None:
