@@ -9,8 +9,11 @@ flow run finds and continues it. Artifacts of a run:
   ``tracking.checkpoint_artifact_max_mib``, else only its ``rollout_state.json`` and a
   ``checkpoint_uri.txt`` naming where the folder lies;
 * ``resume/rollout_state.json``: the latest resume state;
-* ``completions/step_NNNNNNN.json`` (with ``tracking.log_completions``): one bounded table per
-  logging window (``mlflow.log_table``: prompt, completion, reward, advantage, ...);
+* ``completions/steps_NNNNNNN-MMMMMMM.json`` (with ``tracking.log_completions``): one table (MLflow's table
+  format, as ``mlflow.log_table`` writes it: step, prompt, completion, reward, advantage, ...) per
+  :data:`COMPLETION_TABLE_STEPS` steps, rewritten with each logging window of its steps; the newest
+  :data:`MAX_LISTED_TABLES` are listed in the run's ``mlflow.loggedArtifacts`` tag (the UI's table view,
+  ``MlflowClient.load_table``), older ones stay in the artifacts as JSON;
 * ``plots/reward_curve.png`` and ``model/`` at the end: the exported Hugging Face folder
   (``from_pretrained`` on the downloaded folder loads it), registered as a new version of
   ``tracking.registered_model_name`` with the alias ``tracking.registered_model_alias``.
@@ -470,6 +473,54 @@ def completions_table(rows: list[dict[str, Any]], max_chars: int) -> dict[str, l
     return columns
 
 
+#: Steps whose completion rows share one table artifact (``completions/steps_NNNNNNN-MMMMMMM.json``).
+COMPLETION_TABLE_STEPS = 10
+#: Completion tables listed in the run's ``mlflow.loggedArtifacts`` tag (the newest ones).
+MAX_LISTED_TABLES = 100
+#: MLflow's tag that lists a run's tables (``mlflow.utils.mlflow_tags.MLFLOW_LOGGED_ARTIFACTS``).
+LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"
+
+
+def completion_table_path(step: int) -> str:
+    """The table artifact holding ``step``'s completion rows (``COMPLETION_TABLE_STEPS`` steps per table)."""
+    first = (step - 1) // COMPLETION_TABLE_STEPS * COMPLETION_TABLE_STEPS + 1
+    return f"completions/steps_{first:07d}-{first + COMPLETION_TABLE_STEPS - 1:07d}.json"
+
+
+def listed_tables(tag_value: str | None, path: str, limit: int) -> str:
+    """The ``mlflow.loggedArtifacts`` tag value listing ``path`` as a table, kept within MLflow's tag length.
+
+    ``mlflow.log_table`` appends one entry per new table file to this tag and MLflow cuts a tag value at
+    ``MAX_TAG_VAL_LENGTH`` (8000) characters: after about 130 tables the cut value is no JSON, and every later
+    ``log_table`` fails while parsing it. Here the completion tables listed are the newest ``limit`` (older ones
+    leave the list, never the artifacts), other entries are kept, and the value always parses and fits.
+
+    Args:
+        tag_value: the tag's current value; None, or a value that does not parse (cut by an older version), =
+            an empty list.
+        path: the table artifact to list.
+        limit: most completion tables listed.
+
+    Returns:
+        The JSON value to set.
+    """
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    try:
+        entries = json.loads(tag_value or "[]")
+        entries = [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    except json.JSONDecodeError:
+        entries = []
+    entry = {"path": path, "type": "table"}
+    entries = [e for e in entries if e != entry] + [entry]
+    ours = [e for e in entries if str(e.get("path", "")).startswith("completions/")]
+    dropped = {json.dumps(e, sort_keys=True) for e in ours[: max(len(ours) - limit, 0)]}
+    entries = [e for e in entries if json.dumps(e, sort_keys=True) not in dropped]
+    while len(value := json.dumps(entries)) > MAX_TAG_VAL_LENGTH and len(entries) > 1:
+        entries.pop(0)
+    return value
+
+
 class MlflowSink:
     """Metrics sink logging to an MLflow run from a background thread (batched, off the hot path).
 
@@ -504,6 +555,7 @@ class MlflowSink:
         self._held_lock = threading.Lock()
         self._pending: dict[Path, int] = {}  # checkpoint folder → uploads queued or running
         self._uploaded: Path | None = None  # the last checkpoint uploaded completely
+        self._table: tuple[str, list[dict[str, Any]]] | None = None  # (artifact path, rows) of the open table
         missing = [r for r in trained if r["step"] > self.skip_through]
         if missing:
             logger.info(
@@ -554,7 +606,7 @@ class MlflowSink:
             return set(self._pending) | ({self._uploaded} if self._uploaded is not None else set())
 
     def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """Queue one logging window's completion sample as the table ``completions/step_NNNNNNN.json``."""
+        """Queue one logging window's completion sample for its table (:func:`completion_table_path`)."""
         if rows and step > self.skip_through:
             self._queue.put(("completions", step, rows))
 
@@ -575,8 +627,7 @@ class MlflowSink:
                 if kind == "metrics":
                     self._log_metrics(mc, step, payload)
                 elif kind == "completions":
-                    table = completions_table(payload, self.tc.completion_max_chars)
-                    mc.log_table(self.run_id, data=table, artifact_file=f"completions/step_{step:07d}.json")
+                    self._log_completions(mc, step, payload)
                 else:
                     log_checkpoint(self.tc, self.run_id, payload)
                     self._uploaded = payload
@@ -589,6 +640,35 @@ class MlflowSink:
                         self._pending[payload] -= 1
                         if not self._pending[payload]:
                             del self._pending[payload]
+
+    def _log_completions(self, mc: MlflowClient, step: int, rows: list[dict[str, Any]]) -> None:
+        """Add one window's rows (with their ``step``) to its step range's table, write the table again, list it."""
+        import tempfile
+
+        path = completion_table_path(step)
+        if self._table is None or self._table[0] != path:  # a new table, or one a killed attempt began
+            self._table = (path, [r for r in self._logged_rows(mc, path) if r.get("step", 0) <= self.skip_through])
+        self._table[1].extend({"step": step, **row} for row in rows)
+        table = completions_table(self._table[1], self.tc.completion_max_chars)
+        body = {"columns": list(table), "data": [list(r) for r in zip(*table.values(), strict=True)]}
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(tmp) / Path(path).name
+            local.write_text(json.dumps(body, ensure_ascii=False))
+            mc.log_artifact(self.run_id, str(local), str(Path(path).parent))
+        tags = mc.get_run(self.run_id).data.tags
+        value = listed_tables(tags.get(LOGGED_ARTIFACTS_TAG), path, MAX_LISTED_TABLES)
+        if value != tags.get(LOGGED_ARTIFACTS_TAG):
+            mc.set_tag(self.run_id, LOGGED_ARTIFACTS_TAG, value)
+
+    def _logged_rows(self, mc: MlflowClient, path: str) -> list[dict[str, Any]]:
+        """The rows of table ``path`` already in the run (an earlier attempt's), or none."""
+        import tempfile
+
+        if path not in {a.path for a in mc.list_artifacts(self.run_id, str(Path(path).parent))}:
+            return []
+        with tempfile.TemporaryDirectory() as tmp:
+            body = json.loads(Path(mc.download_artifacts(self.run_id, path, tmp)).read_text())
+        return [dict(zip(body["columns"], row, strict=True)) for row in body["data"]]
 
     def _log_metrics(self, mc: MlflowClient, step: int, payload: Mapping[str, float]) -> None:
         """Log one step's finite metrics under MLflow-safe names, in batches.
@@ -619,11 +699,13 @@ class MlflowSink:
 __all__ = [
     "MetricNames",
     "MlflowSink",
+    "completion_table_path",
     "completions_table",
     "download_latest_checkpoint",
     "end_run",
     "find_run",
     "flatten",
+    "listed_tables",
     "log_checkpoint",
     "log_file",
     "log_model",

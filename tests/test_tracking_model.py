@@ -93,11 +93,86 @@ def test_completion_tables_are_logged_per_window_and_bounded(tmp_path):
     sink.close()
     mc = tracking.client(cfg.tracking)
     files = sorted(a.path for a in mc.list_artifacts(run_id, "completions"))
-    assert files == ["completions/step_0000001.json", "completions/step_0000002.json"]
+    assert files == ["completions/steps_0000001-0000010.json"]  # steps 1-10 share one table
     table = mc.load_table(mc.get_run(run_id).info.experiment_id, files[0], run_ids=[run_id])
-    assert len(table) == 4 and set(table.columns) >= {"prompt", "completion", "reward", "advantage"}
+    assert list(table["step"]) == [1] * 4 + [2] * 4 and set(table.columns) >= {"prompt", "completion", "reward"}
     assert table["completion"].str.len().max() == 50 and table["completion"].iloc[0].endswith("…")
     assert set(table["prompt"]) <= {f"p{i}" for i in range(30)}
+
+
+def test_completion_tables_keep_working_past_the_tag_limit(tmp_path):
+    """``log_table`` added one entry per table file to the run's ``mlflow.loggedArtifacts`` tag, which MLflow cuts
+    at 8000 characters: 8000 / len(', {"path": "completions/step_0000001.json", "type": "table"}') = 133 windows,
+    then the tag is no JSON and every later table upload failed. 20% more windows here (a table per 10 steps): every
+    window's rows are in the artifacts, the tag parses, and the newest table loads."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    cfg = _cfg(tmp_path, log_completions=True, num_completions_to_print=2, log_system_metrics=False)
+    run_id, _ = tracking.start_run(cfg, "flow-long")
+    sink = tracking.MlflowSink(cfg.tracking, run_id)
+    entry = len(', {"path": "completions/step_0000001.json", "type": "table"}')
+    num_steps = 6 * MAX_TAG_VAL_LENGTH // entry // 5  # past where one table per window broke
+    for step in range(1, num_steps + 1):
+        sink.log(step, {"reward": 1.0})
+        sink.log_completions(step, [{"prompt": f"p{step}", "completion": "c", "reward": 1.0, "advantage": 0.0}] * 2)
+    sink.close()
+    assert sink.num_errors == 0
+    mc = tracking.client(cfg.tracking)
+    tag = mc.get_run(run_id).data.tags["mlflow.loggedArtifacts"]
+    listed = [e["path"] for e in json.loads(tag)]  # parses: not cut
+    assert len(tag) <= MAX_TAG_VAL_LENGTH and len(listed) == -(-num_steps // 10)
+    files = sorted(a.path for a in mc.list_artifacts(run_id, "completions"))
+    assert len(files) == -(-num_steps // 10) and listed == files[-len(listed) :]
+    steps = []
+    for path in files:
+        body = json.loads(Path(mc.download_artifacts(run_id, path, str(tmp_path / "dl"))).read_text())
+        steps += [row[body["columns"].index("step")] for row in body["data"]]
+    assert steps == [s for s in range(1, num_steps + 1) for _ in range(2)]  # every window's two rows, once
+    newest = mc.load_table(mc.get_run(run_id).info.experiment_id, files[-1], run_ids=[run_id])
+    assert set(newest["step"]) == set(range((num_steps - 1) // 10 * 10 + 1, num_steps + 1))
+
+
+def test_the_table_list_keeps_the_newest_tables_within_the_tag_limit():
+    """The tag lists at most ``limit`` completion tables (the newest), keeps other tables, and always fits."""
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    other = {"path": "eval/results.json", "type": "table"}
+    value = json.dumps([other])
+    for step in range(1, 3001, 10):
+        value = tracking.listed_tables(value, tracking.completion_table_path(step), limit=100)
+    entries = json.loads(value)
+    paths = [f"completions/steps_{s:07d}-{s + 9:07d}.json" for s in range(1, 3001, 10)]
+    assert entries == [other] + [{"path": p, "type": "table"} for p in paths[-100:]]
+    assert len(value) <= MAX_TAG_VAL_LENGTH
+    long_paths = [f"completions/{'x' * 200}_{i}.json" for i in range(100)]  # entries too long for 100 to fit
+    for path in long_paths:
+        value = tracking.listed_tables(value, path, limit=100)
+    assert len(value) <= MAX_TAG_VAL_LENGTH and json.loads(value)[-1]["path"] == long_paths[-1]
+
+
+def test_a_resumed_sink_continues_the_open_table_and_a_cut_tag(tmp_path):
+    """A resumed trainer continues the table its killed attempt began (rows up to the steps MLflow holds), and a
+    tag an older version left cut (no JSON) is replaced by a valid list."""
+    cfg = _cfg(tmp_path, log_completions=True, num_completions_to_print=1, log_system_metrics=False)
+    run_id, _ = tracking.start_run(cfg, "flow-resume")
+    sink = tracking.MlflowSink(cfg.tracking, run_id)
+    for step in (1, 2, 3):
+        sink.log(step, {"reward": 1.0})
+        sink.log_completions(step, [{"prompt": f"p{step}"}])
+    sink.close()
+    mc = tracking.client(cfg.tracking)
+    mc.set_tag(run_id, "mlflow.loggedArtifacts", '[{"path": "completions/step_0000001.json", "type": "tab')
+    resumed = tracking.MlflowSink(cfg.tracking, run_id)
+    for step in (3, 4):  # step 3 is replayed (already in MLflow): not logged twice
+        resumed.log(step, {"reward": 1.0})
+        resumed.log_completions(step, [{"prompt": f"again{step}"}])
+    resumed.close()
+    assert resumed.num_errors == 0
+    table = mc.load_table(mc.get_run(run_id).info.experiment_id, "completions/steps_0000001-0000010.json", [run_id])
+    assert list(table["step"]) == [1, 2, 3, 4] and list(table["prompt"]) == ["p1", "p2", "p3", "again4"]
+    assert json.loads(mc.get_run(run_id).data.tags["mlflow.loggedArtifacts"]) == [
+        {"path": "completions/steps_0000001-0000010.json", "type": "table"}
+    ]
 
 
 def test_completion_sample_keeps_each_row_with_equal_probability():

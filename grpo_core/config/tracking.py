@@ -49,8 +49,8 @@ class TrackingConfig(_Strict):
     system_metrics_interval_s: float = Field(default=10.0, ge=1.0)
     """Seconds between system metric samples."""
     log_completions: bool = False
-    """Log a sample of prompts, completions, rewards and advantages of each logging window as an MLflow table
-    (``completions/step_NNNNNNN.json``)."""
+    """Log a sample of prompts, completions, rewards and advantages of each logging window to an MLflow table
+    (``completions/steps_NNNNNNN-MMMMMMM.json``, one per 10 steps)."""
     num_completions_to_print: int | None = Field(default=16, ge=1)
     """Rows of each window's completion table (a uniform sample of the window's scored completions);
     None = every completion of the window."""
