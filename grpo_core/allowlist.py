@@ -3,9 +3,10 @@
 A run config names code in these fields (:func:`code_references` lists them): ``rollout.dataset``
 (a ``module:callable`` dataset factory, called with ``rollout.dataset_kwargs``),
 ``rollout.reward_functions``, ``rollout.tools``, ``rollout.environment_factory`` (one class or a dict
-of them) and ``rollout.loop_class``. Whoever can create a Prefect flow run chooses those values, so a name
-resolves only to a **config entry** of its field's kind (``grpo_core.entries``), never to any other object of
-a module (a CLI ``main`` taking an argv, a file writer, ``os.system`` re-exported):
+of them), ``rollout.loop_class``, and ``eval.dataset`` / ``eval.reward_functions``. Whoever can create a Prefect
+flow run chooses those values, so a name resolves only to a **config entry** of its field's kind
+(``grpo_core.entries``), never to any other object of a module (a CLI ``main`` taking an argv, a file writer,
+``os.system`` re-exported):
 
 * an entry registered with ``@config_entry(kind)`` (``grpo_core.entries``) in a module of the allow-list:
   ``grpo_core`` (always) or a module named in ``GRPO_ALLOWED_MODULES`` (a name also covers its submodules);
@@ -178,6 +179,10 @@ def code_references(cfg: RunConfig) -> list[CodeRef]:
     elif isinstance(env, dict):
         pairs += [(f"rollout.environment_factory[{k!r}]", s) for k, s in env.items()]
     pairs.append(("rollout.loop_class", r.loop_class))
+    ev = cfg.eval
+    if ev.dataset is not None and dataset_form(ev.dataset)[0] == "module":
+        pairs.append(("eval.dataset", ev.dataset))
+    pairs += [(f"eval.reward_functions[{i}]", s) for i, s in enumerate(ev.reward_functions or [])]
     refs = [CodeRef(field, spec, spec.partition(":")[0]) for field, spec in pairs]
     return refs + _flag_refs(cfg.server.extra_args)
 

@@ -43,12 +43,13 @@ _REGISTRY: dict[str, tuple[Any, frozenset[str]]] = {}
 
 
 def kind_of_field(field: str) -> str:
-    """The kind of entry a config field names: ``rollout.reward_functions[1]`` -> ``reward``.
+    """The kind of entry a config field names: ``rollout.reward_functions[1]`` -> ``reward`` (the ``eval`` section's
+    ``eval.dataset`` and ``eval.reward_functions`` name the same kinds as the rollout's).
 
     Raises:
         ValueError: ``field`` is no field that names code (a programming error).
     """
-    key = field.partition("[")[0].removeprefix("rollout.")
+    key = field.partition("[")[0].removeprefix("rollout.").removeprefix("eval.")
     kinds = {
         "dataset": "dataset",
         "datasets": "dataset",  # rollout.datasets[i].path, a mixture's module:callable source

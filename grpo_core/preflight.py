@@ -368,6 +368,21 @@ def _check_row(cfg: RunConfig, where: str, index: int, row: dict, needed: dict[s
             )
 
 
+def check_eval(cfg: RunConfig) -> None:
+    """The held-out evaluation (``eval``, docs/evaluation.md): its dataset loads with a prompt in every row, and its
+    reward functions import.
+
+    Raises:
+        ConfigError: naming ``eval.dataset`` or ``eval.reward_functions`` (``grpo_core.rollout.evaluate.eval_rows``).
+    """
+    if not cfg.eval.enabled:
+        return
+    from grpo_core.rollout.evaluate import eval_dataset_config, eval_rewards, eval_rows
+
+    eval_rows(cfg.eval, cfg.rollout)
+    eval_rewards(cfg.eval, cfg.rollout, eval_dataset_config(cfg.eval, cfg.rollout))
+
+
 def check_prompt_lengths(cfg: RunConfig) -> None:
     """Every prompt leaves room for a full completion: rendered with the chat template (and the tools' schemas) as
     the rollout renders it, no longer than ``server.max_model_len - rollout.max_completion_length`` tokens. Rows an
@@ -598,6 +613,7 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
         import_object(name, "rollout.tools")
     resolve_response_template(cfg.rollout.response_template)
     check_dataset(cfg)
+    check_eval(cfg)
     check_chat_template(cfg)
     check_prompt_lengths(cfg)
     check_push(cfg)

@@ -140,6 +140,34 @@ def test_summary_artifact_and_progress_read_evaluation_lines_apart_from_the_step
     assert table[4:] == ["| 2 | 3 | 0.5000 | 2 |", "| 3 | 3 | 0.7500 | 3 |"]
 
 
+def test_eval_code_is_checked_like_the_rollouts_and_preflight_reads_the_eval_dataset(tmp_path, monkeypatch):
+    from grpo_core import preflight
+    from grpo_core.allowlist import check_code_references, code_references
+    from grpo_core.entries import kind_of_field
+    from grpo_core.errors import ConfigError
+
+    monkeypatch.delenv("GRPO_ALLOWED_MODULES", raising=False)
+    cfg = RunConfig.model_validate(
+        {"eval": {"dataset": "evil_module:rows", "reward_functions": ["grpo_core.demo_rewards:even_token_reward"]}}
+    )
+    fields = {ref.field: ref.spec for ref in code_references(cfg)}
+    assert fields["eval.dataset"] == "evil_module:rows"
+    assert fields["eval.reward_functions[0]"] == "grpo_core.demo_rewards:even_token_reward"
+    assert kind_of_field("eval.reward_functions[0]") == "reward" and kind_of_field("eval.dataset") == "dataset"
+    with pytest.raises(ConfigError, match="eval.dataset"):  # outside the allow-list, refused before any import
+        check_code_references(cfg)
+    # preflight: a held-out file whose row 1 has no prompt is refused naming eval.dataset and the row
+    data = tmp_path / "held_out.jsonl"
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    cfg = RunConfig.model_validate({"eval": {"dataset": f"json:{data}"}})
+    with pytest.raises(ConfigError, match=r"eval.dataset=.*row 1 has no 'prompt'"):
+        preflight.check_eval(cfg)
+    with pytest.raises(ConfigError, match=r"eval.dataset=.*no such file"):
+        preflight.check_eval(RunConfig.model_validate({"eval": {"dataset": f"json:{tmp_path / 'missing.jsonl'}"}}))
+    data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    preflight.check_eval(cfg)  # a good file passes
+
+
 def _grpo_train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     """``grpo train`` of configs/tiny.yaml (the flow, its embedded server, rollout and trainer processes)."""
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
