@@ -383,6 +383,10 @@ def check_eval(cfg: RunConfig) -> None:
     eval_rewards(cfg.eval, cfg.rollout, eval_dataset_config(cfg.eval, cfg.rollout))
 
 
+#: Tokens a tokenizer may add to a text beyond one per byte (SentencePiece word-start markers), in the fast check.
+_LENGTH_MARGIN = 32
+
+
 def check_prompt_lengths(cfg: RunConfig) -> None:
     """Every prompt leaves room for a full completion: rendered with the chat template (and the tools' schemas) as
     the rollout renders it, no longer than ``server.max_model_len - rollout.max_completion_length`` tokens. Rows an
@@ -407,7 +411,7 @@ def check_prompt_lengths(cfg: RunConfig) -> None:
     cls, _ = loop_class_and_config(rollout)
     if rollout.environment_factory is not None or (rollout.dataset is None and not rollout.datasets):
         return
-    if cls.render is not RolloutLoop.render:
+    if cls.render is not RolloutLoop.render or cls.render_text is not RolloutLoop.render_text:
         logger.warning("rollout.loop_class renders prompts itself: their lengths are judged by the rollout only")
         return
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.model))
@@ -419,7 +423,12 @@ def check_prompt_lengths(cfg: RunConfig) -> None:
     for where, index, row in dataset_rows(cfg):
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        length = len(RolloutLoop.render(loop, messages, schemas))  # type: ignore[arg-type]
+        text = RolloutLoop.render_text(loop, messages, schemas)  # type: ignore[arg-type]
+        # A token holds at least one byte of the text (a SentencePiece tokenizer may add a word-start marker to a
+        # segment: the margin), so a text this short fits without encoding it; the rollout checks every prompt again.
+        if len(text.encode()) + _LENGTH_MARGIN <= limit:
+            continue
+        length = len(tokenizer.encode(text, add_special_tokens=False))  # as RolloutLoop.render
         if length <= limit:
             continue
         over += 1

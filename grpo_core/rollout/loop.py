@@ -331,7 +331,12 @@ class RolloutLoop:
         return model not in listed and max(newer, default=0) > int(model[len(prefix) :])
 
     def render(self, messages: list[dict[str, Any]], tool_schemas_: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a conversation through the chat template, with the generation prompt.
+        """Token ids of a conversation through the chat template, with the generation prompt
+        (:meth:`render_text`, encoded without special tokens)."""
+        return self.tokenizer.encode(self.render_text(messages, tool_schemas_), add_special_tokens=False)
+
+    def render_text(self, messages: list[dict[str, Any]], tool_schemas_: list[dict[str, Any]] | None = None) -> str:
+        """A conversation through the chat template, with the generation prompt, as text.
 
         When the template ignores ``tools`` (no ``tools`` in its source), the schemas go into
         the system message in the ChatML/Qwen form (``<tools>…</tools>`` + ``<tool_call>`` syntax).
@@ -340,14 +345,13 @@ class RolloutLoop:
         if tool_schemas_ and "tools" not in template:
             messages = with_tool_system_prompt(messages, tool_schemas_)
             tool_schemas_ = None
-        text = self.tokenizer.apply_chat_template(
+        return self.tokenizer.apply_chat_template(
             messages,
             tools=tool_schemas_,
             tokenize=False,
             add_generation_prompt=True,
             **self.config.chat_template_kwargs,
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ----- one group ----------------------------------------------------------------------------
 
