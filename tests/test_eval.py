@@ -168,6 +168,27 @@ def test_eval_code_is_checked_like_the_rollouts_and_preflight_reads_the_eval_dat
     preflight.check_eval(cfg)  # a good file passes
 
 
+def test_eval_prompts_too_long_for_the_context_are_left_out_with_a_warning(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from grpo_core.errors import ConfigError
+    from grpo_core.rollout.evaluate import build_evaluator
+
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "x" * n}) + "\n" for n in (3, 40, 5)))
+    # a stand-in loop: one token per character, a 16-token context (a completion needs at least one token of room)
+    loop = SimpleNamespace(
+        render=lambda messages: [0] * len(messages[-1]["content"]), runtime=SimpleNamespace(max_model_len=16)
+    )
+    cfg = RunConfig.model_validate({"eval": {"dataset": f"json:{data}"}})
+    runner = build_evaluator(cfg.eval, cfg.rollout, loop, EvalBoard(None, 5))  # type: ignore[arg-type]
+    assert [len(ids) for _, _, ids in runner.prompts] == [3, 5]
+    assert "1 prompts (rows [1]) leave no room" in caplog.text
+    loop.runtime.max_model_len = 4
+    with pytest.raises(ConfigError, match="every prompt is longer than the servers' context"):
+        build_evaluator(cfg.eval, cfg.rollout, loop, EvalBoard(None, 5))  # type: ignore[arg-type]
+
+
 def _grpo_train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
     """``grpo train`` of configs/tiny.yaml (the flow, its embedded server, rollout and trainer processes)."""
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]

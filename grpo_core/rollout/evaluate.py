@@ -113,7 +113,7 @@ class EvalRunner:
         config: the ``eval`` section.
         rollout: the rollout section (sampling settings when not greedy).
         loop: the training rollout loop (its server, tokenizer, ``served_model`` and runtime are shared).
-        board: where requests come from and records go.
+        board: the steps to evaluate (the metrics go to the loop's window, tagged with the step).
         prompts: per eval prompt, ``(row, messages, prompt token ids)``.
         reward_functions: the eval reward functions.
     """
@@ -266,18 +266,35 @@ def eval_rows(config: EvalConfig, rollout: RolloutConfig) -> list[dict[str, Any]
 
 
 def build_evaluator(config: EvalConfig, rollout: RolloutConfig, loop: RolloutLoop, board: EvalBoard) -> EvalRunner:
-    """The :class:`EvalRunner` of a run: its rows loaded and rendered once with the loop's chat template.
+    """The :class:`EvalRunner` of a run: its rows loaded and rendered once with the loop's chat template. A prompt
+    that leaves no room for a completion in the server's context (``max_model_len``) is left out, with a warning.
 
     Raises:
-        ConfigError: see :func:`eval_rows`; a reward function cannot be imported.
+        ConfigError: see :func:`eval_rows`; a reward function cannot be imported; every prompt is too long.
     """
     eval_rollout = eval_dataset_config(config, rollout)
     rows = eval_rows(config, rollout)
-    prompts = []
-    for row in rows:
+    prompts, too_long = [], []
+    for index, row in enumerate(rows):
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        prompts.append((row, messages, loop.render(messages)))
+        ids = loop.render(messages)
+        if len(ids) >= loop.runtime.max_model_len - 1:
+            too_long.append(index)
+            continue
+        prompts.append((row, messages, ids))
+    if too_long:
+        logger.warning(
+            "eval: %d prompts (rows %s) leave no room for a completion in max_model_len=%d tokens; not evaluated",
+            len(too_long),
+            too_long[:10],
+            loop.runtime.max_model_len,
+        )
+    if not prompts:
+        raise ConfigError(
+            f"eval.dataset={config.dataset!r}: every prompt is longer than the servers' context "
+            f"({loop.runtime.max_model_len} tokens); raise server.max_model_len or shorten the prompts"
+        )
     rewards = eval_rewards(config, rollout, eval_rollout)
     if not rewards:
         logger.warning("eval: no reward function scores the eval samples; every eval/* reward is NaN")
