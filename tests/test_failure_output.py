@@ -155,3 +155,63 @@ def test_a_failed_run_ends_with_its_cause_and_prints_no_engine_traceback(tmp_pat
     text = logs[0].read_text()
     assert "prefect/task_engine.py" in text and "Traceback (most recent call last)" in text
     assert RolloutProcessError.__name__ in text
+
+
+def test_a_trainer_that_recorded_no_error_is_reported_with_the_last_exception_of_its_output():
+    """A rank can end by an exception the trainer does not record (DCP's CheckpointException is no Exception):
+    the flow's message then names the last exception line of torchrun's output, not only the exit code."""
+    from grpo_core.run.retry import trainer_failed
+
+    tail = "\n".join(
+        [
+            ": Traceback (most recent call last):",
+            ':   File "x.py", line 1, in save',
+            ": torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:dict_keys([0])",
+            ": Traceback (most recent call last): (RANK 0)",
+            ": RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598",
+            "E1205 12:08:49.652000 23083 torch/distributed/elastic/multiprocessing/api.py:986] failed (exitcode: 1)",
+            "torchrun: rank 0 (pid 23152) exited with code 1",
+        ]
+    )
+    first = str(trainer_failed(1, "", tail)).splitlines()[0]
+    assert (
+        first
+        == "trainer exited with code 1: RuntimeError: unexpected pos 704 vs 598 (the last exception in its output)"
+    )
+    # a recorded error still comes first, and a killed rank is still named by its signal
+    assert str(trainer_failed(1, "rank 0: DiskFullError: no space", tail)).startswith(
+        "trainer exited with code 1: rank 0: DiskFullError: no space"
+    )
+    assert str(trainer_failed(1, "", "torchrun: rank 0: Signal 9 (SIGKILL) received by PID 7")).splitlines()[0] == (
+        "trainer exited with code 1 (a rank, pid 7, was killed by SIGKILL)"
+    )
+
+
+def test_a_trainer_ended_by_a_base_exception_records_it_for_the_flow(tmp_path, monkeypatch):
+    """DCP's CheckpointException derives from BaseException: the trainer records it like any failure (the flow
+    quotes trainer_error.txt as the cause); a Ctrl-C is not recorded."""
+    import grpo_core.train.__main__ as entry
+    import grpo_core.train.run as run_module
+    from grpo_core.report import read_trainer_error
+
+    class LikeCheckpointException(BaseException):
+        pass
+
+    def fail(cfg, server_urls):
+        raise LikeCheckpointException("ranks: [0]")
+
+    monkeypatch.setattr(run_module, "run_trainer", fail)
+    monkeypatch.setattr("grpo_core.lifeline.watch", lambda parent=False: None)
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", f"train.output_dir={tmp_path}"]
+    with pytest.raises(LikeCheckpointException):
+        entry.main(args)
+    assert read_trainer_error(tmp_path) == "rank 0: LikeCheckpointException: ranks: [0]"
+
+    def interrupted(cfg, server_urls):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "run_trainer", interrupted)
+    (tmp_path / "trainer_error.txt").unlink()
+    with pytest.raises(KeyboardInterrupt):
+        entry.main(args)
+    assert read_trainer_error(tmp_path) == ""

@@ -86,7 +86,23 @@ def trainer_failed(code: int, recorded: str, tail: str) -> TrainerError:
     killed = re.search(r"Signal \d+ \((SIG\w+)\) received by PID (\d+)", tail)  # torchrun's summary of a rank
     if killed and not recorded:
         how += f" (a rank, pid {killed.group(2)}, was killed by {killed.group(1)})"
+    elif not recorded:
+        last = _last_exception_line(tail)
+        if last:
+            recorded = f"{last} (the last exception in its output)"
     return TrainerError(f"trainer {how}" + (f": {recorded}" if recorded else "") + f"\nlast output:\n{tail}", causes)
+
+
+def _last_exception_line(output: str) -> str | None:
+    """The last ``SomeError: message`` line of a traceback in ``output`` (a rank's lines keep torchrun's ``: ``
+    prefix; torch's own ``[enforce fail at file:line]`` location is dropped), or None."""
+    found = None
+    for line in output.splitlines():
+        match = re.match(r"^[\s:]*([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$", line)
+        if match:
+            text = re.sub(r"^\s*(\[enforce fail at [^\]]*\])?[\s.:]*", "", match.group(2)).strip()
+            found = f"{match.group(1).rsplit('.', 1)[-1]}: {text}" if text else match.group(1)
+    return found
 
 
 def _signal_name(number: int) -> str:

@@ -330,6 +330,11 @@ def _no_room(exc: BaseException, folder: Path, tensors: dict[str, torch.Tensor])
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     if free >= needed:
         return None
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+    for failure in failures.values() if isinstance(failures, dict) else []:
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            exc = failure[0]
+            break
     said = str(exc).strip().splitlines()
     return (
         f"{free} bytes free there, fewer than this rank's {needed} bytes of tensors; the write failed with "
