@@ -5,6 +5,7 @@ trained prompts."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -271,6 +272,17 @@ def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_i
         history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, mlflow_name)}
         assert history == pytest.approx({r["step"]: r[name] for r in evals}), name
     assert "'eval': 'step 5 (policy version 5), 3 prompts: accuracy" in out  # the summary's line
+    # the flow run's markdown artifact: one table row per evaluated step (Prefect's SQLite store under PREFECT_HOME)
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(f"file:{tmp / 'prefect' / 'prefect.db'}?mode=ro", uri=True)) as db:
+        (data,) = db.execute("select data from artifact where key = 'grpo-eval'").fetchone()
+    table = json.loads(data) if data.startswith('"') else data
+    assert table.startswith("### Held-out evaluation") and [r.split(" | ")[0] for r in table.splitlines()[4:]] == [
+        "| 2",
+        "| 4",
+        "| 5",
+    ], table
 
 
 @pytest.mark.slow  # a second whole `grpo train`
