@@ -8,7 +8,8 @@ authenticating reverse proxy (:class:`AuthProxy`) that answers 401 to every requ
 (HTTP basic auth, user ``grpo``: the browser asks for it once; or ``Authorization: Bearer <password>``) but
 ``GET /health`` (liveness only), and forwards the rest with the ``Authorization`` header removed. The password is
 ``GRPO_UI_PASSWORD`` when set, else a fresh random one written to a file of mode 0600 in a 0700 folder
-(:func:`password_file`); it is never printed or put on a command line.
+(:func:`password_file`); it is never printed or put on a command line. The proxy's listener has the
+header-read timeout and concurrency limit of the run's other HTTP listeners (``grpo_core.serving.limits``).
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def serve(uri: str, artifact_root: str | None, port: int, password: str, startup
     import uvicorn
 
     from grpo_core.run.children import start_child, stop_child
+    from grpo_core.serving.limits import uvicorn_options
 
     private = Path(tempfile.mkdtemp(prefix="grpo-mlflow-"))  # 0700: only this user can open the socket in it
     socket_path = private / "mlflow.sock"
@@ -233,7 +235,9 @@ def serve(uri: str, artifact_root: str | None, port: int, password: str, startup
                 raise RuntimeError(f"the MLflow UI did not answer on its socket within {startup_timeout_s:.0f} s")
             time.sleep(0.5)
         server = uvicorn.Server(
-            uvicorn.Config(AuthProxy(socket_path, password), host="127.0.0.1", port=port, log_level="warning")
+            uvicorn.Config(
+                AuthProxy(socket_path, password), host="127.0.0.1", port=port, log_level="warning", **uvicorn_options()
+            )
         )
 
         async def run() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,11 @@ class ServerState:
     guard: dict[str, Any] = field(default_factory=dict, repr=False)
     """Keyword arguments of ``RunGuardMiddleware`` (token, nonce, max_pause_s, adapter_dir, weights_dir);
     a missing one comes from the environment (``grpo_core.serving.guard``)."""
+    text_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize"), repr=False
+    )
+    """The one thread that tokenizes prompts and detokenizes completions, off the event loop (a long prompt
+    would stall every request, ``/health`` included); one, so the tokenizer is never used by two threads."""
 
 
 class _EngineCollector:
@@ -228,7 +234,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         if name != state.model_name and name not in state.weights.adapters:
             return error_response(f"The model `{name}` does not exist.", 404, param="model")
         adapter = None if name == state.model_name else name
-        seqs = _sequences(state, request, adapter)
+        loop = asyncio.get_running_loop()  # tokenizing (and the prompt checks) off the event loop
+        seqs = await loop.run_in_executor(state.text_pool, _sequences, state, request, adapter)
         if isinstance(seqs, JSONResponse):
             return seqs
         if not state.weights.submit(adapter, seqs):  # unloaded since the check above
@@ -241,7 +248,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                 return error_response("client disconnected", 499)
         await done
         tok = state.tokenizer
-        return completion_response(
+        return await loop.run_in_executor(
+            state.text_pool,
+            completion_response,
             request,
             name,
             seqs,

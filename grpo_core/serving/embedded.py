@@ -185,7 +185,12 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
         torch.get_num_threads(),
         sorted(eos),
     )
-    config = uvicorn.Config(create_app(state), log_level="warning", timeout_keep_alive=60, timeout_graceful_shutdown=5)
+    from grpo_core.serving.limits import uvicorn_options, warn_if_exposed
+
+    warn_if_exposed(server_cfg.host, "the embedded generation server")
+    config = uvicorn.Config(
+        create_app(state), log_level="warning", timeout_keep_alive=60, timeout_graceful_shutdown=5, **uvicorn_options()
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

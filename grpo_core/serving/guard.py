@@ -30,6 +30,8 @@ fallback). It:
   the servers' flow: it holds the base weights, i.e. policy version 0) raises the fence at once and is answered
   503 of type ``PolicyVersionBehind``, so no base-weight token is tagged with a later version; the rollout then
   asks the trainer to sync its current weights again (``grpo_core.train.trainer``), which lowers the fence;
+* answers 413 to a request body larger than ``GRPO_HTTP_MAX_BODY_MIB`` (16 MiB), after the token check and before
+  anything parses it (``grpo_core.serving.limits``);
 * caps a pause: ``max_pause_s`` seconds after ``POST /pause`` (or ``/start_weight_update``) with no
   ``POST /resume`` since, it resumes the server itself (an internal ``POST /resume``) and logs a
   warning, so a stray pause cannot stall a run for longer.
@@ -57,6 +59,7 @@ from grpo_core.auth import (
     identity_answer,
     run_token,
 )
+from grpo_core.serving.limits import limit_body, max_body_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +135,8 @@ class RunGuardMiddleware:
         adapter_dir: the only folder LoRA adapters may be loaded from; default ``GRPO_ADAPTER_DIR``
             (unset = every adapter load is refused).
         weights_dir: the only folder full weights may be read from; default ``GRPO_WEIGHTS_DIR``.
+        max_body: the largest request body read, in bytes; default ``GRPO_HTTP_MAX_BODY_MIB`` or 16 MiB
+            (``grpo_core.serving.limits``).
 
     Raises:
         RuntimeError: no token (the server must not start unguarded).
@@ -145,8 +150,10 @@ class RunGuardMiddleware:
         max_pause_s: float | None = None,
         adapter_dir: str | Path | None = None,
         weights_dir: str | Path | None = None,
+        max_body: int | None = None,
     ) -> None:
         self.app = app
+        self.max_body = max_body if max_body is not None else max_body_bytes()
         token = token or run_token()
         if not token:
             raise RuntimeError(
@@ -188,6 +195,10 @@ class RunGuardMiddleware:
                 send, 401, _error("Unauthorized: this server needs the run's bearer token", 401, "Unauthorized")
             )
             return
+        if scope["type"] == "http":  # a body over the limit: 413 before anything parses it (grpo_core.serving.limits)
+            receive = await limit_body(scope, receive, send, self.max_body)
+            if receive is None:
+                return
         if path == NONCE_PATH:
             await _send_json(send, 200, {"nonce": self.nonce})
             return

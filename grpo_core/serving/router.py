@@ -141,6 +141,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     from starlette.background import BackgroundTask
 
     from grpo_core.errors import ServerRequestError, ServingError
+    from grpo_core.serving.limits import BodyLimit
     from grpo_core.serving.routing import ControlFanOutError
 
     app = FastAPI(title="grpo-flow router")
@@ -149,6 +150,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
     tokens = [t for t in (api_key, run_token()) if t]
+    app.add_middleware(BodyLimit)  # inside the token check added next (the later middleware runs first)
 
     @app.middleware("http")
     async def check_token(request: Request, call_next: Any) -> Any:
@@ -384,6 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from grpo_core.serving.embedded import listen
+    from grpo_core.serving.limits import uvicorn_options, warn_if_exposed
     from grpo_core.serving.routing import ReplicaSet, token_refused
 
     sock = listen(args.host, args.port)
@@ -412,7 +415,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     replicas = ReplicaSet.from_config(server, server.urls)
     logger.info("router on http://%s:%d over %s", args.host, sock.getsockname()[1], ", ".join(server.urls))
-    config = uvicorn.Config(create_router_app(replicas, api_key), log_level="warning", timeout_keep_alive=60)
+    warn_if_exposed(args.host, "the router")
+    config = uvicorn.Config(
+        create_router_app(replicas, api_key), log_level="warning", timeout_keep_alive=60, **uvicorn_options()
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 
