@@ -73,6 +73,31 @@ MODEL_KIND_TAG = "grpo.model_kind"
 OWNER_TAG = "grpo.owner"
 MODEL_ARTIFACT = "model"
 _MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
+#: Seconds :meth:`MlflowSink.close` waits for an upload to succeed again while the store fails (locked past its busy
+#: timeout, unreachable) before it gives the rest up (a call in progress may add its own timeout, 20 s for SQLite).
+CLOSE_TIMEOUT_S = 60.0
+_RETRY_MAX_S = 10.0  # longest pause between two tries while the store fails
+
+
+def store_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the store is out of reach for now rather than that it refused the request.
+
+    A SQLite store locked by another writer past its busy timeout (``database is locked``), a file it cannot open,
+    a connection error or timeout, or an HTTP store's 429/5xx (``TEMPORARILY_UNAVAILABLE``, ``INTERNAL_ERROR``,
+    ``REQUEST_LIMIT_EXCEEDED``) are; a refused name or value (``INVALID_PARAMETER_VALUE``) is not.
+    """
+    text = str(exc).lower()
+    if "database is locked" in text or "unable to open database" in text or "database is busy" in text:
+        return True
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    code = getattr(exc, "error_code", "")
+    if code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "INTERNAL_ERROR"):
+        return "invalid" not in text
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and store_unavailable(cause)
+
+
 #: Prefix of MLflow's system-metrics sampler (``SystemMetricsMonitor``): its steps count samples, not optimizer steps.
 SYSTEM_METRICS_PREFIX = "system/"
 _PARAM_MAX_CHARS = 6000
@@ -530,17 +555,30 @@ class MlflowSink:
         inner: a sink fed synchronously as well (the JSON-lines file).
         trained: the records of the steps trained before this start (``{"step": N, ...metrics}``: the metrics
             file, cut back to the checkpoint the trainer resumes from).
+        close_timeout_s: seconds :meth:`close` waits, while the store fails, for an upload to succeed again.
 
     Steps at or below the highest step already in the run are skipped: a resumed trainer
     replays the steps after its checkpoint, and MLflow keeps no duplicate steps. Steps of ``trained`` above it
     are logged first: a kill can stop the upload queue behind the checkpoint write, and the resumed trainer
     does not replay the steps up to its checkpoint, so they would be missing from MLflow for good.
+
+    A store that cannot be written for now (:func:`store_unavailable`: locked past its busy timeout, unreachable) is
+    retried with the same upload, so steps reach MLflow in order and the steps it holds stay a prefix of the metrics
+    file; :meth:`close` waits for it at most ``close_timeout_s`` without a successful upload, then gives up what is
+    left with one warning that names it (the metrics stay in the inner sink's file, from which the next start
+    uploads the steps the run lacks).
     """
 
     def __init__(
-        self, tc: TrackingConfig, run_id: str, inner: MetricsSink | None = None, trained: list[Mapping[str, Any]] = ()
+        self,
+        tc: TrackingConfig,
+        run_id: str,
+        inner: MetricsSink | None = None,
+        trained: list[Mapping[str, Any]] = (),
+        close_timeout_s: float = CLOSE_TIMEOUT_S,
     ):
         self.tc, self.run_id, self.inner = tc, run_id, inner
+        self.close_timeout_s = close_timeout_s
         self.skip_through = last_logged_step(tc, run_id)
         if self.skip_through:
             logger.info(
@@ -556,6 +594,11 @@ class MlflowSink:
         self._pending: dict[Path, int] = {}  # checkpoint folder → uploads queued or running
         self._uploaded: Path | None = None  # the last checkpoint uploaded completely
         self._table: tuple[str, list[dict[str, Any]]] | None = None  # (artifact path, rows) of the open table
+        self._closing_at: float | None = None  # monotonic time close() was called
+        self._last_success = time.monotonic()
+        self._give_up = threading.Event()  # set: the store failed past close_timeout_s; what is left is not sent
+        self._unavailable: BaseException | None = None  # the store's last "not now" error
+        self._unsent: list[tuple[str, int]] = []  # (kind, step) of what was given up
         missing = [r for r in trained if r["step"] > self.skip_through]
         if missing:
             logger.info(
@@ -611,18 +654,74 @@ class MlflowSink:
             self._queue.put(("completions", step, rows))
 
     def close(self) -> None:
-        """Stop the system metrics sampler, wait for queued uploads, then close the inner sink."""
+        """Stop the system metrics sampler, wait for queued uploads, then close the inner sink.
+
+        Bounded: while the store fails, at most ``close_timeout_s`` after the last successful upload (or the call),
+        plus one call's own timeout; what is left then is given up with one warning (:meth:`_report_unsent`).
+        """
         if self._monitor is not None:
             self._monitor.finish()
+        self._closing_at = time.monotonic()
         self._queue.put(None)
-        self._thread.join()
+        while self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+            if self._thread.is_alive() and self._stalled_s() > self.close_timeout_s:
+                self._give_up.set()
+                if self._stalled_s() > self.close_timeout_s + 3 * _RETRY_MAX_S + 30.0:  # a call that never returns
+                    self._unsent.append(("uploads still queued", -1))
+                    break
+        self._report_unsent()
         if self.inner is not None:
             self.inner.close()
+
+    def _stalled_s(self) -> float:
+        """Seconds since the last successful upload or the close() call, whichever is later."""
+        return time.monotonic() - max(self._last_success, self._closing_at or 0.0)
+
+    def _report_unsent(self) -> None:
+        """One warning naming what was not uploaded, why, and where the metrics are kept."""
+        if not self._unsent:
+            return
+        steps = sorted(step for kind, step in self._unsent if kind == "metrics")
+        others = sorted({f"{kind} of step {step}" for kind, step in self._unsent if kind != "metrics" and step >= 0})
+        kept = getattr(self.inner, "path", None)
+        what = [f"the metrics of {len(steps)} steps ({steps[0]}-{steps[-1]})"] if steps else []
+        what += others
+        if any(step < 0 for _, step in self._unsent):
+            what.append("whatever was still queued behind a call that did not return")
+        reason = str(self._unavailable).splitlines()[0] if self._unavailable is not None else "no answer"
+        where = (
+            f"the metrics are kept in {kept}; a retried or resumed run uploads the steps the MLflow run lacks from it"
+            if kept is not None
+            else "they are not kept elsewhere"
+        )
+        logger.warning(
+            "MLflow store %s could not be written for %.0f s (%s): %s not uploaded to run %s; %s",
+            mlflow_uri(self.tc),
+            self.close_timeout_s,
+            reason,
+            ", ".join(what),
+            self.run_id,
+            where,
+        )
 
     def _work(self) -> None:
         mc = client(self.tc)
         while (item := self._queue.get()) is not None:
             kind, step, payload = item
+            try:
+                self._upload(mc, kind, step, payload)
+            finally:
+                if kind == "checkpoint":
+                    with self._held_lock:
+                        self._pending[payload] -= 1
+                        if not self._pending[payload]:
+                            del self._pending[payload]
+
+    def _upload(self, mc: MlflowClient, kind: str, step: int, payload: Any) -> None:
+        """One queued upload, tried again while the store is unavailable until it works or the sink gives up."""
+        pause = 0.5
+        while not self._give_up.is_set():
             try:
                 if kind == "metrics":
                     self._log_metrics(mc, step, payload)
@@ -631,15 +730,23 @@ class MlflowSink:
                 else:
                     log_checkpoint(self.tc, self.run_id, payload)
                     self._uploaded = payload
+                self._last_success = time.monotonic()
+                return
             except Exception as exc:  # noqa: BLE001 - tracking must not stop training; counted and logged
-                self.num_errors += 1
-                logger.warning("MLflow %s upload of step %d failed: %s", kind, step, exc)
-            finally:
-                if kind == "checkpoint":
-                    with self._held_lock:
-                        self._pending[payload] -= 1
-                        if not self._pending[payload]:
-                            del self._pending[payload]
+                if not store_unavailable(exc):
+                    self.num_errors += 1
+                    logger.warning("MLflow %s upload of step %d failed: %s", kind, step, exc)
+                    return
+                if self._unavailable is None:
+                    logger.info("MLflow store unavailable (%s); retrying", str(exc).splitlines()[0])
+                self._unavailable = exc
+                if self._closing_at is not None and self._stalled_s() > self.close_timeout_s:
+                    self._give_up.set()
+                else:
+                    self._give_up.wait(pause)
+                    pause = min(2 * pause, _RETRY_MAX_S)
+        self.num_errors += 1
+        self._unsent.append((kind, step))
 
     def _log_completions(self, mc: MlflowClient, step: int, rows: list[dict[str, Any]]) -> None:
         """Add one window's rows (with their ``step``) to its step range's table, write the table again, list it."""
@@ -681,11 +788,15 @@ class MlflowSink:
         for i in range(0, len(ms), _MAX_BATCH):
             try:
                 mc.log_batch(self.run_id, metrics=ms[i : i + _MAX_BATCH])
-            except MlflowException:
+            except MlflowException as exc:
+                if store_unavailable(exc):
+                    raise
                 for metric in ms[i : i + _MAX_BATCH]:
                     try:
                         mc.log_batch(self.run_id, metrics=[metric])
                     except MlflowException as exc:
+                        if store_unavailable(exc):
+                            raise
                         self.num_errors += 1
                         if metric.key not in self._refused:
                             self._refused.add(metric.key)
