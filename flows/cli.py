@@ -43,7 +43,14 @@ console = Console(stderr=True)
 #: Libraries whose versions ``grpo --version`` reports (read from package metadata, nothing imported).
 VERSIONED = ("torch", "transformers", "peft", "prefect", "mlflow", "vllm")
 
-SetOption = Annotated[list[str], typer.Option("--set", help="override, e.g. train.max_steps=5 (repeatable)")]
+SetOption = Annotated[
+    list[str],
+    typer.Option(
+        "--set",
+        help="override, e.g. train.max_steps=5 (repeatable); a secret off the command line: "
+        "server.api_key=@env:NAME, @file:PATH or @stdin",
+    ),
+]
 RetriesOption = Annotated[
     int | None,
     typer.Option(
