@@ -55,11 +55,16 @@ def _refuse_masked(config: BaseModel) -> None:
     """Raise a ConfigError naming the first secret of ``config`` that holds the mask of a saved config."""
     for path, secret in secret_fields(config):
         if MASK in secret.get_secret_value():
+            # a field or dict key takes the secret off the command line; an item of a list (extra_args.3) only inline
+            parts = path.split(".")
+            if any(p.isdigit() for p in parts):
+                how = f"--set {'.'.join(p for p in parts if not p.isdigit())}=[...]"
+            else:
+                how = f"--set {path}=@env:NAME (or @file:PATH, @stdin: off the command line)"
             raise ConfigError(
                 f"{path} holds a redacted value ({MASK!r}: a config grpo-flow saved or logged "
-                f"keeps no secret); set the real value, e.g. --set {path.split('.')[0]}."
-                f"{'.'.join(path.split('.')[1:2])}=..., or, off the command line (a trainer host "
-                f'started by hand), export GRPO_RUN_SECRETS=\'{{"{path}": "..."}}\''
+                f"keeps no secret); set the real value, e.g. {how}, or (a trainer host "
+                f'started by hand) export GRPO_RUN_SECRETS=\'{{"{path}": "..."}}\''
             )
 
 
