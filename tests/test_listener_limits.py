@@ -126,30 +126,48 @@ def test_a_body_over_the_limit_is_413_before_anything_parses_it(monkeypatch):
         assert within.status_code not in (401, 413), (name, within.status_code)  # the app answered it
 
 
-def test_a_request_head_that_never_completes_is_cut_and_the_server_keeps_serving(tmp_path, monkeypatch):
-    """A real embedded server (header timeout 1 s): a connection that sends nothing, and one that trickles an
-    unfinished head, are answered 408 and closed; uvicorn alone kept both open for good."""
+def _held_open(url: str) -> dict[str, bytes]:
+    """What a connection that sends nothing, and one that trickles an unfinished head, receive from ``url`` before
+    the server closes them (``<still open after 60 s>`` when it did not)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)))
+    partial = socket.create_connection((host, int(port)))
+    partial.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    answers = {}
+    for name, conn in (("silent", silent), ("partial", partial)):
+        conn.settimeout(60)  # an upper bound only: the server closes it after about 1 s
+        data = b""
+        try:
+            while chunk := conn.recv(4096):
+                data += chunk
+        except TimeoutError:
+            data += b"<still open after 60 s>"
+        conn.close()
+        answers[name] = data
+    return answers
+
+
+def test_a_request_head_that_never_completes_is_cut_and_the_servers_keep_serving(tmp_path, monkeypatch):
+    """A real embedded server and a router in front of it (header timeout 1 s): a connection that sends nothing,
+    and one that trickles an unfinished head, are answered 408 and closed; uvicorn alone kept both open for good."""
+    from grpo_core.config import RunConfig
+    from grpo_core.serving.router import start_router
+
     monkeypatch.setenv(limits.HEADER_TIMEOUT_ENV, "1")
     with embedded_server(tmp_path) as server:
-        host, port = server.url.removeprefix("http://").rsplit(":", 1)
-        silent = socket.create_connection((host, int(port)))
-        partial = socket.create_connection((host, int(port)))
-        partial.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-        answers = {}
-        for name, conn in (("silent", silent), ("partial", partial)):
-            conn.settimeout(60)  # an upper bound only: the server closes it after about 1 s
-            data = b""
-            try:
-                while chunk := conn.recv(4096):
-                    data += chunk
-            except TimeoutError:
-                data += b"<still open after 60 s>"
-            conn.close()
-            answers[name] = data
-        assert all(a.startswith(b"HTTP/1.1 408") for a in answers.values()), answers
-        with httpx.Client(base_url=server.url) as http:  # and it serves complete requests as before
-            assert http.get("/health").status_code == 200
-            assert http.get("/v1/models", headers=bearer_headers(run_token())).json()["data"][0]["id"] == TINY
+        router = start_router(
+            RunConfig(server={"router_port": 0, "log_dir": tmp_path}).server, [server.url], run_token()
+        )
+        try:
+            for url in (server.url, router.url):
+                answers = _held_open(url)
+                assert all(a.startswith(b"HTTP/1.1 408") for a in answers.values()), (url, answers)
+                with httpx.Client(base_url=url) as http:  # and it serves complete requests as before
+                    assert http.get("/health").status_code == 200
+                    models = http.get("/v1/models", headers=bearer_headers(run_token())).json()["data"]
+                    assert models[0]["id"] == TINY
+        finally:
+            router.stop()
 
 
 def test_requests_beyond_the_concurrency_limit_are_503(monkeypatch):
