@@ -89,14 +89,14 @@ def merge(windows: Iterable[Mapping[str, float]]) -> dict[str, float]:
     return w.flush()
 
 
-#: ``eval@12/pass@4``: a metric of step 12 carried in a later window (the head's ``@N`` names the step).
+#: ``eval@12/pass_at_4``: a metric of step 12 carried in a later window (the head's ``@N`` names the step).
 _AT_STEP = re.compile(r"^([^/@]+)@(\d+)/(.+)$")
 
 
 def at_step(name: str, step: int) -> str:
-    """``name`` tagged with the step it belongs to, for a window drained at a later step: ``eval/pass@4`` of step
-    12 becomes ``eval@12/pass@4`` (its last part, and so its aggregation, unchanged). The trainer logs it at step 12
-    as ``eval/pass@4`` (:func:`split_at_step`)."""
+    """``name`` tagged with the step it belongs to, for a window drained at a later step: ``eval/pass_at_4`` of step
+    12 becomes ``eval@12/pass_at_4`` (its last part, and so its aggregation, unchanged). The trainer logs it at step 12
+    as ``eval/pass_at_4`` (:func:`split_at_step`)."""
     head, sep, tail = name.partition("/")
     if not sep or "@" in head:
         raise ValueError(f"at_step needs a name 'section/metric' without '@' in its section; got {name!r}")

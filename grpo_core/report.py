@@ -127,7 +127,7 @@ def eval_history(metrics_path: Path) -> list[dict[str, float]]:
 
 
 def eval_line(record: dict[str, float]) -> str:
-    """One evaluation in words: ``step 8 (policy version 8), 16 prompts: reward_mean 0.41, pass@4 0.62, ...``."""
+    """One evaluation in words: ``step 8 (policy version 8), 16 prompts: reward_mean 0.41, pass_at_4 0.62, ...``."""
     figures = ", ".join(
         f"{k.removeprefix('eval/')} {v:.4g}"
         for k, v in sorted(record.items())

@@ -57,8 +57,8 @@ def test_eval_metrics_average_pass_at_k_over_prompts_and_count_unscored_as_wrong
     m = eval_metrics(rewards, [1, 2], correct_above=0.0)
     # correct counts 2, 0, 3 of 4 samples each
     assert m["eval/accuracy"] == pytest.approx(5 / 12)
-    assert m["eval/pass@1"] == pytest.approx((2 / 4 + 0 + 3 / 4) / 3)
-    assert m["eval/pass@2"] == pytest.approx(((1 - comb(2, 2) / comb(4, 2)) + 0 + 1) / 3)
+    assert m["eval/pass_at_1"] == pytest.approx((2 / 4 + 0 + 3 / 4) / 3)
+    assert m["eval/pass_at_2"] == pytest.approx(((1 - comb(2, 2) / comb(4, 2)) + 0 + 1) / 3)
     assert m["eval/reward_mean"] == pytest.approx((1 + 0.5 + 2 + 2 + 1) / 11)  # 11 scored samples
     assert m["eval/num_prompts"] == 3
     # a configured threshold: reward > 1 only
@@ -68,12 +68,12 @@ def test_eval_metrics_average_pass_at_k_over_prompts_and_count_unscored_as_wrong
 def test_step_tagged_metrics_survive_the_window_and_split_back_to_their_step():
     w = MetricWindow()
     w.add("reward", 0.5)
-    w.add(at_step("eval/pass@4", 12), 0.25)
+    w.add(at_step("eval/pass_at_4", 12), 0.25)
     w.add(at_step("eval/failed_count", 14), 1)
     w.add(at_step("eval/failed_count", 14), 1)  # counts keep their aggregation (summed)
     plain, tagged = split_at_step(w.flush())
     assert plain == {"reward": 0.5}
-    assert tagged == {12: {"eval/pass@4": 0.25}, 14: {"eval/failed_count": 2.0}}
+    assert tagged == {12: {"eval/pass_at_4": 0.25}, 14: {"eval/failed_count": 2.0}}
 
 
 def test_board_asks_for_every_nth_step_and_the_final_one():
@@ -125,19 +125,19 @@ def test_summary_artifact_and_progress_read_evaluation_lines_apart_from_the_step
     lines = [
         {"step": 1, "reward": 0.2},
         {"step": 2, "reward": 0.4},
-        {"step": 2, "eval/num_prompts": 3, "eval/pass@2": 0.5, "eval/policy_version": 2},  # logged after step 3
+        {"step": 2, "eval/num_prompts": 3, "eval/pass_at_2": 0.5, "eval/policy_version": 2},  # logged after step 3
         {"step": 3, "reward": 0.6},
-        {"step": 3, "eval/num_prompts": 3, "eval/pass@2": 0.75, "eval/policy_version": 3},
+        {"step": 3, "eval/num_prompts": 3, "eval/pass_at_2": 0.75, "eval/policy_version": 3},
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert [r["step"] for r in eval_history(path)] == [2, 3]
     summary = summarize(path)
     assert summary["reward_first5"] == pytest.approx(0.4) and summary["steps"] == 3
-    assert summary["eval"] == "step 3 (policy version 3), 3 prompts: pass@2 0.75"
+    assert summary["eval"] == "step 3 (policy version 3), 3 prompts: pass_at_2 0.75"
     assert last_record(path) == {"step": 3, "reward": 0.6}  # the progress bar's step, not an evaluation's
     table = eval_markdown(eval_history(path)).splitlines()
-    assert table[2] == "| step | num_prompts | pass@2 | policy_version |"
+    assert table[2] == "| step | num_prompts | pass_at_2 | policy_version |"
     assert table[4:] == ["| 2 | 3 | 0.5000 | 2 |", "| 3 | 3 | 0.7500 | 3 |"]
 
 
@@ -256,20 +256,20 @@ def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_i
     for r in evals:
         assert r["eval/num_prompts"] == 3
         assert r["eval/policy_version"] == r["step"]  # train.weight_sync_steps 1: version N after step N
-        assert 0.0 <= r["eval/pass@1"] <= r["eval/pass@2"] <= r["eval/pass@4"] <= 1.0
-        assert r["eval/pass@1"] == pytest.approx(r["eval/accuracy"])  # both = correct samples / all (n=4 each)
+        assert 0.0 <= r["eval/pass_at_1"] <= r["eval/pass_at_2"] <= r["eval/pass_at_4"] <= 1.0
+        assert r["eval/pass_at_1"] == pytest.approx(r["eval/accuracy"])  # both = correct samples / all (n=4 each)
         assert 0.0 <= r["eval/reward_mean"] < 1.0  # varied_reward is in [0, 1)
     step_lines = [r for r in lines if "eval/num_prompts" not in r]
     assert sorted(r["step"] for r in step_lines) == [1, 2, 3, 4, 5]  # the steps' own lines are unchanged
     assert not any(k.startswith("eval") for r in step_lines for k in r), "an eval metric leaked into a step's line"
-    # MLflow holds the same values at the same steps ('@' is not an MLflow character: pass@4 -> pass_4)
+    # MLflow holds the same values at the same steps, under the same names
     from grpo_core import tracking
     from grpo_core.config import TrackingConfig
 
     client = tracking.client(TrackingConfig(dir=tmp / "mlflow", experiment_name="grpo-tiny"))
     (run,) = client.search_runs([client.get_experiment_by_name("grpo-tiny").experiment_id])
-    for name, mlflow_name in (("eval/pass@4", "eval/pass_4"), ("eval/accuracy", "eval/accuracy")):
-        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, mlflow_name)}
+    for name in ("eval/pass_at_4", "eval/accuracy"):
+        history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
         assert history == pytest.approx({r["step"]: r[name] for r in evals}), name
     assert "'eval': 'step 5 (policy version 5), 3 prompts: accuracy" in out  # the summary's line
     # the flow run's markdown artifact: one table row per evaluated step (Prefect's SQLite store under PREFECT_HOME)

@@ -37,7 +37,7 @@ class EvalConfig(_Strict):
     num_samples: int = Field(default=1, ge=1)
     """Samples per prompt (n of the pass@k estimator); 1 with ``greedy``."""
     pass_at_k: list[int] | None = None
-    """The k of each ``eval/pass@k`` metric, each at most ``num_samples``; None = ``[num_samples]``."""
+    """The k of each ``eval/pass_at_k`` metric, each at most ``num_samples``; None = ``[num_samples]``."""
     reward_functions: list[str] | None = None
     """Reward functions ``module:function`` scoring the eval samples; None = the training ones
     (``rollout.reward_functions``, plus the eval dataset's own verifier for ``reasoning_gym:``)."""

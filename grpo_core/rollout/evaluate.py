@@ -5,7 +5,7 @@ The rollout process evaluates the policy on a held-out dataset beside the traini
 (the trainer's reports of every ``eval.every_steps``-th step and of ``train.max_steps``), samples each prompt
 ``eval.num_samples`` times (or greedily) on the same generation servers with the policy version of that step,
 scores the samples with the eval reward functions and adds ``eval/*`` to the rollout's metric window tagged with
-the step (``eval@12/pass@4``, ``grpo_core.metrics.at_step``): the trainer drains the window as every rollout metric
+the step (``eval@12/pass_at_4``, ``grpo_core.metrics.at_step``): the trainer drains the window as every rollout metric
 and logs them at the step they evaluated. The runner has its own request bound (``eval.max_concurrent_requests``)
 and thread pool, reads no training prompt and takes no token allowance, so the training rollouts' order, staleness
 and pace are those of a run without evaluation.
@@ -65,12 +65,12 @@ def eval_metrics(rewards: list[np.ndarray], ks: list[int], correct_above: float)
     Args:
         rewards: per prompt, ``float64[n]`` rewards of its samples (NaN = no reward function scored it: incorrect,
             left out of the mean).
-        ks: the k of each ``eval/pass@k``.
+        ks: the k of each ``eval/pass_at_k``.
         correct_above: a sample is correct when its reward is above this.
 
     Returns:
         ``eval/reward_mean`` (mean over scored samples; NaN if none), ``eval/accuracy`` (fraction of samples
-        correct), ``eval/pass@k`` per k (mean over prompts of :func:`pass_at_k`), ``eval/num_prompts``.
+        correct), ``eval/pass_at_k`` per k (mean over prompts of :func:`pass_at_k`), ``eval/num_prompts``.
     """
     flat = np.concatenate(rewards) if rewards else np.zeros(0)
     scored = flat[~np.isnan(flat)]
@@ -82,7 +82,7 @@ def eval_metrics(rewards: list[np.ndarray], ks: list[int], correct_above: float)
     }
     for k in ks:
         values = [pass_at_k(len(r), c, k) for r, c in zip(rewards, correct, strict=True) if len(r) >= k]
-        out[f"eval/pass@{k}"] = float(np.mean(values)) if values else float("nan")
+        out[f"eval/pass_at_{k}"] = float(np.mean(values)) if values else float("nan")
     return out
 
 
