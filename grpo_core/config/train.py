@@ -92,6 +92,15 @@ class TrainConfig(_Strict):
             )
         return v
 
+    @model_validator(mode="after")
+    def _check_sequence_mask(self) -> TrainConfig:
+        if self.sequence_mask_min >= self.sequence_mask_max:
+            raise ConfigError(
+                f"train.sequence_mask_min ({self.sequence_mask_min}) must be below train.sequence_mask_max "
+                f"({self.sequence_mask_max}); e.g. 0.999 and 1.001 for sequence_mask: geometric"
+            )
+        return self
+
     output_dir: Path = Path("runs/train")
     """Folder for checkpoints, metrics and synced weights."""
     num_ranks: int = Field(default=1, ge=1)
@@ -189,6 +198,18 @@ class TrainConfig(_Strict):
     clipped IS weight of CISPO (MiniMax-M1, 2025), sg(clip(π/μ, 1 − epsilon, 1 + epsilon_high))·A·log π;
     ``gspo``: the clipped surrogate on one ratio per sequence, exp(mean of log π − log μ) (GSPO, Zheng et al.
     2025). Both need ``score_centering: false`` (docs/algorithms.md)."""
+    tis_cap: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Truncated importance sampling (TIS, Yao et al. 2025): each kept token's loss is weighted by
+    min(1, C/r), r = π/μ, so its importance weight is min(r, C) instead of r; None = off (the weight is r, as the
+    masked range [``clip_min``, ``clip_max``] leaves it). E.g. 2.0 (docs/algorithms.md)."""
+    sequence_mask: Literal["none", "sequence", "geometric"] = "none"
+    """Off-policy mask of whole sequences (docs/algorithms.md): ``sequence`` leaves out a sample whose sequence
+    ratio Π_t r_t lies outside [``sequence_mask_min``, ``sequence_mask_max``]; ``geometric`` one whose geometric
+    mean ratio exp(mean_t log r_t) does; ``none`` = off. Applied on top of the token range."""
+    sequence_mask_min: float = Field(default=0.5, gt=0, allow_inf_nan=False)
+    """Lowest sequence (or geometric mean) ratio kept by ``sequence_mask`` (geometric: e.g. 0.999)."""
+    sequence_mask_max: float = Field(default=2.0, gt=0, allow_inf_nan=False)
+    """Highest sequence (or geometric mean) ratio kept by ``sequence_mask`` (geometric: e.g. 1.001)."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Loss terms per chunk of the fused log-prob head (extra memory about chunk × vocabulary × 6 bytes);
     None = 4096 on CUDA, 1024 on CPU."""

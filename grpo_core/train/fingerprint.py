@@ -3,13 +3,15 @@
 On resume (:func:`check_resume`) the fingerprint of the checkpoint is compared with the current config:
 
 * **unsafe** changes make the checkpoint belong to a different run and are refused with a diff: another
-  model (name, revision, seed of a random init), parameter dtype, LoRA shape, group size, or another
+  model (name, revision, seed of a random init), parameter dtype, LoRA shape, group size, another loss
+  (``train.loss_type``: the checkpoint's optimizer moments belong to another objective), or another
   dataset (its spec, size, seed and options, its order: ``rollout.shuffle`` and its seed; the SHA-256 of a
   data file or of ``train.samples_path``; a mixture's sources and weights, the prompt column and system prompt)
   — prompt indices in the checkpoint would point at other prompts;
 * **safe** changes are applied and logged: optimizer settings (the trainer puts the config's learning
   rate, betas and weight decay into the restored optimizer, see ``Trainer._apply_optimizer_config``),
-  schedule, clipping, loss settings, step counts.
+  schedule, clipping, the other loss settings (the masked range, the trust region, truncated IS, the sequence
+  masks, the KL coefficient), step counts.
 
 A ``module:callable`` dataset is fingerprinted by its name and options only (its rows are built by the
 rollout process).
@@ -41,6 +43,7 @@ UNSAFE = (
     "train.lora.alpha",
     "train.lora.target_modules",
     "rollout.num_generations",
+    "train.loss_type",
 )
 SAFE = (
     "train.learning_rate",
@@ -55,6 +58,10 @@ SAFE = (
     "train.epsilon",
     "train.epsilon_high",
     "train.score_centering",
+    "train.tis_cap",
+    "train.sequence_mask",
+    "train.sequence_mask_min",
+    "train.sequence_mask_max",
     "train.gradient_accumulation_steps",
     "train.loss_normalization",
     "train.save_steps",
@@ -163,6 +170,14 @@ def check_resume(cfg: TrainerProcessConfig, checkpoint_dir: Path) -> list[str]:
         for k in UNSAFE
         if k in stored["config"] and stored["config"][k] != now["config"][k]
     ]
+    if (
+        "train.loss_type" in stored["config"]
+        and stored["config"]["train.loss_type"] != now["config"]["train.loss_type"]
+    ):
+        unsafe.append(
+            "  (train.loss_type: the checkpoint was trained with another loss; the algorithm preset sets it too, "
+            "so set algorithm/train.loss_type back, or start a new run to change the loss)"
+        )
     if unsafe:
         raise ConfigError(
             f"resume from {checkpoint_dir} refused: the config trains a different run than the "

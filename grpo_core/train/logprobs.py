@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .loss import LossSettings, grpo_loss, sequence_log_ratios
+from .loss import LossSettings, grpo_loss, sequence_log_ratios, sequence_mask_log_ratios
 
 #: ``fused_grpo_loss``'s default settings (one frozen instance, shared as a default argument's would be).
 _DEFAULT_SETTINGS = LossSettings()
@@ -184,6 +184,9 @@ class LossTerms:
         sequence_index: ``int64[M]`` the sample of each term in its row; needed by GSPO, else unused.
         sequence_log_ratio: ``float32[M]`` GSPO's per-sequence mean log-ratio of each term's sample, filled in by
             :func:`fused_grpo_loss` (:func:`grpo_core.train.loss.sequence_log_ratios`).
+        sequence_mask_log_ratio: ``float32[M]`` the log sequence (or geometric mean) ratio of each term's sample
+            for ``train.sequence_mask``, filled in by :func:`fused_grpo_loss`
+            (:func:`grpo_core.train.loss.sequence_mask_log_ratios`).
     """
 
     targets: Tensor
@@ -194,6 +197,7 @@ class LossTerms:
     candidates: tuple[Tensor, Tensor] | None = None
     sequence_index: Tensor | None = None
     sequence_log_ratio: Tensor | None = None
+    sequence_mask_log_ratio: Tensor | None = None
 
 
 @dataclass
@@ -294,6 +298,7 @@ def _term_slice(terms: LossTerms, a: int, b: int) -> LossTerms:
         terms.candidates,
         opt(terms.sequence_index),
         opt(terms.sequence_log_ratio),
+        opt(terms.sequence_mask_log_ratio),
     )
 
 
@@ -321,6 +326,7 @@ def _loss_coefficients(
             topk,
             terms.sampler_topk_logprobs,
             terms.sequence_log_ratio,
+            terms.sequence_mask_log_ratio,
         )
         if not loss.requires_grad:  # nothing in the loss depends on the policy (e.g. every term masked)
             return loss.detach(), torch.zeros_like(picked), stats
@@ -457,23 +463,31 @@ def fused_grpo_loss(
         k = 0 if terms.topk_ids is None else terms.topk_ids.shape[1]
         empty = hidden.new_zeros(0, dtype=torch.float32)
         sampler_topk = terms.sampler_topk_logprobs if terms.sampler_topk_logprobs is not None else empty.reshape(0, k)
-        loss, stats = grpo_loss(empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk, empty)
+        loss, stats = grpo_loss(
+            empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk, empty, empty
+        )
         loss = loss + hidden.sum() * 0.0 + weight.sum() * 0.0
         return HeadLoss(
             loss, TokenLogProbs(empty, empty, None if terms.topk_ids is None else empty.reshape(0, k)), stats
         )
-    if settings.loss_type == "gspo":
-        # GSPO's ratio is one per sequence, and a chunk may hold part of a sequence: a first pass (no gradient,
-        # the head's matmul once more) gives every term's log π, hence each sequence's mean log-ratio.
+    if settings.needs_sequences:
+        # GSPO's ratio and the sequence masks are one per sequence, and a chunk may hold part of a sequence: a first
+        # pass (no gradient, the head's matmul once more) gives every term's log π, hence each sequence's log-ratio.
         if terms.sequence_index is None:
-            raise ValueError("train.loss_type 'gspo' needs the terms' sequence_index")
-        plain = replace(settings, loss_type="grpo", score_centering=False)
+            raise ValueError(
+                f"train.loss_type {settings.loss_type!r} / train.sequence_mask need the terms' sequence_index"
+            )
+        plain = replace(settings, loss_type="grpo", score_centering=False, sequence_mask="none", tis_cap=None)
         with torch.no_grad():
             _, _, _, first = _ChunkedHead(terms, normaliser, plain, temperature, chunk_size, compiled, fp32_logits).run(
                 hidden.detach(), weight.detach(), False, False
             )
         log_ratio = first["logprobs"].float() - terms.sampler_logprobs.float()
-        terms = replace(terms, sequence_log_ratio=sequence_log_ratios(log_ratio, terms.sequence_index, settings))
+        if settings.loss_type == "gspo":
+            terms = replace(terms, sequence_log_ratio=sequence_log_ratios(log_ratio, terms.sequence_index, settings))
+        if settings.sequence_mask != "none":
+            seq = sequence_mask_log_ratios(log_ratio, terms.sequence_index, settings)
+            terms = replace(terms, sequence_mask_log_ratio=seq)
     head = _ChunkedHead(terms, normaliser, settings, temperature, chunk_size, compiled, fp32_logits)
     outputs: dict[str, Tensor] = {}
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

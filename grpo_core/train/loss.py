@@ -59,6 +59,7 @@ import torch
 from torch import Tensor
 
 LossType = Literal["grpo", "cispo", "gspo"]
+SequenceMask = Literal["none", "sequence", "geometric"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class LossSettings:
         epsilon_high: upper width (defaults to ``epsilon``).
         loss_type: ``grpo`` (score centering or the clipped surrogate, as ``score_centering`` says) or
             ``cispo`` (clipped IS weight) or ``gspo`` (sequence-level ratio), both with ``score_centering=False``.
+        tis_cap: truncated importance sampling cap C (each kept term weighted by ``min(1, C/r)``); None = off.
+        sequence_mask: ``none``, ``sequence`` (mask a sample whose ``Π r_t`` is outside the band) or ``geometric``
+            (whose ``exp(mean log r_t)`` is).
+        sequence_mask_min, sequence_mask_max: the band of ``sequence_mask``.
     """
 
     clip_min: float = 0.5
@@ -80,6 +85,15 @@ class LossSettings:
     epsilon: float = 0.2
     epsilon_high: float | None = None
     loss_type: LossType = "grpo"
+    tis_cap: float | None = None
+    sequence_mask: SequenceMask = "none"
+    sequence_mask_min: float = 0.5
+    sequence_mask_max: float = 2.0
+
+    @property
+    def needs_sequences(self) -> bool:
+        """Whether the loss reads per-sequence log-ratios (GSPO, a sequence mask): a first pass computes them."""
+        return self.loss_type == "gspo" or self.sequence_mask != "none"
 
 
 LossNormalization = Literal["step_tokens", "micro_batch"]
@@ -132,6 +146,7 @@ def grpo_loss(
     topk_logprobs: Tensor | None = None,
     sampler_topk_logprobs: Tensor | None = None,
     sequence_log_ratio: Tensor | None = None,
+    sequence_mask_log_ratio: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one rank's micro-batch and its per-term statistics.
 
@@ -146,10 +161,13 @@ def grpo_loss(
         sampler_topk_logprobs: ``float[M, k]`` sampler log μ at those ids.
         sequence_log_ratio: ``float[M]``, GSPO only: for each term, the mean log-ratio of its sequence's kept
             terms (:func:`sequence_log_ratios`; a constant, no gradient flows through it).
+        sequence_mask_log_ratio: ``float[M]``, with ``settings.sequence_mask`` only: for each term, the log of its
+            sequence's ratio (``sequence``: Σ_t log r_t) or geometric mean ratio (``geometric``: mean_t log r_t)
+            over all the sequence's terms (:func:`sequence_mask_log_ratios`).
 
     Returns:
         ``(loss, stats)``: the scalar loss and detached ``float[M]`` tensors
-        ``ratio``, ``masked`` (1 = outside the MIS range), ``logp_diff``
+        ``ratio``, ``masked`` (1 = outside the MIS range or in a masked sequence), ``logp_diff``
         (|log π − log μ|), ``clipped_low``, ``clipped_high`` (trust region),
         and ``sampler_mass`` (``float[M]``, with score centering).
 
@@ -165,8 +183,15 @@ def grpo_loss(
         raise ValueError(f"train.loss_type {settings.loss_type!r} needs train.score_centering: false")
     if settings.loss_type == "gspo" and sequence_log_ratio is None:
         raise ValueError("train.loss_type 'gspo' needs each term's sequence_log_ratio (sequence_log_ratios)")
+    if settings.sequence_mask != "none" and sequence_mask_log_ratio is None:
+        raise ValueError("train.sequence_mask needs each term's sequence_mask_log_ratio (sequence_mask_log_ratios)")
     log_ratio = logprobs - sampler_logprobs
     keep = in_clip_range(log_ratio.detach(), settings)
+    if settings.sequence_mask != "none":
+        assert sequence_mask_log_ratio is not None
+        seq = sequence_mask_log_ratio.detach()  # NaN (a non-finite term in the sequence) is never kept
+        lo, hi = math.log(settings.sequence_mask_min), math.log(settings.sequence_mask_max)
+        keep = keep & (seq >= lo) & (seq <= hi)
     # Select before exp: a dropped term's ratio is exp(0) = 1 with no path to logprobs, so neither an
     # overflowing exp nor a NaN can reach the loss or the gradient (see "masking semantics" above).
     ratio = torch.where(keep, log_ratio, torch.zeros_like(log_ratio)).exp()
@@ -201,6 +226,11 @@ def grpo_loss(
     else:
         clipped = ratio.clamp(1 - settings.epsilon, 1 + eps_high)
         per_term = torch.minimum(ratio * advantages, clipped * advantages)
+    if settings.tis_cap is not None:
+        # Truncated IS (Yao et al. 2025): the weight r becomes min(r, C), i.e. the term times sg(min(1, C/r)),
+        # computed as exp(min(0, log C - log r)) on the kept (finite) log-ratios.
+        safe = torch.where(keep, log_ratio.detach(), torch.zeros_like(log_ratio))
+        per_term = per_term * (math.log(settings.tis_cap) - safe).clamp_max(0.0).exp()
     loss = -torch.where(keep, per_term, torch.zeros_like(per_term)).sum() / num_trained_global
     return loss, stats
 
@@ -225,6 +255,40 @@ def sequence_log_ratios(log_ratio: Tensor, sequence_index: Tensor, settings: Los
     total = log_ratio.new_zeros(size).index_add_(0, index, kept)
     count = log_ratio.new_zeros(size).index_add_(0, index, keep.to(log_ratio.dtype))
     return (total / count.clamp_min(1))[index]
+
+
+def sequence_mask_log_ratios(log_ratio: Tensor, sequence_index: Tensor, settings: LossSettings) -> Tensor:
+    """The log of each term's sequence ratio for ``settings.sequence_mask``, given back per term.
+
+    ``sequence``: ``log ρ_i = Σ_t (log π − log μ)`` over every term of sequence i (the sequence-level importance
+    ratio ``Π_t π/μ``); ``geometric``: ``mean_t (log π − log μ)``, the log of the geometric mean of the token ratios
+    (sequence-level and geometric masking, Liu, Li et al. 2025, "When Speed Kills Stability: Demystifying RL
+    Collapse from the Training-Inference Mismatch"). Every term counts, those outside the token range too; a
+    non-finite log-ratio makes its sequence's value NaN (never kept).
+
+    Args:
+        log_ratio: ``float[M]`` ``log π − log μ`` of every term (detached).
+        sequence_index: ``int64[M]`` the sequence (sample) of each term, ``0 <= index < M``.
+        settings: :class:`LossSettings` (``sequence_mask``).
+
+    Returns:
+        ``float[M]``, detached.
+
+    Raises:
+        ValueError: ``settings.sequence_mask`` is ``none`` or unknown.
+    """
+    if settings.sequence_mask not in ("sequence", "geometric"):
+        raise ValueError(f"train.sequence_mask must be 'sequence' or 'geometric', got {settings.sequence_mask!r}")
+    log_ratio = log_ratio.detach()
+    finite = torch.isfinite(log_ratio)
+    values = torch.where(finite, log_ratio, torch.full_like(log_ratio, float("nan")))
+    index = sequence_index.long()
+    size = int(index.max().item()) + 1 if index.numel() else 0
+    total = log_ratio.new_zeros(size).index_add_(0, index, values)
+    if settings.sequence_mask == "geometric":
+        count = log_ratio.new_zeros(size).index_add_(0, index, torch.ones_like(log_ratio))
+        total = total / count.clamp_min(1)
+    return total[index]
 
 
 def in_clip_range(log_ratio: Tensor, settings: LossSettings) -> Tensor:

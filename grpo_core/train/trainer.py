@@ -133,7 +133,16 @@ class Trainer:
             self.optimizer, lr_lambda(tc.lr_scheduler, tc.warmup_steps, tc.max_steps)
         )
         self.loss_settings = LossSettings(
-            tc.clip_min, tc.clip_max, tc.score_centering, tc.epsilon, tc.epsilon_high, tc.loss_type
+            tc.clip_min,
+            tc.clip_max,
+            tc.score_centering,
+            tc.epsilon,
+            tc.epsilon_high,
+            tc.loss_type,
+            tc.tis_cap,
+            tc.sequence_mask,
+            tc.sequence_mask_min,
+            tc.sequence_mask_max,
         )
         self.token_budget = cfg.token_budget
         self.flex = FlexTreeMasks(world.device) if on_cuda else None
