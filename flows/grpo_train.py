@@ -344,13 +344,15 @@ def gpu_slots(config: RunConfig) -> Iterator[None]:
 
     Raises:
         ConfigError: the run needs more slots than the limit has (it would wait forever).
+        SlotLeaseLost: inside the block, when the slots' lease is lost (``flows.slot_lease``): the run stops and the
+            flow's retry (the error is curable) waits for the slots again.
     """
     import httpx
     from prefect.client.orchestration import get_client
     from prefect.concurrency.asyncio import ConcurrencySlotAcquisitionError
-    from prefect.concurrency.sync import concurrency
     from prefect.exceptions import ObjectNotFound
 
+    from flows.slot_lease import hold_slots
     from grpo_core.errors import ConfigError
 
     name, log = config.flow.concurrency_limit, get_run_logger()
@@ -373,7 +375,8 @@ def gpu_slots(config: RunConfig) -> Iterator[None]:
             f"{limit.limit}; raise it (`prefect gcl update {name} --limit {slots}`) or set "
             "flow.concurrency_slots"
         )
-    hold = functools.partial(concurrency, name, occupy=slots, strict=True, raise_on_lease_renewal_failure=False)
+    # Held under a lease renewed until it is really lost; then SlotLeaseLost stops the run (flows/slot_lease.py).
+    hold = functools.partial(hold_slots, name, slots)
     with contextlib.ExitStack() as stack:
         # One attempt first: the "waiting" line is logged when the server really refuses the slots (423), not from a
         # read of the limit made before asking (two runs started together both read it free, and one then waited
