@@ -236,9 +236,10 @@ def _log_to_file(cfg: RunConfig) -> Path:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     from flows import console_log
+    from grpo_core.run.layout import cli_log
 
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    path = cfg.train.output_dir.expanduser().resolve() / "logs" / f"grpo-train-{stamp}-{os.getpid()}.log"
+    path = cli_log(cfg.train.output_dir.expanduser().resolve(), stamp, os.getpid())
     console_log.attach(path, PrefectConsoleHandler)
     return path
 

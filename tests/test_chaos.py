@@ -29,6 +29,7 @@ from flow_helpers import ROOT, assert_mlflow_steps_once, mlflow_run, tiny_overri
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree, torchrun
 
 from grpo_core.durable import read_jsonl
+from grpo_core.run.layout import run_folders
 
 # --- the whole flow: trainer, rollout process and generation server, each SIGKILLed ---------------------------
 
@@ -107,7 +108,7 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
                 assert time.monotonic() < deadline, f"no new attempt to kill:\n{log.read_text()[-3000:]}"
                 attempt = _attempt(flow, seen)
                 time.sleep(0.05)
-            (run_dir,) = runs.iterdir()
+            (run_dir,) = run_folders(runs)
             since, resumed = time.time(), _step_of(latest_checkpoint(run_dir))
             procs = [p for group in attempt.values() for p in group]
             seen.update(p.pid for p in procs)
@@ -144,7 +145,7 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     assert any(0 < k < FLOW_STEPS for k in resumes), f"no attempt resumed mid-run: {resumes}"
     _, alive = psutil.wait_procs(every, timeout=30)
     assert not alive
-    (run_dir,) = runs.iterdir()
+    (run_dir,) = run_folders(runs)
     trained = assert_each_step_and_prompt_once(run_dir, FLOW_STEPS)
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, FLOW_STEPS + 1))

@@ -20,6 +20,7 @@ import pytest
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
 from grpo_core.redact import MASK, SECRETS_ENV, RedactFilter, redact_argv, reveal, secret_values, write_private
+from grpo_core.run.layout import run_folders
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD, API_KEY, HF_TOKEN = "pw-Zq81xT", "key-Yv27sLm", "hf_Wn93kPd"
@@ -227,7 +228,7 @@ def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow
     secrets = (PASSWORD, API_KEY, HF_TOKEN, DICT_SECRETS[1])
     leaks = [str(p) for p in files if any(s.encode() in p.read_bytes() for s in secrets)]
     assert not leaks
-    run_dir = next((tmp_path / "runs").iterdir())
+    (run_dir,) = run_folders(tmp_path / "runs")
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
     for name in ("run_config.json", "train_config.json"):
         assert stat.S_IMODE((run_dir / name).stat().st_mode) == 0o600

@@ -26,6 +26,9 @@ Layout of a run folder::
     checkpoints/step-NNNNNNN/  one checkpoint per save                             checkpoint_dir()
     final_model/               the exported model                                  FINAL_MODEL_DIR
     .vllm_lora/, .weights/     adapters and full weights published to servers      ADAPTER_DIR, WEIGHTS_DIR
+
+Beside the run folders, ``train.output_dir/logs/`` (``CLI_LOGS_DIR``) holds one log per ``grpo train`` command, every
+record with its traceback (``cli_log``); :func:`run_folders` lists the run folders alone.
 """
 
 from __future__ import annotations
@@ -87,6 +90,22 @@ CHECKPOINT_URI = "checkpoint_uri.txt"
 """Where an MLflow run keeps a checkpoint that was too large to upload: its URI."""
 STEP_LOGS = (METRICS, TRAINED_PROMPTS)
 """The per-step logs a resume cuts back to its checkpoint's step."""
+
+
+#: ``train.output_dir/logs/``: the full log of each ``grpo train`` command (the console shows one line per failure).
+CLI_LOGS_DIR = "logs"
+
+
+def cli_log(output_dir: Path | str, stamp: str, pid: int) -> Path:
+    """The full log of one ``grpo train`` command: ``output_dir/logs/grpo-train-<stamp>-<pid>.log``."""
+    return Path(output_dir) / CLI_LOGS_DIR / f"grpo-train-{stamp}-{pid}.log"
+
+
+def run_folders(output_dir: Path | str) -> list[Path]:
+    """The run folders under ``output_dir`` (those holding a ``run_config.json``), oldest first (modification
+    time); the command logs' folder and anything else there are left out."""
+    found = [p for p in Path(output_dir).iterdir() if (p / RUN_CONFIG).is_file()]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
 def replica_log(backend: str, replica: int) -> str:
