@@ -36,7 +36,13 @@ def test_a_resume_with_another_loss_type_is_refused_naming_it(tmp_path):
 
 def test_the_other_loss_settings_are_applied_and_logged(tmp_path, caplog):
     folder = _checkpoint(tmp_path)
-    changed = {"tis_cap": 2.0, "sequence_mask": "geometric", "sequence_mask_min": 0.999, "sequence_mask_max": 1.001}
+    changed = {
+        "tis_cap": 2.0,
+        "sequence_mask": "geometric",
+        "sequence_mask_min": 0.999,
+        "sequence_mask_max": 1.001,
+        "kl_coef": 0.04,
+    }
     with caplog.at_level(logging.WARNING):
         safe = check_resume(RunConfig(train=changed).trainer_process(), folder)
     assert sorted(safe) == sorted(
@@ -45,6 +51,7 @@ def test_the_other_loss_settings_are_applied_and_logged(tmp_path, caplog):
             "train.sequence_mask: 'none' -> 'geometric'",
             "train.sequence_mask_min: 0.5 -> 0.999",
             "train.sequence_mask_max: 2.0 -> 1.001",
+            "train.kl_coef: 0.0 -> 0.04",
         ]
     )
     assert "config change applied: train.tis_cap: None -> 2.0" in caplog.text

@@ -210,6 +210,12 @@ class TrainConfig(_Strict):
     """Lowest sequence (or geometric mean) ratio kept by ``sequence_mask`` (geometric: e.g. 0.999)."""
     sequence_mask_max: float = Field(default=2.0, gt=0, allow_inf_nan=False)
     """Highest sequence (or geometric mean) ratio kept by ``sequence_mask`` (geometric: e.g. 1.001)."""
+    kl_coef: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """β of a KL penalty to a reference policy, β·KL(π‖π_ref) per trained token with the k3 estimator
+    π_ref/π − log(π_ref/π) − 1 (DeepSeekMath, Shao et al. 2024, eq. 4); logged as ``kl``. 0 = off. The reference is
+    the base model with ``train.lora`` (its adapter disabled: no extra memory), else a frozen copy of the initial
+    weights (one more copy of the model's weights in ``dtype``, sharded like the policy, and one more forward per
+    micro-batch)."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Loss terms per chunk of the fused log-prob head (extra memory about chunk × vocabulary × 6 bytes);
     None = 4096 on CUDA, 1024 on CPU."""

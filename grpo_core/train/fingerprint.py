@@ -62,6 +62,7 @@ SAFE = (
     "train.sequence_mask",
     "train.sequence_mask_min",
     "train.sequence_mask_max",
+    "train.kl_coef",
     "train.gradient_accumulation_steps",
     "train.loss_normalization",
     "train.save_steps",

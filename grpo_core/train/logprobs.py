@@ -187,6 +187,7 @@ class LossTerms:
         sequence_mask_log_ratio: ``float32[M]`` the log sequence (or geometric mean) ratio of each term's sample
             for ``train.sequence_mask``, filled in by :func:`fused_grpo_loss`
             (:func:`grpo_core.train.loss.sequence_mask_log_ratios`).
+        ref_logprobs: ``float32[M]`` the reference policy's log-probs of the targets (``train.kl_coef`` > 0), or None.
     """
 
     targets: Tensor
@@ -198,6 +199,7 @@ class LossTerms:
     sequence_index: Tensor | None = None
     sequence_log_ratio: Tensor | None = None
     sequence_mask_log_ratio: Tensor | None = None
+    ref_logprobs: Tensor | None = None
 
 
 @dataclass
@@ -299,6 +301,7 @@ def _term_slice(terms: LossTerms, a: int, b: int) -> LossTerms:
         opt(terms.sequence_index),
         opt(terms.sequence_log_ratio),
         opt(terms.sequence_mask_log_ratio),
+        opt(terms.ref_logprobs),
     )
 
 
@@ -327,6 +330,7 @@ def _loss_coefficients(
             terms.sampler_topk_logprobs,
             terms.sequence_log_ratio,
             terms.sequence_mask_log_ratio,
+            terms.ref_logprobs,
         )
         if not loss.requires_grad:  # nothing in the loss depends on the policy (e.g. every term masked)
             return loss.detach(), torch.zeros_like(picked), stats
@@ -464,7 +468,7 @@ def fused_grpo_loss(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         sampler_topk = terms.sampler_topk_logprobs if terms.sampler_topk_logprobs is not None else empty.reshape(0, k)
         loss, stats = grpo_loss(
-            empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk, empty, empty
+            empty, empty, empty, normaliser, settings, empty.reshape(0, k), sampler_topk, empty, empty, empty
         )
         loss = loss + hidden.sum() * 0.0 + weight.sum() * 0.0
         return HeadLoss(
@@ -477,16 +481,19 @@ def fused_grpo_loss(
             raise ValueError(
                 f"train.loss_type {settings.loss_type!r} / train.sequence_mask need the terms' sequence_index"
             )
-        plain = replace(settings, loss_type="grpo", score_centering=False, sequence_mask="none", tis_cap=None)
+        plain = replace(
+            settings, loss_type="grpo", score_centering=False, sequence_mask="none", tis_cap=None, kl_coef=0.0
+        )
         with torch.no_grad():
             _, _, _, first = _ChunkedHead(terms, normaliser, plain, temperature, chunk_size, compiled, fp32_logits).run(
                 hidden.detach(), weight.detach(), False, False
             )
         log_ratio = first["logprobs"].float() - terms.sampler_logprobs.float()
+        index = terms.sequence_index
         if settings.loss_type == "gspo":
-            terms = replace(terms, sequence_log_ratio=sequence_log_ratios(log_ratio, terms.sequence_index, settings))
+            terms = replace(terms, sequence_log_ratio=sequence_log_ratios(log_ratio, index, settings))
         if settings.sequence_mask != "none":
-            seq = sequence_mask_log_ratios(log_ratio, terms.sequence_index, settings)
+            seq = sequence_mask_log_ratios(log_ratio, index, settings)
             terms = replace(terms, sequence_mask_log_ratio=seq)
     head = _ChunkedHead(terms, normaliser, settings, temperature, chunk_size, compiled, fp32_logits)
     outputs: dict[str, Tensor] = {}

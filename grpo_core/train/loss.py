@@ -77,6 +77,7 @@ class LossSettings:
         sequence_mask: ``none``, ``sequence`` (mask a sample whose ``Π r_t`` is outside the band) or ``geometric``
             (whose ``exp(mean log r_t)`` is).
         sequence_mask_min, sequence_mask_max: the band of ``sequence_mask``.
+        kl_coef: β of the KL term to a reference policy (k3 estimator, needs ``ref_logprobs``); 0 = off.
     """
 
     clip_min: float = 0.5
@@ -89,6 +90,7 @@ class LossSettings:
     sequence_mask: SequenceMask = "none"
     sequence_mask_min: float = 0.5
     sequence_mask_max: float = 2.0
+    kl_coef: float = 0.0
 
     @property
     def needs_sequences(self) -> bool:
@@ -147,6 +149,7 @@ def grpo_loss(
     sampler_topk_logprobs: Tensor | None = None,
     sequence_log_ratio: Tensor | None = None,
     sequence_mask_log_ratio: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Loss of one rank's micro-batch and its per-term statistics.
 
@@ -164,12 +167,17 @@ def grpo_loss(
         sequence_mask_log_ratio: ``float[M]``, with ``settings.sequence_mask`` only: for each term, the log of its
             sequence's ratio (``sequence``: Σ_t log r_t) or geometric mean ratio (``geometric``: mean_t log r_t)
             over all the sequence's terms (:func:`sequence_mask_log_ratios`).
+        ref_logprobs: ``float[M]``, with ``settings.kl_coef > 0`` only: the reference policy's log π_ref of the
+            same tokens (a constant). Each kept term then subtracts ``kl_coef · k3`` from its objective, with the
+            k3 estimator ``π_ref/π − log(π_ref/π) − 1`` of KL(π‖π_ref) (Schulman 2020, "Approximating KL
+            Divergence"; DeepSeekMath, Shao et al. 2024, eq. 4).
 
     Returns:
         ``(loss, stats)``: the scalar loss and detached ``float[M]`` tensors
         ``ratio``, ``masked`` (1 = outside the MIS range or in a masked sequence), ``logp_diff``
         (|log π − log μ|), ``clipped_low``, ``clipped_high`` (trust region),
-        and ``sampler_mass`` (``float[M]``, with score centering).
+        ``sampler_mass`` (``float[M]``, with score centering) and ``kl`` (``float[M]``, k3 of each kept term, 0 for
+        a dropped one; with ``kl_coef > 0``).
 
     Raises:
         ValueError: score centering without top-k log-probs, CISPO or GSPO with score centering, GSPO without
@@ -185,6 +193,8 @@ def grpo_loss(
         raise ValueError("train.loss_type 'gspo' needs each term's sequence_log_ratio (sequence_log_ratios)")
     if settings.sequence_mask != "none" and sequence_mask_log_ratio is None:
         raise ValueError("train.sequence_mask needs each term's sequence_mask_log_ratio (sequence_mask_log_ratios)")
+    if settings.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("train.kl_coef > 0 needs the reference policy's log-probs (ref_logprobs)")
     log_ratio = logprobs - sampler_logprobs
     keep = in_clip_range(log_ratio.detach(), settings)
     if settings.sequence_mask != "none":
@@ -231,6 +241,13 @@ def grpo_loss(
         # computed as exp(min(0, log C - log r)) on the kept (finite) log-ratios.
         safe = torch.where(keep, log_ratio.detach(), torch.zeros_like(log_ratio))
         per_term = per_term * (math.log(settings.tis_cap) - safe).clamp_max(0.0).exp()
+    if settings.kl_coef > 0:
+        assert ref_logprobs is not None
+        # k3 = exp(d) − d − 1, d = log π_ref − log π, on the kept terms only (a dropped term's d is selected to 0).
+        d = torch.where(keep, ref_logprobs.detach() - logprobs, torch.zeros_like(logprobs))
+        k3 = d.exp() - d - 1
+        per_term = per_term - settings.kl_coef * k3
+        stats["kl"] = k3.detach()
     loss = -torch.where(keep, per_term, torch.zeros_like(per_term)).sum() / num_trained_global
     return loss, stats
 

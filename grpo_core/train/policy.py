@@ -10,6 +10,7 @@ around them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ class LossInputs:
         normaliser: the loss's divisor (``grpo_core.train.loss.loss_normalisers``).
         settings: :class:`LossSettings`.
         sample_index: ``int64[M]`` the sample of each term in its row (GSPO's sequences), or None.
+        ref_logprobs: ``float32[M]`` the reference policy's log-probs of the targets (``train.kl_coef``), or None.
     """
 
     sampler_logprobs: Tensor
@@ -51,6 +53,7 @@ class LossInputs:
     normaliser: float
     settings: LossSettings
     sample_index: Tensor | None = None
+    ref_logprobs: Tensor | None = None
 
 
 class Policy(nn.Module):
@@ -122,6 +125,7 @@ class Policy(nn.Module):
                 loss.sampler_topk_logprobs,
                 candidates,
                 sequence_index=loss.sample_index,
+                ref_logprobs=loss.ref_logprobs,
             )
             res = fused_grpo_loss(
                 hidden.index_select(0, token_index),
@@ -154,19 +158,35 @@ class Policy(nn.Module):
         )
         return (out.logprobs, out.entropy) + (() if out.topk_logprobs is None else (out.topk_logprobs,))
 
+    def adapter_disabled(self) -> contextlib.AbstractContextManager:
+        """A context in which the forward runs without the LoRA adapter: the base model, the KL reference of a LoRA
+        run at no memory cost (PEFT's ``disable_adapter``).
+
+        Raises:
+            ValueError: the policy has no adapter.
+        """
+        disable = getattr(self.lm, "disable_adapter", None)
+        if disable is None:
+            raise ValueError("the policy has no LoRA adapter to disable (train.lora.enabled is false)")
+        return disable()
+
     def logprobs(self, rt: RowTensors) -> TokenLogProbs:
         """Forward one :class:`~grpo_core.train.rows.RowTensors` row."""
         return _as_logprobs(
             self(rt.input_ids, rt.position_ids, rt.tree_mask, rt.token_index, rt.target_id, rt.topk_ids, rt.candidates)
         )
 
-    def grpo_loss(self, rt: RowTensors, settings: LossSettings, normaliser: float) -> HeadLoss:
+    def grpo_loss(
+        self, rt: RowTensors, settings: LossSettings, normaliser: float, ref_logprobs: Tensor | None = None
+    ) -> HeadLoss:
         """Forward one row through the fused head: its GRPO loss (backward-ready) and per-term values.
 
         Args:
             rt: a :class:`~grpo_core.train.rows.RowTensors` row.
             settings: the loss settings.
             normaliser: see :func:`grpo_core.train.loss.grpo_loss`.
+            ref_logprobs: ``float32[M]`` the reference policy's log-probs of the row's targets
+                (``settings.kl_coef`` > 0; :meth:`reference_logprobs`), or None.
         """
         out = self(
             rt.input_ids,
@@ -176,7 +196,9 @@ class Policy(nn.Module):
             rt.target_id,
             rt.topk_ids,
             rt.candidates,
-            LossInputs(rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings, rt.sample_index),
+            LossInputs(
+                rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings, rt.sample_index, ref_logprobs
+            ),
         )
         token = TokenLogProbs(out.pop("logprobs"), out.pop("entropy"), out.pop("topk_logprobs", None))
         return HeadLoss(out.pop("loss"), token, out)

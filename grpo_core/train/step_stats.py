@@ -31,6 +31,7 @@ SUM_KEYS = (
     "clipped_low",
     "clipped_high",
     "sampler_mass",
+    "kl",
     "staleness",
     "samples",
     "ratio_fresh",

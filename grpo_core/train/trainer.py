@@ -125,6 +125,11 @@ class Trainer:
         on_cuda = world.device.type == "cuda"
         self.compiled = tc.compile if tc.compile is not None else on_cuda
         self.policy = self._build_policy(on_cuda)
+        # The KL reference (train.kl_coef > 0): with LoRA the base model (the adapter disabled, no memory); else a
+        # frozen copy of the initial weights, loaded and sharded like the policy (one more copy of the weights).
+        self.reference: torch.nn.Module | None = None
+        if tc.kl_coef > 0 and not tc.lora.enabled:
+            self.reference = self._build_policy(on_cuda).requires_grad_(False)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=tc.learning_rate, betas=tc.adam_betas, weight_decay=tc.weight_decay, fused=True
@@ -143,6 +148,7 @@ class Trainer:
             tc.sequence_mask,
             tc.sequence_mask_min,
             tc.sequence_mask_max,
+            tc.kl_coef,
         )
         self.token_budget = cfg.token_budget
         self.flex = FlexTreeMasks(world.device) if on_cuda else None
@@ -285,7 +291,7 @@ class Trainer:
             )
             if self.flex is not None:
                 rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
-            self.policy.grpo_loss(rt, self.loss_settings, float(num_terms)).loss.backward()
+            self.policy.grpo_loss(rt, self.loss_settings, float(num_terms), self.reference_logprobs(rt)).loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
         if self.world.device.type == "cuda":
             torch.cuda.synchronize(self.world.device)
@@ -356,7 +362,22 @@ class Trainer:
         """
         if self.flex is not None and rt.tree_mask.block_mask is None:
             rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, rt.tree_mask.length)
-        return self.policy.grpo_loss(rt, self.loss_settings, normaliser)
+        return self.policy.grpo_loss(rt, self.loss_settings, normaliser, self.reference_logprobs(rt))
+
+    def reference_logprobs(self, rt: RowTensors) -> torch.Tensor | None:
+        """``float32[M]``: the KL reference policy's log-probs of the row's trained tokens (no gradient), computed
+        as the policy's (temperature, sampling masks); None when ``train.kl_coef`` is 0.
+
+        The reference is the base model with the LoRA adapter disabled, or the frozen copy of the initial weights
+        of a full fine-tuning run.
+        """
+        if self.cfg.train.kl_coef <= 0:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                return self.reference.logprobs(rt).logprobs.detach()
+            with self.policy.adapter_disabled():
+                return self.policy.logprobs(rt).logprobs.detach()
 
     def forward_backward(self, rt: RowTensors, normaliser: float) -> dict:
         """One micro-batch on this rank: fused head loss (:meth:`row_loss`), backward; returns its statistics as
@@ -373,6 +394,7 @@ class Trainer:
             "terms": n,
             "entropy": res.logprobs.entropy.sum(),
             "sampler_mass": st["sampler_mass"].sum() if "sampler_mass" in st else 0.0,
+            "kl": st["kl"].sum() if "kl" in st else 0.0,
             "staleness": staleness.sum(),
             "samples": staleness.numel(),
             "staleness_max": staleness.max() if staleness.numel() else 0.0,
@@ -594,6 +616,8 @@ class Trainer:
             w.add("sampling/importance_sampling_ratio/staleness0_token_count", v["terms_fresh"])
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", v["sampler_mass"] / n)
+        if self.cfg.train.kl_coef > 0:  # mean k3 estimate of KL(π‖π_ref) over the step's kept trained tokens
+            w.add("kl", v["kl"] / n)
         step_s, fwd_bwd_s = extra["perf/step_s"], extra["perf/fwd_bwd_s"]
         forwarded, trained = (
             planned.stats["batch/forwarded_tokens_per_step"],
