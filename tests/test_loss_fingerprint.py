@@ -43,8 +43,9 @@ def test_the_other_loss_settings_are_applied_and_logged(tmp_path, caplog):
         "sequence_mask_max": 1.001,
         "kl_coef": 0.04,
     }
+    rollout = {"scale_rewards": "none", "mask_truncated_completions": True}
     with caplog.at_level(logging.WARNING):
-        safe = check_resume(RunConfig(train=changed).trainer_process(), folder)
+        safe = check_resume(RunConfig(train=changed, rollout=rollout).trainer_process(), folder)
     assert sorted(safe) == sorted(
         [
             "train.tis_cap: None -> 2.0",
@@ -52,6 +53,8 @@ def test_the_other_loss_settings_are_applied_and_logged(tmp_path, caplog):
             "train.sequence_mask_min: 0.5 -> 0.999",
             "train.sequence_mask_max: 2.0 -> 1.001",
             "train.kl_coef: 0.0 -> 0.04",
+            "rollout.scale_rewards: 'group' -> 'none'",
+            "rollout.mask_truncated_completions: False -> True",
         ]
     )
     assert "config change applied: train.tis_cap: None -> 2.0" in caplog.text
@@ -60,7 +63,7 @@ def test_the_other_loss_settings_are_applied_and_logged(tmp_path, caplog):
 def test_a_checkpoint_without_the_loss_type_resumes(tmp_path):
     folder = _checkpoint(tmp_path)
     data = json.loads((folder / FINGERPRINT_FILE).read_text())
-    for key in ("train.loss_type", "train.tis_cap", "train.sequence_mask"):
+    for key in ("train.loss_type", "train.tis_cap", "train.sequence_mask", "rollout.scale_rewards"):
         del data["config"][key]  # written before these were recorded
     (folder / FINGERPRINT_FILE).write_text(json.dumps(data))
     assert check_resume(

@@ -137,6 +137,8 @@ TRAINER_ROLLOUT_FIELDS = (
     "column_types",
     "datasets",
     "mixture_epoch_size",
+    "scale_rewards",
+    "mask_truncated_completions",
 )
 
 
