@@ -86,10 +86,14 @@ def test_preflight_names_the_missing_column_and_the_bad_model(tmp_path):
 
 
 def _leaves(data: dict, prefix: tuple = ()):
-    """(path, value) of every leaf of a nested YAML mapping."""
+    """(path, value) of every leaf of a nested YAML mapping; a list of mappings (e.g. ``rollout.datasets``) is
+    descended by index."""
     for key, value in data.items():
         if isinstance(value, dict) and value:
             yield from _leaves(value, (*prefix, key))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value):
+                yield from _leaves(item, (*prefix, key, i))
         else:
             yield (*prefix, key), value
 
@@ -104,7 +108,7 @@ def test_every_config_file_loads_each_value_it_sets():
         for keys, value in _leaves(yaml.safe_load(path.read_text())):
             loaded = cfg
             for key in keys:
-                loaded = loaded[key] if isinstance(loaded, dict) else getattr(loaded, key)
+                loaded = loaded[key] if isinstance(loaded, dict | list) else getattr(loaded, key)
             if isinstance(loaded, Path):
                 value = Path(value)
             elif isinstance(loaded, tuple):
