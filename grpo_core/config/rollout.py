@@ -126,6 +126,13 @@ class RolloutConfig(_CandidateFilter):
     reward_timeout_s: float | None = Field(default=300.0, gt=0)
     """Seconds one reward function call, or one environment ``get_reward()``, may take; past it the group fails
     (counted in ``rewards/<name>/timeout_count``, charged to ``max_failed_groups``). None = no limit."""
+    reward_workers: int = Field(default=2, ge=0)
+    """Worker processes that run the sync reward functions, each call in a process's main thread, so functions
+    that bound their time with ``signal.alarm`` (math verifiers such as ``math_verify``) work. The function, its
+    arguments and its answer are pickled (define it at the top level of an importable module); environments
+    reach it as copies. A call past ``reward_timeout_s`` kills its worker, which is replaced. 0 = run them in
+    threads of the rollout process (no signals; a timed-out call keeps its thread). Async functions are always
+    awaited in the rollout's event loop."""
     tool_timeout_s: float | None = Field(default=120.0, gt=0)
     """Seconds one tool call, or one environment ``reset()``, may take. A timed-out tool call answers the model
     with an error message (``tools/<name>/timeout_count``); a timed-out ``reset()`` fails its group. None = no

@@ -105,6 +105,7 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
         window=window,
         lora_name=run.adapter_name,
         completions=completions,
+        max_steps=run.max_steps,
     )
     if not rewards and runtime.environment_factory is None:
         logger.warning(

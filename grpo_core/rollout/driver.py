@@ -217,6 +217,8 @@ async def drive(loop: RolloutLoop) -> None:
         await asyncio.gather(*background, return_exceptions=True)
         await loop.close()
         loop.executor.shutdown(wait=False, cancel_futures=True)
+        if loop.reward_pool is not None:
+            loop.reward_pool.close()
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -29,6 +29,7 @@ from grpo_core.transport.types import ResumeState
 from .coalesce import TurnCoalescer
 from .debug_dump import RolloutDump
 from .pace import ConcurrencyCap, TokenAllowance
+from .reward_pool import RewardProcessPool
 from .rewards import group_advantages, is_zero_std, log_group_rewards
 from .scoring import completion_rows, group_samples, group_tokens, is_truncated, log_completions, score_group
 from .tools import (
@@ -96,6 +97,7 @@ class LoopRuntime:
         resume: prompts to skip (already trained) and where to start.
         lora_name: LoRA runs: the trainer's adapter name; policy version v >= 1 is served as ``{name}-v{v}``.
         completions: the logging window's completion sample (``tracking.log_completions``), or None.
+        max_steps: ``train.max_steps`` (reward functions read it in ``trainer_state``); None where unknown.
     """
 
     tokenizer: Any
@@ -112,6 +114,7 @@ class LoopRuntime:
     window: MetricWindow = field(default_factory=MetricWindow)
     lora_name: str | None = None
     completions: CompletionSample | None = None
+    max_steps: int | None = None
 
 
 @config_entry("loop_class")
@@ -128,6 +131,8 @@ class RolloutLoop:
         self.executor = ThreadPoolExecutor(
             max_workers=config.max_concurrent_rollouts, thread_name_prefix="rollout-tools"
         )
+        # Sync reward functions run in the main thread of worker processes (signal-based timeouts work there).
+        self.reward_pool = RewardProcessPool(config.reward_workers) if config.reward_workers else None
         self.cap = ConcurrencyCap(config.max_concurrent_rollouts)
         self.environments = EnvironmentPool(runtime.environment_factory) if runtime.environment_factory else None
         self.generated_tokens = 0
@@ -421,12 +426,19 @@ class RolloutLoop:
                 started_at=started,
                 trainer_step=trainer_step,
                 environments=[env for _, env in envs],
+                max_steps=self.runtime.max_steps,
+                num_train_epochs=self.config.num_epochs,
             )
             if self.debug_dump is not None:
                 self.debug_dump.add_group(group)
             self.window.add("rollout/score_wait_s", time.monotonic() - generated)
             await score_group(
-                group, self.runtime.reward_functions, self.executor, self.window, self.config.reward_timeout_s
+                group,
+                self.runtime.reward_functions,
+                self.executor,
+                self.window,
+                self.config.reward_timeout_s,
+                pool=self.reward_pool,
             )
         except UserCodeError as exc:
             if isinstance(exc, UserCodeTimeout):

@@ -2,12 +2,13 @@
 
 Reward functions are called once per group with keyword arguments ``prompts``,
 ``completions``, ``completion_ids`` (one entry per rollout) and every other dataset column
-(repeated per rollout). Sync functions run in a thread pool, async ones are awaited; all run
-together. A function returns one value per rollout: a number (int, float, bool, a NumPy or other 0-d numeric
-scalar, ``Decimal``), or None (or NaN) for "does not apply"; ±inf, a string, bytes or any other object is an error
-naming the function (DESIGN.md §5) — a string such as ``"0.5"`` is never read as a number. The reward of a
-rollout is the sum over its sources (functions, the environment's ``get_reward``, ``Rollout.reward``) that
-applied; NaN when none did.
+(repeated per rollout). Sync functions run in worker processes (``rollout.reward_workers``,
+:mod:`grpo_core.rollout.reward_pool`: each call in a process's main thread, so signal-based timeouts work) or,
+with ``rollout.reward_workers: 0``, in a thread pool; async ones are awaited; all run together. A function
+returns one value per rollout: a number (int, float, bool, a NumPy or other 0-d numeric scalar, ``Decimal``),
+or None (or NaN) for "does not apply"; ±inf, a string, bytes or any other object is an error naming the function
+(DESIGN.md §5) — a string such as ``"0.5"`` is never read as a number. The reward of a rollout is the sum over
+its sources (functions, the environment's ``get_reward``, ``Rollout.reward``) that applied; NaN when none did.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import numpy as np
 
 from grpo_core.errors import RolloutError, UserCodeError, UserCodeTimeout
 
+from .reward_pool import RewardProcessPool, WorkerRaised
 from .types import RolloutGroup
-from .usercode import call_user, check_arguments
+from .usercode import call_user, check_arguments, is_async
 from .window import MetricWindow
 
 
@@ -113,6 +115,7 @@ async def call_reward_functions(
     *,
     timeout_s: float | None = None,
     window: MetricWindow | None = None,
+    pool: RewardProcessPool | None = None,
 ) -> dict[str, np.ndarray]:
     """Run every reward function on one group, concurrently.
 
@@ -120,25 +123,36 @@ async def call_reward_functions(
         funcs: sync or async reward functions.
         kwargs: the keyword arguments (prompts, completions, completion_ids, dataset columns).
         size: rollouts in the group (G).
-        executor: thread pool for the sync functions.
+        executor: thread pool for the sync functions when ``pool`` is None.
         timeout_s: seconds each call may take (``rollout.reward_timeout_s``); None = no limit. A sync
-            function past it keeps its thread until it returns.
+            function past it is interrupted in its thread (``grpo_core.rollout.usercode``), or its worker process
+            is killed.
         window: where a timeout is counted as ``rewards/<name>/timeout_count``.
+        pool: worker processes for the sync functions (``rollout.reward_workers``); None = ``executor``'s threads.
 
     Returns:
         name -> ``float64[size]`` rewards, NaN where the function returned None. A NaN the
         function returned itself also stays NaN, so that rollout gets no reward.
 
     Raises:
-        RolloutError: a function does not take these arguments, or returned the wrong type or length (names it).
+        RolloutError: a function does not take these arguments, or returned the wrong type or length, or (with
+            ``pool``) it, an argument or its answer cannot be pickled (names it).
         UserCodeError: a function raised, timed out or returned ±inf (names it; the group fails).
     """
 
     async def one(func: Callable[..., Any]) -> tuple[str, np.ndarray]:
         name = source_name(func)
         check_arguments(f"reward function {name!r}", func, kwargs)
+        in_process = pool is not None and not is_async(func)
         try:
-            values = await call_user(func, kwargs, executor, timeout_s)
+            if pool is not None and in_process:
+                values = await pool.call(f"reward function {name!r}", func, kwargs, timeout_s)
+            else:
+                values = await call_user(func, kwargs, executor, timeout_s)
+        except RolloutError as exc:
+            if in_process:  # the pool's own: a function, argument or answer it cannot send (a misconfiguration)
+                raise
+            raise UserCodeError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
         except TimeoutError:
             if window is not None:
                 window.add(f"rewards/{name}/timeout_count", 1)
@@ -146,7 +160,8 @@ async def call_reward_functions(
                 f"reward function {name!r} took longer than rollout.reward_timeout_s={timeout_s:g} s"
             ) from None
         except Exception as exc:  # a user function: report which one failed
-            raise UserCodeError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+            kind = exc.type_name if isinstance(exc, WorkerRaised) else type(exc).__name__
+            raise UserCodeError(f"reward function {name!r} raised {kind}: {exc}") from exc
         return name, _check_values(name, values, size)
 
     results = await asyncio.gather(*(one(f) for f in funcs))

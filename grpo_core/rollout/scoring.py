@@ -15,6 +15,7 @@ import numpy as np
 
 from grpo_core.packing import Sample, TokenLists
 
+from .reward_pool import RewardProcessPool
 from .rewards import call_reward_functions, checked_reward, sum_rewards
 from .types import Rollout, RolloutGroup, TrainingSequence
 from .window import MetricWindow
@@ -29,7 +30,8 @@ REWARD_ARGUMENTS: dict[str, str] = {
     "prompts": "list of G prompts (each a list of {'role', 'content'} messages)",
     "completions": "list of G completions (the messages each rollout generated, tool replies included)",
     "completion_ids": "list of G lists of generated token ids",
-    "trainer_state": "TrainerState(step, policy_version, epoch) of when the group started",
+    "trainer_state": "TrainerState(global_step, max_steps, epoch, num_train_epochs, policy_version) of when the "
+    "group started",
     "log_metric": "log_metric(name, value): add a number to the rollout's metric window (mean per logging step)",
     "environments": "list of G environment instances, after the rollout (None entries without environment_factory)",
 }
@@ -64,6 +66,7 @@ async def score_group(
     executor: Executor,
     window: MetricWindow,
     timeout_s: float | None = None,
+    pool: RewardProcessPool | None = None,
 ) -> None:
     """Set ``group.source_rewards`` and ``group.rewards`` (sum over sources; NaN = unscored).
 
@@ -72,6 +75,7 @@ async def score_group(
 
     Args:
         timeout_s: seconds each reward function call may take (``rollout.reward_timeout_s``); None = no limit.
+        pool: worker processes for the sync reward functions (``rollout.reward_workers``); None = ``executor``.
 
     Raises:
         RolloutError: a reward function does not take its arguments or returned the wrong type or length.
@@ -81,7 +85,7 @@ async def score_group(
     start = time.perf_counter()
     sources = (
         await call_reward_functions(
-            funcs, reward_kwargs(group, window), size, executor, timeout_s=timeout_s, window=window
+            funcs, reward_kwargs(group, window), size, executor, timeout_s=timeout_s, window=window, pool=pool
         )
         if funcs
         else {}

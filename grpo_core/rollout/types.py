@@ -175,15 +175,24 @@ def _append(seq: TrainingSequence, ids: list[int], turn: TurnRecord | None, *, t
 class TrainerState:
     """What reward functions receive as ``trainer_state``: where training stood when their group started.
 
+    The names transformers' (and TRL's) ``TrainerState`` uses are kept, so a curriculum reward written for TRL
+    (``trainer_state.global_step / trainer_state.max_steps``) reads the same values here.
+
     Attributes:
-        step: optimizer steps the trainer had completed (resumed steps included).
+        step: optimizer steps the trainer had completed (resumed steps included); also ``global_step``.
         policy_version: policy version the group was sampled with (weight syncs done).
-        epoch: pass over the prompt dataset the group's prompt belongs to (0-based).
+        epoch: pass over the prompt dataset the group's prompt belongs to (0-based, whole passes: transformers'
+            ``epoch`` is a float that also counts the fraction of the current pass).
+        max_steps: the optimizer steps the run trains (``train.max_steps``); None where unknown.
+        num_train_epochs: passes over the prompt dataset (``rollout.num_epochs``); None when the prompts cycle
+            until ``max_steps`` (``rollout.num_epochs: null``) or where unknown.
     """
 
     step: int
     policy_version: int
     epoch: int
+    max_steps: int | None = None
+    num_train_epochs: int | None = None
 
     @property
     def global_step(self) -> int:
@@ -211,6 +220,8 @@ class RolloutGroup:
         trainer_step: optimizer steps the trainer had reported when the group started.
         environments: the environment instance of each rollout (None entries without an environment),
             held until the group is scored so reward functions can read their state.
+        max_steps: ``train.max_steps`` of the run (None where unknown), for ``trainer_state``.
+        num_train_epochs: ``rollout.num_epochs`` (None: cycling, or unknown), for ``trainer_state``.
     """
 
     prompt_index: int
@@ -226,11 +237,19 @@ class RolloutGroup:
     started_at: float = 0.0
     trainer_step: int = 0
     environments: list[Any] = field(default_factory=list)
+    max_steps: int | None = None
+    num_train_epochs: int | None = None
 
     @property
     def trainer_state(self) -> TrainerState:
         """The ``trainer_state`` reward functions receive."""
-        return TrainerState(step=self.trainer_step, policy_version=self.policy_version, epoch=self.epoch)
+        return TrainerState(
+            step=self.trainer_step,
+            policy_version=self.policy_version,
+            epoch=self.epoch,
+            max_steps=self.max_steps,
+            num_train_epochs=self.num_train_epochs,
+        )
 
     @property
     def group_id(self) -> int:
