@@ -60,8 +60,8 @@ def advertised(url: str, host: str, advertise_host: str | None) -> str:
     public = advertise_host or (socket.getfqdn() if host in ("0.0.0.0", "::", "") else None)
     if public is None:
         return url
-    port = url.rsplit(":", 1)[1]
-    return f"http://{'[' + public + ']' if ':' in public else public}:{port}"
+    scheme, port = url.split("://", 1)[0], url.rsplit(":", 1)[1]
+    return f"{scheme}://{'[' + public + ']' if ':' in public else public}:{port}"
 
 
 # ----- the servers' side -------------------------------------------------------------------------------------------
@@ -355,7 +355,8 @@ class ServerRun:
         left = max(deadline - time.monotonic(), 5.0)
         # the replicas check server.api_key when set (as every client of the run sends it), else the run's token
         key = {} if self.config.server.resolved_api_key() else {"api_key": SecretStr(self.token)}
-        wait_external(self.config.server.model_copy(update={"urls": urls, "startup_timeout_s": left, **key}))
+        server = self.config.server.model_copy(update={"urls": urls, "startup_timeout_s": left, **key})
+        wait_external(server, self.config.tls.client_ca())
 
     def _beat_once(self, count: int) -> None:
         from prefect.client.orchestration import get_client

@@ -106,7 +106,7 @@ def provision_servers(run_dir: str) -> list[str]:
         urls = server_run.start()
         log.info("replicas of %s healthy: %s", cfg.server.deployment, ", ".join(urls))
     elif cfg.server.urls:
-        urls = wait_external(cfg.server)
+        urls = wait_external(cfg.server, cfg.tls.client_ca())
         log.info("external generation servers healthy: %s", ", ".join(urls))
     else:
         backend = choose_backend(cfg)
@@ -117,7 +117,7 @@ def provision_servers(run_dir: str) -> list[str]:
         urls = [h.url for h in handles]
     if cfg.server.router_port is not None:
         procs.follow(cfg.server.log_dir / layout.ROUTER_LOG, log, "[router] ")
-        procs.servers.append(start_router(cfg.server, urls, token=procs.token))
+        procs.servers.append(start_router(cfg.server, urls, token=procs.token, tls=cfg.tls))
         log.info("the replicas answer as one OpenAI-compatible URL at %s", procs.servers[-1].url)
     watch_servers(procs)  # a server that dies fails the attempt now, not after server.control_timeout_s
     return urls

@@ -87,6 +87,23 @@ def ensure_run_token() -> str:
     return token
 
 
+TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "GRPO_TLS_CERT_FILE", "GRPO_TLS_KEY_FILE", "GRPO_TLS_CA_FILE"
+"""Where the run's rollout and trainer processes read ``tls.cert_file``, ``tls.key_file`` and ``tls.ca_file``
+(paths, not secrets; set by :func:`grpo_core.run.prepare.run_child_env`)."""
+
+
+def tls_env(tls: object) -> dict[str, str]:
+    """The environment that hands a ``TLSConfig``'s files to the run's processes (empty when TLS is off)."""
+    names = ((TLS_CERT_ENV, "cert_file"), (TLS_KEY_ENV, "key_file"), (TLS_CA_ENV, "ca_file"))
+    return {env: str(getattr(tls, field)) for env, field in names if getattr(tls, field, None) is not None}
+
+
+def tls_files(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None, str | None]:
+    """``(cert_file, key_file, ca_file)`` from ``env`` (default this process's environment); None where unset."""
+    env = os.environ if env is None else env
+    return env.get(TLS_CERT_ENV) or None, env.get(TLS_KEY_ENV) or None, env.get(TLS_CA_ENV) or None
+
+
 def bearer_headers(token: str | None) -> dict[str, str]:
     """``{"Authorization": "Bearer <token>"}``, or ``{}`` without a token."""
     return {"Authorization": f"Bearer {token}"} if token else {}

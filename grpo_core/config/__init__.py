@@ -55,6 +55,7 @@ from grpo_core.config.run import (  # noqa: F401 - the package's names, as one m
     _check_fixed_ports,
     apply_algorithm_preset,
 )
+from grpo_core.config.security import TLSConfig  # noqa: F401 - the package's names
 from grpo_core.config.server import (  # noqa: F401 - the package's names, as one module had them
     DEPLOYMENT_ONLY_FIELDS,
     EMBEDDED_ONLY_FIELDS,

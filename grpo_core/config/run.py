@@ -17,6 +17,7 @@ from pydantic import (
 from grpo_core.config.base import LOOPBACK_HOSTS, _changed, _Strict, _warn_unused, url_port
 from grpo_core.config.evaluation import EvalConfig
 from grpo_core.config.rollout import RolloutConfig
+from grpo_core.config.security import TLSConfig
 from grpo_core.config.server import ModelConfig, ServerConfig
 from grpo_core.config.tracking import FlowConfig, TrackingConfig
 from grpo_core.config.train import ExportConfig, PackingConfig, TrainConfig
@@ -158,6 +159,9 @@ class RunConfig(_Strict):
     """How the Prefect flow schedules the run."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation during training (docs/evaluation.md); off while ``eval.dataset`` is unset."""
+    tls: TLSConfig = Field(default_factory=TLSConfig)
+    """TLS of the run's generation servers, router and Flight server (docs/security.md); off while
+    ``tls.cert_file`` is unset."""
     resume_from: str | None = None
     """MLflow run id whose latest checkpoint this run starts from (a new run continuing an old one)."""
     algorithm: str = "grpo"

@@ -225,6 +225,10 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         replicas = state["rollout_loop"].runtime.server if "rollout_loop" in state else None
         return [replicas.urls[i] for i in sorted(replicas.behind)] if hasattr(replicas, "behind") else []
 
+    from grpo_core.auth import tls_files
+    from grpo_core.serving.limits import warn_if_exposed
+
+    cert_file, key_file, _ = tls_files()  # the run's tls section (run_child_env)
     server = RolloutFlightServer(
         f"grpc://{rollout.flight_host}:{rollout.flight_port}",
         queue,
@@ -233,10 +237,12 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         shutdown,
         completions,
         servers_behind=servers_behind,
+        tls=(cert_file, key_file) if cert_file and key_file else None,
     )
+    warn_if_exposed(rollout.flight_host, "the rollout Flight server", tls=server.tls)
     # Bound to every interface: advertise this host's name, which a trainer elsewhere can resolve.
     host = socket.getfqdn() if rollout.flight_host in ("0.0.0.0", "::", "") else rollout.flight_host
-    location = f"grpc://{host}:{server.port}"
+    location = f"{'grpc+tls' if server.tls else 'grpc'}://{host}:{server.port}"
     logger.info("rollout Flight server listening at %s", location)
     code = 0
     try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_core.config import RunConfig
+from grpo_core.config import RunConfig, TLSConfig
 from grpo_core.run import layout
 from grpo_core.run.processes import REGISTRY, child_env
 
@@ -50,14 +50,22 @@ def run_config(run_dir: str) -> RunConfig:
     return RunConfig.model_validate(apply_secrets(data, SECRETS.get(run_dir, {})))
 
 
+def _run_tls(run_dir: str) -> TLSConfig:
+    """The ``tls`` section of the run's saved config (the default, TLS off, when none was saved)."""
+    path = Path(run_dir) / layout.RUN_CONFIG
+    saved = json.loads(path.read_text()).get("tls") if path.is_file() else None
+    return TLSConfig.model_validate(saved or {})
+
+
 def run_child_env(run_dir: str, secrets: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of the run's rollout and trainer processes (:func:`grpo_core.run.processes.child_env`: owned by
     this process): the run's token and the config's secrets (``GRPO_RUN_SECRETS``; ``secrets``: those of a process's
-    sub-config, else the run config's) travel here, never on a command line."""
-    from grpo_core.auth import TOKEN_ENV
+    sub-config, else the run config's) travel here, never on a command line; so do the ``tls`` files
+    (:func:`grpo_core.auth.tls_env`)."""
+    from grpo_core.auth import TOKEN_ENV, tls_env
     from grpo_core.redact import SECRETS_ENV
 
-    extra = {TOKEN_ENV: REGISTRY[run_dir].token}
+    extra = {TOKEN_ENV: REGISTRY[run_dir].token, **tls_env(_run_tls(run_dir))}
     secrets = SECRETS.get(run_dir) if secrets is None else secrets
     if secrets:
         extra[SECRETS_ENV] = json.dumps(secrets)

@@ -154,6 +154,8 @@ class GenerationClient:
             control calls included), as vLLM's ``--api-key`` and hosted endpoints expect (``server.api_key`` for
             external servers); default the run's token (``GRPO_RUN_TOKEN``, ``grpo_core.auth``), none when that
             is unset.
+        ca_file: PEM CA file an ``https://`` server's certificate is verified against; default the run's
+            ``tls.ca_file`` (``GRPO_TLS_CA_FILE``), else the system's trusted CAs.
     """
 
     def __init__(
@@ -166,8 +168,14 @@ class GenerationClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 8.0,
         api_key: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
+        from grpo_core.auth import tls_files
+        from grpo_core.serving.limits import client_ssl_context
+
         self.base_url = base_url.rstrip("/")
+        self.ca_file = ca_file or tls_files()[2]
+        self._ssl = client_ssl_context(self.ca_file)  # used by https:// URLs only
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
@@ -181,7 +189,11 @@ class GenerationClient:
         )
         # control calls, health, metrics and streams (the router passes answers on as they come)
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, limits=limits, timeout=httpx.Timeout(timeout_s), headers=self._headers
+            base_url=self.base_url,
+            limits=limits,
+            timeout=httpx.Timeout(timeout_s),
+            headers=self._headers,
+            verify=self._ssl,
         )
         # Generation requests go through aiohttp: httpcore's pool walks every connection it holds on each request
         # and release (``_assign_requests_to_connections``, encode/httpcore#1035), and with hundreds of requests in
@@ -204,7 +216,9 @@ class GenerationClient:
     def _generation_session(self) -> aiohttp.ClientSession:
         """The aiohttp session of generation requests, made in the running event loop at first use."""
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S)
+            connector = aiohttp.TCPConnector(
+                limit=self.max_connections, keepalive_timeout=KEEPALIVE_EXPIRY_S, ssl=self._ssl
+            )
             # trust_env: HTTP(S)_PROXY / NO_PROXY apply as they do to httpx's control calls
             self._session = aiohttp.ClientSession(
                 connector=connector,

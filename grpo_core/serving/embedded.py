@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the only folder full weights are read from (default: none, every update is refused)",
     )
+    p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (tls.cert_file)")
+    p.add_argument("--ssl-keyfile", default=None, help="PEM key of --ssl-certfile (tls.key_file)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -114,7 +116,8 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
     """Load the model, start the engine and run uvicorn on an already-bound socket.
 
     Raises:
-        SystemExit: ``GRPO_RUN_TOKEN`` is not set, or the port is taken (the message says which and the fix).
+        SystemExit: ``GRPO_RUN_TOKEN`` is not set, the port is taken, or a TLS file cannot be used (the message
+            says which and the fix).
     """
     if run_token() is None:
         sys.exit(
@@ -122,6 +125,12 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
             f"token; set it in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
             "print(secrets.token_urlsafe(32))'))"
         )
+    from grpo_core.serving.limits import tls_options, uvicorn_options, warn_if_exposed
+
+    try:
+        tls = tls_options(args.ssl_certfile, args.ssl_keyfile)
+    except ValueError as exc:
+        sys.exit(str(exc))
     sock = listen(server_cfg.host, server_cfg.port)
     port = sock.getsockname()[1]
     if args.port_file:
@@ -177,19 +186,23 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
         guard={"max_pause_s": args.max_pause_s, "adapter_dir": args.adapter_dir, "weights_dir": args.weights_dir},
     )
     logger.info(
-        "embedded server for %s on http://%s:%d (%s, %d threads, eos=%s)",
+        "embedded server for %s on %s://%s:%d (%s, %d threads, eos=%s)",
         state.model_name,
+        "https" if tls else "http",
         server_cfg.host,
         port,
         device,
         torch.get_num_threads(),
         sorted(eos),
     )
-    from grpo_core.serving.limits import uvicorn_options, warn_if_exposed
-
-    warn_if_exposed(server_cfg.host, "the embedded generation server")
+    warn_if_exposed(server_cfg.host, "the embedded generation server", tls=bool(tls))
     config = uvicorn.Config(
-        create_app(state), log_level="warning", timeout_keep_alive=60, timeout_graceful_shutdown=5, **uvicorn_options()
+        create_app(state),
+        log_level="warning",
+        timeout_keep_alive=60,
+        timeout_graceful_shutdown=5,
+        **uvicorn_options(),
+        **tls,
     )
     try:
         uvicorn.Server(config).run(sockets=[sock])

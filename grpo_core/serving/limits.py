@@ -16,8 +16,11 @@ The guard (:mod:`grpo_core.serving.guard`, on the embedded server and on vLLM) a
 body larger than ``GRPO_HTTP_MAX_BODY_MIB`` MiB (16) with ``413`` and a message naming the variable, before the
 app parses it (:class:`BodyLimit`): from ``Content-Length`` at once, and while a chunked body streams in.
 
-A listener bound beyond loopback without TLS is logged as a warning (:func:`warn_if_exposed`): the bearer
-token, prompts and completions travel in clear there.
+TLS: with the run's ``tls.cert_file`` and ``tls.key_file`` (:class:`grpo_core.config.TLSConfig`) the embedded
+server and the router serve HTTPS (``--ssl-certfile``/``--ssl-keyfile``, vLLM's flag names: :func:`tls_options`),
+and the run's clients verify them against ``tls.ca_file`` (:func:`client_ssl_context`). A listener bound beyond
+loopback without TLS is logged as a warning naming those settings (:func:`warn_if_exposed`): the bearer token,
+prompts and completions travel in clear there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import ssl
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -228,15 +232,54 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def warn_if_exposed(host: str, what: str) -> bool:
-    """Log a warning when ``what`` binds ``host`` beyond loopback, where it speaks plain HTTP; returns whether it
-    warned."""
-    if is_loopback(host):
+TLS_SETTINGS = "tls.cert_file and tls.key_file"
+"""The config settings that turn TLS on, as warnings and errors name them."""
+
+
+def warn_if_exposed(host: str, what: str, tls: bool = False) -> bool:
+    """Log a warning when ``what`` binds ``host`` beyond loopback without TLS, where it speaks plain HTTP (or
+    ``grpc``); returns whether it warned.
+
+    Args:
+        host: the interface bound.
+        what: the listener, as the warning names it.
+        tls: whether it serves TLS (no warning then).
+    """
+    if tls or is_loopback(host):
         return False
     logger.warning(
         "%s listens on %s without TLS: the bearer token, prompts and completions travel in clear to every "
-        "host that can reach it; bind 127.0.0.1, or put it behind a TLS proxy or a private network",
+        "host that can reach it; set %s (docs/security.md), bind 127.0.0.1, or put it behind a TLS proxy or a "
+        "private network",
         what,
         host,
+        TLS_SETTINGS,
     )
     return True
+
+
+def tls_options(cert_file: str | os.PathLike | None, key_file: str | os.PathLike | None) -> dict[str, Any]:
+    """Keyword arguments of ``uvicorn.Config`` serving HTTPS with ``cert_file`` and ``key_file`` (PEM); empty (plain
+    HTTP) when ``cert_file`` is None.
+
+    Raises:
+        ValueError: only one of the two is given, or a file cannot be read (named, with the setting to fix).
+    """
+    if cert_file is None and key_file is None:
+        return {}
+    if cert_file is None or key_file is None:
+        raise ValueError(f"TLS needs both a certificate and its key ({TLS_SETTINGS}; --ssl-certfile, --ssl-keyfile)")
+    for path in (cert_file, key_file):
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"TLS file {os.fspath(path)!r} cannot be read ({TLS_SETTINGS})")
+    try:  # a key that does not match the certificate fails here, not at the first client's handshake
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        raise ValueError(f"TLS certificate {os.fspath(cert_file)!r} and key {os.fspath(key_file)!r}: {exc}") from None
+    return {"ssl_certfile": os.fspath(cert_file), "ssl_keyfile": os.fspath(key_file)}
+
+
+def client_ssl_context(ca_file: str | os.PathLike | None) -> ssl.SSLContext:
+    """The TLS context a client of the run's listeners verifies them with: the certificate must chain to
+    ``ca_file`` (PEM; ``tls.ca_file``) and name the host connected to; None = the system's trusted CAs."""
+    return ssl.create_default_context(cafile=os.fspath(ca_file) if ca_file is not None else None)

@@ -268,7 +268,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     return app
 
 
-def start_router(server: Any, urls: list[str], token: str) -> Any:
+def start_router(server: Any, urls: list[str], token: str, tls: Any = None) -> Any:
     """Start the router process in front of ``urls`` on ``server.router_port`` and wait until it answers with its
     launch's nonce (``wait_healthy``: its ``/health`` is the replicas' together).
 
@@ -279,6 +279,8 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
         server: the ``ServerConfig`` (``router_port``, ``host``, routing settings, ``log_dir``).
         urls: the replicas' base URLs.
         token: the run's bearer token.
+        tls: the run's ``TLSConfig``: the router serves HTTPS with its certificate and verifies the replicas against
+            its CA; None = plain HTTP.
 
     Returns:
         A ``ServerHandle`` (``url``, ``stop()``) the flow tears down with the replicas.
@@ -312,6 +314,11 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
         str(server.control_timeout_s),
     ]
     argv += [arg for url in urls for arg in ("--url", url)]
+    enabled = tls is not None and tls.enabled
+    if enabled:
+        argv += ["--ssl-certfile", str(tls.cert_file), "--ssl-keyfile", str(tls.key_file)]
+        if tls.ca_file is not None:
+            argv += ["--ssl-ca-file", str(tls.ca_file)]
     env = {NONCE_ENV: secrets.token_hex(16)}
     if key := server.resolved_api_key():
         env[SERVER_API_KEY_ENV] = key
@@ -326,6 +333,8 @@ def start_router(server: Any, urls: list[str], token: str) -> Any:
             server.log_dir / ROUTER_LOG,
             port_file,
             nonce=env[NONCE_ENV],
+            tls=enabled,
+            ca_file=tls.client_ca() if enabled else None,
         ),
         token,
     )
@@ -344,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-imbalance", type=int, default=8, help="server.route_imbalance")
     p.add_argument("--control-retry-s", type=float, default=0.5, help="server.control_retry_s")
     p.add_argument("--control-timeout-s", type=float, default=60.0, help="server.control_timeout_s")
+    p.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (tls.cert_file)")
+    p.add_argument("--ssl-keyfile", default=None, help="PEM key of --ssl-certfile (tls.key_file)")
+    p.add_argument(
+        "--ssl-ca-file",
+        default=None,
+        help="PEM CA the replicas' https:// certificates are verified against (tls.ca_file; default "
+        "GRPO_TLS_CA_FILE, else the system's CAs)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -385,10 +402,17 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{name}: {problem}")
     import uvicorn
 
+    from grpo_core.auth import TLS_CA_ENV
     from grpo_core.serving.embedded import listen
-    from grpo_core.serving.limits import uvicorn_options, warn_if_exposed
+    from grpo_core.serving.limits import tls_options, uvicorn_options, warn_if_exposed
     from grpo_core.serving.routing import ReplicaSet, token_refused
 
+    try:
+        tls = tls_options(args.ssl_certfile, args.ssl_keyfile)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.ssl_ca_file:  # the replicas' clients (GenerationClient) read it from there
+        os.environ[TLS_CA_ENV] = args.ssl_ca_file
     sock = listen(args.host, args.port)
     port = sock.getsockname()[1]
     for url in server.urls:  # a request would come back to this router, again and again
@@ -414,10 +438,11 @@ def main(argv: list[str] | None = None) -> None:
             f"in {SERVER_API_KEY_ENV} (vLLM started with --api-key) or {TOKEN_ENV} (servers a run started)"
         )
     replicas = ReplicaSet.from_config(server, server.urls)
-    logger.info("router on http://%s:%d over %s", args.host, sock.getsockname()[1], ", ".join(server.urls))
-    warn_if_exposed(args.host, "the router")
+    scheme = "https" if tls else "http"
+    logger.info("router on %s://%s:%d over %s", scheme, args.host, sock.getsockname()[1], ", ".join(server.urls))
+    warn_if_exposed(args.host, "the router", tls=bool(tls))
     config = uvicorn.Config(
-        create_router_app(replicas, api_key), log_level="warning", timeout_keep_alive=60, **uvicorn_options()
+        create_router_app(replicas, api_key), log_level="warning", timeout_keep_alive=60, **uvicorn_options(), **tls
     )
     uvicorn.Server(config).run(sockets=[sock])
 

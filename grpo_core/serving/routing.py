@@ -554,8 +554,9 @@ async def token_refused(rs: ReplicaSet) -> tuple[str, int] | None:
     return None
 
 
-def wait_external(server: Any) -> list[str]:
-    """Wait until every server of ``server.urls`` (a ``ServerConfig``; started elsewhere) answers ``/health``.
+def wait_external(server: Any, ca_file: str | None = None) -> list[str]:
+    """Wait until every server of ``server.urls`` (a ``ServerConfig``; started elsewhere) answers ``/health``;
+    ``https://`` ones are verified against ``ca_file`` (``tls.ca_file``; None = the system's CAs).
 
     Returns:
         The URLs, once all are healthy.
@@ -567,7 +568,10 @@ def wait_external(server: Any) -> list[str]:
     from grpo_core.errors import ConfigError
 
     async def go() -> list[str]:
-        async with ReplicaSet.from_config(server, server.urls) as rs:
+        clients = [
+            GenerationClient(u, api_key=server.resolved_api_key(), max_retries=0, ca_file=ca_file) for u in server.urls
+        ]
+        async with ReplicaSet.from_config(server, clients) as rs:
             deadline = time.monotonic() + server.startup_timeout_s
             while True:
                 states = await asyncio.gather(*(c.health() for c in rs.clients))

@@ -85,6 +85,10 @@ class LaunchSpec:
     port_file: Path | None = None
     nonce: str = ""
     """This launch's nonce (``GRPO_RUN_NONCE``): the server reports it, so ``wait_healthy`` accepts only it."""
+    tls: bool = False
+    """Whether it serves HTTPS (the run's ``tls`` section): its URL is ``https://``."""
+    ca_file: str | None = None
+    """PEM CA its certificate is verified against (``tls.ca_file``); None = the system's CAs."""
 
 
 @dataclass
@@ -253,7 +257,28 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
     argv += extra
     env.update(secret_env)
     log_path = server.log_dir / replica_log("vllm", replica)
-    return LaunchSpec(argv, env, "vllm", replica, server.host, port, log_path, nonce=env[NONCE_ENV])
+    argv += tls_flags(config)
+    return LaunchSpec(
+        argv,
+        env,
+        "vllm",
+        replica,
+        server.host,
+        port,
+        log_path,
+        nonce=env[NONCE_ENV],
+        tls=config.tls.enabled,
+        ca_file=config.tls.client_ca(),
+    )
+
+
+def tls_flags(config: RunConfig) -> list[str]:
+    """``--ssl-certfile``/``--ssl-keyfile`` of the run's ``tls`` section (``vllm serve``'s flags, which the embedded
+    server and the router take too); empty when TLS is off."""
+    tls = config.tls
+    if tls.cert_file is None or tls.key_file is None:
+        return []
+    return ["--ssl-certfile", str(tls.cert_file), "--ssl-keyfile", str(tls.key_file)]
 
 
 #: Secret ``vllm serve`` flags vLLM also reads from the environment: passed that way, they stay out of the process
@@ -337,7 +362,20 @@ def embedded_command(config: RunConfig, replica: int = 0) -> LaunchSpec:
     if server.gpu_ids is not None or server.num_replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, replica_gpus(config, replica)))
     log_path = server.log_dir / replica_log("embedded", replica)
-    return LaunchSpec(argv, env, "embedded", replica, server.host, port, log_path, port_file, nonce=env[NONCE_ENV])
+    argv += tls_flags(config)
+    return LaunchSpec(
+        argv,
+        env,
+        "embedded",
+        replica,
+        server.host,
+        port,
+        log_path,
+        port_file,
+        nonce=env[NONCE_ENV],
+        tls=config.tls.enabled,
+        ca_file=config.tls.client_ca(),
+    )
 
 
 def guard_env(config: RunConfig) -> dict[str, str]:
@@ -408,7 +446,10 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
         ServerStartError: the process exited, or ``timeout_s`` passed (the replica is stopped);
             the message holds the log's tail.
     """
+    from grpo_core.serving.limits import client_ssl_context
+
     spec, deadline = handle.spec, time.monotonic() + timeout_s
+    verify = client_ssl_context(spec.ca_file)  # https only: the certificate must chain to tls.ca_file
     while time.monotonic() < deadline:
         if handle.process.poll() is not None:
             raise ServerStartError(
@@ -419,9 +460,9 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
         if spec.port_file is not None and spec.port_file.is_file() and spec.port_file.read_text().strip():
             port = int(spec.port_file.read_text())
         if port:
-            url = f"http://{spec.host}:{port}"
+            url = f"{'https' if spec.tls else 'http'}://{spec.host}:{port}"
             try:
-                health = httpx.get(url + "/health", timeout=2.0)
+                health = httpx.get(url + "/health", timeout=2.0, verify=verify)
                 # 503 from the guard's fence: loaded, only out of routing (a restarted replica a request for a
                 # later policy version reached first); its nonce still tells whether it is ours
                 healthy = health.status_code == 200 or (
@@ -429,7 +470,9 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
                 )
                 challenge = new_challenge()
                 answer = (
-                    httpx.get(url + IDENTITY_PATH, params={"challenge": challenge}, timeout=5.0) if healthy else None
+                    httpx.get(url + IDENTITY_PATH, params={"challenge": challenge}, timeout=5.0, verify=verify)
+                    if healthy
+                    else None
                 )
             except httpx.HTTPError:
                 answer = None
@@ -474,7 +517,9 @@ async def check_server(url: str, config: RunConfig, token: str | None = None) ->
     from grpo_core.serving.client import GenerationClient
 
     problems: list[str] = []
-    async with GenerationClient(url, max_connections=2, timeout_s=30.0, max_retries=2, api_key=token) as client:
+    async with GenerationClient(
+        url, max_connections=2, timeout_s=30.0, max_retries=2, api_key=token, ca_file=config.tls.client_ca()
+    ) as client:
         cards = {card["id"]: card for card in await client.models()}
         name = config.served_model_name()
         card = cards.get(name)

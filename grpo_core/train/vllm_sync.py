@@ -47,10 +47,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import torch
 
-from grpo_core.auth import bearer_headers, run_token
+from grpo_core.auth import bearer_headers, run_token, tls_files
 from grpo_core.errors import ServerRequestError, ServingError
 from grpo_core.run.children import free_port
 from grpo_core.serving.guard import STALE_PATH
+from grpo_core.serving.limits import client_ssl_context
 
 if TYPE_CHECKING:
     from .policy import Policy
@@ -138,7 +139,12 @@ class VllmWeightTransferSync:
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
-        self.http = httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key or run_token()))  # or the run's
+        # the run's token unless given; https replicas verified against the run's tls.ca_file (GRPO_TLS_CA_FILE)
+        self.http = httpx.Client(
+            timeout=timeout_s,
+            headers=bearer_headers(api_key or run_token()),
+            verify=client_ssl_context(tls_files()[2]),
+        )
         self.control_retry_s, self.control_timeout_s = control_retry_s, control_timeout_s
         self.groups: list = []
         self.initialised = False

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as flight
 
-from grpo_core.auth import bearer_headers, run_token
+from grpo_core.auth import bearer_headers, run_token, tls_files
 from grpo_core.errors import TransportError
 from grpo_core.transport.types import (
     ACTION_ACK,
@@ -69,6 +69,8 @@ class FlightSource:
             started it: checked for exit, and waited for on close.
         error_path: file the rollout process writes its traceback to when it fails.
         token: the run's bearer token, sent with every call; default ``GRPO_RUN_TOKEN``.
+        ca_file: PEM CA file a ``grpc+tls://`` server's certificate is verified against; default the run's
+            ``tls.ca_file`` (``GRPO_TLS_CA_FILE``), else the system's trusted CAs.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class FlightSource:
         process: subprocess.Popen | None = None,
         error_path: str | Path | None = None,
         token: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.location = location
         self._headers = [(k.lower().encode(), v.encode()) for k, v in bearer_headers(token or run_token()).items()]
@@ -87,7 +90,11 @@ class FlightSource:
         self.timeout_s = timeout_s
         self.process = process
         self.error_path = error_path
-        self._client = flight.connect(location)
+        ca_file = ca_file or tls_files()[2]
+        if location.startswith("grpc+tls://") and ca_file is not None:
+            self._client = flight.connect(location, tls_root_certs=Path(ca_file).read_bytes())
+        else:
+            self._client = flight.connect(location)
         self._last_contact = time.monotonic()
         self._dropped_since_metrics = 0
         self._closed = False

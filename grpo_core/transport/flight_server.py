@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -97,6 +98,8 @@ class RolloutFlightServer(flight.FlightServerBase):
         token: the bearer token every call must carry; default ``GRPO_RUN_TOKEN``.
         servers_behind: returns the URLs of the replicas behind the run's policy version (the routing's
             ``ReplicaSet.behind``); None = never any.
+        tls: ``(cert_file, key_file)`` PEM paths (``tls.cert_file``, ``tls.key_file``): serve ``grpc+tls``;
+            None = plain ``grpc``.
 
     Raises:
         TransportError: no token is given or set (the server must not start unguarded).
@@ -113,13 +116,20 @@ class RolloutFlightServer(flight.FlightServerBase):
         completions: CompletionDrain | None = None,
         token: str | None = None,
         servers_behind: Callable[[], list[str]] | None = None,
+        tls: tuple[str, str] | None = None,
     ) -> None:
         token = token or run_token()
         if not token:
             raise TransportError(f"the rollout Flight server needs the run's bearer token: set {TOKEN_ENV}")
         where = urlsplit(location)
         check_port_free(where.hostname or "", where.port or 0, "rollout.flight_port")
-        super().__init__(location, middleware={"auth": BearerAuthFactory(token)})
+        if tls is not None:  # grpc+tls: the certificate chain and key, PEM (``tls.cert_file``, ``tls.key_file``)
+            certificate = flight.CertKeyPair(Path(tls[0]).read_bytes(), Path(tls[1]).read_bytes())
+            location = location.replace("grpc://", "grpc+tls://", 1)
+            super().__init__(location, middleware={"auth": BearerAuthFactory(token)}, tls_certificates=[certificate])
+        else:
+            super().__init__(location, middleware={"auth": BearerAuthFactory(token)})
+        self.tls = tls is not None
         self.queue = queue
         self.window = window
         self.completions = completions
