@@ -125,6 +125,13 @@ class UserCodeTimeout(UserCodeError):
     """A call into user code took longer than its ``rollout.*_timeout_s``; it may still run in its thread."""
 
 
+class ChatTemplateError(UserCodeError):
+    """The model's chat template refused a conversation (its ``raise_exception``, or any Jinja error), e.g. a
+    template that validates tool-call structure. The rollout drops the group, counts it in
+    ``rollout/template_error_count`` and charges it to ``rollout.max_failed_groups``, so a template failing every
+    group still ends the run naming the error."""
+
+
 class CheckpointError(GrpoError):
     """A checkpoint cannot be used: it cannot be fetched, is incomplete, or failed to load (the message names
     the run, the checkpoint and why)."""

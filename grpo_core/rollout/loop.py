@@ -23,7 +23,7 @@ import numpy as np
 
 from grpo_core.config import RolloutConfig
 from grpo_core.entries import config_entry
-from grpo_core.errors import RolloutError, ServerRequestError, UserCodeError, UserCodeTimeout
+from grpo_core.errors import ChatTemplateError, RolloutError, ServerRequestError, UserCodeError, UserCodeTimeout
 from grpo_core.transport.types import ResumeState
 
 from .coalesce import TurnCoalescer
@@ -34,9 +34,11 @@ from .rewards import group_advantages, is_zero_std, log_group_rewards
 from .scoring import completion_rows, group_samples, group_tokens, is_truncated, log_completions, score_group
 from .tools import (
     EnvironmentPool,
+    assistant_message,
     environment_tools,
-    parse_tool_calls,
+    parse_reply,
     run_tool_calls,
+    tool_call_id,
     tool_name,
     tool_schemas,
     with_tool_system_prompt,
@@ -163,7 +165,14 @@ class RolloutLoop:
         """One rollout: render with the chat template, sample, run tool calls, repeat.
 
         Stops when a reply calls no tool, hits ``max_completion_length``, the context is
-        full, or after ``max_tool_calling_iterations`` tool rounds.
+        full, or after ``max_tool_calling_iterations`` tool rounds. A reply whose tool calls run goes back into
+        the chat as an assistant message with ``tool_calls`` (ids, names, arguments; :func:`assistant_message`)
+        and each result as ``{"role": "tool", "tool_call_id", "name", "content"}``, the structure chat templates
+        that validate tool calls require; its ``content`` is the reply without the calls' markup, or the whole
+        reply when the template does not render ``tool_calls`` (:meth:`renders_tool_calls`).
+
+        Raises:
+            ChatTemplateError: the chat template refused the conversation (the group is dropped and counted).
         """
         schemas = tool_schemas(tools) if tools else None
         by_name = {tool_name(t): t for t in tools}
@@ -177,22 +186,30 @@ class RolloutLoop:
                 break
             turn = await self.generate_one_turn(prompt_ids)
             turns.append(turn)
-            reply = {"role": "assistant", "content": turn.text}
+            content, parsed = (
+                parse_reply(turn.text, self.tokenizer, turn.output_ids, turn.prompt_ids) if tools else ("", [])
+            )
+            limit = self.config.max_tool_calling_iterations
+            runs_tools = bool(parsed) and turn.finish_reason == "stop" and (limit is None or rounds < limit)
+            exhausted = bool(parsed) and turn.finish_reason == "stop" and not runs_tools
+            if not runs_tools:  # the last turn: its text as the model wrote it
+                reply = {"role": "assistant", "content": turn.text}
+                messages.append(reply)
+                completion.append(reply)
+                break
+            for call in parsed:  # the ids the assistant's tool_calls and the tool answers share
+                call.id = tool_call_id(calls)
+                calls += 1
+            # A template that does not render tool_calls would drop the call from the chat: keep it in the text.
+            reply = assistant_message(content if self.renders_tool_calls() else turn.text, parsed)
             messages.append(reply)
             completion.append(reply)
-            parsed = parse_tool_calls(turn.text, self.tokenizer, turn.output_ids, turn.prompt_ids) if tools else []
-            if not parsed or turn.finish_reason != "stop":
-                break
-            limit = self.config.max_tool_calling_iterations
-            if limit is not None and rounds >= limit:
-                exhausted = True
-                break
             rounds += 1
             tool_messages, failed = await run_tool_calls(
                 parsed, by_name, self.executor, self.window, self.config.tool_timeout_s
             )
             self.window.add("tools/parallel_calls_mean", len(parsed))
-            calls, failures = calls + len(parsed), failures + failed
+            failures += failed
             messages.extend(tool_messages)
             completion.extend(tool_messages)
         ids = [t for turn in turns for t in turn.output_ids]
@@ -340,23 +357,40 @@ class RolloutLoop:
         (:meth:`render_text`, encoded without special tokens)."""
         return self.tokenizer.encode(self.render_text(messages, tool_schemas_), add_special_tokens=False)
 
+    def renders_tool_calls(self) -> bool:
+        """Whether the chat template renders an assistant message's ``tool_calls`` (``tool_calls`` in its source);
+        otherwise :meth:`generate_one` keeps a reply's calls in its text as well."""
+        return "tool_calls" in (self.tokenizer.chat_template or "")
+
     def render_text(self, messages: list[dict[str, Any]], tool_schemas_: list[dict[str, Any]] | None = None) -> str:
         """A conversation through the chat template, with the generation prompt, as text.
 
         When the template ignores ``tools`` (no ``tools`` in its source), the schemas go into
         the system message in the ChatML/Qwen form (``<tools>…</tools>`` + ``<tool_call>`` syntax).
+
+        Raises:
+            ChatTemplateError: the template raised (its ``raise_exception`` or another Jinja error).
         """
         template = self.tokenizer.chat_template or ""
         if tool_schemas_ and "tools" not in template:
             messages = with_tool_system_prompt(messages, tool_schemas_)
             tool_schemas_ = None
-        return self.tokenizer.apply_chat_template(
-            messages,
-            tools=tool_schemas_,
-            tokenize=False,
-            add_generation_prompt=True,
-            **self.config.chat_template_kwargs,
-        )
+        from jinja2.exceptions import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tool_schemas_,
+                tokenize=False,
+                add_generation_prompt=True,
+                **self.config.chat_template_kwargs,
+            )
+        except TemplateError as exc:
+            roles = ", ".join(str(m.get("role")) for m in messages)
+            raise ChatTemplateError(
+                f"the chat template refused a conversation of {len(messages)} messages ({roles}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     # ----- one group ----------------------------------------------------------------------------
 
@@ -375,7 +409,12 @@ class RolloutLoop:
         """Generate, score and queue the group of one accepted prompt; a prompt too long to train
         (:meth:`prompt_too_long`) is consumed untried and counted in ``rollout/overlong_prompt_count``."""
         source = self.source_of(row_index)
-        length = self.prompt_too_long(row)
+        try:
+            length = self.prompt_too_long(row)
+        except ChatTemplateError as exc:
+            self.runtime.allowance.group_started()  # _drop_failed_group gives it back
+            self._drop_failed_group(prompt_index, [exc])
+            return
         if length is not None:
             logger.warning(
                 "prompt %d (dataset row %d) is %d tokens, more than server.max_model_len (%d) - "
@@ -493,7 +532,8 @@ class RolloutLoop:
     def _drop_failed_group(self, prompt_index: int, failures: list[BaseException]) -> None:
         """Drop a group that failed without fault of the run, its prompt consumed: turns the server kept
         aborting (``rollout/aborted_group_count``), a retired adapter version (``rollout/stale_group_count``),
-        user code failing (``rollout/failed_group_count``, charged to ``rollout.max_failed_groups``).
+        user code failing (``rollout/failed_group_count``, charged to ``rollout.max_failed_groups``; a chat template
+        that refused a conversation is also counted in ``rollout/template_error_count``).
 
         Raises:
             RolloutError: more groups failed in user code than ``rollout.max_failed_groups`` (names the last error).
@@ -510,6 +550,8 @@ class RolloutLoop:
         if user is not None:
             self.failed_groups += 1
             self.window.add("rollout/failed_group_count", 1)
+            if isinstance(user, ChatTemplateError):
+                self.window.add("rollout/template_error_count", 1)
             if self.failed_groups > self.config.max_failed_groups:
                 raise RolloutError(
                     f"{self.failed_groups} groups failed in user code, more than "

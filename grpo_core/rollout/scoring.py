@@ -6,6 +6,7 @@ sits between :func:`score_group` and :func:`group_samples`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -133,10 +134,17 @@ def log_completions(group: RolloutGroup, window: MetricWindow, with_tools: bool)
 
 
 def _message_text(messages: list[dict[str, Any]]) -> str:
-    """A conversation as text: one message's content alone, several as ``role: content`` lines."""
+    """A conversation as text: one message's content alone, several as ``role: content`` lines; an assistant
+    message's ``tool_calls`` follow its content as ``name(arguments JSON)``."""
+
+    def text(m: dict[str, Any]) -> str:
+        calls = [c.get("function", {}) for c in m.get("tool_calls") or []]
+        shown = " ".join(f"{c.get('name')}({json.dumps(c.get('arguments'), default=str)})" for c in calls)
+        return " ".join(part for part in (str(m.get("content") or ""), shown) if part)
+
     if len(messages) == 1:
-        return str(messages[0].get("content", ""))
-    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
+        return text(messages[0])
+    return "\n".join(f"{m.get('role', '')}: {text(m)}" for m in messages)
 
 
 def completion_rows(group: RolloutGroup, advantages: np.ndarray) -> list[dict[str, Any]]:

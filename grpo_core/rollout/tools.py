@@ -32,11 +32,50 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 @dataclass
 class ToolCall:
-    """One parsed call; ``error`` is set when the JSON could not be read."""
+    """One parsed call; ``error`` is set when the JSON could not be read.
+
+    Attributes:
+        name: the function the model called ("" when it could not be read).
+        arguments: its arguments as an object.
+        error: why the call could not be read, or None.
+        id: the call's id in the conversation (:func:`tool_call_id`; set by the rollout when it runs the call), which
+            the assistant message's ``tool_calls`` entry and the tool message's ``tool_call_id`` share.
+    """
 
     name: str
     arguments: dict[str, Any]
     error: str | None = None
+    id: str = ""
+
+
+def tool_call_id(n: int) -> str:
+    """The id of a rollout's ``n``-th tool call (0-based): ``call`` + 5 digits, 9 alphanumeric characters (Mistral's
+    chat templates refuse any other form; the others take any string), the same in every run."""
+    return f"call{n % 100000:05d}"
+
+
+def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """The model's reply as a chat message: its text without the tool-call markup, and its calls as ``tool_calls``.
+
+    Each entry is ``{"id", "type": "function", "function": {"name", "arguments"}}`` with the arguments as an
+    object (the form transformers' chat templates render; ``tojson`` of a string would quote it twice). A call
+    that could not be read keeps its place with the name read (or ``"invalid_tool_call"``) and empty arguments,
+    so its error answer has a call to belong to.
+    """
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name or "invalid_tool_call",
+                    "arguments": call.arguments if call.error is None else {},
+                },
+            }
+            for call in calls
+        ]
+    return message
 
 
 def _function_call(name: str, arguments: str) -> dict[str, Any]:
@@ -121,7 +160,14 @@ def resolve_response_template(spec: str | dict[str, Any] | None) -> dict[str, An
 def parse_tool_calls(
     text: str, tokenizer: Any = None, output_ids: list[int] | None = None, prompt_ids: list[int] | None = None
 ) -> list[ToolCall]:
-    """Tool calls in a model's reply, in the order it made them.
+    """Tool calls in a model's reply, in the order it made them (:func:`parse_reply` without the text)."""
+    return parse_reply(text, tokenizer, output_ids, prompt_ids)[1]
+
+
+def parse_reply(
+    text: str, tokenizer: Any = None, output_ids: list[int] | None = None, prompt_ids: list[int] | None = None
+) -> tuple[str, list[ToolCall]]:
+    """A model's reply as its text content and its tool calls, in the order it made them.
 
     With a tokenizer that has a ``response_template``, the reply is parsed by ``tokenizer.parse_response``
     (from ``output_ids`` when given, so special tokens such as ``[TOOL_CALLS]`` are seen, with the prompt
@@ -134,18 +180,22 @@ def parse_tool_calls(
         prompt_ids: the prompt's token ids (the parser's prefix: templates may pre-write part of the reply).
 
     Returns:
-        One :class:`ToolCall` per call; a call that cannot be read has ``error`` set (reported to the model).
+        The reply's text without its tool calls (all of ``text`` when it has none, or when the parser failed), and
+        one :class:`ToolCall` per call; a call that cannot be read has ``error`` set (reported to the model).
     """
     if getattr(tokenizer, "response_template", None) is not None:
-        return _parse_with_template(tokenizer, text if output_ids is None else output_ids, prompt_ids)
-    return _parse_hermes(text)
+        return _parse_with_template(tokenizer, text, text if output_ids is None else output_ids, prompt_ids)
+    calls = _parse_hermes(text)
+    return (_TOOL_CALL.sub("", text).strip() if calls else text), calls
 
 
-def _parse_with_template(tokenizer: Any, response: str | list[int], prompt_ids: list[int] | None) -> list[ToolCall]:
+def _parse_with_template(
+    tokenizer: Any, text: str, response: str | list[int], prompt_ids: list[int] | None
+) -> tuple[str, list[ToolCall]]:
     try:
         message = tokenizer.parse_response(response, prefix=prompt_ids if prompt_ids is not None else "")
     except (ValueError, KeyError, TypeError) as exc:  # a region that is not valid JSON, a missing key
-        return [ToolCall("", {}, error=f"invalid tool call: {exc}"[:400])]
+        return text, [ToolCall("", {}, error=f"invalid tool call: {exc}"[:400])]
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function", call) if isinstance(call, dict) else {}
@@ -158,7 +208,8 @@ def _parse_with_template(tokenizer: Any, response: str | list[int], prompt_ids: 
             calls.append(ToolCall(name, args))
         except (ValueError, TypeError) as exc:
             calls.append(ToolCall("", {}, error=f"invalid tool call {str(call)[:200]}: {exc}"))
-    return calls
+    content = message.get("content")
+    return (content.strip() if isinstance(content, str) else "") if calls else text, calls
 
 
 def _parse_hermes(text: str) -> list[ToolCall]:
@@ -213,7 +264,8 @@ async def run_tool_calls(
     ``rollout.tool_timeout_s``) become tool-error messages to the model, not crashes.
 
     Returns:
-        The tool messages (``{"role": "tool", "name", "content"}``) and the number of failures.
+        The tool messages (``{"role": "tool", "tool_call_id", "name", "content"}``, ``tool_call_id`` the call's
+        ``id``, in the calls' order) and the number of failures.
         Counts ``tools/{name}/call_count``, ``tools/{name}/failure_count``, ``tools/{name}/timeout_count``,
         ``tools/unknown_name_count``, and times ``tools/latency_s``, ``tools/{name}/latency_s``.
     """
@@ -222,14 +274,14 @@ async def run_tool_calls(
         if call.error is not None:
             failures += 1
             window.add("tools/invalid_call_count", 1)
-            messages.append({"role": "tool", "name": "error", "content": f"Error: {call.error}"})
+            messages.append(_tool_message(call, call.name or "invalid_tool_call", f"Error: {call.error}"))
             continue
         func = tools.get(call.name)
         if func is None:
             failures += 1
             window.add("tools/unknown_name_count", 1)
             content = f"Error: unknown tool {call.name!r}; available tools: {sorted(tools)}"
-            messages.append({"role": "tool", "name": call.name, "content": content})
+            messages.append(_tool_message(call, call.name, content))
             continue
         start = time.perf_counter()
         window.add(f"tools/{call.name}/call_count", 1)
@@ -248,8 +300,16 @@ async def run_tool_calls(
         latency = time.perf_counter() - start
         window.add("tools/latency_s", latency)
         window.add(f"tools/{call.name}/latency_s", latency)
-        messages.append({"role": "tool", "name": call.name, "content": content})
+        messages.append(_tool_message(call, call.name, content))
     return messages, failures
+
+
+def _tool_message(call: ToolCall, name: str, content: str) -> dict[str, Any]:
+    """A tool's answer to ``call``: ``tool_call_id`` names the call (when it has an id), ``name`` the tool."""
+    message: dict[str, Any] = {"role": "tool", "name": name, "content": content}
+    if call.id:
+        message = {"role": "tool", "tool_call_id": call.id, "name": name, "content": content}
+    return message
 
 
 class EnvironmentPool:
