@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Literal
 
@@ -189,7 +190,11 @@ class RolloutConfig(_CandidateFilter):
     shuffle_seed: int = Field(default=0, ge=0)
     """Seed of the prompt order (``shuffle``)."""
     reward_functions: list[str] = Field(default_factory=list)
-    """Reward functions as ``module:name``; rewards of all sources are summed."""
+    """Reward functions as ``module:name``; rewards of all sources are summed (weighted by ``reward_weights``)."""
+    reward_weights: list[float] | None = None
+    """One weight per entry of ``reward_functions``: a rollout's reward is Σ weight·value over the functions that
+    scored it (an environment's ``get_reward()`` and ``Rollout.reward`` weigh 1); ``rewards/<name>/*`` keep each
+    function's own values. None = every weight 1."""
     tools: list[str] = Field(default_factory=list)
     """Tool functions as ``module:name`` (typed, Google docstrings), shown to the model through the chat template."""
     environment_factory: str | dict[str, str] | None = None
@@ -222,6 +227,24 @@ class RolloutConfig(_CandidateFilter):
     flight_port: int = Field(default=0, ge=0, le=65535)
     """Port of the Flight server; 0 = a free port, reported at start."""
 
+    def reward_weight_by_name(self, names: list[str]) -> dict[str, float] | None:
+        """Each reward function's weight by the name its values are logged under (``names``: the source names of
+        ``reward_functions``, in order); None when ``reward_weights`` is unset (every weight 1).
+
+        Raises:
+            ConfigError: two functions share a name but not a weight (their rewards could not be told apart).
+        """
+        if self.reward_weights is None:
+            return None
+        out: dict[str, float] = {}
+        for name, weight in zip(names, self.reward_weights, strict=True):
+            if out.setdefault(name, weight) != weight:
+                raise ConfigError(
+                    f"rollout.reward_weights: two reward functions are named {name!r} with different weights; "
+                    "give them distinct names"
+                )
+        return out
+
     @model_validator(mode="after")
     def _check_rollout_fields(self) -> RolloutConfig:
         if self.temperature == 0 and self.num_generations > 1:
@@ -245,6 +268,15 @@ class RolloutConfig(_CandidateFilter):
         _check_column_types(self.column_types, "rollout.column_types")
         if isinstance(self.environment_factory, dict) and not self.environment_factory:
             raise ConfigError("rollout.environment_factory is an empty dict; name at least one environment or set None")
+        if self.reward_weights is not None:
+            if len(self.reward_weights) != len(self.reward_functions):
+                raise ConfigError(
+                    f"rollout.reward_weights has {len(self.reward_weights)} weight(s) for "
+                    f"{len(self.reward_functions)} rollout.reward_functions; give one weight per function, in their "
+                    "order, or unset it (every weight 1)"
+                )
+            if not all(math.isfinite(w) for w in self.reward_weights):
+                raise ConfigError(f"rollout.reward_weights must be finite numbers, got {self.reward_weights}")
         for name in [*self.reward_functions, *self.tools, self.loop_class]:
             if ":" not in name:
                 raise ConfigError(f"rollout: {name!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")

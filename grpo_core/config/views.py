@@ -139,6 +139,7 @@ TRAINER_ROLLOUT_FIELDS = (
     "mixture_epoch_size",
     "scale_rewards",
     "mask_truncated_completions",
+    "reward_weights",
 )
 
 

@@ -30,7 +30,7 @@ from .coalesce import TurnCoalescer
 from .debug_dump import RolloutDump
 from .pace import ConcurrencyCap, TokenAllowance
 from .reward_pool import RewardProcessPool
-from .rewards import group_advantages, is_zero_std, log_group_rewards
+from .rewards import group_advantages, is_zero_std, log_group_rewards, source_name
 from .scoring import completion_rows, group_samples, group_tokens, is_truncated, log_completions, score_group
 from .tools import (
     EnvironmentPool,
@@ -478,6 +478,7 @@ class RolloutLoop:
                 self.window,
                 self.config.reward_timeout_s,
                 pool=self.reward_pool,
+                weights=self.config.reward_weight_by_name([source_name(f) for f in self.runtime.reward_functions]),
             )
         except UserCodeError as exc:
             if isinstance(exc, UserCodeTimeout):

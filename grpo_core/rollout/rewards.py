@@ -19,7 +19,7 @@ import functools
 import math
 import numbers
 import reprlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -171,17 +171,24 @@ async def call_reward_functions(
     return out
 
 
-def sum_rewards(sources: dict[str, np.ndarray], size: int) -> np.ndarray:
-    """``float64[size]``: per rollout, the sum of the sources that scored it; NaN if none did.
+def sum_rewards(sources: dict[str, np.ndarray], size: int, weights: Mapping[str, float] | None = None) -> np.ndarray:
+    """``float64[size]``: per rollout, the (weighted) sum of the sources that scored it; NaN if none did.
 
     A source value that is NaN because the source returned NaN (not None) cannot be told
     apart from "did not apply" here; both leave that source out of the sum.
+
+    Args:
+        sources: source name -> ``float64[size]`` (NaN = did not apply).
+        size: rollouts in the group.
+        weights: source name -> weight (``rollout.reward_weights`` by function name); a source it does not name
+            weighs 1. None = every weight 1.
     """
     total = np.zeros(size)
     scored = np.zeros(size, dtype=bool)
-    for values in sources.values():
+    for name, values in sources.items():
         ok = ~np.isnan(values)
-        total[ok] += values[ok]
+        weight = 1.0 if weights is None else float(weights.get(name, 1.0))
+        total[ok] += weight * values[ok]
         scored |= ok
     total[~scored] = np.nan
     return total

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
@@ -68,8 +68,9 @@ async def score_group(
     window: MetricWindow,
     timeout_s: float | None = None,
     pool: RewardProcessPool | None = None,
+    weights: Mapping[str, float] | None = None,
 ) -> None:
-    """Set ``group.source_rewards`` and ``group.rewards`` (sum over sources; NaN = unscored).
+    """Set ``group.source_rewards`` and ``group.rewards`` (weighted sum over sources; NaN = unscored).
 
     Sources: the reward functions, the environments' ``get_reward`` (named after the
     environment class) and ``Rollout.reward`` (named ``rollout``).
@@ -77,6 +78,8 @@ async def score_group(
     Args:
         timeout_s: seconds each reward function call may take (``rollout.reward_timeout_s``); None = no limit.
         pool: worker processes for the sync reward functions (``rollout.reward_workers``); None = ``executor``.
+        weights: source name -> weight in the sum (``rollout.reward_weights``; :func:`sum_rewards`); None = 1 each.
+            ``group.source_rewards`` keeps every source's own values.
 
     Raises:
         RolloutError: a reward function does not take its arguments or returned the wrong type or length.
@@ -100,7 +103,7 @@ async def score_group(
                 "Rollout.reward", rollout.reward, i
             )
     group.source_rewards = sources
-    group.rewards = sum_rewards(sources, size)
+    group.rewards = sum_rewards(sources, size, weights)
     window.add("rollout/score_s", time.perf_counter() - start)
 
 

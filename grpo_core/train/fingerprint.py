@@ -73,6 +73,7 @@ SAFE = (
     "rollout.temperature",
     "rollout.scale_rewards",
     "rollout.mask_truncated_completions",
+    "rollout.reward_weights",
 )
 
 
