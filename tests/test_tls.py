@@ -296,3 +296,39 @@ def test_a_flight_client_without_the_ca_cannot_pull(pki, monkeypatch):
 def test_the_ssl_context_verifies_host_names(pki):
     ctx = limits.client_ssl_context(pki["ca"])
     assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+
+
+# ----- a whole run ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_grpo_train_runs_over_tls(pki, tmp_path):
+    """``grpo train`` of configs/tiny.yaml with the tls section: the embedded server serves https, the rollout's
+    Flight server grpc+tls, and the rollout, the trainer (its server probe, weight sync and Flight client) verify
+    them against the CA and train both steps. Before the trainer's server probe took the CA it stopped at once with
+    CERTIFICATE_VERIFY_FAILED."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(root / "configs" / "tiny.yaml")]
+    for override in (
+        f"train.output_dir={tmp_path / 'runs'}",
+        f"tracking.dir={tmp_path / 'mlflow'}",
+        "train.max_steps=2",
+        f"tls.cert_file={pki['cert']}",
+        f"tls.key_file={pki['key']}",
+        f"tls.ca_file={pki['ca']}",
+    ):
+        cmd += ["--set", override]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    env.pop(TLS_CA_ENV, None)
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run_dir,) = (p.parent for p in (tmp_path / "runs").glob("*/metrics.jsonl"))
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert (run_dir / "rollout.location").read_text().startswith("grpc+tls://127.0.0.1:")
+    assert "on https://127.0.0.1:" in (run_dir / "servers" / "embedded-replica0.log").read_text()

@@ -28,10 +28,12 @@ def server_backend(url: str, api_key: str | None = None) -> str:
     """``embedded`` or ``vllm``: the embedded server says so in ``/server_info`` (``api_key``: bearer token)."""
     import httpx
 
-    from grpo_core.auth import bearer_headers, run_token
+    from grpo_core.auth import bearer_headers, run_token, tls_files
+    from grpo_core.serving.limits import client_ssl_context
 
     try:
-        info = httpx.get(url + "/server_info", headers=bearer_headers(api_key or run_token()), timeout=30).json()
+        headers, verify = bearer_headers(api_key or run_token()), client_ssl_context(tls_files()[2])  # tls.ca_file
+        info = httpx.get(url + "/server_info", headers=headers, timeout=30, verify=verify).json()
     except (httpx.HTTPError, ValueError) as e:
         raise ConfigError(f"--server-url {url}: /server_info did not answer ({e}); is the server up?") from None
     return "embedded" if info.get("backend") == "embedded" else "vllm"
