@@ -211,7 +211,10 @@ class EvalRunner:
             trainer_step=step,
         )
         # the reward functions' own log_metric values stay out of the training window
-        await score_group(group, self.reward_functions, self.executor, MetricWindow(), ro.reward_timeout_s)
+        # sync reward functions run in the rollout's worker processes as training's do (signals work there)
+        await score_group(
+            group, self.reward_functions, self.executor, MetricWindow(), ro.reward_timeout_s, pool=self.loop.reward_pool
+        )
         assert group.rewards is not None
         return np.asarray(group.rewards, dtype=np.float64)
 
