@@ -460,7 +460,10 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
         if spec.port_file is not None and spec.port_file.is_file() and spec.port_file.read_text().strip():
             port = int(spec.port_file.read_text())
         if port:
-            url = f"{'https' if spec.tls else 'http'}://{spec.host}:{port}"
+            # a TLS certificate names hosts, not the wildcard bound: a replica on every interface is checked on
+            # loopback (the certificate names 127.0.0.1 too; others reach it by its advertised name)
+            host = "127.0.0.1" if spec.tls and spec.host in ("0.0.0.0", "") else spec.host
+            url = f"{'https' if spec.tls else 'http'}://{host}:{port}"
             try:
                 health = httpx.get(url + "/health", timeout=2.0, verify=verify)
                 # 503 from the guard's fence: loaded, only out of routing (a restarted replica a request for a
