@@ -11,7 +11,7 @@ A server started here requires a basic-auth string (``PREFECT_SERVER_API_AUTH_ST
 be the process started here (:func:`verify_own_server`: it holds every socket listening on the port), never
 sent to another server that answers on its port.
 
-The temporary server runs in its own session, owned by this process (``grpo_core.lifeline``): a Ctrl-C in the
+The temporary server runs in its own session, owned by this process (``grpo_core.run.lifeline``): a Ctrl-C in the
 terminal (SIGINT to the foreground process group) reaches the flow, which records its crash on the still-running
 server and stops its children, and Prefect stops the server at exit; were the server in the flow's group, it
 would die first and the flow would retry its final state on a dead API for minutes. A SIGKILLed command takes
@@ -191,14 +191,14 @@ def _own_auth() -> str | None:
 @functools.cache
 def _owned_server_class() -> type:
     """Prefect's ``SubprocessASGIServer`` whose process starts in its own session under ``python -m
-    grpo_core.lifeline`` (see the module docstring); built on first use (Prefect's import is slow). Should Prefect's
+    grpo_core.run.lifeline`` (see the module docstring); built on first use (Prefect's import is slow). Should Prefect's
     command ever not be ``python -m uvicorn …``, the server starts as Prefect starts it, with a warning."""
     import types
 
     import prefect.server.api.server as prefect_server
 
-    from grpo_core.lifeline import owner_env
     from grpo_core.run.children import start_child
+    from grpo_core.run.lifeline import owner_env
 
     def popen(args: list[str], env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
         args = list(args)
@@ -213,7 +213,7 @@ def _owned_server_class() -> type:
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH")])
         )
-        return start_child([args[0], "-m", "grpo_core.lifeline", "uvicorn", *args[3:]], env=env, **kwargs)
+        return start_child([args[0], "-m", "grpo_core.run.lifeline", "uvicorn", *args[3:]], env=env, **kwargs)
 
     # Prefect's server module sees this in place of the subprocess module while it starts the server, nothing else
     owned_subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from grpo_core.durable import JsonlAppender, read_jsonl
+from grpo_core.run.durable import JsonlAppender, read_jsonl
 
 
 def aggregation(name: str) -> str:
@@ -133,7 +133,7 @@ class JsonlSink:
     """Appends one JSON object per logged step to a file: ``{"step": N, ...metrics}``.
 
     Appending (not truncating) lets a resumed run continue the same file; each line is fsynced, and a
-    torn last line left by a killed writer is cut off on open (:class:`grpo_core.durable.JsonlAppender`).
+    torn last line left by a killed writer is cut off on open (:class:`grpo_core.run.durable.JsonlAppender`).
     """
 
     def __init__(self, path: str | Path):

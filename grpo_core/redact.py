@@ -296,7 +296,7 @@ def redact_logs(values: Iterable[str], loggers: Iterable[str] = ("prefect.flow_r
 
 def write_private(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` readable by its owner only (mode 0600, also when the file existed), atomically
-    (:func:`grpo_core.durable.atomic_write_text`)."""
-    from grpo_core.durable import atomic_write_text
+    (:func:`grpo_core.run.durable.atomic_write_text`)."""
+    from grpo_core.run.durable import atomic_write_text
 
     return atomic_write_text(path, text, mode=0o600)

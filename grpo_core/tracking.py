@@ -69,7 +69,7 @@ DEPLOYMENT_TAG = "grpo.deployment"
 RESUMED_FROM_TAG = "grpo.resumed_from"
 LATEST_STEP_TAG = "grpo.latest_checkpoint_step"
 MODEL_KIND_TAG = "grpo.model_kind"
-#: The process that opened (or continued) the run and ends it (:func:`grpo_core.lifeline.process_tag`).
+#: The process that opened (or continued) the run and ends it (:func:`grpo_core.run.lifeline.process_tag`).
 OWNER_TAG = "grpo.owner"
 MODEL_ARTIFACT = "model"
 _MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
@@ -192,7 +192,7 @@ def start_run(
     Returns:
         ``(run_id, continued)``; ``continued`` is True when an existing run was found and reopened.
     """
-    from grpo_core.lifeline import process_tag
+    from grpo_core.run.lifeline import process_tag
 
     tc, mc = cfg.tracking, client(cfg.tracking)
     end_orphaned_runs(tc)
@@ -223,7 +223,7 @@ def end_orphaned_runs(tc: TrackingConfig) -> list[str]:
     """End as ``KILLED`` the runs of the store left ``RUNNING`` by a process that is gone (a SIGKILLed
     ``grpo train``, an OOM kill, a reboot): the runs whose owner (tag ``grpo.owner``, set by
     :func:`start_run`) ran on this machine, in this PID namespace, and has ended
-    (:func:`grpo_core.lifeline.process_gone` is True). Runs of other hosts, machines or containers, of a live
+    (:func:`grpo_core.run.lifeline.process_gone` is True). Runs of other hosts, machines or containers, of a live
     owner (another user's process whose ``/proc`` entry is hidden counts as live), or without the tag (made by other
     tools) are left as they are; a run the store refuses to end (another user's, on a server with authentication) is
     logged and skipped.
@@ -231,7 +231,7 @@ def end_orphaned_runs(tc: TrackingConfig) -> list[str]:
     Returns:
         The ids of the runs ended.
     """
-    from grpo_core.lifeline import process_gone
+    from grpo_core.run.lifeline import process_gone
 
     mc = client(tc)
     experiments = [e.experiment_id for e in mc.search_experiments()]
@@ -408,7 +408,7 @@ def download_latest_checkpoint(
         raise fail(f"MLflow: {str(exc).splitlines()[0]}") from exc
     except OSError as exc:
         raise fail(f"{type(exc).__name__}: {exc}") from exc
-    from grpo_core.durable import fsync_dir, fsync_tree
+    from grpo_core.run.durable import fsync_dir, fsync_tree
 
     problem = verify(tmp) if verify is not None else None
     if problem is not None:

@@ -226,7 +226,7 @@ def assert_mlflow_steps_once(mc, run_id: str, metrics_file: Path, max_steps: int
     the file's record has. ``system/*`` (MLflow's sampler, its own step counter) is not a training metric. Returns
     the number of metrics checked.
     """
-    from grpo_core.durable import read_jsonl
+    from grpo_core.run.durable import read_jsonl
     from grpo_core.tracking import MetricNames
 
     records, names = read_jsonl(metrics_file), MetricNames()

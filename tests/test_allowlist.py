@@ -29,7 +29,7 @@ def planted(tmp_path, monkeypatch):
     marker = tmp_path / "imported"
     (tmp_path / "planted_mod.py").write_text(
         "from pathlib import Path\n"
-        "from grpo_core.durable import atomic_write_text\n"
+        "from grpo_core.run.durable import atomic_write_text\n"
         "from grpo_core.entries import config_entry\n"
         f"Path({str(marker)!r}).touch()\n"
         "ROWS = [{'prompt': [{'role': 'user', 'content': 'hi'}]}]\n"
@@ -109,9 +109,9 @@ def test_nothing_but_a_registered_entry_of_grpo_core_can_be_named(monkeypatch, s
 # Functions of grpo_core that run code or write files when called with keyword arguments of the attacker's choice
 # (issue 26, item 1): an atomic file writer, a private-file writer, and the helper that runs a module's __main__.
 GADGETS = [
-    ("grpo_core.durable:atomic_write_text", lambda target: {"path": str(target), "text": "written"}),
+    ("grpo_core.run.durable:atomic_write_text", lambda target: {"path": str(target), "text": "written"}),
     ("grpo_core.redact:write_private", lambda target: {"path": str(target), "text": "written"}),
-    ("grpo_core.lifeline:run_owned_module", lambda target: {"argv": ["planted_mod"]}),
+    ("grpo_core.run.lifeline:run_owned_module", lambda target: {"argv": ["planted_mod"]}),
 ]
 
 
@@ -198,7 +198,7 @@ def test_a_module_level_object_re_export_or_subclass_that_is_not_registered_is_r
     assert import_object("planted_mod:run", "rollout.dataset")() and Path(str(planted) + ".called").exists()
     with pytest.raises(ConfigError, match="a module-level object"):
         import_object("planted_mod:ROWS", "rollout.dataset")
-    with pytest.raises(ConfigError, match="defined in 'grpo_core.durable'"):
+    with pytest.raises(ConfigError, match="defined in 'grpo_core.run.durable'"):
         import_object("planted_mod:atomic_write_text", "rollout.dataset")
     with pytest.raises(ConfigError, match="not in the allow-list"):
         import_object("planted_mod:good", "rollout.dataset")  # the module itself is no longer listed

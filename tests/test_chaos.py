@@ -28,7 +28,7 @@ import pytest
 from flow_helpers import ROOT, assert_mlflow_steps_once, mlflow_run, tiny_overrides
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree, torchrun
 
-from grpo_core.durable import read_jsonl
+from grpo_core.run.durable import read_jsonl
 from grpo_core.run.layout import run_folders
 
 # --- the whole flow: trainer, rollout process and generation server, each SIGKILLed ---------------------------

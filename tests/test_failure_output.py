@@ -201,7 +201,7 @@ def test_a_trainer_ended_by_a_base_exception_records_it_for_the_flow(tmp_path, m
         raise LikeCheckpointException("ranks: [0]")
 
     monkeypatch.setattr(run_module, "run_trainer", fail)
-    monkeypatch.setattr("grpo_core.lifeline.watch", lambda parent=False: None)
+    monkeypatch.setattr("grpo_core.run.lifeline.watch", lambda parent=False: None)
     args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--set", f"train.output_dir={tmp_path}"]
     with pytest.raises(LikeCheckpointException):
         entry.main(args)

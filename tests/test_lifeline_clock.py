@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from grpo_core import lifeline
-from grpo_core.lifeline import OWNER_ENV
+from grpo_core.run import lifeline
+from grpo_core.run.lifeline import OWNER_ENV
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc start ticks are Linux's")
 

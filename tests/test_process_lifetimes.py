@@ -22,8 +22,8 @@ import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
 
 from grpo_core.auth import TOKEN_ENV
-from grpo_core.lifeline import interruptible
 from grpo_core.rollout.process import start_rollout_process
+from grpo_core.run.lifeline import interruptible
 from grpo_core.run.processes import RunProcesses, child_env, stream, wait_child, watch_servers
 
 DEATH_BOUND_S = 30  # the lifeline polls every 0.5 s; the bound only absorbs a loaded CI machine
@@ -156,7 +156,7 @@ def test_a_sigkilled_generation_server_stops_the_trainer_at_once(tmp_path):
 
 CHILD = """
 import sys, threading, time
-from grpo_core import lifeline  # an entry point imports it first: the parent is recorded now
+from grpo_core.run import lifeline  # an entry point imports it first: the parent is recorded now
 from grpo_core.rollout.process import _linger
 print("ready", flush=True)
 time.sleep(2)  # the parent exits meanwhile: this process is re-parented
@@ -284,7 +284,7 @@ def test_the_temporary_prefect_api_dies_with_its_sigkilled_command(tmp_path):
         url = owner.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), url
         (api,) = psutil.Process(owner.pid).children(recursive=True)
-        assert "grpo_core.lifeline" in api.cmdline() and os.getsid(api.pid) == api.pid, api.cmdline()
+        assert "grpo_core.run.lifeline" in api.cmdline() and os.getsid(api.pid) == api.pid, api.cmdline()
     finally:
         owner.kill()
         owner.wait()

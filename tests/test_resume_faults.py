@@ -18,8 +18,8 @@ import time
 import pytest
 from trainer_helpers import kill_all, process_tree, torchrun, trainer_config, write_samples
 
-from grpo_core.durable import JsonlAppender, read_jsonl
-from grpo_core.run_lock import RunLock
+from grpo_core.run.durable import JsonlAppender, read_jsonl
+from grpo_core.run.run_lock import RunLock
 from grpo_core.train.checkpoint import truncate_step_logs
 
 NUM_PROMPTS = 40

@@ -96,7 +96,7 @@ def test_replicas_run_in_the_servers_flow_run_on_the_second_pool(stack, api):
     infra = psutil.Process(infra_pid)  # the servers' flow-run process, as its worker recorded it
     ports = set()
     for p in replicas:
-        owner = p.environ()["GRPO_OWNER"].split(":")[0]  # grpo_core.lifeline: the process that launched it
+        owner = p.environ()["GRPO_OWNER"].split(":")[0]  # grpo_core.run.lifeline: the process that launched it
         assert int(owner) == infra_pid, (owner, infra_pid)
         assert infra_pid in {a.pid for a in p.parents()}
         assert gpu_worker.pid in {a.pid for a in p.parents()}

@@ -145,7 +145,7 @@ def test_an_owner_that_cannot_be_judged_from_here_is_never_taken_for_gone():
     reboot of this very machine is True."""
     import socket
 
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     me = lifeline.process_tag()
     host, machine, boot, namespace, pid, start = me.split("|")

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     lifeline.watch()  # launched by a run: end with it
     args = parse_args(argv)
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         resume=resume,
         error_path=str(args.error_path) if args.error_path else None,
     )
-    from grpo_core.durable import atomic_write_text
+    from grpo_core.run.durable import atomic_write_text
 
     on_ready = (lambda loc: atomic_write_text(args.location_file, loc)) if args.location_file else None
     return run_rollout(job, on_ready=on_ready)

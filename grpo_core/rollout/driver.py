@@ -186,7 +186,7 @@ async def _poll_forever(loop: RolloutLoop) -> None:
 
 async def _heartbeat(loop: RolloutLoop, main: asyncio.Task | None) -> None:
     """Tick for the trainer's stall detection; cancel ``main`` when the process that started this one is gone."""
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     while True:
         loop.runtime.queue.beat()

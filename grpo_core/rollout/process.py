@@ -168,7 +168,7 @@ def start_rollout_process(
     if resume_path is not None:
         cmd += ["--resume", str(resume_path)]
     ensure_run_token()  # the child's Flight server and this process's FlightSource share it (environment only)
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     # owned by this process (lifeline: it ends within a second of this process's death, SIGKILL included)
     child_env = {
@@ -315,7 +315,7 @@ async def _listed(client: Any) -> set[str]:
 def _linger(stop: threading.Event, timeout_s: float | None) -> None:
     """Serve until the trainer asks to stop, the timeout passes, or the process that started this one is gone
     (``lifeline.orphaned``: judged against the parent recorded at start, not the parent of now)."""
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not stop.wait(0.5):
@@ -350,7 +350,7 @@ async def _drive_with_eval(job: RolloutJob, rollout_loop: Any, queue: Any, board
     Raises:
         BaseException: the first failure of either task (not wrapped in an exception group).
     """
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     from .driver import drive
     from .evaluate import build_evaluator

@@ -41,7 +41,7 @@ def start_child(
         env: its environment (default: this process's).
         stdout: where its output goes (a file opened for writing, ``subprocess.PIPE``, or None to share ours);
             standard error follows standard output unless ``popen_kwargs`` says otherwise.
-        preexec_fn: run in the child between fork and exec (``grpo_core.lifeline.die_with_parent`` for programs
+        preexec_fn: run in the child between fork and exec (``grpo_core.run.lifeline.die_with_parent`` for programs
             that are not grpo-flow's).
         **popen_kwargs: passed to :class:`subprocess.Popen` (``text``, ``bufsize``, ``cwd``, ``stderr``...).
 

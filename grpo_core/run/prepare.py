@@ -102,7 +102,7 @@ def prepare_run(
     """
     from grpo_core import preflight
     from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
-    from grpo_core.run_lock import RunLock
+    from grpo_core.run.run_lock import RunLock
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
     from grpo_core.train.fingerprint import check_resume
     from grpo_core.train.manifest import verify_manifest

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.auth import new_token, run_token
-from grpo_core.durable import atomic_write_text
 from grpo_core.run.children import start_child, stop_child
+from grpo_core.run.durable import atomic_write_text
 
 # uvicorn access-log lines of the generation server: one per request, too many for the run log.
 _NOISE = ('HTTP/1.1"', "httpx: HTTP Request", "Loading weights:")
@@ -122,8 +122,8 @@ REGISTRY: dict[str, RunProcesses] = collections.defaultdict(RunProcesses)
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of a child of this process: ours, unbuffered and offline, naming this process its owner
-    (``grpo_core.lifeline``: grpo-flow's entry points end when it does)."""
-    from grpo_core import lifeline
+    (``grpo_core.run.lifeline``: grpo-flow's entry points end when it does)."""
+    from grpo_core.run import lifeline
 
     return {
         **os.environ,
@@ -150,7 +150,7 @@ def stream(
     Returns:
         ``(exit code, the last tail_lines lines)``.
     """
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     process = start_child(
         cmd,

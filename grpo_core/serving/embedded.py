@@ -26,7 +26,7 @@ from pathlib import Path
 
 from grpo_core.auth import TOKEN_ENV, run_token
 from grpo_core.config import VLLM_LORA_RANKS, ModelConfig, ServerConfig
-from grpo_core.durable import atomic_write_text
+from grpo_core.run.durable import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ def _as_list(value: object) -> list:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, validate them into the typed config, then serve."""
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     lifeline.watch()  # launched by a run: end with it
     args = build_parser().parse_args(argv)

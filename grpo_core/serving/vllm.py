@@ -43,7 +43,6 @@ from pathlib import Path
 
 import httpx
 
-from grpo_core import lifeline
 from grpo_core.auth import (
     IDENTITY_PATH,
     NONCE_ENV,
@@ -56,6 +55,7 @@ from grpo_core.auth import (
 from grpo_core.config import VLLM_LORA_RANKS, RunConfig
 from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
 from grpo_core.redact import redact_argv, reveal
+from grpo_core.run import lifeline
 from grpo_core.run.children import free_port, log_tail, start_child, stop_child
 from grpo_core.run.layout import replica_log, replica_port_file
 from grpo_core.serving.guard import ADAPTER_DIR_ENV, FENCE_HEADER, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
@@ -391,7 +391,7 @@ def guard_env(config: RunConfig) -> dict[str, str]:
 
 def launch(spec: LaunchSpec, token: str) -> ServerHandle:
     """Start one replica in its own process group, stdout/stderr to ``spec.log_path``; it dies with this process
-    (``grpo_core.lifeline``: the embedded server watches it; vLLM dies with the launching thread).
+    (``grpo_core.run.lifeline``: the embedded server watches it; vLLM dies with the launching thread).
 
     Args:
         spec: what to start.
@@ -413,7 +413,7 @@ def launch(spec: LaunchSpec, token: str) -> ServerHandle:
     )
     # The run's token wins over a user's --api-key (whose value moved to VLLM_API_KEY in spec.env).
     secret = {TOKEN_ENV: token, **({"VLLM_API_KEY": token} if spec.backend == "vllm" else {})}
-    # The embedded server watches its owner (grpo_core.lifeline); vLLM is not ours: it dies with this thread.
+    # The embedded server watches its owner (grpo_core.run.lifeline); vLLM is not ours: it dies with this thread.
     process = start_child(
         reveal(spec.argv),
         stdout=log,

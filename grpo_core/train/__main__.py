@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    from grpo_core import lifeline
+    from grpo_core.run import lifeline
 
     # Under torchrun the rank has its own session (torch 2.11): it must also end when torchrun does.
     lifeline.watch(parent="TORCHELASTIC_RUN_ID" in os.environ)

@@ -41,10 +41,10 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 
-from grpo_core.durable import fsync_dir, fsync_tree, read_jsonl, rewrite_jsonl
 from grpo_core.errors import CheckpointError, DiskFullError
 from grpo_core.packing import read_samples_ipc, write_samples_ipc
 from grpo_core.run import layout
+from grpo_core.run.durable import fsync_dir, fsync_tree, read_jsonl, rewrite_jsonl
 from grpo_core.train.manifest import safe_reader, verify_manifest, write_manifest
 from grpo_core.train.plain_state import from_json, refuse_bytes_items, restore, split, tensor_only_planner, to_json
 from grpo_core.transport.types import ResumeState

@@ -11,7 +11,7 @@ from grpo_core.errors import ConfigError
 from grpo_core.metrics import JsonlSink, MetricsSink
 from grpo_core.models import resolve_model_dir
 from grpo_core.run.layout import METRICS
-from grpo_core.run_lock import RunLock
+from grpo_core.run.run_lock import RunLock
 from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState, SampleSource
 
@@ -100,7 +100,7 @@ def run_trainer(
     """Train per ``cfg`` (the trainer's sub-config, ``RunConfig.trainer_process()``) on this process's rank;
     returns the final resume state on rank 0.
 
-    Rank 0 holds the run folder's lock (:class:`grpo_core.run_lock.RunLock`) until it returns. A resume
+    Rank 0 holds the run folder's lock (:class:`grpo_core.run.run_lock.RunLock`) until it returns. A resume
     compares the config with the checkpoint's fingerprint first (:func:`~grpo_core.train.fingerprint.check_resume`).
 
     Raises:

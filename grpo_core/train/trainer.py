@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from grpo_core.config import TrainerProcessConfig
-from grpo_core.durable import JsonlAppender
 from grpo_core.errors import NothingToTrainError
 from grpo_core.metrics import MetricsSink, MetricWindow
 from grpo_core.models import resolve_model_dir
 from grpo_core.report import write_train_end
+from grpo_core.run.durable import JsonlAppender
 from grpo_core.run.layout import TRAINED_PROMPTS
 from grpo_core.transport.types import ResumeState, SampleSource
 

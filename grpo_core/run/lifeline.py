@@ -12,7 +12,7 @@ apart from: its own session), and SIGKILLs this process's group (or this process
 leads none) once one of them is gone. Programs that are not grpo-flow's (vLLM, torchrun itself)
 get :func:`die_with_parent` as ``preexec_fn``: Linux's ``PR_SET_PDEATHSIG``, which fires when the
 launching *thread* ends, so they must be launched from a thread that lives as long as they should; one launched
-from a short-lived thread (Prefect's temporary API server) runs as ``python -m grpo_core.lifeline MODULE ...``
+from a short-lived thread (Prefect's temporary API server) runs as ``python -m grpo_core.run.lifeline MODULE ...``
 (:func:`run_owned_module`: the module in-process under :func:`watch`).
 """
 
@@ -224,7 +224,7 @@ def run_owned_module(argv: list[str]) -> None:
     import runpy
 
     if not argv:
-        raise SystemExit("usage: python -m grpo_core.lifeline MODULE [ARGS...]")
+        raise SystemExit("usage: python -m grpo_core.run.lifeline MODULE [ARGS...]")
     watch()
     sys.argv = list(argv)
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)

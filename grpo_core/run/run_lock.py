@@ -16,8 +16,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from grpo_core.durable import atomic_write_text
 from grpo_core.errors import RunLockedError
+from grpo_core.run.durable import atomic_write_text
 from grpo_core.run.layout import RUN_LOCK as LOCK_FILE
 from grpo_core.run.layout import RUN_LOCK_OWNER as OWNER_FILE
 
