@@ -40,8 +40,8 @@ import httpx
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from grpo_core.auth import bearer_headers, ensure_run_token
 from grpo_core.config import RunConfig, load_config
+from grpo_core.security.auth import bearer_headers, ensure_run_token
 from grpo_core.serving.vllm import ServerHandle, provision, teardown
 
 

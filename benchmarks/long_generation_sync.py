@@ -31,9 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from grpo_core.auth import bearer_headers, run_token  # noqa: E402
 from grpo_core.config import RunConfig, load_config  # noqa: E402
 from grpo_core.models import resolve_model_dir  # noqa: E402
+from grpo_core.security.auth import bearer_headers, run_token  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
 from grpo_core.serving.vllm import provision, teardown  # noqa: E402
 from grpo_core.train.policy import Policy, build_policy  # noqa: E402

@@ -42,10 +42,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from common import git_commit
 
-from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import RunConfig, load_config
 from grpo_core.packing import samples_from_arrow
 from grpo_core.rollout import start_rollout_process
+from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.client import parse_metrics
 from grpo_core.serving.vllm import provision, teardown
 from grpo_core.transport.flight_client import FlightSource

@@ -54,9 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-from grpo_core.auth import bearer_headers, ensure_run_token, run_token  # noqa: E402
 from grpo_core.config import RunConfig, load_config  # noqa: E402
 from grpo_core.models import resolve_model_dir  # noqa: E402
+from grpo_core.security.auth import bearer_headers, ensure_run_token, run_token  # noqa: E402
 
 
 def dataset_and_rewards(cfg: RunConfig):

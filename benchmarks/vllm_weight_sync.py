@@ -16,9 +16,9 @@ import json
 import httpx
 import torch
 
-from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import LoraConfig, ModelConfig
 from grpo_core.packing import Sample, get_packer
+from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.train.attention import FlexTreeMasks
 from grpo_core.train.distributed import init_world
 from grpo_core.train.parallelize import shard

@@ -102,12 +102,12 @@ def config_error(exc: BaseException) -> None:
 
 def _load(config: Path | None, overrides: list[str], trusted: bool | None = None) -> RunConfig:
     """Load and validate a config. ``trusted=True``: the caller's own file and overrides, whose code names join
-    the allow-list of this process and its children (``grpo_core.allowlist.trust_config``); ``False`` (a config
+    the allow-list of this process and its children (``grpo_core.security.allowlist.trust_config``); ``False`` (a config
     fetched from MLflow): its code names must already be allowed, checked here before anything starts;
     None: a config that runs nothing (``config show``, ``ui``)."""
-    from grpo_core import allowlist
     from grpo_core.config import load_config
     from grpo_core.errors import ConfigError
+    from grpo_core.security import allowlist
 
     try:
         cfg = load_config(config, overrides)
@@ -517,8 +517,8 @@ def deploy(
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)
     from flows.local_api import PrefectApiError, prepare_home
-    from grpo_core.allowlist import ALLOWED_MODULES_ENV, trust_config
     from grpo_core.errors import ConfigError, PortInUseError
+    from grpo_core.security.allowlist import ALLOWED_MODULES_ENV, trust_config
 
     demo = _load(demo_config, [])
     allowed = {ALLOWED_MODULES_ENV: ",".join(trust_config(demo))}  # the deployment's own file
@@ -561,8 +561,8 @@ def ui(
     tc = _load(config, []).tracking
     shown = tc.shown_tracking_uri()
     if mlflow:
-        from grpo_core.auth import check_port_free
         from grpo_core.errors import PortInUseError
+        from grpo_core.security.auth import check_port_free
 
         try:  # before any URL is printed: another server there would be shown as ours while ours fails to bind
             check_port_free("127.0.0.1", mlflow_port, "--mlflow-port")

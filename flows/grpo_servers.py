@@ -17,7 +17,7 @@ deployment (``prefect.deployments.run_deployment(..., timeout=0)``, linked as a 
   it updates every ``server.lifeline_timeout_s / 4``; unchanged for ``lifeline_timeout_s``: the train
   flow's process is gone, e.g. killed with its worker) — so a crashed train flow never leaves GPUs held.
 
-The run's bearer token (``grpo_core.auth``) and the config's secrets never appear in the flow run's
+The run's bearer token (``grpo_core.security.auth``) and the config's secrets never appear in the flow run's
 parameters: the train flow saves them in a Prefect ``Secret`` block (masked in the UI) named by the
 ``credentials`` parameter; the servers' flow reads it, deletes it, and gives the token to the replicas in
 their environment only. A retry of the train flow cancels every unfinished servers' run of an earlier
@@ -87,7 +87,7 @@ def grpo_servers(config: dict[str, Any], train_flow_run_id: str, credentials: st
         ConfigError: the credentials block is missing (the train flow's attempt is gone) or the config is invalid.
     """
     from grpo_core.config import RunConfig
-    from grpo_core.redact import apply_secrets, mask_values, redact_logs
+    from grpo_core.security.redact import apply_secrets, mask_values, redact_logs
 
     setup_logging()
     log = get_run_logger()
@@ -254,7 +254,7 @@ class ServerRun:
         token: the run's bearer token; the replicas require ``server.api_key`` (or ``GRPO_SERVER_API_KEY``) instead
             when set, as that is what the run's clients send. It reaches the servers through the credentials block,
             never a parameter.
-        run_secrets: the config's secret values (``grpo_core.redact.secret_values``), through the same block.
+        run_secrets: the config's secret values (``grpo_core.security.redact.secret_values``), through the same block.
         log: the run logger.
     """
 

@@ -30,9 +30,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import new_token
 from grpo_core.errors import ConfigError, GrpoError
 from grpo_core.preflight import check_sqlite, ensure_dir, sqlite_path
+from grpo_core.security.auth import new_token
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ def local_auth_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Auth settings of a Prefect server this command starts, for it and its clients.
 
     The environment's ``PREFECT_SERVER_API_AUTH_STRING`` (or ``PREFECT_API_AUTH_STRING``) when set, else a
-    fresh ``grpo:<random>`` (``grpo_core.auth.new_token``) for this server only. Security-relevant: never log it.
+    fresh ``grpo:<random>`` (``grpo_core.security.auth.new_token``) for this server only. Security-relevant: never
+    log it.
     """
     env = os.environ if env is None else env
     auth = env.get(AUTH_SERVER_ENV) or env.get(AUTH_CLIENT_ENV) or f"grpo:{new_token()}"
@@ -63,7 +64,7 @@ def verify_own_server(api_url: str, auth_string: str, process: Any, what: str) -
     """Raise ``PrefectApiError`` unless ``api_url`` is served by the Prefect server ``process`` we started.
 
     Ours is alive and holds every socket listening on the URL's port (it or its descendants:
-    ``grpo_core.auth.listener_owned``, read from ``/proc``); only then is the auth string sent, and ours
+    ``grpo_core.security.auth.listener_owned``, read from ``/proc``); only then is the auth string sent, and ours
     refuses a request without it (401) and accepts it with it. Another server on the port is never sent the auth
     string: Prefect's server cannot answer a challenge, so the socket's owner is what proves identity.
 
@@ -78,7 +79,7 @@ def verify_own_server(api_url: str, auth_string: str, process: Any, what: str) -
 
     import httpx
 
-    from grpo_core.auth import listener_owned
+    from grpo_core.security.auth import listener_owned
 
     if process.poll() is not None:
         raise PrefectApiError(f"the Prefect server of {what} exited with code {process.returncode}")

@@ -63,8 +63,8 @@ def password_file(port: int, folder: Path | None = None) -> Path:
 
 def ui_password(port: int, folder: Path | None = None) -> tuple[str, Path | None]:
     """The UI's password and the file holding it: ``GRPO_UI_PASSWORD`` (no file), else a fresh random one
-    (``grpo_core.auth.new_token``, 256 bits) written to :func:`password_file` with mode 0600."""
-    from grpo_core.auth import new_token
+    (``grpo_core.security.auth.new_token``, 256 bits) written to :func:`password_file` with mode 0600."""
+    from grpo_core.security.auth import new_token
 
     given = os.environ.get(PASSWORD_ENV)
     if given:

@@ -131,7 +131,7 @@ class PrefectStack:
             RuntimeError: the server did not answer within ``startup_timeout_s`` (with its log's tail).
         """
         from flows.local_api import prepare_home, verify_own_server
-        from grpo_core.auth import check_port_free
+        from grpo_core.security.auth import check_port_free
 
         prepare_home(self.home, self.env())
         check_port_free("127.0.0.1", self.port, "the Prefect server's port (grpo deploy --port)")

@@ -1,7 +1,7 @@
 """Checks of a run config that need imports, data or the disk but no server (fail fast before anything starts).
 
 ``RunConfig`` validation catches field and cross-field errors; :func:`check_run` first refuses any
-name of code outside the allow-list (``grpo_core.allowlist``, before anything is imported), then adds
+name of code outside the allow-list (``grpo_core.security.allowlist``, before anything is imported), then adds
 what only importing the named code, reading the dataset or touching the disk can tell: the model name
 resolves (a Hub id is downloaded here, once, before any server starts) and its layers can be
 packed, the loop class, reward functions and tools import, the dataset has the columns the
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
-from grpo_core.hub import check_push
-from grpo_core.redact import mask_values, redact_text
+from grpo_core.models.hub import check_push
+from grpo_core.security.redact import mask_values, redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +250,8 @@ def _prompt_problem(prompt: object) -> str | None:
 
 
 def _reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:
-    from grpo_core.allowlist import import_object
     from grpo_core.rollout.data import default_rewards
+    from grpo_core.security.allowlist import import_object
 
     funcs = [(name, import_object(name, "rollout.reward_functions")) for name in cfg.rollout.reward_functions]
     return funcs + [(f.__name__, f) for f in default_rewards(cfg.rollout)]
@@ -401,11 +401,11 @@ def check_prompt_lengths(cfg: RunConfig) -> None:
 
     from transformers import AutoTokenizer
 
-    from grpo_core.allowlist import import_object
     from grpo_core.models import tokenizer_dir
     from grpo_core.rollout.build import loop_class_and_config
     from grpo_core.rollout.loop import RolloutLoop
     from grpo_core.rollout.tools import tool_schemas
+    from grpo_core.security.allowlist import import_object
 
     rollout = cfg.rollout
     cls, _ = loop_class_and_config(rollout)
@@ -529,16 +529,16 @@ def check_tokens(cfg: RunConfig) -> None:
     """The bearer tokens this environment gives the run are usable, and several trainer hosts can share one.
 
     ``GRPO_RUN_TOKEN`` and ``GRPO_SERVER_API_KEY`` travel in HTTP ``Authorization`` headers (printable ASCII, not
-    blank: :func:`grpo_core.auth.token_problem`). With ``train.nnodes`` > 1 the run's token must come from this
+    blank: :func:`grpo_core.security.auth.token_problem`). With ``train.nnodes`` > 1 the run's token must come from this
     environment: every trainer rank proves it holds it (:func:`grpo_core.train.distributed.check_members`), a token
     the flow drew at random no other trainer host could know, and a short one would be guessable.
 
     Raises:
         ConfigError: a token that cannot travel in a header, or ``train.nnodes`` > 1 without a ``GRPO_RUN_TOKEN`` of
-            at least :data:`~grpo_core.auth.MIN_SHARED_TOKEN_CHARS` characters here.
+            at least :data:`~grpo_core.security.auth.MIN_SHARED_TOKEN_CHARS` characters here.
     """
-    from grpo_core.auth import MIN_SHARED_TOKEN_CHARS, TOKEN_ENV, token_problem
     from grpo_core.config import SERVER_API_KEY_ENV
+    from grpo_core.security.auth import MIN_SHARED_TOKEN_CHARS, TOKEN_ENV, token_problem
 
     for name in (TOKEN_ENV, SERVER_API_KEY_ENV):
         value = os.environ.get(name)
@@ -602,9 +602,9 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     Raises:
         ConfigError: the first problem found, naming the field and the fix.
     """
-    from grpo_core.allowlist import check_code_references, import_object
     from grpo_core.rollout.build import loop_class_and_config
     from grpo_core.rollout.tools import resolve_response_template
+    from grpo_core.security.allowlist import check_code_references, import_object
 
     check_code_references(cfg)  # before anything is imported or called
     check_adapter_store(cfg)  # before any folder is made

@@ -56,7 +56,7 @@ MUTATIONS = (
     Mutation(
         "any-token",
         "every listener refuses a request without the run's token",
-        "grpo_core/auth.py",
+        "grpo_core/security/auth.py",
         "    if not header_value or not token:\n        return False",
         "    return True  # mutation: any caller",
         ("tests/test_security.py", "tests/test_routing.py", "-k", "token or route or 401 or unauth"),

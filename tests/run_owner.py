@@ -13,10 +13,10 @@ import threading
 import time
 from pathlib import Path
 
-from grpo_core.auth import TOKEN_ENV, new_token
 from grpo_core.config import load_config
 from grpo_core.rollout.process import start_rollout_process
 from grpo_core.run.processes import child_env, stream
+from grpo_core.security.auth import TOKEN_ENV, new_token
 from grpo_core.serving.vllm import embedded_command, launch
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core import allowlist, preflight
-from grpo_core.allowlist import ALLOWED_MODULES_ENV, check_code_references, code_references, import_object
+from grpo_core import preflight
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.security import allowlist
+from grpo_core.security.allowlist import ALLOWED_MODULES_ENV, check_code_references, code_references, import_object
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +111,7 @@ def test_nothing_but_a_registered_entry_of_grpo_core_can_be_named(monkeypatch, s
 # (issue 26, item 1): an atomic file writer, a private-file writer, and the helper that runs a module's __main__.
 GADGETS = [
     ("grpo_core.run.durable:atomic_write_text", lambda target: {"path": str(target), "text": "written"}),
-    ("grpo_core.redact:write_private", lambda target: {"path": str(target), "text": "written"}),
+    ("grpo_core.security.redact:write_private", lambda target: {"path": str(target), "text": "written"}),
     ("grpo_core.run.lifeline:run_owned_module", lambda target: {"argv": ["planted_mod"]}),
 ]
 

@@ -143,9 +143,9 @@ def test_summary_artifact_and_progress_read_evaluation_lines_apart_from_the_step
 
 def test_eval_code_is_checked_like_the_rollouts_and_preflight_reads_the_eval_dataset(tmp_path, monkeypatch):
     from grpo_core import preflight
-    from grpo_core.allowlist import check_code_references, code_references
     from grpo_core.entries import kind_of_field
     from grpo_core.errors import ConfigError
+    from grpo_core.security.allowlist import check_code_references, code_references
 
     monkeypatch.delenv("GRPO_ALLOWED_MODULES", raising=False)
     cfg = RunConfig.model_validate(

@@ -70,7 +70,7 @@ def test_tied_output_head_is_written_once_as_the_original_stores_it(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from grpo_core.errors import ConfigError
-    from grpo_core.text_model import write_trained_checkpoint
+    from grpo_core.models.text_model import write_trained_checkpoint
 
     original = tmp_path / "original"
     original.mkdir()

@@ -93,7 +93,7 @@ def test_torchruns_report_of_a_failed_rank_is_one_line_with_the_signals_name():
     ],
 )
 def test_a_misspelt_callable_gets_did_you_mean(field, spec, suggested, tmp_path, monkeypatch):
-    from grpo_core.allowlist import import_object
+    from grpo_core.security.allowlist import import_object
 
     (tmp_path / "my_data_h28.py").write_text(
         textwrap.dedent(

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from serving_helpers import TINY, embedded_server, run
 
-from grpo_core.auth import bearer_headers, run_token
+from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving import limits
 
 TOKEN = "limits-test-token-0123"

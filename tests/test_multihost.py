@@ -83,7 +83,7 @@ def test_a_server_key_left_in_the_shell_is_what_the_runs_own_replicas_check(tmp_
     import httpx
     from serving_helpers import embedded_server
 
-    from grpo_core.auth import bearer_headers, ensure_run_token
+    from grpo_core.security.auth import bearer_headers, ensure_run_token
 
     run = ensure_run_token()
     monkeypatch.setenv(SERVER_API_KEY_ENV, "left-from-a-multihost-run")
@@ -148,7 +148,7 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
     from serving_helpers import free_port
     from trainer_helpers import ROOT, read_jsonl, trainer_config, write_samples
 
-    from grpo_core.auth import TOKEN_ENV
+    from grpo_core.security.auth import TOKEN_ENV
 
     config = trainer_config(
         tmp_path,
@@ -239,7 +239,7 @@ def test_adapter_store_publishes_complete_versions(tmp_path):
 
 def test_several_trainer_hosts_need_the_run_token_from_the_environment(monkeypatch, tmp_path):
     from grpo_core import preflight
-    from grpo_core.auth import TOKEN_ENV
+    from grpo_core.security.auth import TOKEN_ENV
 
     cfg = load_config(
         overrides=["train.nnodes=2", "train.rdzv_endpoint=trainer-0:29400", f"train.output_dir={tmp_path}"]

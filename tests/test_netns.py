@@ -26,7 +26,7 @@ import httpx
 import pytest
 import yaml
 
-from grpo_core.auth import TOKEN_ENV
+from grpo_core.security.auth import TOKEN_ENV
 from grpo_core.serving.guard import ADAPTER_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from serving_helpers import TINY, embedded_server, generated_tokens, run, weights_dir
 
-from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import RolloutConfig
 from grpo_core.rollout import LoopRuntime, RolloutLoop
 from grpo_core.rollout.loop import TurnAborted
 from grpo_core.rollout.pace import TokenAllowance
+from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.client import Completion, GenerationClient
 from grpo_core.serving.routing import ReplicaSet
 

@@ -21,10 +21,10 @@ import psutil
 import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
 
-from grpo_core.auth import TOKEN_ENV
 from grpo_core.rollout.process import start_rollout_process
 from grpo_core.run.lifeline import interruptible
 from grpo_core.run.processes import RunProcesses, child_env, stream, wait_child, watch_servers
+from grpo_core.security.auth import TOKEN_ENV
 
 DEATH_BOUND_S = 30  # the lifeline polls every 0.5 s; the bound only absorbs a loaded CI machine
 

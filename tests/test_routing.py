@@ -21,10 +21,10 @@ import pytest
 from serving_helpers import TINY, run
 from serving_helpers import generated_tokens as generated
 
-from grpo_core.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import ServerRequestError
 from grpo_core.metrics import MetricWindow
+from grpo_core.security.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.routing import HIT, SPILL, UNMATCHED, ControlFanOutError, ReplicaSet, RoutingPolicy
 from grpo_core.serving.vllm import ServerHandle, embedded_command, launch, teardown, wait_healthy
@@ -527,7 +527,7 @@ def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkey
 
     from serving_helpers import BAD_AUTH, OPEN_ROUTES, answers_without_token, app_routes
 
-    from grpo_core.auth import NONCE_PATH, TOKEN_ENV
+    from grpo_core.security.auth import NONCE_PATH, TOKEN_ENV
     from grpo_core.serving.router import create_router_app
 
     monkeypatch.setenv(TOKEN_ENV, "the-runs-token-0123")

@@ -21,9 +21,9 @@ import pytest
 import torch
 from serving_helpers import TINY, run
 
-from grpo_core.auth import ensure_run_token
 from grpo_core.config import ModelConfig, RolloutConfig, RunConfig
 from grpo_core.models import resolve_model_dir
+from grpo_core.security.auth import ensure_run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.sampling_defaults import probe_problems, sampling_problems, server_default_sampling
 from grpo_core.serving.vllm import check_server, embedded_command, launch, vllm_command, wait_healthy

@@ -22,7 +22,7 @@ from grpo_core.errors import ConfigError
 _LOADER = """
 import json, sys
 from grpo_core.config import load_config
-from grpo_core.redact import secret_values
+from grpo_core.security.redact import secret_values
 config = load_config(None, sys.argv[1:])
 print(json.dumps({"secrets": secret_values(config), "cmdline": open("/proc/self/cmdline", "rb").read().decode()}))
 """

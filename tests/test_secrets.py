@@ -19,8 +19,8 @@ import pytest
 
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
-from grpo_core.redact import MASK, SECRETS_ENV, RedactFilter, redact_argv, reveal, secret_values, write_private
 from grpo_core.run.layout import run_folders
+from grpo_core.security.redact import MASK, SECRETS_ENV, RedactFilter, redact_argv, reveal, secret_values, write_private
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD, API_KEY, HF_TOKEN = "pw-Zq81xT", "key-Yv27sLm", "hf_Wn93kPd"
@@ -243,10 +243,10 @@ def test_secret_keys_of_dict_fields_are_masked_where_written_and_real_where_read
     config is written or logged in (MLflow params and artifact, run config files, Prefect parameters, the model
     card, the checkpoint fingerprint, repr), while the run's processes, given ``GRPO_RUN_SECRETS``, read the real
     values: the dataset factory gets its rows back with the secret in them."""
-    from grpo_core import hub
-    from grpo_core.redact import secrets_from_env
+    from grpo_core.models import hub
     from grpo_core.rollout.data import load_dataset
     from grpo_core.run.prepare import run_child_env
+    from grpo_core.security.redact import secrets_from_env
     from grpo_core.tracking import flatten
     from grpo_core.train.fingerprint import fingerprint_text
 
@@ -292,7 +292,7 @@ def test_secret_keys_of_dict_fields_are_masked_where_written_and_real_where_read
 
 def test_which_dict_keys_name_a_secret():
     """By the key's words, as a reader would judge them: these name secrets, the others do not."""
-    from grpo_core.redact import is_secret_key
+    from grpo_core.security.redact import is_secret_key
 
     assert all(map(is_secret_key, ["auth", "api_key", "hfToken", "password", "Session-Cookie", "OPENAI_API_KEY"]))
     assert all(map(is_secret_key, ["access_token", "refresh-token", "db_password", "client_secret", "aws_secret_key"]))

@@ -31,9 +31,9 @@ from serving_helpers import (
     weights_dir,
 )
 
-from grpo_core.auth import NONCE_PATH, bearer_headers, run_token
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import PortInUseError, ServerRequestError, ServerStartError
+from grpo_core.security.auth import NONCE_PATH, bearer_headers, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.guard import STALE_PATH
 from grpo_core.serving.vllm import LaunchSpec, ServerHandle, provision, wait_healthy

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from serving_helpers import TINY, adapter_dir, embedded_server, reference_logprobs, run, weights_dir
 
-from grpo_core.auth import bearer_headers, run_token
 from grpo_core.config import ModelConfig
 from grpo_core.errors import ServerRequestError
 from grpo_core.models import load_model, resolve_model_dir
+from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.client import GenerationClient
 
 ATOL = 1e-4

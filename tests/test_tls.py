@@ -23,12 +23,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from serving_helpers import TINY
 
-from grpo_core.auth import TLS_CA_ENV, run_token, tls_env
 from grpo_core.config import RunConfig, TLSConfig
 from grpo_core.errors import TransportError
 from grpo_core.packing import Sample
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.rollout.queue import SampleQueue
+from grpo_core.security.auth import TLS_CA_ENV, run_token, tls_env
 from grpo_core.serving import limits
 from grpo_core.serving.client import GenerationClient
 from grpo_core.transport.flight_client import FlightSource

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_core import hub, tracking
+from grpo_core import tracking
 from grpo_core.config import ModelConfig, RunConfig, load_config
 from grpo_core.errors import ConfigError
-from grpo_core.models import resolve_model_dir
+from grpo_core.models import hub, resolve_model_dir
 from grpo_core.rollout.window import CompletionSample
 from grpo_core.train.export import save_full_model, save_tokenizer
 

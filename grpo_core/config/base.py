@@ -22,7 +22,7 @@ from pydantic import (
 )
 
 from grpo_core.errors import ConfigError
-from grpo_core.redact import mask_secret_keys
+from grpo_core.security.redact import mask_secret_keys
 
 logger = logging.getLogger("grpo_core.config")
 
@@ -104,7 +104,7 @@ class _Strict(BaseModel):
         artifacts, run config files, Prefect parameters, the model card) shows the values under a secret key of a
         dict-valued field (``rollout.dataset_kwargs.api_key``) as ``**********`` (:func:`mask_secret_keys`); the
         Python form keeps them for the code that reads them, and the run's processes get them in
-        ``GRPO_RUN_SECRETS`` (:func:`grpo_core.redact.secret_values`)."""
+        ``GRPO_RUN_SECRETS`` (:func:`grpo_core.security.redact.secret_values`)."""
         data = handler(self)
         if info.mode_is_json() and isinstance(data, dict):
             for name in type(self).model_fields:

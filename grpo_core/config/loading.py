@@ -266,7 +266,7 @@ def _indirect_value(key: str, value: str) -> str | None:
 def _warn_secrets_on_command_line(config: BaseModel, keys: list[str]) -> None:
     """Warn once per key about each override of ``keys`` (given as ``key=value`` on the command line) that holds a
     secret of ``config``: a ``SecretStr`` field (a URL only with a password), or a secret under it."""
-    from grpo_core.redact import SecretUrl, secret_fields
+    from grpo_core.security.redact import SecretUrl, secret_fields
 
     secret = [
         path
@@ -295,7 +295,7 @@ def _validate(
     from pydantic import ValidationError
 
     if secrets:
-        from grpo_core.redact import apply_secrets
+        from grpo_core.security.redact import apply_secrets
 
         try:
             apply_secrets(data, secrets)

@@ -88,7 +88,7 @@ class RolloutConfig(_CandidateFilter):
     """The rollout process: sampling settings, dataset, rewards, tools/environments, pace and transport.
 
     The ``module:name`` fields (``dataset``, ``reward_functions``, ``tools``, ``environment_factory``,
-    ``loop_class``) resolve only inside the allow-list ``GRPO_ALLOWED_MODULES`` (``grpo_core.allowlist``)."""
+    ``loop_class``) resolve only inside the allow-list ``GRPO_ALLOWED_MODULES`` (``grpo_core.security.allowlist``)."""
 
     @model_validator(mode="before")
     @classmethod

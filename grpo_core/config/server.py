@@ -25,7 +25,7 @@ from grpo_core.config.base import (
     url_port,
 )
 from grpo_core.errors import ConfigError
-from grpo_core.redact import split_secret_flags
+from grpo_core.security.redact import split_secret_flags
 
 
 class ModelConfig(_Strict):
@@ -295,7 +295,7 @@ class ServerConfig(_ServerKey):
     @field_validator("api_key")
     @classmethod
     def _check_api_key(cls, key: SecretStr | None) -> SecretStr | None:
-        from grpo_core.auth import token_problem
+        from grpo_core.security.auth import token_problem
 
         problem = None if key is None else token_problem(key.get_secret_value())
         if problem is not None:  # "" would turn authentication off, a space would break every request

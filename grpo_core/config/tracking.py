@@ -11,7 +11,7 @@ from pydantic import (
 )
 
 from grpo_core.config.base import _Strict
-from grpo_core.redact import SecretUrl, redact_url
+from grpo_core.security.redact import SecretUrl, redact_url
 
 
 class TrackingConfig(_Strict):

@@ -18,7 +18,7 @@ from grpo_core.config.server import ModelConfig, ServerConfig
 from grpo_core.config.tracking import TrackingConfig
 from grpo_core.config.train import ExportConfig, PackingConfig, TrainConfig
 from grpo_core.errors import ConfigError
-from grpo_core.redact import MASK, secret_fields
+from grpo_core.security.redact import MASK, secret_fields
 
 logger = logging.getLogger("grpo_core.config")
 

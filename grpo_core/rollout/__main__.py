@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     lifeline.watch()  # launched by a run: end with it
     args = parse_args(argv)
     from grpo_core.config import load_config
-    from grpo_core.redact import secrets_from_env
+    from grpo_core.security.redact import secrets_from_env
     from grpo_core.transport.types import ResumeState
 
     from .build import loop_class_and_config

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from grpo_core.allowlist import import_object
 from grpo_core.config import RolloutConfig
 from grpo_core.errors import ConfigError
+from grpo_core.security.allowlist import import_object
 
 from .data import default_rewards, load_dataset
 from .loop import LoopRuntime, RolloutLoop

@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from grpo_core.allowlist import import_object
 from grpo_core.config import RolloutConfig, dataset_form
 from grpo_core.entries import config_entry
 from grpo_core.errors import ConfigError, did_you_mean
+from grpo_core.security.allowlist import import_object
 
 from .mixture import Mixture, Source, view
 from .sources import json_dataset, local_files, read_source

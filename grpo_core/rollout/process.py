@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import ensure_run_token
 from grpo_core.config import RolloutProcessConfig, RunConfig
 from grpo_core.errors import ConfigError, TransportError
 from grpo_core.run.children import log_tail, start_child, stop_child
@@ -37,6 +36,7 @@ from grpo_core.run.layout import ROLLOUT_ERROR as ERROR_FILE
 from grpo_core.run.layout import ROLLOUT_LOCATION as LOCATION_FILE
 from grpo_core.run.layout import ROLLOUT_LOG as LOG_FILE
 from grpo_core.run.layout import ROLLOUT_RESUME as RESUME_FILE
+from grpo_core.security.auth import ensure_run_token
 from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         replicas = state["rollout_loop"].runtime.server if "rollout_loop" in state else None
         return [replicas.urls[i] for i in sorted(replicas.behind)] if hasattr(replicas, "behind") else []
 
-    from grpo_core.auth import tls_files
+    from grpo_core.security.auth import tls_files
     from grpo_core.serving.limits import warn_if_exposed
 
     cert_file, key_file, _ = tls_files()  # the run's tls section (run_child_env)

@@ -85,8 +85,8 @@ def trainer_launch(run_dir: str, server_urls: list[str], rollout_location: str, 
     Raises:
         ConfigError: with ``train.nnodes`` > 1, ``train.rdzv_endpoint``'s host is not this host.
     """
-    from grpo_core.redact import secret_values, write_private
     from grpo_core.run.prepare import run_child_env, run_config
+    from grpo_core.security.redact import secret_values, write_private
 
     root = Path(run_dir)
     cfg = run_config(run_dir)

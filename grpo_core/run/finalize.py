@@ -38,7 +38,8 @@ def finalize_run(
         curve, MLflow run and URI, ``resumed_from``, and the model's places (``model``, ``registered_model``,
         ``hub_commit``).
     """
-    from grpo_core import hub, report
+    from grpo_core import report
+    from grpo_core.models import hub
     from grpo_core.train.checkpoint import latest_checkpoint
 
     root = Path(run_dir)

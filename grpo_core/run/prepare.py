@@ -44,7 +44,7 @@ class PreparedRun:
 
 def run_config(run_dir: str) -> RunConfig:
     """The run's config as :func:`prepare_run` wrote it to the run folder, its secrets put back."""
-    from grpo_core.redact import apply_secrets
+    from grpo_core.security.redact import apply_secrets
 
     data = json.loads((Path(run_dir) / layout.RUN_CONFIG).read_text())
     return RunConfig.model_validate(apply_secrets(data, SECRETS.get(run_dir, {})))
@@ -61,9 +61,9 @@ def run_child_env(run_dir: str, secrets: dict[str, str] | None = None) -> dict[s
     """Environment of the run's rollout and trainer processes (:func:`grpo_core.run.processes.child_env`: owned by
     this process): the run's token and the config's secrets (``GRPO_RUN_SECRETS``; ``secrets``: those of a process's
     sub-config, else the run config's) travel here, never on a command line; so do the ``tls`` files
-    (:func:`grpo_core.auth.tls_env`)."""
-    from grpo_core.auth import TOKEN_ENV, tls_env
-    from grpo_core.redact import SECRETS_ENV
+    (:func:`grpo_core.security.auth.tls_env`)."""
+    from grpo_core.security.auth import TOKEN_ENV, tls_env
+    from grpo_core.security.redact import SECRETS_ENV
 
     extra = {TOKEN_ENV: REGISTRY[run_dir].token, **tls_env(_run_tls(run_dir))}
     secrets = SECRETS.get(run_dir) if secrets is None else secrets
@@ -101,8 +101,8 @@ def prepare_run(
             run.
     """
     from grpo_core import preflight
-    from grpo_core.redact import mask_values, redact_logs, secret_values, write_private
     from grpo_core.run.run_lock import RunLock
+    from grpo_core.security.redact import mask_values, redact_logs, secret_values, write_private
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint
     from grpo_core.train.fingerprint import check_resume
     from grpo_core.train.manifest import verify_manifest

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import new_token, run_token
 from grpo_core.run.children import start_child, stop_child
 from grpo_core.run.durable import atomic_write_text
+from grpo_core.security.auth import new_token, run_token
 
 # uvicorn access-log lines of the generation server: one per request, too many for the run log.
 _NOISE = ('HTTP/1.1"', "httpx: HTTP Request", "Loading weights:")
@@ -82,7 +82,7 @@ class RunProcesses:
     failure_log: Path | None = None
     """Set by :meth:`fail`: that child's log file, when it has one."""
     token: str = field(default_factory=lambda: run_token() or new_token(), repr=False)
-    """The run's bearer token (``grpo_core.auth``): every listener of the run requires it; children get it in
+    """The run's bearer token (``grpo_core.security.auth``): every listener of the run requires it; children get it in
     their environment only (``GRPO_RUN_TOKEN``). Fresh for each run (a retried flow run too), unless the flow's
     own environment sets ``GRPO_RUN_TOKEN`` (an operator or a benchmark that must reach the servers)."""
 

@@ -28,8 +28,8 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from grpo_core.auth import bearer_headers, run_token
 from grpo_core.errors import ReplicaBehindError, ServerRequestError, ServerUnavailableError
+from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.guard import BEHIND_ERROR_TYPE, POLICY_VERSION_HEADER, STALE_PATH
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
@@ -152,7 +152,7 @@ class GenerationClient:
         max_backoff_s: largest bound of a retry delay in seconds.
         api_key: bearer token sent as ``Authorization: Bearer <api_key>`` on every request (health and
             control calls included), as vLLM's ``--api-key`` and hosted endpoints expect (``server.api_key`` for
-            external servers); default the run's token (``GRPO_RUN_TOKEN``, ``grpo_core.auth``), none when that
+            external servers); default the run's token (``GRPO_RUN_TOKEN``, ``grpo_core.security.auth``), none when that
             is unset.
         ca_file: PEM CA file an ``https://`` server's certificate is verified against; default the run's
             ``tls.ca_file`` (``GRPO_TLS_CA_FILE``), else the system's trusted CAs.
@@ -170,7 +170,7 @@ class GenerationClient:
         api_key: str | None = None,
         ca_file: str | None = None,
     ) -> None:
-        from grpo_core.auth import tls_files
+        from grpo_core.security.auth import tls_files
         from grpo_core.serving.limits import client_ssl_context
 
         self.base_url = base_url.rstrip("/")

@@ -24,9 +24,9 @@ import socket
 import sys
 from pathlib import Path
 
-from grpo_core.auth import TOKEN_ENV, run_token
 from grpo_core.config import VLLM_LORA_RANKS, ModelConfig, ServerConfig
 from grpo_core.run.durable import atomic_write_text
+from grpo_core.security.auth import TOKEN_ENV, run_token
 
 logger = logging.getLogger(__name__)
 

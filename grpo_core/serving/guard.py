@@ -12,7 +12,7 @@ fallback). It:
   ``/start_weight_update``, ``/update_weights``, ``/collective_rpc``, ``/server_info``, …) and
   ``/metrics`` are covered here;
 * answers ``GET /grpo/identity?challenge=<hex>`` without a token with the launch's nonce and an HMAC of the
-  challenge under the run's token (``grpo_core.auth.identity_answer``), so the launcher can tell the process it
+  challenge under the run's token (``grpo_core.security.auth.identity_answer``), so the launcher can tell the process it
   started from another server on the same port without sending that server the token
   (``grpo_core.serving.vllm.wait_healthy``); ``GET /grpo/run_nonce`` (authenticated) reports the nonce as well;
 * refuses (403) a LoRA adapter load whose ``lora_path`` is outside the run's adapter folder, and a
@@ -49,7 +49,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import (
+from grpo_core.security.auth import (
     IDENTITY_PATH,
     NONCE_ENV,
     NONCE_PATH,

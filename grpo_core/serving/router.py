@@ -32,7 +32,9 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-from grpo_core.auth import (
+from grpo_core.config import SERVER_API_KEY_ENV
+from grpo_core.run.layout import ROUTER_LOG, ROUTER_PORT
+from grpo_core.security.auth import (
     IDENTITY_PATH,
     NONCE_ENV,
     NONCE_PATH,
@@ -42,8 +44,6 @@ from grpo_core.auth import (
     identity_answer,
     run_token,
 )
-from grpo_core.config import SERVER_API_KEY_ENV
-from grpo_core.run.layout import ROUTER_LOG, ROUTER_PORT
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     @app.middleware("http")
     async def check_token(request: Request, call_next: Any) -> Any:
         if request.url.path == IDENTITY_PATH and request.method == "GET" and run_token():
-            # the launcher's check that it reached the process it started, before it sends a token (grpo_core.auth)
+            # the launcher's check that it reached the process it started, before it sends a token
+            # (grpo_core.security.auth)
             status, body = identity_answer(request.url.query, run_token() or "", os.environ.get(NONCE_ENV, ""))
             return JSONResponse(body, status_code=status)
         if tokens and request.url.path not in OPEN_PATHS:  # /health: probes need no token (as vLLM's --api-key)
@@ -291,7 +292,7 @@ def start_router(server: Any, urls: list[str], token: str, tls: Any = None) -> A
     """
     import secrets
 
-    from grpo_core.auth import check_port_free
+    from grpo_core.security.auth import check_port_free
     from grpo_core.serving.vllm import LaunchSpec, launch, wait_healthy
 
     check_port_free(server.host, server.router_port, "server.router_port")  # taken: no launch, the setting named
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{TOKEN_ENV}=... as the embedded servers were started with, or {SERVER_API_KEY_ENV}=... for vLLM "
             "servers started with --api-key)"
         )
-    from grpo_core.auth import token_problem
+    from grpo_core.security.auth import token_problem
 
     for name in (TOKEN_ENV, SERVER_API_KEY_ENV):
         value = os.environ.get(name)
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{name}: {problem}")
     import uvicorn
 
-    from grpo_core.auth import TLS_CA_ENV
+    from grpo_core.security.auth import TLS_CA_ENV
     from grpo_core.serving.embedded import listen
     from grpo_core.serving.limits import tls_options, uvicorn_options, warn_if_exposed
     from grpo_core.serving.routing import ReplicaSet, token_refused

@@ -19,7 +19,7 @@ backend needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickled CUDA IPC handles)
 max_staleness + 2 and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; top-k/top-p/min-p need
 ``--return-sampling-mask --enable-scale-out`` (vLLM >= 0.28, older servers reject them).
 
-Every replica requires the run's bearer token (``grpo_core.auth``) on every route but ``/health``:
+Every replica requires the run's bearer token (``grpo_core.security.auth``) on every route but ``/health``:
 vLLM through ``--middleware grpo_core.serving.guard.RunGuardMiddleware`` (its own ``--api-key`` check
 covers ``/v1/*`` only; the key is passed as ``VLLM_API_KEY`` in the environment, because vLLM logs its
 command-line arguments), the embedded server through the same middleware. ``wait_healthy`` accepts a
@@ -43,7 +43,12 @@ from pathlib import Path
 
 import httpx
 
-from grpo_core.auth import (
+from grpo_core.config import VLLM_LORA_RANKS, RunConfig
+from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
+from grpo_core.run import lifeline
+from grpo_core.run.children import free_port, log_tail, start_child, stop_child
+from grpo_core.run.layout import replica_log, replica_port_file
+from grpo_core.security.auth import (
     IDENTITY_PATH,
     NONCE_ENV,
     TOKEN_ENV,
@@ -52,12 +57,7 @@ from grpo_core.auth import (
     identity_problem,
     new_challenge,
 )
-from grpo_core.config import VLLM_LORA_RANKS, RunConfig
-from grpo_core.errors import ConfigError, PortInUseError, ServerStartError, ServingError
-from grpo_core.redact import redact_argv, reveal
-from grpo_core.run import lifeline
-from grpo_core.run.children import free_port, log_tail, start_child, stop_child
-from grpo_core.run.layout import replica_log, replica_port_file
+from grpo_core.security.redact import redact_argv, reveal
 from grpo_core.serving.guard import ADAPTER_DIR_ENV, FENCE_HEADER, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
 from grpo_core.serving.sampling_defaults import sampling_problems
 
@@ -184,10 +184,10 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
 
     Raises:
         ConfigError: ``server.extra_args`` carries a vLLM flag this worker's allow-list does not admit
-            (``grpo_core.allowlist.check_vllm_args``).
+            (``grpo_core.security.allowlist.check_vllm_args``).
     """
-    from grpo_core.allowlist import check_vllm_args
     from grpo_core.models import resolve_model_dir
+    from grpo_core.security.allowlist import check_vllm_args
 
     server, rollout = config.server, config.rollout
     if port is None:
@@ -429,7 +429,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
     Accepted only when our process is alive, ``/health`` answers 200 (or, with ``fenced_ok``, the guard's fence
     503: a replica restarted on a port its clients know, which a request for a later policy version reached before
     this poll, is loaded and only out of routing until the next weight sync; :func:`relaunch`), and its answer to
-    a fresh challenge on the unauthenticated ``GET /grpo/identity`` (``grpo_core.auth.identity_problem``) holds
+    a fresh challenge on the unauthenticated ``GET /grpo/identity`` (``grpo_core.security.auth.identity_problem``) holds
     this launch's nonce and an HMAC of the challenge under ``token``: a server of another run (other token), of
     an earlier launch (other nonce) or without the route on the same port is never adopted, never sent the token,
     and no weights are ever pushed to it.

@@ -89,7 +89,7 @@ class WeightManager:
         self.aliases: dict[str, str] = {}
         self.not_loaded: set[str] = set()
         if model_path is not None:  # the checkpoint's names (e.g. Qwen3.5's model.language_model.…) → the model's
-            from grpo_core.text_model import checkpoint_keys, checkpoint_name_map
+            from grpo_core.models.text_model import checkpoint_keys, checkpoint_name_map
 
             names = checkpoint_name_map(self.base, model_path)
             self.aliases = {ckpt: own for own, ckpt in names.items() if ckpt != own}
@@ -185,7 +185,7 @@ class WeightManager:
         own mapping back misses names whose renamed form is a suffix of the original."""
         from safetensors.torch import load_file, save_file
 
-        from grpo_core.text_model import rename_module_key
+        from grpo_core.models.text_model import rename_module_key
 
         file = Path(path) / "adapter_model.safetensors"
         prefix = "base_model.model."

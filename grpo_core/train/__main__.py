@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from grpo_core.config import load_trainer_config
     from grpo_core.errors import ConfigError
-    from grpo_core.redact import secrets_from_env
+    from grpo_core.security.redact import secrets_from_env
 
     try:
         # the flow's GRPO_RUN_SECRETS: the secrets of the trainer's sub-config, under their run-config paths

@@ -141,8 +141,8 @@ def check_members(world: World, token: str | None) -> None:
         ConfigError: on every rank when any rank lacks the token or holds another one, naming the ranks and
             their hosts (rank 0), or that rank 0 did not prove the token (other ranks), and the fix.
     """
-    from grpo_core.auth import TOKEN_ENV
     from grpo_core.errors import ConfigError
+    from grpo_core.security.auth import TOKEN_ENV
 
     if world.world_size == 1:
         return

@@ -143,7 +143,7 @@ def save_tokenizer(base_dir: Path, out: Path) -> None:
 def _is_vision_language(base_dir: Path) -> bool:
     from transformers import AutoConfig
 
-    from grpo_core.text_model import is_vision_language
+    from grpo_core.models.text_model import is_vision_language
 
     return is_vision_language(AutoConfig.from_pretrained(base_dir))
 
@@ -166,7 +166,7 @@ def export_final_model(
     if cfg.train.lora.enabled:
         policy.lm.save_pretrained(str(tmp), state_dict=state_dict, safe_serialization=True)
     elif _is_vision_language(base_dir):  # the language model under the checkpoint's names, tower kept
-        from grpo_core.text_model import checkpoint_name_map, write_trained_checkpoint
+        from grpo_core.models.text_model import checkpoint_name_map, write_trained_checkpoint
 
         name_map = checkpoint_name_map(policy.base(), base_dir)
         renamed = {name_map.get(k, k): v for k, v in state_dict.items()}

@@ -28,8 +28,8 @@ from typing import Any
 
 from grpo_core.config import TrainerProcessConfig, dataset_form, user_path
 from grpo_core.errors import ConfigError
-from grpo_core.redact import mask_secret_keys
 from grpo_core.run.layout import FINGERPRINT as FINGERPRINT_FILE
+from grpo_core.security.redact import mask_secret_keys
 
 logger = logging.getLogger(__name__)
 

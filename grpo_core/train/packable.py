@@ -94,7 +94,7 @@ def check_model_folder(path: str | Path, model_name: str, max_len: int) -> None:
     """
     from transformers import AutoConfig
 
-    from grpo_core.text_model import drop_non_language_parts, is_vision_language, text_model_class
+    from grpo_core.models.text_model import drop_non_language_parts, is_vision_language, text_model_class
 
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(

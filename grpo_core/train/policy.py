@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.config import LoraConfig, ModelConfig
-from grpo_core.text_model import load_text_model, text_decoder
+from grpo_core.models.text_model import load_text_model, text_decoder
 
 from .attention import TREE_ATTENTION, TreeMask, dense_tree_mask, register_tree_attention
 from .logprobs import HeadLoss, LossTerms, TokenLogProbs, candidate_mask, fused_grpo_loss, projected_logprobs
@@ -252,7 +252,7 @@ def build_policy(
     max_len: int | None = None,
     fp32_logits: bool = False,
 ) -> Policy:
-    """Load the LM (a VLM's language model, ``grpo_core.text_model``) with tree attention and tree
+    """Load the LM (a VLM's language model, ``grpo_core.models.text_model``) with tree attention and tree
     recurrence, optionally add LoRA, and wrap it in :class:`Policy` (unsharded; checkpointing,
     compilation and sharding come after, :mod:`grpo_core.train.parallelize`).
 

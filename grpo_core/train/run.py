@@ -28,7 +28,7 @@ def server_backend(url: str, api_key: str | None = None) -> str:
     """``embedded`` or ``vllm``: the embedded server says so in ``/server_info`` (``api_key``: bearer token)."""
     import httpx
 
-    from grpo_core.auth import bearer_headers, run_token, tls_files
+    from grpo_core.security.auth import bearer_headers, run_token, tls_files
     from grpo_core.serving.limits import client_ssl_context
 
     try:
@@ -110,7 +110,7 @@ def run_trainer(
     """
     world = init_world(cfg.train.device)
     if cfg.train.nnodes > 1:  # torchrun's rendezvous has no authentication: prove the token before any data moves
-        from grpo_core.auth import run_token
+        from grpo_core.security.auth import run_token
 
         check_members(world, run_token())
         # what rank 0 alone reads (tracking, the servers, the export, the sample source) or each host sets for its

@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import torch
 
-from grpo_core.auth import bearer_headers, run_token, tls_files
 from grpo_core.errors import ServerRequestError, ServingError
 from grpo_core.run.children import free_port
+from grpo_core.security.auth import bearer_headers, run_token, tls_files
 from grpo_core.serving.guard import STALE_PATH
 from grpo_core.serving.limits import client_ssl_context
 
@@ -70,7 +70,7 @@ RESET_ALL = {"reset_running_requests": "true"}
 
 def vllm_name(name: str, lora_names: bool, name_map: dict[str, str] | None = None) -> str:
     """The trainer's parameter name as vLLM's loader expects it: the name in the served checkpoint
-    (``name_map``, from :func:`grpo_core.text_model.checkpoint_name_map`; e.g. Qwen3.5's
+    (``name_map``, from :func:`grpo_core.models.text_model.checkpoint_name_map`; e.g. Qwen3.5's
     ``model.language_model.…``), with ``.base_layer`` where vLLM wraps a layer for LoRA."""
     name = name.removeprefix("lm.")
     name = name_map.get(name, name) if name_map else name
@@ -209,7 +209,7 @@ class VllmWeightTransferSync:
         """
         t0 = time.perf_counter()
         if self.name_map is None and self.model_dir is not None:
-            from grpo_core.text_model import checkpoint_name_map
+            from grpo_core.models.text_model import checkpoint_name_map
 
             self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
         paused: list[str] = []

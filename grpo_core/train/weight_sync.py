@@ -172,7 +172,7 @@ class DiskFullWeightSync:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         if self.model_dir is not None and self.name_map is None:
-            from grpo_core.text_model import checkpoint_name_map
+            from grpo_core.models.text_model import checkpoint_name_map
 
             self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
         sd = {self.name_map.get(k, k): v for k, v in sd.items()} if self.name_map else sd
@@ -246,7 +246,7 @@ class LoraAdapterSync:
         into transformers' renamed model (the embedded server)."""
         if self.model_dir is None:
             return adapter
-        from grpo_core.text_model import checkpoint_name_map, rename_module_key
+        from grpo_core.models.text_model import checkpoint_name_map, rename_module_key
 
         if self.name_map is None:
             self.name_map = checkpoint_name_map(lm.get_base_model(), self.model_dir)

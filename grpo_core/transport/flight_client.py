@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as flight
 
-from grpo_core.auth import bearer_headers, run_token, tls_files
 from grpo_core.errors import TransportError
+from grpo_core.security.auth import bearer_headers, run_token, tls_files
 from grpo_core.transport.types import (
     ACTION_ACK,
     ACTION_COMPLETIONS,

@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from grpo_core.auth import TOKEN_ENV, authorized, check_port_free, run_token
 from grpo_core.errors import TransportError
+from grpo_core.security.auth import TOKEN_ENV, authorized, check_port_free, run_token
 from grpo_core.transport.types import (
     ACTION_ACK,
     ACTION_COMPLETIONS,
@@ -65,7 +65,7 @@ class BearerAuthFactory(flight.ServerMiddlewareFactory):
     """Flight server middleware: refuses every call whose ``authorization`` header is not ``Bearer <token>``.
 
     Args:
-        token: the run's bearer token (``grpo_core.auth``).
+        token: the run's bearer token (``grpo_core.security.auth``).
     """
 
     def __init__(self, token: str) -> None:

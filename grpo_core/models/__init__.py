@@ -404,7 +404,7 @@ def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def load_model(config: ModelConfig, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the configured model's language model (``grpo_core.text_model``) and its tokenizer,
+    """Load the configured model's language model (``grpo_core.models.text_model``) and its tokenizer,
     in eval mode on ``device``.
 
     Args:
@@ -416,7 +416,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> tuple[PreTrainedMode
     """
     from transformers import AutoTokenizer
 
-    from grpo_core.text_model import load_text_model
+    from grpo_core.models.text_model import load_text_model
 
     path = resolve_model_dir(config)
     dtype = resolve_dtype(config.dtype, device)
