@@ -97,7 +97,7 @@ class IpcWeightTransfer:
         """start → IPC handles posted to /update_weights → finish → prefix-cache reset."""
         from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
-        from grpo_core.train.vllm_sync import ipc_update_body
+        from grpo_core.train.weight_sync.vllm import ipc_update_body
 
         self._post("/start_weight_update", {"is_checkpoint_format": True})
         try:

@@ -24,7 +24,7 @@ from grpo_core.train.distributed import init_world
 from grpo_core.train.parallelize import shard
 from grpo_core.train.policy import build_policy
 from grpo_core.train.rows import to_tensors
-from grpo_core.train.vllm_sync import VllmWeightTransferSync
+from grpo_core.train.weight_sync.vllm import VllmWeightTransferSync
 
 PROMPT = [1, 5, 17, 42, 99, 7, 300, 12]
 

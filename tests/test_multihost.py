@@ -10,7 +10,7 @@ import pytest
 from grpo_core.config import SERVER_API_KEY_ENV, RunConfig, load_config
 from grpo_core.errors import ConfigError
 from grpo_core.run.commands import trainer_command
-from grpo_core.train.adapter_store import AdapterStore
+from grpo_core.train.weight_sync.adapter_store import AdapterStore
 
 
 def test_api_key_never_written_out_and_read_from_the_environment(tmp_path, monkeypatch):

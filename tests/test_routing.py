@@ -220,7 +220,7 @@ def test_skewed_load_spills_to_the_least_loaded(replicas):
 
 def _published(store_url: str, tmp_path, name: str, rank: int) -> str:
     """A random rank-``rank`` adapter published to the store as ``name``; returns the URL servers load."""
-    from grpo_core.train.adapter_store import AdapterStore
+    from grpo_core.train.weight_sync.adapter_store import AdapterStore
 
     local = _adapter(tmp_path / "local" / name, rank)
     return AdapterStore(store_url, timeout_s=30).publish(Path(local), name)
@@ -286,7 +286,7 @@ def test_adapter_load_retries_until_the_store_shows_it(replicas, store_url, tmp_
     """Shared storage lags: a load asked before the store shows the adapter keeps retrying on every replica
     (server.control_retry_s), and succeeds everywhere once the trainer's publish lands; each replica fetched
     it from the fsspec URL and samples through it (greedy tokens alike everywhere, unlike the base model's)."""
-    from grpo_core.train.adapter_store import AdapterStore
+    from grpo_core.train.weight_sync.adapter_store import AdapterStore
 
     urls = [h.url for h in replicas]
     local = Path(_adapter(tmp_path / "local" / "policy-v5", 8))

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from grpo_core.errors import ServingError
-from grpo_core.train.vllm_sync import VllmWeightTransferSync
+from grpo_core.train.weight_sync.vllm import VllmWeightTransferSync
 
 CLEANUP = [
     ("/finish_weight_update", {}),

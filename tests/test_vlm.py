@@ -19,8 +19,8 @@ from grpo_core.serving.engine import Engine
 from grpo_core.serving.weights import WeightManager
 from grpo_core.train.policy import build_policy
 from grpo_core.train.rows import to_tensors
-from grpo_core.train.vllm_sync import vllm_name
 from grpo_core.train.weight_sync import LoraAdapterSync
+from grpo_core.train.weight_sync.vllm import vllm_name
 
 VISION = {
     "depth": 1,

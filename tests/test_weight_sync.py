@@ -81,7 +81,7 @@ def test_lora_sync_serves_each_adapter_version(tmp_path):
 
 
 def test_vllm_names_gain_base_layer_only_with_lora():
-    from grpo_core.train.vllm_sync import vllm_name
+    from grpo_core.train.weight_sync.vllm import vllm_name
 
     assert vllm_name("lm.model.layers.0.self_attn.q_proj.weight", False) == "model.layers.0.self_attn.q_proj.weight"
     assert (

@@ -15,11 +15,11 @@ from grpo_core.run.run_lock import RunLock
 from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState, SampleSource
 
-from .adapter_store import AdapterStore
 from .distributed import check_members, check_same_config, check_shared_folder, init_world
 from .fingerprint import check_resume
 from .trainer import Trainer, rotate_checkpoints
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync, WeightSync
+from .weight_sync.adapter_store import AdapterStore
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def make_weight_sync(cfg: TrainerProcessConfig, server_urls: list[str]) -> Weigh
         raise ConfigError("--server-url mixes vLLM and embedded servers; use one kind per run")
     if cfg.server.weight_transfer_backend is None:
         raise ConfigError("server.weight_transfer_backend is None: vLLM servers need 'ipc' (same GPU) or 'nccl'")
-    from .vllm_sync import VllmWeightTransferSync
+    from .weight_sync.vllm import VllmWeightTransferSync
 
     return VllmWeightTransferSync(
         server_urls,

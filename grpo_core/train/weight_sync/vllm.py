@@ -54,7 +54,7 @@ from grpo_core.serving.guard import STALE_PATH
 from grpo_core.serving.limits import client_ssl_context
 
 if TYPE_CHECKING:
-    from .policy import Policy
+    from ..policy import Policy
 
 
 logger = logging.getLogger(__name__)

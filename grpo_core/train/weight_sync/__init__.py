@@ -19,7 +19,7 @@ Several servers: all or nothing (``ReplicaSet.fan_out``): each server is retried
 reach a server host late); if one still fails, the new version is removed again from the servers
 that took it (adapters are unloaded; full weights are restored from the previous version's folder)
 and the error is raised. Full weights: every server is paused first (all or nothing), then updated,
-then resumed, whatever failed. vLLM's full weights (:mod:`.vllm_sync`) cannot be restored and are
+then resumed, whatever failed. vLLM's full weights (:mod:`.vllm`) cannot be restored and are
 fenced off instead. ``sync`` is collective: every rank
 calls it (gathering a full state dict needs all ranks); rank 0 talks to servers.
 """
@@ -40,14 +40,14 @@ from safetensors.torch import save_file
 from grpo_core.config import ADAPTER_DIR, WEIGHTS_DIR, ServerConfig, TrainerServerView
 from grpo_core.errors import ServingError
 
+from ..export import publish, save_adapter
 from .adapter_store import AdapterStore
-from .export import publish, save_adapter
 
 if TYPE_CHECKING:
     from grpo_core.serving.client import GenerationClient
     from grpo_core.serving.routing import ReplicaSet
 
-    from .policy import Policy
+    from ..policy import Policy
 
 
 logger = logging.getLogger(__name__)
