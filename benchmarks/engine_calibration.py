@@ -14,7 +14,8 @@ more. This benchmark measures it on the servers a run starts (``grpo_core.servin
   ``n = G`` per group instead of G requests.
 * **engines**: ``--engines 1,2,4`` starts K replicas on GPU 0 (memory split: ``--memory`` / K each; started one after
   another, as ``provision`` starts replicas that share a GPU) and sends the same total concurrency spread over them
-  by group; aggregate generated tok/s against the model's prediction ``N / (a + b × N / K)``.
+  by group (plain, and with ``n = G`` when ``--variants`` has ``n``); aggregate generated tok/s against the model's
+  prediction ``N / (a + b × N / K)``.
 
 On a GPU host with the vLLM bundle (``scripts/gpu_main_job.sh calib``)::
 
@@ -64,7 +65,7 @@ def engine_config(args: argparse.Namespace, engines: int, log_dir: Path) -> RunC
     return load_config(args.config, overrides)
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], tokens: int, **extra) -> int:
+async def _one(session, url: str, model: str, prompt: list[int], tokens: int, **extra) -> int:
     body = {
         "model": model,
         "prompt": prompt,
@@ -76,9 +77,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
         "return_token_ids": True,
         **extra,
     }
-    answer = await client.post(url + "/v1/completions", json=body)
-    answer.raise_for_status()
-    return sum(len(c.get("token_ids") or []) for c in answer.json()["choices"])
+    async with session.post(url + "/v1/completions", json=body) as answer:
+        answer.raise_for_status()
+        return sum(len(c.get("token_ids") or []) for c in (await answer.json())["choices"])
 
 
 async def burst(
@@ -89,8 +90,15 @@ async def burst(
     g = args.group_size
     groups = max(1, concurrency // g)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(groups)]
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(headers=bearer_headers(ensure_run_token()), timeout=900, limits=limits) as client:
+    # aiohttp, as the rollout's GenerationClient sends generation requests: httpx's pool walks every connection on
+    # each request (encode/httpcore#1035), and the first H200 calibration (2026-12-05, httpx) was bound by this
+    # client at ~17k generated tok/s whatever the engine count
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 8)
+    headers = bearer_headers(ensure_run_token())
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout) as client:
         jobs = []
         for k, prompt in enumerate(prompts):
             url = urls[k % len(urls)]
@@ -204,14 +212,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(rows[-1], flush=True)
                         save()
             else:
-                for n in ints(args.engine_concurrency):
-                    row = measure(urls, model, n, "plain", args, rng)
-                    if fit:
-                        step_s = (fit["a_ms"] + fit["b_us"] / 1000 * n / engines) / 1000
-                        row["predicted_tokens_per_s"] = round(n / step_s, 1)
-                    rows.append(row)
-                    print(row, flush=True)
-                    save()
+                for variant in ["plain", *(v for v in args.variants.split(",") if v == "n")]:
+                    for n in ints(args.engine_concurrency):
+                        row = measure(urls, model, n, variant, args, rng)
+                        if fit and variant == "plain":
+                            step_s = (fit["a_ms"] + fit["b_us"] / 1000 * n / engines) / 1000
+                            row["predicted_tokens_per_s"] = round(n / step_s, 1)
+                        rows.append(row)
+                        print(row, flush=True)
+                        save()
         finally:
             teardown(handles)
     print(
