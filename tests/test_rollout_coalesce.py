@@ -107,8 +107,10 @@ class CountingClient(GenerationClient):
         return await super().complete(prompt_ids, **kwargs)
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(tmp_path, batched):
+@pytest.mark.parametrize(("batched", "seed"), [(True, 0), (False, 0), (True, None), (False, None)])
+def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(tmp_path, batched, seed):
+    """Seeded (``rollout.seed`` an int): each request carries its rollouts' seed; unseeded (None, the GPU configs'
+    choice): no request carries one, batched or not."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig(name="tiny-qwen3")))
     rows = [{"prompt": f"What is {i} + {i + 2}?"} for i in range(3)]
     cfg = RolloutConfig(
@@ -118,6 +120,7 @@ def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(tmp_path, 
         max_staleness=1,
         batch_group_prompts=batched,
         num_epochs=1,
+        seed=seed,
     )
     with embedded_server(tmp_path) as handle:
 
@@ -142,8 +145,11 @@ def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(tmp_path, 
 
         sent, groups = asyncio.run(go())
     assert groups == len(rows)
+    if seed is None:
+        assert {s for _, s, _ in sent} == {None}, "an unseeded run sends no seed"
     if batched:
         assert [n for n, _, _ in sent] == [G] * len(rows), "one request of G choices per group"
-        assert sorted(seed for _, seed, _ in sent) == sorted(group_seed_base(cfg.seed, g) for g in range(len(rows)))
+        if seed is not None:
+            assert sorted(s for _, s, _ in sent) == sorted(group_seed_base(seed, g) for g in range(len(rows)))
     else:
         assert [n for n, _, _ in sent] == [1] * (G * len(rows))

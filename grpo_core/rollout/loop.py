@@ -246,14 +246,14 @@ class RolloutLoop:
         tops: list[dict[int, float]] | None = [] if cfg.num_sampler_logprobs > 0 else None
         for attempt in range(cfg.max_abort_retries + 1):
             first_request = counter[0] == 0
-            seed = request_seed(cfg.seed, group_id, rollout, counter[0])
+            seed = None if cfg.seed is None else request_seed(cfg.seed, group_id, rollout, counter[0])
             counter[0] += 1
             sampled_version = version if attempt == 0 else self.runtime.allowance.policy_version
             model = self.served_model(sampled_version)
             prompt = list(prompt_ids) + ids
 
             # awaited within this iteration, so the loop variables it reads are this iteration's (B023)
-            def send(first: int, n: int, seed: int = seed) -> Any:  # noqa: ARG001 - the coalescer's call
+            def send(first: int, n: int, seed: int | None = seed) -> Any:  # noqa: ARG001 - the coalescer's call
                 return server.complete(
                     prompt,  # noqa: B023
                     affinity_key=(group_id, sampled_version),  # noqa: B023
@@ -272,10 +272,10 @@ class RolloutLoop:
 
             try:
                 if self.coalescer is not None and first_request:  # a group's rollouts open with one prompt
-                    base = group_seed_base(cfg.seed, group_id)
+                    base = None if cfg.seed is None else group_seed_base(cfg.seed, group_id)
                     key = (group_id, sampled_version, model, budget, tuple(prompt))
                     out = await self.coalescer.complete(
-                        key, rollout, lambda first, n, base=base: send(first, n, seed=base + first)
+                        key, rollout, lambda first, n, base=base: send(first, n, None if base is None else base + first)
                     )
                 else:
                     (out,) = await send(rollout, 1)

@@ -211,7 +211,7 @@ def run_rollout(job: RolloutJob, on_ready: Any = None) -> int:
         allowance.on_report = board.on_report
     window = MetricWindow()
     completions = (
-        CompletionSample(job.config.num_completions_to_print, rollout.seed) if job.config.log_completions else None
+        CompletionSample(job.config.num_completions_to_print, rollout.seed or 0) if job.config.log_completions else None
     )
     stop = threading.Event()
 
