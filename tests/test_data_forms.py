@@ -384,3 +384,21 @@ def test_a_resume_with_other_sources_weights_or_mapping_is_refused(tmp_path):
     assert resume(single, folder) == []
     with pytest.raises(ConfigError, match=r"rollout.system_prompt: None -> 'Be brief.'"):
         resume({**single, "system_prompt": "Be brief."}, folder)
+
+
+def test_a_misspelled_prompt_column_is_refused_naming_the_field_and_the_columns(tmp_path):
+    """A prompt column the rows lack used to fall back to their own ``prompt`` (without the system prompt)."""
+    path = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "2+2?", "answer": "4"}])
+    assert rows_of(str(path), prompt_column="prompt")[0]["prompt"] == "2+2?"  # the rows load as they are
+    with pytest.raises(ConfigError) as err:
+        load_dataset(RolloutConfig(dataset=str(path), prompt_column="questoin", system_prompt="Be brief."))
+    message = str(err.value)
+    assert f"rollout.prompt_column='questoin' is not a column of {path} (columns: answer, prompt)" in message
+    assert "\n" not in message
+    mixture = RolloutConfig(datasets=[{"path": str(path)}, {"path": str(path), "name": "b", "prompt_column": "qu"}])
+    with pytest.raises(ConfigError, match=r"rollout\.datasets\[1\]\.prompt_column='qu' is not a column of"):
+        load_dataset(mixture)
+    # validate (preflight) refuses it too, before any row is scanned
+    cfg = RunConfig(model=ModelConfig(name="m"), rollout=RolloutConfig(dataset=str(path), prompt_column="questoin"))
+    with pytest.raises(ConfigError, match=r"rollout\.prompt_column='questoin' is not a column"):
+        preflight.check_dataset(cfg)

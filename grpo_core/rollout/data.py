@@ -174,7 +174,42 @@ def load_dataset(config: RolloutConfig) -> Any:
         )
     where = f"rollout.dataset={spec!r}"
     data = open_dataset(spec, where, config, config.dataset_split, config.column_types, config.dataset_kwargs)
+    check_prompt_column(data, config.prompt_column, "rollout.prompt_column", spec)
     return view(data, config.prompt_column, config.system_prompt)
+
+
+def column_names(dataset: Any) -> list[str] | None:
+    """The columns of a dataset: its ``column_names`` (Hugging Face), else the keys of its first row when it is
+    map-style and not empty; None when they cannot be told without consuming a stream."""
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, list | tuple):
+        return [str(n) for n in names]
+    size = num_rows(dataset)
+    if not size:
+        return None
+    try:
+        return [str(k) for k in dict(dataset[0])]
+    except (TypeError, KeyError, IndexError, ValueError):
+        return None
+
+
+def check_prompt_column(dataset: Any, column: str, field: str, spec: str) -> None:
+    """Refuse a ``prompt_column`` that is not a column of the dataset (a misspelling would otherwise fall back to
+    the rows' own ``prompt``, without the system prompt). The default ``prompt`` is left to preflight's row scan
+    (an environment may make the prompts), and so is a dataset whose columns cannot be told (a stream).
+
+    Raises:
+        ConfigError: ``field='column' is not a column of SPEC (columns: ...)``.
+    """
+    if column == "prompt":
+        return
+    names = column_names(dataset)
+    if names is None or column in names:
+        return
+    raise ConfigError(
+        f"{field}={column!r} is not a column of {spec} (columns: {', '.join(sorted(names))})"
+        f"{did_you_mean(column, names) or '; set it to the column holding the prompt'}"
+    )
 
 
 _FORMS = "'reasoning_gym:TASK', 'json:PATH' or 'module:callable'"
@@ -193,6 +228,7 @@ def load_mixture(config: RolloutConfig) -> Mixture:
         data = open_dataset(item.path, where, config, item.split, item.column_types, item.dataset_kwargs)
         if num_rows(data) is None:
             raise ConfigError(f"{where} is a streaming dataset (no length); a mixture needs map-style sources")
+        check_prompt_column(data, item.prompt_column, f"rollout.datasets[{i}].prompt_column", item.path)
         sources.append(Source(item.source_name(), view(data, item.prompt_column, item.system_prompt), item.weight))
     # shuffle off: a fixed draw (seed 0), as the fingerprint records no shuffle_seed then (a resume that changed it
     # must not change the order)
