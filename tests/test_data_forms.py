@@ -402,3 +402,21 @@ def test_a_misspelled_prompt_column_is_refused_naming_the_field_and_the_columns(
     cfg = RunConfig(model=ModelConfig(name="m"), rollout=RolloutConfig(dataset=str(path), prompt_column="questoin"))
     with pytest.raises(ConfigError, match=r"rollout\.prompt_column='questoin' is not a column"):
         preflight.check_dataset(cfg)
+
+
+def test_a_non_finite_mixture_weight_is_refused_and_huge_weights_normalise_without_overflow(tmp_path):
+    """``.inf`` gave NaN probabilities; two weights of 1e308 overflowed their sum to inf (probabilities 0)."""
+    from grpo_core.config import load_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {name: m}\nrollout:\n  datasets:\n    - {path: a.jsonl, weight: .inf}\n")
+    with pytest.raises(ConfigError, match=r"rollout\.datasets\[0\]\.weight: must be finite \(got inf\)"):
+        load_config(config)
+    with pytest.raises(ConfigError, match="finite"):
+        Mixture([Source("a", [{"prompt": "x"}], math.inf)], None, 0, False)
+    mix = mixture(epoch_size=4000, weights=(1e308, 1e308, 5e307))
+    # the shares are the weights' ratios 2:2:1
+    assert mix.probabilities.tolist() == pytest.approx([0.4, 0.4, 0.2])
+    counts = [int((mix.draws(0) == s).sum()) for s in range(3)]
+    for count, p in zip(counts, (0.4, 0.4, 0.2), strict=True):
+        assert abs(count - 4000 * p) <= 4 * math.sqrt(4000 * p * (1 - p)), counts

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import (
     Field,
+    field_validator,
     model_validator,
 )
 
@@ -53,7 +54,7 @@ class DatasetSource(_Strict):
     path: str = Field(min_length=1)
     """The dataset, in any form ``rollout.dataset`` takes (a file, ``hf:owner/name``, ``reasoning_gym:TASK``, ...)."""
     weight: float = Field(default=1.0, gt=0)
-    """Relative share of the mixture's prompts (normalised over the sources)."""
+    """Relative share of the mixture's prompts (normalised over the sources); finite."""
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
     """Name in the per-source metrics ``rollout/source/<name>/...``; None = from the path (its file stem, task or
     dataset name)."""
@@ -67,6 +68,13 @@ class DatasetSource(_Strict):
     """Types of CSV columns (``str``, ``int``, ``float``, ``bool``, ``json``); other columns are strings."""
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``module:callable`` source, or the task config of a ``reasoning_gym:`` one."""
+
+    @field_validator("weight")
+    @classmethod
+    def _finite_weight(cls, weight: float) -> float:
+        if not math.isfinite(weight):
+            raise ValueError(f"must be finite (got {weight}); weights are relative shares, e.g. 1 and 3")
+        return weight
 
     def source_name(self) -> str:
         """``name``, else a name from the path: the task, the dataset's or the file's stem (metric-safe)."""

@@ -100,7 +100,7 @@ class Mixture:
 
     def __init__(self, sources: Sequence[Source], epoch_size: int | None, seed: int, shuffle: bool) -> None:
         """Raises:
-        ConfigError: no source, a weight that is not positive, or an empty source (names it)."""
+        ConfigError: no source, a weight that is not positive and finite, or an empty source (names it)."""
         if not sources:
             raise ConfigError("rollout.datasets is empty; list at least one dataset")
         self.sources, self.seed, self.shuffle = list(sources), seed, shuffle
@@ -108,11 +108,14 @@ class Mixture:
         for source, size in zip(self.sources, self.sizes, strict=True):
             if size == 0:
                 raise ConfigError(f"rollout.datasets: {source.name!r} has no rows")
-            if not source.weight > 0:
-                raise ConfigError(f"rollout.datasets: {source.name!r} has weight {source.weight}; weights are > 0")
+            if not (source.weight > 0 and np.isfinite(source.weight)):
+                raise ConfigError(
+                    f"rollout.datasets: {source.name!r} has weight {source.weight}; weights are finite and > 0"
+                )
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64).tolist()
         self.epoch_size = epoch_size or self.offsets[-1]
         weights = np.asarray([s.weight for s in self.sources], dtype=np.float64)
+        weights = weights / weights.max()  # before summing: weights near the float maximum would overflow the sum
         self.probabilities = weights / weights.sum()
         self._counts: list[np.ndarray] = []  # per epoch: prompts taken from each source
         self._orders: dict[tuple[int, int], np.ndarray] = {}
