@@ -331,3 +331,24 @@ def test_vllm_is_launched_only_with_flags_the_launching_workers_allow_list_admit
     safe = RunConfig(model={"name": "tiny-llama"}, server={"extra_args": ["--max-num-batched-tokens", "4096"]})
     monkeypatch.setenv(ALLOWED_MODULES_ENV, "")
     assert vllm_command(safe).argv[-2:] == ["--max-num-batched-tokens", "4096"]
+
+
+@pytest.mark.parametrize("field", ["rollout.reward_functions[0]", "eval.reward_functions[0]"])
+def test_a_misspelt_reward_of_the_users_own_module_gets_a_suggestion(tmp_path, monkeypatch, field):
+    """A config passed to ``grpo train --config`` lists its own names (``trust_config``): a misspelt one of them,
+    registered or a plain function of the user's module, is named with the closest name of the module."""
+    (tmp_path / "my_scores.py").write_text(
+        "def exact_match(completions, answer, **_):\n    return [0.0] * len(completions)\n\n"
+        "def _exact_match_helper():\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path, suggestion in [
+        ("my_scores:exact_mach", "my_scores:exact_match"),
+        ("examples.rewards:contains_answr", "examples.rewards:contains_answer"),
+        ("grpo_core.demo_rewards:even_token_rewrd", "grpo_core.demo_rewards:even_token_reward"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            import_object(path, field, allowed=("grpo_core", path))
+        message = str(err.value)
+        assert message.startswith(f"{field}={path!r} cannot be imported"), message
+        assert message.endswith(f"; did you mean {suggestion}?"), message

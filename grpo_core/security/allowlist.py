@@ -299,6 +299,19 @@ def _listed_object(path: str, module: Any, attr: str, field: str) -> Any:
     return obj
 
 
+def _close_names(module: Any, attr: str, kind: str) -> str:
+    """``"; did you mean module:a?"`` for the names closest to a misspelt ``attr`` among ``module``'s registered
+    entries of ``kind`` and its public functions and classes defined there (an entry listed by name in the
+    allow-list need not be registered), else ``""``."""
+    name = module.__name__
+    names = {entry.partition(":")[2] for entry in entries_of(name, kind)}
+    for key, value in vars(module).items():
+        home = getattr(getattr(value, "__func__", value), "__module__", None)
+        if not key.startswith("_") and (inspect.isclass(value) or inspect.isroutine(value)) and home == name:
+            names.add(key)
+    return did_you_mean(attr, sorted(names), f"{name}:")
+
+
 def _close_entries(module_name: str, attr: str, kind: str) -> str:
     """``"; did you mean module:a?"`` for ``module``'s registered entries of ``kind`` closest to a misspelt ``attr``
     (:func:`grpo_core.errors.did_you_mean`), else ``"; its <kind> entries: ..."`` or ``""`` when it has none."""
@@ -338,6 +351,11 @@ def import_object(path: str, field: str, allowed: tuple[str, ...] | None = None,
                 check_kind(obj, kind, field, path)  # says what it is, when that is not of the kind
                 raise ConfigError(f"{field}={path!r} is registered as a {'/'.join(sorted(kinds))} entry, not a {kind}")
         elif listed:
+            if not hasattr(module, attr.split(".")[0]):
+                raise ConfigError(
+                    f"{field}={path!r} cannot be imported: module {module_name!r} has no attribute "
+                    f"{attr.split('.')[0]!r}" + _close_names(module, attr.split(".")[0], kind)
+                )
             obj = _listed_object(path, module, attr, field)
         else:
             if not hasattr(module, attr.split(".")[0]):
