@@ -592,6 +592,71 @@ def check_rendezvous_host(cfg: RunConfig) -> None:
     )
 
 
+def _pem_problem(path: Path, marker: str, what: str) -> str | None:
+    """Why ``path`` cannot be used as a PEM ``what`` (missing, a folder, unreadable, no ``-----BEGIN <marker>``),
+    else None."""
+    if not path.exists():
+        return "does not exist"
+    if not path.is_file():
+        return "is a directory, not a file" if path.is_dir() else "is not a regular file"
+    try:
+        text = path.read_bytes().decode("ascii", errors="replace")
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if not re.search(rf"-----BEGIN [A-Z ]*{marker}-----", text):
+        return f"is not a PEM {what} (no '-----BEGIN ...{marker}-----' block)"
+    if marker == "PRIVATE KEY" and ("ENCRYPTED" in text):
+        return "is an encrypted key; give the key unencrypted (keep it 0600)"
+    return None
+
+
+def check_tls(cfg: RunConfig) -> None:
+    """The ``tls`` files: each one set exists, is a readable PEM file of its kind, the key is the certificate's
+    (:func:`grpo_core.serving.limits.tls_options`, the servers' own start check) and the CA file loads as trusted
+    certificates. Without this, a bad file passed ``grpo validate`` and failed when a server started.
+
+    Raises:
+        ConfigError: one line naming ``tls.cert_file``, ``tls.key_file`` or ``tls.ca_file`` and the problem.
+    """
+    import ssl
+
+    from grpo_core.serving.limits import client_ssl_context, tls_options
+
+    tls = cfg.tls
+    files = [
+        ("tls.cert_file", tls.cert_file, "CERTIFICATE", "certificate"),
+        ("tls.key_file", tls.key_file, "PRIVATE KEY", "private key"),
+        ("tls.ca_file", tls.ca_file, "CERTIFICATE", "CA certificate"),
+    ]
+    for field, path, marker, what in files:
+        if path is None:
+            continue
+        problem = _pem_problem(Path(path), marker, what)
+        if problem is not None:
+            raise ConfigError(f"{field}={str(path)!r} {problem}; set {field} to a PEM {what} file")
+    if tls.cert_file is not None and tls.key_file is not None:
+        try:
+            tls_options(tls.cert_file, tls.key_file)
+        except ValueError as exc:
+            if "KEY_VALUES_MISMATCH" in str(exc) or "key values mismatch" in str(exc):
+                raise ConfigError(
+                    f"tls.key_file={str(tls.key_file)!r} is not the key of tls.cert_file={str(tls.cert_file)!r}; "
+                    "give the certificate and the key it was issued for"
+                ) from None
+            raise ConfigError(
+                f"tls.cert_file={str(tls.cert_file)!r} and tls.key_file={str(tls.key_file)!r} do not load as a "
+                f"certificate and its key ({exc}); give PEM files of a certificate and its unencrypted key"
+            ) from None
+    if tls.ca_file is not None:
+        try:
+            client_ssl_context(tls.ca_file)
+        except ssl.SSLError as exc:
+            raise ConfigError(
+                f"tls.ca_file={str(tls.ca_file)!r} does not load as CA certificates ({exc}); give the PEM "
+                "certificate(s) of the CA that signed the servers' certificates"
+            ) from None
+
+
 def check_run(cfg: RunConfig, create: bool = True) -> None:
     """Every check that can run before a server starts.
 
@@ -609,6 +674,7 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     check_code_references(cfg)  # before anything is imported or called
     check_adapter_store(cfg)  # before any folder is made
     check_tokens(cfg)
+    check_tls(cfg)
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)", create)
     check_tracking(cfg, create)
     check_resume_from(cfg, create)

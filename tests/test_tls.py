@@ -332,3 +332,34 @@ def test_a_grpo_train_runs_over_tls(pki, tmp_path):
     assert steps == [1, 2]
     assert (run_dir / "rollout.location").read_text().startswith("grpc+tls://127.0.0.1:")
     assert "on https://127.0.0.1:" in (run_dir / "servers" / "embedded-replica0.log").read_text()
+
+
+def test_validate_refuses_each_bad_tls_file_naming_its_field(pki, tmp_path):
+    """``grpo validate`` (preflight) checks the tls files it used to pass: missing, a folder, not PEM, a key of
+    another certificate, a CA file that is no certificate."""
+    from grpo_core.errors import ConfigError
+    from grpo_core.preflight import check_tls
+
+    check_tls(RunConfig(tls=TLSConfig(cert_file=pki["cert"], key_file=pki["key"], ca_file=pki["ca"])))  # good
+    other_key = tmp_path / "other.key"
+    other_key.write_bytes(
+        ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    not_pem = tmp_path / "cert.der"
+    not_pem.write_bytes(b"\x30\x82\x01\x0a not a pem file")
+    cases = [
+        ({"cert_file": tmp_path / "missing.pem", "key_file": pki["key"]}, "tls.cert_file", "does not exist"),
+        ({"cert_file": pki["cert"], "key_file": tmp_path}, "tls.key_file", "is a directory"),
+        ({"cert_file": not_pem, "key_file": pki["key"]}, "tls.cert_file", "is not a PEM certificate"),
+        ({"cert_file": pki["cert"], "key_file": pki["cert"]}, "tls.key_file", "is not a PEM private key"),
+        ({"cert_file": pki["cert"], "key_file": other_key}, "tls.key_file", "is not the key of tls.cert_file"),
+        ({"ca_file": pki["key"]}, "tls.ca_file", "is not a PEM CA certificate"),
+        ({"ca_file": tmp_path / "nope.pem"}, "tls.ca_file", "does not exist"),
+    ]
+    for files, field, problem in cases:
+        with pytest.raises(ConfigError) as err:
+            check_tls(RunConfig(tls=TLSConfig(**files)))
+        message = str(err.value)
+        assert message.startswith(f"{field}=") and problem in message and "\n" not in message, (files, message)
