@@ -257,6 +257,43 @@ def _reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:
     return funcs + [(f.__name__, f) for f in default_rewards(cfg.rollout)]
 
 
+def check_reward_pickling(cfg: RunConfig) -> None:
+    """With ``rollout.reward_workers > 0`` each sync reward function (of training and of ``eval``) is sent to a
+    worker process by pickling it (:mod:`grpo_core.rollout.reward_pool`); one that cannot be pickled (a lambda, a
+    nested function, a local class's method) would fail only at the first group, so it is refused here.
+
+    Raises:
+        ConfigError: names the function, the pickling error and the three fixes.
+    """
+    import pickle
+
+    from grpo_core.rollout.usercode import is_async
+
+    workers = cfg.rollout.reward_workers
+    if workers == 0:
+        return
+    funcs = [(f"rollout.reward_functions: {name}", func) for name, func in _reward_functions(cfg)]
+    if cfg.eval.enabled and cfg.eval.reward_functions is not None:
+        from grpo_core.security.allowlist import import_object
+
+        funcs += [
+            (f"eval.reward_functions: {n}", import_object(n, "eval.reward_functions"))
+            for n in cfg.eval.reward_functions
+        ]
+    for what, func in funcs:
+        if is_async(func):
+            continue
+        try:
+            pickle.dumps(func, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types; the message names it
+            raise ConfigError(
+                f"{what} cannot be pickled ({type(exc).__name__}: {exc}), and with rollout.reward_workers={workers} "
+                "sync reward functions are sent to worker processes pickled; define it as a top-level function of "
+                "an importable module (not a lambda or a nested function), make it async, or set "
+                "rollout.reward_workers: 0 (threads of the rollout process)"
+            ) from None
+
+
 def required_reward_columns(cfg: RunConfig) -> dict[str, str]:
     """Dataset columns the reward functions need: parameter name -> function name.
 
@@ -689,6 +726,7 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     resolve_response_template(cfg.rollout.response_template)
     check_dataset(cfg)
     check_eval(cfg)
+    check_reward_pickling(cfg)
     check_chat_template(cfg)
     check_prompt_lengths(cfg)
     check_push(cfg)

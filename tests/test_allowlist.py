@@ -352,3 +352,44 @@ def test_a_misspelt_reward_of_the_users_own_module_gets_a_suggestion(tmp_path, m
         message = str(err.value)
         assert message.startswith(f"{field}={path!r} cannot be imported"), message
         assert message.endswith(f"; did you mean {suggestion}?"), message
+
+
+def test_preflight_refuses_a_sync_reward_that_cannot_be_pickled_for_the_reward_workers(tmp_path, monkeypatch):
+    """A lambda or nested sync reward function passed validate and failed at the first group (the reward worker
+    processes get each call pickled); async ones and ``reward_workers: 0`` need no pickling."""
+    from grpo_core.config import RolloutConfig
+    from grpo_core.config.evaluation import EvalConfig
+
+    (tmp_path / "my_lambdas.py").write_text(
+        "score = lambda completions, **_: [1.0] * len(completions)\n\n"
+        "def _make():\n    def inner(completions, **_):\n        return [1.0] * len(completions)\n    return inner\n\n"
+        "nested = _make()\n\n"
+        "def good(completions, **_):\n    return [1.0] * len(completions)\n\n"
+        "async def later(completions, **_):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ["my_lambdas:score", "my_lambdas:nested", "my_lambdas:good", "my_lambdas:later"]
+    monkeypatch.setenv(ALLOWED_MODULES_ENV, ",".join(["grpo_core", *names]))
+    import my_lambdas  # the set-up: the lambda and the nested function really cannot be pickled, the others can
+
+    for func in (my_lambdas.score, my_lambdas.nested):
+        with pytest.raises(Exception):  # noqa: B017 - pickling raises PicklingError or AttributeError
+            __import__("pickle").dumps(func)
+    for name in ("my_lambdas:score", "my_lambdas:nested"):
+        cfg = RunConfig(rollout=RolloutConfig(reward_functions=["my_lambdas:good", name], reward_workers=2))
+        with pytest.raises(ConfigError) as err:
+            preflight.check_reward_pickling(cfg)
+        message = str(err.value)
+        assert message.startswith(f"rollout.reward_functions: {name} cannot be pickled"), message
+        for fix in ("top-level function", "make it async", "rollout.reward_workers: 0"):
+            assert fix in message, message
+        preflight.check_reward_pickling(
+            cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"reward_workers": 0})})
+        )
+    preflight.check_reward_pickling(
+        RunConfig(rollout=RolloutConfig(reward_functions=["my_lambdas:good", "my_lambdas:later"]))
+    )
+    evaluated = RunConfig(eval=EvalConfig(dataset="x.jsonl", reward_functions=["my_lambdas:score"]))
+    assert evaluated.eval.enabled
+    with pytest.raises(ConfigError, match=r"^eval\.reward_functions: my_lambdas:score cannot be pickled"):
+        preflight.check_reward_pickling(evaluated)
