@@ -395,3 +395,20 @@ def test_trainer_path_gspo_on_a_tree_packed_row_matches_the_per_sample_formula()
     assert any(clipped) and not all(clipped), ratios  # some sequences clipped whole, some trained
     assert res.loss.item() == pytest.approx(ref.item(), rel=1e-6)
     torch.testing.assert_close(g_packed, g_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_an_upper_clip_below_the_lower_is_refused_naming_both_fields():
+    """``algorithm: gspo`` with ``train.epsilon: 0.2`` kept the preset's epsilon_high 4e-4: a clip range
+    [1 - 0.2, 1 + 4e-4], narrower above than below, was accepted."""
+    assert ALGORITHM_PRESETS["gspo"]["train"]["epsilon_high"] < 0.2  # the set-up: the preset fills 4e-4 in
+    for overrides in (["algorithm=gspo", "train.epsilon=0.2"], ["train.epsilon=0.2", "train.epsilon_high=0.1"]):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides)
+        message = str(err.value)
+        assert "train.epsilon_high (" in message and "is below train.epsilon (0.2)" in message, message
+        assert "set train.epsilon_high >= train.epsilon" in message, message
+    assert load_config(None, ["algorithm=gspo"]).train.epsilon_high == pytest.approx(4e-4)  # the preset alone is kept
+    assert load_config(None, ["train.epsilon=0.2", "train.epsilon_high=0.2"]).train.epsilon_high == 0.2  # equal is fine
+    # CISPO's epsilon is the lower bound of its weight (1 = none); a cap 1 + epsilon_high below 2 is the paper's use
+    cispo = ["algorithm=cispo", "train.epsilon_high=0.28"]
+    assert load_config(None, cispo).train.epsilon_high == pytest.approx(0.28)

@@ -99,6 +99,13 @@ class TrainConfig(_Strict):
                 f"train.sequence_mask_min ({self.sequence_mask_min}) must be below train.sequence_mask_max "
                 f"({self.sequence_mask_max}); e.g. 0.999 and 1.001 for sequence_mask: geometric"
             )
+        if self.loss_type != "cispo" and self.epsilon_high is not None and self.epsilon_high < self.epsilon:
+            raise ConfigError(
+                f"train.epsilon_high ({self.epsilon_high:g}) is below train.epsilon ({self.epsilon:g}): the clipped "
+                "surrogate's upper clip would be narrower than its lower one; set train.epsilon_high >= train.epsilon "
+                "(e.g. 0.28 with 0.2, DAPO's clip-higher) or leave it unset (= epsilon). An `algorithm` preset fills "
+                "only what the config leaves unset (gspo: epsilon 3e-4, epsilon_high 4e-4): set both or neither"
+            )
         return self
 
     output_dir: Path = Path("runs/train")
@@ -192,7 +199,8 @@ class TrainConfig(_Strict):
     epsilon: float = Field(default=0.2, gt=0)
     """Clipped surrogate: lower trust-region width."""
     epsilon_high: float | None = Field(default=None, gt=0)
-    """Clipped surrogate: upper width; None = epsilon. Above epsilon = DAPO's clip-higher (DAPO uses 0.28)."""
+    """Clipped surrogate: upper width; None = epsilon. Above epsilon = DAPO's clip-higher (DAPO uses 0.28); below
+    epsilon is refused (``grpo``, ``gspo``)."""
     loss_type: Literal["grpo", "cispo", "gspo"] = "grpo"
     """``grpo``: the score-centred gradient or the clipped surrogate, as ``score_centering`` says; ``cispo``: the
     clipped IS weight of CISPO (MiniMax-M1, 2025), sg(clip(π/μ, 1 − epsilon, 1 + epsilon_high))·A·log π;
