@@ -467,3 +467,23 @@ def test_rows_cross_ranks_in_the_rust_layout_unchanged(backend):
     back = base.PackedRow.from_ipc(row.to_ipc())
     assert back.equals(row) and back.num_forwarded == row.num_forwarded == len(row.column("input_ids"))
     assert [getattr(back, c) for c in base.ROW_COUNTS] == [row.num_forwarded, row.num_trained, row.num_raw, 3, row.load]
+
+
+@pytest.mark.parametrize("backend", ["python", "rust"])
+def test_masked_token_frac_counts_a_trie_position_shared_by_duplicates_once(backend):
+    """Two identical completions of one prompt share every trie position: p + c positions are forwarded, c of them
+    (the last prompt token and the completion's first c - 1) predict a trained token, so 1 - c / (p + c) of the
+    forwarded positions train nothing, though each sample's c loss terms count in trained_tokens (2 c)."""
+    import numpy as np
+
+    from grpo_core.packing import Sample, get_packer, micro_batch_stats
+
+    p, c = 5, 3
+    ids = np.arange(1, p + c + 1, dtype=np.int32)
+    mask = np.array([0] * p + [1] * c, dtype=np.int8)
+    logprobs = np.zeros(p + c, dtype=np.float32)
+    samples = [Sample(i, 0, 0, ids.copy(), mask.copy(), logprobs.copy(), 1.0 - 2 * i) for i in range(2)]
+    row = get_packer(backend).pack_row(samples, 64)
+    stats = micro_batch_stats([row], 64)
+    assert (stats["forwarded_tokens"], stats["trained_tokens"], stats["trained_positions"]) == (p + c, 2 * c, c)
+    assert 0.0 <= 1 - stats["trained_positions"] / stats["forwarded_tokens"] == pytest.approx(1 - c / (p + c))

@@ -214,7 +214,9 @@ def micro_batch_stats(rows: MicroBatch, token_budget: int) -> dict[str, float]:
         ``packing_ratio`` (raw ÷ forwarded tokens), ``row_fill_frac`` (mean
         forwarded ÷ budget), ``row_imbalance`` (max ÷ mean row load, 1.0 =
         balanced), ``samples_per_row``, ``row_tokens_mean``, ``row_tokens_max``,
-        forwarded/trained/raw token counts.
+        forwarded/trained/raw token counts, and ``trained_positions``: the forwarded positions whose output
+        carries at least one loss term (a position shared by duplicate completions in the trie counts once, while
+        ``trained_tokens`` counts each sample's term).
     """
     forwarded = [r.num_forwarded for r in rows]
     loads = [r.load for r in rows]
@@ -228,6 +230,7 @@ def micro_batch_stats(rows: MicroBatch, token_budget: int) -> dict[str, float]:
         "row_tokens_max": max(forwarded),
         "forwarded_tokens": sum(forwarded),
         "trained_tokens": sum(r.num_trained for r in rows),
+        "trained_positions": sum(int(np.unique(r.column("token_index")).size) for r in rows),
         "raw_tokens": sum(r.num_raw for r in rows),
     }
 

@@ -328,7 +328,11 @@ class Planner:
             "batch/samples_per_step": sum(r.num_samples for r in rows),
             "batch/groups_per_step": len(groups),
             "batch/microbatches_per_step": len(step),
-            "batch/masked_token_frac": 1 - trained / forwarded if forwarded else 0.0,
+            # forwarded positions that train nothing (prompts, masked tokens); a trie position shared by duplicate
+            # completions trains once here, though each sample's term counts in trained_tokens_per_step
+            "batch/masked_token_frac": 1 - sum(s["trained_positions"] for s in per_mb) / forwarded
+            if forwarded
+            else 0.0,
             "batch/packing_ratio": raw / forwarded if forwarded else 1.0,
             "batch/row_fill_frac": sum(s["row_fill_frac"] for s in per_mb) / len(per_mb),
             "batch/row_imbalance": sum(s["row_imbalance"] for s in per_mb) / len(per_mb),
