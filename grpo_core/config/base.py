@@ -24,7 +24,7 @@ from pydantic import (
 from grpo_core.errors import ConfigError
 from grpo_core.security.redact import mask_secret_keys
 
-logger = logging.getLogger("grpo_core.config")
+logger = logging.getLogger(__name__)
 
 
 #: Environment variable holding external servers' bearer token when ``server.api_key`` is unset (a process started

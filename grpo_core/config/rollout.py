@@ -16,7 +16,7 @@ from pydantic import (
 from grpo_core.config.base import REMOVED_ROLLOUT_FIELDS, _CandidateFilter, _changed, _refuse_removed, _Strict
 from grpo_core.errors import ConfigError
 
-logger = logging.getLogger("grpo_core.config")
+logger = logging.getLogger(__name__)
 
 
 #: Prefixes of ``rollout.dataset`` that name data, not code: the form, then what it reads.

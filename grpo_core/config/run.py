@@ -35,7 +35,7 @@ from grpo_core.config.views import (
 from grpo_core.errors import ConfigError
 from grpo_core.run.layout import ADAPTER_DIR, WEIGHTS_DIR
 
-logger = logging.getLogger("grpo_core.config")
+logger = logging.getLogger(__name__)
 
 
 def _check_fixed_ports(cfg: RunConfig) -> None:

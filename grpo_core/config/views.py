@@ -20,7 +20,7 @@ from grpo_core.config.train import ExportConfig, PackingConfig, TrainConfig
 from grpo_core.errors import ConfigError
 from grpo_core.security.redact import MASK, secret_fields
 
-logger = logging.getLogger("grpo_core.config")
+logger = logging.getLogger(__name__)
 
 
 class RolloutProcessConfig(_Strict):
