@@ -126,3 +126,28 @@ def test_an_unreadable_indirect_value_is_a_clear_error(value, says, monkeypatch)
     with pytest.raises(ConfigError, match="--set server.api_key=") as info:
         load_config(None, [f"server.api_key={value}"])
     assert says in str(info.value)
+
+
+def test_two_overrides_read_from_stdin_are_refused_naming_both_keys_and_the_other_forms():
+    # a real process with two lines on its standard input: before the fix the second key got the second line (or
+    # an empty string with one line); now neither reads it and the command names both keys
+    argv = ["server.api_key=@stdin", "rollout.dataset_kwargs.api_key=@stdin"]
+    done = subprocess.run(
+        [sys.executable, "-c", _LOADER, *argv],
+        input="sk-first\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "ConfigError" in done.stderr, done.stdout + done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert "--set server.api_key=@stdin" in error and "--set rollout.dataset_kwargs.api_key=@stdin" in error, error
+    assert "@file:PATH" in error and "@env:NAME" in error, error
+
+
+def test_one_override_read_from_stdin_beside_an_env_one_still_loads(monkeypatch):
+    monkeypatch.setenv("MY_SERVER_KEY", "sk-env")
+    monkeypatch.setattr(config_loading, "_stdin_line", lambda key: "sk-stdin")
+    config = load_config(None, ["server.api_key=@env:MY_SERVER_KEY", "rollout.dataset_kwargs.api_key=@stdin"])
+    assert config.server.api_key is not None and config.server.api_key.get_secret_value() == "sk-env"
+    assert config.rollout.dataset_kwargs["api_key"] == "sk-stdin"  # a dict's secret key holds the value itself

@@ -3,10 +3,11 @@
 An override's value is YAML (``train.max_steps=5``), or, for a secret, read off the command line (where any
 user of the host reads it in ``/proc/<pid>/cmdline`` or ``ps`` for as long as the command runs):
 ``key=@env:NAME`` (the environment variable ``NAME``), ``key=@file:PATH`` (the file's text, one trailing newline
-dropped) or ``key=@stdin`` (one line of standard input; a prompt that does not echo on a terminal), each taken as
-a string. ``@`` cannot start a plain YAML value, so no value meant as YAML reads as one of these. An override
-that puts a secret on the command line (a ``SecretStr`` field, a flag of ``server.extra_args`` such as
-``--api-key``, a dict key such as ``api_key``) is applied with a warning naming these forms.
+dropped) or ``key=@stdin`` (one line of standard input, for one override of a command at most; a prompt that does
+not echo on a terminal), each taken as a string. ``@`` cannot start a plain YAML value, so no value meant as YAML
+reads as one of these. An override that puts a secret on the command line (a ``SecretStr`` field, a flag of
+``server.extra_args`` such as ``--api-key``, a dict key such as ``api_key``) is applied with a warning naming these
+forms.
 """
 
 from __future__ import annotations
@@ -263,6 +264,21 @@ def _indirect_value(key: str, value: str) -> str | None:
     )
 
 
+def _refuse_two_stdin_reads(overrides: list[str]) -> None:
+    """Refuse two overrides read from standard input (``key=@stdin``), before either reads it: standard input gives
+    one line, so the second would get the next line or an empty string.
+
+    Raises:
+        ConfigError: naming both keys and the other forms.
+    """
+    keys = [item.split("=", 1)[0].strip() for item in overrides if item.partition("=")[2] == STDIN_VALUE]
+    if len(keys) > 1:
+        raise ConfigError(
+            f"--set {keys[0]}={STDIN_VALUE} and --set {keys[1]}={STDIN_VALUE}: standard input gives one value to "
+            f"one override; read the other from a file or the environment ({FILE_VALUE}PATH or {ENV_VALUE}NAME)"
+        )
+
+
 def _warn_secrets_on_command_line(config: BaseModel, keys: list[str]) -> None:
     """Warn once per key about each override of ``keys`` (given as ``key=value`` on the command line) that holds a
     secret of ``config``: a ``SecretStr`` field (a URL only with a password), or a secret under it."""
@@ -301,6 +317,7 @@ def _validate(
             apply_secrets(data, secrets)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    _refuse_two_stdin_reads(overrides or [])
     plain: list[str] = []  # keys of the overrides whose value is on the command line
     for item in overrides or []:
         if "=" not in item:
