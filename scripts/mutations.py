@@ -97,7 +97,7 @@ MUTATIONS = (
     Mutation(
         "ignore-eos",
         "the embedded server ends a sequence at EOS",
-        "grpo_core/serving/engine.py",
+        "grpo_core/serving/embedded/engine.py",
         "(token in self.eos_token_ids and not seq.ignore_eos)",
         "(False and token in self.eos_token_ids)",
         ("tests/test_serving_embedded.py",),

@@ -97,7 +97,7 @@ def reference_logprobs(
 ) -> torch.Tensor:
     """Processed log-probs of ``output`` given ``prompt``, from one unbatched forward pass.
 
-    Written independently of ``grpo_core.serving.sampling``: log-softmax of logits / T
+    Written independently of ``grpo_core.serving.embedded.sampling``: log-softmax of logits / T
     renormalised over the candidate set (min-p relative to the top probability, then top-k,
     then top-p keeping the smallest prefix of descending probabilities whose mass reaches p).
 

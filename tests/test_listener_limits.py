@@ -23,7 +23,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 def _app(tokenizer=None, max_body: int | None = None):
     """The embedded server's app over no engine (its guard, routes and tokenizer path only)."""
-    from grpo_core.serving.app import ServerState, create_app
+    from grpo_core.serving.embedded.app import ServerState, create_app
 
     guard = {"token": TOKEN, **({"max_body": max_body} if max_body is not None else {})}
     state = ServerState(

@@ -63,7 +63,7 @@ KNOWN = {
 
 def _embedded_app(token: str = "in-process-token-0123"):
     """The embedded server's FastAPI app over no engine: its routes and its guard, nothing behind them."""
-    from grpo_core.serving.app import ServerState, create_app
+    from grpo_core.serving.embedded.app import ServerState, create_app
 
     state = ServerState(
         engine=None,

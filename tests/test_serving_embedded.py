@@ -344,7 +344,7 @@ def test_eos_ends_a_sequence_unless_ignore_eos():
 
     from grpo_core.config import ModelConfig
     from grpo_core.models import load_model
-    from grpo_core.serving.engine import Engine, Sequence
+    from grpo_core.serving.embedded.engine import Engine, Sequence
 
     torch.manual_seed(0)
     model = load_model(ModelConfig(name=TINY))[0]

@@ -12,8 +12,8 @@ from serving_helpers import reference_logprobs
 
 from grpo_core.config import ModelConfig
 from grpo_core.models import load_model, resolve_model_dir
-from grpo_core.serving.engine import Engine, Sequence
-from grpo_core.serving.weights import WeightManager
+from grpo_core.serving.embedded.engine import Engine, Sequence
+from grpo_core.serving.embedded.weights import WeightManager
 
 MODEL = ModelConfig(name="tiny-qwen3.5")
 # fp32 noise of the chunked delta rule: on this (deliberately peaky) model transformers' own cached

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_core.serving.sampling import RowSampling, sample_tokens
+from grpo_core.serving.embedded.sampling import RowSampling, sample_tokens
 
 
 def _params(rows: int, **kw) -> RowSampling:

@@ -228,7 +228,7 @@ def test_lora_check_names_restart_flags():
 
 def test_embedded_help_is_instant_and_imports_no_torch():
     code = (
-        "import sys, grpo_core.serving.embedded as e; e.build_parser().format_help(); "
+        "import sys, grpo_core.serving.embedded.server as e; e.build_parser().format_help(); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

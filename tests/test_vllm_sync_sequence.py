@@ -53,7 +53,7 @@ class RecordingServer:
     def __init__(self, fail: dict[str, int] | None = None, weights_dir=None):
         import uvicorn
 
-        from grpo_core.serving.embedded import bind_socket
+        from grpo_core.serving.embedded.server import bind_socket
         from grpo_core.serving.guard import RunGuardMiddleware
 
         self.calls: list[tuple[str, str, dict, object]] = []

@@ -15,8 +15,8 @@ from grpo_core.config import LoraConfig, ModelConfig
 from grpo_core.models import load_model, resolve_model_dir
 from grpo_core.models.text_model import checkpoint_keys, checkpoint_name_map, load_text_model, write_trained_checkpoint
 from grpo_core.packing import Sample, get_packer
-from grpo_core.serving.engine import Engine
-from grpo_core.serving.weights import WeightManager
+from grpo_core.serving.embedded.engine import Engine
+from grpo_core.serving.embedded.weights import WeightManager
 from grpo_core.train.policy import build_policy
 from grpo_core.train.rows import to_tensors
 from grpo_core.train.weight_sync import LoraAdapterSync

@@ -134,7 +134,7 @@ def free_port(host: str = LOOPBACK) -> int:
     """A TCP port free on ``host`` right now (the kernel's pick for port 0; IPv6 when ``host`` has a colon).
 
     Another process may take it before the caller binds it: prefer handing a listening socket over
-    (``grpo_core.serving.embedded.bind_socket``) where the listener is ours.
+    (``grpo_core.serving.embedded.server.bind_socket``) where the listener is ours.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:

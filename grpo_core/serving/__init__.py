@@ -2,8 +2,8 @@
 
 - ``vllm``: ``vllm serve`` command lines from the typed config, launch/health/teardown,
   fallback to the embedded server.
-- ``embedded`` (entry point) / ``app`` / ``engine`` / ``sampling`` / ``weights``: the embedded
-  server on transformers with vLLM's API and metric names.
+- ``embedded/``: the embedded server on transformers with vLLM's API and metric names (``server``, the entry
+  point; ``app``, ``engine``, ``cache``, ``sampling``, ``weights``).
 - ``client``: the async client the rollout uses against either server.
 
 Nothing is imported here so ``python -m grpo_core.serving.embedded --help`` stays instant.

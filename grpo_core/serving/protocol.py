@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpo_core.serving.engine import Sequence
+if TYPE_CHECKING:
+    from grpo_core.serving.embedded.engine import Sequence
 
 LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf log-probs to this value in JSON answers
 

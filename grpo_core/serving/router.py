@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from grpo_core.security.auth import TLS_CA_ENV
-    from grpo_core.serving.embedded import listen
+    from grpo_core.serving.embedded.server import listen
     from grpo_core.serving.limits import tls_options, uvicorn_options, warn_if_exposed
     from grpo_core.serving.routing import ReplicaSet, token_refused
 

@@ -28,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from grpo_core.errors import ServingError
-from grpo_core.serving.engine import Engine, PauseMode, Sequence
+from grpo_core.serving.embedded.engine import Engine, PauseMode, Sequence
+from grpo_core.serving.embedded.weights import AdapterError, WeightManager
 from grpo_core.serving.guard import RunGuardMiddleware
 from grpo_core.serving.protocol import (
     CompletionRequest,
@@ -40,7 +41,6 @@ from grpo_core.serving.protocol import (
     error_response,
 )
 from grpo_core.serving.sampling_defaults import NEUTRAL
-from grpo_core.serving.weights import AdapterError, WeightManager
 
 logger = logging.getLogger(__name__)
 

@@ -140,10 +140,10 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
     import uvicorn
 
     from grpo_core.models import load_model, resolve_model_dir
-    from grpo_core.serving.app import ServerState, create_app
-    from grpo_core.serving.engine import Engine
+    from grpo_core.serving.embedded.app import ServerState, create_app
+    from grpo_core.serving.embedded.engine import Engine
+    from grpo_core.serving.embedded.weights import WeightManager
     from grpo_core.serving.sampling_defaults import generation_config_defaults
-    from grpo_core.serving.weights import WeightManager
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -241,7 +241,3 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"invalid argument: {exc}")
     serve(args, model_cfg, server_cfg)
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from grpo_core.errors import ServingError
-from grpo_core.serving.engine import Engine
+from grpo_core.serving.embedded.engine import Engine
 
 logger = logging.getLogger(__name__)
 

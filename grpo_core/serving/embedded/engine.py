@@ -9,7 +9,7 @@ batching, as vLLM's scheduler does, on a Hugging Face ``DynamicCache``).
 
 Admission reserves ``len(prompt) + max_tokens`` tokens of the KV-cache budget per
 sequence, so sequences are never preempted. Sampling per row follows vLLM
-(``grpo_core.serving.sampling``). LoRA rows run in the same batch as base rows through
+(``grpo_core.serving.embedded.sampling``). LoRA rows run in the same batch as base rows through
 PEFT's mixed-adapter forward (``adapter_names=``).
 """
 
@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import torch
 
-from grpo_core.serving.cache import BatchCache, left_pad, new_cache
-from grpo_core.serving.sampling import RowSampling, sample_tokens
+from grpo_core.serving.embedded.cache import BatchCache, left_pad, new_cache
+from grpo_core.serving.embedded.sampling import RowSampling, sample_tokens
 
 logger = logging.getLogger(__name__)
 
