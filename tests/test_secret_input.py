@@ -151,3 +151,56 @@ def test_one_override_read_from_stdin_beside_an_env_one_still_loads(monkeypatch)
     config = load_config(None, ["server.api_key=@env:MY_SERVER_KEY", "rollout.dataset_kwargs.api_key=@stdin"])
     assert config.server.api_key is not None and config.server.api_key.get_secret_value() == "sk-env"
     assert config.rollout.dataset_kwargs["api_key"] == "sk-stdin"  # a dict's secret key holds the value itself
+
+
+def test_a_list_field_read_from_the_environment_is_parsed_as_a_yaml_list(monkeypatch, caplog):
+    # the form the command-line warning recommends for server.extra_args; it was refused as "not a valid list"
+    monkeypatch.setenv("VLLM_ARGS", "[--max-num-seqs, '8', --api-key, sk-env-list-secret]")
+    monkeypatch.setattr(config_loading, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="grpo_core.config.loading"):
+        config = load_config(None, ["server.extra_args=@env:VLLM_ARGS"])
+    shown = [a if isinstance(a, str) else a.get_secret_value() for a in config.server.extra_args]
+    assert shown == ["--max-num-seqs", "8", "--api-key", "sk-env-list-secret"]
+    assert not isinstance(config.server.extra_args[3], str)  # the key after --api-key is kept as a secret
+    assert not [r for r in caplog.records if "puts a secret on the command line" in r.getMessage()]
+
+
+def test_a_dict_field_read_from_a_file_is_parsed_as_a_yaml_mapping_and_a_string_field_keeps_the_text(
+    tmp_path, monkeypatch
+):
+    kwargs = tmp_path / "kwargs.yaml"
+    kwargs.write_text("api_key: sk-file-secret\nsplit: train\n")
+    monkeypatch.setenv("MY_ENVIRONMENT", "my_envs:Game")  # str | dict field: a plain string stays the string
+    monkeypatch.setenv("MY_SERVER_KEY", "[not,a,list]")  # a str field: the text as it is, never parsed
+    config = load_config(
+        None,
+        [
+            f"rollout.dataset_kwargs=@file:{kwargs}",
+            "rollout.environment_factory=@env:MY_ENVIRONMENT",
+            "server.api_key=@env:MY_SERVER_KEY",
+        ],
+    )
+    assert config.rollout.dataset_kwargs == {"api_key": "sk-file-secret", "split": "train"}
+    assert config.rollout.environment_factory == "my_envs:Game"
+    assert config.server.api_key is not None and config.server.api_key.get_secret_value() == "[not,a,list]"
+
+
+@pytest.mark.parametrize(
+    ("override", "variable", "says"),
+    [
+        # not a YAML list: refused in a line naming the key and the form, without the value
+        ("server.extra_args=@env:VLLM_ARGS", "--api-key sk-leak-1234", "server.extra_args takes a YAML list"),
+        ("rollout.dataset_kwargs=@env:VLLM_ARGS", "api_key=sk-leak-1234", "takes a YAML mapping"),
+        ("server.extra_args=@env:VLLM_ARGS", "[--api-key, 'sk-leak-1234", "is not YAML (line 1, column"),
+        # a list that parses but that a check refuses, echoing its items in the message
+        ("rollout.reward_functions=@env:VLLM_ARGS", "[sk-leak-1234]", "must be 'module:attribute'"),
+        ("rollout.loop_class=@env:VLLM_ARGS", "sk-leak-1234", "must be 'module:attribute'"),
+    ],
+)
+def test_an_error_about_a_value_read_off_the_command_line_never_shows_it(override, variable, says, monkeypatch):
+    monkeypatch.setenv("VLLM_ARGS", variable)
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert says in message, message
+    assert "sk-leak" not in message and "1234" not in message, message

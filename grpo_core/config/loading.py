@@ -4,10 +4,10 @@ An override's value is YAML (``train.max_steps=5``), or, for a secret, read off 
 user of the host reads it in ``/proc/<pid>/cmdline`` or ``ps`` for as long as the command runs):
 ``key=@env:NAME`` (the environment variable ``NAME``), ``key=@file:PATH`` (the file's text, one trailing newline
 dropped) or ``key=@stdin`` (one line of standard input, for one override of a command at most; a prompt that does
-not echo on a terminal), each taken as a string. ``@`` cannot start a plain YAML value, so no value meant as YAML
-reads as one of these. An override that puts a secret on the command line (a ``SecretStr`` field, a flag of
-``server.extra_args`` such as ``--api-key``, a dict key such as ``api_key``) is applied with a warning naming these
-forms.
+not echo on a terminal), each taken as a string, or as YAML for a list or dict field (an error never shows such
+a value). ``@`` cannot start a plain YAML value, so no value meant as YAML reads as one of these. An override
+that puts a secret on the command line (a ``SecretStr`` field, a flag of ``server.extra_args`` such as
+``--api-key``, a dict key such as ``api_key``) is applied with a warning naming these forms.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: Prefixes of an override value read off the command line (see the module docstring).
 ENV_VALUE, FILE_VALUE, STDIN_VALUE = "@env:", "@file:", "@stdin"
+#: One part of an override's key: a name and the list indices after it (``datasets[0]``).
+_KEY_PART = re.compile(r"([^\[\]]+)((?:\[\d+\])*)")
 _warned: set[str] = set()  # override keys warned about in this process (grpo resume loads its overrides twice)
 
 
@@ -264,6 +268,109 @@ def _indirect_value(key: str, value: str) -> str | None:
     )
 
 
+def _key_path(key: str) -> list[tuple[str, list[int]]]:
+    """The parts of an override's key: each a field name (or a dict key) and the list indices after it
+    (``rollout.datasets[0].path`` -> ``[("rollout", []), ("datasets", [0]), ("path", [])]``).
+
+    Raises:
+        ConfigError: a part that is neither ``name`` nor ``name[INDEX]...`` (INDEX a whole number from 0).
+    """
+    parts = []
+    for part in key.split("."):
+        match = _KEY_PART.fullmatch(part.strip())
+        if match is None:
+            raise ConfigError(
+                f"--set {key}: {part!r} is not a field name or name[INDEX] (INDEX a whole number from 0); "
+                "e.g. rollout.datasets[0].path=data.jsonl"
+            )
+        parts.append((match[1], [int(i) for i in re.findall(r"\d+", match[2])]))
+    return parts
+
+
+def _field_annotation(kind: type[BaseModel], key: str) -> Any:
+    """The type of the config field an override's key names (an item's type after ``[INDEX]``); None for a key
+    inside a dict field or one that names no field (pydantic refuses the latter, naming it)."""
+    model: Any = kind
+    path = _key_path(key)
+    for i, (name, indices) in enumerate(path):
+        fields = getattr(model, "model_fields", None)
+        if fields is None or name not in fields:
+            return None
+        if i == len(path) - 1:
+            annotation = fields[name].annotation
+            for _ in indices:  # ``name[i]``: the item type of the list
+                annotation = next((a for a in _union_members(annotation) if _is_list_type(a)), None)
+                annotation = (typing.get_args(annotation) or (None,))[0]
+            return annotation
+        model = _section_model(model, (name,))
+    return None
+
+
+def _union_members(annotation: Any) -> tuple[Any, ...]:
+    """The members of a union type (``X | Y``, ``Optional[X]``), or ``(annotation,)``."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _is_list_type(annotation: Any) -> bool:
+    return (typing.get_origin(annotation) or annotation) in (list, tuple, set, frozenset)
+
+
+def _is_mapping_type(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation) or annotation
+    return origin is dict or (isinstance(origin, type) and issubclass(origin, BaseModel))
+
+
+def _indirect_structure(kind: type[BaseModel], key: str, value: str, text: str) -> Any:
+    """The value read by ``key=@env:...`` (``@file:``, ``@stdin``) for its field: YAML for a list or dict field
+    (``server.extra_args=@env:ARGS`` with ``ARGS='[--api-key, sk-...]'``), the text as it is for any other field,
+    and the text too for a field that also takes a string when the YAML is no list or mapping. ``text`` is never
+    echoed: it may be a secret.
+
+    Raises:
+        ConfigError: a list or dict field whose value is not YAML of that shape (names the key and the form).
+    """
+    members = _union_members(_field_annotation(kind, key))
+    wants_list, wants_mapping = any(map(_is_list_type, members)), any(map(_is_mapping_type, members))
+    if not (wants_list or wants_mapping):
+        return text
+    takes_text = any(not (_is_list_type(m) or _is_mapping_type(m) or m is type(None)) for m in members)
+    import yaml
+
+    shape = "a YAML list, e.g. [--api-key, KEY]" if wants_list else "a YAML mapping, e.g. {api_key: KEY}"
+    try:
+        parsed = _yaml_load(text)
+    except yaml.YAMLError as e:
+        if takes_text:
+            return text
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"--set {key}={value}: the value read is not YAML{where}; {key} takes {shape}") from None
+    if (wants_list and isinstance(parsed, list)) or (wants_mapping and isinstance(parsed, dict)):
+        return parsed
+    if takes_text:
+        return text
+    raise ConfigError(f"--set {key}={value}: the value read is not {shape.split(',')[0]}; {key} takes {shape}")
+
+
+def _hidden_texts(value: Any) -> set[str]:
+    """The strings of a secret-sourced value to mask in an error message (its string leaves of 4 characters or
+    more: shorter ones would mask ordinary words and numbers)."""
+    if isinstance(value, dict):
+        return set().union(*map(_hidden_texts, value.values())) if value else set()
+    if isinstance(value, list):
+        return set().union(*map(_hidden_texts, value)) if value else set()
+    return {str(value)} if value is not None and len(str(value)) >= 4 else set()
+
+
+def _masked(message: str, hidden: set[str]) -> str:
+    """``message`` with each string of ``hidden`` replaced by ``**********`` (longest first)."""
+    for text in sorted(hidden, key=len, reverse=True):
+        message = message.replace(text, "**********")
+    return message
+
+
 def _refuse_two_stdin_reads(overrides: list[str]) -> None:
     """Refuse two overrides read from standard input (``key=@stdin``), before either reads it: standard input gives
     one line, so the second would get the next line or an empty string.
@@ -319,6 +426,7 @@ def _validate(
             raise ConfigError(str(e)) from None
     _refuse_two_stdin_reads(overrides or [])
     plain: list[str] = []  # keys of the overrides whose value is on the command line
+    hidden = _hidden_texts(list((secrets or {}).values()))  # values read off the command line: never echoed
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
@@ -342,7 +450,11 @@ def _validate(
                     f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
                     "quote it, e.g. key='text: with colon'"
                 ) from None
-        _set_dotted(data, key.strip(), parsed if indirect is None else indirect)
+        else:
+            hidden |= _hidden_texts(indirect)
+            parsed = _indirect_structure(kind, key.strip(), value, indirect)
+            hidden |= _hidden_texts(parsed)
+        _set_dotted(data, key.strip(), parsed)
     try:
         config = kind.model_validate(data)
         _warn_secrets_on_command_line(config, plain)
@@ -351,7 +463,7 @@ def _validate(
         lines = _error_lines(kind, e.errors())
         extra = hint if any(err["type"] == "extra_forbidden" for err in e.errors()) else ""
         what = "trainer sub-config" if kind is TrainerProcessConfig else "run config"
-        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(lines) + extra) from None
+        raise ConfigError(_masked(f"invalid {what}:\n  " + "\n  ".join(lines) + extra, hidden)) from None
 
 
 def load_config(
