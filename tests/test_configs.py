@@ -320,6 +320,51 @@ def test_one_value_where_a_list_goes_says_how_to_write_the_list(override, says):
     assert load_config(overrides=[f"{override.split('=')[0]}={says.split('write ')[1].split(' for')[0]}"])
 
 
+def test_an_indexed_override_sets_one_item_of_a_list_field(tmp_path):
+    path = tmp_path / "mixture.yaml"
+    path.write_text(
+        "rollout:\n  datasets:\n    - {path: a.jsonl, weight: 1}\n    - {path: b.jsonl, weight: 2, name: bee}\n"
+    )
+    config = load_config(
+        path,
+        [
+            "rollout.datasets[0].path=c.jsonl",
+            "rollout.datasets[1].weight=5",
+            "train.lora.target_modules[1]=up_proj",  # a list the file leaves at its default
+            "train.adam_betas[1]=0.95",
+        ],
+    )
+    assert [(d.path, d.weight, d.name) for d in config.rollout.datasets] == [
+        ("c.jsonl", 1, None),
+        ("b.jsonl", 5, "bee"),
+    ]
+    assert config.train.lora.target_modules == ["q_proj", "up_proj", "v_proj", "o_proj"]
+    assert config.train.adam_betas == (0.9, 0.95)
+    with pytest.raises(ConfigError, match=r"rollout.datasets\[1\].weight: Input should be greater than 0"):
+        load_config(path, ["rollout.datasets[1].weight=0"])  # an item's own check names the indexed field
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        (
+            "rollout.datasets[2].path=x.jsonl",
+            "--set rollout.datasets[2].path: rollout.datasets has 2 item(s), so [2] is past its end; "
+            "use an index below 2, or set the whole list (rollout.datasets=[...])",
+        ),
+        ("server.extra_args[0]=--enforce-eager", "server.extra_args is empty; set the whole list"),
+        ("train.max_steps[0]=3", "--set train.max_steps[0]: train.max_steps is not a list; drop the [0]"),
+        ("rollout.datasets[x].path=a", "'datasets[x]' is not a field name or name[INDEX]"),
+    ],
+)
+def test_an_indexed_override_out_of_range_names_the_key_and_the_length(tmp_path, override, says):
+    path = tmp_path / "mixture.yaml"
+    path.write_text("rollout:\n  datasets:\n    - {path: a.jsonl}\n    - {path: b.jsonl}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [override])
+    assert says in str(info.value), str(info.value)
+
+
 def test_a_union_field_error_is_one_line_without_pydantic_member_tags():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.lora.target_modules=x"])

@@ -204,3 +204,16 @@ def test_an_error_about_a_value_read_off_the_command_line_never_shows_it(overrid
     message = str(info.value)
     assert says in message, message
     assert "sk-leak" not in message and "1234" not in message, message
+
+
+def test_an_indexed_override_of_a_secret_list_item_is_warned_about(monkeypatch, caplog):
+    monkeypatch.setattr(config_loading, "_warned", set())
+    monkeypatch.setenv("VLLM_ARGS", "[--api-key, placeholder]")
+    with caplog.at_level(logging.WARNING, logger="grpo_core.config.loading"):
+        config = load_config(None, ["server.extra_args=@env:VLLM_ARGS", "server.extra_args[1]=sk-plain-item"])
+    assert [a if isinstance(a, str) else a.get_secret_value() for a in config.server.extra_args] == [
+        "--api-key",
+        "sk-plain-item",
+    ]
+    lines = [r.getMessage() for r in caplog.records if "puts a secret on the command line" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("--set server.extra_args[1]=..."), lines

@@ -41,14 +41,65 @@ _KEY_PART = re.compile(r"([^\[\]]+)((?:\[\d+\])*)")
 _warned: set[str] = set()  # override keys warned about in this process (grpo resume loads its overrides twice)
 
 
-def _set_dotted(data: dict, key: str, value: object) -> None:
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
+def _set_dotted(data: dict, key: str, value: object, kind: type[BaseModel] | None = None) -> None:
+    """Set ``value`` at an override's ``key`` in the raw config ``data`` (in place): dotted names, and list indices
+    into list fields (``rollout.datasets[0].path``). A list the data does not hold yet starts from the field's
+    default in ``kind`` (``train.lora.target_modules[0]``).
+
+    Raises:
+        ConfigError: a part that is no section (a plain value), an index past the end (names the key and the length),
+            or an index into a value that is not a list.
+    """
+    node: Any = data
+    model: Any = kind
+    path = _key_path(key)
+    written = ""  # the key up to the part at hand, as the user wrote it
+    for depth, (name, indices) in enumerate(path):
+        last = depth == len(path) - 1
+        written += f".{name}" if written else name
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {key}: {part!r} is not a section")
-    node[parts[-1]] = value
+            raise ConfigError(f"--set {key}: {written.rsplit('.', 1)[0]} is not a section")
+        if not indices:
+            if last:
+                node[name] = value
+            else:
+                node = node.setdefault(name, {})
+            model = _section_model(model, (name,)) if model is not None else None
+            continue
+        if name not in node:
+            node[name] = _list_default(model, name)
+            if node[name] is None:
+                raise ConfigError(f"--set {key}: {written} is not a list; drop the [{indices[0]}]")
+        holder: Any = node
+        slot: Any = name
+        for n, index in enumerate(indices):
+            items = holder[slot]
+            if not isinstance(items, list | tuple):
+                raise ConfigError(f"--set {key}: {written} is not a list; drop the [{index}]")
+            if isinstance(items, tuple):
+                holder[slot] = items = list(items)
+            if index >= len(items):
+                has = f"has {len(items)} item(s), so [{index}] is past its end" if items else "is empty"
+                below = f"use an index below {len(items)}, or " if items else ""
+                raise ConfigError(f"--set {key}: {written} {has}; {below}set the whole list ({written}=[...])")
+            written += f"[{index}]"
+            holder, slot = items, index
+            if last and n == len(indices) - 1:
+                items[index] = value
+        node = holder[slot]
+        model = _section_model(model, (name,)) if model is not None else None
+
+
+def _list_default(model: Any, name: str) -> list | None:
+    """The default of the list field ``name`` of the section ``model`` as a new list (empty when the field is unknown
+    or its default is None); None when the field takes no list."""
+    field = (getattr(model, "model_fields", None) or {}).get(name)
+    if field is None:
+        return []
+    if not any(_is_list_type(a) for a in _union_members(field.annotation)):
+        return None
+    default = field.get_default(call_default_factory=True)
+    return list(default) if isinstance(default, list | tuple) else []
 
 
 def _yaml_where(e: Exception) -> str:
@@ -397,7 +448,8 @@ def _warn_secrets_on_command_line(config: BaseModel, keys: list[str]) -> None:
         if value.get_secret_value() and not (isinstance(value, SecretUrl) and str(value) == value.get_secret_value())
     ]
     for key in keys:
-        inside = [path for path in secret if path == key or path.startswith(key + ".")]
+        dotted = re.sub(r"\[(\d+)\]", r".\1", key)  # ``extra_args[1]`` is the secret path ``extra_args.1``
+        inside = [path for path in secret if path == dotted or path.startswith(dotted + ".")]
         if inside and key not in _warned:
             _warned.add(key)
             # the field holding the secret alone, when a path can name it (not an item of a list: extra_args)
@@ -454,7 +506,7 @@ def _validate(
             hidden |= _hidden_texts(indirect)
             parsed = _indirect_structure(kind, key.strip(), value, indirect)
             hidden |= _hidden_texts(parsed)
-        _set_dotted(data, key.strip(), parsed)
+        _set_dotted(data, key.strip(), parsed, kind)
     try:
         config = kind.model_validate(data)
         _warn_secrets_on_command_line(config, plain)
