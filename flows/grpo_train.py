@@ -32,7 +32,7 @@ from prefect.states import Cancelled
 from flows import artifacts
 from grpo_core.config import RunConfig
 from grpo_core.errors import ChildDiedError, RolloutProcessError, TrainerError
-from grpo_core.report import eval_history
+from grpo_core.tracking.report import eval_history
 from grpo_core.rollout.process import LOCATION_FILE
 from grpo_core.run import layout
 from grpo_core.run.commands import run_slots, trainer_launch
@@ -93,7 +93,7 @@ def provision_servers(run_dir: str) -> list[str]:
 
     Retried (``server.start_retries`` times, see :func:`server_start_failed`) when a replica fails to start.
     """
-    from grpo_core.serving.router import start_router
+    from grpo_core.serving.router.server import start_router
     from grpo_core.serving.routing import wait_external
     from grpo_core.serving.vllm import choose_backend, provision
 
@@ -196,7 +196,7 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
         ChildDiedError: the rollout process, a server replica or the router died, so the flow stopped the trainer
             (names the child, its exit code and its log's tail).
     """
-    from grpo_core.report import read_trainer_error
+    from grpo_core.tracking.report import read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
     log, root = get_run_logger(), Path(run_dir)

@@ -88,7 +88,7 @@ def test_health_answers_while_a_long_prompt_is_tokenized():
 def test_a_body_over_the_limit_is_413_before_anything_parses_it(monkeypatch):
     """Guard (embedded server, vLLM) and router: a declared or streamed body over the limit answers 413 naming the
     setting; a body within it reaches the app; a request without the token is 401 first (no body is read)."""
-    from grpo_core.serving.router import create_router_app
+    from grpo_core.serving.router.app import create_router_app
     from grpo_core.serving.routing import ReplicaSet
 
     monkeypatch.setenv(limits.MAX_BODY_ENV, "0.001")  # 1 KiB (1048 bytes) for the router, read at creation
@@ -151,7 +151,7 @@ def test_a_request_head_that_never_completes_is_cut_and_the_servers_keep_serving
     """A real embedded server and a router in front of it (header timeout 1 s): a connection that sends nothing,
     and one that trickles an unfinished head, are answered 408 and closed; uvicorn alone kept both open for good."""
     from grpo_core.config import RunConfig
-    from grpo_core.serving.router import start_router
+    from grpo_core.serving.router.server import start_router
 
     monkeypatch.setenv(limits.HEADER_TIMEOUT_ENV, "1")
     with embedded_server(tmp_path) as server:

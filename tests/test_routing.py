@@ -23,7 +23,7 @@ from serving_helpers import generated_tokens as generated
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import ServerRequestError
-from grpo_core.metrics import MetricWindow
+from grpo_core.tracking.metrics import MetricWindow
 from grpo_core.security.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.routing import HIT, SPILL, UNMATCHED, ControlFanOutError, ReplicaSet, RoutingPolicy
@@ -491,7 +491,7 @@ def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
 
     from fastapi.testclient import TestClient
 
-    from grpo_core.serving.router import create_router_app
+    from grpo_core.serving.router.app import create_router_app
 
     dead = []
     for _ in range(2):  # ports nothing listens on: connections are refused
@@ -528,7 +528,7 @@ def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkey
     from serving_helpers import BAD_AUTH, OPEN_ROUTES, answers_without_token, app_routes
 
     from grpo_core.security.auth import NONCE_PATH, TOKEN_ENV
-    from grpo_core.serving.router import create_router_app
+    from grpo_core.serving.router.app import create_router_app
 
     monkeypatch.setenv(TOKEN_ENV, "the-runs-token-0123")
     dead = []

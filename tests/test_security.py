@@ -261,7 +261,7 @@ def _taken_after_a_free_port() -> tuple[socket.socket, int]:
 def test_a_taken_port_of_a_later_replica_or_of_the_router_names_its_setting_and_starts_nothing(tmp_path):
     """Replica i listens on server.port + i; the router on server.router_port (it said 'router replica 1 exited'
     and '--port' before, after launching)."""
-    from grpo_core.serving.router import start_router
+    from grpo_core.serving.router.server import start_router
 
     taken, port = _taken_after_a_free_port()
     with taken:
