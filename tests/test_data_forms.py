@@ -124,6 +124,27 @@ def test_an_empty_json_lines_file_and_an_unknown_suffix_are_clear_errors(tmp_pat
         rows_of(str(tmp_path / "rows.txt"))
 
 
+def test_a_bare_relative_folder_name_reads_its_data_files_and_neither_form_names_both(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.chdir(tmp_path)  # `data` is relative to the working folder, as a user types it
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "part-0.jsonl", ROWS[:3])
+    write_jsonl(tmp_path / "data" / "part-1.jsonl", ROWS[3:5])
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.Table.from_pylist(_arrow_rows()), tmp_path / "pq" / "rows.parquet")
+    datasets.Dataset.from_list(_arrow_rows()).save_to_disk(str(tmp_path / "saved"))
+    assert sorted(rows_of("data"), key=lambda r: r["id"]) == ROWS[:5]  # both files' rows, values as written
+    assert rows_of("pq") == _arrow_rows() and rows_of("saved") == _arrow_rows()
+    assert rows_of("./data") and sorted(r["id"] for r in rows_of("data")) == [0, 1, 2, 3, 4]
+    with pytest.raises(ConfigError) as info:
+        rows_of("dat")  # neither a local path nor 'module:callable'
+    assert "no such file or folder" in str(info.value) and "'module:callable'" in str(info.value), str(info.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no JSON-lines, Parquet, CSV or Arrow file"):
+        rows_of("empty")
+
+
 def test_a_string_prompt_column_becomes_chat_messages_with_the_system_prompt(tmp_path):
     rows = [{"question": "2+2?", "answer": "4"}, {"question": [{"role": "system", "content": "own"}], "answer": "1"}]
     path = write_jsonl(tmp_path / "q.jsonl", rows[:1])

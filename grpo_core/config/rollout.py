@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from typing import Any, Literal
 
@@ -29,8 +30,9 @@ COLUMN_TYPES = ("str", "int", "float", "bool", "json")
 
 def dataset_form(spec: str) -> tuple[str, str]:
     """The form of a dataset spec and what it names: ``(prefix without ':', rest)`` for :data:`DATA_PREFIXES`,
-    ``("path", spec)`` for a path (a ``/``, a leading ``~``, ``.`` or ``$``, or a data-file suffix of
-    :data:`DATA_SUFFIXES`, compressed or not), else ``("module", spec)`` (``module:callable``)."""
+    ``("path", spec)`` for a path (a ``/``, a leading ``~``, ``.`` or ``$``, a data-file suffix of
+    :data:`DATA_SUFFIXES`, compressed or not, no ``:`` at all, as a bare folder name ``data``, or a file or folder
+    that exists here), else ``("module", spec)`` (``module:callable``)."""
     for prefix in DATA_PREFIXES:
         if spec.startswith(prefix):
             return prefix[:-1], spec[len(prefix) :]
@@ -38,6 +40,8 @@ def dataset_form(spec: str) -> tuple[str, str]:
     for compressed in (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip"):
         name = name.removesuffix(compressed)
     if "/" in spec or "\\" in spec or spec.startswith(("~", ".", "$")) or name.endswith(DATA_SUFFIXES):
+        return "path", spec
+    if ":" not in spec or os.path.exists(spec):  # 'module:callable' needs its ':'; a local path comes first
         return "path", spec
     return "module", spec
 

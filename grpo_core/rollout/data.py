@@ -148,7 +148,14 @@ def open_dataset(
         return reasoning_gym_dataset(rest, config.dataset_size, config.dataset_seed, **kwargs)
     if form != "module":
         return read_source(spec, where, split, column_types)
-    factory = import_object(spec, where.partition("=")[0])
+    try:
+        factory = import_object(spec, where.partition("=")[0])
+    except ConfigError as exc:
+        if not isinstance(exc.__cause__, ModuleNotFoundError):
+            raise
+        raise ConfigError(
+            f"{exc}; or, for data, name a local file or folder: no file or folder {spec!r} exists here"
+        ) from exc
     data = factory(**kwargs) if callable(factory) else factory
     if not isinstance(data, Iterable):
         raise ConfigError(f"{where} returned {type(data).__name__}, not a Dataset or rows")

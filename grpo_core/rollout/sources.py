@@ -315,6 +315,25 @@ def hub_dataset(repo_id: str, where: str, split: str) -> Any:
     return _hub_split(Path(folder) / subfolder, where, split)
 
 
+def folder_dataset(folder: Path, where: str, split: str) -> Any:
+    """A local folder named as a path: one saved with ``Dataset.save_to_disk``, or a folder of data files whose
+    ``split`` is told by their names as on the Hub (``train*.parquet``, ``data/train-*``; any data file is ``train``
+    when no name says a split), read by their suffix.
+
+    Raises:
+        ConfigError: the folder holds no data file, mixes file forms or lacks ``split`` (names ``where``).
+    """
+    from datasets.data_files import EmptyDatasetError
+
+    try:
+        return _hub_split(folder, where, split)
+    except EmptyDatasetError:
+        raise ConfigError(
+            f"{where}: the folder {folder.resolve()} holds no JSON-lines, Parquet, CSV or Arrow file and is no "
+            "folder saved with Dataset.save_to_disk; fix the path"
+        ) from None
+
+
 def _hub_split(folder: Path, what: str, split: str) -> Any:
     import datasets
     from datasets.data_files import get_data_patterns
@@ -333,7 +352,11 @@ def _hub_split(folder: Path, what: str, split: str) -> Any:
         raise ConfigError(f"{what}: split {split!r} mixes file forms {sorted(forms)}; name the files instead")
     form = forms.pop()
     parts = [read_file(str(f), form, what, {}) for f in files]
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, list) for p in parts):  # JSON lines and CSV read as lists of row dicts
+        return [row for part in parts for row in part]
+    return datasets.concatenate_datasets(parts)
 
 
 def read_file(pattern: str, form: str, where: str, column_types: dict[str, str]) -> Any:
@@ -363,7 +386,13 @@ def read_source(spec: str, where: str, split: str = "train", column_types: dict[
     if form == "path":
         path = user_path(target)
         if path.is_dir():
-            return disk_dataset(target, where, split)
+            return folder_dataset(path, where, split)
+        if not path.exists() and not glob.has_magic(target) and not data_form(path):
+            raise ConfigError(
+                f"{where}: no such file or folder {path.resolve()}, and no 'module:callable' (which needs its ':'); "
+                "name a local data file or a folder of data files, or a function returning the rows as "
+                "'module:callable'"
+            )
         form = data_form(path) or ""
         if not form:
             raise ConfigError(
