@@ -28,7 +28,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from grpo_core.report import EVAL_MARK
+from grpo_core.tracking.report import EVAL_MARK
 
 logger = logging.getLogger(__name__)
 

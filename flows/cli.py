@@ -456,21 +456,11 @@ def resume(
 
 
 def _run_config_of(run_id: str, overrides: list[str]) -> Path:
-    """Download ``config/run_config.json`` of an MLflow run (tracking settings from the overrides)."""
-    import json
-
+    """Download ``config/run_config.json`` of an MLflow run (tracking settings from the overrides), made a resumed
+    run's (``grpo_core.tracking.download_resume_config``)."""
     from grpo_core import tracking
 
-    path = tracking.download_run_config(_load(None, overrides).tracking, run_id)
-    data = json.loads(path.read_text())
-    data["tracking"]["run_id"] = None
-    data["resume_from"] = None
-    for key in ("rollout_location",):
-        data["train"][key] = None
-    data["train"]["output_dir"] = str(Path(data["train"]["output_dir"]).parent)
-    data["server"]["log_dir"] = "runs/servers"
-    path.write_text(json.dumps(data))
-    return path
+    return tracking.download_resume_config(_load(None, overrides).tracking, run_id)
 
 
 @app.command()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from grpo_core.config import RunConfig
-from grpo_core.metrics import MetricWindow, at_step, split_at_step
+from grpo_core.tracking.metrics import MetricWindow, at_step, split_at_step
 from grpo_core.rollout.evaluate import EvalBoard, eval_metrics, pass_at_k
 from grpo_core.train.eval_log import EvalLog
 
@@ -119,7 +119,7 @@ def test_eval_config_refuses_what_cannot_be_computed():
 
 def test_summary_artifact_and_progress_read_evaluation_lines_apart_from_the_steps(tmp_path):
     from flows.artifacts import eval_markdown, last_record
-    from grpo_core.report import eval_history, summarize
+    from grpo_core.tracking.report import eval_history, summarize
 
     lines = [
         {"step": 1, "reward": 0.2},

@@ -192,7 +192,7 @@ def test_a_trainer_ended_by_a_base_exception_records_it_for_the_flow(tmp_path, m
     quotes trainer_error.txt as the cause); a Ctrl-C is not recorded."""
     import grpo_core.train.__main__ as entry
     import grpo_core.train.run as run_module
-    from grpo_core.report import read_trainer_error
+    from grpo_core.tracking.report import read_trainer_error
 
     class LikeCheckpointException(BaseException):
         pass

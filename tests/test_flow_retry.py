@@ -48,7 +48,7 @@ def test_deterministic_errors_are_not_retried_and_transient_ones_are():
         ChildDiedError("server replica 0 exited with -9"),
     ):
         assert retry_can_cure(exc), exc
-    # The trainer's own record (`rank R: Type: message`, grpo_core.report.write_trainer_error) decides for it.
+    # The trainer's own record (`rank R: Type: message`, grpo_core.tracking.report.write_trainer_error) decides for it.
     assert not retry_can_cure(TrainerError("exit 1", ["NothingToTrainError"]))
     assert not retry_can_cure(TrainerError("exit 1", ["TransportError", "ConfigError"]))
     assert retry_can_cure(TrainerError("exit 1", ["TransportError"]))

@@ -2,7 +2,7 @@
 
 import math
 
-from grpo_core.metrics import JsonlSink, MetricWindow, aggregation, merge
+from grpo_core.tracking.metrics import JsonlSink, MetricWindow, aggregation, merge
 
 
 def test_aggregation_rules_follow_the_last_name_part():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from grpo_core import tracking
 from grpo_core.config import RunConfig
-from grpo_core.metrics import JsonlSink
+from grpo_core.tracking.metrics import JsonlSink
 
 
 def _cfg(store: Path) -> RunConfig:

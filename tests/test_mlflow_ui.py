@@ -20,7 +20,7 @@ import yaml
 
 from grpo_core import tracking
 from grpo_core.config import RunConfig
-from grpo_core.metrics import JsonlSink
+from grpo_core.tracking.metrics import JsonlSink
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from serving_helpers import TINY, embedded_server
 from trainer_helpers import VOCAB, read_jsonl
 
 from grpo_core.config import RunConfig
-from grpo_core.metrics import MetricWindow, aggregation
+from grpo_core.tracking.metrics import MetricWindow, aggregation
 from grpo_core.packing import Sample, samples_from_arrow, write_samples_ipc
 from grpo_core.rollout import start_rollout_process
 from grpo_core.transport.flight_client import FlightSource

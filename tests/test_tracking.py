@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import threading
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core import preflight, report, tracking
+from grpo_core import preflight, tracking
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
-from grpo_core.metrics import JsonlSink
+from grpo_core.tracking import mlflow_sink, report
+from grpo_core.tracking.metrics import JsonlSink
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,7 +206,9 @@ def test_metric_names_mlflow_refuses_are_renamed_once_and_no_metric_is_lost(tmp_
 
 def test_a_refused_batch_keeps_the_other_metrics_and_the_resume_step(tmp_path, caplog, monkeypatch):
     # A name that reaches MLflow unchanged and is refused there: only that metric is lost.
-    monkeypatch.setattr(tracking, "mlflow_safe_name", lambda name: name)
+    from grpo_core.tracking import names
+
+    monkeypatch.setattr(names, "mlflow_safe_name", lambda name: name)  # MetricNames reads it there
     cfg = _cfg(tmp_path)
     run_id, _ = tracking.start_run(cfg, "flow-refused")
     sink = tracking.MlflowSink(cfg.tracking, run_id)
@@ -290,7 +294,7 @@ def test_save_total_limit_keeps_a_checkpoint_until_its_upload_is_done_and_the_ta
         real_upload(tc, rid, path)
         uploaded[step].set()
 
-    monkeypatch.setattr(tracking, "log_checkpoint", slow_upload)
+    monkeypatch.setattr(mlflow_sink, "log_checkpoint", slow_upload)  # the sink's upload thread calls it there
     mc = tracking.client(cfg.tracking)
     sink = tracking.MlflowSink(cfg.tracking, run_id)
     try:
@@ -314,3 +318,28 @@ def test_save_total_limit_keeps_a_checkpoint_until_its_upload_is_done_and_the_ta
     assert rotate_checkpoints(out, 1, None, sink) == [step2] and not step2.exists() and step4.is_dir()
     got = tracking.download_latest_checkpoint(cfg.tracking, run_id, tmp_path / "fresh")
     assert got is not None and got.name == step4.name
+
+
+def test_the_tracking_package_loads_mlflow_only_when_its_mlflow_api_is_used():
+    # The rollout process and every trainer rank import the metric windows (grpo_core.tracking.metrics): they must not
+    # pay mlflow's import (about 2 s); the MLflow API re-exported by the package loads it on first use.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import grpo_core.tracking, grpo_core.tracking.metrics, grpo_core.tracking.report\n"
+        "assert 'mlflow' not in sys.modules, 'the metric windows imported mlflow'\n"
+        "from grpo_core.tracking import MlflowSink, start_run\n"
+        "assert 'mlflow' in sys.modules and MlflowSink.__module__ == 'grpo_core.tracking.mlflow_sink'\n"
+        "assert start_run.__module__ == 'grpo_core.tracking.runs'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Every re-exported name resolves to the object its module defines (none missing from __all__ or the table).
+    assert sorted(tracking.__all__) == sorted(tracking._HOME_OF)
+    for name in tracking.__all__:
+        home = importlib.import_module(f"grpo_core.tracking.{tracking._HOME_OF[name]}")
+        assert getattr(tracking, name) is getattr(home, name), name
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        tracking.no_such_name  # noqa: B018 - the attribute access is the test

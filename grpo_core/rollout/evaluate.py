@@ -5,10 +5,10 @@ The rollout process evaluates the policy on a held-out dataset beside the traini
 (the trainer's reports of every ``eval.every_steps``-th step and of ``train.max_steps``), samples each prompt
 ``eval.num_samples`` times (or greedily) on the same generation servers with the policy version of that step,
 scores the samples with the eval reward functions and adds ``eval/*`` to the rollout's metric window tagged with
-the step (``eval@12/pass_at_4``, ``grpo_core.metrics.at_step``): the trainer drains the window as every rollout metric
-and logs them at the step they evaluated. The runner has its own request bound (``eval.max_concurrent_requests``)
-and thread pool, reads no training prompt and takes no token allowance, so the training rollouts' order, staleness
-and pace are those of a run without evaluation.
+the step (``eval@12/pass_at_4``, ``grpo_core.tracking.metrics.at_step``): the trainer drains the window as every
+rollout metric and logs them at the step they evaluated. The runner has its own request bound
+(``eval.max_concurrent_requests``) and thread pool, reads no training prompt and takes no token allowance, so the
+training rollouts' order, staleness and pace are those of a run without evaluation.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from grpo_core.config import RolloutConfig
 from grpo_core.config.evaluation import EvalConfig
 from grpo_core.errors import ConfigError, RolloutError, ServingError, UserCodeError
-from grpo_core.metrics import at_step
+from grpo_core.tracking.metrics import at_step
 from grpo_core.security.allowlist import import_object
 
 from .data import default_rewards, iter_rows, load_dataset
@@ -146,8 +146,8 @@ class EvalRunner:
 
     async def evaluate_logged(self, step: int, version: int) -> dict[str, float] | None:
         """:meth:`evaluate`, its metrics put in the rollout's window tagged with ``step``
-        (``grpo_core.metrics.at_step``: the trainer logs them at that step). A failure of the servers or of user code
-        is logged and counted (``eval/failed_count`` at that step) instead of ending the run; None then."""
+        (``grpo_core.tracking.metrics.at_step``: the trainer logs them at that step). A failure of the servers or of
+        user code is logged and counted (``eval/failed_count`` at that step) instead of ending the run; None then."""
         start = time.monotonic()
         window = self.loop.window
         try:

@@ -2,7 +2,7 @@
 
 The rollout loop adds values from its event loop while the Flight server drains the window
 from its own threads (the ``metrics`` and ``completions`` actions); the aggregation rules
-(DESIGN.md §7) are the shared ones of ``grpo_core.metrics``.
+(DESIGN.md §7) are the shared ones of ``grpo_core.tracking.metrics``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from grpo_core.metrics import MetricWindow as _Window
+from grpo_core.tracking.metrics import MetricWindow as _Window
 
 
 class MetricWindow(_Window):
-    """Thread-safe :class:`grpo_core.metrics.MetricWindow` with a few conveniences."""
+    """Thread-safe :class:`grpo_core.tracking.metrics.MetricWindow` with a few conveniences."""
 
     def __init__(self) -> None:
         super().__init__()

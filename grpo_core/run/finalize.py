@@ -34,12 +34,12 @@ def finalize_run(
         resumed_from: the checkpoint folder the last attempt resumed from (None: it started fresh).
 
     Returns:
-        The summary (JSON-able): ``grpo_core.report.summarize``'s figures plus the run folder, checkpoint, reward
-        curve, MLflow run and URI, ``resumed_from``, and the model's places (``model``, ``registered_model``,
+        The summary (JSON-able): ``grpo_core.tracking.report.summarize``'s figures plus the run folder, checkpoint,
+        reward curve, MLflow run and URI, ``resumed_from``, and the model's places (``model``, ``registered_model``,
         ``hub_commit``).
     """
-    from grpo_core import report
     from grpo_core.models import hub
+    from grpo_core.tracking import report
     from grpo_core.train.checkpoint import latest_checkpoint
 
     root = Path(run_dir)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         # The flow quotes this file as the cause; torchrun's own report only says a rank failed. BaseException:
         # DCP's CheckpointException is one (a Ctrl-C or an exit is no failure of the trainer's).
         if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            from grpo_core.report import write_trainer_error
+            from grpo_core.tracking.report import write_trainer_error
 
             write_trainer_error(cfg.train.output_dir, int(os.environ.get("RANK", "0")), exc)
         raise

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from grpo_core.errors import TransportError
-from grpo_core.metrics import MetricsSink, split_at_step
+from grpo_core.tracking.metrics import MetricsSink, split_at_step
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,8 @@ class EvalLog:
         self.logged: set[int] = set()
 
     def split(self, metrics: Mapping[str, float]) -> dict[str, float]:
-        """Log the step-tagged evaluations of a drained rollout window (``grpo_core.metrics.at_step``); returns the
-        window's own metrics."""
+        """Log the step-tagged evaluations of a drained rollout window (``grpo_core.tracking.metrics.at_step``); returns
+        the window's own metrics."""
         plain, tagged = split_at_step(metrics)
         for step in sorted(tagged):
             if self.sink is not None:

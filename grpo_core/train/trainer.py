@@ -25,9 +25,9 @@ import torch
 
 from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import NothingToTrainError
-from grpo_core.metrics import MetricsSink, MetricWindow
+from grpo_core.tracking.metrics import MetricsSink, MetricWindow
 from grpo_core.models import resolve_model_dir
-from grpo_core.report import write_train_end
+from grpo_core.tracking.report import write_train_end
 from grpo_core.run.durable import JsonlAppender
 from grpo_core.run.layout import TRAINED_PROMPTS
 from grpo_core.transport.types import ResumeState, SampleSource
@@ -454,7 +454,7 @@ class Trainer:
     def run(self) -> ResumeState | None:
         """Train until ``max_steps`` or the end of the samples; returns the final resume state (rank 0).
 
-        Rank 0 writes ``<output_dir>/train_end.json`` (``grpo_core.report.TRAIN_END``): the steps
+        Rank 0 writes ``<output_dir>/train_end.json`` (``grpo_core.tracking.report.TRAIN_END``): the steps
         done, ``train.max_steps``, and why it stopped early (None when it did not).
 
         Raises:

@@ -9,7 +9,7 @@ Within one window (everything recorded since the last flush):
 * anything else is the mean of the recorded values.
 
 Sinks receive ``(step, {name: value})``; the JSON-lines sink here has no
-dependency, the MLflow sink lives in ``grpo_core.tracking``.
+dependency, the MLflow sink lives in ``grpo_core.tracking.mlflow_sink``.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ import logging
 import math
 from pathlib import Path
 
-from grpo_core.metrics import JsonlSink
 from grpo_core.run.durable import atomic_write_text
 from grpo_core.run.layout import TRAIN_END, TRAINER_ERROR
+from grpo_core.tracking.metrics import JsonlSink
 
 logger = logging.getLogger(__name__)
 
