@@ -38,11 +38,11 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from grpo_core.tracking.metrics import JsonlSink  # noqa: E402
 from grpo_core.run.children import signal_group, start_child, stop_child  # noqa: E402
 from grpo_core.run.lifeline import interruptible  # noqa: E402
 from grpo_core.security.auth import TOKEN_ENV, bearer_headers, ensure_run_token, run_token  # noqa: E402
 from grpo_core.serving.client import parse_metrics  # noqa: E402
+from grpo_core.tracking.metrics import JsonlSink  # noqa: E402
 
 RUNS = {
     "1xh200": "configs/gpu-1xh200.yaml",

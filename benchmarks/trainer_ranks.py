@@ -14,10 +14,10 @@ import torch
 import yaml
 from trainer import DEVICE, packer_name, print_table, qwen3_config, workload, write_json
 
-from grpo_core.tracking.metrics import JsonlSink
 from grpo_core.packing import write_samples_ipc
 from grpo_core.run.children import start_child, stop_child
 from grpo_core.run.layout import METRICS
+from grpo_core.tracking.metrics import JsonlSink
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Kept off in every child, as the machines that lend several GPUs require (NVLink multicast).

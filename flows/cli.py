@@ -374,8 +374,8 @@ def _checked(cfg: RunConfig, runs_here: bool = True) -> RunConfig:
         typer.Exit: code 2 after a one-line error naming the field, before any flow run, server, process or MLflow
             run starts (a flow would only fail the same way on every retry).
     """
-    from grpo_core import preflight
     from grpo_core.errors import ConfigError
+    from grpo_core.run import preflight
 
     if runs_here:
         _check_servers_deployment(cfg)

@@ -32,7 +32,6 @@ from prefect.states import Cancelled
 from flows import artifacts
 from grpo_core.config import RunConfig
 from grpo_core.errors import ChildDiedError, RolloutProcessError, TrainerError
-from grpo_core.tracking.report import eval_history
 from grpo_core.rollout.process import LOCATION_FILE
 from grpo_core.run import layout
 from grpo_core.run.commands import run_slots, trainer_launch
@@ -40,6 +39,7 @@ from grpo_core.run.finalize import finalize_run
 from grpo_core.run.prepare import SECRETS, prepare_run, run_child_env, run_config
 from grpo_core.run.processes import REGISTRY, setup_logging, stream, wait_child, watch_servers
 from grpo_core.run.retry import raise_if_rollout_failed, retry_can_cure, rollout_failed, trainer_failed
+from grpo_core.tracking.report import eval_history
 
 if TYPE_CHECKING:
     from prefect import Task

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.errors import ConfigError, GrpoError
-from grpo_core.preflight import check_sqlite, ensure_dir, sqlite_path
+from grpo_core.run.stores import check_sqlite, ensure_dir, sqlite_path
 from grpo_core.security.auth import new_token
 
 logger = logging.getLogger(__name__)

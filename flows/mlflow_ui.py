@@ -55,7 +55,7 @@ _DROPPED_BACK = frozenset({"connection", "keep-alive", "transfer-encoding", "con
 def password_file(port: int, folder: Path | None = None) -> Path:
     """Where the UI on ``port`` keeps its password: ``<folder>/ui-<port>.password`` (default folder
     ``runs/mlflow-ui`` under the working folder, created 0700)."""
-    from grpo_core.preflight import make_private_dir
+    from grpo_core.run.stores import make_private_dir
 
     folder = make_private_dir(Path(folder) if folder is not None else Path.cwd() / "runs" / "mlflow-ui")
     return folder / f"ui-{port}.password"

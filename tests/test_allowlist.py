@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core import preflight
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
+from grpo_core.run import preflight
 from grpo_core.security import allowlist
 from grpo_core.security.allowlist import ALLOWED_MODULES_ENV, check_code_references, code_references, import_object
 
@@ -89,13 +89,13 @@ def test_a_name_outside_the_allow_list_is_refused_in_preflight_before_any_import
 @pytest.mark.parametrize(
     ("spec", "why"),
     [
-        ("grpo_core.preflight:os.system", "not a registered dataset entry of grpo_core.preflight"),
+        ("grpo_core.run.preflight:os.system", "not a registered dataset entry of grpo_core.run.preflight"),
         ("grpo_core.rollout.data:json", "not a registered dataset entry of grpo_core.rollout.data"),
         ("grpo_core.config.base:Path", "not a registered dataset entry of grpo_core.config.base"),
         ("grpo_core.config:RunConfig.model_validate", "not a registered dataset entry"),
         ("grpo_core.rollout.loop:RolloutLoop.render", "not a registered dataset entry"),
         ("grpo_core.config:RunConfig.__init__", "'__' is refused"),
-        ("grpo_core.preflight:__builtins__", "'__' is refused"),
+        ("grpo_core.run.preflight:__builtins__", "'__' is refused"),
         ("grpo_core.demo_rewards:no_such_name", "cannot be imported"),
         ("grpo_core:..x", "must be 'module:attribute'"),
         ("grpo_coreX.y:z", "not in the allow-list"),

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core import preflight
 from grpo_core.config import ModelConfig, RunConfig, load_config
 from grpo_core.errors import ConfigError
 from grpo_core.models import resolve_model_dir
 from grpo_core.rollout.scoring import REWARD_ARGUMENTS, reward_kwargs
 from grpo_core.rollout.types import Rollout, RolloutGroup
 from grpo_core.rollout.window import MetricWindow
+from grpo_core.run import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -96,7 +96,7 @@ def test_validate_opens_an_existing_store_read_only_whatever_its_path(tmp_path):
     import sqlite3
 
     from grpo_core.errors import ConfigError
-    from grpo_core.preflight import check_sqlite
+    from grpo_core.run.stores import check_sqlite
 
     folder = tmp_path / "runs ?#%20"
     folder.mkdir()

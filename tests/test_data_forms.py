@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_core import preflight
 from grpo_core.config import ModelConfig, RolloutConfig, RunConfig
 from grpo_core.errors import ConfigError
 from grpo_core.rollout.data import iter_rows, load_dataset
 from grpo_core.rollout.driver import produce, prompt_stream
 from grpo_core.rollout.mixture import Mixture, Source
 from grpo_core.rollout.window import MetricWindow
+from grpo_core.run import preflight
 
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 #: A column whose rows hold different JSON kinds, each of which must come back as written.
@@ -337,7 +337,7 @@ def test_preflight_refuses_a_prompt_too_long_to_train_naming_its_row_and_length(
     with pytest.raises(ConfigError, match=rf"long.jsonl' row 2: its prompt is {length} tokens .* = 64"):
         preflight.check_prompt_lengths(cfg)
     skip = RunConfig(**base, rollout={"dataset": path, "max_completion_length": 64, "skip_overlong_prompts": True})
-    with caplog.at_level("WARNING", logger="grpo_core.preflight"):
+    with caplog.at_level("WARNING", logger="grpo_core.run.preflight"):
         preflight.check_prompt_lengths(skip)
     assert "1 prompts are longer than" in caplog.text
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from flows.local_api import prepare_home
-from grpo_core import preflight
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError, ServingError
+from grpo_core.run import preflight
 from grpo_core.serving.vllm import embedded_command, launch
+from grpo_core.tracking.checks import check_tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +112,7 @@ def test_unreachable_mlflow_server_is_refused_within_seconds(tmp_path):
     cfg = RunConfig(tracking={"tracking_uri": f"http://127.0.0.1:{port}"})
     start = time.monotonic()
     with pytest.raises(ConfigError, match=f"tracking.tracking_uri=http://127.0.0.1:{port}"):
-        preflight.check_tracking(cfg)
+        check_tracking(cfg)
     assert time.monotonic() - start < 15
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from grpo_core.config import RunConfig
-from grpo_core.tracking.metrics import MetricWindow, at_step, split_at_step
 from grpo_core.rollout.evaluate import EvalBoard, eval_metrics, pass_at_k
+from grpo_core.tracking.metrics import MetricWindow, at_step, split_at_step
 from grpo_core.train.eval_log import EvalLog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,9 +141,9 @@ def test_summary_artifact_and_progress_read_evaluation_lines_apart_from_the_step
 
 
 def test_eval_code_is_checked_like_the_rollouts_and_preflight_reads_the_eval_dataset(tmp_path, monkeypatch):
-    from grpo_core import preflight
     from grpo_core.entries import kind_of_field
     from grpo_core.errors import ConfigError
+    from grpo_core.run import preflight
     from grpo_core.security.allowlist import check_code_references, code_references
 
     monkeypatch.delenv("GRPO_ALLOWED_MODULES", raising=False)

@@ -238,7 +238,7 @@ def test_adapter_store_publishes_complete_versions(tmp_path):
 
 
 def test_several_trainer_hosts_need_the_run_token_from_the_environment(monkeypatch, tmp_path):
-    from grpo_core import preflight
+    from grpo_core.run import preflight
     from grpo_core.security.auth import TOKEN_ENV
 
     cfg = load_config(
@@ -271,7 +271,7 @@ def test_several_trainer_hosts_need_the_run_token_from_the_environment(monkeypat
     ],
 )
 def test_a_token_that_cannot_travel_in_a_header_is_refused_naming_its_variable(name, value, says, monkeypatch):
-    from grpo_core import preflight
+    from grpo_core.run import preflight
 
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError) as info:
@@ -303,7 +303,7 @@ def test_the_rendezvous_host_must_resolve_to_this_host(monkeypatch):
     loopback, an unknown name to the resolver's error, and an address of nobody's (TEST-NET-1) to itself."""
     import socket
 
-    from grpo_core.preflight import check_rendezvous_host
+    from grpo_core.run.preflight import check_rendezvous_host
 
     table = {"127.0.0.1": "127.0.0.1", "trainer-0.this-host.test": "127.0.0.1", "192.0.2.7": "192.0.2.7"}
     asked = []

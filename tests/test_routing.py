@@ -23,11 +23,11 @@ from serving_helpers import generated_tokens as generated
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import ServerRequestError
-from grpo_core.tracking.metrics import MetricWindow
 from grpo_core.security.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.routing import HIT, SPILL, UNMATCHED, ControlFanOutError, ReplicaSet, RoutingPolicy
 from grpo_core.serving.vllm import ServerHandle, embedded_command, launch, teardown, wait_healthy
+from grpo_core.tracking.metrics import MetricWindow
 
 PROMPT = [11, 12, 13, 14, 15, 16]
 T = 4  # tokens per request (ignore_eos)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core import preflight, tracking
+from grpo_core import tracking
 from grpo_core.config import RunConfig
+from grpo_core.tracking.checks import check_tracking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +44,7 @@ def test_mlflow_store_and_prefect_home_are_their_owners_only(tmp_path, open_umas
 
     # the flow's preflight creates the embedded MLflow store (and the parent folder it lacks)
     store = tmp_path / "runs" / "mlflow"
-    preflight.check_tracking(_cfg(store))
+    check_tracking(_cfg(store))
     assert (store / "mlflow.db").is_file() and (store / "artifacts").is_dir()  # it really made them
     for folder in (tmp_path / "runs", store, store / "artifacts"):
         assert _mode(folder) == 0o700, folder

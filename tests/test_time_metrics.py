@@ -22,9 +22,9 @@ from serving_helpers import TINY, embedded_server
 from trainer_helpers import VOCAB, read_jsonl
 
 from grpo_core.config import RunConfig
-from grpo_core.tracking.metrics import MetricWindow, aggregation
 from grpo_core.packing import Sample, samples_from_arrow, write_samples_ipc
 from grpo_core.rollout import start_rollout_process
+from grpo_core.tracking.metrics import MetricWindow, aggregation
 from grpo_core.transport.flight_client import FlightSource
 
 #: The manual's names (its "metrics" section) this project logs from the trainer on CPU.

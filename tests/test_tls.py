@@ -338,7 +338,7 @@ def test_validate_refuses_each_bad_tls_file_naming_its_field(pki, tmp_path):
     """``grpo validate`` (preflight) checks the tls files it used to pass: missing, a folder, not PEM, a key of
     another certificate, a CA file that is no certificate."""
     from grpo_core.errors import ConfigError
-    from grpo_core.preflight import check_tls
+    from grpo_core.run.preflight import check_tls
 
     check_tls(RunConfig(tls=TLSConfig(cert_file=pki["cert"], key_file=pki["key"], ca_file=pki["ca"])))  # good
     other_key = tmp_path / "other.key"

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core import preflight, tracking
+from grpo_core import tracking
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
+from grpo_core.run import preflight
 from grpo_core.tracking import mlflow_sink, report
 from grpo_core.tracking.metrics import JsonlSink
 

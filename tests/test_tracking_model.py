@@ -227,7 +227,7 @@ def test_model_card_and_the_folder_that_would_be_pushed(tmp_path):
 
 
 def test_push_without_token_or_repo_fails_before_anything_starts(tmp_path, monkeypatch):
-    from grpo_core import preflight
+    from grpo_core.run import preflight
 
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no stored token
     monkeypatch.delenv("HF_TOKEN", raising=False)

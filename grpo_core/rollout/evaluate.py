@@ -26,8 +26,8 @@ import numpy as np
 from grpo_core.config import RolloutConfig
 from grpo_core.config.evaluation import EvalConfig
 from grpo_core.errors import ConfigError, RolloutError, ServingError, UserCodeError
-from grpo_core.tracking.metrics import at_step
 from grpo_core.security.allowlist import import_object
+from grpo_core.tracking.metrics import at_step
 
 from .data import default_rewards, iter_rows, load_dataset
 from .loop import RolloutLoop, request_seed

@@ -26,7 +26,7 @@ SAMPLE_ID_STRIDE = 1 << 16
 
 #: The keyword arguments every reward function receives besides the dataset's columns (each column
 #: as a list with its row's value repeated G times). The one list: :func:`reward_kwargs` passes
-#: exactly these, and ``grpo_core.preflight`` accepts exactly these as always supplied.
+#: exactly these, and ``grpo_core.run.preflight`` accepts exactly these as always supplied.
 REWARD_ARGUMENTS: dict[str, str] = {
     "prompts": "list of G prompts (each a list of {'role', 'content'} messages)",
     "completions": "list of G completions (the messages each rollout generated, tool replies included)",

@@ -96,7 +96,7 @@ def trainer_launch(run_dir: str, server_urls: list[str], rollout_location: str, 
     write_private(config_path, sub.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
     cmd = trainer_command(cfg, config_path, server_urls)
     if cfg.train.nnodes > 1:  # torchrun says nothing while it waits for the other hosts
-        from grpo_core.preflight import check_rendezvous_host
+        from grpo_core.run.preflight import check_rendezvous_host
 
         check_rendezvous_host(cfg)
         log.info(

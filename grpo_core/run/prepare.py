@@ -100,7 +100,7 @@ def prepare_run(
         CheckpointError: the checkpoint to resume from cannot be fetched, fails its manifest, or belongs to another
             run.
     """
-    from grpo_core import preflight
+    from grpo_core.run import preflight
     from grpo_core.run.run_lock import RunLock
     from grpo_core.security.redact import mask_values, redact_logs, secret_values, write_private
     from grpo_core.train.checkpoint import STATE_FILE, latest_checkpoint

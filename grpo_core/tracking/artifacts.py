@@ -213,7 +213,7 @@ def uploaded_checkpoint_step(tc: TrackingConfig, run_id: str, read_only: bool = 
     Raises:
         LookupError: the store holds no run ``run_id`` (or there is no store).
     """
-    from grpo_core.preflight import open_sqlite, sqlite_path
+    from grpo_core.run.stores import open_sqlite, sqlite_path
 
     db = sqlite_path(tc.resolved_tracking_uri())
     if db is not None and not db.expanduser().is_file():  # no store holds no run (and opening one creates it)

@@ -79,7 +79,7 @@ def client(tc: TrackingConfig) -> MlflowClient:
         return MlflowClient(tracking_uri=uri)
     from filelock import FileLock
 
-    from grpo_core.preflight import PRIVATE_FILE_MODE, make_private_dir
+    from grpo_core.run.stores import PRIVATE_FILE_MODE, make_private_dir
 
     make_private_dir(tc.dir)  # the store holds checkpoints, configs and logs: its owner's only
     with FileLock(str(tc.dir / "mlflow.db.lock")):

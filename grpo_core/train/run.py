@@ -8,10 +8,10 @@ import torch.distributed as dist
 
 from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import ConfigError
-from grpo_core.tracking.metrics import JsonlSink, MetricsSink
 from grpo_core.models import resolve_model_dir
 from grpo_core.run.layout import METRICS
 from grpo_core.run.run_lock import RunLock
+from grpo_core.tracking.metrics import JsonlSink, MetricsSink
 from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState, SampleSource
 

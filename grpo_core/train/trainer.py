@@ -25,11 +25,11 @@ import torch
 
 from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import NothingToTrainError
-from grpo_core.tracking.metrics import MetricsSink, MetricWindow
 from grpo_core.models import resolve_model_dir
-from grpo_core.tracking.report import write_train_end
 from grpo_core.run.durable import JsonlAppender
 from grpo_core.run.layout import TRAINED_PROMPTS
+from grpo_core.tracking.metrics import MetricsSink, MetricWindow
+from grpo_core.tracking.report import write_train_end
 from grpo_core.transport.types import ResumeState, SampleSource
 
 from . import checkpoint
