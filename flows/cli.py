@@ -408,7 +408,7 @@ def validate(
     without creating the run folder or the MLflow store (only that the run could create them is checked)."""
     cfg = _checked(_load(config, set_, trusted=True), runs_here=False)  # may run elsewhere (a deployment)
     console.print(
-        f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.dataset}, "
+        f"[green]{config}: valid[/green] (model {cfg.model.name}, dataset {cfg.rollout.prompts_summary()}, "
         f"{cfg.train.max_steps} steps)"
     )
 

@@ -90,6 +90,22 @@ def test_validate_passes_a_good_config_and_names_a_missing_column_without_starti
     assert not runs.exists() and not mlflow_dir.exists()
 
 
+def test_validate_names_a_mixtures_sources_and_weights_in_its_summary(tmp_path):
+    # a mixture leaves rollout.dataset unset: the summary said "dataset None"
+    math_rows, code_rows = tmp_path / "math.jsonl", tmp_path / "code.jsonl"
+    for path in (math_rows, code_rows):
+        path.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    mixture = f"[{{path: {math_rows}, weight: 3}}, {{path: {code_rows}, weight: 1, name: coding}}]"
+    where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}"]
+    sets = ["rollout.dataset=null", f"rollout.datasets={mixture}", *where]
+    ok = _invoke("validate", "--config", str(ROOT / "configs" / "tiny.yaml"), *sum((["--set", w] for w in sets), []))
+    assert ok.exit_code == 0, ok.output
+    line = " ".join(ok.output.split())  # rich wraps long lines
+    # shares from the weights: 3 / (3 + 1) and 1 / (3 + 1); names from the file stem and from `name`
+    assert "dataset mixture of math (weight 3, 75%), coding (weight 1, 25%)" in line, line
+    assert "dataset None" not in line
+
+
 def test_validate_opens_an_existing_store_read_only_whatever_its_path(tmp_path):
     """An existing MLflow store is opened read-only by ``grpo validate`` (nothing written), also below a folder whose
     name holds URI characters (a raw ``file:`` URI cut the path at the '?' and created a stray database)."""

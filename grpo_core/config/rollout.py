@@ -241,6 +241,18 @@ class RolloutConfig(_CandidateFilter):
     flight_port: int = Field(default=0, ge=0, le=65535)
     """Port of the Flight server; 0 = a free port, reported at start."""
 
+    def prompts_summary(self) -> str:
+        """Where the prompts come from, in one line for a summary: ``dataset``, a mixture's sources by name with
+        their weights and shares (``mixture of math (weight 3, 75%), code (weight 1, 25%)``), or the environment."""
+        if self.datasets:
+            top = max(d.weight for d in self.datasets)  # weights divided by the largest first: no overflow
+            total = sum(s.weight / top for s in self.datasets)
+            parts = [f"{s.source_name()} (weight {s.weight:g}, {s.weight / top / total:.0%})" for s in self.datasets]
+            return "mixture of " + ", ".join(parts)
+        if self.dataset is not None:
+            return self.dataset
+        return "none (the environment's reset() makes the prompts)" if self.environment_factory else "none"
+
     def reward_weight_by_name(self, names: list[str]) -> dict[str, float] | None:
         """Each reward function's weight by the name its values are logged under (``names``: the source names of
         ``reward_functions``, in order); None when ``reward_weights`` is unset (every weight 1).
