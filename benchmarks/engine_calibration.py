@@ -2,7 +2,7 @@
 
 The throughput model of issue 25 says one vLLM engine serving a small model spends ``a + b × running sequences``
 per decode step (host-side work; the GPU mostly waits), so that several engines with fewer sequences each generate
-more. This benchmark measures it on the servers a run starts (``grpo_core.serving.vllm.provision`` on a run config,
+more. This benchmark measures it on the servers a run starts (``grpo_core.serving.launch.provision`` on a run config,
 ``configs/gpu-1xh200.yaml`` by default, with the model and replica count overridden):
 
 * **sweep**: for each concurrency N, N requests start together, each for exactly T tokens (``ignore_eos``, random
@@ -43,7 +43,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from grpo_core.config import RunConfig, load_config
 from grpo_core.security.auth import bearer_headers, ensure_run_token
-from grpo_core.serving.vllm import ServerHandle, provision, teardown
+from grpo_core.serving.launch import ServerHandle, provision, teardown
 
 
 def engine_config(args: argparse.Namespace, engines: int, log_dir: Path) -> RunConfig:

@@ -1,7 +1,7 @@
 """Does a long generation survive a weight sync intact? The real server, the run's own weight sync.
 
 Starts the generation server of a run config (real vLLM on a GPU, or the embedded server with
-``--cpu-smoke``) through ``grpo_core.serving.vllm.provision``, loads the policy the trainer would
+``--cpu-smoke``) through ``grpo_core.serving.launch.provision``, loads the policy the trainer would
 hold, perturbs it (as an optimizer step would) and, while one ``--tokens``-token generation is in
 flight, pushes it with the trainer's own weight sync (``grpo_core.train.run.make_weight_sync``:
 vLLM's IPC/NCCL weight transfer or the embedded server's folder update). Expected: the
@@ -35,7 +35,7 @@ from grpo_core.config import RunConfig, load_config  # noqa: E402
 from grpo_core.models import resolve_model_dir  # noqa: E402
 from grpo_core.security.auth import bearer_headers, run_token  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
-from grpo_core.serving.vllm import provision, teardown  # noqa: E402
+from grpo_core.serving.launch import provision, teardown  # noqa: E402
 from grpo_core.train.policy import Policy, build_policy  # noqa: E402
 from grpo_core.train.run import make_weight_sync  # noqa: E402
 

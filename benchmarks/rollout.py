@@ -47,7 +47,7 @@ from grpo_core.packing import samples_from_arrow
 from grpo_core.rollout import start_rollout_process
 from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.client import parse_metrics
-from grpo_core.serving.vllm import provision, teardown
+from grpo_core.serving.launch import provision, teardown
 from grpo_core.transport.flight_client import FlightSource
 
 

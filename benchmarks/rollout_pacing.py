@@ -44,7 +44,7 @@ from grpo_core.rollout.loop import LoopRuntime, RolloutLoop  # noqa: E402
 from grpo_core.rollout.pace import TokenAllowance  # noqa: E402
 from grpo_core.rollout.queue import SampleQueue  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
-from grpo_core.serving.routing import ReplicaSet  # noqa: E402
+from grpo_core.serving.replicas import ReplicaSet  # noqa: E402
 
 
 class TimedServer(ThreadingHTTPServer):

@@ -1,8 +1,8 @@
 """Prefix-affinity routing over 1, 2 and 3 embedded replicas: affinity hits, unmatched, spills, generated tok/s.
 
 For each replica count N in ``--replicas`` it starts N embedded replicas (``--model``, ``--threads`` torch
-threads each) through ``grpo_core.serving.vllm.provision`` and sends ``--groups`` groups of G =
-``--group-size`` requests through one :class:`~grpo_core.serving.routing.ReplicaSet` (the rollout's
+threads each) through ``grpo_core.serving.launch.provision`` and sends ``--groups`` groups of G =
+``--group-size`` requests through one :class:`~grpo_core.serving.replicas.ReplicaSet` (the rollout's
 router), ``--groups-in-flight`` groups at a time as the rollout's concurrency cap would allow. Each group
 has its own random ``--prompt-len``-token prompt; every request generates ``--max-tokens`` tokens
 (``ignore_eos``, distinct seeds). Hits, unmatched and spills are fractions of all requests (the ceiling of
@@ -34,8 +34,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from common import git_commit
 
 from grpo_core.config import ModelConfig, RunConfig
-from grpo_core.serving.routing import ReplicaSet, RouteCounts
-from grpo_core.serving.vllm import provision, teardown
+from grpo_core.serving.launch import provision, teardown
+from grpo_core.serving.replicas import ReplicaSet, RouteCounts
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,7 +1,7 @@
 """Generation throughput of the embedded server vs a naive one-request-at-a-time ``generate`` loop.
 
 Starts the embedded server (SmolLM2-135M-Instruct by default, float32 on CPU) through
-``grpo_core.serving.vllm.provision``, then, with the server idle in between, measures:
+``grpo_core.serving.launch.provision``, then, with the server idle in between, measures:
 
 - ``embedded cN``: N concurrent requests (N in ``--concurrency``) of ``--max-tokens`` new
   tokens each (``ignore_eos``, temperature 1, distinct seeds, ``logprobs=0`` as the rollout
@@ -36,7 +36,7 @@ from common import git_commit
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.serving.client import GenerationClient
-from grpo_core.serving.vllm import provision, teardown
+from grpo_core.serving.launch import provision, teardown
 
 QUESTIONS = [
     "What is the capital of France?",

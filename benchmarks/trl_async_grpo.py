@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gpus == 2:
         os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # TRL's process; vLLM gets GPU 0 through its own environment
-    from grpo_core.serving.vllm import provision, teardown
+    from grpo_core.serving.launch import provision, teardown
 
     handles = provision(cfg)
     try:

@@ -7,7 +7,7 @@ deployment (``prefect.deployments.run_deployment(..., timeout=0)``, linked as a 
 (one on each GPU host) runs :func:`grpo_servers`, which
 
 * starts ``server.num_replicas`` replicas (vLLM or embedded) through the one start path
-  (``grpo_core.serving.vllm.provision``), their logs in its own run log;
+  (``grpo_core.serving.launch.provision``), their logs in its own run log;
 * publishes their URLs as a table artifact of its flow run (key ``grpo-servers-<train flow run id>``),
   read back by the train flow through Prefect's authenticated API;
 * keeps them alive: a replica whose process exits is started again on its port (its URL stays valid; the
@@ -151,7 +151,7 @@ def _take_credentials(name: str) -> tuple[str, dict[str, str]]:
 
 
 def _start(cfg: Any, procs: RunProcesses, log: Any) -> list[str]:
-    from grpo_core.serving.vllm import choose_backend, provision
+    from grpo_core.serving.launch import choose_backend, provision
 
     backend = choose_backend(cfg)
     for i in range(cfg.server.num_replicas):
@@ -350,7 +350,7 @@ class ServerRun:
     def _check_reachable(self, urls: list[str], deadline: float) -> None:
         from pydantic import SecretStr
 
-        from grpo_core.serving.routing import wait_external
+        from grpo_core.serving.replicas import wait_external
 
         left = max(deadline - time.monotonic(), 5.0)
         # the replicas check server.api_key when set (as every client of the run sends it), else the run's token

@@ -93,9 +93,9 @@ def provision_servers(run_dir: str) -> list[str]:
 
     Retried (``server.start_retries`` times, see :func:`server_start_failed`) when a replica fails to start.
     """
+    from grpo_core.serving.launch import choose_backend, provision
+    from grpo_core.serving.replicas import wait_external
     from grpo_core.serving.router.server import start_router
-    from grpo_core.serving.routing import wait_external
-    from grpo_core.serving.vllm import choose_backend, provision
 
     log, procs, cfg = get_run_logger(), REGISTRY[run_dir], run_config(run_dir)
     if cfg.server.deployment:  # replicas in a flow run of their own, on the servers' work pool

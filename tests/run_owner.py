@@ -17,7 +17,7 @@ from grpo_core.config import load_config
 from grpo_core.rollout.process import start_rollout_process
 from grpo_core.run.processes import child_env, stream
 from grpo_core.security.auth import TOKEN_ENV, new_token
-from grpo_core.serving.vllm import embedded_command, launch
+from grpo_core.serving.launch import embedded_command, launch
 
 
 def main(config: Path) -> None:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.guard import ADAPTER_DIR_ENV, WEIGHTS_DIR_ENV
-from grpo_core.serving.vllm import ServerHandle, provision, teardown
+from grpo_core.serving.launch import ServerHandle, provision, teardown
 
 TINY = "tiny-qwen3"
 

@@ -316,7 +316,7 @@ def test_grpo_resume_checks_a_fetched_config_like_a_parameter(planted, tmp_path)
 def test_vllm_is_launched_only_with_flags_the_launching_workers_allow_list_admits(monkeypatch):
     """The servers' flow run (``grpo-servers``) takes its config as a parameter and never runs preflight: the vLLM
     command line itself is checked against the allow-list where it is built."""
-    from grpo_core.serving.vllm import vllm_command
+    from grpo_core.serving.launch import vllm_command
 
     monkeypatch.setenv(ALLOWED_MODULES_ENV, "")
     cfg = RunConfig(

@@ -9,7 +9,7 @@ import pytest
 
 from grpo_core.config import RunConfig, TrainerProcessConfig, load_config, load_trainer_config
 from grpo_core.errors import ConfigError
-from grpo_core.serving.vllm import check_gpu_layout
+from grpo_core.serving.launch import check_gpu_layout
 
 CONFIGS = sorted(Path(__file__).resolve().parent.parent.glob("configs/*.yaml"))
 GPU = [p for p in CONFIGS if p.name.startswith("gpu-")]

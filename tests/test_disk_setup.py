@@ -16,7 +16,7 @@ from flows.local_api import prepare_home
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError, ServingError
 from grpo_core.run import preflight
-from grpo_core.serving.vllm import embedded_command, launch
+from grpo_core.serving.launch import embedded_command, launch
 from grpo_core.tracking.checks import check_tracking
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -397,7 +397,7 @@ def test_provision_retries_only_server_start_failures(stack, stack_tmp, monkeypa
     from flows.grpo_train import RESOLVED_CONFIG, _stop, provision_servers
     from grpo_core.config import load_config
     from grpo_core.errors import PortInUseError
-    from grpo_core.serving import vllm
+    from grpo_core.serving import launch
 
     def run_dir_for(name: str, overrides: list[str]) -> str:
         cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides)
@@ -416,7 +416,7 @@ def test_provision_retries_only_server_start_failures(stack, stack_tmp, monkeypa
     holder.listen()
     port = holder.getsockname()[1]
     busy = run_dir_for("busy-port", [f"server.port={port}"])
-    real_check, refusals = vllm.check_port_free, []
+    real_check, refusals = launch.check_port_free, []
 
     def check_then_free(host: str, port_: int, field_name: str = "server.port") -> None:
         try:
@@ -426,7 +426,7 @@ def test_provision_retries_only_server_start_failures(stack, stack_tmp, monkeypa
             holder.close()
             raise
 
-    monkeypatch.setattr(vllm, "check_port_free", check_then_free)
+    monkeypatch.setattr(launch, "check_port_free", check_then_free)
     with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_API_AUTH_STRING: stack.auth_string}):
         try:
             urls = provision_only(busy)

@@ -88,8 +88,8 @@ def test_health_answers_while_a_long_prompt_is_tokenized():
 def test_a_body_over_the_limit_is_413_before_anything_parses_it(monkeypatch):
     """Guard (embedded server, vLLM) and router: a declared or streamed body over the limit answers 413 naming the
     setting; a body within it reaches the app; a request without the token is 401 first (no body is read)."""
+    from grpo_core.serving.replicas import ReplicaSet
     from grpo_core.serving.router.app import create_router_app
-    from grpo_core.serving.routing import ReplicaSet
 
     monkeypatch.setenv(limits.MAX_BODY_ENV, "0.001")  # 1 KiB (1048 bytes) for the router, read at creation
     monkeypatch.setenv("GRPO_RUN_TOKEN", TOKEN)

@@ -24,7 +24,7 @@ from grpo_core.rollout.loop import TurnAborted
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.client import Completion, GenerationClient
-from grpo_core.serving.routing import ReplicaSet
+from grpo_core.serving.replicas import ReplicaSet
 
 PROMPT = [5, 17, 42, 99]
 LONG = 200  # tokens: the tiny model needs a good fraction of a second for them on one thread

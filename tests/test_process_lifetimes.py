@@ -136,7 +136,7 @@ def test_a_sigkilled_generation_server_stops_the_trainer_at_once(tmp_path):
     # Before: nothing watched the servers the flow started; the trainer's weight update retried a dead server for
     # server.control_timeout_s (60 s) and the rollout's requests for rollout.max_retries before the attempt failed.
     from grpo_core.config import load_config
-    from grpo_core.serving.vllm import embedded_command, launch
+    from grpo_core.serving.launch import embedded_command, launch
 
     config, procs, result = _config(tmp_path), RunProcesses(), {}
     server = launch(embedded_command(load_config(config, []), 0), procs.token)

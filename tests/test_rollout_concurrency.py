@@ -16,7 +16,7 @@ from grpo_core.rollout.driver import poll_concurrency
 from grpo_core.rollout.pace import ConcurrencyCap
 from grpo_core.rollout.window import MetricWindow
 from grpo_core.serving.client import GenerationClient
-from grpo_core.serving.routing import ReplicaSet
+from grpo_core.serving.replicas import ReplicaSet
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from grpo_core.rollout.loop import LoopRuntime, RolloutLoop, request_seed
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.rollout.queue import SampleQueue
 from grpo_core.serving.client import GenerationClient
-from grpo_core.serving.routing import ReplicaSet
+from grpo_core.serving.replicas import ReplicaSet
 
 G = 2
 COMPLETION = 8  # tokens of every completion (finish "length")

@@ -84,7 +84,7 @@ def test_a_server_restarted_with_the_base_weights_is_reported_behind_not_sampled
     import httpx
 
     from grpo_core.security.auth import bearer_headers, run_token
-    from grpo_core.serving.vllm import relaunch, wait_healthy
+    from grpo_core.serving.launch import relaunch, wait_healthy
 
     port = free_port()
     config = RunConfig(

@@ -25,8 +25,8 @@ from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import ServerRequestError
 from grpo_core.security.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.serving.client import GenerationClient
-from grpo_core.serving.routing import HIT, SPILL, UNMATCHED, ControlFanOutError, ReplicaSet, RoutingPolicy
-from grpo_core.serving.vllm import ServerHandle, embedded_command, launch, teardown, wait_healthy
+from grpo_core.serving.launch import ServerHandle, embedded_command, launch, teardown, wait_healthy
+from grpo_core.serving.replicas import HIT, SPILL, UNMATCHED, ControlFanOutError, ReplicaSet, RoutingPolicy
 from grpo_core.tracking.metrics import MetricWindow
 
 PROMPT = [11, 12, 13, 14, 15, 16]
@@ -115,7 +115,7 @@ def test_with_every_replica_down_each_retry_tries_the_next_replica():
     ],
 )
 def test_which_control_refusals_are_retried(status, text, reads_storage, final):
-    from grpo_core.serving.routing import refusal_is_final
+    from grpo_core.serving.replicas import refusal_is_final
 
     assert refusal_is_final(status, text, reads_storage) is final
 
@@ -337,7 +337,7 @@ def test_a_refusal_no_retry_changes_fails_the_fan_out_at_once(replicas, caplog):
                 )
             return refused.value
 
-    with caplog.at_level("WARNING", logger="grpo_core.serving.routing"):
+    with caplog.at_level("WARNING", logger="grpo_core.serving.replicas"):
         refused = run(go())
     assert sorted(refused.failed) == sorted(urls) and not refused.rolled_back
     assert all("answered 403" in e and "not retried: a 403 does not change" in e for e in refused.failed.values())
@@ -460,7 +460,7 @@ def test_external_servers_that_refuse_the_runs_token_fail_the_start_naming_the_s
     """``/health`` needs no token, so healthy servers that refuse the run's key would fail every request later."""
     from grpo_core.config import ServerConfig
     from grpo_core.errors import ConfigError
-    from grpo_core.serving.routing import wait_external
+    from grpo_core.serving.replicas import wait_external
 
     urls = [h.url for h in replicas]
     assert wait_external(ServerConfig(urls=urls, startup_timeout_s=30)) == urls  # the replicas' token: accepted
@@ -715,7 +715,7 @@ def test_rollout_groups_stick_to_one_replica_and_log_router_metrics(replicas):
 def test_external_urls_are_waited_for_and_a_dead_one_is_named(replicas):
     from grpo_core.config import ServerConfig
     from grpo_core.errors import ServerStartError
-    from grpo_core.serving.routing import wait_external
+    from grpo_core.serving.replicas import wait_external
 
     urls = [h.url for h in replicas]
     assert wait_external(ServerConfig(urls=[u + "/" for u in urls])) == urls

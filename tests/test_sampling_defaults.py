@@ -25,8 +25,8 @@ from grpo_core.config import ModelConfig, RolloutConfig, RunConfig
 from grpo_core.models import resolve_model_dir
 from grpo_core.security.auth import ensure_run_token
 from grpo_core.serving.client import GenerationClient
+from grpo_core.serving.launch import check_server, embedded_command, launch, vllm_command, wait_healthy
 from grpo_core.serving.sampling_defaults import probe_problems, sampling_problems, server_default_sampling
-from grpo_core.serving.vllm import check_server, embedded_command, launch, vllm_command, wait_healthy
 
 
 def test_both_command_lines_use_neutral_generation_config_and_ipc_allows_handles():

@@ -78,7 +78,7 @@ def test_write_private_makes_an_existing_file_0600(tmp_path):
 
 
 def test_vllm_gets_api_key_and_token_by_environment_and_logs_a_redacted_command(tmp_path, caplog):
-    from grpo_core.serving.vllm import LaunchSpec, launch, vllm_command
+    from grpo_core.serving.launch import LaunchSpec, launch, vllm_command
 
     cfg = _config().model_copy(update={"model": RunConfig().model.model_copy(update={"name": "tiny-qwen3"})})
     spec = vllm_command(cfg)
@@ -98,7 +98,7 @@ def test_vllm_gets_api_key_and_token_by_environment_and_logs_a_redacted_command(
         f"--db-secret={API_KEY}",
     ]
     run = LaunchSpec(argv, {}, "embedded", 0, "127.0.0.1", 0, tmp_path / "log.txt")
-    with caplog.at_level(logging.INFO, logger="grpo_core.serving.vllm"):
+    with caplog.at_level(logging.INFO, logger="grpo_core.serving.launch"):
         handle = launch(run, "run-token-xyz")
         handle.process.wait(timeout=60)
     assert json.loads(marker.read_text()) == ["--ssl-password", PASSWORD, f"--db-secret={API_KEY}"]

@@ -36,7 +36,7 @@ from grpo_core.errors import PortInUseError, ServerRequestError, ServerStartErro
 from grpo_core.security.auth import NONCE_PATH, bearer_headers, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.guard import STALE_PATH
-from grpo_core.serving.vllm import LaunchSpec, ServerHandle, provision, wait_healthy
+from grpo_core.serving.launch import LaunchSpec, ServerHandle, provision, wait_healthy
 
 # A body for each route that would change state if a request got through the guard.
 BODIES = {
@@ -476,7 +476,7 @@ def test_the_guard_loads_into_a_vllm_style_app_from_the_environment(monkeypatch)
 
     from fastapi import FastAPI
 
-    from grpo_core.serving.vllm import GUARD_MIDDLEWARE
+    from grpo_core.serving.launch import GUARD_MIDDLEWARE
 
     monkeypatch.setenv("GRPO_RUN_TOKEN", "tok-123")
     monkeypatch.setenv("GRPO_RUN_NONCE", "n-1")

@@ -277,7 +277,7 @@ def test_a_replica_that_fails_to_start_again_is_retried_while_restarts_last(star
     from types import SimpleNamespace
 
     import flows.grpo_servers as servers
-    import grpo_core.serving.vllm as vllm_mod
+    import grpo_core.serving.launch as launch_mod
     from grpo_core.errors import ServerStartError
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -298,8 +298,8 @@ def test_a_replica_that_fails_to_start_again_is_retried_while_restarts_last(star
         lifeline.done = True  # the second one serves; the train flow run ends once the replica is back
         return handle.url
 
-    monkeypatch.setattr(vllm_mod, "relaunch", relaunch)
-    monkeypatch.setattr(vllm_mod, "wait_healthy", wait_healthy)
+    monkeypatch.setattr(launch_mod, "relaunch", relaunch)
+    monkeypatch.setattr(launch_mod, "wait_healthy", wait_healthy)
     monkeypatch.setattr("prefect.client.orchestration.get_client", lambda sync_client: lifeline)
     cfg = RunConfig.model_validate(
         {"server": {"start_retries": start_retries, "lifeline_timeout_s": 2, "log_dir": str(tmp_path)}}
@@ -330,7 +330,7 @@ def test_the_lifeline_is_still_checked_while_a_replica_starts_again(tmp_path, mo
     from types import SimpleNamespace
 
     import flows.grpo_servers as servers
-    import grpo_core.serving.vllm as vllm_mod
+    import grpo_core.serving.launch as launch_mod
     from grpo_core.errors import ServerStartError
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -352,8 +352,8 @@ def test_the_lifeline_is_still_checked_while_a_replica_starts_again(tmp_path, mo
         finally:
             loaded.set()
 
-    monkeypatch.setattr(vllm_mod, "relaunch", relaunch)
-    monkeypatch.setattr(vllm_mod, "wait_healthy", wait_healthy)
+    monkeypatch.setattr(launch_mod, "relaunch", relaunch)
+    monkeypatch.setattr(launch_mod, "wait_healthy", wait_healthy)
     monkeypatch.setattr("prefect.client.orchestration.get_client", lambda sync_client: lifeline)
     cfg = RunConfig.model_validate(
         {"server": {"start_retries": 1, "lifeline_timeout_s": 2, "startup_timeout_s": 600, "log_dir": str(tmp_path)}}

@@ -15,7 +15,7 @@ import pytest
 
 from grpo_core.errors import ServerUnavailableError
 from grpo_core.serving.client import GenerationClient, backoff_delay
-from grpo_core.serving.routing import ReplicaSet
+from grpo_core.serving.replicas import ReplicaSet
 
 
 def test_backoff_delay_is_uniform_below_the_exponential_bound():

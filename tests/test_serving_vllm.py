@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
-from grpo_core.serving.vllm import (
+from grpo_core.serving.launch import (
     _lora_problems,
     choose_backend,
     embedded_command,
@@ -155,7 +155,7 @@ def test_replica_gpu_lists_that_cannot_work_are_refused(server, match):
 def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeypatch, gpu_ids, expected):
     """vLLM sizes its KV cache from the memory free while it profiles: a neighbour starting meanwhile would
     change it, so replicas on one GPU start in turn (the order of launches and health checks shows it)."""
-    import grpo_core.serving.vllm as vllm_mod
+    import grpo_core.serving.launch as launch_mod
 
     events = []
 
@@ -166,14 +166,18 @@ def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeyp
         def stop(self):
             events.append(f"stop {self.spec.replica}")
 
-    monkeypatch.setattr(vllm_mod, "choose_backend", lambda cfg: "embedded")
-    monkeypatch.setattr(vllm_mod, "launch", lambda spec, token: events.append(f"launch {spec.replica}") or Handle(spec))
-    monkeypatch.setattr(vllm_mod, "wait_healthy", lambda h, timeout, token: events.append(f"healthy {h.spec.replica}"))
+    monkeypatch.setattr(launch_mod, "choose_backend", lambda cfg: "embedded")
+    monkeypatch.setattr(
+        launch_mod, "launch", lambda spec, token: events.append(f"launch {spec.replica}") or Handle(spec)
+    )
+    monkeypatch.setattr(
+        launch_mod, "wait_healthy", lambda h, timeout, token: events.append(f"healthy {h.spec.replica}")
+    )
 
     async def checked(url, cfg, token):
         return None
 
-    monkeypatch.setattr(vllm_mod, "check_server", checked)
+    monkeypatch.setattr(launch_mod, "check_server", checked)
     handles = provision(config(num_replicas=2, gpu_ids=gpu_ids, gpu_memory_utilization=0.3), token="t")
     assert events == expected and [h.spec.replica for h in handles] == [0, 1]
 

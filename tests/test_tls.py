@@ -157,8 +157,8 @@ def _refused_by_handshake(url: str, verify: object) -> str:
 
 
 def test_the_embedded_server_and_the_router_serve_https_verified_against_the_ca(pki, tmp_path, monkeypatch):
+    from grpo_core.serving.launch import provision, teardown
     from grpo_core.serving.router.server import start_router
-    from grpo_core.serving.vllm import provision, teardown
 
     monkeypatch.delenv(TLS_CA_ENV, raising=False)  # the CA reaches each client from the config here
     config = RunConfig(

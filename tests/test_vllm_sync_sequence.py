@@ -265,7 +265,7 @@ def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_update_failing_on_one_replica_fences_it_off_until_an_update_reaches_it(monkeypatch, servers, backend):
-    from grpo_core.serving.routing import ReplicaSet
+    from grpo_core.serving.replicas import ReplicaSet
 
     stub_vllm(monkeypatch, [])
     good, bad = servers(), servers(fail={"/update_weights": 500})
@@ -342,7 +342,7 @@ def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
 
 
 def test_failed_pause_resumes_the_replicas_paused_and_names_the_refusing_one(monkeypatch, servers):
-    from grpo_core.serving.routing import ControlFanOutError
+    from grpo_core.serving.replicas import ControlFanOutError
 
     stub_vllm(monkeypatch, [])
     first, refusing = servers(), servers(fail={"/pause": 500})
@@ -367,9 +367,9 @@ def test_failed_pause_resumes_the_replicas_paused_and_names_the_refusing_one(mon
 
 @pytest.mark.parametrize("status", [401, 404])
 def test_a_final_refusal_of_the_pause_ends_the_fan_out_at_once(monkeypatch, servers, status):
-    """The full-weight sync asks the one retry policy of control calls (``routing.control_verdict``): a 401 (wrong
+    """The full-weight sync asks the one retry policy of control calls (``replicas.control_verdict``): a 401 (wrong
     token) or 404 (a route the server lacks) is not retried for server.control_timeout_s, as for LoRA."""
-    from grpo_core.serving.routing import ControlFanOutError
+    from grpo_core.serving.replicas import ControlFanOutError
 
     stub_vllm(monkeypatch, [])
     first, refusing = servers(), servers(fail={"/pause": status})
@@ -400,7 +400,7 @@ def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch,
 
 def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_update(servers, tmp_path):
     from grpo_core.config import ServerConfig
-    from grpo_core.serving.routing import ControlFanOutError
+    from grpo_core.serving.replicas import ControlFanOutError
     from grpo_core.train.weight_sync import DiskFullWeightSync
 
     out = tmp_path / "out"
@@ -483,7 +483,7 @@ def test_routing_sends_a_refused_version_to_a_replica_that_holds_it_and_reports_
 
     from grpo_core.errors import ReplicaBehindError
     from grpo_core.serving.guard import POLICY_VERSION_HEADER
-    from grpo_core.serving.routing import ReplicaSet
+    from grpo_core.serving.replicas import ReplicaSet
 
     behind, synced = servers(), servers()
     httpx.post(

@@ -58,7 +58,7 @@ async def build_loop(job: Any, queue: Any, window: Any, completions: Any = None)
     from transformers import AutoTokenizer
 
     from grpo_core.models import resolve_model_dir
-    from grpo_core.serving.routing import ReplicaSet
+    from grpo_core.serving.replicas import ReplicaSet
 
     run = job.config
     rollout = run.rollout

@@ -88,7 +88,7 @@ class LoopRuntime:
 
     Attributes:
         tokenizer: HF tokenizer of the policy (chat template, encode/decode).
-        server: the generation replicas as one ``grpo_core.serving.routing.ReplicaSet`` (a group's requests
+        server: the generation replicas as one ``grpo_core.serving.replicas.ReplicaSet`` (a group's requests
             go to one replica by prefix affinity; ``complete``, ``metrics``, ``models``, ``retry_count``).
         model_name: served model name used in requests.
         max_model_len: the server's prompt + completion limit in tokens.

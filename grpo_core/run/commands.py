@@ -61,7 +61,7 @@ def run_slots(config: RunConfig) -> int:
         return config.flow.concurrency_slots
     if not config.server.starts_here():  # the servers run elsewhere: only the trainer's ranks here
         return config.train.num_ranks
-    from grpo_core.serving.vllm import choose_backend, replica_gpus
+    from grpo_core.serving.launch import choose_backend, replica_gpus
 
     if choose_backend(config) != "vllm":
         return 1

@@ -530,7 +530,7 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     check_resume_from(cfg, create)
     check_model(cfg)
     if cfg.server.backend == "vllm" and cfg.server.starts_here():
-        from grpo_core.serving.vllm import choose_backend
+        from grpo_core.serving.launch import choose_backend
 
         choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for server.urls / deployment)
     loop_class_and_config(cfg.rollout)

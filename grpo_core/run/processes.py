@@ -106,7 +106,7 @@ class RunProcesses:
 
     def stop_all(self) -> None:
         """Stop the trainer and rollout processes, then the servers, then the log forwarders."""
-        from grpo_core.serving.vllm import teardown
+        from grpo_core.serving.launch import teardown
 
         self.stopping = True
         for process in reversed(self.processes):

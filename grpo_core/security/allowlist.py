@@ -245,7 +245,7 @@ def check_code_references(cfg: RunConfig, allowed: tuple[str, ...] | None = None
 
 def check_vllm_args(args: list[Any], allowed: tuple[str, ...] | None = None) -> None:
     """Refuse ``server.extra_args`` carrying a vLLM flag outside :data:`VLLM_SAFE_FLAGS` that the allow-list does not
-    list, or a code flag's class path it does not list; where vLLM is launched (``serving.vllm.vllm_command``), with
+    list, or a code flag's class path it does not list; where vLLM is launched (``serving.launch.vllm_command``), with
     that worker's allow-list, since a servers' flow run takes its config as a parameter too.
 
     Raises:

@@ -14,7 +14,7 @@ fallback). It:
 * answers ``GET /grpo/identity?challenge=<hex>`` without a token with the launch's nonce and an HMAC of the
   challenge under the run's token (``grpo_core.security.auth.identity_answer``), so the launcher can tell the process it
   started from another server on the same port without sending that server the token
-  (``grpo_core.serving.vllm.wait_healthy``); ``GET /grpo/run_nonce`` (authenticated) reports the nonce as well;
+  (``grpo_core.serving.launch.wait_healthy``); ``GET /grpo/run_nonce`` (authenticated) reports the nonce as well;
 * refuses (403) a LoRA adapter load whose ``lora_path`` is outside the run's adapter folder, and a
   full-weight update whose ``update_info.path`` is outside the run's weights folder;
 * fences a replica whose full-weight update failed (``POST /grpo/stale {"stale": true, "reason"}``, sent by the
@@ -36,7 +36,7 @@ fallback). It:
   ``POST /resume`` since, it resumes the server itself (an internal ``POST /resume``) and logs a
   warning, so a stray pause cannot stall a run for longer.
 
-Environment (set per launch by ``grpo_core.serving.vllm``): ``GRPO_RUN_TOKEN`` (required),
+Environment (set per launch by ``grpo_core.serving.launch``): ``GRPO_RUN_TOKEN`` (required),
 ``GRPO_RUN_NONCE``, ``GRPO_MAX_PAUSE_S``, ``GRPO_ADAPTER_DIR``, ``GRPO_WEIGHTS_DIR``.
 """
 
@@ -72,7 +72,7 @@ STALE_PATH = "/grpo/stale"
 #: Request header naming the policy version the client samples for (full-weight runs; see the module docstring).
 POLICY_VERSION_HEADER = "X-GRPO-Policy-Version"
 #: Header of every 503 the fence answers (value ``up``): the replica is loaded and ours, only out of routing, so a
-#: launcher waiting for it to come up (``grpo_core.serving.vllm.wait_healthy``) need not wait for the next sync.
+#: launcher waiting for it to come up (``grpo_core.serving.launch.wait_healthy``) need not wait for the next sync.
 FENCE_HEADER = "X-GRPO-Fence"
 #: Error ``type`` of the 503 a replica behind the run's policy version answers.
 BEHIND_ERROR_TYPE = "PolicyVersionBehind"

@@ -2,7 +2,7 @@
 
 ``flows/grpo_servers.py`` polls Prefect (its own state, the train run's, the lifeline) and calls
 :meth:`ReplicaSupervisor.check` on every pass. A replica that exits is started again on its port
-(:func:`grpo_core.serving.vllm.relaunch`, on the caller's thread: vLLM dies with the thread that launched it) while
+(:func:`grpo_core.serving.launch.relaunch`, on the caller's thread: vLLM dies with the thread that launched it) while
 ``server.start_retries`` lasts; the wait for it to serve (up to ``server.startup_timeout_s``, minutes for a large
 model) runs on a worker thread, so the caller keeps polling meanwhile. The supervisor gives up only when every replica
 is dead with its restarts spent.
@@ -75,7 +75,7 @@ class ReplicaSupervisor:
         self.log.info("replica %d serves again at %s%s", i, handle.url, later)
 
     def _relaunch(self, i: int, handle: Any) -> None:
-        from grpo_core.serving import vllm
+        from grpo_core.serving import launch
 
         self.restarts[i] += 1
         self.log.warning(
@@ -87,12 +87,12 @@ class ReplicaSupervisor:
             self.server.start_retries,
         )
         try:
-            self.servers[i] = vllm.relaunch(handle, self.token)
+            self.servers[i] = launch.relaunch(handle, self.token)
         except ServingError as exc:  # nothing started (its log cannot be written)
             self._failed_start(i, exc)
             return
         self.starting[i] = self._pool.submit(  # no generation check follows: a fenced replica is adopted
-            vllm.wait_healthy, self.servers[i], self.server.startup_timeout_s, self.token, fenced_ok=True
+            launch.wait_healthy, self.servers[i], self.server.startup_timeout_s, self.token, fenced_ok=True
         )
 
     def _failed_start(self, i: int, exc: Exception) -> None:

@@ -5,7 +5,7 @@
   :func:`server.start_router`, which launches it in front of a run's replicas.
 
 For clients outside the rollout process (evaluation, a TRL-style single-endpoint trainer). It runs the
-same :class:`~grpo_core.serving.routing.ReplicaSet` as the rollout: completions and chat completions are
+same :class:`~grpo_core.serving.replicas.ReplicaSet` as the rollout: completions and chat completions are
 routed by prefix affinity (the ``X-Affinity-Key`` header when given, else a hash of the model name and
 the first :data:`app.PREFIX_CHARS` characters of the prompt or messages), streamed answers included; control
 calls (``/pause``, ``/resume``, LoRA load/unload, weight updates, ``/reset_prefix_cache``) fan out to

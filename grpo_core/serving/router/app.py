@@ -1,4 +1,4 @@
-"""The router's ASGI app over a :class:`~grpo_core.serving.routing.ReplicaSet` (see the package docstring):
+"""The router's ASGI app over a :class:`~grpo_core.serving.replicas.ReplicaSet` (see the package docstring):
 generation routes by prefix affinity, control routes fanned out all or nothing, ``/health`` and ``/metrics``.
 """
 
@@ -116,7 +116,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
 
     from grpo_core.errors import ServerRequestError, ServingError
     from grpo_core.serving.limits import BodyLimit
-    from grpo_core.serving.routing import ControlFanOutError
+    from grpo_core.serving.replicas import ControlFanOutError
 
     app = FastAPI(title="grpo-flow router")
 

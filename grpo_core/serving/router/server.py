@@ -45,7 +45,7 @@ def start_router(server: Any, urls: list[str], token: str, tls: Any = None) -> A
     import secrets
 
     from grpo_core.security.auth import check_port_free
-    from grpo_core.serving.vllm import LaunchSpec, launch, wait_healthy
+    from grpo_core.serving.launch import LaunchSpec, launch, wait_healthy
 
     check_port_free(server.host, server.router_port, "server.router_port")  # taken: no launch, the setting named
     port_file = server.log_dir / ROUTER_PORT
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     from grpo_core.security.auth import TLS_CA_ENV
     from grpo_core.serving.embedded.server import listen
     from grpo_core.serving.limits import tls_options, uvicorn_options, warn_if_exposed
-    from grpo_core.serving.routing import ReplicaSet, token_refused
+    from grpo_core.serving.replicas import ReplicaSet, token_refused
 
     try:
         tls = tls_options(args.ssl_certfile, args.ssl_keyfile)

@@ -45,7 +45,7 @@ from .adapter_store import AdapterStore
 
 if TYPE_CHECKING:
     from grpo_core.serving.client import GenerationClient
-    from grpo_core.serving.routing import ReplicaSet
+    from grpo_core.serving.replicas import ReplicaSet
 
     from ..policy import Policy
 
@@ -108,7 +108,7 @@ class _Servers:
 
     def run(self, work: Callable[[ReplicaSet], Awaitable[None]]) -> None:
         """``await work(replica_set)`` over the servers (a ``ReplicaSet`` with the server settings)."""
-        from grpo_core.serving.routing import ReplicaSet
+        from grpo_core.serving.replicas import ReplicaSet
 
         async def run_all() -> None:
             async with ReplicaSet.from_config(

@@ -252,10 +252,10 @@ class VllmWeightTransferSync:
         }
 
     def _retry(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> None:
-        """``_post`` under the control calls' one retry policy (:func:`grpo_core.serving.routing.retry_control`:
+        """``_post`` under the control calls' one retry policy (:func:`grpo_core.serving.replicas.retry_control`:
         every ``control_retry_s`` until ``control_timeout_s``, a final refusal such as a 401 or 404 at once); raises
         the last error."""
-        from grpo_core.serving.routing import retry_control
+        from grpo_core.serving.replicas import retry_control
 
         retry_control(url, lambda: self._post(url, path, body, params), self.control_retry_s, self.control_timeout_s)
 
@@ -265,7 +265,7 @@ class VllmWeightTransferSync:
         Raises:
             ControlFanOutError: some replica refused (names it); the caller resumes every one in ``paused``.
         """
-        from grpo_core.serving.routing import ControlFanOutError
+        from grpo_core.serving.replicas import ControlFanOutError
 
         def pause(url: str) -> str | None:
             paused.append(url)  # from here on it gets finish and resume, whatever happens
