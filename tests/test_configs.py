@@ -365,6 +365,29 @@ def test_an_indexed_override_out_of_range_names_the_key_and_the_length(tmp_path,
     assert says in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            ["eval.every_steps=null", "eval.at_end=false"],
+            "eval.every_steps is null and eval.at_end is false: the run would never evaluate eval.dataset",
+        ),
+        (
+            ["eval.every_steps=11", "eval.at_end=false", "train.max_steps=10"],
+            "eval.every_steps (11) is above train.max_steps (10) and eval.at_end is false",
+        ),
+    ],
+)
+def test_eval_settings_that_never_evaluate_are_refused_naming_both_fields(overrides, says):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["eval.dataset=reasoning_gym:chain_sum", *overrides])
+    assert says in str(info.value), str(info.value)
+    # each field alone evaluates (at the end, or at step 10), and without eval.dataset nothing is evaluated anyway
+    assert load_config(overrides=["eval.dataset=reasoning_gym:chain_sum", "eval.at_end=false", "eval.every_steps=10"])
+    assert load_config(overrides=["eval.dataset=reasoning_gym:chain_sum", "eval.every_steps=11"])
+    assert not load_config(overrides=["eval.at_end=false"]).eval.enabled
+
+
 def test_a_union_field_error_is_one_line_without_pydantic_member_tags():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.lora.target_modules=x"])

@@ -30,7 +30,9 @@ class EvalConfig(_Strict):
     every_steps: int | None = Field(default=None, ge=1)
     """Evaluate after every ``every_steps`` optimizer steps (steps N, 2N, ...); None = only at the end."""
     at_end: bool = True
-    """Evaluate the final policy when training ends (the trainer waits for it, at most ``final_timeout_s``)."""
+    """Evaluate the final policy when training ends (the trainer waits for it, at most ``final_timeout_s``). False
+    needs ``every_steps`` (at most ``train.max_steps``): settings that never evaluate are refused (unset ``dataset``
+    to train without evaluation)."""
     greedy: bool = False
     """Sample at temperature 0 (one sample per prompt; ``eval/accuracy`` is the greedy accuracy); false = sample
     ``num_samples`` per prompt with the rollout's sampling settings."""
@@ -54,6 +56,11 @@ class EvalConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
+        if self.dataset is not None and self.every_steps is None and not self.at_end:
+            raise ConfigError(
+                "eval.every_steps is null and eval.at_end is false: the run would never evaluate eval.dataset; set "
+                "eval.every_steps (e.g. 50) or eval.at_end: true, or unset eval.dataset to train without evaluation"
+            )
         if self.greedy and self.num_samples != 1:
             raise ConfigError(
                 f"eval.greedy samples one completion per prompt, but eval.num_samples={self.num_samples}; "

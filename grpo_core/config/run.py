@@ -226,6 +226,13 @@ class RunConfig(_Strict):
                 f"replica; list {needed}, or raise server.num_replicas to use them"
             )
         _check_fixed_ports(self)
+        ev = self.eval
+        if ev.enabled and not ev.at_end and ev.every_steps is not None and ev.every_steps > self.train.max_steps:
+            raise ConfigError(
+                f"eval.every_steps ({ev.every_steps}) is above train.max_steps ({self.train.max_steps}) and "
+                "eval.at_end is false: the run would never evaluate eval.dataset; lower eval.every_steps or set "
+                "eval.at_end: true"
+            )
         if server.gpu_ids is not None:
             tp = server.tensor_parallel_size
             for replica in range(server.num_replicas):
