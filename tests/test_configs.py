@@ -156,6 +156,7 @@ def test_the_checkpoint_fingerprint_keeps_the_run_config_paths():
         "train.epsilon_high",
         "train.save_total_limit",
         "train.tis_cap",
+        "train.router_aux_loss_coef",
         "rollout.reward_weights",
     }
 

@@ -26,6 +26,7 @@ def test_registry_names():
         "tiny-llama",
         "tiny-qwen3",
         "tiny-qwen3.5",
+        "tiny-qwen3-moe",
         "random-smollm2-135m",
         "random-qwen3-0.6b",
         "random-qwen3-1.7b",
@@ -96,7 +97,13 @@ def test_smollm2_loads_and_answers_sensibly():
 
 
 @pytest.mark.parametrize(
-    "name, model_type", [("tiny-llama", "llama"), ("tiny-qwen3", "qwen3"), ("tiny-qwen3.5", "qwen3_5_text")]
+    "name, model_type",
+    [
+        ("tiny-llama", "llama"),
+        ("tiny-qwen3", "qwen3"),
+        ("tiny-qwen3.5", "qwen3_5_text"),
+        ("tiny-qwen3-moe", "qwen3_moe"),
+    ],
 )
 def test_tiny_models_are_seeded_real_architectures(name, model_type):
     folder = resolve_model_dir(ModelConfig(name=name, seed=3))

@@ -33,7 +33,7 @@ class ModelConfig(_Strict):
 
     name: str = "smollm2-135m-instruct"
     """Registry name (``smollm2-135m-instruct``, ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5``,
-    ``random-qwen3-0.6b``), a local HF folder path, or a Hugging Face Hub id (``Qwen/Qwen3.5-2B``;
+    ``tiny-qwen3-moe``, ``random-qwen3-0.6b``), a local HF folder path, or a Hugging Face Hub id (``Qwen/Qwen3.5-2B``;
     downloaded into the Hub cache)."""
     revision: str | None = None
     """Hub ids only: branch, tag or commit to download (None = ``main``)."""

@@ -224,6 +224,11 @@ class TrainConfig(_Strict):
     the base model with ``train.lora`` (its adapter disabled: no extra memory), else a frozen copy of the initial
     weights (one more copy of the model's weights in ``dtype``, sharded like the policy, and one more forward per
     micro-batch)."""
+    router_aux_loss_coef: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Weight of a mixture-of-experts model's load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4-6,
+    as transformers' ``load_balancing_loss_func``) over each row's forwarded tokens, added to the loss and logged as
+    ``aux_loss`` before the weight. None = the model config's ``router_aux_loss_coef`` (0 for a dense model);
+    0 = off. A nonzero value for a dense model is refused."""
     logprob_chunk_size: int | None = Field(default=None, ge=1)
     """Loss terms per chunk of the fused log-prob head (extra memory about chunk × vocabulary × 6 bytes);
     None = 4096 on CUDA, 1024 on CPU."""

@@ -10,6 +10,7 @@ tokenizer files) that transformers, PEFT and vLLM can all load:
   the SmolLM2 tokenizer, for fast tests and throughput work; not "real input".
 - ``tiny-qwen3.5``: the same for Qwen3.5, saved as the vision-language checkpoint Qwen3.5 ships
   (a Gated DeltaNet + attention hybrid language model and a small vision tower).
+- ``tiny-qwen3-moe``: the same for Qwen3-MoE (4 experts, 2 routed per token), for the mixture-of-experts paths.
 - ``random-smollm2-135m``, ``random-qwen3-0.6b``, ``random-qwen3-1.7b``: those models' shapes (SmolLM2
   vocabulary), random bf16 weights, for GPU throughput runs only.
 - an existing local HF folder path.
@@ -61,7 +62,12 @@ _TINY_COMMON: dict[str, Any] = {
     "tie_word_embeddings": True,
     "initializer_range": 0.2,
 }
-TINY_ARCHITECTURES: dict[str, str] = {"tiny-llama": "llama", "tiny-qwen3": "qwen3", "tiny-qwen3.5": "qwen3_5"}
+TINY_ARCHITECTURES: dict[str, str] = {
+    "tiny-llama": "llama",
+    "tiny-qwen3": "qwen3",
+    "tiny-qwen3.5": "qwen3_5",
+    "tiny-qwen3-moe": "qwen3_moe",
+}
 # Qwen3.5's hybrid language model: three Gated DeltaNet layers per full-attention layer, as released.
 _TINY_QWEN3_5_TEXT: dict[str, Any] = {
     **_TINY_COMMON,
@@ -73,6 +79,18 @@ _TINY_QWEN3_5_TEXT: dict[str, Any] = {
     "linear_conv_kernel_dim": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
 }
+# Qwen3-MoE (Qwen3-30B-A3B's layout scaled down): every layer's MLP a sparse block of 4 experts, 2 routed per token
+# with their weights renormalised, and the released router_aux_loss_coef.
+_TINY_QWEN3_MOE: dict[str, Any] = {
+    **_TINY_COMMON,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+}
+_TINY_SHAPES: dict[str, dict[str, Any]] = {"qwen3_5": _TINY_QWEN3_5_TEXT, "qwen3_moe": _TINY_QWEN3_MOE}
 _TINY_VISION: dict[str, Any] = {
     "depth": 1,
     "hidden_size": 32,
@@ -355,7 +373,7 @@ def resolve_model_dir(config: ModelConfig) -> Path:
         return _build_once(cache / f"{SMOLLM2_NAME}-bf16", _convert_smollm2(tokenizer_dir(config)))
     if config.name in TINY_ARCHITECTURES:
         arch = TINY_ARCHITECTURES[config.name]
-        shape = _TINY_QWEN3_5_TEXT if arch == "qwen3_5" else _TINY_COMMON
+        shape = _TINY_SHAPES.get(arch, _TINY_COMMON)
         build = _make_random(arch, shape, config.seed, tokenizer_dir(config))
         return _build_once(cache / f"{config.name}-seed{config.seed}", build)
     if config.name in RANDOM_SHAPES:

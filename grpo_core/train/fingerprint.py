@@ -64,6 +64,7 @@ SAFE = (
     "train.sequence_mask_min",
     "train.sequence_mask_max",
     "train.kl_coef",
+    "train.router_aux_loss_coef",
     "train.gradient_accumulation_steps",
     "train.loss_normalization",
     "train.save_steps",

@@ -19,11 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from grpo_core.config import LoraConfig, ModelConfig
+from grpo_core.errors import ConfigError
 from grpo_core.models.text_model import load_text_model, text_decoder
 
 from .attention import TREE_ATTENTION, TreeMask, dense_tree_mask, register_tree_attention
 from .logprobs import HeadLoss, LossTerms, TokenLogProbs, candidate_mask, fused_grpo_loss, projected_logprobs
 from .loss import LossSettings
+from .moe import MoeRouting, load_balancing_loss, moe_routing, records_router_logits, resolve_router_aux_loss_coef
 from .packable import check_packable
 from .recurrent import install_tree_recurrence
 
@@ -45,6 +47,9 @@ class LossInputs:
         settings: :class:`LossSettings`.
         sample_index: ``int64[M]`` the sample of each term in its row (GSPO's sequences), or None.
         ref_logprobs: ``float32[M]`` the reference policy's log-probs of the targets (``train.kl_coef``), or None.
+        aux_weight: weight of the row's router load-balancing loss in its loss (a mixture-of-experts policy with
+            ``train.router_aux_loss_coef`` > 0: the coefficient ÷ the step's micro-batches); 0 = not computed.
+        num_tokens: the row's forwarded tokens (the positions after them are padding); None = every position.
     """
 
     sampler_logprobs: Tensor
@@ -54,6 +59,8 @@ class LossInputs:
     settings: LossSettings
     sample_index: Tensor | None = None
     ref_logprobs: Tensor | None = None
+    aux_weight: float = 0.0
+    num_tokens: int | None = None
 
 
 class Policy(nn.Module):
@@ -65,6 +72,11 @@ class Policy(nn.Module):
         chunk_size: loss terms per chunk of the vocabulary projection.
         compile_head: run the fused head's elementwise stages through ``torch.compile``.
         fp32_logits: keep the head's logits in fp32 (``train.fp32_logits``; see :func:`head_logits`).
+
+    Attributes:
+        router: a mixture-of-experts model's routing (:func:`~grpo_core.train.moe.moe_routing`), or None (dense).
+        router_aux_loss_coef: weight of the routers' load-balancing loss (``train.router_aux_loss_coef`` resolved
+            by :func:`~grpo_core.train.moe.resolve_router_aux_loss_coef`); 0 = off.
     """
 
     def __init__(
@@ -81,6 +93,8 @@ class Policy(nn.Module):
         self.chunk_size = chunk_size
         self.compile_head = compile_head
         self.fp32_logits = fp32_logits
+        self.router: MoeRouting | None = None
+        self.router_aux_loss_coef = 0.0
 
     def base(self) -> nn.Module:
         """The underlying transformers model (PEFT wrapper removed)."""
@@ -103,7 +117,9 @@ class Policy(nn.Module):
         pre-backward hooks): without ``loss`` the tuple ``(logprobs, entropy[, topk_logprobs])``
         (:meth:`logprobs` wraps it); with ``loss`` the fused head's dict ``loss``,
         ``logprobs``, ``entropy``, [``topk_logprobs``] and :func:`grpo_loss`'s statistics
-        (:meth:`grpo_loss` wraps it).
+        (:meth:`grpo_loss` wraps it). With ``loss.aux_weight`` > 0 (a mixture-of-experts policy) the dict's ``loss``
+        adds ``aux_weight`` × the row's router load-balancing loss (:func:`~grpo_core.train.moe.load_balancing_loss`
+        over its ``loss.num_tokens`` forwarded tokens), logged as ``aux_loss`` before the weight.
         """
         base = self.base()
         tree_mask.check_current()
@@ -111,8 +127,13 @@ class Policy(nn.Module):
             tree_mask = TreeMask(
                 tree_mask.subtree_end, dense=dense_tree_mask(tree_mask.subtree_end), recurrence=tree_mask.recurrence
             )
+        aux = loss is not None and loss.aux_weight > 0 and self.router is not None
         out = text_decoder(base)(
-            input_ids=input_ids[None], position_ids=position_ids[None], tree_mask=tree_mask, use_cache=False
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            tree_mask=tree_mask,
+            use_cache=False,
+            **({"output_router_logits": True} if aux else {}),
         )
         hidden = out.last_hidden_state[0]
         weight = base.get_output_embeddings().weight
@@ -138,8 +159,19 @@ class Policy(nn.Module):
                 self.compile_head,
                 self.fp32_logits,
             )
+            total = res.loss
+            extra = {}
+            if aux:
+                assert self.router is not None and loss is not None
+                num_tokens = input_ids.shape[0] if loss.num_tokens is None else loss.num_tokens
+                aux_loss = load_balancing_loss(
+                    out.router_logits, self.router.num_experts, self.router.top_k, num_tokens
+                )
+                total = total + loss.aux_weight * aux_loss
+                extra["aux_loss"] = aux_loss.detach()
             return {
-                "loss": res.loss,
+                "loss": total,
+                **extra,
                 "logprobs": res.logprobs.logprobs,
                 "entropy": res.logprobs.entropy,
                 **({} if res.logprobs.topk_logprobs is None else {"topk_logprobs": res.logprobs.topk_logprobs}),
@@ -177,7 +209,12 @@ class Policy(nn.Module):
         )
 
     def grpo_loss(
-        self, rt: RowTensors, settings: LossSettings, normaliser: float, ref_logprobs: Tensor | None = None
+        self,
+        rt: RowTensors,
+        settings: LossSettings,
+        normaliser: float,
+        ref_logprobs: Tensor | None = None,
+        aux_scale: float = 1.0,
     ) -> HeadLoss:
         """Forward one row through the fused head: its GRPO loss (backward-ready) and per-term values.
 
@@ -187,6 +224,8 @@ class Policy(nn.Module):
             normaliser: see :func:`grpo_core.train.loss.grpo_loss`.
             ref_logprobs: ``float32[M]`` the reference policy's log-probs of the row's targets
                 (``settings.kl_coef`` > 0; :meth:`reference_logprobs`), or None.
+            aux_scale: the router load-balancing loss's weight is ``router_aux_loss_coef × aux_scale``
+                (1 ÷ the step's micro-batches in training); its unweighted value is ``stats["aux_loss"]``.
         """
         out = self(
             rt.input_ids,
@@ -197,7 +236,15 @@ class Policy(nn.Module):
             rt.topk_ids,
             rt.candidates,
             LossInputs(
-                rt.sampler_logprob, rt.advantage, rt.topk_logprobs, normaliser, settings, rt.sample_index, ref_logprobs
+                rt.sampler_logprob,
+                rt.advantage,
+                rt.topk_logprobs,
+                normaliser,
+                settings,
+                rt.sample_index,
+                ref_logprobs,
+                self.router_aux_loss_coef * aux_scale,
+                rt.num_forwarded,
             ),
         )
         token = TokenLogProbs(out.pop("logprobs"), out.pop("entropy"), out.pop("topk_logprobs", None))
@@ -251,6 +298,7 @@ def build_policy(
     chunk_size: int,
     max_len: int | None = None,
     fp32_logits: bool = False,
+    router_aux_loss_coef: float | None = None,
 ) -> Policy:
     """Load the LM (a VLM's language model, ``grpo_core.models.text_model``) with tree attention and tree
     recurrence, optionally add LoRA, and wrap it in :class:`Policy` (unsharded; checkpointing,
@@ -259,14 +307,23 @@ def build_policy(
     Args:
         max_len: longest sequence of a packed row in tokens (for the packability check of windowed
             attention); None = the model's ``max_position_embeddings``.
+        router_aux_loss_coef: ``train.router_aux_loss_coef`` (None = the model config's value; see
+            :func:`~grpo_core.train.moe.resolve_router_aux_loss_coef`).
 
     Raises:
-        ConfigError: a layer of the model cannot run on packed tree rows (``grpo_core.train.packable``).
+        ConfigError: a layer of the model cannot run on packed tree rows (``grpo_core.train.packable``), or a
+            nonzero ``router_aux_loss_coef`` for a dense model or one whose decoder records no router logits.
     """
     register_tree_attention()
     lm = load_text_model(model_dir, dtype=dtype, attn_implementation=TREE_ATTENTION)
     text_cfg = lm.config.get_text_config()
     check_packable(lm, model_cfg.name, max_len or getattr(text_cfg, "max_position_embeddings", 1 << 20))
+    aux_coef = resolve_router_aux_loss_coef(router_aux_loss_coef, lm.config, model_cfg.name)
+    if aux_coef > 0 and not records_router_logits(text_decoder(lm)):
+        raise ConfigError(
+            f"model.name={model_cfg.name!r}: its decoder ({type(text_decoder(lm)).__name__}) does not return its "
+            "router logits, so train.router_aux_loss_coef cannot be applied; set train.router_aux_loss_coef: 0"
+        )
     num_recurrent = install_tree_recurrence(lm)
     lm.config.use_cache = False
     if lora.enabled:
@@ -290,6 +347,7 @@ def build_policy(
             ", ".join(turned_off),
         )
     policy = Policy(lm, temperature, chunk_size, fp32_logits=fp32_logits).to(device)
+    policy.router, policy.router_aux_loss_coef = moe_routing(lm.config), aux_coef
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     logger.info(
         "policy %s: %.1fM trainable parameters (%s, lora=%s, %d Gated DeltaNet layers on tree rows)",

@@ -70,6 +70,8 @@ class RowTensors:
         topk_logprobs: ``float32[M, k]`` (``-inf`` padding) or None.
         candidates: CSR sampling mask ``(offsets int64[M+1], ids int64[E])`` or None.
         policy_version: ``int32[num_samples]`` per sample.
+        num_forwarded: the row's forwarded tokens, at the front of ``input_ids`` (the rest is padding); None =
+            every position (a row built without one).
     """
 
     input_ids: Tensor
@@ -84,6 +86,7 @@ class RowTensors:
     topk_logprobs: Tensor | None
     candidates: tuple[Tensor, Tensor] | None
     policy_version: Tensor
+    num_forwarded: int | None = None
 
     @property
     def num_terms(self) -> int:
@@ -133,6 +136,7 @@ def to_tensors(row: PackedRow, device: torch.device, length: int | None = None) 
         topk_logprobs=f.get("topk_logprobs"),
         candidates=(i["mask_offsets"], i["mask_ids"]) if "mask_offsets" in i else None,
         policy_version=i["policy_version"].to(torch.int32),
+        num_forwarded=row.num_forwarded,
     )
 
 

@@ -36,6 +36,8 @@ SUM_KEYS = (
     "samples",
     "ratio_fresh",
     "terms_fresh",
+    "aux_loss",
+    "aux_rows",
 )
 #: Per-rank extremes reduced with MAX (minima travel negated); ``grad_norm`` is already global.
 MAX_KEYS = (

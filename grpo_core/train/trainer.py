@@ -211,6 +211,7 @@ class Trainer:
             chunk_size=tc.logprob_chunk_size or (4096 if on_cuda else 1024),
             max_len=cfg.token_budget,
             fp32_logits=tc.fp32_logits,
+            router_aux_loss_coef=tc.router_aux_loss_coef,
         )
         apply_layer_wrappers(
             policy, tc.gradient_checkpointing, tc.selective_checkpointing, self.compiled, tc.compile_backend
@@ -350,10 +351,13 @@ class Trainer:
         by default the trained tokens of the whole step, known to every rank before the first backward."""
         return loss_normalisers(terms, self.world.world_size, self.cfg.train.loss_normalization)
 
-    def row_loss(self, rt: RowTensors, normaliser: float) -> HeadLoss:
+    def row_loss(self, rt: RowTensors, normaliser: float, num_micro_batches: int = 1) -> HeadLoss:
         """Forward one row of a micro-batch through the fused head: its :class:`~grpo_core.train.logprobs.HeadLoss`
         (loss ready for backward, per-term log-probs and statistics), as training computes it. ``normaliser``: the
-        micro-batch's entry of :meth:`loss_normalisers`.
+        micro-batch's entry of :meth:`loss_normalisers`. A mixture-of-experts policy adds its routers'
+        load-balancing loss weighted by ``train.router_aux_loss_coef ÷ num_micro_batches`` (so the step's gradient is
+        that of the coefficient × the mean over its rows, FSDP2 averaging the ranks, as transformers' Trainer
+        weighs a model's ``aux_loss`` under gradient accumulation).
 
         On CUDA the row's FlexAttention mask is built here, just before its forward: every row of a
         length bucket shares one ``subtree_end`` buffer (:class:`~grpo_core.train.attention.FlexTreeMasks`),
@@ -362,7 +366,9 @@ class Trainer:
         """
         if self.flex is not None and rt.tree_mask.block_mask is None:
             rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, rt.tree_mask.length)
-        return self.policy.grpo_loss(rt, self.loss_settings, normaliser, self.reference_logprobs(rt))
+        return self.policy.grpo_loss(
+            rt, self.loss_settings, normaliser, self.reference_logprobs(rt), aux_scale=1.0 / num_micro_batches
+        )
 
     def reference_logprobs(self, rt: RowTensors) -> torch.Tensor | None:
         """``float32[M]``: the KL reference policy's log-probs of the row's trained tokens (no gradient), computed
@@ -379,11 +385,11 @@ class Trainer:
             with self.policy.adapter_disabled():
                 return self.policy.logprobs(rt).logprobs.detach()
 
-    def forward_backward(self, rt: RowTensors, normaliser: float) -> dict:
+    def forward_backward(self, rt: RowTensors, normaliser: float, num_micro_batches: int = 1) -> dict:
         """One micro-batch on this rank: fused head loss (:meth:`row_loss`), backward; returns its statistics as
         device tensors."""
         fwd_start = self.clock.mark()
-        res = self.row_loss(rt, normaliser)
+        res = self.row_loss(rt, normaliser, num_micro_batches)
         fwd_end = self.clock.mark()
         res.loss.backward()
         st, n = res.stats, rt.num_terms
@@ -406,6 +412,10 @@ class Trainer:
             "clip_high_max": high_frac.max() if n else -math.inf,
             "fwd_marks": (fwd_start, fwd_end),  # read by flush_log (perf/fwd_s), not reduced
         }
+        # the router load-balancing loss before its weight (MoE), over the rows that forwarded tokens
+        aux_rows = "aux_loss" in st and rt.num_forwarded != 0
+        out["aux_loss"] = st["aux_loss"] if aux_rows else 0.0
+        out["aux_rows"] = float(aux_rows)
         for k in ("ratio", "logp_diff", "masked", "clipped_low", "clipped_high"):
             out[k] = st[k].sum()
         # Tokens sampled by the weights being trained (staleness 0): their mean ratio measures the
@@ -512,7 +522,9 @@ class Trainer:
         tensors = [self._tensors(r) for r in rows]
         collect_s = time.perf_counter() - t0
         marks = {"start": start, "fb": self.clock.mark()}
-        local = [self.forward_backward(rt, norm) for rt, norm in zip(tensors, self.loss_normalisers(terms))]
+        local = [
+            self.forward_backward(rt, norm, len(tensors)) for rt, norm in zip(tensors, self.loss_normalisers(terms))
+        ]
         marks["fb_end"] = self.clock.mark()
         marks["fwd"] = [d.pop("fwd_marks") for d in local]
         self.flush_log()  # the previous step's values are ready; this step's work is queued
@@ -616,6 +628,8 @@ class Trainer:
             w.add("sampling/importance_sampling_ratio/staleness0_token_count", v["terms_fresh"])
         if self.cfg.train.score_centering:
             w.add("sampling/sampler_mass", v["sampler_mass"] / n)
+        if v["aux_rows"] > 0:  # MoE with train.router_aux_loss_coef > 0: the rows' mean load-balancing loss
+            w.add("aux_loss", v["aux_loss"] / v["aux_rows"])
         if self.cfg.train.kl_coef > 0:  # mean k3 estimate of KL(π‖π_ref) over the step's kept trained tokens
             w.add("kl", v["kl"] / n)
         step_s, fwd_bwd_s = extra["perf/step_s"], extra["perf/fwd_bwd_s"]
