@@ -158,6 +158,7 @@ def test_the_checkpoint_fingerprint_keeps_the_run_config_paths():
         "train.tis_cap",
         "train.router_aux_loss_coef",
         "rollout.reward_weights",
+        "rollout.overlong_buffer_len",
     }
 
 

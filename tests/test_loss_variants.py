@@ -323,7 +323,7 @@ def test_the_default_preset_changes_nothing():
         (
             "dapo",
             {"score_centering": False, "epsilon": 0.2, "epsilon_high": 0.28},
-            {"mask_truncated_completions": True},
+            {"mask_truncated_completions": True, "overlong_buffer_len": "auto", "overlong_penalty_factor": 1.0},
         ),
         ("dr_grpo", {"score_centering": False, "loss_type": "grpo"}, {"scale_rewards": "none"}),
         ("cispo", {"score_centering": False, "loss_type": "cispo", "epsilon_high": 5.0}, {}),

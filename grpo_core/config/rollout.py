@@ -164,6 +164,14 @@ class RolloutConfig(_CandidateFilter):
     """Leave out of the loss the rollouts whose last turn hit ``max_completion_length``
     (``finish_reason: length``; DAPO's overlong filtering, Yu et al. 2025, §3.4); they still count in their
     group's mean and std. Counted in ``rollout/truncated_masked_count``."""
+    overlong_buffer_len: int | Literal["auto"] | None = Field(default=None)
+    """DAPO's soft overlong punishment (Yu et al. 2025, §3.4, eq. 13): the last this many tokens before
+    ``max_completion_length`` (L_cache) are a buffer; a rollout of |y| generated tokens (all turns) gains
+    ``overlong_penalty_factor`` × (0 when |y| ≤ L_max − L_cache, ((L_max − L_cache) − |y|) / L_cache inside the buffer,
+    −1 beyond L_max), L_max = ``max_completion_length``, added to its reward. ``auto`` = L_max / 5 (the paper's 4096
+    of 20480); None = off."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    """Scale of the soft overlong punishment (``overlong_buffer_len``): its reward ranges over [−factor, 0]."""
     dataset: str | None = None
     """A data file (``.jsonl``/``.json``, ``.parquet``, ``.csv``/``.tsv``, ``.arrow``, or with the prefix
     ``json:``, ``parquet:``, ``csv:``, ``arrow:``), a folder saved with ``save_to_disk`` (``disk:FOLDER``), a Hub
@@ -271,6 +279,13 @@ class RolloutConfig(_CandidateFilter):
                 )
         return out
 
+    def overlong_buffer_tokens(self) -> int | None:
+        """L_cache of the soft overlong punishment in tokens (``overlong_buffer_len``, ``auto`` resolved against
+        ``max_completion_length``), or None when it is off."""
+        if self.overlong_buffer_len == "auto":
+            return max(1, self.max_completion_length // 5)
+        return self.overlong_buffer_len
+
     @model_validator(mode="after")
     def _check_rollout_fields(self) -> RolloutConfig:
         if self.temperature == 0 and self.num_generations > 1:
@@ -303,6 +318,15 @@ class RolloutConfig(_CandidateFilter):
                 )
             if not all(math.isfinite(w) for w in self.reward_weights):
                 raise ConfigError(f"rollout.reward_weights must be finite numbers, got {self.reward_weights}")
+        buffer = self.overlong_buffer_len
+        if isinstance(buffer, int) and not 1 <= buffer <= self.max_completion_length:
+            raise ConfigError(
+                f"rollout.overlong_buffer_len={buffer} must lie in [1, rollout.max_completion_length="
+                f"{self.max_completion_length}] (the buffer is the last tokens before the limit); lower it, use "
+                "'auto' (a fifth of the limit) or unset it"
+            )
+        if buffer is None and "overlong_penalty_factor" in _changed(self):
+            logger.warning("rollout.overlong_penalty_factor has no effect without rollout.overlong_buffer_len")
         for name in [*self.reward_functions, *self.tools, self.loop_class]:
             if ":" not in name:
                 raise ConfigError(f"rollout: {name!r} must be 'module:attribute' (e.g. 'my_rewards:accuracy')")

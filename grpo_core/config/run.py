@@ -87,7 +87,12 @@ ALGORITHM_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "grpo": {},
     "dapo": {
         "train": {"score_centering": False, "loss_type": "grpo", "epsilon": 0.2, "epsilon_high": 0.28},
-        "rollout": {"scale_rewards": "group", "mask_truncated_completions": True},
+        "rollout": {
+            "scale_rewards": "group",
+            "mask_truncated_completions": True,
+            "overlong_buffer_len": "auto",
+            "overlong_penalty_factor": 1.0,
+        },
     },
     "dr_grpo": {
         "train": {"score_centering": False, "loss_type": "grpo"},

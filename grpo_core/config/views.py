@@ -140,6 +140,8 @@ TRAINER_ROLLOUT_FIELDS = (
     "scale_rewards",
     "mask_truncated_completions",
     "reward_weights",
+    "overlong_buffer_len",
+    "overlong_penalty_factor",
 )
 
 

@@ -31,7 +31,15 @@ from .debug_dump import RolloutDump
 from .pace import ConcurrencyCap, TokenAllowance
 from .reward_pool import RewardProcessPool
 from .rewards import group_advantages, is_zero_std, log_group_rewards, source_name
-from .scoring import completion_rows, group_samples, group_tokens, is_truncated, log_completions, score_group
+from .scoring import (
+    OverlongPenalty,
+    completion_rows,
+    group_samples,
+    group_tokens,
+    is_truncated,
+    log_completions,
+    score_group,
+)
 from .tools import (
     EnvironmentPool,
     assistant_message,
@@ -143,6 +151,12 @@ class RolloutLoop:
         self.unscored_groups = 0  # groups whose rollouts all finished and whose scoring has not (rollout/score_*)
         self.debug_dump = RolloutDump.from_env(config)  # $GRPO_DEBUG_ROLLOUT_DUMP; None = off
         self.coalescer = TurnCoalescer() if config.batch_group_prompts else None
+        buffer = config.overlong_buffer_tokens()  # DAPO's soft overlong punishment, added where rewards are summed
+        self.overlong = (
+            None
+            if buffer is None
+            else OverlongPenalty(config.max_completion_length, buffer, config.overlong_penalty_factor)
+        )
 
     # ----- hooks ---------------------------------------------------------------------------------
 
@@ -479,6 +493,7 @@ class RolloutLoop:
                 self.config.reward_timeout_s,
                 pool=self.reward_pool,
                 weights=self.config.reward_weight_by_name([source_name(f) for f in self.runtime.reward_functions]),
+                overlong=self.overlong,
             )
         except UserCodeError as exc:
             if isinstance(exc, UserCodeTimeout):

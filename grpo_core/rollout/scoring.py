@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,7 @@ async def score_group(
     timeout_s: float | None = None,
     pool: RewardProcessPool | None = None,
     weights: Mapping[str, float] | None = None,
+    overlong: OverlongPenalty | None = None,
 ) -> None:
     """Set ``group.source_rewards`` and ``group.rewards`` (weighted sum over sources; NaN = unscored).
 
@@ -80,6 +82,8 @@ async def score_group(
         pool: worker processes for the sync reward functions (``rollout.reward_workers``); None = ``executor``.
         weights: source name -> weight in the sum (``rollout.reward_weights``; :func:`sum_rewards`); None = 1 each.
             ``group.source_rewards`` keeps every source's own values.
+        overlong: DAPO's soft overlong punishment (``rollout.overlong_buffer_len``), added to each scored rollout's
+            reward after the sum (:func:`overlong_penalty`; not a source); None = off.
 
     Raises:
         RolloutError: a reward function does not take its arguments or returned the wrong type or length.
@@ -104,7 +108,35 @@ async def score_group(
             )
     group.source_rewards = sources
     group.rewards = sum_rewards(sources, size, weights)
+    if overlong is not None:  # unscored rollouts stay NaN
+        group.rewards = group.rewards + overlong.penalties([len(r.completion_ids) for r in group.rollouts])
     window.add("rollout/score_s", time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", §3.4, eq. 13), scaled by ``factor``.
+
+    With L_max = ``max_len`` and L_cache = ``buffer_len``, a completion of |y| generated tokens gains
+    ``factor`` × R(y), R(y) = 0 for |y| ≤ L_max − L_cache, ((L_max − L_cache) − |y|) / L_cache for
+    L_max − L_cache < |y| ≤ L_max, and −1 for |y| > L_max.
+
+    Attributes:
+        max_len: L_max, ``rollout.max_completion_length`` (tokens).
+        buffer_len: L_cache, in [1, L_max] (``rollout.overlong_buffer_tokens()``).
+        factor: ``rollout.overlong_penalty_factor`` (>= 0).
+    """
+
+    max_len: int
+    buffer_len: int
+    factor: float = 1.0
+
+    def penalties(self, lengths: list[int]) -> np.ndarray:
+        """``float64[G]``: each completion's added reward, for ``lengths`` |y| in generated tokens (all turns)."""
+        y = np.asarray(lengths, dtype=np.float64)
+        expected = self.max_len - self.buffer_len
+        r = np.where(y <= expected, 0.0, (expected - y) / self.buffer_len)
+        return self.factor * np.where(y > self.max_len, -1.0, r)
 
 
 def log_completions(group: RolloutGroup, window: MetricWindow, with_tools: bool) -> None:
