@@ -53,7 +53,7 @@ test-slow: $(STAMPS)/install $(STAMPS)/chromium models
 
 # The registry models the tests load, built once into the tests' cache (.cache, tests/conftest.py) before any test
 # runs, so that no test's time or timeout includes a conversion or a random build (each is reused afterwards).
-TEST_MODELS := smollm2-135m-instruct tiny-llama tiny-qwen3 tiny-qwen3.5
+TEST_MODELS := smollm2-135m-instruct tiny-llama tiny-qwen3 tiny-qwen3.5 tiny-qwen3-moe
 models: $(STAMPS)/install
 	HF_HUB_OFFLINE=1 GRPO_FLOW_CACHE_DIR=$(CURDIR)/.cache $(PY) -c "import sys; \
 		from grpo_core.config import ModelConfig; from grpo_core.models import resolve_model_dir; \
