@@ -277,3 +277,42 @@ def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_i
         "| 4",
         "| 5",
     ], table
+
+
+def test_eval_prompt_column_reads_the_held_out_prompts_and_eval_errors_name_eval_fields(tmp_path):
+    from grpo_core.errors import ConfigError
+    from grpo_core.rollout.evaluate import eval_rows
+    from grpo_core.run import preflight
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "4"}\n')
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"problem": "3+3?", "answer": "6"}\n')
+    rollout = {"dataset": f"json:{train}", "prompt_column": "problem"}
+    cfg = RunConfig.model_validate(
+        {"rollout": rollout, "eval": {"dataset": f"json:{held_out}", "prompt_column": "question"}}
+    )
+    # each row's prompt is its `question` as one user message, as rollout.prompt_column maps training's strings
+    assert [r["prompt"] for r in eval_rows(cfg.eval, cfg.rollout)] == [
+        [{"role": "user", "content": "1+1?"}],
+        [{"role": "user", "content": "2+2?"}],
+    ]
+    preflight.check_eval(cfg)
+    # unset, the rollout's prompt column applies (as before eval.prompt_column): `problem` is no column here
+    inherited = RunConfig.model_validate({"rollout": rollout, "eval": {"dataset": f"json:{held_out}"}})
+    with pytest.raises(ConfigError) as info:
+        eval_rows(inherited.eval, inherited.rollout)
+    assert str(info.value).startswith("rollout.prompt_column='problem' is not a column of json:"), str(info.value)
+    misspelt = RunConfig.model_validate({"eval": {"dataset": f"json:{held_out}", "prompt_column": "questoin"}})
+    with pytest.raises(ConfigError, match=r"^eval.prompt_column='questoin' is not a column of .*did you mean"):
+        eval_rows(misspelt.eval, misspelt.rollout)
+    # a loading error names eval.dataset (and eval.dataset_kwargs), never rollout.dataset
+    for spec, kwargs, says in (
+        (f"json:{tmp_path / 'missing.jsonl'}", {}, "eval.dataset='json:"),
+        ("reasoning_gym:chain_sum", {"no_such_option": 1}, "eval.dataset_kwargs {'no_such_option': 1} are not all"),
+        ("reasoning_gym:chian_sum", {}, "eval.dataset='reasoning_gym:chian_sum': no such reasoning-gym task"),
+    ):
+        bad = RunConfig.model_validate({"eval": {"dataset": spec, "dataset_kwargs": kwargs}})
+        with pytest.raises(ConfigError) as info:
+            eval_rows(bad.eval, bad.rollout)
+        assert says in str(info.value) and "rollout.dataset" not in str(info.value), str(info.value)

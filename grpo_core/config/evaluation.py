@@ -25,6 +25,9 @@ class EvalConfig(_Strict):
     are not the training ones."""
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``module:callable`` eval dataset, or the task config of a ``reasoning_gym:`` one."""
+    prompt_column: str | None = None
+    """Column of ``dataset`` holding each row's prompt, as ``rollout.prompt_column`` (chat messages or a plain
+    string); None = ``rollout.prompt_column``."""
     num_prompts: int | None = Field(default=None, ge=1)
     """Evaluate the first ``num_prompts`` rows only; None = every row."""
     every_steps: int | None = Field(default=None, ge=1)

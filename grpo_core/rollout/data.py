@@ -39,12 +39,22 @@ def reasoning_gym_dataset(task: str, size: int, seed: int, **task_config: Any) -
     ``rg_entry`` is the task entry as JSON (for ``score_answer``); score it with
     :func:`reasoning_gym_reward`. ``task_config`` (``rollout.dataset_kwargs``) goes to the task's
     config, e.g. ``min_terms``/``max_digits`` of ``chain_sum``.
+
+    Raises:
+        ConfigError: no such task, or an option the task's config does not take or refuses (names
+            ``rollout.dataset`` and ``rollout.dataset_kwargs``).
     """
+    return _reasoning_gym_rows(task, size, seed, task_config, f"rollout.dataset='{REASONING_GYM_PREFIX}{task}'")
+
+
+def _reasoning_gym_rows(task: str, size: int, seed: int, task_config: dict[str, Any], where: str) -> Any:
+    """:func:`reasoning_gym_dataset` whose errors start with ``where`` (``eval.dataset='reasoning_gym:TASK'``) and
+    name the ``dataset_kwargs`` beside that field."""
     import datasets
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
-    spec = f"rollout.dataset='{REASONING_GYM_PREFIX}{task}'"
+    spec, options_field = where, where.partition("=")[0].rsplit(".", 1)[0] + ".dataset_kwargs"
     if task not in DATASETS:
         hint = did_you_mean(task, DATASETS, REASONING_GYM_PREFIX) or f"; the tasks: {', '.join(sorted(DATASETS))}"
         raise ConfigError(f"{spec}: no such reasoning-gym task{hint}")
@@ -53,11 +63,11 @@ def reasoning_gym_dataset(task: str, size: int, seed: int, **task_config: Any) -
     except TypeError as exc:  # an option the task's config class does not take
         options = sorted(getattr(DATASETS[task][1], "__dataclass_fields__", ()))
         raise ConfigError(
-            f"{spec}: rollout.dataset_kwargs {task_config} are not all options of the task ({exc}); "
+            f"{spec}: {options_field} {task_config} are not all options of the task ({exc}); "
             f"its options: {', '.join(options)}"
         ) from None
     except (KeyError, ValueError, AssertionError) as exc:  # the task's config refuses a value
-        raise ConfigError(f"{spec} with rollout.dataset_kwargs {task_config}: {exc}") from None
+        raise ConfigError(f"{spec} with {options_field} {task_config}: {exc}") from None
     rows = [
         {
             "prompt": [{"role": "system", "content": RG_SYSTEM_PROMPT}, {"role": "user", "content": e["question"]}],
@@ -145,7 +155,7 @@ def open_dataset(
     """
     form, rest = dataset_form(spec)
     if form == "reasoning_gym":
-        return reasoning_gym_dataset(rest, config.dataset_size, config.dataset_seed, **kwargs)
+        return _reasoning_gym_rows(rest, config.dataset_size, config.dataset_seed, kwargs, where)
     if form != "module":
         return read_source(spec, where, split, column_types)
     try:
@@ -162,10 +172,15 @@ def open_dataset(
     return data
 
 
-def load_dataset(config: RolloutConfig) -> Any:
+def load_dataset(config: RolloutConfig, section: str = "rollout", prompt_column_field: str | None = None) -> Any:
     """The prompt rows of a run: ``config.dataset`` with its prompt column mapped onto ``prompt``
     (:func:`~grpo_core.rollout.mixture.view`), or the weighted :class:`~grpo_core.rollout.mixture.Mixture` of
     ``config.datasets``.
+
+    Args:
+        config: the dataset settings (the rollout's, or the eval dataset's in their place).
+        section: the config section errors name the dataset by (``eval`` -> ``eval.dataset='...'``).
+        prompt_column_field: the field errors name the prompt column by; None = ``{section}.prompt_column``.
 
     Raises:
         ConfigError: unset, unknown form, a file that is missing, empty or unreadable, a mixture source that is
@@ -179,9 +194,9 @@ def load_dataset(config: RolloutConfig) -> Any:
             "rollout.dataset is unset and no rollout.environment_factory makes the prompts; set it to "
             f"a data file (.jsonl, .parquet, .csv, .arrow), 'hf:owner/name', {_FORMS}"
         )
-    where = f"rollout.dataset={spec!r}"
+    where = f"{section}.dataset={spec!r}"
     data = open_dataset(spec, where, config, config.dataset_split, config.column_types, config.dataset_kwargs)
-    check_prompt_column(data, config.prompt_column, "rollout.prompt_column", spec)
+    check_prompt_column(data, config.prompt_column, prompt_column_field or f"{section}.prompt_column", spec)
     return view(data, config.prompt_column, config.system_prompt)
 
 

@@ -229,14 +229,17 @@ def eval_rewards(config: EvalConfig, rollout: RolloutConfig, eval_rollout: Rollo
 
 
 def eval_dataset_config(config: EvalConfig, rollout: RolloutConfig) -> RolloutConfig:
-    """``rollout`` with the eval dataset in place of the training dataset (or mixture), for ``load_dataset``; the
-    rollout's other dataset settings (its prompt column, system prompt, ...) apply to it as to the training one."""
+    """``rollout`` with the eval dataset in place of the training dataset (or mixture), for ``load_dataset``: its
+    prompt column is ``eval.prompt_column`` when set; the rollout's other dataset settings (its system prompt, ...)
+    apply to it as to the training one."""
     update: dict[str, Any] = {
         "dataset": config.dataset,
         "dataset_size": config.dataset_size,
         "dataset_seed": config.dataset_seed,
         "dataset_kwargs": config.dataset_kwargs,
     }
+    if config.prompt_column is not None and "prompt_column" in type(rollout).model_fields:
+        update["prompt_column"] = config.prompt_column
     if "datasets" in type(rollout).model_fields:
         update["datasets"] = []
     return rollout.model_copy(update=update)
@@ -248,10 +251,8 @@ def eval_rows(config: EvalConfig, rollout: RolloutConfig) -> list[dict[str, Any]
     Raises:
         ConfigError: the dataset cannot be loaded, has no rows, or a row has no ``prompt``; names ``eval.dataset``.
     """
-    try:
-        data = load_dataset(eval_dataset_config(config, rollout))
-    except ConfigError as exc:
-        raise ConfigError(f"eval.dataset={config.dataset!r}: {exc}") from None
+    column_field = "eval.prompt_column" if config.prompt_column is not None else "rollout.prompt_column"
+    data = load_dataset(eval_dataset_config(config, rollout), "eval", column_field)  # errors name eval.dataset
     rows = []
     for row in iter_rows(data):
         if config.num_prompts is not None and len(rows) >= config.num_prompts:
@@ -261,9 +262,11 @@ def eval_rows(config: EvalConfig, rollout: RolloutConfig) -> list[dict[str, Any]
         raise ConfigError(f"eval.dataset={config.dataset!r} has no rows; name a held-out dataset with prompts")
     missing = next((i for i, r in enumerate(rows) if not r.get("prompt")), None)
     if missing is not None:
+        column = config.prompt_column or getattr(rollout, "prompt_column", "prompt")
         raise ConfigError(
-            f"eval.dataset={config.dataset!r}: row {missing} has no 'prompt' (a string or a list of "
-            "{'role', 'content'} messages); evaluation samples each row's prompt"
+            f"eval.dataset={config.dataset!r}: row {missing} has no {column!r} (a string or a list of "
+            f"{{'role', 'content'}} messages); evaluation samples each row's prompt: set {column_field} to the "
+            "column holding it"
         )
     return rows
 
