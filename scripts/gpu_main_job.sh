@@ -23,7 +23,7 @@
 #   trl[=GPUS]     benchmarks/trl_async_grpo.py on the gpu-1xh200 config (GPUS 1 or 2) against e2e's summary
 #   benches        start, detached (it outlives the call while the machine stays warm), the trainer benchmarks that
 #                  need only torch, pydantic (.gpu/mini wheels, carried by the same call) and packer_rs's extension:
-#                  benchmarks/trainer.py sweep, then benchmarks/trainer_hybrid.py --check --gradient-checkpointing
+#                  python -m benchmarks.trainer sweep, then python -m benchmarks.trainer.hybrid --check --gradient-checkpointing
 #                  (without checkpointing, Qwen3.5-2B's shape at 16384 tokens with transformers' PyTorch Gated
 #                  DeltaNet kernel ran out of the H200's 139 GiB); they use the GPU
 #                  while later calls only copy parts and unpack, so their timings are not shared
@@ -81,8 +81,8 @@ benches() {
     mkdir -p /tmp/mini && "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/mini .gpu/mini/*.whl \
         || return 7
     PYTHONPATH=$PWD:$PWD/benchmarks:/tmp/mini setsid nohup bash -c "
-        $PY benchmarks/trainer.py sweep --time-budget-s 200 --out $RES > $RES/sweep.txt 2>&1
-        $PY benchmarks/trainer_hybrid.py --check --json --gradient-checkpointing > $RES/hybrid.txt 2>&1
+        $PY -m benchmarks.trainer sweep --time-budget-s 200 --out $RES > $RES/sweep.txt 2>&1
+        $PY -m benchmarks.trainer.hybrid --check --json --gradient-checkpointing > $RES/hybrid.txt 2>&1
         echo done > $RES/benches.done" > /dev/null 2>&1 < /dev/null &
     echo "benchmarks started in the background (pid $!)"
 }

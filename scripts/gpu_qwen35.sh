@@ -3,7 +3,7 @@
 # across calls of one warm machine (each call carries at most 64 MiB, the vLLM bundle comes in two parts):
 #   collect  copy the carried .vllm/part*/bundle.tar.xz.* to /tmp/vparts (run once per part)
 #   site     check and unpack the vLLM 0.25.1 bundle to /tmp/site (pydantic etc. for grpo_core too)
-#   bench    benchmarks/trainer_hybrid.py --check --json --gradient-checkpointing: fp32 packed-vs-alone on CUDA, then tree vs plain
+#   bench    python -m benchmarks.trainer.hybrid --check --json --gradient-checkpointing: fp32 packed-vs-alone on CUDA, then tree vs plain
 #            rows on the Qwen3.5-2B shape (bf16)
 #   vllm     a random tiny Qwen3.5 (scripts/make_tiny_qwen35.py, the VLM checkpoint layout) served by real
 #            vLLM (--language-model-only, IPC weight transfer), then benchmarks/vllm_weight_sync.py: the
@@ -24,7 +24,7 @@ site() {
 }
 
 bench() {
-  python3 benchmarks/trainer_hybrid.py --check --json --gradient-checkpointing 2>&1 | tee "$OUT/qwen35_trainer.log" | grep '^{' > "$OUT/qwen35_trainer.jsonl"
+  python3 -m benchmarks.trainer.hybrid --check --json --gradient-checkpointing 2>&1 | tee "$OUT/qwen35_trainer.log" | grep '^{' > "$OUT/qwen35_trainer.jsonl"
   cat "$OUT/qwen35_trainer.jsonl"
 }
 

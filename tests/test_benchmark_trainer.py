@@ -1,5 +1,5 @@
-"""benchmarks/trainer.py in its CPU form: the sweep's rows are the workload's samples (plain rows hold
-them back to back, tree rows forward each group's prompt once) and it reports every figure."""
+"""benchmarks/trainer (``python -m benchmarks.trainer``) in its CPU form: the sweep's rows are the workload's samples
+(plain rows hold them back to back, tree rows forward each group's prompt once) and it reports every figure."""
 
 import json
 import os
@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 from trainer_helpers import ROOT
 
-sys.path.append(str(ROOT / "benchmarks"))  # last: its module names (trainer, rollout, ...) shadow nothing
-from trainer_sweep import tree_flop_ceiling
+sys.path.append(str(ROOT))  # the benchmarks package, from the repository root
+from benchmarks.trainer.sweep import tree_flop_ceiling
 
 
 @pytest.mark.slow  # a benchmark smoke
 def test_trainer_sweep_runs_on_cpu_and_reports_every_figure(tmp_path):
     cmd = [
         sys.executable,
-        "benchmarks/trainer.py",
+        "-m",
+        "benchmarks.trainer",
         "sweep",
         "--shapes",
         "tiny",

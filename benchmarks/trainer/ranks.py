@@ -1,4 +1,4 @@
-"""``python benchmarks/trainer.py ranks``: the real trainer under torchrun on 1 and 2 devices (see trainer.py)."""
+"""``python -m benchmarks.trainer ranks``: the real trainer under torchrun on 1 and 2 devices (see ``__main__.py``)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from pathlib import Path
 
 import torch
 import yaml
-from trainer import DEVICE, packer_name, print_table, qwen3_config, workload, write_json
 
 from grpo_core.packing import write_samples_ipc
 from grpo_core.run.children import start_child, stop_child
 from grpo_core.run.layout import METRICS
 from grpo_core.tracking.metrics import JsonlSink
 
-ROOT = Path(__file__).resolve().parents[1]
+from .workload import DEVICE, packer_name, print_table, qwen3_config, workload, write_json
+
+ROOT = Path(__file__).resolve().parents[2]
 #: Kept off in every child, as the machines that lend several GPUs require (NVLink multicast).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

@@ -2,7 +2,7 @@
 
 A random model of Qwen3.5-2B's language-model shape (24 layers, 18 Gated DeltaNet + 6 gated
 full-attention, hidden 2048; bf16) runs forward + backward of the GRPO loss over one-row
-micro-batches of the same GRPO samples, packed two ways (``benchmarks/trainer.py``'s workload and
+micro-batches of the same GRPO samples, packed two ways (``benchmarks/trainer/workload.py``'s workload and
 row builders): tree rows from the packer (a group's prompt forwarded once; the DeltaNet layers follow
 the trie) and plain padding-free rows (every sample its own root segment). ``--check`` first
 measures, in fp32 on the same device, max |packed − alone| over every trained token's log-prob of a
@@ -12,8 +12,8 @@ kernel is FLA's when the ``fla`` package is importable, else transformers' PyTor
 
 Usage (GPU)::
 
-    python benchmarks/trainer_hybrid.py --check --json
-    python benchmarks/trainer_hybrid.py --tiny --check     # CPU smoke run
+    python -m benchmarks.trainer.hybrid --check --json
+    python -m benchmarks.trainer.hybrid --tiny --check     # CPU smoke run
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import time
 
 import numpy as np
 import torch
-from trainer import DEVICE, H200_BF16_PEAK, plain_rows, prepare, run_rows, sync, tree_rows, workload
 
 from grpo_core.packing import Sample, get_packer
 from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
 from grpo_core.train.policy import Policy
 from grpo_core.train.recurrent import install_tree_recurrence
+
+from .workload import DEVICE, H200_BF16_PEAK, plain_rows, prepare, run_rows, sync, tree_rows, workload
 
 #: Qwen3.5-2B's language model (Qwen/Qwen3.5-2B config.json, text_config).
 QWEN35_2B = dict(
@@ -190,7 +191,7 @@ def equivalence() -> dict:
 
 def main() -> None:
     """CLI."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.trainer.hybrid", description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--budget", type=int, default=16384)

@@ -1,4 +1,4 @@
-"""``python benchmarks/trainer.py sweep``: rows × modes × shapes on one device (see trainer.py)."""
+"""``python -m benchmarks.trainer sweep``: rows × modes × shapes on one device (see ``__main__.py``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import gc
 import time
 
 import torch
-from trainer import (
+
+from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
+from grpo_core.train.logprobs import LossTerms, fused_grpo_loss, projected_logprobs
+from grpo_core.train.loss import LossSettings, grpo_loss
+from grpo_core.train.parallelize import apply_layer_wrappers, decoder_layers
+from grpo_core.train.policy import Policy
+from grpo_core.train.rows import synthetic_row
+
+from .workload import (
     AUTO_CHECKPOINTING,
     DEVICE,
     H200_BF16_PEAK,
@@ -20,13 +28,6 @@ from trainer import (
     workload,
     write_json,
 )
-
-from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
-from grpo_core.train.logprobs import LossTerms, fused_grpo_loss, projected_logprobs
-from grpo_core.train.loss import LossSettings, grpo_loss
-from grpo_core.train.parallelize import apply_layer_wrappers, decoder_layers
-from grpo_core.train.policy import Policy
-from grpo_core.train.rows import synthetic_row
 
 
 def add_sweep_args(q) -> None:
