@@ -527,7 +527,8 @@ def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkey
 
     from serving_helpers import BAD_AUTH, OPEN_ROUTES, answers_without_token, app_routes
 
-    from grpo_core.security.auth import NONCE_PATH, TOKEN_ENV
+    from grpo_core.security.auth import TOKEN_ENV
+    from grpo_core.serving.protocol import NONCE_PATH
     from grpo_core.serving.router.app import create_router_app
 
     monkeypatch.setenv(TOKEN_ENV, "the-runs-token-0123")

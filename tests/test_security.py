@@ -33,10 +33,10 @@ from serving_helpers import (
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import PortInUseError, ServerRequestError, ServerStartError
-from grpo_core.security.auth import NONCE_PATH, bearer_headers, run_token
+from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.client import GenerationClient
-from grpo_core.serving.guard import STALE_PATH
 from grpo_core.serving.launch import LaunchSpec, ServerHandle, provision, wait_healthy
+from grpo_core.serving.protocol import NONCE_PATH, STALE_PATH
 
 # A body for each route that would change state if a request got through the guard.
 BODIES = {

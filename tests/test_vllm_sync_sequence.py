@@ -376,11 +376,14 @@ def test_a_final_refusal_of_the_pause_ends_the_fan_out_at_once(monkeypatch, serv
     sync = VllmWeightTransferSync(
         [first.url, refusing.url], "ipc", api_key=TOKEN, control_retry_s=0.05, control_timeout_s=30.0
     )
-    with pytest.raises(ControlFanOutError, match=rf"answered {status}.*not retried: a {status} does not change"):
+    with pytest.raises(
+        ControlFanOutError, match=rf"answered {status}.*not retried: a {status} does not change"
+    ) as info:
         sync.sync(tiny_policy(), 1, rank=0)
     assert [p for p, _ in refusing.paths()].count("/pause") == 1, "a final refusal is asked once"
     assert not any(p == "/update_weights" for p, _ in first.paths() + refusing.paths())
 
+    assert list(info.value.failed) == [refusing.url] and refusing.url in str(info.value), "names the refusing replica"
 
 def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch, servers):
     import httpx
@@ -448,7 +451,7 @@ def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_
 def test_a_guard_no_sync_reached_refuses_later_policy_versions_until_a_sync_names_one(servers):
     import httpx
 
-    from grpo_core.serving.guard import POLICY_VERSION_HEADER
+    from grpo_core.serving.protocol import POLICY_VERSION_HEADER
 
     server = servers()  # a process just started: it holds the base weights (policy version 0)
     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -482,7 +485,7 @@ def test_routing_sends_a_refused_version_to_a_replica_that_holds_it_and_reports_
     import httpx
 
     from grpo_core.errors import ReplicaBehindError
-    from grpo_core.serving.guard import POLICY_VERSION_HEADER
+    from grpo_core.serving.protocol import POLICY_VERSION_HEADER
     from grpo_core.serving.replicas import ReplicaSet
 
     behind, synced = servers(), servers()

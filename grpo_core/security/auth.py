@@ -8,7 +8,8 @@ anything else gets 401 (Flight: ``FlightUnauthenticatedError``) and changes noth
 
 Each server launch also gets a random nonce (``GRPO_RUN_NONCE``, not secret). Before the launcher sends the
 token to a port it checks who answers there without handing the token over: it sends a fresh random challenge
-to the unauthenticated ``GET /grpo/identity?challenge=...`` and accepts the server only when the answer holds
+to the unauthenticated ``GET /grpo/identity?challenge=...`` (``grpo_core.serving.protocol.IDENTITY_PATH``, where
+the HTTP protocol's paths live) and accepts the server only when the answer holds
 this launch's nonce and ``HMAC-SHA256(K, challenge ‖ 0 ‖ nonce)`` with ``K = HMAC-SHA256(token, "grpo-flow
 identity v1")`` (:func:`identity_proof`), compared in constant time. Another run's server (other token), a
 server of an earlier launch (same token, other nonce) or any other program on the port fails the check and is
@@ -39,12 +40,6 @@ TOKEN_ENV = "GRPO_RUN_TOKEN"
 """Environment variable holding the run's bearer token (security-relevant: never log it)."""
 NONCE_ENV = "GRPO_RUN_NONCE"
 """Environment variable holding one server launch's nonce (not secret)."""
-NONCE_PATH = "/grpo/run_nonce"
-"""Authenticated route of the generation servers answering ``{"nonce": ...}``."""
-OPEN_PATHS = frozenset({"/health"})
-"""HTTP paths answered without a token (they reveal nothing but liveness)."""
-IDENTITY_PATH = "/grpo/identity"
-"""Unauthenticated route of the run's HTTP listeners answering a challenge (:func:`identity_answer`)."""
 _IDENTITY_LABEL = b"grpo-flow identity v1"
 _CHALLENGE_HEX = range(32, 129)  # accepted challenge lengths (hex digits): 128 to 512 bits
 

@@ -30,7 +30,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_core.errors import ReplicaBehindError, ServerRequestError, ServerUnavailableError
 from grpo_core.security.auth import bearer_headers, run_token
-from grpo_core.serving.guard import BEHIND_ERROR_TYPE, POLICY_VERSION_HEADER, STALE_PATH
+from grpo_core.serving.protocol import (
+    BEHIND_ERROR_TYPE,
+    COMPLETIONS_PATH,
+    FINISH_WEIGHT_UPDATE_PATH,
+    HEALTH_PATH,
+    INIT_WEIGHT_TRANSFER_PATH,
+    IS_PAUSED_PATH,
+    LOAD_LORA_PATH,
+    METRICS_PATH,
+    MODELS_PATH,
+    PAUSE_PATH,
+    POLICY_VERSION_HEADER,
+    RESET_PREFIX_CACHE_PATH,
+    RESUME_PATH,
+    SERVER_INFO_PATH,
+    STALE_PATH,
+    START_WEIGHT_UPDATE_PATH,
+    UNLOAD_LORA_PATH,
+    UPDATE_WEIGHTS_PATH,
+)
 from grpo_core.serving.sampling_defaults import request_sampling_fields
 
 logger = logging.getLogger(__name__)
@@ -393,20 +412,20 @@ class GenerationClient:
             "stop_token_ids": list(stop_token_ids or ()),
         }
         version = None if policy_version is None else {POLICY_VERSION_HEADER: str(policy_version)}
-        data = (await self._request("POST", "/v1/completions", body, headers=version, generation=True)).json()
+        data = (await self._request("POST", COMPLETIONS_PATH, body, headers=version, generation=True)).json()
         choices = sorted(data["choices"], key=lambda c: c["index"])
         return [_parse_choice(c, num_logprobs > 0) for c in choices]
 
     async def health(self) -> bool:
         """Whether ``/health`` answers 200 now (no retries)."""
         try:
-            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+            return (await self._http.get(HEALTH_PATH, timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             return False
 
     async def models(self) -> list[dict[str, Any]]:
         """The ``/v1/models`` cards (base model first, then LoRA adapters)."""
-        return (await self._request("GET", "/v1/models")).json()["data"]
+        return (await self._request("GET", MODELS_PATH)).json()["data"]
 
     async def max_model_len(self, model: str | None = None) -> int:
         """``max_model_len`` of ``model`` (default: the first card, the base model)."""
@@ -418,7 +437,7 @@ class GenerationClient:
     async def metrics(self) -> ServerMetrics | None:
         """A ``/metrics`` snapshot, or None when the server has no metrics endpoint (404)."""
         try:
-            response = await self._request("GET", "/metrics")
+            response = await self._request("GET", METRICS_PATH)
         except ServerRequestError as exc:
             if exc.status == 404:
                 return None
@@ -433,38 +452,38 @@ class GenerationClient:
                 finish first; ``"abort"`` — vLLM's default when no mode is sent — ends them with
                 ``finish_reason: "abort"``. Weight syncs always keep.
         """
-        await self._request("POST", "/pause", params={"mode": mode})
+        await self._request("POST", PAUSE_PATH, params={"mode": mode})
 
     async def resume(self) -> None:
         """Resume generation (``POST /resume``)."""
-        await self._request("POST", "/resume")
+        await self._request("POST", RESUME_PATH)
 
     async def is_paused(self) -> bool:
         """``GET /is_paused``."""
-        return bool((await self._request("GET", "/is_paused")).json()["is_paused"])
+        return bool((await self._request("GET", IS_PAUSED_PATH)).json()["is_paused"])
 
     async def server_info(self, config_format: str = "text") -> dict[str, Any]:
         """``GET /server_info`` (vLLM needs ``VLLM_SERVER_DEV_MODE=1``); ``config_format="json"`` gives vLLM's
         resolved config as a JSON tree instead of a string."""
-        return (await self._request("GET", "/server_info", params={"config_format": config_format})).json()
+        return (await self._request("GET", SERVER_INFO_PATH, params={"config_format": config_format})).json()
 
     async def init_weight_transfer_engine(self, init_info: dict[str, Any] | None = None) -> None:
         """``POST /init_weight_transfer_engine`` (once, before the first weight update)."""
-        await self._request("POST", "/init_weight_transfer_engine", {"init_info": init_info or {}})
+        await self._request("POST", INIT_WEIGHT_TRANSFER_PATH, {"init_info": init_info or {}})
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         """``POST /start_weight_update``: must finish before any weights are sent."""
-        await self._request("POST", "/start_weight_update", {"is_checkpoint_format": is_checkpoint_format})
+        await self._request("POST", START_WEIGHT_UPDATE_PATH, {"is_checkpoint_format": is_checkpoint_format})
 
     async def update_weights(self, update_info: dict[str, Any]) -> dict[str, Any]:
         """``POST /update_weights``; the embedded server takes ``{"path": checkpoint folder}``."""
-        return (await self._request("POST", "/update_weights", {"update_info": update_info})).json()
+        return (await self._request("POST", UPDATE_WEIGHTS_PATH, {"update_info": update_info})).json()
 
     async def finish_weight_update(self) -> None:
         """``POST /finish_weight_update``, then ``/reset_prefix_cache?reset_running_requests=true``: no KV
         computed by the old weights survives (requests kept by the pause are recomputed on resume)."""
-        await self._request("POST", "/finish_weight_update")
-        await self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        await self._request("POST", FINISH_WEIGHT_UPDATE_PATH)
+        await self._request("POST", RESET_PREFIX_CACHE_PATH, params={"reset_running_requests": "true"})
 
     async def update_weights_from_path(self, path: str) -> dict[str, Any]:
         """Full-weight update of the embedded server from a checkpoint-format folder (start → update → finish)."""
@@ -486,8 +505,8 @@ class GenerationClient:
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         """Load the PEFT adapter in ``path`` as model ``name`` (vLLM needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
-        await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        await self._request("POST", LOAD_LORA_PATH, {"lora_name": name, "lora_path": path})
 
     async def unload_lora_adapter(self, name: str) -> None:
         """Unload adapter ``name``; requests naming it get 404 afterwards."""
-        await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        await self._request("POST", UNLOAD_LORA_PATH, {"lora_name": name})

@@ -37,7 +37,8 @@ fallback). It:
   warning, so a stray pause cannot stall a run for longer.
 
 Environment (set per launch by ``grpo_core.serving.launch``): ``GRPO_RUN_TOKEN`` (required),
-``GRPO_RUN_NONCE``, ``GRPO_MAX_PAUSE_S``, ``GRPO_ADAPTER_DIR``, ``GRPO_WEIGHTS_DIR``.
+``GRPO_RUN_NONCE``, ``GRPO_MAX_PAUSE_S``, ``GRPO_ADAPTER_DIR``, ``GRPO_WEIGHTS_DIR``. The routes, headers and error
+types named here are ``grpo_core.serving.protocol``'s.
 """
 
 from __future__ import annotations
@@ -49,35 +50,30 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpo_core.security.auth import (
+from grpo_core.security.auth import NONCE_ENV, TOKEN_ENV, authorized, identity_answer, run_token
+from grpo_core.serving.limits import limit_body, max_body_bytes
+from grpo_core.serving.protocol import (
+    BEHIND_ERROR_TYPE,
+    FENCE_HEADER,
+    GENERATION_PATHS,
+    HEALTH_PATH,
     IDENTITY_PATH,
-    NONCE_ENV,
+    LOAD_LORA_PATH,
     NONCE_PATH,
     OPEN_PATHS,
-    TOKEN_ENV,
-    authorized,
-    identity_answer,
-    run_token,
+    PAUSE_PATHS,
+    POLICY_VERSION_HEADER,
+    RESUME_PATH,
+    STALE_PATH,
+    UPDATE_WEIGHTS_PATH,
+    error_body,
 )
-from grpo_core.serving.limits import limit_body, max_body_bytes
 
 logger = logging.getLogger(__name__)
 
 MAX_PAUSE_ENV = "GRPO_MAX_PAUSE_S"
 ADAPTER_DIR_ENV = "GRPO_ADAPTER_DIR"
 WEIGHTS_DIR_ENV = "GRPO_WEIGHTS_DIR"
-PAUSE_PATHS = frozenset({"/pause", "/start_weight_update"})
-RESUME_PATH = "/resume"
-STALE_PATH = "/grpo/stale"
-#: Request header naming the policy version the client samples for (full-weight runs; see the module docstring).
-POLICY_VERSION_HEADER = "X-GRPO-Policy-Version"
-#: Header of every 503 the fence answers (value ``up``): the replica is loaded and ours, only out of routing, so a
-#: launcher waiting for it to come up (``grpo_core.serving.launch.wait_healthy``) need not wait for the next sync.
-FENCE_HEADER = "X-GRPO-Fence"
-#: Error ``type`` of the 503 a replica behind the run's policy version answers.
-BEHIND_ERROR_TYPE = "PolicyVersionBehind"
-#: Generation routes the stale fence answers 503 on (vLLM's and the embedded server's OpenAI routes).
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 DEFAULT_MAX_PAUSE_S = 300.0
 
 
@@ -116,11 +112,6 @@ async def _read_body(receive: Any) -> bytes | None:
         chunks.append(message.get("body", b""))
         more = message.get("more_body", False)
     return b"".join(chunks)
-
-
-def _error(message: str, status: int, kind: str) -> dict[str, Any]:
-    """vLLM's error body (``{"error": {"message", "type", "param", "code"}}``)."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 class RunGuardMiddleware:
@@ -192,7 +183,7 @@ class RunGuardMiddleware:
                 await send({"type": "websocket.close", "code": 1008})
                 return
             await _send_json(
-                send, 401, _error("Unauthorized: this server needs the run's bearer token", 401, "Unauthorized")
+                send, 401, error_body("Unauthorized: this server needs the run's bearer token", 401, "Unauthorized")
             )
             return
         if scope["type"] == "http":  # a body over the limit: 413 before anything parses it (grpo_core.serving.limits)
@@ -211,7 +202,7 @@ class RunGuardMiddleware:
                 await _send_json(
                     send,
                     400,
-                    _error(
+                    error_body(
                         f"{POLICY_VERSION_HEADER} must be a policy version (an integer >= 0), got {wanted!r}",
                         400,
                         "BadRequest",
@@ -226,7 +217,7 @@ class RunGuardMiddleware:
                 self._stale_epoch += 1
                 self._behind = True
                 logger.error("fenced off (503 on /health and generation requests): %s", self.stale)
-        if self.stale is not None and (path == "/health" or path in GENERATION_PATHS):
+        if self.stale is not None and (path == HEALTH_PATH or path in GENERATION_PATHS):
             await _send_json(send, 503, self._stale_error(), ((FENCE_HEADER.lower().encode(), b"up"),))
             return
         if path in GENERATION_PATHS and scope["type"] == "http":
@@ -242,7 +233,7 @@ class RunGuardMiddleware:
         await self.app(scope, receive, send)
 
     def _stale_error(self) -> dict[str, Any]:
-        return _error(
+        return error_body(
             f"this replica is out of routing: {self.stale}; it rejoins once a weight update reaches it "
             "(or it restarts)",
             503,
@@ -268,7 +259,7 @@ class RunGuardMiddleware:
             await _send_json(
                 send,
                 400,
-                _error(
+                error_body(
                     'body must be {"stale": true|false, "reason": "...", "version": <policy version, optional>}',
                     400,
                     "BadRequest",
@@ -303,7 +294,7 @@ class RunGuardMiddleware:
                     503,
                     self._stale_error()
                     if self.stale
-                    else _error(
+                    else error_body(
                         "a weight update failed on this replica while the request ran; retry it elsewhere",
                         503,
                         "ServiceUnavailable",
@@ -317,7 +308,7 @@ class RunGuardMiddleware:
 
     async def _check_paths(self, path: str, receive: Any, send: Any) -> Any:
         """The request's ``receive`` (replaying the body read here), or None after a 403 answer."""
-        if path not in ("/v1/load_lora_adapter", "/update_weights"):
+        if path not in (LOAD_LORA_PATH, UPDATE_WEIGHTS_PATH):
             return receive
         body = await _read_body(receive)
         if body is None:
@@ -327,7 +318,7 @@ class RunGuardMiddleware:
         except ValueError:
             data = {}
         data = data if isinstance(data, dict) else {}
-        if path == "/v1/load_lora_adapter":
+        if path == LOAD_LORA_PATH:
             given, root, what = data.get("lora_path"), self.adapter_dir, "LoRA adapters (the run's adapter folder)"
         else:
             info = data.get("update_info")
@@ -338,7 +329,7 @@ class RunGuardMiddleware:
             await _send_json(
                 send,
                 403,
-                _error(
+                error_body(
                     f"{given} is outside {root or 'any allowed folder'}: this server loads {what} only",
                     403,
                     "Forbidden",

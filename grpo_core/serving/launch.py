@@ -49,7 +49,6 @@ from grpo_core.run import lifeline
 from grpo_core.run.children import free_port, log_tail, start_child, stop_child
 from grpo_core.run.layout import replica_log, replica_port_file
 from grpo_core.security.auth import (
-    IDENTITY_PATH,
     NONCE_ENV,
     TOKEN_ENV,
     check_port_free,
@@ -58,7 +57,8 @@ from grpo_core.security.auth import (
     new_challenge,
 )
 from grpo_core.security.redact import redact_argv, reveal
-from grpo_core.serving.guard import ADAPTER_DIR_ENV, FENCE_HEADER, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
+from grpo_core.serving.guard import ADAPTER_DIR_ENV, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
+from grpo_core.serving.protocol import FENCE_HEADER, HEALTH_PATH, IDENTITY_PATH
 from grpo_core.serving.sampling_defaults import sampling_problems
 
 logger = logging.getLogger(__name__)
@@ -465,7 +465,7 @@ def wait_healthy(handle: ServerHandle, timeout_s: float, token: str, fenced_ok: 
             host = "127.0.0.1" if spec.tls and spec.host in ("0.0.0.0", "") else spec.host
             url = f"{'https' if spec.tls else 'http'}://{host}:{port}"
             try:
-                health = httpx.get(url + "/health", timeout=2.0, verify=verify)
+                health = httpx.get(url + HEALTH_PATH, timeout=2.0, verify=verify)
                 # 503 from the guard's fence: loaded, only out of routing (a restarted replica a request for a
                 # later policy version reached first); its nonce still tells whether it is ours
                 healthy = health.status_code == 200 or (

@@ -1,4 +1,10 @@
-"""vLLM's OpenAI-compatible wire shapes used by the embedded server (requests, responses, errors).
+"""The HTTP protocol of the generation servers, in one place: vLLM's OpenAI-compatible routes and the dev-mode
+control routes the run calls, what grpo-flow adds beyond vLLM (its routes, headers and error types), and the wire
+shapes of the embedded server (requests, responses, errors).
+
+Every server the run talks to speaks it (vLLM with ``grpo_core.serving.guard``, the embedded server, the router);
+the client, the guard, the router, the embedded server, the launcher and the trainer's weight sync import the
+names from here rather than spelling them.
 
 Field names and error bodies follow what a real vLLM 0.25.1 answered on the H200
 (``shared/vllm-h200/README.md``): token-id prompts, ``return_token_ids``,
@@ -12,11 +18,70 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+
     from grpo_core.serving.embedded.engine import Sequence
+
+# vLLM's routes (OpenAI-compatible, plus the dev-mode ones of VLLM_SERVER_DEV_MODE=1 and runtime LoRA updating)
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+MODELS_PATH = "/v1/models"
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+PAUSE_PATH = "/pause"
+RESUME_PATH = "/resume"
+IS_PAUSED_PATH = "/is_paused"
+SERVER_INFO_PATH = "/server_info"
+WORLD_SIZE_PATH = "/get_world_size"
+INIT_WEIGHT_TRANSFER_PATH = "/init_weight_transfer_engine"
+START_WEIGHT_UPDATE_PATH = "/start_weight_update"
+UPDATE_WEIGHTS_PATH = "/update_weights"
+FINISH_WEIGHT_UPDATE_PATH = "/finish_weight_update"
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
+
+#: Generation routes (routed by affinity; the stale fence answers 503 on them).
+GENERATION_PATHS = (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH)
+#: Routes that pause a server (a pause the guard caps at ``max_pause_s``).
+PAUSE_PATHS = frozenset({PAUSE_PATH, START_WEIGHT_UPDATE_PATH})
+#: Control routes a router fans out to every replica, all or nothing.
+CONTROL_PATHS = (
+    PAUSE_PATH,
+    RESUME_PATH,
+    LOAD_LORA_PATH,
+    UNLOAD_LORA_PATH,
+    INIT_WEIGHT_TRANSFER_PATH,
+    START_WEIGHT_UPDATE_PATH,
+    UPDATE_WEIGHTS_PATH,
+    FINISH_WEIGHT_UPDATE_PATH,
+    RESET_PREFIX_CACHE_PATH,
+)
+#: Control routes that load files a replica may not see yet on shared storage (their 400s are retried).
+READS_STORAGE_PATHS = (LOAD_LORA_PATH, UPDATE_WEIGHTS_PATH)
+#: HTTP paths answered without a token (they reveal nothing but liveness).
+OPEN_PATHS = frozenset({HEALTH_PATH})
+
+# grpo-flow's routes, headers and error types beyond vLLM's (grpo_core.serving.guard serves them on every replica)
+NONCE_PATH = "/grpo/run_nonce"
+"""Authenticated route of the generation servers answering ``{"nonce": ...}``."""
+IDENTITY_PATH = "/grpo/identity"
+"""Unauthenticated route of the run's HTTP listeners answering a challenge
+(:func:`grpo_core.security.auth.identity_answer`)."""
+STALE_PATH = "/grpo/stale"
+"""Route raising (``{"stale": true, "reason"}``) or lowering (``{"stale": false, "version"}``) a replica's fence."""
+#: Request header naming the policy version the client samples for (full-weight runs; ``grpo_core.serving.guard``).
+POLICY_VERSION_HEADER = "X-GRPO-Policy-Version"
+#: Header of every 503 the fence answers (value ``up``): the replica is loaded and ours, only out of routing, so a
+#: launcher waiting for it to come up (``grpo_core.serving.launch.wait_healthy``) need not wait for the next sync.
+FENCE_HEADER = "X-GRPO-Fence"
+#: Request header of the router's affinity key (e.g. a group id); without it the prompt's prefix is the key.
+AFFINITY_HEADER = "X-Affinity-Key"
+#: Error ``type`` of the 503 a replica behind the run's policy version answers.
+BEHIND_ERROR_TYPE = "PolicyVersionBehind"
 
 LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf log-probs to this value in JSON answers
 
@@ -75,11 +140,17 @@ class UpdateWeightsRequest(BaseModel):
     update_info: dict[str, Any]
 
 
+def error_body(message: str, status: int, kind: str, param: str | None = None) -> dict[str, Any]:
+    """vLLM's error body: ``{"error": {"message", "type", "param", "code"}}`` (``code`` is the HTTP status)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def error_response(message: str, status: int, *, type_: str | None = None, param: str | None = None) -> JSONResponse:
-    """A vLLM-shaped error answer: ``{"error": {"message", "type", "param", "code"}}``."""
+    """A vLLM-shaped error answer (:func:`error_body`; the type defaults by status as vLLM's do)."""
+    from fastapi.responses import JSONResponse
+
     default_type = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    body = {"error": {"message": message, "type": type_ or default_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(message, status, type_ or default_type, param), status_code=status)
 
 
 def _logprobs_block(seq: Sequence, as_ids: bool, decode: Any) -> dict[str, Any]:

@@ -30,10 +30,11 @@ def server_backend(url: str, api_key: str | None = None) -> str:
 
     from grpo_core.security.auth import bearer_headers, run_token, tls_files
     from grpo_core.serving.limits import client_ssl_context
+    from grpo_core.serving.protocol import SERVER_INFO_PATH
 
     try:
         headers, verify = bearer_headers(api_key or run_token()), client_ssl_context(tls_files()[2])  # tls.ca_file
-        info = httpx.get(url + "/server_info", headers=headers, timeout=30, verify=verify).json()
+        info = httpx.get(url + SERVER_INFO_PATH, headers=headers, timeout=30, verify=verify).json()
     except (httpx.HTTPError, ValueError) as e:
         raise ConfigError(f"--server-url {url}: /server_info did not answer ({e}); is the server up?") from None
     return "embedded" if info.get("backend") == "embedded" else "vllm"

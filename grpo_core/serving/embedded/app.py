@@ -32,6 +32,22 @@ from grpo_core.serving.embedded.engine import Engine, PauseMode, Sequence
 from grpo_core.serving.embedded.weights import AdapterError, WeightManager
 from grpo_core.serving.guard import RunGuardMiddleware
 from grpo_core.serving.protocol import (
+    COMPLETIONS_PATH,
+    FINISH_WEIGHT_UPDATE_PATH,
+    HEALTH_PATH,
+    INIT_WEIGHT_TRANSFER_PATH,
+    IS_PAUSED_PATH,
+    LOAD_LORA_PATH,
+    METRICS_PATH,
+    MODELS_PATH,
+    PAUSE_PATH,
+    RESET_PREFIX_CACHE_PATH,
+    RESUME_PATH,
+    SERVER_INFO_PATH,
+    START_WEIGHT_UPDATE_PATH,
+    UNLOAD_LORA_PATH,
+    UPDATE_WEIGHTS_PATH,
+    WORLD_SIZE_PATH,
     CompletionRequest,
     LoadLoraRequest,
     StartWeightUpdateRequest,
@@ -220,15 +236,15 @@ def _sequences(state: ServerState, request: CompletionRequest, adapter: str | No
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
         return _model_cards(state)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post(COMPLETIONS_PATH, response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> dict[str, Any] | JSONResponse:
         name = request.model or state.model_name
         if name != state.model_name and name not in state.weights.adapters:
@@ -262,7 +278,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(state))
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -270,7 +286,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
-    @app.post("/pause")
+    @app.post(PAUSE_PATH)
     async def pause(
         mode: PauseMode = "abort",
         wait_for_inflight_requests: bool = False,
@@ -281,12 +297,12 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
         await asyncio.to_thread(engine.pause, "wait" if wait_for_inflight_requests else mode)
         return {"status": "paused"}
 
-    @app.post("/resume")
+    @app.post(RESUME_PATH)
     async def resume() -> dict[str, str]:
         engine.resume()
         return {"status": "resumed"}
 
-    @app.get("/is_paused")
+    @app.get(IS_PAUSED_PATH)
     async def is_paused() -> dict[str, bool]:
         return {"is_paused": engine.paused}
 
@@ -294,11 +310,11 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
 def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
-    @app.post("/init_weight_transfer_engine")
+    @app.post(INIT_WEIGHT_TRANSFER_PATH)
     async def init_weight_transfer_engine() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/start_weight_update")
+    @app.post(START_WEIGHT_UPDATE_PATH)
     async def start_weight_update(body: StartWeightUpdateRequest | None = None) -> dict[str, str]:
         if body is not None and not body.is_checkpoint_format:
             raise ServingError("the embedded server only takes checkpoint-format weights")
@@ -307,7 +323,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
             state.paused_by_weight_update = True
         return {"status": "ok"}
 
-    @app.post("/update_weights")
+    @app.post(UPDATE_WEIGHTS_PATH)
     async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
         path = body.update_info.get("path")
         if not isinstance(path, str):
@@ -315,7 +331,7 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
         count = await asyncio.to_thread(state.weights.load_full_weights, path)
         return {"status": "ok", "num_tensors": count}
 
-    @app.post("/finish_weight_update")
+    @app.post(FINISH_WEIGHT_UPDATE_PATH)
     async def finish_weight_update() -> dict[str, str]:
         if state.paused_by_weight_update:
             state.paused_by_weight_update = False
@@ -326,17 +342,17 @@ def _add_weight_routes(app: FastAPI, state: ServerState) -> None:
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
-    @app.post("/reset_prefix_cache")
+    @app.post(RESET_PREFIX_CACHE_PATH)
     async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:  # noqa: ARG001 - vLLM's
         # No prefix cache is shared between sequences here; each keeps its own KV (computed by the weights
         # that were current when its tokens were decoded, as vLLM's kept requests without a reset).
         return Response(status_code=200)
 
-    @app.get("/get_world_size")
+    @app.get(WORLD_SIZE_PATH)
     async def get_world_size() -> dict[str, int]:
         return {"world_size": 1}
 
-    @app.get("/server_info")
+    @app.get(SERVER_INFO_PATH)
     async def server_info() -> dict[str, Any]:
         return {
             "backend": "embedded",
@@ -352,12 +368,12 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/load_lora_adapter", response_model=None)
+    @app.post(LOAD_LORA_PATH, response_model=None)
     async def load_lora_adapter(body: LoadLoraRequest) -> Response:
         await asyncio.to_thread(state.weights.load_adapter, body.lora_name, body.lora_path)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", status_code=200)
 
-    @app.post("/v1/unload_lora_adapter", response_model=None)
+    @app.post(UNLOAD_LORA_PATH, response_model=None)
     async def unload_lora_adapter(body: UnloadLoraRequest) -> Response:
         await asyncio.to_thread(state.weights.unload_adapter, body.lora_name)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", status_code=200)

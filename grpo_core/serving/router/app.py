@@ -9,34 +9,28 @@ import os
 from collections.abc import Hashable
 from typing import Any
 
-from grpo_core.security.auth import (
+from grpo_core.security.auth import NONCE_ENV, authorized, identity_answer, run_token
+from grpo_core.serving.protocol import (
+    AFFINITY_HEADER,
+    CONTROL_PATHS,
+    GENERATION_PATHS,
+    HEALTH_PATH,
     IDENTITY_PATH,
-    NONCE_ENV,
+    LOAD_LORA_PATH,
+    METRICS_PATH,
+    MODELS_PATH,
     NONCE_PATH,
     OPEN_PATHS,
-    authorized,
-    identity_answer,
-    run_token,
+    PAUSE_PATH,
+    READS_STORAGE_PATHS,
+    RESUME_PATH,
+    UNLOAD_LORA_PATH,
 )
 
 logger = logging.getLogger(__name__)
 
 #: Characters of the prompt (or the JSON of the messages) hashed into the affinity key.
 PREFIX_CHARS = 1024
-#: Generation routes, routed by affinity.
-ROUTED = ("/v1/completions", "/v1/chat/completions")
-#: Control routes fanned out to every replica, with the call that undoes each on the replicas that took it.
-CONTROL = (
-    "/pause",
-    "/resume",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-    "/init_weight_transfer_engine",
-    "/start_weight_update",
-    "/update_weights",
-    "/finish_weight_update",
-    "/reset_prefix_cache",
-)
 
 
 def affinity_key(body: dict[str, Any], header: str | None) -> Hashable:
@@ -55,20 +49,18 @@ def affinity_key(body: dict[str, Any], header: str | None) -> Hashable:
 
 
 def _undo(path: str, body: dict[str, Any] | None):  # noqa: ANN202 - a client -> awaitable callable or None
-    if path == "/v1/load_lora_adapter" and body and body.get("lora_name"):
-        return lambda c: c.call("POST", "/v1/unload_lora_adapter", {"lora_name": body["lora_name"]})
-    if path == "/pause":
-        return lambda c: c.call("POST", "/resume")
-    if path == "/resume":
-        return lambda c: c.call("POST", "/pause", params={"mode": "keep"})
+    """The call that undoes control route ``path`` on the replicas that took it (None: nothing to undo)."""
+    if path == LOAD_LORA_PATH and body and body.get("lora_name"):
+        return lambda c: c.call("POST", UNLOAD_LORA_PATH, {"lora_name": body["lora_name"]})
+    if path == PAUSE_PATH:
+        return lambda c: c.call("POST", RESUME_PATH)
+    if path == RESUME_PATH:
+        return lambda c: c.call("POST", PAUSE_PATH, params={"mode": "keep"})
     return None
 
 
-#: Control routes that load files a replica may not see yet on shared storage: their 400s are retried.
-READS_STORAGE = ("/v1/load_lora_adapter", "/update_weights")
-
 #: Fields a control route's JSON body must hold (strings), as vLLM's own request models require them.
-CONTROL_FIELDS = {"/v1/load_lora_adapter": ("lora_name", "lora_path"), "/v1/unload_lora_adapter": ("lora_name",)}
+CONTROL_FIELDS = {LOAD_LORA_PATH: ("lora_name", "lora_path"), UNLOAD_LORA_PATH: ("lora_name",)}
 
 
 def control_body_problem(path: str, body: Any) -> str | None:
@@ -143,7 +135,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     async def nonce() -> dict[str, str]:  # the launcher's proof that it reached the process it started
         return {"nonce": os.environ.get(NONCE_ENV, "")}
 
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     async def health() -> Response:
         return Response(status_code=200 if await replicas.health() else 503)
 
@@ -163,14 +155,14 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
         raw = await request.body()
         return json.loads(raw) if raw else None
 
-    @app.get("/v1/models")
+    @app.get(MODELS_PATH)
     async def models() -> Response:
         try:
             return JSONResponse({"object": "list", "data": await replicas.models()})
         except ServingError as exc:
             return failed(exc)
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH)
     async def metrics() -> Response:
         return Response(metrics_text(replicas), media_type="text/plain; version=0.0.4")
 
@@ -183,7 +175,7 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
             return error(
                 400, "the request body must be a JSON object (an OpenAI completion request)", "BadRequestError"
             )
-        key = affinity_key(body, request.headers.get("x-affinity-key"))
+        key = affinity_key(body, request.headers.get(AFFINITY_HEADER))
 
         async def send(client: Any) -> tuple[int, Any]:
             return replicas.clients.index(client), await client.open_stream("POST", request.url.path, body)
@@ -222,22 +214,22 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
             try:
                 await c.call("POST", path, body, params)
             except ServerRequestError as exc:  # an adapter a replica does not hold is as good as unloaded there
-                if not (path == "/v1/unload_lora_adapter" and exc.status == 404):
+                if not (path == UNLOAD_LORA_PATH and exc.status == 404):
                     raise
                 absent.append(c.base_url)
 
         try:
-            await replicas.fan_out(path, call, _undo(path, body), reads_storage=path in READS_STORAGE)
+            await replicas.fan_out(path, call, _undo(path, body), reads_storage=path in READS_STORAGE_PATHS)
         except ControlFanOutError as exc:  # every replica refused alike: the request's fault, said as one server would
             return error(exc.common_refusal or 502, str(exc), "ControlFanOutError")
-        if path == "/v1/unload_lora_adapter" and len(set(absent)) == len(replicas.urls):
+        if path == UNLOAD_LORA_PATH and len(set(absent)) == len(replicas.urls):
             return error(
                 404, f"no replica holds the LoRA adapter {body['lora_name']!r} (each answered 404)", "NotFoundError"
             )
         return JSONResponse({"status": "ok", "replicas": len(replicas.urls)})
 
-    for path in ROUTED:
+    for path in GENERATION_PATHS:
         app.add_api_route(path, generate, methods=["POST"])
-    for path in CONTROL:
+    for path in CONTROL_PATHS:
         app.add_api_route(path, control, methods=["POST"])
     return app

@@ -50,8 +50,18 @@ import torch
 from grpo_core.errors import ServerRequestError, ServingError
 from grpo_core.run.children import free_port
 from grpo_core.security.auth import bearer_headers, run_token, tls_files
-from grpo_core.serving.guard import STALE_PATH
 from grpo_core.serving.limits import client_ssl_context
+from grpo_core.serving.protocol import (
+    FINISH_WEIGHT_UPDATE_PATH,
+    INIT_WEIGHT_TRANSFER_PATH,
+    PAUSE_PATH,
+    RESET_PREFIX_CACHE_PATH,
+    RESUME_PATH,
+    STALE_PATH,
+    START_WEIGHT_UPDATE_PATH,
+    UPDATE_WEIGHTS_PATH,
+    WORLD_SIZE_PATH,
+)
 
 if TYPE_CHECKING:
     from ..policy import Policy
@@ -170,18 +180,18 @@ class VllmWeightTransferSync:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
         for url in self.urls:
-            world = int(self.http.get(url + "/get_world_size").json()["world_size"]) + 1
+            world = int(self.http.get(url + WORLD_SIZE_PATH).json()["world_size"]) + 1
             port = free_port()
             info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": world}
             with ThreadPoolExecutor(1) as pool:  # the server joins the group while we do
-                server = pool.submit(self._post, url, "/init_weight_transfer_engine", {"init_info": info})
+                server = pool.submit(self._post, url, INIT_WEIGHT_TRANSFER_PATH, {"init_info": info})
                 self.groups.append(trainer_init(info))
                 server.result()
 
     def _initialise(self) -> None:
         if self.backend == "ipc":
             for url in self.urls:
-                self._post(url, "/init_weight_transfer_engine", {"init_info": {}})
+                self._post(url, INIT_WEIGHT_TRANSFER_PATH, {"init_info": {}})
         else:
             self._init_nccl()
         self.initialised = True
@@ -270,8 +280,8 @@ class VllmWeightTransferSync:
         def pause(url: str) -> str | None:
             paused.append(url)  # from here on it gets finish and resume, whatever happens
             try:
-                self._retry(url, "/pause", params=PAUSE_KEEP)
-                self._retry(url, "/start_weight_update", {"is_checkpoint_format": True})
+                self._retry(url, PAUSE_PATH, params=PAUSE_KEEP)
+                self._retry(url, START_WEIGHT_UPDATE_PATH, {"is_checkpoint_format": True})
             except ServingError as exc:
                 return str(exc)
             return None
@@ -337,9 +347,9 @@ class VllmWeightTransferSync:
         def finish(url: str) -> BaseException | None:
             first = None
             for path, params in (
-                ("/finish_weight_update", None),
-                ("/reset_prefix_cache", RESET_ALL),
-                ("/resume", None),
+                (FINISH_WEIGHT_UPDATE_PATH, None),
+                (RESET_PREFIX_CACHE_PATH, RESET_ALL),
+                (RESUME_PATH, None),
             ):
                 try:
                     self._post(url, path, params=params)
@@ -380,7 +390,7 @@ class VllmWeightTransferSync:
 
         def post(url: str) -> None:
             try:
-                self._post(url, "/update_weights", body)
+                self._post(url, UPDATE_WEIGHTS_PATH, body)
             except ServingError as exc:
                 self._failed[url] = str(exc)
 
@@ -408,7 +418,7 @@ class VllmWeightTransferSync:
         # server's receive stays here, so a server that refuses the update raises instead of hanging the trainer.
         sender = threading.Thread(target=broadcast, name="nccl-weight-broadcast", daemon=True)
         sender.start()
-        self._post(url, "/update_weights", {"update_info": info})
+        self._post(url, UPDATE_WEIGHTS_PATH, {"update_info": info})
         sender.join()
         if failed:
             raise failed[0]
