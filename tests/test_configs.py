@@ -390,6 +390,27 @@ def test_eval_settings_that_never_evaluate_are_refused_naming_both_fields(overri
     assert not load_config(overrides=["eval.at_end=false"]).eval.enabled
 
 
+def test_a_field_set_over_the_algorithm_preset_is_warned_about_once_naming_both_values(caplog, monkeypatch):
+    from grpo_core.config import run as config_run
+
+    monkeypatch.setattr(config_run, "_preset_warned", set())
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        config = load_config(None, ["algorithm=dapo", "train.epsilon_high=0.4", "train.epsilon=0.2"])
+        load_config(None, ["algorithm=dapo", "train.epsilon_high=0.4"])  # grpo resume validates twice: one line
+    assert config.train.epsilon_high == 0.4 and config.train.epsilon == 0.2  # the config's values are used
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("algorithm:")]
+    # DAPO's clip-higher upper range is 0.28 (Yu et al. 2025, §3.1); epsilon 0.2 equals the preset's: no warning
+    assert lines == [
+        "algorithm: dapo sets train.epsilon_high: 0.28, but the config sets 0.4; the config's value is used "
+        "(drop train.epsilon_high to keep the preset's)"
+    ], lines
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo_core.config"):
+        load_config(None, ["algorithm=dapo"])
+        load_config(None, ["train.epsilon_high=0.4"])  # the default grpo preset sets nothing
+    assert not [r for r in caplog.records if r.getMessage().startswith("algorithm:")], caplog.text
+
+
 def test_a_union_field_error_is_one_line_without_pydantic_member_tags():
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["train.lora.target_modules=x"])

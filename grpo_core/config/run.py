@@ -120,7 +120,9 @@ def apply_algorithm_preset(data: Any) -> Any:
         data: the raw run config (a dict; anything else is returned as it is for pydantic to refuse).
 
     Returns:
-        A copy of ``data`` whose sections hold the preset's values for the fields they did not set.
+        A copy of ``data`` whose sections hold the preset's values for the fields they did not set. A field the
+        input sets to another value than the preset's is logged as a warning (once per process), naming the field
+        and both values.
 
     Raises:
         ConfigError: an unknown preset name (lists the valid ones).
@@ -139,8 +141,25 @@ def apply_algorithm_preset(data: Any) -> Any:
             given = {}
         if not isinstance(given, dict):
             continue  # pydantic refuses it, naming the section
+        for field, value in values.items():
+            if field in given and given[field] != value:
+                _warn_preset_override(name, f"{section}.{field}", value, given[field])
         data[section] = {**values, **given}
     return data
+
+
+_preset_warned: set[str] = set()  # preset fields warned about in this process (a config is validated more than once)
+
+
+def _warn_preset_override(preset: str, path: str, preset_value: Any, value: Any) -> None:
+    """Log once per process that the config sets ``path``, a field the ``algorithm`` preset sets, to another value."""
+    line = (
+        f"algorithm: {preset} sets {path}: {preset_value!r}, but the config sets {value!r}; the config's value is "
+        f"used (drop {path} to keep the preset's)"
+    )
+    if line not in _preset_warned:
+        _preset_warned.add(line)
+        logger.warning(line)
 
 
 class RunConfig(_Strict):
