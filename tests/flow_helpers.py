@@ -4,17 +4,23 @@ The stack (a server and the workers of two process pools, ~30 s to start on 2 co
 shared by ``test_flow_e2e`` and ``test_server_deployment`` through the fixtures ``stack``, ``api`` and
 ``stack_tmp`` (exported by conftest.py, which also runs the tests that use it one after another and stops it
 after the last of them).
+
+The ``grpo train`` runs of the default tier that do not test Prefect's server share one Prefect API per test session
+(``prefect_api``: a server alone, no pool, no worker, ~25 s to start on 2 cores), which each ``grpo train`` would
+otherwise start for itself; a run gets it through ``prefect_api.client_env()`` in its environment.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from waiting import wait_until
 
-from flows.serve import SERVER_POOL
+from flows.serve import SERVER_POOL, PrefectStack
 from grpo_core.entries import config_entry
 from grpo_core.serving.client import backoff_delay
 
@@ -62,6 +68,70 @@ def stop_shared_stack() -> None:
     """Stop the session's stack now (conftest.py calls it after the last test that uses it)."""
     for s in _RUNNING:
         s.stop()
+
+
+class PrefectApi(PrefectStack):
+    """Prefect's API server alone on 127.0.0.1 (no work pool, no worker), with its own home and auth string: the
+    server a ``grpo train`` finds in ``PREFECT_API_URL`` (``flows.local_api.start_local_api``) instead of starting
+    its temporary one. Start with ``with PrefectApi(home) as server:``; it stops on exit."""
+
+    def __init__(self, home: Path, startup_timeout_s: float = 240.0):
+        super().__init__(port=0, home=home, server_pool=None, startup_timeout_s=startup_timeout_s)
+
+    def start(self) -> PrefectApi:
+        """Start the server and wait until it answers ``/health`` and proves to be ours.
+
+        Raises:
+            AssertionError: it exited or did not answer within ``startup_timeout_s`` (with its log's tail).
+            PrefectApiError: another process serves the port.
+        """
+        from flows.local_api import prepare_home, verify_own_server
+
+        prepare_home(self.home, self.env())
+        server = self._spawn(["server", "start", "--host", "127.0.0.1", "--port", str(self.port)], "server.log")
+
+        def healthy() -> bool:
+            if server.poll() is not None:
+                raise AssertionError(f"the Prefect API exited: {(self.home / 'server.log').read_text()[-3000:]}")
+            try:
+                return httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_until(healthy, f"the Prefect API {self.api_url} to answer /health", self.startup_timeout_s, 0.5)
+            verify_own_server(self.api_url, self.auth_string, server, "the tests' Prefect API")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def client_env(self) -> dict[str, str]:
+        """What a ``grpo`` command's environment needs to run its flows here: the URL and the auth string."""
+        return {"PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": self.auth_string}
+
+    def api(self) -> Api:
+        """Its REST API."""
+        return Api(self.api_url, self.auth_headers())
+
+
+_API: list[PrefectApi] = []
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> Iterator[PrefectApi]:
+    """The session's Prefect API for ``grpo train`` runs that do not test Prefect's server (conftest.py runs its
+    tests one after another on one xdist worker and stops it after the last of them)."""
+    with PrefectApi(tmp_path_factory.mktemp("prefect-api")) as server:
+        _API.append(server)
+        yield server
+        _API.remove(server)
+
+
+def stop_shared_api() -> None:
+    """Stop the session's Prefect API now (conftest.py calls it after the last test that uses it)."""
+    for server in _API:
+        server.stop()
 
 
 def tiny_overrides(tmp: Path) -> list[str]:

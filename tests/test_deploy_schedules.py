@@ -1,4 +1,5 @@
-"""The deployments ``grpo deploy`` registers, against a real Prefect API (the temporary server ``grpo train`` uses):
+"""The deployments ``grpo deploy`` registers, against a real Prefect API (the session's ``prefect_api``, which holds
+no other deployment: the other tests run their flows directly):
 
 * a schedule added in the UI survives the next registration (every ``grpo deploy`` start), and the cron schedule
   that ``--cron`` manages changes only when ``--cron`` is given (issue 28, item 6);
@@ -71,12 +72,13 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_ui_schedules_survive_registration_and_missed_nights_make_one_catch_up_run(tmp_path):
+def test_ui_schedules_survive_registration_and_missed_nights_make_one_catch_up_run(tmp_path, prefect_api):
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "OMP_NUM_THREADS": "1",
+        **prefect_api.client_env(),
     }
     overrides = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}"]
     done = subprocess.run(

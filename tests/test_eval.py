@@ -4,7 +4,6 @@ train` end to end on the embedded CPU server where evaluations run at steps N an
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -189,8 +188,9 @@ def test_eval_prompts_too_long_for_the_context_are_left_out_with_a_warning(tmp_p
         build_evaluator(cfg.eval, cfg.rollout, loop, EvalBoard(None, 5))  # type: ignore[arg-type]
 
 
-def _grpo_train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """``grpo train`` of configs/tiny.yaml (the flow, its embedded server, rollout and trainer processes)."""
+def _grpo_train(tmp: Path, prefect_api, *overrides: str) -> subprocess.CompletedProcess:
+    """``grpo train`` of configs/tiny.yaml (the flow, its embedded server, rollout and trainer processes), its flow
+    run on the session's ``prefect_api``."""
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
     for o in (
         f"train.output_dir={tmp / 'runs'}",
@@ -208,6 +208,7 @@ def _grpo_train(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
         "PREFECT_HOME": str(tmp / "prefect"),
         "COLUMNS": "400",
         "OMP_NUM_THREADS": "1",
+        **prefect_api.client_env(),
     }
     tmp.mkdir(parents=True, exist_ok=True)
     return subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=900)
@@ -230,17 +231,17 @@ EVAL_OVERRIDES = (
 
 
 @pytest.fixture(scope="module")
-def evaluated_run(tmp_path_factory) -> tuple[Path, str]:
+def evaluated_run(tmp_path_factory, prefect_api) -> tuple[Path, str]:
     """One `grpo train` of 5 steps evaluating 3 held-out prompts every 2 steps and at the end: (its folder, output)."""
     tmp = tmp_path_factory.mktemp("eval-run")
-    done = _grpo_train(tmp, *EVAL_OVERRIDES)
+    done = _grpo_train(tmp, prefect_api, *EVAL_OVERRIDES)
     out = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 0, out[-4000:]
     return tmp, out
 
 
 @pytest.mark.timeout(1200)
-def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_its_step(evaluated_run):
+def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_its_step(evaluated_run, prefect_api):
     tmp, out = evaluated_run
     run_dir = _run_dir(tmp)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -266,11 +267,14 @@ def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_i
         history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
         assert history == pytest.approx({r["step"]: r[name] for r in evals}), name
     assert "'eval': 'step 5 (policy version 5), 3 prompts: accuracy" in out  # the summary's line
-    # the flow run's markdown artifact: one table row per evaluated step (Prefect's SQLite store under PREFECT_HOME)
-    import sqlite3
-
-    with contextlib.closing(sqlite3.connect(f"file:{tmp / 'prefect' / 'prefect.db'}?mode=ro", uri=True)) as db:
-        (data,) = db.execute("select data from artifact where key = 'grpo-eval'").fetchone()
+    # the flow run's markdown artifact: one table row per evaluated step (read from the Prefect API; the run folder
+    # is named by the flow run's id)
+    found = prefect_api.api().http.post(
+        "/artifacts/filter",
+        json={"artifacts": {"key": {"any_": ["grpo-eval"]}, "flow_run_id": {"any_": [run_dir.name]}}},
+    )
+    found.raise_for_status()
+    data = max(found.json(), key=lambda a: a["created"])["data"]  # the latest version of the keyed artifact
     table = json.loads(data) if data.startswith('"') else data
     assert table.startswith("### Held-out evaluation") and [r.split(" | ")[0] for r in table.splitlines()[4:]] == [
         "| 2",

@@ -125,11 +125,11 @@ def short_reward(completion_ids, **_):
 '''
 
 
-def test_a_failed_run_ends_with_its_cause_and_prints_no_engine_traceback(tmp_path):
-    """A real ``grpo train`` whose reward returns 3 values for 4 rollouts."""
+def test_a_failed_run_ends_with_its_cause_and_prints_no_engine_traceback(tmp_path, prefect_api):
+    """A real ``grpo train`` whose reward returns 3 values for 4 rollouts (its flow run on the session's Prefect
+    API)."""
     (tmp_path / "badreward.py").write_text(BAD_REWARD)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
-    env.pop("PREFECT_API_URL", None)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120", **prefect_api.client_env()}
     grpo = Path(sys.executable).parent / "grpo"
     done = subprocess.run(
         [

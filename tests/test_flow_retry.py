@@ -133,7 +133,7 @@ print("RESULT " + json.dumps({"state": state.type.value, "run_count": run.run_co
 """
 
 
-def test_a_config_error_met_inside_the_flow_ends_after_one_attempt(tmp_path):
+def test_a_config_error_met_inside_the_flow_ends_after_one_attempt(tmp_path, prefect_api):
     # The CLI's own checks run before the flow; calling the flow directly meets the error in its prepare task.
     env = {
         **os.environ,
@@ -141,6 +141,7 @@ def test_a_config_error_met_inside_the_flow_ends_after_one_attempt(tmp_path):
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "OMP_NUM_THREADS": "1",
         "PREFECT_LOGGING_LEVEL": "INFO",
+        **prefect_api.client_env(),  # the session's Prefect API: the flow run's count is read from there
     }
     overrides = [
         f"train.output_dir={tmp_path / 'runs'}",

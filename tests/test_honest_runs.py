@@ -171,7 +171,8 @@ def test_trainer_that_runs_out_of_samples_records_fewer_steps_and_why(tmp_path):
     assert "the samples ended after step" in end["stopped_early"] and "rollout.num_epochs: null" in end["stopped_early"]
 
 
-def _grpo_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+def _grpo_train(tmp_path: Path, prefect_api, *overrides: str) -> subprocess.CompletedProcess:
+    """``grpo train`` of configs/tiny.yaml with ``overrides``, its flow run on the session's ``prefect_api``."""
     cmd = [
         sys.executable,
         "-m",
@@ -193,16 +194,19 @@ def _grpo_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "COLUMNS": "400",
         "OMP_NUM_THREADS": "1",
+        **prefect_api.client_env(),
     }
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow  # a whole `grpo train`; the default tier keeps the one below
 @pytest.mark.timeout(1200)
-def test_grpo_train_with_no_reward_variance_fails_naming_cause_and_keys(tmp_path):
+def test_grpo_train_with_no_reward_variance_fails_naming_cause_and_keys(tmp_path, prefect_api):
     # The verifier alone gives a random model 0 on every rollout: every group has zero reward variance.
     # Before: the flow ended Completed with "steps 0" and reward nan.
-    done = _grpo_train(tmp_path, "rollout.reward_functions=[]", "rollout.dataset_size=2", "train.max_steps=3")
+    done = _grpo_train(
+        tmp_path, prefect_api, "rollout.reward_functions=[]", "rollout.dataset_size=2", "train.max_steps=3"
+    )
     output = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 1, output[-3000:]
     assert "Flow run" in output and "Finished in state Failed" in output
@@ -211,9 +215,9 @@ def test_grpo_train_with_no_reward_variance_fails_naming_cause_and_keys(tmp_path
 
 
 @pytest.mark.timeout(1200)  # the default tier's `grpo train` end to end: every process of the flow, one step
-def test_grpo_train_that_trains_fewer_steps_than_asked_says_so_and_exits_3(tmp_path):
+def test_grpo_train_that_trains_fewer_steps_than_asked_says_so_and_exits_3(tmp_path, prefect_api):
     # configs/tiny.yaml as shipped trains (its reward varies on a random model); one prompt makes one step.
-    done = _grpo_train(tmp_path, "rollout.dataset_size=1", "train.max_steps=4")
+    done = _grpo_train(tmp_path, prefect_api, "rollout.dataset_size=1", "train.max_steps=4")
     output = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 3, output[-3000:]
     assert "Finished in state Completed" in output
