@@ -16,8 +16,9 @@ import inspect
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from grpo_core.config import RunConfig
 from grpo_core.errors import ConfigError
@@ -74,7 +75,7 @@ def _prompt_problem(prompt: object) -> str | None:
     return None
 
 
-def _reward_functions(cfg: RunConfig) -> list[tuple[str, object]]:
+def _reward_functions(cfg: RunConfig) -> list[tuple[str, Callable[..., Any]]]:
     from grpo_core.rollout.data import default_rewards
     from grpo_core.security.allowlist import import_object
 
@@ -434,7 +435,7 @@ def check_rendezvous_host(cfg: RunConfig) -> None:
         return
     host = cfg.train.rdzv_endpoint.rpartition(":")[0].strip("[]")
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except OSError as exc:
         raise ConfigError(
             f"train.rdzv_endpoint={cfg.train.rdzv_endpoint}: {host!r} does not resolve on this host "
