@@ -344,3 +344,25 @@ def test_the_tracking_package_loads_mlflow_only_when_its_mlflow_api_is_used():
         assert getattr(tracking, name) is getattr(home, name), name
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         tracking.no_such_name  # noqa: B018 - the attribute access is the test
+
+
+def test_grpo_resume_takes_the_runs_config_without_what_belonged_to_that_run(tmp_path):
+    # grpo resume RUN_ID (no --config) starts from the run's logged config: its own MLflow run, resume point, rollout
+    # location, run folder and server logs are the new run's to choose; everything else is kept.
+    cfg = RunConfig(
+        tracking={"dir": tmp_path / "mlflow", "experiment_name": "t", "run_id": "an-earlier-run"},
+        rollout={"dataset": "reasoning_gym:basic_arithmetic", "dataset_size": 4},
+        train={"output_dir": tmp_path / "runs" / "run-1", "rollout_location": "grpc://10.0.0.1:8815"},
+        server={"log_dir": tmp_path / "server-logs"},
+        resume_from="the-run-before",
+    )
+    logged = json.loads(cfg.model_dump_json())
+    assert logged["train"]["rollout_location"] and logged["tracking"]["run_id"] and logged["resume_from"]  # set up
+    run_id, _ = tracking.start_run(cfg, "flow-resume-config")
+    got = json.loads(tracking.download_resume_config(cfg.tracking, run_id).read_text())
+    assert got["tracking"]["run_id"] is None and got["resume_from"] is None and got["train"]["rollout_location"] is None
+    assert got["train"]["output_dir"] == str(tmp_path / "runs")  # the run folder's parent: a new run folder there
+    assert got["server"]["log_dir"] == "runs/servers"  # ServerConfig's default
+    for section in ("model", "rollout"):
+        assert got[section] == logged[section]
+    assert RunConfig.model_validate(got).train.output_dir == tmp_path / "runs"  # loads as a run config
