@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -15,6 +16,7 @@ from grpo_core.serving.launch import (
     _lora_problems,
     choose_backend,
     embedded_command,
+    kv_bytes_per_token,
     max_lora_rank_for,
     provision,
     replica_gpus,
@@ -23,8 +25,10 @@ from grpo_core.serving.launch import (
 )
 
 
-def config(**server) -> RunConfig:
-    return RunConfig(model={"name": "tiny-llama"}, server=server, rollout={"max_completion_length": 256})
+def config(model_dtype: str = "auto", **server) -> RunConfig:
+    return RunConfig(
+        model={"name": "tiny-llama", "dtype": model_dtype}, server=server, rollout={"max_completion_length": 256}
+    )
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -120,15 +124,63 @@ def test_replicas_may_share_a_gpu_listed_once_per_replica():
     cfg = config(num_replicas=3, gpu_ids=[0, 0, 1], gpu_memory_utilization=0.3)
     assert [replica_gpus(cfg, i) for i in range(3)] == [[0], [0], [1]]
     assert [vllm_command(cfg, i).env["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "0", "1"]
-    assert [shares_gpu(cfg, i) for i in range(3)] == [False, True, False]
+    # each replica's KV cache is sized from the model's shape, so those sharing GPU 0 start together:
+    # tiny-llama (registry shape: 2 layers, 2 KV heads of 16, fp32 weights with dtype auto) holds 64 sequences
+    # (server.max_num_seqs' default) of 4096 tokens (max_model_len's): 2 (K, V) x 2 x 2 x 16 x 4 = 512 bytes a token
+    assert [shares_gpu(cfg, i) for i in range(3)] == [False, False, False]
+    assert [flag(vllm_command(cfg, i).argv, "--kv-cache-memory-bytes") for i in range(3)] == [str(64 * 4096 * 512)] * 3
+    # a partial last block is rounded up to whole blocks of 16 tokens
+    sized = config(
+        num_replicas=2, gpu_ids=[0, 0], gpu_memory_utilization=0.3, kv_cache_size_tokens=1000, model_dtype="bfloat16"
+    )
+    assert flag(vllm_command(sized, 1).argv, "--kv-cache-memory-bytes") == str(1008 * 256)
+    # one replica per GPU keeps vLLM's own sizing (gpu_memory_utilization) unless a size is given
+    assert "--kv-cache-memory-bytes" not in vllm_command(config(num_replicas=2, gpu_ids=[0, 1]), 1).argv
+    alone = config(num_replicas=1, kv_cache_size_tokens=32)
+    assert flag(vllm_command(alone).argv, "--kv-cache-memory-bytes") == str(32 * 512)
     tp = config(num_replicas=2, tensor_parallel_size=2, gpu_ids=[2, 3, 3, 2], gpu_memory_utilization=0.4)
-    assert replica_gpus(tp, 1) == [3, 2] and shares_gpu(tp, 1)
+    assert replica_gpus(tp, 1) == [3, 2] and not shares_gpu(tp, 1)
     # a KV cache size given to vLLM: nothing is profiled from free memory, so replicas on one GPU start together
     fixed = config(
         num_replicas=2, gpu_ids=[0, 0], gpu_memory_utilization=0.3, extra_args=["--kv-cache-memory-bytes=4000000000"]
     )
     assert [shares_gpu(fixed, i) for i in range(2)] == [False, False]
     assert "--kv-cache-memory-bytes=4000000000" in vllm_command(fixed, 1).argv
+
+
+def _model_folder(tmp_path, **cfg) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_kv_bytes_per_token_follows_the_model_shape_or_declines(tmp_path):
+    # SmolLM2-135M's published shape: 30 layers, 3 KV heads of 64 (bf16): 2 x 30 x 3 x 64 x 2 = 23,040 bytes a token
+    smol = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    assert kv_bytes_per_token(Path(_model_folder(tmp_path, **smol, dtype="bfloat16")), "auto") == 23040
+    assert kv_bytes_per_token(Path(_model_folder(tmp_path, **smol)), "float32") == 46080
+    # a vision-language checkpoint: the text model's shape; no KV-head count = every head keeps keys and values
+    nested = {"text_config": {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8}}
+    assert kv_bytes_per_token(Path(_model_folder(tmp_path, **nested)), "float16") == 2 * 2 * 4 * 8 * 2
+    # shapes the formula is not vLLM's for: linear-attention layers, MLA, a config without the fields
+    hybrid = {**smol, "layer_types": ["linear_attention", "full_attention"]}
+    assert kv_bytes_per_token(Path(_model_folder(tmp_path, **hybrid)), "bfloat16") is None
+    assert kv_bytes_per_token(Path(_model_folder(tmp_path, **smol, kv_lora_rank=512)), "bfloat16") is None
+    assert kv_bytes_per_token(Path(_model_folder(tmp_path, hidden_size=8)), "bfloat16") is None
+
+
+def test_replicas_of_a_hybrid_model_on_one_gpu_start_in_turn(tmp_path):
+    hybrid = _model_folder(
+        tmp_path,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_size=64,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    cfg = RunConfig(
+        model={"name": hybrid}, server={"num_replicas": 2, "gpu_ids": [0, 0], "gpu_memory_utilization": 0.3}
+    )
+    assert [shares_gpu(cfg, i) for i in range(2)] == [False, True]
+    assert "--kv-cache-memory-bytes" not in vllm_command(cfg, 1).argv
 
 
 @pytest.mark.parametrize(
@@ -146,15 +198,21 @@ def test_replica_gpu_lists_that_cannot_work_are_refused(server, match):
 
 
 @pytest.mark.parametrize(
-    "gpu_ids, expected",
+    "hybrid, gpu_ids, expected",
     [
-        ([0, 0], ["launch 0", "healthy 0", "launch 1", "healthy 1"]),  # shared GPU: one after the other
-        ([0, 1], ["launch 0", "launch 1", "healthy 0", "healthy 1"]),  # own GPUs: together
+        # a hybrid's KV size is vLLM's to profile: replicas sharing its GPU start one after the other
+        (True, [0, 0], ["launch 0", "healthy 0", "launch 1", "healthy 1"]),
+        # a KV size computed from the model's shape: nothing profiles, replicas sharing a GPU start together
+        (False, [0, 0], ["launch 0", "launch 1", "healthy 0", "healthy 1"]),
+        (False, [0, 1], ["launch 0", "launch 1", "healthy 0", "healthy 1"]),  # own GPUs: together
     ],
 )
-def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeypatch, gpu_ids, expected):
+def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(
+    monkeypatch, tmp_path, hybrid, gpu_ids, expected
+):
     """vLLM sizes its KV cache from the memory free while it profiles: a neighbour starting meanwhile would
-    change it, so replicas on one GPU start in turn (the order of launches and health checks shows it)."""
+    change it, so replicas on one GPU start in turn unless each is given its size (the order of launches and
+    health checks shows it)."""
     import grpo_core.serving.launch as launch_mod
 
     events = []
@@ -166,7 +224,8 @@ def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeyp
         def stop(self):
             events.append(f"stop {self.spec.replica}")
 
-    monkeypatch.setattr(launch_mod, "choose_backend", lambda cfg: "embedded")
+    monkeypatch.setattr(launch_mod, "choose_backend", lambda cfg: "vllm")
+    monkeypatch.setattr(launch_mod, "check_gpu_layout", lambda cfg: None)
     monkeypatch.setattr(
         launch_mod, "launch", lambda spec, token: events.append(f"launch {spec.replica}") or Handle(spec)
     )
@@ -178,7 +237,13 @@ def test_a_replica_sharing_a_gpu_starts_after_the_earlier_one_is_healthy(monkeyp
         return None
 
     monkeypatch.setattr(launch_mod, "check_server", checked)
-    handles = provision(config(num_replicas=2, gpu_ids=gpu_ids, gpu_memory_utilization=0.3), token="t")
+    cfg = config(num_replicas=2, gpu_ids=gpu_ids, gpu_memory_utilization=0.3)
+    if hybrid:
+        model = _model_folder(
+            tmp_path, num_hidden_layers=2, num_attention_heads=4, hidden_size=64, layer_types=["linear_attention"] * 2
+        )
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": model})})
+    handles = provision(cfg, token="t")
     assert events == expected and [h.spec.replica for h in handles] == [0, 1]
 
 

@@ -67,7 +67,7 @@ SERVER_LAUNCH_FIELDS = (
 
 
 #: Server settings only the embedded server reads; only vLLM reads; only a servers' deployment reads.
-EMBEDDED_ONLY_FIELDS = ("kv_cache_size_tokens", "embedded_num_threads")
+EMBEDDED_ONLY_FIELDS = ("embedded_num_threads",)
 
 
 VLLM_ONLY_FIELDS = ("tensor_parallel_size", "api_server_count", "gpu_memory_utilization", "enforce_eager", "extra_args")
@@ -151,13 +151,19 @@ class ServerConfig(_ServerKey):
     """CUDA device indices of the replicas, ``tensor_parallel_size`` consecutive entries per replica (replica i
     takes entries ``i*tp .. (i+1)*tp-1``); None = 0 .. num_replicas*tensor_parallel_size-1. A GPU listed again
     for another replica holds both (each takes ``gpu_memory_utilization`` of it, e.g. ``[0, 0]`` with 0.2; such
-    replicas start one after another, as vLLM's memory profiling needs). A shorter or longer list is refused."""
+    replicas start together, each with the KV cache ``kv_cache_size_tokens`` sizes, or one after another for a
+    hybrid model, whose KV cache vLLM sizes by profiling free memory). A shorter or longer list is refused."""
     max_model_len: int = Field(default=4096, ge=16)
     """Longest prompt + completion a request may hold, in tokens (``--max-model-len``)."""
     max_num_seqs: int = Field(default=64, ge=1)
     """Most sequences decoded in one batch (``--max-num-seqs``)."""
     kv_cache_size_tokens: int | None = Field(default=None, ge=16)
-    """Embedded server only: KV-cache capacity in tokens; None = max_num_seqs * max_model_len."""
+    """KV-cache capacity of each replica in tokens. Embedded server: None = ``max_num_seqs * max_model_len``.
+    vLLM: given, or None while replicas share a GPU, each replica gets ``--kv-cache-memory-bytes`` for this many
+    tokens (None = ``max_num_seqs * max_model_len``; bytes from the model's layers, KV heads and head size), so
+    replicas sharing a GPU start together instead of one after another (vLLM otherwise sizes its cache from the
+    memory free while it profiles); None with one replica per GPU = vLLM's own sizing from
+    ``gpu_memory_utilization``. A hybrid model (linear-attention layers) is left to vLLM's sizing."""
     api_server_count: int = Field(default=1, ge=1)
     """vLLM API server processes (``--api-server-count``). Only 1 for servers the run starts: the run's guard
     (``grpo_core.serving.guard``) keeps a replica's fence and policy version in its process, and several API
