@@ -547,7 +547,7 @@ def ui(
     prefect_port: Annotated[int, typer.Option(min=1, max=65535)] = 4200,
 ) -> None:
     """Print the Prefect and MLflow UI URLs; ``--mlflow`` serves the MLflow UI until Ctrl-C, behind a password
-    (``flows.mlflow_ui``: MLflow on a private Unix socket, an authenticating proxy on ``--mlflow-port``)."""
+    (``grpo_core.tracking.ui``: MLflow on a private Unix socket, an authenticating proxy on ``--mlflow-port``)."""
     tc = _load(config, []).tracking
     shown = tc.shown_tracking_uri()
     if mlflow:
@@ -569,7 +569,7 @@ def ui(
     if not mlflow:
         console.print(f"MLflow UI: http://127.0.0.1:{mlflow_port}  (`grpo ui --mlflow`: behind a password)")
         return
-    from flows.mlflow_ui import serve, ui_password
+    from grpo_core.tracking.ui import serve, ui_password
 
     password, where = ui_password(mlflow_port)
     console.print(

@@ -16,6 +16,8 @@ The only package of grpo-flow that imports ``mlflow`` (STYLE.md, module boundari
   and the JSON-lines sink (no MLflow);
 * :mod:`~grpo_core.tracking.report`: the end-of-run summary and reward curve (``plots/reward_curve.png``), read from
   ``metrics.jsonl`` (no MLflow).
+* :mod:`~grpo_core.tracking.ui`: ``grpo ui --mlflow``, the MLflow UI on a private Unix socket behind an
+  authenticating proxy.
 
 The MLflow API of the modules above is re-exported here (``from grpo_core.tracking import start_run``,
 ``tracking.MlflowSink``), loaded on first use: importing the package, or its metric windows in a rollout process or
