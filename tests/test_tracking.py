@@ -148,6 +148,20 @@ def test_report_summary_and_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_summary_reward_weighs_each_step_by_the_groups_its_window_scored(tmp_path):
+    """The demo's last step once logged reward 0 from a window that closed on one group, and counted as a whole
+    step in the last-five mean; weighted by groups it counts as one group of the 25 those windows scored."""
+    metrics = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(metrics)
+    for step, (reward, groups) in enumerate([(0.2, 4), (0.4, 4), (0.2, 4), (0.4, 4), (0.2, 4), (0.8, 6), (0.0, 1)], 1):
+        sink.log(step, {"reward": reward, "rollout/group_count": float(groups)})
+    sink.close()
+    summary = report.summarize(metrics)
+    # first five: (0.2*4 + 0.4*4 + 0.2*4 + 0.4*4 + 0.2*4) / 20; last five: (0.2*4 + 0.4*4 + 0.2*4 + 0.8*6 + 0*1) / 19
+    assert summary["reward_first5"] == pytest.approx(5.6 / 20)
+    assert summary["reward_last5"] == pytest.approx(8.0 / 19)
+
+
 def test_cli_config_error_names_the_field_before_anything_starts():
     from typer.testing import CliRunner
 

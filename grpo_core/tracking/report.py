@@ -19,6 +19,7 @@ from grpo_core.tracking.metrics import JsonlSink
 logger = logging.getLogger(__name__)
 
 REWARD = "reward"
+GROUP_COUNT = "rollout/group_count"
 #: The metric every held-out evaluation logs (``grpo_core.rollout.evaluate``): marks a ``metrics.jsonl`` line as one.
 EVAL_MARK = "eval/num_prompts"
 
@@ -75,6 +76,15 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _reward_of(records: list[dict]) -> float:
+    """Mean reward of the rollouts scored in ``records``' windows: each step's ``reward`` (its window's mean)
+    weighted by the groups its window scored (``rollout/group_count``; 1 where not logged), so a step whose window
+    closed on one group weighs one group, not a whole step. NaN without a reward."""
+    pairs = [(r[REWARD], r.get(GROUP_COUNT, 1.0)) for r in records if not math.isnan(r[REWARD])]
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total else float("nan")
+
+
 def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, float | str | None]:
     """Numbers of the summary table.
 
@@ -86,13 +96,14 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         ``steps`` (steps trained, from ``train_end.json`` when present, else the last logged step),
         ``steps_requested`` (``train.max_steps``; None when unknown), ``stopped_early`` (why the run
         trained fewer steps than asked; None when it did not), ``skipped_nonfinite_steps``,
-        ``reward_first5`` / ``reward_last5`` (mean reward of the first and last five logged steps),
+        ``reward_first5`` / ``reward_last5`` (mean reward of the rollouts scored in the first and last five logged
+        steps' windows: each step weighted by the groups its window scored, :func:`_reward_of`),
         ``trained_tokens_per_s``, ``forwarded_tokens_per_s``, ``generated_tokens_per_s`` (tokens/s;
         NaN when unknown), ``eval`` (the last held-out evaluation in words, :func:`eval_line`; None without one).
     """
     records = JsonlSink.read(metrics_path) if Path(metrics_path).exists() else []
     records = [r for r in records if EVAL_MARK not in r]  # the steps' own lines, not the evaluations'
-    rewards = [r[REWARD] for r in records if REWARD in r]
+    rewarded = [r for r in records if REWARD in r]
     step_s = sum(r.get("perf/step_s", 0.0) for r in records)
     seconds = wall_s if wall_s else step_s
     trained = sum(r.get("batch/trained_tokens_per_step", 0.0) for r in records)
@@ -110,8 +121,8 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         "steps_requested": end.get("max_steps"),
         "stopped_early": end.get("stopped_early"),
         "skipped_nonfinite_steps": end.get("skipped_nonfinite_steps", 0),
-        "reward_first5": _mean(rewards[:5]),
-        "reward_last5": _mean(rewards[-5:]),
+        "reward_first5": _reward_of(rewarded[:5]),
+        "reward_last5": _reward_of(rewarded[-5:]),
         "trained_tokens_per_s": rate(trained),
         "forwarded_tokens_per_s": rate(forwarded),
         "generated_tokens_per_s": generated,
