@@ -40,13 +40,18 @@ fmt: $(STAMPS)/lint
 # Tests in two tiers (CONTRIBUTING.md, Test tiers): `make test` is the default tier (Rust, then every Python test
 # not marked slow); `make test-slow` runs the tests marked slow (full flow runs, seeded chaos, multi-node, network
 # namespaces, the browser, compile, benchmark smokes). CI runs both.
+# The default tier's Python tests run on TEST_WORKERS pytest-xdist workers (--dist loadgroup: the tests of one shared
+# server stay on one worker, tests/conftest.py), then those marked serial (wall-clock bounds, a port given up and
+# taken again) alone in a second, short pass; TEST_WORKERS=0 runs it all in one process.
+TEST_WORKERS ?= 2
 test: test-rust test-python
 
 test-rust:
 	cargo test --release -p packer_rs
 
 test-python: $(STAMPS)/install models
-	$(PY) -m pytest -q -m "not slow" --durations=25
+	$(PY) -m pytest -q -m "not slow and not serial" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) --durations=25
+	$(PY) -m pytest -q -m "not slow and serial" --durations=10
 
 test-slow: $(STAMPS)/install $(STAMPS)/chromium models
 	$(PY) -m pytest -q -m slow --durations=25

@@ -212,6 +212,7 @@ def _wait_for(moment, proc: subprocess.Popen, log: Path, timeout_s: float = 300)
 # --- the generation server dies and comes back: nothing restarts, the rollout waits and the run goes on ----------
 
 
+@pytest.mark.serial  # the server's port is given up and taken again: no other worker may take it meanwhile
 def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path):
     """The trainer, the rollout process and an embedded server (the parts the flow starts, on the tiny run); the
     server is SIGKILLed after a step drawn from the seed and started again on its port after a drawn pause. The

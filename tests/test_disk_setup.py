@@ -60,6 +60,7 @@ def _grpo_train(tmp_path: Path, env: dict[str, str], timeout_s: float = 120.0) -
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 
+@pytest.mark.serial  # a bound in seconds: alone on the machine
 @pytest.mark.parametrize("setting", ["PREFECT_HOME", "PREFECT_SERVER_DATABASE_CONNECTION_URL"])
 def test_unusable_prefect_home_or_database_ends_grpo_train_within_seconds(tmp_path, setting):
     # Before: Prefect warned, then its temporary server retried the database until its 240 s start-up timeout.
@@ -78,6 +79,7 @@ def test_unusable_prefect_home_or_database_ends_grpo_train_within_seconds(tmp_pa
     assert not [p for p in (tmp_path / "runs").glob("*")], "the run started although Prefect's API could not"
 
 
+@pytest.mark.serial  # a bound in seconds, and a port given up and expected to stay free
 def test_unreachable_prefect_api_url_ends_grpo_train_naming_it(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,6 +107,7 @@ def test_unusable_mlflow_store_or_run_folder_is_refused_before_a_server_starts(t
         preflight.check_run(cfg)
 
 
+@pytest.mark.serial  # a bound in seconds, and a port given up and expected to stay free
 def test_unreachable_mlflow_server_is_refused_within_seconds(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
