@@ -342,6 +342,48 @@ def test_preflight_refuses_a_prompt_too_long_to_train_naming_its_row_and_length(
     assert "1 prompts are longer than" in caplog.text
 
 
+def test_preflight_checks_the_eval_dataset_as_the_training_data(tmp_path, caplog):
+    """A reward's missing column and an overlong prompt in eval.dataset were found only while evaluating (a failed
+    evaluation, or completions cut short by the room left): preflight refuses them as it does training's rows."""
+    good = {"prompt": "2+2?", "answer": "4"}
+    write_jsonl(tmp_path / "train.jsonl", [good])
+    write_jsonl(tmp_path / "held_out.jsonl", [good, {"prompt": "3+3?"}])  # row 1: no answer
+    reward = ["grpo_core.demo_rewards:numeric_answer_reward"]  # it takes `answer`
+    rollout = {"dataset": str(tmp_path / "train.jsonl"), "reward_functions": reward}
+    cfg = RunConfig(rollout=rollout, eval={"dataset": str(tmp_path / "held_out.jsonl")})
+    preflight.check_dataset(cfg)  # the set-up: the training rows have their answer
+    with pytest.raises(ConfigError) as info:
+        preflight.check_eval(cfg)
+    assert str(info.value).startswith(
+        "rollout.reward_functions (eval's): grpo_core.demo_rewards:numeric_answer_reward needs the dataset column "
+        f"'answer', which eval.dataset='{tmp_path / 'held_out.jsonl'}' lacks in row 1"
+    ), str(info.value)
+    own = RunConfig(rollout=rollout, eval={"dataset": str(tmp_path / "held_out.jsonl"), "reward_functions": reward})
+    with pytest.raises(ConfigError, match=r"^eval.reward_functions: .* lacks in row 1 \(null or missing there"):
+        preflight.check_eval(own)
+    # an eval prompt too long for server.max_model_len - eval.max_completion_length
+    rows = [{"prompt": "Say hi."}, {"prompt": "Say hi."}, {"prompt": " ".join(["word"] * 60)}]
+    path = str(write_jsonl(tmp_path / "long.jsonl", rows))
+    length, _ = _tokens([{"role": "user", "content": rows[2]["prompt"]}])
+    short, _ = _tokens([{"role": "user", "content": rows[0]["prompt"]}])
+    assert short <= 128 - 64 < length <= 128 - 16  # the set-up: over the eval limit, within the training one
+    base = {"model": {"name": "tiny-qwen3"}, "server": {"max_model_len": 128}}
+    rollout = {"dataset": path, "max_completion_length": 16}
+    cfg = RunConfig(**base, rollout=rollout, eval={"dataset": path, "max_completion_length": 64})
+    preflight.check_prompt_lengths(cfg)  # the same prompts fit training's shorter completions
+    with pytest.raises(ConfigError) as info:
+        preflight.check_eval_prompt_lengths(cfg)
+    assert f"long.jsonl' row 2: its prompt is {length} tokens" in str(info.value), str(info.value)
+    assert "server.max_model_len (128) - eval.max_completion_length (64) = 64" in str(info.value), str(info.value)
+    inherited = RunConfig(**base, rollout={**rollout, "max_completion_length": 64}, eval={"dataset": path})
+    with pytest.raises(ConfigError, match=r"rollout.max_completion_length \(eval.max_completion_length unset\)"):
+        preflight.check_eval_prompt_lengths(inherited)
+    skip = RunConfig(**base, rollout={**rollout, "skip_overlong_prompts": True}, eval=cfg.eval.model_dump())
+    with caplog.at_level("WARNING", logger="grpo_core.run.preflight"):
+        preflight.check_eval_prompt_lengths(skip)
+    assert "1 eval prompts are longer than server.max_model_len - eval.max_completion_length = 64" in caplog.text
+
+
 def test_the_rollout_skips_and_counts_a_prompt_too_long_to_train(tmp_path):
     from grpo_core.rollout.loop import LoopRuntime, RolloutLoop
     from grpo_core.rollout.pace import TokenAllowance

@@ -16,7 +16,7 @@ import inspect
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,20 @@ def required_reward_columns(cfg: RunConfig) -> dict[str, str]:
     Raises:
         ConfigError: a function needs an argument grpo-flow cannot supply (``UNSUPPORTED_REWARD_ARGUMENTS``).
     """
+    return _reward_columns(_reward_functions(cfg), "rollout.reward_functions")
+
+
+def _reward_columns(funcs: Sequence[tuple[str, Callable[..., Any]]], field: str) -> dict[str, str]:
+    """Dataset columns the reward functions ``funcs`` (``(name, function)``, named in ``field``) need: parameter
+    name -> function name (:func:`required_reward_columns`).
+
+    Raises:
+        ConfigError: a function needs an argument grpo-flow cannot supply (names ``field``).
+    """
     from grpo_core.rollout.scoring import REWARD_ARGUMENTS, UNSUPPORTED_REWARD_ARGUMENTS
 
     needed: dict[str, str] = {}
-    for name, func in _reward_functions(cfg):
+    for name, func in funcs:
         for param in inspect.signature(func).parameters.values():
             required = param.default is inspect.Parameter.empty and param.kind in (
                 inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -139,7 +149,7 @@ def required_reward_columns(cfg: RunConfig) -> dict[str, str]:
                 continue
             if param.name in UNSUPPORTED_REWARD_ARGUMENTS:
                 raise ConfigError(
-                    f"rollout.reward_functions: {name} needs {param.name!r}, which grpo-flow does not "
+                    f"{field}: {name} needs {param.name!r}, which grpo-flow does not "
                     f"supply: {UNSUPPORTED_REWARD_ARGUMENTS[param.name]}. Give it a default or remove "
                     f"it (supplied: {', '.join(REWARD_ARGUMENTS)} and the dataset's columns)"
                 )
@@ -221,33 +231,76 @@ def _check_row(cfg: RunConfig, where: str, index: int, row: dict, needed: dict[s
                 "prompt (a non-empty list of {'role', 'content'} messages, or a string): fix or drop "
                 "the row"
             )
+    _check_reward_columns(where, index, row, needed, "rollout.reward_functions")
+
+
+def _check_reward_columns(where: str, index: int, row: dict, needed: dict[str, str], field: str) -> None:
     for column, name in needed.items():
         if row.get(column) is None:
             state = "no such column" if column not in row else "null or missing there"
             raise ConfigError(
-                f"rollout.reward_functions: {name} needs the dataset column {column!r}, which "
+                f"{field}: {name} needs the dataset column {column!r}, which "
                 f"{where} lacks in row {index} ({state}; columns: {sorted(row)}); fill it in that row, drop the row, "
                 f"or give the function's {column!r} a default if it can score without it"
             )
 
 
 def check_eval(cfg: RunConfig) -> None:
-    """The held-out evaluation (``eval``, docs/evaluation.md): its dataset loads with a prompt in every row, and its
-    reward functions import.
+    """The held-out evaluation (``eval``, docs/evaluation.md), checked as the training data is: its dataset loads
+    with a prompt in every row, its reward functions import, and every row holds (not null) each column they need
+    (up to :data:`MAX_CHECKED_ROWS` rows). Prompt lengths: :func:`check_eval_prompt_lengths`.
 
     Raises:
-        ConfigError: naming ``eval.dataset`` or ``eval.reward_functions`` (``grpo_core.rollout.evaluate.eval_rows``).
+        ConfigError: naming ``eval.dataset`` and the row, and ``eval.reward_functions`` (or
+            ``rollout.reward_functions`` when they score the eval samples) (``grpo_core.rollout.evaluate.eval_rows``).
     """
     if not cfg.eval.enabled:
         return
     from grpo_core.rollout.evaluate import eval_dataset_config, eval_rewards, eval_rows
 
-    eval_rows(cfg.eval, cfg.rollout)
-    eval_rewards(cfg.eval, cfg.rollout, eval_dataset_config(cfg.eval, cfg.rollout))
+    ev = cfg.eval
+    rows = eval_rows(ev, cfg.rollout)
+    funcs = eval_rewards(ev, cfg.rollout, eval_dataset_config(ev, cfg.rollout))
+    field = "eval.reward_functions" if ev.reward_functions is not None else "rollout.reward_functions (eval's)"
+    named = [(f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', f)}", f) for f in funcs]
+    needed = _reward_columns(named, field)
+    for index, row in enumerate(rows[:MAX_CHECKED_ROWS]):
+        _check_reward_columns(f"eval.dataset={ev.dataset!r}", index, row, needed, field)
 
 
 #: Tokens a tokenizer may add to a text beyond one per byte (SentencePiece word-start markers), in the fast check.
 _LENGTH_MARGIN = 32
+
+
+def _prompt_measure(cfg: RunConfig) -> Callable[[Any, Any, int], int | None] | None:
+    """A function ``(prompt, tool schemas, limit) -> its length in tokens when above limit, else None`` that renders a
+    prompt as ``RolloutLoop.render`` does; None (with a warning) when the loop class renders prompts itself."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from grpo_core.models import tokenizer_dir
+    from grpo_core.rollout.build import loop_class_and_config
+    from grpo_core.rollout.loop import RolloutLoop
+
+    cls, _ = loop_class_and_config(cfg.rollout)
+    if cls.render is not RolloutLoop.render or cls.render_text is not RolloutLoop.render_text:
+        logger.warning("rollout.loop_class renders prompts itself: their lengths are judged by the rollout only")
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.model))
+    loop = SimpleNamespace(tokenizer=tokenizer, config=cfg.rollout)  # what RolloutLoop.render reads
+
+    def measure(prompt: Any, schemas: Any, limit: int) -> int | None:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        text = RolloutLoop.render_text(loop, messages, schemas)  # type: ignore[arg-type]
+        # A token holds at least one byte of the text (a SentencePiece tokenizer may add a word-start marker to a
+        # segment: the margin), so a text this short fits without encoding it; the rollout checks every prompt again.
+        if len(text.encode()) + _LENGTH_MARGIN <= limit:
+            return None
+        length = len(tokenizer.encode(text, add_special_tokens=False))  # as RolloutLoop.render
+        return length if length > limit else None
+
+    return measure
 
 
 def check_prompt_lengths(cfg: RunConfig) -> None:
@@ -260,39 +313,22 @@ def check_prompt_lengths(cfg: RunConfig) -> None:
         ConfigError: without ``rollout.skip_overlong_prompts``, the first prompt over the limit (names the dataset,
             the row, its length and the fixes); with it, a warning counts them instead.
     """
-    from types import SimpleNamespace
-
-    from transformers import AutoTokenizer
-
-    from grpo_core.models import tokenizer_dir
-    from grpo_core.rollout.build import loop_class_and_config
-    from grpo_core.rollout.loop import RolloutLoop
     from grpo_core.rollout.tools import tool_schemas
     from grpo_core.security.allowlist import import_object
 
     rollout = cfg.rollout
-    cls, _ = loop_class_and_config(rollout)
     if rollout.environment_factory is not None or (rollout.dataset is None and not rollout.datasets):
         return
-    if cls.render is not RolloutLoop.render or cls.render_text is not RolloutLoop.render_text:
-        logger.warning("rollout.loop_class renders prompts itself: their lengths are judged by the rollout only")
+    measure = _prompt_measure(cfg)
+    if measure is None:
         return
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg.model))
     tools = [import_object(name, "rollout.tools") for name in rollout.tools]
     schemas = tool_schemas(tools) if tools else None
-    loop = SimpleNamespace(tokenizer=tokenizer, config=rollout)  # what RolloutLoop.render reads
     limit = cfg.server.max_model_len - rollout.max_completion_length
     over = 0
     for where, index, row in dataset_rows(cfg):
-        prompt = row["prompt"]
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        text = RolloutLoop.render_text(loop, messages, schemas)  # type: ignore[arg-type]
-        # A token holds at least one byte of the text (a SentencePiece tokenizer may add a word-start marker to a
-        # segment: the margin), so a text this short fits without encoding it; the rollout checks every prompt again.
-        if len(text.encode()) + _LENGTH_MARGIN <= limit:
-            continue
-        length = len(tokenizer.encode(text, add_special_tokens=False))  # as RolloutLoop.render
-        if length <= limit:
+        length = measure(row["prompt"], schemas, limit)
+        if length is None:
             continue
         over += 1
         if not rollout.skip_overlong_prompts:
@@ -308,6 +344,54 @@ def check_prompt_lengths(cfg: RunConfig) -> None:
             "%d prompts are longer than server.max_model_len - rollout.max_completion_length = %d tokens: the run "
             "skips them (rollout.skip_overlong_prompts), counted in rollout/overlong_prompt_count",
             over,
+            limit,
+        )
+
+
+def check_eval_prompt_lengths(cfg: RunConfig) -> None:
+    """Every eval prompt leaves room for a full eval completion, as :func:`check_prompt_lengths` judges training's:
+    rendered as the evaluation renders it (no tools), no longer than ``server.max_model_len -
+    eval.max_completion_length`` (else ``rollout.max_completion_length``) tokens; a longer one would be sampled with
+    a shorter budget, or left out when no room is left, and skew ``eval/*``.
+
+    Raises:
+        ConfigError: without ``rollout.skip_overlong_prompts``, the first eval prompt over the limit (names
+            ``eval.dataset``, the row, its length and the fixes); with it, a warning counts them instead.
+    """
+    ev = cfg.eval
+    if not ev.enabled:
+        return
+    from grpo_core.rollout.evaluate import eval_rows
+
+    measure = _prompt_measure(cfg)
+    if measure is None:
+        return
+    budget, field = ev.max_completion_length, "eval.max_completion_length"
+    if budget is None:
+        budget, field = (
+            cfg.rollout.max_completion_length,
+            "rollout.max_completion_length (eval.max_completion_length unset)",
+        )
+    limit, over = cfg.server.max_model_len - budget, 0
+    for index, row in enumerate(eval_rows(ev, cfg.rollout)[:MAX_CHECKED_ROWS]):
+        length = measure(row["prompt"], None, limit)
+        if length is None:
+            continue
+        over += 1
+        if not cfg.rollout.skip_overlong_prompts:
+            raise ConfigError(
+                f"eval.dataset={ev.dataset!r} row {index}: its prompt is {length} tokens (chat template applied), more "
+                f"than server.max_model_len ({cfg.server.max_model_len}) - {field} ({budget}) = {limit}, so its "
+                "completions would be cut short; raise server.max_model_len, lower eval.max_completion_length, shorten "
+                "or drop the row, or set rollout.skip_overlong_prompts: true to evaluate such prompts with what room "
+                "is left"
+            )
+    if over:
+        logger.warning(
+            "%d eval prompts are longer than server.max_model_len - %s = %d tokens: they are evaluated with a "
+            "shorter budget (rollout.skip_overlong_prompts), those leaving no room not at all",
+            over,
+            field,
             limit,
         )
 
@@ -555,6 +639,7 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     check_reward_pickling(cfg)
     check_chat_template(cfg)
     check_prompt_lengths(cfg)
+    check_eval_prompt_lengths(cfg)
     check_push(cfg)
     data = cfg.rollout.dataset or ", ".join(f"{d.path} ({d.weight:g})" for d in cfg.rollout.datasets) or None
     logger.info("run config checked: model %s, dataset %s", cfg.model.name, data)
