@@ -19,6 +19,14 @@ from flows.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _in_own_folder(tmp_path, monkeypatch):
+    """Each test runs in its own folder: the relative folders of a config (configs/tiny.yaml's runs/tiny, the
+    default tracking.dir runs/mlflow), which ``validate`` checks by creating them, land under ``tmp_path``, never in
+    the checkout that other tests and xdist workers share."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _invoke(*args: str):
     return CliRunner().invoke(app, list(args))
 
@@ -274,7 +282,7 @@ def test_a_json_dataset_that_is_not_json_lines_is_a_one_line_config_error(tmp_pa
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tmp_path):
+def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tmp_path, monkeypatch):
     """On this CPU box every shipped config validates, except those that start vLLM on the flow's own host while
     vLLM is not installed, and those whose LoRA adapter store is a shared mount this box lacks: they name the host
     they need. Servers elsewhere (``server.urls``, ``server.deployment``, e.g. multihost-pools.yaml) need no vLLM
@@ -286,6 +294,7 @@ def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tm
     needs_vllm_here = server.get("backend") == "vllm" and not server.get("urls") and not server.get("deployment")
     store = train.get("adapter_store") if (train.get("lora") or {}).get("enabled") else None
     where = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}"]
+    monkeypatch.chdir(ROOT)  # the configs name their data from the checkout, where they are run; the folders above
     result = _invoke("validate", "--config", str(path), *sum((["--set", w] for w in where), []))
     if store and "://" not in store and not Path(store).parent.is_dir():
         assert result.exit_code == 2, result.output
