@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 
 import httpx
 import pytest
 from serving_helpers import TINY, embedded_server, generated_tokens, run, weights_dir
+from waiting import async_wait_until
 
 from grpo_core.config import RolloutConfig
 from grpo_core.rollout import LoopRuntime, RolloutLoop
@@ -36,11 +36,18 @@ def server(tmp_path_factory):
         yield handle
 
 
+async def _decoding(url: str, start: float) -> None:
+    """Wait until the server at ``url`` has generated more than ``start`` tokens in all: a request is decoding."""
+
+    async def moved() -> bool:
+        return generated_tokens(url) > start
+
+    await async_wait_until(moved, f"{url} to decode a token of the request", 60, 0.01)
+
+
 async def freeze_mid_generation(c: GenerationClient, url: str, task: asyncio.Task, start: float) -> None:
     """Wait until the request has produced tokens, then pause in keep mode (it is frozen mid-way)."""
-    deadline = time.monotonic() + 60
-    while generated_tokens(url) <= start and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    await _decoding(url, start)
     await c.pause("keep")
     assert not task.done(), "the request finished before it could be frozen"
 
@@ -71,8 +78,7 @@ def test_keep_and_wait_modes_finish_the_request_intact(server, mode):
         async with GenerationClient(server.url, timeout_s=120) as c:
             start = generated_tokens(server.url)
             task = asyncio.create_task(c.complete(PROMPT, model=TINY, max_tokens=LONG, seed=2, ignore_eos=True))
-            while generated_tokens(server.url) <= start:
-                await asyncio.sleep(0.01)
+            await _decoding(server.url, start)
             await c.pause(mode)  # wait: returns once the request has finished
             try:  # still paused: a waited request's answer arrives, a kept one stays frozen
                 await asyncio.wait_for(asyncio.shield(task), 5)
@@ -134,8 +140,7 @@ def test_aborted_turn_is_resubmitted_as_its_continuation(server):
             loop.tokenizer = Tokenizer()
             start = generated_tokens(server.url)
             turn_task = asyncio.create_task(loop.generate_one_turn(PROMPT))
-            while not c._http.is_closed and generated_tokens(server.url) <= start:
-                await asyncio.sleep(0.01)
+            await _decoding(server.url, start)
             await c.pause("keep")
             await c.pause("abort")  # a sync by a client that forgot the mode
             await c.resume()
@@ -213,8 +218,7 @@ def test_long_generation_survives_a_full_weight_sync_intact(server):
         async with GenerationClient(server.url, timeout_s=120) as c:
             start = generated_tokens(server.url)
             task = asyncio.create_task(c.complete(PROMPT, model=TINY, max_tokens=LONG, seed=3, ignore_eos=True))
-            while generated_tokens(server.url) <= start:
-                await asyncio.sleep(0.01)
+            await _decoding(server.url, start)
             await DiskFullWeightSync.phases(ReplicaSet([c]), folder, 1)  # what every sync does
             return (await task)[0]
 

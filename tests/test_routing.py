@@ -20,6 +20,7 @@ import httpx
 import pytest
 from serving_helpers import TINY, run
 from serving_helpers import generated_tokens as generated
+from waiting import async_wait_until
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import ServerRequestError
@@ -362,16 +363,22 @@ def test_replica_killed_mid_run_is_routed_around_and_rejoins(replicas):
     async def go():
         async with ReplicaSet(urls, sink=window, max_retries=3, backoff_s=0.1) as rs:
             tasks = [asyncio.create_task(_group(rs, ("kill", g), 4, tokens=48)) for g in range(3)]
-            while generated(urls[1]) == victim_start and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.05)
+
+            async def victim_decoding() -> bool:
+                return generated(urls[1]) != victim_start or all(t.done() for t in tasks)
+
+            await async_wait_until(victim_decoding, "replica 1 to decode a request of the groups", 120)
             os.killpg(victim.process.pid, signal.SIGKILL)
             victim.process.wait(30)
             tasks.append(asyncio.create_task(_group(rs, ("kill", 1), 4, tokens=48)))  # homed on the dead replica
             outs = [o for group in await asyncio.gather(*tasks) for o in group]
             down_while_dead = list(rs.policy.healthy)
             replicas[1] = _restart(victim)
-            while not rs.policy.healthy[1]:
-                await asyncio.sleep(0.2)
+
+            async def rejoined() -> bool:
+                return rs.policy.healthy[1]
+
+            await async_wait_until(rejoined, "the restarted replica 1 to be marked healthy again", 120, 0.2)
             before = generated(urls[1])
             for g in range(3):
                 await _group(rs, ("after", g), 4)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from serving_helpers import TINY, adapter_dir, embedded_server, reference_logprobs, run, weights_dir
+from waiting import async_wait_until
 
 from grpo_core.config import ModelConfig
 from grpo_core.errors import ServerRequestError
@@ -149,7 +150,11 @@ def test_disconnected_client_frees_its_slot(server):
                 with pytest.raises(httpx.ReadTimeout):
                     await c._http.post("/v1/completions", json=body, timeout=0.5)
                 queued = (await c.metrics()).num_requests_waiting
-                await asyncio.sleep(2.0)
+
+                async def freed() -> bool:
+                    return (await c.metrics()).num_requests_waiting == 0
+
+                await async_wait_until(freed, "the server to drop the disconnected client's queued request", 30)
                 return queued, (await c.metrics()).num_requests_waiting
             finally:
                 await c.resume()
@@ -299,8 +304,11 @@ def test_unloading_an_adapter_never_fails_the_sequences_batched_with_it(server):
             await c.load_lora_adapter("ret-v1", str(folder / "v1"))
             alone = [await c.complete(PROMPTS[1], model=m, **greedy) for m in ("ret-v1", TINY)]
             tasks = [asyncio.create_task(c.complete(PROMPTS[1], model=m, **greedy)) for m in ("ret-v1", TINY)]
-            while (await c.metrics()).num_requests_running < 2:  # both decoding in one batch
-                await asyncio.sleep(0.01)
+
+            async def both_decoding() -> bool:
+                return (await c.metrics()).num_requests_running >= 2
+
+            await async_wait_until(both_decoding, "both requests to decode in one batch", 60, 0.01)
             await c.pause()  # keep: frozen mid-decode while the adapter is unloaded
             await c.unload_lora_adapter("ret-v1")
             with pytest.raises(ServerRequestError) as gone:
@@ -316,6 +324,7 @@ def test_unloading_an_adapter_never_fails_the_sequences_batched_with_it(server):
     assert gone.status == 404 and "ret-v1" not in names, "new requests for the unloaded adapter are refused"
 
 
+@pytest.mark.serial  # a bound in seconds on the retries: alone on the machine
 def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):
     with embedded_server(tmp_path) as handle:
         url = handle.url
@@ -324,7 +333,11 @@ def test_server_killed_mid_request_client_retries_then_names_url(tmp_path):
             async with GenerationClient(url, timeout_s=30, max_retries=2, backoff_s=0.2) as c:
                 await c.pause()  # the request is certainly in flight (queued) when the server dies
                 task = asyncio.create_task(c.complete([5, 6, 7], model=TINY, max_tokens=200, ignore_eos=True))
-                await asyncio.sleep(0.5)
+
+                async def queued() -> bool:
+                    return (await c.metrics()).num_requests_waiting == 1
+
+                await async_wait_until(queued, "the request to wait in the paused server's queue", 30)
                 os.killpg(handle.process.pid, signal.SIGKILL)  # a crash, not a graceful stop
                 started = time.monotonic()
                 with pytest.raises(Exception) as info:

@@ -4,13 +4,13 @@ alias, bounded completion tables, system metrics; and the Hugging Face export's 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import mlflow
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from waiting import wait_until
 
 from grpo_core import tracking
 from grpo_core.config import ModelConfig, RunConfig, load_config
@@ -195,10 +195,18 @@ def test_trainer_sink_logs_system_metrics(tmp_path):
     cfg = _cfg(tmp_path, system_metrics_interval_s=1.0)
     run_id, _ = tracking.start_run(cfg, "flow-s")
     sink = tracking.MlflowSink(cfg.tracking, run_id)
-    time.sleep(3.5)
-    sink.close()
+    wanted = {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"}
+    try:
+        wait_until(
+            lambda: wanted <= set(tracking.client(cfg.tracking).get_run(run_id).data.metrics),
+            f"MLflow's system metrics sampler to log {sorted(wanted)}",
+            timeout_s=60,
+            interval_s=0.5,
+        )
+    finally:
+        sink.close()
     metrics = tracking.client(cfg.tracking).get_run(run_id).data.metrics
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)
+    assert wanted <= set(metrics)
     assert 0 <= metrics["system/cpu_utilization_percentage"] <= 100 * 64
 
 

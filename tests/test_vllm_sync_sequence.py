@@ -23,13 +23,13 @@ import json
 import pickle
 import sys
 import threading
-import time
 import types
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 import pytest
 import torch
+from waiting import wait_until
 
 from grpo_core.errors import ServingError
 from grpo_core.train.weight_sync.vllm import VllmWeightTransferSync
@@ -108,8 +108,7 @@ class RecordingServer:
         self.uvicorn = uvicorn.Server(uvicorn.Config(recorder, log_level="warning"))
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        while not self.uvicorn.started:
-            time.sleep(0.01)
+        wait_until(lambda: self.uvicorn.started, "the recording server to start", 30, 0.01)
 
     def paths(self) -> list[tuple[str, dict]]:
         return [(p, q) for m, p, q, _ in self.calls if m == "POST"]
@@ -324,8 +323,12 @@ def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
             target=lambda: result.append(http.post(server.url + "/v1/completions", json={"prompt": [1]}))
         )
         worker.start()
-        while not any(p == "/v1/completions" for _, p, _, _ in server.calls):
-            time.sleep(0.01)
+        wait_until(
+            lambda: any(p == "/v1/completions" for _, p, _, _ in server.calls),
+            "the held completion to reach the server",
+            30,
+            0.01,
+        )
         assert (
             http.post(server.url + "/grpo/stale", json={"stale": True, "reason": "update v3 failed"}).status_code == 200
         )
