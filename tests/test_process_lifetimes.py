@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 from trainer_helpers import ROOT, trainer_config, write_samples
+from waiting import wait_until
 
 from grpo_core.rollout.process import start_rollout_process
 from grpo_core.run.lifeline import interruptible
@@ -121,8 +122,7 @@ def test_a_sigkilled_rollout_process_stops_the_trainer_at_once(tmp_path):
     rollout = start_rollout_process(config, ["http://127.0.0.1:9"], tmp_path, env=env).process
     procs.processes.append(rollout)
     threading.Thread(target=wait_child, args=(rollout, procs, "rollout"), daemon=True).start()
-    while len(procs.processes) < 2:
-        time.sleep(0.1)
+    wait_until(lambda: len(procs.processes) >= 2, "the trainer's torchrun to join the run's processes", 120, 0.1)
     torchrun = psutil.Process(next(p for p in procs.processes if p is not rollout).pid)
     run = [torchrun, _rank(torchrun), psutil.Process(rollout.pid)]
     assert all(p.is_running() for p in run)
@@ -143,8 +143,7 @@ def test_a_sigkilled_generation_server_stops_the_trainer_at_once(tmp_path):
     procs.servers.append(server)
     watch_servers(procs)
     trainer = _start_trainer(config, procs, result)
-    while not procs.processes:
-        time.sleep(0.1)
+    wait_until(lambda: procs.processes, "the trainer's torchrun to join the run's processes", 120, 0.1)
     torchrun = psutil.Process(procs.processes[0].pid)
     run = [torchrun, _rank(torchrun)]
     assert server.process.poll() is None and all(p.is_running() for p in run)
