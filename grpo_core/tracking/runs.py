@@ -28,6 +28,9 @@ from grpo_core.tracking.store import (
 
 logger = logging.getLogger(__name__)
 
+#: The MLflow artifact holding a run's resolved config (``grpo resume`` reads it back).
+RUN_CONFIG_ARTIFACT = "config/run_config.json"
+
 _PARAM_MAX_CHARS = 6000
 
 
@@ -88,7 +91,7 @@ def start_run(
     params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]  # secrets as **********
     for i in range(0, len(params), 100):
         mc.log_batch(run_id, params=params[i : i + 100])
-    mc.log_text(run_id, cfg.model_dump_json(indent=1), "config/run_config.json")
+    mc.log_text(run_id, cfg.model_dump_json(indent=1), RUN_CONFIG_ARTIFACT)
     logger.info("MLflow run %s created in experiment %r (%s)", run_id, tc.experiment_name, tc.shown_tracking_uri())
     return run_id, False
 
@@ -163,10 +166,10 @@ def download_run_config(tc: TrackingConfig, run_id: str) -> Path:
     from grpo_core.errors import ConfigError
 
     try:
-        return Path(client(tc).download_artifacts(run_id, "config/run_config.json", tempfile.mkdtemp()))
+        return Path(client(tc).download_artifacts(run_id, RUN_CONFIG_ARTIFACT, tempfile.mkdtemp()))
     except (MlflowException, OSError) as exc:
         raise ConfigError(
-            f"run {run_id!r}: its config (config/run_config.json) cannot be read from the MLflow store "
+            f"run {run_id!r}: its config ({RUN_CONFIG_ARTIFACT}) cannot be read from the MLflow store "
             f"{tc.shown_tracking_uri()} ({type(exc).__name__}); check the id (grpo ui --mlflow lists the "
             "runs) or the tracking settings (--set tracking.dir=... / tracking.tracking_uri=...)"
         ) from None
