@@ -43,6 +43,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from grpo_core.config import RunConfig, load_config
 from grpo_core.security.auth import bearer_headers, ensure_run_token
+from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.launch import ServerHandle, provision, teardown
 
 
@@ -65,52 +66,37 @@ def engine_config(args: argparse.Namespace, engines: int, log_dir: Path) -> RunC
     return load_config(args.config, overrides)
 
 
-async def _one(session, url: str, model: str, prompt: list[int], tokens: int, **extra) -> int:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "ignore_eos": True,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": -1,
-        "return_token_ids": True,
-        **extra,
-    }
-    async with session.post(url + "/v1/completions", json=body) as answer:
-        answer.raise_for_status()
-        return sum(len(c.get("token_ids") or []) for c in (await answer.json())["choices"])
-
-
 async def burst(
     urls: list[str], model: str, concurrency: int, tokens: int, args: argparse.Namespace, variant: str, rng
 ) -> tuple[float, int]:
     """Start ``concurrency`` rollouts together (groups of ``--group-size`` share a prompt; groups go round-robin over
-    the engines); returns (wall seconds until the last ends, generated tokens)."""
+    the engines); returns (wall seconds until the last ends, generated tokens).
+
+    Each request goes through the rollout's own client (``GenerationClient.complete``, aiohttp, every sampling field
+    sent: top-k off, top-p 1, temperature 1), with ``ignore_eos`` so that each continuation is exactly ``tokens``
+    long, and no retries (a failed request fails the burst instead of being timed twice)."""
     g = args.group_size
     groups = max(1, concurrency // g)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(groups)]
-    # aiohttp, as the rollout's GenerationClient sends generation requests: httpx's pool walks every connection on
-    # each request (encode/httpcore#1035), and the first H200 calibration (2026-12-05, httpx) was bound by this
-    # client at ~17k generated tok/s whatever the engine count
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=concurrency + 8)
-    headers = bearer_headers(ensure_run_token())
-    timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout) as client:
+    ensure_run_token()  # the servers provision started check the run's key; the clients send it
+    clients = [GenerationClient(url, max_connections=concurrency + 8, timeout_s=900.0, max_retries=0) for url in urls]
+    try:
         jobs = []
         for k, prompt in enumerate(prompts):
-            url = urls[k % len(urls)]
+            client = clients[k % len(clients)]
+            sample = {"model": model, "max_tokens": tokens, "ignore_eos": True}
             if variant == "n":
-                jobs.append(_one(client, url, model, prompt, tokens, n=g))
+                jobs.append(client.complete(prompt, n=g, **sample))
             else:
                 for i in range(g):
-                    extra = {"seed": k * g + i} if variant == "seed" else {}
-                    jobs.append(_one(client, url, model, prompt, tokens, **extra))
+                    jobs.append(client.complete(prompt, seed=k * g + i if variant == "seed" else None, **sample))
         start = time.perf_counter()
-        generated = sum(await asyncio.gather(*jobs))
-        return time.perf_counter() - start, generated
+        answers = await asyncio.gather(*jobs)
+        wall_s = time.perf_counter() - start
+        return wall_s, sum(len(c.token_ids) for completions in answers for c in completions)
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 def reset(urls: list[str]) -> None:
