@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ from grpo_core.errors import RolloutError
 from grpo_core.rollout.loop import LoopRuntime, RolloutLoop
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.rollout.queue import SampleQueue
+from grpo_core.rollout.reward_pool import pickling_error
 from grpo_core.rollout.types import Rollout, TurnRecord
 
 G = 3
@@ -184,7 +186,10 @@ def test_an_unpicklable_reward_function_is_refused_naming_it():
         return [0.0] * len(completions)
 
     loop = _loop([local_reward])
-    with pytest.raises(RolloutError, match=r"reward function 'local_reward' cannot be sent.*pickling the function"):
+    with pytest.raises(
+        RolloutError,
+        match=r"reward function 'local_reward' cannot be sent.*the function cannot be pickled.*top-level function",
+    ):
         _run(loop, [{"prompt": ""}])
 
 
@@ -205,3 +210,13 @@ def test_async_reward_functions_stay_in_the_event_loop():
     metrics = _run(loop, [{"prompt": ""}])
     assert "rollout/failed_group_count" not in metrics and seen == [True]
     assert [r.tolist() for r in loop.scored] == [[0.0, 1.0, 2.0]]
+
+
+def test_pickling_error_is_none_for_a_top_level_function_and_names_a_lambda():
+    """The one pickling check that preflight and the pool share: a module-level function pickles by reference (None);
+    a lambda cannot (pickle looks it up by its name '<lambda>'), and the error names it, the cause and the fix."""
+    assert pickle.loads(pickle.dumps(plain_reward)) is plain_reward  # the set-up: it really pickles
+    assert pickling_error("reward function 'plain_reward'", plain_reward) is None
+    error = pickling_error("rollout.reward_functions: m:f", lambda completions, **_: [0.0])
+    assert error is not None and error.startswith("rollout.reward_functions: m:f cannot be pickled ("), error
+    assert "top-level function of an importable module" in error, error

@@ -39,6 +39,29 @@ _WAYS_OUT = (
 LOAD_TIMEOUT_S = 600.0
 
 
+def pickling_error(what: str, func: Any) -> str | None:
+    """Whether ``func`` can be sent to a reward worker process, pickled by reference as ``RewardProcessPool.payload``
+    sends it. The one home of this check: the run's preflight (``check_reward_pickling``) asks it of every sync
+    reward function before anything starts; the pool asks it of a call that would not pickle.
+
+    Args:
+        what: how the error names the function (e.g. ``"rollout.reward_functions: mod:score"``).
+        func: the reward function.
+
+    Returns:
+        None when it pickles, else ``"{what} cannot be pickled (TypeName: message); define it as a top-level
+        function of an importable module (not a lambda, a nested function or a local class)"``.
+    """
+    try:
+        pickle.dumps(func, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types (PicklingError, AttributeError, TypeError)
+        return (
+            f"{what} cannot be pickled ({type(exc).__name__}: {exc}); define it as a top-level function of an "
+            "importable module (not a lambda, a nested function or a local class)"
+        )
+    return None
+
+
 class WorkerRaised(Exception):
     """A reward function raised in its worker process; ``type_name`` is the type of what it raised.
 
@@ -115,14 +138,9 @@ class RewardProcessPool:
         except Exception as exc:  # noqa: BLE001 - pickling raises many types; each is named below
             cause = exc
         where = f"rollout.reward_workers={self.workers}"
-        try:
-            pickle.dumps(func, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001
-            raise RolloutError(
-                f"{what} cannot be sent to a reward worker process ({where}): pickling the function failed "
-                f"({type(exc).__name__}: {exc}); define it at the top level of an importable module (not a lambda, "
-                f"a nested function or a local class), or {_WAYS_OUT}"
-            ) from None
+        error = pickling_error("the function", func)
+        if error is not None:
+            raise RolloutError(f"{what} cannot be sent to a reward worker process ({where}): {error}, or {_WAYS_OUT}")
         for name, value in kwargs.items():
             try:
                 pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)

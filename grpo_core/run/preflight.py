@@ -91,8 +91,7 @@ def check_reward_pickling(cfg: RunConfig) -> None:
     Raises:
         ConfigError: names the function, the pickling error and the three fixes.
     """
-    import pickle
-
+    from grpo_core.rollout.reward_pool import pickling_error
     from grpo_core.rollout.usercode import is_async
 
     workers = cfg.rollout.reward_workers
@@ -107,17 +106,12 @@ def check_reward_pickling(cfg: RunConfig) -> None:
             for n in cfg.eval.reward_functions
         ]
     for what, func in funcs:
-        if is_async(func):
-            continue
-        try:
-            pickle.dumps(func, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - pickling raises many types; the message names it
+        error = None if is_async(func) else pickling_error(what, func)
+        if error is not None:
             raise ConfigError(
-                f"{what} cannot be pickled ({type(exc).__name__}: {exc}), and with rollout.reward_workers={workers} "
-                "sync reward functions are sent to worker processes pickled; define it as a top-level function of "
-                "an importable module (not a lambda or a nested function), make it async, or set "
-                "rollout.reward_workers: 0 (threads of the rollout process)"
-            ) from None
+                f"{error}, make it async, or set rollout.reward_workers: 0 (threads of the rollout process): with "
+                f"rollout.reward_workers={workers} sync reward functions are sent to worker processes pickled"
+            )
 
 
 def required_reward_columns(cfg: RunConfig) -> dict[str, str]:
