@@ -9,7 +9,7 @@ import pytest
 
 from grpo_core.config import SERVER_API_KEY_ENV, RunConfig, load_config
 from grpo_core.errors import ConfigError
-from grpo_core.run.commands import trainer_command
+from grpo_core.run.commands import local_trainer_command, trainer_command
 from grpo_core.train.weight_sync.adapter_store import AdapterStore
 
 
@@ -118,6 +118,17 @@ def test_a_rendezvous_endpoint_that_is_not_host_and_port_is_refused(endpoint):
 def test_trainer_command_per_host():
     one = trainer_command(RunConfig(train={"num_ranks": 2}), Path("c.json"), ["http://a:1"])
     assert one[1:3] == ["-m", "grpo_core.train.launch"] and "--nnodes" not in one  # stores on loopback
+    assert one[3:] == [
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "grpo_core.train",
+        "--config",
+        "c.json",
+        "--server-url",
+        "http://a:1",
+    ]
+    assert local_trainer_command("c.json", 2, ["http://a:1"]) == one  # the tests' and benchmarks' launch is the flow's
     cfg = RunConfig(train={"num_ranks": 4, "nnodes": 3, "rdzv_endpoint": "trainer-0:29400"})
     cmds = [trainer_command(cfg, Path("c.json"), ["http://a:1"], node_rank=r) for r in range(3)]
     for rank, cmd in enumerate(cmds):

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import yaml
 
 from grpo_core.packing import Sample, write_samples_ipc
+from grpo_core.run.commands import local_trainer_command
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152  # SmolLM2 tokenizer, shared by the tiny registry models
@@ -74,19 +74,7 @@ def torchrun(
     """Start ``torchrun --nproc-per-node N -m grpo_core.train --config FILE [--server-url URL …]`` (``env``: extra
     environment entries)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [
-        sys.executable,
-        "-m",
-        "grpo_core.train.launch",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "grpo_core.train",
-        "--config",
-        str(config),
-    ]
-    for url in server_urls:
-        cmd += ["--server-url", url]
+    cmd = local_trainer_command(config, nproc, server_urls)  # the flow's own launch (grpo_core.run.commands)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, **popen)
 
 

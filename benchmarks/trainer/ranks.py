@@ -6,7 +6,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import yaml
 
 from grpo_core.packing import write_samples_ipc
 from grpo_core.run.children import start_child, stop_child
+from grpo_core.run.commands import local_trainer_command
 from grpo_core.run.layout import METRICS
 from grpo_core.tracking.metrics import JsonlSink
 
@@ -101,17 +101,7 @@ def torchrun(config: Path, nproc: int, log: Path, timeout_s: float) -> None:
         "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
     }
     env.setdefault("OMP_NUM_THREADS", "4")
-    cmd = [
-        sys.executable,
-        "-m",
-        "grpo_core.train.launch",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "grpo_core.train",
-        "--config",
-        str(config),
-    ]
+    cmd = local_trainer_command(config, nproc)  # the flow's own launch (grpo_core.run.commands)
     with open(log, "a") as f:
         proc = start_child(cmd, cwd=ROOT, env=env, stdout=f)
         try:

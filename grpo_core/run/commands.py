@@ -4,11 +4,37 @@ run holds (no Prefect here; ``flows/grpo_train.py`` calls these)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from grpo_core.config import RunConfig
 from grpo_core.run import layout
+
+
+def local_trainer_command(config_path: Path | str, num_ranks: int, server_urls: Sequence[str] = ()) -> list[str]:
+    """The trainer's command on one host: ``python -m grpo_core.train.launch --nproc-per-node N -m grpo_core.train
+    --config FILE [--server-url URL ...]`` (torchrun with its stores on loopback only). The one launch of the trainer
+    on one host: the flow's (:func:`trainer_command` with ``train.nnodes`` 1), the tests'
+    (``tests/trainer_helpers.torchrun``) and the trainer benchmark's (``benchmarks/trainer/ranks.py``).
+
+    Args:
+        config_path: the trainer's config file (YAML, or a sub-config's JSON).
+        num_ranks: ranks on this host (``--nproc-per-node``).
+        server_urls: generation servers the trainer syncs (``--server-url``); none = those its config names.
+
+    Returns:
+        The command, ``sys.executable`` first.
+    """
+    launch = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(num_ranks)]
+    return launch + _trainer_args(config_path, server_urls)
+
+
+def _trainer_args(config_path: Path | str, server_urls: Sequence[str]) -> list[str]:
+    """What torchrun runs on each rank: ``-m grpo_core.train --config FILE [--server-url URL ...]``."""
+    return ["-m", "grpo_core.train", "--config", str(config_path)] + [
+        arg for url in server_urls for arg in ("--server-url", url)
+    ]
 
 
 def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], node_rank: int = 0) -> list[str]:
@@ -29,29 +55,27 @@ def trainer_command(cfg: RunConfig, config_path: Path, server_urls: list[str], n
             f"{tc.nnodes - 1}); raise train.nnodes to add a host"
         )
     if tc.nnodes == 1:
-        cmd = [sys.executable, "-m", "grpo_core.train.launch", "--nproc-per-node", str(tc.num_ranks)]
-    else:
-        assert tc.rdzv_endpoint is not None  # the config refuses train.nnodes > 1 without it
-        host, _, port = tc.rdzv_endpoint.rpartition(":")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(tc.num_ranks),
-            "--nnodes",
-            str(tc.nnodes),
-            "--node-rank",
-            str(node_rank),
-            "--master-addr",
-            host or tc.rdzv_endpoint,
-            "--master-port",
-            port or "29400",
-            "--rdzv-conf",
-            f"timeout={tc.rdzv_timeout_s}",
-        ]
-    cmd += ["-m", "grpo_core.train", "--config", str(config_path)]
-    return cmd + [arg for url in server_urls for arg in ("--server-url", url)]
+        return local_trainer_command(config_path, tc.num_ranks, server_urls)
+    assert tc.rdzv_endpoint is not None  # the config refuses train.nnodes > 1 without it
+    host, _, port = tc.rdzv_endpoint.rpartition(":")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(tc.num_ranks),
+        "--nnodes",
+        str(tc.nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        host or tc.rdzv_endpoint,
+        "--master-port",
+        port or "29400",
+        "--rdzv-conf",
+        f"timeout={tc.rdzv_timeout_s}",
+    ]
+    return cmd + _trainer_args(config_path, server_urls)
 
 
 def run_slots(config: RunConfig) -> int:
