@@ -17,9 +17,10 @@ deployment (``prefect.deployments.run_deployment(..., timeout=0)``, linked as a 
   it updates every ``server.lifeline_timeout_s / 4``; unchanged for ``lifeline_timeout_s``: the train
   flow's process is gone, e.g. killed with its worker) — so a crashed train flow never leaves GPUs held.
 
-The run's bearer token (``grpo_core.security.auth``) and the config's secrets never appear in the flow run's
+The servers' control key (derived from the run's bearer token, ``grpo_core.security.auth``; the token itself and
+the membership key never reach the servers' host) and the config's secrets never appear in the flow run's
 parameters: the train flow saves them in a Prefect ``Secret`` block (masked in the UI) named by the
-``credentials`` parameter; the servers' flow reads it, deletes it, and gives the token to the replicas in
+``credentials`` parameter; the servers' flow reads it, deletes it, and gives the key to the replicas in
 their environment only. A retry of the train flow cancels every unfinished servers' run of an earlier
 attempt first (found by the tag ``grpo-train-run:<flow run id>``).
 """
@@ -40,6 +41,7 @@ from prefect.states import Cancelled
 
 from grpo_core.run import layout
 from grpo_core.run.processes import RunProcesses, setup_logging
+from grpo_core.security.auth import ROLE_CONTROL, derive_key
 
 FLOW_NAME = "grpo-servers"
 ENTRYPOINT = "flows/grpo_servers.py:grpo_servers"
@@ -156,7 +158,7 @@ def _start(cfg: Any, procs: RunProcesses, log: Any) -> list[str]:
     backend = choose_backend(cfg)
     for i in range(cfg.server.num_replicas):
         procs.follow(cfg.server.log_dir / layout.replica_log(backend, i), log, f"[server {i}] ")
-    procs.servers.extend(provision(cfg, token=procs.token))
+    procs.servers.extend(provision(cfg, control_key=procs.token))  # the block holds the servers' control key only
     return [advertised(h.url, cfg.server.host, cfg.server.advertise_host) for h in procs.servers]
 
 
@@ -251,16 +253,18 @@ class ServerRun:
     Args:
         config: the run config (``server.deployment`` set).
         train_flow_run_id: this flow run's id (tags the servers' run; the servers watch its state).
-        token: the run's bearer token; the replicas require ``server.api_key`` (or ``GRPO_SERVER_API_KEY``) instead
-            when set, as that is what the run's clients send. It reaches the servers through the credentials block,
-            never a parameter.
+        token: the run's bearer token; the servers' flow run gets only the control key derived from it
+            (``grpo_core.security.auth.derive_key``), or ``server.api_key`` (or ``GRPO_SERVER_API_KEY``) instead when
+            set, as that is what the run's clients send. It reaches the servers through the credentials block, never
+            a parameter.
         run_secrets: the config's secret values (``grpo_core.security.redact.secret_values``), through the same block.
         log: the run logger.
     """
 
     def __init__(self, config: Any, train_flow_run_id: str, token: str, run_secrets: dict[str, str], log: Any):
         self.config, self.train_id, self.secrets, self.log = config, train_flow_run_id, run_secrets, log
-        self.token = config.server.resolved_api_key() or token
+        # the servers' host gets their control key only (never the run's token, which derives the membership key)
+        self.token = config.server.resolved_api_key() or derive_key(token, ROLE_CONTROL)
         key = secrets.token_hex(8)
         self.credentials, self.lifeline = f"grpo-run-credentials-{key}", f"grpo-lifeline-{key}"
         self.flow_run_id: str | None = None
@@ -353,7 +357,7 @@ class ServerRun:
         from grpo_core.serving.replicas import wait_external
 
         left = max(deadline - time.monotonic(), 5.0)
-        # the replicas check server.api_key when set (as every client of the run sends it), else the run's token
+        # the replicas check server.api_key when set (as every client of the run sends it), else the control key
         key = {} if self.config.server.resolved_api_key() else {"api_key": SecretStr(self.token)}
         server = self.config.server.model_copy(update={"urls": urls, "startup_timeout_s": left, **key})
         wait_external(server, self.config.tls.client_ca())

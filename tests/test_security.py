@@ -333,7 +333,9 @@ def test_the_identity_answer_proves_the_token_without_revealing_it(server):
     import hmac
     import secrets
 
-    token = run_token()
+    # the key the server holds: the run's control key, HMAC-SHA256(token, "grpo-flow key v1 control") (the server
+    # never holds the run's token itself: test_key_roles)
+    token = hmac.new(run_token().encode(), b"grpo-flow key v1 control", hashlib.sha256).hexdigest()
     challenges = [secrets.token_hex(16) for _ in range(2)]
     answers = [httpx.get(server.url + "/grpo/identity", params={"challenge": c}) for c in challenges]
     assert [a.status_code for a in answers] == [200, 200]

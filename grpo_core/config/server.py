@@ -212,9 +212,9 @@ class ServerConfig(_ServerKey):
     ``num_replicas`` other than the number of URLs is refused."""
     api_key: SecretStr | None = None
     """Bearer token of external servers, sent as ``Authorization: Bearer`` on every request and control call;
-    None = the ``GRPO_SERVER_API_KEY`` environment variable, else the run's own token (``GRPO_RUN_TOKEN``, which
-    the servers the flow starts check; they check this key instead when it, or the variable, is set). A secret:
-    masked in saved configs, logs and MLflow."""
+    None = the ``GRPO_SERVER_API_KEY`` environment variable, else the run's control key (``GRPO_CONTROL_KEY``, or
+    derived from ``GRPO_RUN_TOKEN``: the key the servers the flow starts check; they take this key as their control
+    key instead when it, or the variable, is set). A secret: masked in saved configs, logs and MLflow."""
     route_imbalance: int = Field(default=8, ge=0)
     """Requests in flight a group's replica may hold beyond the least loaded one before the group's requests
     spill to the least loaded (prefix-affinity routing over several replicas)."""

@@ -36,7 +36,15 @@ from grpo_core.run.layout import ROLLOUT_ERROR as ERROR_FILE
 from grpo_core.run.layout import ROLLOUT_LOCATION as LOCATION_FILE
 from grpo_core.run.layout import ROLLOUT_LOG as LOG_FILE
 from grpo_core.run.layout import ROLLOUT_RESUME as RESUME_FILE
-from grpo_core.security.auth import ensure_run_token
+from grpo_core.security.auth import (
+    CONTROL_KEY_ENV,
+    MEMBER_KEY_ENV,
+    ROLE_CONTROL,
+    ROLE_MEMBER,
+    ensure_run_token,
+    role_env,
+    without_keys,
+)
 from grpo_core.transport.types import ResumeState
 
 logger = logging.getLogger(__name__)
@@ -136,7 +144,9 @@ def start_rollout_process(
         resume: where to restart: a :class:`ResumeState` (written to ``<run_dir>/rollout_resume.json``) or a
             checkpoint's ``rollout_state.json``; None = from the first prompt.
         env: variables added to this process's environment (e.g. ``PYTHONPATH`` for ``module:attribute``
-            names outside the installed packages).
+            names outside the installed packages). The child holds the control and membership keys only
+            (``GRPO_CONTROL_KEY``, ``GRPO_MEMBER_KEY``: ``env``'s, else derived from the run's token); the run's
+            token and the inference key are dropped from its environment.
 
     Raises:
         ConfigError: no server URL.
@@ -167,14 +177,18 @@ def start_rollout_process(
     cmd += [arg for url in server_urls for arg in ("--server-url", url)]
     if resume_path is not None:
         cmd += ["--resume", str(resume_path)]
-    ensure_run_token()  # the child's Flight server and this process's FlightSource share it (environment only)
+    # the child's Flight server and this process's FlightSource share the membership key; its generation clients
+    # hold the control key; it gets these two keys only (environment only; ``env`` from the flow brings its own)
+    keys = role_env(ensure_run_token(), ROLE_CONTROL, ROLE_MEMBER)
     from grpo_core.run import lifeline
 
     # owned by this process (lifeline: it ends within a second of this process's death, SIGKILL included)
     child_env = {
-        **os.environ,
+        **without_keys(os.environ),
         **lifeline.owner_env(),
-        **(env or {}),
+        **keys,
+        **without_keys(env or {}),
+        **{name: value for name, value in (env or {}).items() if name in (CONTROL_KEY_ENV, MEMBER_KEY_ENV)},
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONUNBUFFERED": "1",
     }

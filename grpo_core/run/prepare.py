@@ -59,17 +59,19 @@ def _run_tls(run_dir: str) -> TLSConfig:
 
 def run_child_env(run_dir: str, secrets: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of the run's rollout and trainer processes (:func:`grpo_core.run.processes.child_env`: owned by
-    this process): the run's token and the config's secrets (``GRPO_RUN_SECRETS``; ``secrets``: those of a process's
-    sub-config, else the run config's) travel here, never on a command line; so do the ``tls`` files
-    (:func:`grpo_core.security.auth.tls_env`)."""
-    from grpo_core.security.auth import TOKEN_ENV, tls_env
+    this process): the keys of the rollout's and trainer's roles, derived from the run's token — control (their
+    generation clients, the weight sync) and trainer membership (the Flight server and client, the ranks' check) —
+    never the token itself nor the inference key (``grpo_core.security.auth.role_env``), and the config's secrets
+    (``GRPO_RUN_SECRETS``; ``secrets``: those of a process's sub-config, else the run config's) travel here, never on
+    a command line; so do the ``tls`` files (:func:`grpo_core.security.auth.tls_env`)."""
+    from grpo_core.security.auth import ROLE_CONTROL, ROLE_MEMBER, role_env, tls_env, without_keys
     from grpo_core.security.redact import SECRETS_ENV
 
-    extra = {TOKEN_ENV: REGISTRY[run_dir].token, **tls_env(_run_tls(run_dir))}
+    extra = {**role_env(REGISTRY[run_dir].token, ROLE_CONTROL, ROLE_MEMBER), **tls_env(_run_tls(run_dir))}
     secrets = SECRETS.get(run_dir) if secrets is None else secrets
     if secrets:
         extra[SECRETS_ENV] = json.dumps(secrets)
-    return child_env(extra)
+    return {**without_keys(child_env()), **extra}
 
 
 def prepare_run(

@@ -22,6 +22,17 @@ A server that cannot answer the challenge (Prefect's API server) is checked by t
 (:func:`listener_owned`): every socket listening on its port must belong to the process started (or its
 descendants), read from ``/proc``, before the credential is sent.
 
+Three keys derive from the token, each accepted only where its role needs it (:func:`derive_key`,
+``HMAC-SHA256(secret, "grpo-flow key v1 " ‖ role)``): the **control** key (``GRPO_CONTROL_KEY``, from the token:
+every route of the generation servers and the router — pause, resume, weight and LoRA updates, ``/grpo/stale`` —
+and generation), the **inference** key (``GRPO_INFERENCE_KEY``, from the control key: the generation routes only,
+``grpo_core.serving.protocol.INFERENCE_PATHS``; 403 elsewhere) and the trainer **membership** key
+(``GRPO_MEMBER_KEY``, from the token: the rollout's Flight server and the trainer ranks' membership check; no HTTP
+route). The flow holds the token; each child gets only its role's keys (servers and the router: control; rollout
+and trainer: control and membership); a listener given a key also accepts the secret it derives from (the token
+opens every listener, as before). ``python -m grpo_core.security.auth ROLE...`` prints the keys of ``$GRPO_RUN_TOKEN``
+for the hosts of a multi-host run (``docs/across-hosts.md``).
+
 Only the standard library (and ``grpo_core.errors``) is imported here.
 """
 
@@ -99,6 +110,139 @@ def tls_files(env: Mapping[str, str] | None = None) -> tuple[str | None, str | N
     return env.get(TLS_CERT_ENV) or None, env.get(TLS_KEY_ENV) or None, env.get(TLS_CA_ENV) or None
 
 
+ROLE_INFERENCE, ROLE_CONTROL, ROLE_MEMBER = "inference", "control", "member"
+"""The three roles a key of the run grants (``docs/security.md``, "Keys and roles")."""
+INFERENCE_KEY_ENV = "GRPO_INFERENCE_KEY"
+"""Environment variable of the inference key: the generation routes of the servers and the router only."""
+CONTROL_KEY_ENV = "GRPO_CONTROL_KEY"
+"""Environment variable of the control key: every route of the servers and the router (pause, resume, weight and
+LoRA updates, ``/grpo/stale``, ``/metrics``, … and generation); what the servers themselves hold."""
+MEMBER_KEY_ENV = "GRPO_MEMBER_KEY"
+"""Environment variable of the trainer membership key: the rollout's Flight server and the trainer ranks'
+membership check (``grpo_core.train.distributed.check_members``); no HTTP route takes it."""
+ROLE_KEY_ENV = {ROLE_INFERENCE: INFERENCE_KEY_ENV, ROLE_CONTROL: CONTROL_KEY_ENV, ROLE_MEMBER: MEMBER_KEY_ENV}
+_KEY_LABEL = b"grpo-flow key v1 "
+
+
+def derive_key(secret: str, role: str) -> str:
+    """The key of ``role`` derived from ``secret``: ``HMAC-SHA256(secret, "grpo-flow key v1 " ‖ role)``, hex (64
+    printable characters, an HTTP header value).
+
+    The control and membership keys derive from the run's token; the inference key derives from the control key,
+    so a holder of the control key (a server) can check the inference key without holding the run's token, and no
+    key yields the run's token or a key of another branch (HMAC is a pseudo-random function, RFC 2104).
+
+    Raises:
+        ValueError: ``role`` is none of ``inference``, ``control``, ``member``.
+    """
+    if role not in ROLE_KEY_ENV:
+        raise ValueError(f"unknown key role {role!r}: one of {', '.join(ROLE_KEY_ENV)}")
+    return hmac.new(secret.encode(), _KEY_LABEL + role.encode(), hashlib.sha256).hexdigest()
+
+
+def role_key(role: str, env: Mapping[str, str] | None = None) -> str | None:
+    """This process's key of ``role`` (None when it has none).
+
+    From ``env`` (default this process's environment): the role's own variable (``GRPO_INFERENCE_KEY``,
+    ``GRPO_CONTROL_KEY``, ``GRPO_MEMBER_KEY``) when set, else derived (:func:`derive_key`) from the run's token
+    ``GRPO_RUN_TOKEN`` (the flow and a single-host run hold it and need nothing else), the inference key also from
+    ``GRPO_CONTROL_KEY``.
+
+    Raises:
+        ValueError: ``role`` is unknown.
+    """
+    env = os.environ if env is None else env
+    if role not in ROLE_KEY_ENV:
+        raise ValueError(f"unknown key role {role!r}: one of {', '.join(ROLE_KEY_ENV)}")
+    if own := env.get(ROLE_KEY_ENV[role], ""):
+        return own
+    if role == ROLE_INFERENCE:
+        control = role_key(ROLE_CONTROL, env)
+        return derive_key(control, ROLE_INFERENCE) if control else None
+    token = run_token(env)
+    return derive_key(token, role) if token else None
+
+
+def role_env(token: str, *roles: str) -> dict[str, str]:
+    """The environment that hands a child the keys of ``roles`` derived from the run's ``token`` (never the token).
+
+    Raises:
+        ValueError: a role is unknown.
+    """
+    control = derive_key(token, ROLE_CONTROL)
+    keys = {
+        ROLE_CONTROL: control,
+        ROLE_MEMBER: derive_key(token, ROLE_MEMBER),
+        ROLE_INFERENCE: derive_key(control, ROLE_INFERENCE),
+    }
+    for role in roles:
+        if role not in keys:
+            raise ValueError(f"unknown key role {role!r}: one of {', '.join(ROLE_KEY_ENV)}")
+    return {ROLE_KEY_ENV[role]: keys[role] for role in roles}
+
+
+def without_keys(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less the run's token and every role key (a child then gets only the keys added back for it)."""
+    drop = {TOKEN_ENV, *ROLE_KEY_ENV.values()}
+    return {name: value for name, value in env.items() if name not in drop}
+
+
+def listener_keys(secret: str) -> tuple[list[str], list[str]]:
+    """``(control keys, inference keys)`` an HTTP listener given ``secret`` accepts.
+
+    ``secret`` is its control key, or the run's token (which derives it): the listener accepts ``secret`` and the
+    control key derived from it for control, and the inference keys derived from those for inference. So a server
+    given either serves the clients of both (a client derives its control key from the run's token,
+    :func:`role_key`); the extra keys are ones only a holder of ``secret`` can compute.
+    """
+    control = [secret, derive_key(secret, ROLE_CONTROL)]
+    return control, [derive_key(key, ROLE_INFERENCE) for key in control]
+
+
+def bearer_role(header_value: str | None, control: list[str], inference: list[str]) -> str | None:
+    """The role an ``Authorization`` header's key grants on an HTTP listener: ``control``, ``inference``, or None
+    (no key, or another: 401). Every comparison is constant-time.
+
+    A key passes as control when it is one of ``control``, or the secret one of them derives from
+    (:func:`derive_key`: the run's token opens a server that holds only its control key, which serves as the
+    token's verifier, so the server need not hold the token); as inference when it is one of ``inference``.
+
+    Args:
+        header_value: the request's ``Authorization`` header (None when absent).
+        control: the keys that grant control (:func:`listener_keys`).
+        inference: the keys that grant inference only.
+    """
+    if not header_value:
+        return None
+    scheme, _, given = header_value.partition(" ")
+    given = given.strip()
+    if scheme.lower() != "bearer" or not given:
+        return None
+    derived = derive_key(given, ROLE_CONTROL).encode()
+    if any(
+        hmac.compare_digest(given.encode(), k.encode()) or hmac.compare_digest(derived, k.encode()) for k in control
+    ):
+        return ROLE_CONTROL
+    if any(hmac.compare_digest(given.encode(), k.encode()) for k in inference):
+        return ROLE_INFERENCE
+    return None
+
+
+def member_authorized(header_value: str | None, key: str) -> bool:
+    """Whether an ``authorization`` header holds the trainer membership key ``key``, or the secret it derives from
+    (the run's token, :func:`derive_key`), or is the key derived from ``key`` when ``key`` is itself the run's
+    token (constant-time comparisons)."""
+    if not header_value or not key:
+        return False
+    scheme, _, given = header_value.partition(" ")
+    given = given.strip()
+    if scheme.lower() != "bearer" or not given:
+        return False
+    keys = (key.encode(), derive_key(key, ROLE_MEMBER).encode())
+    derived = derive_key(given, ROLE_MEMBER).encode()
+    return any(hmac.compare_digest(given.encode(), k) or hmac.compare_digest(derived, k) for k in keys)
+
+
 def bearer_headers(token: str | None) -> dict[str, str]:
     """``{"Authorization": "Bearer <token>"}``, or ``{}`` without a token."""
     return {"Authorization": f"Bearer {token}"} if token else {}
@@ -160,7 +304,8 @@ def identity_problem(status: int, body: object, token: str, nonce: str, challeng
     Args:
         status: the answer's HTTP status.
         body: its decoded JSON body (anything else counts as no proof).
-        token: the run's token (never sent: only compared against).
+        token: the server's control key, or the run's token (never sent: only compared against); a proof under
+            the control key derived from the token passes too, as the servers the run starts hold only that key.
         nonce: the launch's nonce.
         challenge: the challenge sent.
     """
@@ -170,7 +315,8 @@ def identity_problem(status: int, body: object, token: str, nonce: str, challeng
     proof = body.get("proof") if isinstance(body, dict) else None
     if not isinstance(given_nonce, str) or not isinstance(proof, str):
         return "it does not prove that it holds this run's token"
-    if not hmac.compare_digest(proof.encode(), identity_proof(token, given_nonce, challenge).encode()):
+    keys = (token, derive_key(token, ROLE_CONTROL))
+    if not any(hmac.compare_digest(proof.encode(), identity_proof(k, given_nonce, challenge).encode()) for k in keys):
         return "it does not prove that it holds this run's token"
     return (
         None if hmac.compare_digest(given_nonce.encode(), nonce.encode()) else "it does not report this launch's nonce"
@@ -260,3 +406,25 @@ def check_port_free(host: str, port: int, field_name: str = "server.port") -> No
                 f"run's server?) listens there and this run will not attach to it; stop it, or set "
                 f"{field_name} to a free port (0 = pick one)"
             ) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m grpo_core.security.auth ROLE...``: print ``export NAME=KEY`` for each role's key (``inference``,
+    ``control``, ``member``) derived from ``$GRPO_RUN_TOKEN`` (read from the environment, never an argument), for the
+    hosts of a multi-host run; returns the exit status (2: no token, or an unknown role)."""
+    import sys
+
+    roles = sys.argv[1:] if argv is None else argv
+    token = run_token()
+    if not roles or not token or any(role not in ROLE_KEY_ENV for role in roles):
+        sys.stderr.write(
+            f"usage: {TOKEN_ENV}=... python -m grpo_core.security.auth ROLE... (ROLE: {', '.join(ROLE_KEY_ENV)}); "
+            "prints each role's key of the run's token as an export line\n"
+        )
+        return 2
+    sys.stdout.write("".join(f"export {name}={key}\n" for name, key in role_env(token, *roles).items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

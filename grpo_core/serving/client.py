@@ -29,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpo_core.errors import ReplicaBehindError, ServerRequestError, ServerUnavailableError
-from grpo_core.security.auth import bearer_headers, run_token
+from grpo_core.security.auth import ROLE_CONTROL, bearer_headers, role_key
 from grpo_core.serving.protocol import (
     BEHIND_ERROR_TYPE,
     COMPLETIONS_PATH,
@@ -171,8 +171,8 @@ class GenerationClient:
         max_backoff_s: largest bound of a retry delay in seconds.
         api_key: bearer token sent as ``Authorization: Bearer <api_key>`` on every request (health and
             control calls included), as vLLM's ``--api-key`` and hosted endpoints expect (``server.api_key`` for
-            external servers); default the run's token (``GRPO_RUN_TOKEN``, ``grpo_core.security.auth``), none when that
-            is unset.
+            external servers); default the run's control key (``GRPO_CONTROL_KEY``, else derived from
+            ``GRPO_RUN_TOKEN``: ``grpo_core.security.auth.role_key``), none when neither is set.
         ca_file: PEM CA file an ``https://`` server's certificate is verified against; default the run's
             ``tls.ca_file`` (``GRPO_TLS_CA_FILE``), else the system's trusted CAs.
     """
@@ -200,7 +200,7 @@ class GenerationClient:
         self.max_backoff_s = max_backoff_s
         self.retry_count = 0
         self.max_connections, self.timeout_s = max_connections, timeout_s
-        self._headers = bearer_headers(api_key or run_token())
+        self._headers = bearer_headers(api_key or role_key(ROLE_CONTROL))
         limits = httpx.Limits(
             max_connections=max_connections,
             max_keepalive_connections=max_connections,

@@ -5,11 +5,14 @@ The same class wraps the embedded server's FastAPI app (``create_app``) and real
 class with ``app.add_middleware(cls)``, no arguments, so every setting has an environment
 fallback). It:
 
-* answers 401 to any request without ``Authorization: Bearer <run token>``, before the request
+* answers 401 to any request without ``Authorization: Bearer <key>`` of the run, before the request
   reaches a route (so nothing is parsed or changed), except ``GET /health``, which reveals only
-  liveness. vLLM's own ``--api-key`` check (``VLLM_API_KEY``) covers only paths under ``/v1``
-  (vLLM 0.25.1 ``AuthenticationMiddleware``); its dev-mode routes (``/pause``, ``/resume``,
-  ``/start_weight_update``, ``/update_weights``, ``/collective_rpc``, ``/server_info``, …) and
+  liveness. Two keys pass (``grpo_core.security.auth``): the control key (``GRPO_CONTROL_KEY``) on every route, and
+  the inference key derived from it (``GRPO_INFERENCE_KEY``) on the generation routes only
+  (``grpo_core.serving.protocol.INFERENCE_PATHS``): elsewhere it gets 403 naming the control key. vLLM's own
+  ``--api-key`` check (``VLLM_API_KEY``) covers only paths under ``/v1`` (vLLM 0.25.1
+  ``AuthenticationMiddleware``) and takes one key, so the launcher leaves it off; its dev-mode routes
+  (``/pause``, ``/resume``, ``/start_weight_update``, ``/update_weights``, ``/collective_rpc``, ``/server_info``, …) and
   ``/metrics`` are covered here;
 * answers ``GET /grpo/identity?challenge=<hex>`` without a token with the launch's nonce and an HMAC of the
   challenge under the run's token (``grpo_core.security.auth.identity_answer``), so the launcher can tell the process it
@@ -36,7 +39,8 @@ fallback). It:
   ``POST /resume`` since, it resumes the server itself (an internal ``POST /resume``) and logs a
   warning, so a stray pause cannot stall a run for longer.
 
-Environment (set per launch by ``grpo_core.serving.launch``): ``GRPO_RUN_TOKEN`` (required),
+Environment (set per launch by ``grpo_core.serving.launch``): ``GRPO_CONTROL_KEY`` (required; a process holding
+``GRPO_RUN_TOKEN`` instead derives it, and the token itself then grants control too), ``GRPO_INFERENCE_KEY``,
 ``GRPO_RUN_NONCE``, ``GRPO_MAX_PAUSE_S``, ``GRPO_ADAPTER_DIR``, ``GRPO_WEIGHTS_DIR``. The routes, headers and error
 types named here are ``grpo_core.serving.protocol``'s.
 """
@@ -50,7 +54,18 @@ import os
 from pathlib import Path
 from typing import Any
 
-from grpo_core.security.auth import NONCE_ENV, TOKEN_ENV, authorized, identity_answer, run_token
+from grpo_core.security.auth import (
+    CONTROL_KEY_ENV,
+    INFERENCE_KEY_ENV,
+    NONCE_ENV,
+    ROLE_CONTROL,
+    ROLE_INFERENCE,
+    TOKEN_ENV,
+    bearer_role,
+    identity_answer,
+    listener_keys,
+    run_token,
+)
 from grpo_core.serving.limits import limit_body, max_body_bytes
 from grpo_core.serving.protocol import (
     BEHIND_ERROR_TYPE,
@@ -58,6 +73,7 @@ from grpo_core.serving.protocol import (
     GENERATION_PATHS,
     HEALTH_PATH,
     IDENTITY_PATH,
+    INFERENCE_PATHS,
     LOAD_LORA_PATH,
     NONCE_PATH,
     OPEN_PATHS,
@@ -67,6 +83,7 @@ from grpo_core.serving.protocol import (
     STALE_PATH,
     UPDATE_WEIGHTS_PATH,
     error_body,
+    role_refusal,
 )
 
 logger = logging.getLogger(__name__)
@@ -119,7 +136,10 @@ class RunGuardMiddleware:
 
     Args:
         app: the wrapped ASGI app.
-        token: the run's bearer token; default ``GRPO_RUN_TOKEN``.
+        token: the server's control key, or the run's token (every route; the identity proofs are keyed by it);
+            default ``GRPO_CONTROL_KEY``, else ``GRPO_RUN_TOKEN``. The control key derived from it passes too, and
+            the inference keys derived from those (and ``GRPO_INFERENCE_KEY`` when set without ``token``) pass on
+            the generation routes only (``grpo_core.security.auth.listener_keys``).
         nonce: this launch's nonce; default ``GRPO_RUN_NONCE`` ('' = none).
         max_pause_s: seconds a pause may last before the server resumes itself; default
             ``GRPO_MAX_PAUSE_S`` or 300; 0 = no limit.
@@ -145,13 +165,16 @@ class RunGuardMiddleware:
     ) -> None:
         self.app = app
         self.max_body = max_body if max_body is not None else max_body_bytes()
-        token = token or run_token()
-        if not token:
+        secret = token or os.environ.get(CONTROL_KEY_ENV) or run_token()
+        if not secret:
             raise RuntimeError(
-                f"{TOKEN_ENV} is not set: the server needs the run's bearer token in its environment "
-                f"(e.g. {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'))"
+                f"neither {CONTROL_KEY_ENV} nor {TOKEN_ENV} is set: the server needs the run's control key (or token) "
+                f"in its environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))'))"
             )
-        self._token: str = token
+        self._token: str = secret  # keys the identity proofs
+        self._control, self._inference = listener_keys(secret)
+        if not token and (own := os.environ.get(INFERENCE_KEY_ENV)):
+            self._inference.append(own)
         self.nonce = nonce if nonce is not None else os.environ.get(NONCE_ENV, "")
         env_pause = os.environ.get(MAX_PAUSE_ENV)
         self.max_pause_s = (
@@ -178,13 +201,20 @@ class RunGuardMiddleware:
         if path == IDENTITY_PATH and scope["type"] == "http" and scope.get("method") == "GET":
             await _send_json(send, *identity_answer(scope.get("query_string", b""), self._token, self.nonce))
             return
-        if path not in OPEN_PATHS and not authorized(headers.get("authorization"), self._token):
+        role = (
+            ROLE_CONTROL
+            if path in OPEN_PATHS
+            else bearer_role(headers.get("authorization"), self._control, self._inference)
+        )
+        if role is None or (role == ROLE_INFERENCE and path not in INFERENCE_PATHS):
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            await _send_json(
-                send, 401, error_body("Unauthorized: this server needs the run's bearer token", 401, "Unauthorized")
-            )
+            if role is None:
+                body = error_body("Unauthorized: this server needs the run's bearer token", 401, "Unauthorized")
+            else:
+                body = error_body(role_refusal(path), 403, "Forbidden")
+            await _send_json(send, body["error"]["code"], body)
             return
         if scope["type"] == "http":  # a body over the limit: 413 before anything parses it (grpo_core.serving.limits)
             receive = await limit_body(scope, receive, send, self.max_body)

@@ -21,10 +21,11 @@ max_staleness + 2 and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; top-k/top-p/min-p 
 GPU get ``--kv-cache-memory-bytes`` computed from the model's shape (:func:`kv_cache_memory_bytes`) and start
 together; four engines on one GPU trained 2x the tokens per second of one (docs/benchmarks.md, "Engines per GPU").
 
-Every replica requires the run's bearer token (``grpo_core.security.auth``) on every route but ``/health``:
-vLLM through ``--middleware grpo_core.serving.guard.RunGuardMiddleware`` (its own ``--api-key`` check
-covers ``/v1/*`` only; the key is passed as ``VLLM_API_KEY`` in the environment, because vLLM logs its
-command-line arguments), the embedded server through the same middleware. ``wait_healthy`` accepts a
+Every replica requires a key of the run (``grpo_core.security.auth``) on every route but ``/health``: its
+control key (``GRPO_CONTROL_KEY``, derived from the run's token; the only key it is given, in its environment) on
+every route, the inference key derived from that on the generation routes only; vLLM through ``--middleware
+grpo_core.serving.guard.RunGuardMiddleware`` (its own ``--api-key`` check covers ``/v1/*`` only and takes one key,
+so it is left off), the embedded server through the same middleware. ``wait_healthy`` accepts a
 replica only when it reports its launch's nonce, so a run never adopts another server on its port.
 """
 
@@ -51,12 +52,15 @@ from grpo_core.run import lifeline
 from grpo_core.run.children import free_port, log_tail, start_child, stop_child
 from grpo_core.run.layout import replica_log, replica_port_file
 from grpo_core.security.auth import (
+    CONTROL_KEY_ENV,
     NONCE_ENV,
-    TOKEN_ENV,
+    ROLE_CONTROL,
     check_port_free,
+    derive_key,
     ensure_run_token,
     identity_problem,
     new_challenge,
+    without_keys,
 )
 from grpo_core.security.redact import redact_argv, reveal
 from grpo_core.serving.guard import ADAPTER_DIR_ENV, MAX_PAUSE_ENV, WEIGHTS_DIR_ENV
@@ -464,8 +468,11 @@ def launch(spec: LaunchSpec, token: str) -> ServerHandle:
 
     Args:
         spec: what to start.
-        token: the run's bearer token, given to the child in its environment only (``GRPO_RUN_TOKEN``, and
-            ``VLLM_API_KEY`` for vLLM's own ``/v1`` check), never on its command line.
+        token: the server's control key (``grpo_core.security.auth``: derived from the run's token, or
+            ``server.api_key``), given to the child in its environment only (``GRPO_CONTROL_KEY``; its guard derives
+            the inference key from it), never on its command line. The child gets neither the run's token nor
+            another role's key (nor ``VLLM_API_KEY``: vLLM's own ``/v1`` check takes one key, the guard checks
+            both roles on every route).
     """
     try:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -480,13 +487,15 @@ def launch(spec: LaunchSpec, token: str) -> ServerHandle:
     logger.info(
         "starting %s replica %d: %s (log %s)", spec.backend, spec.replica, redact_argv(spec.argv), spec.log_path
     )
-    # The run's token wins over a user's --api-key (whose value moved to VLLM_API_KEY in spec.env).
-    secret = {TOKEN_ENV: token, **({"VLLM_API_KEY": token} if spec.backend == "vllm" else {})}
+    # The control key wins over a user's --api-key (whose value moved to VLLM_API_KEY in spec.env): the guard
+    # checks it on every route, the inference key on the generation routes.
+    env = {**without_keys(os.environ), **spec.env, CONTROL_KEY_ENV: token, **lifeline.owner_env()}
+    env.pop("VLLM_API_KEY", None)
     # The embedded server watches its owner (grpo_core.run.lifeline); vLLM is not ours: it dies with this thread.
     process = start_child(
         reveal(spec.argv),
         stdout=log,
-        env={**os.environ, **spec.env, **secret, **lifeline.owner_env()},
+        env=env,
         preexec_fn=lifeline.die_with_parent if spec.backend == "vllm" else None,
     )
     return ServerHandle(spec, process, _log=log)
@@ -669,7 +678,7 @@ def check_gpu_layout(config: RunConfig) -> None:
         )
 
 
-def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]:
+def provision(config: RunConfig, token: str | None = None, control_key: str | None = None) -> list[ServerHandle]:
     """Start, health-check and verify ``server.num_replicas`` replicas; returns their handles.
 
     On any failure the replicas already started are stopped before the error propagates.
@@ -677,16 +686,19 @@ def provision(config: RunConfig, token: str | None = None) -> list[ServerHandle]
     Args:
         config: the run config.
         token: the run's bearer token; default ``GRPO_RUN_TOKEN``, generated (and set in this process's
-            environment, for the clients and children of this process) when missing. The replicas require
-            ``server.api_key`` (else ``$GRPO_SERVER_API_KEY``) instead when set, as that is what every client of the
-            run sends (``ServerConfig.resolved_api_key``; a key left in the shell from a run on external servers
-            would otherwise get every request refused with 401).
+            environment, for the clients and children of this process) when missing. The replicas get the control
+            key derived from it (``grpo_core.security.auth.derive_key``), never the token; they take
+            ``server.api_key`` (else ``$GRPO_SERVER_API_KEY``) as their control key instead when set, as that is
+            what every client of the run sends (``ServerConfig.resolved_api_key``; a key left in the shell from a
+            run on external servers would otherwise get every request refused with 401).
+        control_key: the control key itself, when this process holds no run token (the servers' flow run of
+            ``server.deployment``); ``server.api_key`` still wins.
 
     Raises:
         ConfigError: vLLM's GPUs and the trainer's do not suit the weight transfer (``check_gpu_layout``).
         PortInUseError: a fixed port (``server.port`` + replica) is taken, or another server answers there.
     """
-    token = config.server.resolved_api_key() or token or ensure_run_token()
+    token = config.server.resolved_api_key() or control_key or derive_key(token or ensure_run_token(), ROLE_CONTROL)
     backend = choose_backend(config)
     if backend == "vllm":
         check_gpu_layout(config)

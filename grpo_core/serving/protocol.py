@@ -62,6 +62,22 @@ CONTROL_PATHS = (
 )
 #: Control routes that load files a replica may not see yet on shared storage (their 400s are retried).
 READS_STORAGE_PATHS = (LOAD_LORA_PATH, UPDATE_WEIGHTS_PATH)
+TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
+#: Routes the inference key opens (``grpo_core.security.auth.ROLE_INFERENCE``): generation and what a generating
+#: client reads about the model; every other authenticated route (control, ``/metrics``, ``/grpo/*``, vLLM's
+#: dev-mode reads) needs the control key, and the inference key gets 403 there.
+INFERENCE_PATHS = frozenset({*GENERATION_PATHS, MODELS_PATH, TOKENIZE_PATH, DETOKENIZE_PATH})
+
+
+def role_refusal(path: str) -> str:
+    """The message of the 403 an inference key gets on ``path`` (a route outside :data:`INFERENCE_PATHS`)."""
+    return (
+        f"Forbidden: {path} needs the control key (GRPO_CONTROL_KEY, role control); the key given is the inference "
+        f"key (GRPO_INFERENCE_KEY, role inference), which opens only {', '.join(sorted(INFERENCE_PATHS))}"
+    )
+
+
 #: HTTP paths answered without a token (they reveal nothing but liveness).
 OPEN_PATHS = frozenset({HEALTH_PATH})
 

@@ -134,7 +134,8 @@ def check_members(world: World, token: str | None) -> None:
 
     Args:
         world: the joined process group (:func:`init_world`); a one-rank world passes at once.
-        token: the run's token (``GRPO_RUN_TOKEN``); None when this host has none (it still answers, so its peers
+        token: the run's trainer membership key (``GRPO_MEMBER_KEY``, else derived from ``GRPO_RUN_TOKEN``:
+            ``grpo_core.security.auth.role_key``); None when this host has none (it still answers, so its peers
             stop at once instead of at the collective timeout, and it raises naming the variable).
 
     Raises:
@@ -142,7 +143,7 @@ def check_members(world: World, token: str | None) -> None:
             their hosts (rank 0), or that rank 0 did not prove the token (other ranks), and the fix.
     """
     from grpo_core.errors import ConfigError
-    from grpo_core.security.auth import TOKEN_ENV
+    from grpo_core.security.auth import MEMBER_KEY_ENV, TOKEN_ENV
 
     if world.world_size == 1:
         return
@@ -161,13 +162,15 @@ def check_members(world: World, token: str | None) -> None:
     flags = verdict[:n]
     fix = (
         f"export the same {TOKEN_ENV} (the token the flow's run uses: set it in the environment of trainer-0's "
-        "worker or `grpo train`) on every trainer host before torchrun"
+        f"worker or `grpo train`) on trainer-0, and on every other trainer host its membership key {MEMBER_KEY_ENV} "
+        "(`python -m grpo_core.security.auth member` on trainer-0 prints it) or the same token, before torchrun"
     )
     host = answers[world.rank][1]
     if not token:
         raise ConfigError(
-            f"{TOKEN_ENV} is not set on trainer host {host} (rank {world.rank}): with train.nnodes > 1 "
-            f"every trainer rank proves it holds the run's token before any model data moves; {fix}"
+            f"{TOKEN_ENV} is not set on trainer host {host} (rank {world.rank}), nor {MEMBER_KEY_ENV}: with "
+            f"train.nnodes > 1 every trainer rank proves it holds the run's membership key before any model data "
+            f"moves; {fix}"
         )
     if not hmac.compare_digest(verdict[n:], _tag(token, nonce, b"verdict" + flags)):
         raise ConfigError(
@@ -178,7 +181,8 @@ def check_members(world: World, token: str | None) -> None:
     if bad:  # host names as each rank gave them (unproven: for the message only)
         who = ", ".join(f"rank {r} (host {answers[r][1]})" for r in bad)
         raise ConfigError(
-            f"trainer {who} did not prove it holds the run's token ({TOKEN_ENV} missing or another): "
+            f"trainer {who} did not prove it holds the run's token ({TOKEN_ENV}, or its {MEMBER_KEY_ENV}, missing or "
+            "another): "
             f"torchrun's rendezvous has no authentication, so nothing is trained with it; {fix}"
         )
     if world.is_main:

@@ -28,12 +28,15 @@ def server_backend(url: str, api_key: str | None = None) -> str:
     """``embedded`` or ``vllm``: the embedded server says so in ``/server_info`` (``api_key``: bearer token)."""
     import httpx
 
-    from grpo_core.security.auth import bearer_headers, run_token, tls_files
+    from grpo_core.security.auth import ROLE_CONTROL, bearer_headers, role_key, tls_files
     from grpo_core.serving.limits import client_ssl_context
     from grpo_core.serving.protocol import SERVER_INFO_PATH
 
     try:
-        headers, verify = bearer_headers(api_key or run_token()), client_ssl_context(tls_files()[2])  # tls.ca_file
+        headers, verify = (
+            bearer_headers(api_key or role_key(ROLE_CONTROL)),
+            client_ssl_context(tls_files()[2]),
+        )  # tls.ca_file
         info = httpx.get(url + SERVER_INFO_PATH, headers=headers, timeout=30, verify=verify).json()
     except (httpx.HTTPError, ValueError) as e:
         raise ConfigError(f"--server-url {url}: /server_info did not answer ({e}); is the server up?") from None
@@ -111,9 +114,9 @@ def run_trainer(
     """
     world = init_world(cfg.train.device)
     if cfg.train.nnodes > 1:  # torchrun's rendezvous has no authentication: prove the token before any data moves
-        from grpo_core.security.auth import run_token
+        from grpo_core.security.auth import ROLE_MEMBER, role_key
 
-        check_members(world, run_token())
+        check_members(world, role_key(ROLE_MEMBER))
         # what rank 0 alone reads (tracking, the servers, the export, the sample source) or each host sets for its
         # own GPUs and mounts may differ (the output folder is checked by what each rank sees in it, below);
         # everything that shapes a rank's step must not

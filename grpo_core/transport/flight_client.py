@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.flight as flight
 
 from grpo_core.errors import TransportError
-from grpo_core.security.auth import bearer_headers, run_token, tls_files
+from grpo_core.security.auth import ROLE_MEMBER, bearer_headers, role_key, tls_files
 from grpo_core.transport.types import (
     ACTION_ACK,
     ACTION_COMPLETIONS,
@@ -68,7 +68,8 @@ class FlightSource:
         process: the local rollout process (``grpo_core.rollout.process.start_rollout_process``), if this side
             started it: checked for exit, and waited for on close.
         error_path: file the rollout process writes its traceback to when it fails.
-        token: the run's bearer token, sent with every call; default ``GRPO_RUN_TOKEN``.
+        token: the trainer membership key, sent with every call; default ``GRPO_MEMBER_KEY``, else derived from
+            ``GRPO_RUN_TOKEN`` (``grpo_core.security.auth.role_key``).
         ca_file: PEM CA file a ``grpc+tls://`` server's certificate is verified against; default the run's
             ``tls.ca_file`` (``GRPO_TLS_CA_FILE``), else the system's trusted CAs.
     """
@@ -85,7 +86,9 @@ class FlightSource:
         ca_file: str | None = None,
     ) -> None:
         self.location = location
-        self._headers = [(k.lower().encode(), v.encode()) for k, v in bearer_headers(token or run_token()).items()]
+        self._headers = [
+            (k.lower().encode(), v.encode()) for k, v in bearer_headers(token or role_key(ROLE_MEMBER)).items()
+        ]
         self.max_staleness = max_staleness
         self.timeout_s = timeout_s
         self.process = process
@@ -129,7 +132,9 @@ class FlightSource:
                 self._last_contact = time.monotonic()
                 return result
             except flight.FlightUnauthenticatedError:
-                raise self._fail("it refused this process's token (GRPO_RUN_TOKEN is not the run's)") from None
+                raise self._fail(
+                    "it refused this process's token (GRPO_MEMBER_KEY, or GRPO_RUN_TOKEN, is not the run's)"
+                ) from None
             except flight.FlightServerError as exc:
                 raise self._fail(str(exc).split("\n. Detail:")[0]) from None
             except (

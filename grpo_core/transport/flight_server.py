@@ -19,7 +19,7 @@ threads) serves them to the trainer:
   completion rows; empty unless ``tracking.log_completions``), ``heartbeat`` (seconds since the
   loop last ticked, the failure traceback if it failed), ``shutdown``, ``ack`` ``{"consumer", "delivery_ids"}``.
 
-Every call (``DoGet``, ``DoAction``, ``ListActions``, …) needs the run's bearer token in its
+Every call (``DoGet``, ``DoAction``, ``ListActions``, …) needs the run's trainer membership key in its
 ``authorization`` call header (:class:`BearerAuthFactory`); without it the call fails with
 ``FlightUnauthenticatedError`` before the server does anything (no samples drained, no report, no
 shutdown). Nothing but Arrow and JSON crosses the wire (DESIGN.md §3).
@@ -39,7 +39,14 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from grpo_core.errors import TransportError
-from grpo_core.security.auth import TOKEN_ENV, authorized, check_port_free, run_token
+from grpo_core.security.auth import (
+    MEMBER_KEY_ENV,
+    ROLE_MEMBER,
+    TOKEN_ENV,
+    check_port_free,
+    member_authorized,
+    role_key,
+)
 from grpo_core.transport.types import (
     ACTION_ACK,
     ACTION_COMPLETIONS,
@@ -62,15 +69,18 @@ logger = logging.getLogger(__name__)
 
 
 class BearerAuthFactory(flight.ServerMiddlewareFactory):
-    """Flight server middleware: refuses every call whose ``authorization`` header is not ``Bearer <token>``.
+    """Flight server middleware: refuses every call whose ``authorization`` header is not ``Bearer <key>`` with the
+    trainer membership key (``grpo_core.security.auth``): the inference and control keys of the HTTP listeners are
+    refused like any other.
 
     Args:
-        token: the run's bearer token (``grpo_core.security.auth``).
+        token: the membership key, or the run's token (which derives it): both pass
+            (``grpo_core.security.auth.member_authorized``).
     """
 
     def __init__(self, token: str) -> None:
         super().__init__()
-        self._token = token
+        self._key = token
 
     def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:  # noqa: ARG002 - Flight's
         """Check the call's headers (gRPC lower-cases their names).
@@ -78,9 +88,10 @@ class BearerAuthFactory(flight.ServerMiddlewareFactory):
         Raises:
             FlightUnauthenticatedError: no header, or another token.
         """
-        if not any(authorized(value, self._token) for value in headers.get("authorization", [])):
+        if not any(member_authorized(value, self._key) for value in headers.get("authorization", [])):
             raise flight.FlightUnauthenticatedError(
-                "the rollout Flight server needs the run's bearer token (authorization: Bearer $GRPO_RUN_TOKEN)"
+                "the rollout Flight server needs the run's trainer membership key (authorization: Bearer "
+                f"${MEMBER_KEY_ENV}; the inference and control keys do not open it)"
             )
         return None
 
@@ -95,7 +106,8 @@ class RolloutFlightServer(flight.FlightServerBase):
         generated_tokens: returns the loop's running count of generated tokens.
         on_shutdown: called when the trainer asks the process to stop.
         completions: the completion-table sample (drained by ``completions``), or None.
-        token: the bearer token every call must carry; default ``GRPO_RUN_TOKEN``.
+        token: the trainer membership key (or the run's token) every call must carry; default ``GRPO_MEMBER_KEY``,
+            else derived from ``GRPO_RUN_TOKEN``.
         servers_behind: returns the URLs of the replicas behind the run's policy version (the routing's
             ``ReplicaSet.behind``); None = never any.
         tls: ``(cert_file, key_file)`` PEM paths (``tls.cert_file``, ``tls.key_file``): serve ``grpc+tls``;
@@ -118,9 +130,12 @@ class RolloutFlightServer(flight.FlightServerBase):
         servers_behind: Callable[[], list[str]] | None = None,
         tls: tuple[str, str] | None = None,
     ) -> None:
-        token = token or run_token()
+        token = token or role_key(ROLE_MEMBER)
         if not token:
-            raise TransportError(f"the rollout Flight server needs the run's bearer token: set {TOKEN_ENV}")
+            raise TransportError(
+                f"the rollout Flight server needs the run's trainer membership key: set {MEMBER_KEY_ENV} "
+                f"(or {TOKEN_ENV})"
+            )
         where = urlsplit(location)
         check_port_free(where.hostname or "", where.port or 0, "rollout.flight_port")
         if tls is not None:  # grpc+tls: the certificate chain and key, PEM (``tls.cert_file``, ``tls.key_file``)

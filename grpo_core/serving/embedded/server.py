@@ -5,8 +5,9 @@ transformers are imported, so ``--help`` and config errors are instant. The serv
 its socket before loading the model only to learn the port (``--port 0`` picks a free
 one, written to ``--port-file``); ``/health`` answers once the model is loaded.
 
-Every other route needs ``Authorization: Bearer $GRPO_RUN_TOKEN`` (the run's token, from the
-environment only; the server refuses to start without it) and ``GET /grpo/run_nonce`` reports
+Every other route needs ``Authorization: Bearer`` with the run's control key (``$GRPO_CONTROL_KEY``, or derived
+from ``$GRPO_RUN_TOKEN``, which then passes too; from the environment only, the server refuses to start without
+either), the generation routes take the inference key as well, and ``GET /grpo/run_nonce`` reports
 ``$GRPO_RUN_NONCE`` (``grpo_core.serving.guard``).
 
 Example::
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from grpo_core.config import VLLM_LORA_RANKS, ModelConfig, ServerConfig
 from grpo_core.run.durable import atomic_write_text
-from grpo_core.security.auth import TOKEN_ENV, run_token
+from grpo_core.security.auth import CONTROL_KEY_ENV, ROLE_CONTROL, TOKEN_ENV, role_key
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +117,13 @@ def serve(args: argparse.Namespace, model_cfg: ModelConfig, server_cfg: ServerCo
     """Load the model, start the engine and run uvicorn on an already-bound socket.
 
     Raises:
-        SystemExit: ``GRPO_RUN_TOKEN`` is not set, the port is taken, or a TLS file cannot be used (the message
-            says which and the fix).
+        SystemExit: neither ``GRPO_CONTROL_KEY`` nor ``GRPO_RUN_TOKEN`` is set, the port is taken, or a TLS file
+            cannot be used (the message says which and the fix).
     """
-    if run_token() is None:
+    if role_key(ROLE_CONTROL) is None:
         sys.exit(
-            f"{TOKEN_ENV} is not set: the embedded server answers only requests carrying the run's bearer "
-            f"token; set it in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
+            f"neither {CONTROL_KEY_ENV} nor {TOKEN_ENV} is set: the embedded server answers only requests carrying "
+            f"a key of the run; set one in the environment (e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
             "print(secrets.token_urlsafe(32))'))"
         )
     from grpo_core.serving.limits import tls_options, uvicorn_options, warn_if_exposed

@@ -9,13 +9,23 @@ import os
 from collections.abc import Hashable
 from typing import Any
 
-from grpo_core.security.auth import NONCE_ENV, authorized, identity_answer, run_token
+from grpo_core.security.auth import (
+    CONTROL_KEY_ENV,
+    INFERENCE_KEY_ENV,
+    NONCE_ENV,
+    ROLE_INFERENCE,
+    bearer_role,
+    identity_answer,
+    listener_keys,
+    run_token,
+)
 from grpo_core.serving.protocol import (
     AFFINITY_HEADER,
     CONTROL_PATHS,
     GENERATION_PATHS,
     HEALTH_PATH,
     IDENTITY_PATH,
+    INFERENCE_PATHS,
     LOAD_LORA_PATH,
     METRICS_PATH,
     MODELS_PATH,
@@ -25,6 +35,7 @@ from grpo_core.serving.protocol import (
     READS_STORAGE_PATHS,
     RESUME_PATH,
     UNLOAD_LORA_PATH,
+    role_refusal,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,8 +110,11 @@ def metrics_text(replicas: Any) -> str:
 def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     """The FastAPI app of the router over ``replicas`` (a ``ReplicaSet``).
 
-    Every route but ``/health`` wants ``Authorization: Bearer`` with ``api_key`` (the servers' key, what the run's
-    clients send to external servers) or the run's own token (``GRPO_RUN_TOKEN``), when either is set.
+    Every route but ``/health`` wants ``Authorization: Bearer`` with a control key — ``api_key`` (the servers' key,
+    what the run's clients send to external servers), the run's control key (``GRPO_CONTROL_KEY``, or derived from
+    ``GRPO_RUN_TOKEN``, which passes too) — or, on the generation routes only
+    (``grpo_core.serving.protocol.INFERENCE_PATHS``), the inference key derived from one of them
+    (``GRPO_INFERENCE_KEY``): 401 without one, 403 for the inference key elsewhere, naming the control key.
     """
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -115,20 +129,28 @@ def create_router_app(replicas: Any, api_key: str | None = None) -> Any:
     def error(status: int, message: str, kind: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
-    tokens = [t for t in (api_key, run_token()) if t]
+    # control: the servers' key and the router's own control key (or the run's token), each with the control key
+    # derived from it; inference: the keys derived from those (generation routes only; 403 elsewhere)
+    identity_key = os.environ.get(CONTROL_KEY_ENV) or run_token()
+    control_keys, inference_keys = [], [t for t in (os.environ.get(INFERENCE_KEY_ENV),) if t]
+    for secret in (t for t in (api_key, identity_key) if t):
+        more_control, more_inference = listener_keys(secret)
+        control_keys, inference_keys = control_keys + more_control, inference_keys + more_inference
     app.add_middleware(BodyLimit)  # inside the token check added next (the later middleware runs first)
 
     @app.middleware("http")
     async def check_token(request: Request, call_next: Any) -> Any:
-        if request.url.path == IDENTITY_PATH and request.method == "GET" and run_token():
+        if request.url.path == IDENTITY_PATH and request.method == "GET" and identity_key:
             # the launcher's check that it reached the process it started, before it sends a token
             # (grpo_core.security.auth)
-            status, body = identity_answer(request.url.query, run_token() or "", os.environ.get(NONCE_ENV, ""))
+            status, body = identity_answer(request.url.query, identity_key, os.environ.get(NONCE_ENV, ""))
             return JSONResponse(body, status_code=status)
-        if tokens and request.url.path not in OPEN_PATHS:  # /health: probes need no token (as vLLM's --api-key)
-            given = request.headers.get("authorization")
-            if not any(authorized(given, t) for t in tokens):
+        if control_keys and request.url.path not in OPEN_PATHS:  # /health: probes need no token (as vLLM's --api-key)
+            role = bearer_role(request.headers.get("authorization"), control_keys, inference_keys)
+            if role is None:
                 return error(401, "missing or wrong bearer token (Authorization: Bearer ...)", "AuthenticationError")
+            if role == ROLE_INFERENCE and request.url.path not in INFERENCE_PATHS:
+                return error(403, role_refusal(request.url.path), "Forbidden")
         return await call_next(request)
 
     @app.get(NONCE_PATH)

@@ -15,7 +15,7 @@ from typing import Any
 
 from grpo_core.config import SERVER_API_KEY_ENV
 from grpo_core.run.layout import ROUTER_LOG, ROUTER_PORT
-from grpo_core.security.auth import NONCE_ENV, TOKEN_ENV, run_token
+from grpo_core.security.auth import CONTROL_KEY_ENV, NONCE_ENV, ROLE_CONTROL, TOKEN_ENV, role_key
 from grpo_core.serving.router.app import create_router_app
 
 logger = logging.getLogger(__name__)
@@ -25,8 +25,8 @@ def start_router(server: Any, urls: list[str], token: str, tls: Any = None) -> A
     """Start the router process in front of ``urls`` on ``server.router_port`` and wait until it answers with its
     launch's nonce (``wait_healthy``: its ``/health`` is the replicas' together).
 
-    The tokens reach it through the environment (``GRPO_RUN_TOKEN``, ``$GRPO_SERVER_API_KEY``), never its command
-    line.
+    The keys reach it through the environment (the control key ``GRPO_CONTROL_KEY`` derived from ``token``,
+    ``$GRPO_SERVER_API_KEY``), never its command line; it gets neither the run's token nor the membership key.
 
     Args:
         server: the ``ServerConfig`` (``router_port``, ``host``, routing settings, ``log_dir``).
@@ -44,7 +44,7 @@ def start_router(server: Any, urls: list[str], token: str, tls: Any = None) -> A
     """
     import secrets
 
-    from grpo_core.security.auth import check_port_free
+    from grpo_core.security.auth import check_port_free, derive_key
     from grpo_core.serving.launch import LaunchSpec, launch, wait_healthy
 
     check_port_free(server.host, server.router_port, "server.router_port")  # taken: no launch, the setting named
@@ -73,6 +73,7 @@ def start_router(server: Any, urls: list[str], token: str, tls: Any = None) -> A
         if tls.ca_file is not None:
             argv += ["--ssl-ca-file", str(tls.ca_file)]
     env = {NONCE_ENV: secrets.token_hex(16)}
+    control = derive_key(token, ROLE_CONTROL)
     if key := server.resolved_api_key():
         env[SERVER_API_KEY_ENV] = key
     handle = launch(
@@ -89,9 +90,9 @@ def start_router(server: Any, urls: list[str], token: str, tls: Any = None) -> A
             tls=enabled,
             ca_file=tls.client_ca() if enabled else None,
         ),
-        token,
+        control,
     )
-    wait_healthy(handle, server.startup_timeout_s, token)
+    wait_healthy(handle, server.startup_timeout_s, control)
     logger.info("router over %d replicas at %s (OpenAI-compatible)", len(urls), handle.url)
     return handle
 
@@ -140,16 +141,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("; ".join(f"--{field.replace('_', '-')}: {why}" for field, why in lines))
     except ValueError as exc:
         parser.error(str(exc))
-    if not run_token() and not os.environ.get(SERVER_API_KEY_ENV):
+    if not role_key(ROLE_CONTROL) and not os.environ.get(SERVER_API_KEY_ENV):
         sys.exit(
-            f"neither {TOKEN_ENV} nor {SERVER_API_KEY_ENV} is set: the router answers only requests carrying a "
-            "bearer token and sends one to the replicas; set the replicas' token in the environment (e.g. "
-            f"{TOKEN_ENV}=... as the embedded servers were started with, or {SERVER_API_KEY_ENV}=... for vLLM "
+            f"neither {TOKEN_ENV} nor {SERVER_API_KEY_ENV} is set (nor {CONTROL_KEY_ENV}): the router answers only "
+            "requests carrying a bearer token and sends one to the replicas; set the replicas' key in the "
+            f"environment (e.g. {CONTROL_KEY_ENV}=... as the embedded servers were started with, or "
+            f"{SERVER_API_KEY_ENV}=... for vLLM "
             "servers started with --api-key)"
         )
     from grpo_core.security.auth import token_problem
 
-    for name in (TOKEN_ENV, SERVER_API_KEY_ENV):
+    for name in (TOKEN_ENV, CONTROL_KEY_ENV, SERVER_API_KEY_ENV):
         value = os.environ.get(name)
         if value and (problem := token_problem(value)) is not None:
             sys.exit(f"{name}: {problem}")
@@ -183,12 +185,13 @@ def main(argv: list[str] | None = None) -> None:
 
     refused = asyncio.run(probe())
     if refused is not None:
+        held = CONTROL_KEY_ENV if os.environ.get(CONTROL_KEY_ENV) else TOKEN_ENV
         sock.close()
         sys.exit(
             f"{refused[0]} refuses the bearer token this router sends to the replicas "
-            f"({SERVER_API_KEY_ENV if api_key else TOKEN_ENV} of the router's environment): every request "
+            f"({SERVER_API_KEY_ENV if api_key else held} of the router's environment): every request "
             f"would be answered 401 whatever token its client holds; start the router with the replicas' token "
-            f"in {SERVER_API_KEY_ENV} (vLLM started with --api-key) or {TOKEN_ENV} (servers a run started)"
+            f"in {SERVER_API_KEY_ENV} (vLLM started with --api-key) or {CONTROL_KEY_ENV} (servers a run started)"
         )
     replicas = ReplicaSet.from_config(server, server.urls)
     scheme = "https" if tls else "http"

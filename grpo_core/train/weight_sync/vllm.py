@@ -49,7 +49,7 @@ import torch
 
 from grpo_core.errors import ServerRequestError, ServingError
 from grpo_core.run.children import free_port
-from grpo_core.security.auth import bearer_headers, run_token, tls_files
+from grpo_core.security.auth import ROLE_CONTROL, bearer_headers, role_key, tls_files
 from grpo_core.serving.limits import client_ssl_context
 from grpo_core.serving.protocol import (
     FINISH_WEIGHT_UPDATE_PATH,
@@ -149,10 +149,10 @@ class VllmWeightTransferSync:
         self.urls, self.backend, self.lora_names = urls, backend, lora_names
         self.model_dir = model_dir
         self.name_map: dict[str, str] | None = None
-        # the run's token unless given; https replicas verified against the run's tls.ca_file (GRPO_TLS_CA_FILE)
+        # the run's control key unless given; https replicas verified against the run's tls.ca_file (GRPO_TLS_CA_FILE)
         self.http = httpx.Client(
             timeout=timeout_s,
-            headers=bearer_headers(api_key or run_token()),
+            headers=bearer_headers(api_key or role_key(ROLE_CONTROL)),
             verify=client_ssl_context(tls_files()[2]),
         )
         self.control_retry_s, self.control_timeout_s = control_retry_s, control_timeout_s
