@@ -65,6 +65,8 @@ class Spec:
     step_tokens: int | None = None  # forwarded tokens per step; default token_budget x accumulation x ranks
     seed: int = 0
     in_process: bool = False  # engines in a thread of this process (tests) instead of their own process
+    min_steps: int = 0  # the window goes on until this many steps ended in it (a slow host), ...
+    min_steps_timeout_s: float = 300.0  # ... for at most this many more wall seconds
     overrides: dict = field(default_factory=dict)  # rollout config fields over the config's
 
 
@@ -315,6 +317,11 @@ def run(spec: Spec) -> dict:
         await _sleep_watching(tasks, spec.warmup_s * scale)
         t0, before = time.monotonic(), await _engine_stats(control)
         await _sleep_watching(tasks, spec.seconds * scale)
+        deadline = time.monotonic() + spec.min_steps_timeout_s
+        while sum(1 for s in consumer.steps if s["end"] > t0) < spec.min_steps:  # a slow host: wait for steps
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {spec.min_steps} steps within {spec.min_steps_timeout_s} s more")
+            await _sleep_watching(tasks, 0.1)
         t1, after = time.monotonic(), await _engine_stats(control)
         # requests cut off by the teardown are retried and logged by the client: not the run's, so not shown
         client_log = logging.getLogger("grpo_core.serving.client")

@@ -221,6 +221,7 @@ def test_the_rollout_starts_a_mixtures_groups_in_order_after_a_resume_and_counts
             config=RolloutConfig(num_epochs=2, num_generations=2),
             window=window,
             unfinished_rollouts=0,
+            unscored_groups=0,
             cap=SimpleNamespace(cap=1000),
             filter_prompt=lambda *a: True,
             run_group=run_group,

@@ -43,7 +43,7 @@ class RecordingLoop:
     """What ``produce`` reads of a rollout loop; ``run_group`` records the prompts it is handed."""
 
     def __init__(self, config, resume=None):
-        self.config, self.window, self.unfinished_rollouts = config, MetricWindow(), 0
+        self.config, self.window, self.unfinished_rollouts, self.unscored_groups = config, MetricWindow(), 0, 0
         allowance = SimpleNamespace(may_start_group=lambda: True, completed_groups=0)
         self.runtime = SimpleNamespace(dataset=ROWS, resume=resume, allowance=allowance, queue=None)
         self.cap = SimpleNamespace(cap=1000)

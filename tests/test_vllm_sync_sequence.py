@@ -344,6 +344,7 @@ def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
     assert httpx.post(server.url + "/grpo/stale", json={"stale": True}).status_code == 401  # the run's token only
 
 
+@pytest.mark.serial  # two attempts must fit server.control_timeout_s=0.3: alone on the machine
 def test_failed_pause_resumes_the_replicas_paused_and_names_the_refusing_one(monkeypatch, servers):
     from grpo_core.serving.replicas import ControlFanOutError
 
@@ -404,6 +405,7 @@ def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch,
     assert fenced.guard.stale is None and fenced.paths()[-1] == ("/grpo/stale", {})
 
 
+@pytest.mark.serial  # two attempts must fit server.control_timeout_s=0.3: alone on the machine
 def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_update(servers, tmp_path):
     from grpo_core.config import ServerConfig
     from grpo_core.serving.replicas import ControlFanOutError

@@ -146,6 +146,12 @@ class RolloutConfig(_CandidateFilter):
     reach it as copies. A call past ``reward_timeout_s`` kills its worker, which is replaced. 0 = run them in
     threads of the rollout process (no signals; a timed-out call keeps its thread). Async functions are always
     awaited in the rollout's event loop."""
+    score_queue_maxsize: int = Field(default=16, ge=1)
+    """Groups (whole groups, not samples) whose rollouts have all finished and that wait for a scoring worker; when
+    this many wait, the rollout starts no new group until one is taken (generation held back, the wait logged as
+    ``rollout/score_block_s``). Scoring workers: ``reward_workers`` groups at once when a sync reward function runs
+    in the worker processes, else ``max_concurrent_rollouts``. Groups already generating still finish and queue, so
+    the backlog may pass it by those. Default 16 as TRL's AsyncGRPO ``score_queue_maxsize``."""
     tool_timeout_s: float | None = Field(default=120.0, gt=0)
     """Seconds one tool call, or one environment ``reset()``, may take. A timed-out tool call answers the model
     with an error message (``tools/<name>/timeout_count``); a timed-out ``reset()`` fails its group. None = no

@@ -87,19 +87,29 @@ def _cap_busy(loop: RolloutLoop) -> bool:
     return loop.unfinished_rollouts + g > max(loop.cap.cap, g)
 
 
+def _score_full(loop: RolloutLoop) -> bool:
+    """``rollout.score_queue_maxsize`` finished groups wait for a scoring worker (the bounded scoring stage)."""
+    return loop.unscored_groups >= loop.config.score_queue_maxsize
+
+
 async def _wait_allowance(loop: RolloutLoop) -> None:
-    """Wait until a new group may start; time blocked by the token allowance is ``rollout/backpressure_s``."""
-    allowance, blocked_s = loop.runtime.allowance, None
+    """Wait until a new group may start. Time blocked by the token allowance is ``rollout/backpressure_s`` (one
+    value per wait); time held by a full scoring queue is ``rollout/score_block_s``, one value per group start, 0
+    when it was not held, so the window's mean is the seconds generation was held per group started."""
+    allowance, blocked_s, score_block_s = loop.runtime.allowance, None, 0.0
     while True:
-        busy, allowed = _cap_busy(loop), allowance.may_start_group()
-        if not busy and allowed:
+        busy, allowed, full = _cap_busy(loop), allowance.may_start_group(), _score_full(loop)
+        if not busy and allowed and not full:
             break
         start = time.monotonic()
         await asyncio.sleep(ALLOWANCE_POLL_S)
         if not allowed and allowance.completed_groups:  # ahead of the trainer (not the first-group rule)
             blocked_s = (blocked_s or 0.0) + time.monotonic() - start
+        if full:
+            score_block_s += time.monotonic() - start
     if blocked_s is not None:
         loop.window.add("rollout/backpressure_s", blocked_s)
+    loop.window.add("rollout/score_block_s", score_block_s)
 
 
 async def produce(loop: RolloutLoop, tasks: asyncio.TaskGroup) -> None:

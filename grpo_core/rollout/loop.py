@@ -52,7 +52,7 @@ from .tools import (
     with_tool_system_prompt,
 )
 from .types import Rollout, RolloutGroup, TurnRecord, reconcile_turns
-from .usercode import call_environment
+from .usercode import call_environment, is_async
 from .window import CompletionSample, MetricWindow
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,9 @@ class RolloutLoop:
         self.generated_tokens = 0
         self.failed_groups = 0
         self.unfinished_rollouts = 0  # rollouts of started groups not yet finished (running or waiting for a slot)
-        self.unscored_groups = 0  # groups whose rollouts all finished and whose scoring has not (rollout/score_*)
+        self.unscored_groups = 0  # groups whose rollouts all finished, waiting for a scoring worker (rollout/score_*)
+        self.score_workers = self._score_workers(runtime.reward_functions)
+        self.score_slots = asyncio.Semaphore(self.score_workers)  # FIFO: the bounded scoring stage's workers
         self.debug_dump = RolloutDump.from_env(config)  # $GRPO_DEBUG_ROLLOUT_DUMP; None = off
         self.coalescer = TurnCoalescer() if config.batch_group_prompts else None
         buffer = config.overlong_buffer_tokens()  # DAPO's soft overlong punishment, added where rewards are summed
@@ -157,6 +159,20 @@ class RolloutLoop:
             if buffer is None
             else OverlongPenalty(config.max_completion_length, buffer, config.overlong_penalty_factor)
         )
+
+    def _score_workers(self, reward_functions: list[Any]) -> int:
+        """How many groups are scored at once: ``rollout.reward_workers`` when a sync reward function runs in the
+        worker processes (they score one call at a time each), else ``rollout.max_concurrent_rollouts`` (the
+        rollout's threads; async functions are awaited, with no bound of their own)."""
+        sync = any(not is_async(f) for f in reward_functions)
+        if self.reward_pool is not None and sync:
+            return self.config.reward_workers
+        return self.config.max_concurrent_rollouts
+
+    def score_queue_full(self) -> bool:
+        """Whether ``rollout.score_queue_maxsize`` finished groups wait for a scoring worker: the driver then starts
+        no new group (``rollout/score_block_s``)."""
+        return self.unscored_groups >= self.config.score_queue_maxsize
 
     # ----- hooks ---------------------------------------------------------------------------------
 
@@ -459,12 +475,22 @@ class RolloutLoop:
             self._drop_failed_group(prompt_index, failures)
             return
         prompts, rollouts, envs = [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
-        # Scoring runs inline, concurrently per group (no bounded stage, so it never blocks generation and
-        # rollout/score_block_s is not logged): the finished groups not yet scored that this one finds, and the
-        # time from its last rollout's end to the start of its scoring.
+        # The bounded scoring stage (seed manual, rollout metrics): the group waits in FIFO order for one of
+        # self.score_workers scoring slots; while rollout.score_queue_maxsize groups wait, the driver starts no new
+        # group (rollout/score_block_s). Logged: the finished groups waiting that this one finds, and the time from
+        # its last rollout's end to the start of its scoring. The group stays in its own task throughout, so a
+        # group waiting here is in flight like one generating (its prompt unsettled until it is queued or dropped).
         generated = time.monotonic()
         self.window.add("rollout/score_queue_size", self.unscored_groups)
         self.unscored_groups += 1
+        try:
+            await self.score_slots.acquire()
+        except BaseException:  # cancelled while waiting (the run stops): hand the environments back
+            self.unscored_groups -= 1
+            self._give_back(envs)
+            raise
+        self.unscored_groups -= 1
+        self.window.add("rollout/score_wait_s", time.monotonic() - generated)
         try:
             sequences = [self._reconcile(r) for r in rollouts]
             group = RolloutGroup(
@@ -484,7 +510,6 @@ class RolloutLoop:
             )
             if self.debug_dump is not None:
                 self.debug_dump.add_group(group)
-            self.window.add("rollout/score_wait_s", time.monotonic() - generated)
             await score_group(
                 group,
                 self.runtime.reward_functions,
@@ -501,7 +526,7 @@ class RolloutLoop:
             self._drop_failed_group(prompt_index, [exc])
             return
         finally:  # the reward functions have read the environments' state: hand them back
-            self.unscored_groups -= 1
+            self.score_slots.release()
             self._give_back(envs)
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
         if advantages.shape != (len(rollouts),):

@@ -60,12 +60,19 @@ async def serve(
     engines: list[SimEngine],
     sockets: list[socket.socket],
     on_ready: Callable[[list[uvicorn.Server]], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve ``engines[i]`` on ``sockets[i]`` until cancelled (engines started here, stopped on the way out)."""
+    """Serve ``engines[i]`` on ``sockets[i]`` until ``stop`` is set or the task is cancelled (engines started here;
+    on the way out they stop first, so requests still waiting are answered with ``finish_reason: "abort"``)."""
     servers = [
         uvicorn.Server(
             uvicorn.Config(
-                create_app(engine, i), log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=60
+                create_app(engine, i),
+                log_level="warning",
+                lifespan="off",
+                access_log=False,
+                timeout_keep_alive=60,
+                timeout_graceful_shutdown=5,
             )
         )
         for i, engine in enumerate(engines)
@@ -82,13 +89,15 @@ async def serve(
             await asyncio.sleep(0.01)
         if on_ready is not None:
             on_ready(servers)
-        await asyncio.gather(*tasks)
+        stopped = asyncio.create_task((stop or asyncio.Event()).wait())
+        await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
     finally:
+        for engine in engines:
+            await engine.stop()
         for server in servers:
             server.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
-        for engine in engines:
-            await engine.stop()
 
 
 def urls_of(sockets: list[socket.socket]) -> list[str]:
@@ -130,6 +139,7 @@ class SimulatedServers:
         self.urls: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
+        self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -156,7 +166,8 @@ class SimulatedServers:
             self._loop = asyncio.get_running_loop()
             self._main = asyncio.current_task()
             self.engines = make_engines(self.num_engines, self.cost, self.settings)
-            await serve(self.engines, sockets, lambda _servers: self._ready.set())
+            self._stop = asyncio.Event()
+            await serve(self.engines, sockets, lambda _servers: self._ready.set(), self._stop)
 
         try:
             asyncio.run(main())
@@ -183,8 +194,8 @@ class SimulatedServers:
 
     def stop(self) -> None:
         """Stop the servers and the engines, and join the thread."""
-        if self._loop is not None and self._main is not None and not self._main.done():
-            self._loop.call_soon_threadsafe(self._main.cancel)
+        if self._loop is not None and self._stop is not None and self._main is not None and not self._main.done():
+            self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
             self._thread.join(timeout=30.0)
 
