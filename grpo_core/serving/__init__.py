@@ -12,6 +12,9 @@
   fan-out and its retry policy).
 - ``router/``: the replicas as one OpenAI-compatible URL (``app``, the ASGI app; ``server``, the process and its
   launcher); ``python -m grpo_core.serving.router``.
+- ``simulated/``: engines on CPU with vLLM's HTTP surface and a calibrated step cost (``cost``, ``engine``, ``app``,
+  ``server``, ``reward``), for benchmarks and tests, never a run's own servers;
+  ``python -m grpo_core.serving.simulated``.
 - ``guard``: the ASGI middleware every replica runs (token, fence, pause cap; vLLM loads it by this name);
   ``limits``: listener limits and TLS options.
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from grpo_core.errors import ServerStartError
+from grpo_core.serving.embedded.server import bind_socket
 from grpo_core.serving.simulated.app import create_app
 from grpo_core.serving.simulated.cost import CostModel
 from grpo_core.serving.simulated.engine import EngineSettings, SimEngine
@@ -35,17 +36,14 @@ def bind_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """
     sockets = []
     for i in range(count):
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, port + i if port else 0))
+            sock = bind_socket(host, port + i if port else 0)
         except OSError as exc:
-            for s in [*sockets, sock]:
+            for s in sockets:
                 s.close()
             raise ServerStartError(
                 f"simulated engine {i}: cannot bind {host}:{port + i} ({exc}); pick another --port"
             ) from None
-        sock.listen(2048)
         sock.setblocking(False)
         sockets.append(sock)
     return sockets
