@@ -212,6 +212,7 @@ def summary_table(summary: dict) -> Table:
     rows = [
         ("steps", steps),
         ("resumed from", summary.get("resumed_from") or "no (a fresh start)"),
+        ("time to first step (s, from the command's start)", summary.get("time_to_first_step_s")),
         ("reward, first 5 steps", summary.get("reward_first5")),
         ("reward, last 5 steps", summary.get("reward_last5")),
         ("rollout/generated_tokens_per_s (mean)", summary.get("generated_tokens_per_s")),
@@ -396,6 +397,9 @@ def train(
     """Run the grpo-train flow here (Prefect's embedded API), with a progress bar and a summary; the code the
     file names (reward functions, dataset, loop class, ...) joins the allow-list of this run. The config is
     checked first, as ``grpo validate`` does."""
+    from grpo_core.run.startup import COMMAND_START_ENV
+
+    os.environ.setdefault(COMMAND_START_ENV, str(time.time()))  # the summary's time to first step counts from here
     run_locally(_checked(_load(config, set_, trusted=True)), retries)
 
 

@@ -1,9 +1,14 @@
-"""The ``grpo-train`` flow: provision servers → rollout process beside the trainer (torchrun) → finalize.
+"""The ``grpo-train`` flow: the trainer (torchrun) starts while the servers start → rollout process → finalize.
 
 Thin by design: every step calls ``grpo_core``; tasks get references (the run folder, URLs, the
 MLflow run id), never payloads, and no task caches (the config is not hashed). Each flow run
 works in ``<train.output_dir>/<flow run id>/``; a retry of the same flow run (flow retries, or
 Retry in the UI) finds that folder, or the checkpoint in its MLflow run, and resumes.
+
+The ``train`` task starts right after ``prepare``, before the servers are healthy: the trainer loads its model and
+compiles while they start, then waits for the servers' URLs and the rollout's location, which the flow writes to
+the run folder once both are up (``grpo_core.run.startup``; the start-up's events in ``startup.jsonl``). A server
+that never becomes healthy fails ``provision_servers`` as before, and the flow stops the waiting trainer.
 
 The ``rollout`` task lives as long as the rollout process: it is submitted to the flow's task
 runner and stays Running beside ``train`` (the run graph shows both side by side), Completed when
@@ -33,8 +38,8 @@ from flows import artifacts
 from grpo_core.config import RunConfig
 from grpo_core.errors import ChildDiedError, RolloutProcessError, TrainerError
 from grpo_core.rollout.process import LOCATION_FILE
-from grpo_core.run import layout
-from grpo_core.run.commands import run_slots, trainer_launch
+from grpo_core.run import layout, startup
+from grpo_core.run.commands import LOCATION_TIMEOUT_S, run_slots, trainer_launch
 from grpo_core.run.finalize import finalize_run
 from grpo_core.run.prepare import SECRETS, prepare_run, run_child_env, run_config
 from grpo_core.run.processes import REGISTRY, setup_logging, stream, wait_child, watch_servers
@@ -155,7 +160,7 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     process = started.process
     procs.processes.append(process)
     try:
-        location = started.wait_location(timeout_s=600)
+        location = started.wait_location(timeout_s=LOCATION_TIMEOUT_S)
     except TransportError as exc:
         raise_if_rollout_failed(started.error_path, started.log_path, exc)
         if procs.stopping:
@@ -174,8 +179,9 @@ def rollout(run_dir: str, server_urls: list[str], resume_state: str | None):  # 
     return location
 
 
-def _await_location(run_dir: str, rollout_run: PrefectFuture) -> str:
-    """The rollout process's Flight location once it serves; raises the rollout task's error if it ended first."""
+def _await_location(run_dir: str, rollout_run: PrefectFuture, trainer_run: PrefectFuture | None = None) -> str:
+    """The rollout process's Flight location once it serves; raises the rollout task's error if it ended first, and
+    the train task's if the trainer ended first (it failed while loading or compiling)."""
     location_file = Path(run_dir) / LOCATION_FILE
     while True:
         if location_file.is_file() and location_file.read_text().strip():
@@ -183,13 +189,21 @@ def _await_location(run_dir: str, rollout_run: PrefectFuture) -> str:
         if rollout_run.wrapped_future.done():
             rollout_run.result()  # raises the task's failure
             raise RolloutProcessError("the rollout task ended before the rollout process served")
+        if trainer_run is not None and trainer_run.wrapped_future.done():
+            trainer_run.result()  # raises the task's failure
+            raise TrainerError("the trainer ended before the rollout process served")
         time.sleep(0.2)
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
-def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
-    """Run the trainer under torchrun until ``train.max_steps`` (a progress artifact follows its steps);
-    returns the latest checkpoint folder.
+def train(run_dir: str):  # noqa: ANN201 - str or a State
+    """Run the trainer under torchrun until ``train.max_steps`` (a progress artifact follows its steps); returns the
+    latest checkpoint folder. Started before the servers are healthy: the trainer loads and compiles, then waits for
+    the servers' URLs and the rollout's location the flow writes (``grpo_core.run.startup``).
+
+    Returns:
+        The checkpoint folder (Completed), or a Cancelled state when the flow stopped a trainer that had not failed
+        (e.g. a server never became healthy: the flow's error names it).
 
     Raises:
         TrainerError: torchrun exited non-zero (the message holds its output's tail, with the traceback).
@@ -199,15 +213,15 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
     from grpo_core.tracking.report import read_trainer_error
     from grpo_core.train.checkpoint import latest_checkpoint
 
-    log, root = get_run_logger(), Path(run_dir)
-    cmd, env = trainer_launch(run_dir, server_urls, rollout_location, log)
+    log, root, procs = get_run_logger(), Path(run_dir), REGISTRY[run_dir]
+    cmd, env = trainer_launch(run_dir, log)
     progress = artifacts.TrainingProgress(root / layout.METRICS, run_config(run_dir).train.max_steps)
     progress.start()
     try:
-        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / layout.TRAINER_PID, register=REGISTRY[run_dir])
+        code, tail = stream(cmd, log, "[trainer] ", env, pid_file=root / layout.TRAINER_PID, register=procs)
     finally:
         progress.stop()
-    failure, failure_log = REGISTRY[run_dir].failure, REGISTRY[run_dir].failure_log
+    failure, failure_log = procs.failure, procs.failure_log
     if code != 0 and failure:
         from grpo_core.run.children import log_tail
 
@@ -215,6 +229,8 @@ def train(run_dir: str, server_urls: list[str], rollout_location: str) -> str:
             f"{failure}; the trainer was stopped (exit code {code})"
             + (f"; log {failure_log}:\n{log_tail(failure_log)}" if failure_log else "")
         )
+    if code != 0 and procs.stopping and not read_trainer_error(root):
+        return Cancelled(message=f"trainer stopped by the flow (exit code {code})")
     if code != 0:
         raise trainer_failed(code, read_trainer_error(root), tail)
     return str(latest_checkpoint(root))
@@ -311,14 +327,22 @@ def _attempt(config: RunConfig) -> dict:
     deployment = runtime.deployment.name
     run = prepare(config, flow_run_id, deployment)
     run_dir, mlflow_run_id = run["run_dir"], run["mlflow_run_id"]
-    start, rollout_run = time.monotonic(), None
+    start, rollout_run, trainer_run = time.monotonic(), None, None
     try:
         with _sigterm_raises(), gpu_slots(config):
+            root = Path(run_dir)
+            startup.begin(run_dir, startup.command_start())  # the command's start, else now
+            for old in (LOCATION_FILE, layout.TRAINER_INPUTS):  # a retried flow run's
+                (root / old).unlink(missing_ok=True)
+            trainer_run = train.submit(run_dir)  # loads and compiles while the servers start
             urls = provision_servers.with_options(retries=config.server.start_retries)(run_dir)
-            (Path(run_dir) / LOCATION_FILE).unlink(missing_ok=True)  # a retried flow run's old location
+            startup.mark(run_dir, "servers_healthy", "flow")
             rollout_run = rollout.submit(run_dir, urls, run["resume_state"])
             try:
-                train(run_dir, urls, _await_location(run_dir, rollout_run))
+                location = _await_location(run_dir, rollout_run, trainer_run)
+                startup.mark(run_dir, "rollout_serves", "flow")
+                startup.write_inputs(root / layout.TRAINER_INPUTS, urls, location)
+                trainer_run.result()  # raises the train task's failure
             except TrainerError as exc:  # the rollout's own failure, when it recorded one, is the root cause
                 rollout_failed(run_dir, exc)
                 raise
@@ -331,8 +355,9 @@ def _attempt(config: RunConfig) -> dict:
         raise
     finally:
         _stop(run_dir)
-        if rollout_run is not None:
-            rollout_run.wait(timeout=60)  # its state turns final (Cancelled when stopped here)
+        for run_ in (rollout_run, trainer_run):
+            if run_ is not None:
+                run_.wait(timeout=60)  # its state turns final (Cancelled when stopped here)
     resumed_from = str(Path(run["resume_state"]).parent) if run["resume_state"] else None
     return finalize(run_dir, mlflow_run_id, time.monotonic() - start, resumed_from)
 

@@ -257,6 +257,14 @@ class TrainConfig(_Strict):
     """Train from this Sample-schema Arrow IPC file instead of a rollout process (offline runs, tests)."""
     rollout_location: str | None = None
     """Arrow Flight location of the rollout process (``grpc://host:port``); set by the flow."""
+    inputs_path: Path | None = None
+    """Set by the flow, which starts the trainer before the servers are healthy: rank 0 builds and compiles, then
+    waits here for the servers' URLs and the rollout's location (``trainer_inputs.json``, ``grpo_core.run.startup``)
+    instead of reading ``--server-url`` and ``rollout_location``."""
+    inputs_timeout_s: float = Field(default=1860.0, gt=0)
+    """Set by the flow with ``inputs_path``: how long rank 0 waits for that file (every start attempt of the servers,
+    ``server.startup_timeout_s`` × (``server.start_retries`` + 1), the rollout's start and a minute); the flow stops
+    the trainer earlier when a server fails to start."""
 
 
 class ExportConfig(_Strict):

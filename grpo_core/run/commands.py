@@ -4,7 +4,7 @@ run holds (no Prefect here; ``flows/grpo_train.py`` calls these)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +94,35 @@ def run_slots(config: RunConfig) -> int:
     return len(servers | set(ranks))
 
 
-def trainer_launch(run_dir: str, server_urls: list[str], rollout_location: str, log: Any) -> tuple[list[str], dict]:
+#: Seconds the flow waits for the rollout process to serve (``rollout`` task), after the servers are healthy.
+LOCATION_TIMEOUT_S = 600.0
+
+
+def compile_cache_env(cfg: RunConfig, on_gpu: bool, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Where the trainer's ranks keep their compile caches between runs: ``TORCHINDUCTOR_CACHE_DIR`` (and
+    ``TRITON_CACHE_DIR`` on a GPU) under ``<cache folder>/compile/`` (``model.cache_dir``, else
+    ``GRPO_FLOW_CACHE_DIR``, else the user's cache folder), so a second run of the same shapes loads its kernels
+    instead of compiling them. A variable the user set (in ``environ``, default this process's) is kept."""
+    import os
+
+    seen: Mapping[str, str] = os.environ if environ is None else environ
+    root = cfg.model.resolved_cache_dir() / "compile"
+    want = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor"}
+    if on_gpu:
+        want["TRITON_CACHE_DIR"] = root / "triton"
+    return {key: str(path) for key, path in want.items() if not seen.get(key)}
+
+
+def trainer_launch(run_dir: str, log: Any) -> tuple[list[str], dict]:
     """Write the trainer's sub-config to the run folder and return its torchrun command and environment.
+
+    The trainer starts before the servers are healthy (``grpo_core.run.startup``): its sub-config names
+    ``train.inputs_path`` (``<run_dir>/trainer_inputs.json``), where the flow writes the servers' URLs and the rollout
+    process's Arrow Flight location once both are up; it builds and compiles meanwhile. Its compile caches persist in
+    the cache folder (:func:`compile_cache_env`).
 
     Args:
         run_dir: the run folder (:func:`grpo_core.run.prepare.prepare_run`).
-        server_urls: the generation servers the trainer syncs.
-        rollout_location: the rollout process's Arrow Flight location.
         log: where the lines for the user go (with ``train.nnodes`` > 1: the command the other hosts run).
 
     Returns:
@@ -110,15 +132,19 @@ def trainer_launch(run_dir: str, server_urls: list[str], rollout_location: str, 
         ConfigError: with ``train.nnodes`` > 1, ``train.rdzv_endpoint``'s host is not this host.
     """
     from grpo_core.run.prepare import run_child_env, run_config
+    from grpo_core.run.startup import inputs_timeout_s
     from grpo_core.security.redact import secret_values, write_private
 
     root = Path(run_dir)
     cfg = run_config(run_dir)
-    cfg.train.rollout_location = rollout_location
+    cfg.train.inputs_path = root / layout.TRAINER_INPUTS
+    cfg.train.inputs_timeout_s = inputs_timeout_s(
+        cfg.server.startup_timeout_s, cfg.server.start_retries, LOCATION_TIMEOUT_S
+    )
     (root / layout.TRAINER_ERROR).unlink(missing_ok=True)
     config_path, sub = root / layout.TRAIN_CONFIG, cfg.trainer_process()  # the trainer reads only its sub-config
     write_private(config_path, sub.model_dump_json(indent=1))  # secrets redacted; they travel in the environment
-    cmd = trainer_command(cfg, config_path, server_urls)
+    cmd = trainer_command(cfg, config_path, [])  # rank 0 reads the servers' URLs from train.inputs_path
     if cfg.train.nnodes > 1:  # torchrun says nothing while it waits for the other hosts
         from grpo_core.run.preflight import check_rendezvous_host
 
@@ -130,10 +156,10 @@ def trainer_launch(run_dir: str, server_urls: list[str], rollout_location: str, 
             cfg.train.rdzv_timeout_s,
             cfg.train.rdzv_endpoint,
             cfg.train.nnodes - 1,
-            " ".join(trainer_command(cfg, Path(layout.TRAIN_CONFIG), server_urls, node_rank=1)[1:]),
+            " ".join(trainer_command(cfg, Path(layout.TRAIN_CONFIG), [], node_rank=1)[1:]),
             config_path,
         )
-    env = run_child_env(run_dir, secret_values(sub))
+    env = {**run_child_env(run_dir, secret_values(sub)), **compile_cache_env(cfg, on_gpu=cfg.train.device != "cpu")}
     if cfg.train.gpu_ids is not None:  # e.g. vLLM on GPU 0, the trainer on GPU 1 (NCCL weight transfer)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpu_ids[: cfg.train.num_ranks]))
     return cmd, env

@@ -10,6 +10,8 @@ Layout of a run folder::
     run_config.json            the resolved run config, secrets redacted          RUN_CONFIG
     train_config.json          the trainer's sub-config                            TRAIN_CONFIG
     trainer.pid                the torchrun launcher's pid                         TRAINER_PID
+    trainer_inputs.json        the servers' URLs and the rollout's location        TRAINER_INPUTS
+    startup.jsonl              the attempt's start-up events (flow, trainer)       STARTUP
     trainer_error.txt          the error that ended a trainer run, a line a rank   TRAINER_ERROR
     train_end.json             written by rank 0 when it stops                     TRAIN_END
     metrics.jsonl              one line per optimizer step                         METRICS
@@ -40,6 +42,10 @@ RUN_CONFIG = "run_config.json"
 TRAIN_CONFIG = "train_config.json"
 TRAINER_PID = "trainer.pid"
 REWARD_CURVE = "reward_curve.png"
+TRAINER_INPUTS = "trainer_inputs.json"
+"""The servers' URLs and the rollout's location, for a trainer started before them (``grpo_core.run.startup``)."""
+STARTUP = "startup.jsonl"
+"""The attempt's start-up events, flow's and trainer's (``grpo_core.run.startup``)."""
 
 # The trainer's files (in its output folder).
 METRICS = "metrics.jsonl"

@@ -163,6 +163,8 @@ def stream(
     )
     if register is not None:
         register.processes.append(process)
+        if register.stopping:  # the flow stopped the run while this started (stop_all set it before stopping any)
+            stop_child(process)
     if pid_file is not None:
         atomic_write_text(pid_file, str(process.pid))
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)

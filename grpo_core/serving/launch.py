@@ -302,6 +302,8 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60",
         **guard_env(config),
     }
+    if not os.environ.get("VLLM_CACHE_ROOT"):  # vLLM's compile cache, kept between runs (a value the user set wins)
+        env["VLLM_CACHE_ROOT"] = str(config.model.resolved_cache_dir() / "vllm")
     if server.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(server.tensor_parallel_size)]
     if server.enforce_eager:

@@ -99,7 +99,9 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         ``reward_first5`` / ``reward_last5`` (mean reward of the rollouts scored in the first and last five logged
         steps' windows: each step weighted by the groups its window scored, :func:`_reward_of`),
         ``trained_tokens_per_s``, ``forwarded_tokens_per_s``, ``generated_tokens_per_s`` (tokens/s;
-        NaN when unknown), ``eval`` (the last held-out evaluation in words, :func:`eval_line`; None without one).
+        NaN when unknown), ``eval`` (the last held-out evaluation in words, :func:`eval_line`; None without one),
+        ``time_to_first_step_s`` (``perf/time_to_first_step_s`` of the run's last start: the command's start to its
+        first optimizer step; None when not logged).
     """
     records = JsonlSink.read(metrics_path) if Path(metrics_path).exists() else []
     records = [r for r in records if EVAL_MARK not in r]  # the steps' own lines, not the evaluations'
@@ -114,6 +116,7 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         return n / seconds if seconds else float("nan")
 
     end = read_train_end(Path(metrics_path).parent) or {}
+    first = [r["perf/time_to_first_step_s"] for r in records if "perf/time_to_first_step_s" in r]
     evals = eval_history(metrics_path)
     return {
         "eval": eval_line(evals[-1]) if evals else None,
@@ -126,6 +129,7 @@ def summarize(metrics_path: Path, wall_s: float | None = None) -> dict[str, floa
         "trained_tokens_per_s": rate(trained),
         "forwarded_tokens_per_s": rate(forwarded),
         "generated_tokens_per_s": generated,
+        "time_to_first_step_s": first[-1] if first else None,
     }
 
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 import torch.distributed as dist
 
 from grpo_core.config import TrainerProcessConfig
-from grpo_core.errors import ConfigError
+from grpo_core.errors import ConfigError, ServerStartError
 from grpo_core.models import resolve_model_dir
+from grpo_core.run import startup
 from grpo_core.run.layout import METRICS
 from grpo_core.run.run_lock import RunLock
 from grpo_core.tracking.metrics import JsonlSink, MetricsSink
 from grpo_core.transport.file_source import ArrowFileSource
 from grpo_core.transport.types import ResumeState, SampleSource
 
-from .distributed import check_members, check_same_config, check_shared_folder, init_world
+from .distributed import World, check_members, check_same_config, check_shared_folder, init_world
 from .fingerprint import check_resume
 from .trainer import Trainer, rotate_checkpoints
 from .weight_sync import DiskFullWeightSync, LoraAdapterSync, NoWeightSync, WeightSync
@@ -98,6 +101,49 @@ def make_source(cfg: TrainerProcessConfig, resume: ResumeState | None) -> Sample
     )
 
 
+class DeferredSource:
+    """The sample source of a trainer built before the rollout serves (``train.inputs_path``): it hands every call to
+    ``inner``, set once the rollout's location is known; nothing pulls before (the trainer builds and compiles)."""
+
+    def __init__(self) -> None:
+        self.inner: SampleSource | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(f"{name}: the sample source is not connected yet (the rollout has not served)")
+        return getattr(inner, name)
+
+
+def await_inputs(cfg: TrainerProcessConfig, world: World) -> tuple[list[str], str]:
+    """The servers' URLs and the rollout's location, once the flow wrote them to ``train.inputs_path`` (rank 0 reads,
+    every rank gets them; the wait is cut in slices so no collective waits near its timeout).
+
+    Raises:
+        ServerStartError: the file did not come within ``train.inputs_timeout_s`` (the flow stops the trainer
+            sooner when a server fails to start: this ends a trainer left waiting).
+    """
+    tc = cfg.train
+    assert tc.inputs_path is not None
+    deadline = time.monotonic() + tc.inputs_timeout_s
+    while True:
+        payload: list[Any] = [None]
+        if world.is_main:
+            got = startup.wait_inputs(tc.inputs_path, min(30.0, max(deadline - time.monotonic(), 0.0)))
+            payload = [got if got is not None else ("late" if time.monotonic() >= deadline else None)]
+        if world.world_size > 1:
+            dist.broadcast_object_list(payload, src=0, group=world.control)
+        if payload[0] == "late":
+            raise ServerStartError(
+                f"the generation servers and the rollout process were not up after {tc.inputs_timeout_s:.0f} s "
+                f"(train.inputs_timeout_s): {tc.inputs_path} never came; the run's log names the server or process "
+                "that did not start"
+            )
+        if payload[0] is not None:
+            urls, location = payload[0]
+            return list(urls), str(location)
+
+
 def run_trainer(
     cfg: TrainerProcessConfig, server_urls: list[str] | None = None, sink: MetricsSink | None = None
 ) -> ResumeState | None:
@@ -146,14 +192,23 @@ def run_trainer(
             check_resume(cfg, latest)
         if world.is_main:
             checkpoint.truncate_step_logs(cfg.train.output_dir, resume.step if resume else 0)
-        source = make_source(cfg, resume) if world.is_main else None
+        early = cfg.train.inputs_path is not None  # started before the servers: they come after the compile
+        source = (DeferredSource() if early else make_source(cfg, resume)) if world.is_main else None
         if sink is None and world.is_main:
             sink = JsonlSink(cfg.train.output_dir / METRICS)
             if cfg.tracking.enabled and cfg.tracking.run_id:
                 from grpo_core.tracking import MlflowSink
 
                 sink = MlflowSink(cfg.tracking, cfg.tracking.run_id, inner=sink, trained=JsonlSink.read(sink.path))
-        trainer = Trainer(cfg, world, source, make_weight_sync(cfg, server_urls or []), sink)
+        trainer = Trainer(cfg, world, source, None if early else make_weight_sync(cfg, server_urls or []), sink)
+        if early:
+            trainer.warmup()  # compiled while the servers start
+            server_urls, cfg.train.rollout_location = await_inputs(cfg, world)
+            if isinstance(source, DeferredSource):
+                source.inner = make_source(cfg, resume)
+            trainer.weight_sync = make_weight_sync(cfg, server_urls)
+            if world.is_main:
+                startup.mark(cfg.train.output_dir, "inputs_ready", "trainer")
         state = trainer.run()
         if source is not None:
             source.close()

@@ -2,7 +2,8 @@
 
 Every rank runs :class:`Trainer`; rank 0 also owns the :class:`Planner` (data),
 the metrics sink, weight-sync traffic and checkpoint metadata. Before the first
-step (also after a resume) every length bucket is compiled (:meth:`Trainer.warmup`).
+step (also after a resume) every length bucket is compiled (:meth:`Trainer.warmup`); a trainer the flow starts
+before the servers are healthy compiles before its sample source and weight sync are up (``grpo_core.run.startup``).
 One step: ``collect_step`` (rank 0 plans, every rank receives its rows over the CPU
 control group) → ``forward_backward`` per micro-batch (the fused log-prob head) →
 ``optimizer_step`` → ``sync_weights`` (every ``weight_sync_steps``) → ``save`` (every
@@ -26,6 +27,7 @@ import torch
 from grpo_core.config import TrainerProcessConfig
 from grpo_core.errors import NothingToTrainError
 from grpo_core.models import resolve_model_dir
+from grpo_core.run import startup
 from grpo_core.run.durable import JsonlAppender
 from grpo_core.run.layout import TRAINED_PROMPTS
 from grpo_core.tracking.metrics import MetricsSink, MetricWindow
@@ -121,6 +123,12 @@ class Trainer:
         tc = cfg.train
         self.weight_sync = weight_sync or NoWeightSync()
         self.output_dir = Path(tc.output_dir)
+        # a trainer the flow started before its servers records its start-up (grpo_core.run.startup)
+        self._timeline = world.is_main and tc.inputs_path is not None
+        self._started = startup.events(self.output_dir).get("command_start") if self._timeline else None
+        if self._started is None:  # not started by the flow: count from the command, else from here
+            self._started = startup.command_start()
+        self._mark("trainer_start")
         torch.manual_seed(tc.seed + world.rank)
         on_cuda = world.device.type == "cuda"
         self.compiled = tc.compile if tc.compile is not None else on_cuda
@@ -162,11 +170,14 @@ class Trainer:
         self.pending: tuple | None = None  # (stats, planned, host-side values) of the step not yet logged
         self.last_end = None  # clock mark at the end of the previous step
         self.warmup_s: float | None = None
+        self._warm = False  # every bucket compiled (warmup ran)
+        self.first_step_s: float | None = None  # command start → this process's first optimizer step (logged once)
         self.graphs = 0  # compiled graphs seen so far (see compiled_graphs)
         self.step, self.policy_version = 0, 0
         self._resynced_version = -1  # the policy version last pushed again for replicas behind it (collect_step)
         self._saved: Path | None = None  # the checkpoint of the current step, once written or loaded
         tracker, pending = self._resume()
+        self._mark("policy_built")
         self.planner = None
         if world.is_main:
             assert source is not None, "rank 0 needs a sample source"
@@ -266,6 +277,25 @@ class Trainer:
         """Where the rollout side should start (rank 0)."""
         return self.planner.tracker.state(self.step, self.policy_version)
 
+    def _mark(self, event: str) -> None:
+        """Record a start-up event (rank 0 of a trainer the flow started; ``grpo_core.run.startup``)."""
+        if self._timeline:
+            startup.mark(self.output_dir, event, "trainer")
+
+    def _first_step_done(self) -> None:
+        """Seconds from the command's start to this process's first optimizer step (the device synced), logged with
+        that step as ``perf/time_to_first_step_s`` (rank 0)."""
+        started, self._started = self._started, None
+        if started is None:
+            return
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)
+        now = time.time()
+        if self.world.is_main:
+            self.first_step_s = now - started
+        if self._timeline:
+            startup.mark(self.output_dir, "first_step", "trainer", now)
+
     # -- warm-up -------------------------------------------------------------------------
     def warmup(self) -> float:
         """Compile every length bucket before the first step (also after a resume); returns seconds.
@@ -275,6 +305,9 @@ class Trainer:
         also with a single loss term (compilers specialise sizes 0 and 1). The gradients
         are discarded; parameters, optimizer and RNG state are untouched.
         """
+        if self._warm:  # done already (a trainer started before its servers compiles while they start)
+            return 0.0
+        self._warm = True
         if not self.compiled or not self.buckets:
             return 0.0
         t0 = time.perf_counter()
@@ -299,6 +332,7 @@ class Trainer:
         self.warmup_s = time.perf_counter() - t0
         self.graphs = compiled_graphs()
         logger.info("compiled %d length buckets %s in %.1f s", len(self.buckets), list(self.buckets), self.warmup_s)
+        self._mark("compiled")
         return self.warmup_s
 
     # -- one step ------------------------------------------------------------------------
@@ -530,6 +564,7 @@ class Trainer:
         self.flush_log()  # the previous step's values are ready; this step's work is queued
         opt = self.optimizer_step()
         skipped = bool(opt.pop("skipped", 0.0))
+        self._first_step_done()  # this process's first optimizer step: the time from the command's start
         marks["end"] = self.last_end = self.clock.mark()
         self.step += 1
         if self.world.is_main:
@@ -623,6 +658,9 @@ class Trainer:
         if self.warmup_s is not None:  # reported once, with the first step after it
             w.add("perf/compile_warmup_s", self.warmup_s)
             self.warmup_s = None
+        if self.first_step_s is not None:  # once: the command's start to the first optimizer step (grpo_core.run)
+            w.add("perf/time_to_first_step_s", self.first_step_s)
+            self.first_step_s = None
         if v["terms_fresh"] > 0:  # weighted by tokens over the window; the count lets a run-level figure do the same
             w.rate("sampling/importance_sampling_ratio/staleness0_mean", v["ratio_fresh"], v["terms_fresh"])
             w.add("sampling/importance_sampling_ratio/staleness0_token_count", v["terms_fresh"])
