@@ -2,8 +2,8 @@
 
 Within one window (everything recorded since the last flush):
 
-* a name whose last path part contains ``count`` is summed;
-* a name whose last part contains ``max`` / ``min`` keeps the extreme;
+* a name whose last path part has the word ``count`` (between ``_``) is summed;
+* a name whose last part has the word ``max`` / ``min`` keeps the extreme;
 * a rate (``*_per_s``) is total/total: record it with :meth:`MetricWindow.rate`
   (numerator and seconds), and the window divides the sums;
 * anything else is the mean of the recorded values.
@@ -25,13 +25,15 @@ from grpo_core.run.durable import JsonlAppender, read_jsonl
 
 
 def aggregation(name: str) -> str:
-    """``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` for a metric name (DESIGN.md §7)."""
-    last = name.rsplit("/", 1)[-1]
-    if "count" in last:
+    """``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` for a metric name (DESIGN.md §7): by the words of its last path
+    part, split at ``_`` (the seed manual's rule names the word: ``completions/mean_terminated_length`` is a mean,
+    though "terminated" holds the letters "min")."""
+    words = name.rsplit("/", 1)[-1].split("_")
+    if "count" in words:
         return "sum"
-    if "max" in last:
+    if "max" in words:
         return "max"
-    if "min" in last:
+    if "min" in words:
         return "min"
     return "mean"
 
