@@ -44,7 +44,8 @@ class SimRun:
     """The rollout side (allowance, queue, groups in flight, prompt order) and the trainer side (planner, policy
     version, steps) of one run, stepped by hand."""
 
-    def __init__(self, max_staleness, num_ranks, gas, sync_every, lengths, first_step_tokens):
+    def __init__(self, max_staleness, num_ranks, gas, sync_every, lengths, first_step_tokens, eager=False):
+        self.eager = eager  # steps assembled as overlapped training does (Planner.stream_step)
         self.max_staleness, self.num_ranks, self.gas, self.sync_every = max_staleness, num_ranks, gas, sync_every
         self.lengths, self.first_step_tokens = lengths, first_step_tokens
         self.group_tokens = sum(lengths)
@@ -165,7 +166,16 @@ class SimRun:
         )
 
     def train_step(self) -> bool:
-        planned = self.planner.next_step(self.gas, self.version)
+        if self.eager:  # each micro-batch trains as it is handed out; the sim reports no replica behind
+            stream, handed = self.planner.stream_step(self.gas, self.version), []
+            try:
+                while True:
+                    handed.append(next(stream))
+            except StopIteration as end:
+                planned = end.value
+            assert planned is None or handed == planned.micro_batches
+        else:
+            planned = self.planner.next_step(self.gas, self.version)
         if planned is None:
             return False
         rows = [r.samples for mb in planned.micro_batches for r in mb]
@@ -222,11 +232,12 @@ actions = st.lists(
     lengths=st.lists(st.integers(3, 10), min_size=1, max_size=3),
     first_step_tokens=st.integers(10, 200),
     script=actions,
+    eager=st.booleans(),
 )
 def test_no_sample_is_trained_more_than_max_staleness_versions_late(
-    max_staleness, num_ranks, gas, sync_every, lengths, first_step_tokens, script
+    max_staleness, num_ranks, gas, sync_every, lengths, first_step_tokens, script, eager
 ):
-    run = SimRun(max_staleness, num_ranks, gas, sync_every, lengths, first_step_tokens)
+    run = SimRun(max_staleness, num_ranks, gas, sync_every, lengths, first_step_tokens, eager)
     for what, arg in script:
         if what == "start":
             run.start_groups(arg)

@@ -185,6 +185,12 @@ class TrainConfig(_Strict):
     """Optimizer steps to train."""
     gradient_accumulation_steps: int = Field(default=1, ge=1)
     """Micro-batches per optimizer step."""
+    overlap_micro_batches: bool = True
+    """Train each micro-batch as soon as its rows are packed, while the step's later rows are still pulled and
+    packed (the loss stays exact: each backward runs with a provisional divisor and the accumulated gradients are
+    rescaled once the step's trained tokens are known, before clipping). False: pull the whole step first. A
+    mixture-of-experts policy with ``router_aux_loss_coef`` > 0 always pulls the whole step first (its router loss
+    is weighted by the step's micro-batch count, a second scale one rescale cannot fix)."""
     loss_normalization: Literal["step_tokens", "micro_batch"] = "step_tokens"
     """What the loss sum is divided by: ``step_tokens`` = the trained tokens of the whole optimizer step (every
     micro-batch, every rank), so the gradient does not depend on how the step was split into micro-batches;

@@ -139,6 +139,61 @@ def loss_normalisers(
     raise ValueError(f"train.loss_normalization must be 'step_tokens' or 'micro_batch', got {normalization!r}")
 
 
+def provisional_normaliser(
+    trained: int, first_trained: int, planned_micro_batches: int, world_size: int, normalization: LossNormalization
+) -> float:
+    """The divisor a micro-batch's loss is backpropagated with before its step is complete (overlapped training).
+
+    The final divisors (:func:`loss_normalisers`) need every micro-batch of the step. Each rule's final divisor is
+    ``c × provisional`` with one ``c`` for the whole step, so the step's gradient is the provisional one divided by
+    ``c`` (gradients are linear in the loss; :func:`overlap_rescale`):
+
+    * ``step_tokens``: the same provisional divisor for every micro-batch, ``N_0 · G / world_size`` (``N_0`` the
+      first micro-batch's trained tokens, ``G`` the planned micro-batches: an estimate of the step's ``N`` that
+      keeps the gradients near their final size); final ``N / world_size``.
+    * ``micro_batch``: ``N_m · G / world_size``; final ``N_m · M / world_size`` with ``M`` the micro-batches the
+      step had in the end (fewer than ``G`` when the samples ran out or a partial step was flushed).
+
+    Args:
+        trained: ``N_m``, this micro-batch's trained tokens summed over ranks.
+        first_trained: ``N_0``, the step's first micro-batch's.
+        planned_micro_batches: ``G``, ``train.gradient_accumulation_steps``.
+        world_size: data-parallel ranks.
+        normalization: ``train.loss_normalization``.
+
+    Returns:
+        A divisor > 0 (a count of 0 counts as 1, as in :func:`loss_normalisers`).
+
+    Raises:
+        ValueError: an unknown ``normalization``, ``world_size`` or ``planned_micro_batches`` < 1.
+    """
+    if world_size < 1 or planned_micro_batches < 1:
+        raise ValueError(
+            f"world_size and planned_micro_batches must be >= 1, got {world_size}, {planned_micro_batches}"
+        )
+    if normalization == "step_tokens":
+        return max(first_trained, 1) * planned_micro_batches / world_size
+    if normalization == "micro_batch":
+        return max(trained, 1) * planned_micro_batches / world_size
+    raise ValueError(f"train.loss_normalization must be 'step_tokens' or 'micro_batch', got {normalization!r}")
+
+
+def overlap_rescale(provisional: Sequence[float], final: Sequence[float]) -> float:
+    """The factor that turns gradients accumulated with the ``provisional`` divisors into those of the ``final``
+    ones: ``provisional[m] / final[m]``, the same for every micro-batch ``m`` (:func:`provisional_normaliser`).
+
+    Raises:
+        ValueError: the lists differ in length or are empty, or the ratios differ (relative 1e-9): no single
+            rescale gives the exact gradient.
+    """
+    if len(provisional) != len(final) or not final:
+        raise ValueError(f"one provisional divisor per micro-batch: got {len(provisional)} for {len(final)}")
+    ratios = [p / f for p, f in zip(provisional, final)]
+    if any(abs(r - ratios[0]) > 1e-9 * abs(ratios[0]) for r in ratios):
+        raise ValueError(f"the provisional divisors are not one multiple of the final ones: ratios {ratios}")
+    return ratios[0]
+
+
 def grpo_loss(
     logprobs: Tensor,
     sampler_logprobs: Tensor,

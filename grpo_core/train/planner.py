@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,6 +127,9 @@ class Planner:
         self.held: list[pa.RecordBatch] = []  # pulled batches with samples not yet trained
         self.trained: set[int] = set()  # trained sample ids of the held batches
         self.exhausted = False
+        #: the last 256 things done, oldest first: ``("pull", samples)`` per pull, ``("micro_batch", i)`` when a step's
+        #: micro-batch ``i`` is handed out (:meth:`stream_step`); a trainer adds its own (tests read the order)
+        self.events: deque[tuple[str, int]] = deque(maxlen=256)
         self.dropped_oversize_count = 0
         #: replicas the last pull reported behind the run's policy version (``PulledBatch.servers_behind``)
         self.servers_behind: list[str] = []
@@ -284,18 +289,58 @@ class Planner:
         """Up to ``num_micro_batches`` micro-batches (fewer at the end); None when all is trained, or when a pull
         reported generation replicas behind the policy version while the step is not full (:attr:`servers_behind`
         is then set: the caller syncs them and asks again; what was pulled is kept)."""
+        stream = self.stream_step(num_micro_batches, policy_version, eager=False)
+        try:
+            next(stream)  # not eager: only None (replicas behind) comes before the end
+        except StopIteration as end:
+            return end.value
+        stream.close()
+        return None
+
+    def stream_step(
+        self, num_micro_batches: int, policy_version: int, eager: bool = True
+    ) -> Generator[MicroBatch | None, None, PlannedStep | None]:
+        """Assemble a step as :meth:`next_step` does, handing out each micro-batch as soon as it is packed.
+
+        Yields each micro-batch of the step (``eager``), in the order :meth:`next_step` would list them, before
+        pulling for the next; or None when a pull reported replicas behind the policy version while the step is
+        not full (:attr:`servers_behind` is set: the caller may sync them, then resumes the generator). The same
+        pulls are made as by :meth:`next_step`, so a step holds the same micro-batches either way; every sample
+        of it is checked against ``policy_version`` (``max_staleness``), the version it trains at.
+
+        Args:
+            num_micro_batches: the step's micro-batches (fewer at the end of the samples or after a flush).
+            policy_version: the version the step trains at.
+            eager: False: hand out nothing before the end (only None).
+
+        Returns:
+            (``StopIteration.value``) the :class:`PlannedStep` of every micro-batch handed out and those left, or
+            None when there was nothing to train.
+        """
         wait = 0.0
         self.servers_behind = []
         self._drop_stale_held(policy_version)
-        while len(self.ready) < num_micro_batches and not self.exhausted:
+        taken: list[MicroBatch] = []
+
+        def short() -> bool:
+            return len(taken) + len(self.ready) < num_micro_batches
+
+        while True:
+            while eager and self.ready and len(taken) < num_micro_batches:
+                taken.append(self.ready.pop(0))
+                self.events.append(("micro_batch", len(taken) - 1))
+                yield taken[-1]
+            if not (short() and not self.exhausted):
+                break
             t0 = time.perf_counter()
             pulled = self.source.pull(policy_version, timeout_s=self.flush_after_s)
             wait += time.perf_counter() - t0
+            self.events.append(("pull", pulled.samples.num_rows))
             self.servers_behind = list(pulled.servers_behind)
             starved = not (pulled.samples.num_rows or pulled.consumed_prompt_indices or pulled.exhausted)
             if starved:  # train what there is rather than wait for rows the rollout may never fill
                 self._emit(self.batcher.finish())
-                if self.ready:
+                if self.ready or taken:
                     break
             self.tracker.consumed(pulled.consumed_prompt_indices)
             before, counts = self.num_trainable_samples, UntrainableCounts()
@@ -307,11 +352,17 @@ class Planner:
             if pulled.exhausted:
                 self.exhausted = True
                 self._emit(self.batcher.finish())
-            if self.servers_behind and len(self.ready) < num_micro_batches and not self.exhausted:
-                return None
-        if not self.ready:
+            if self.servers_behind and short() and not self.exhausted:
+                yield None
+        more = num_micro_batches - len(taken)
+        rest, self.ready = self.ready[:more], self.ready[more:]
+        for mb in rest if eager else []:
+            taken.append(mb)
+            self.events.append(("micro_batch", len(taken) - 1))
+            yield mb
+        step = taken + ([] if eager else rest)
+        if not step:
             return None
-        step, self.ready = self.ready[:num_micro_batches], self.ready[num_micro_batches:]
         return PlannedStep(step, wait, self._stats(step))
 
     def _stats(self, step: list[MicroBatch]) -> dict[str, float]:

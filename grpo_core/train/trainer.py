@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,7 +41,7 @@ from .distributed import RESYNC, ROW, STOP, World, broadcast_header, scatter_row
 from .eval_log import EvalLog
 from .export import export_final_model
 from .fingerprint import FINGERPRINT_FILE, fingerprint_text
-from .loss import LossSettings, loss_normalisers
+from .loss import LossSettings, loss_normalisers, overlap_rescale, provisional_normaliser
 from .parallelize import apply_layer_wrappers, resolve_reshard_after_forward, shard
 from .planner import PlannedStep, Planner
 from .policy import build_policy
@@ -89,6 +90,12 @@ def rotate_checkpoints(output_dir: Path, keep: int | None, saved: Path | None, s
     held = getattr(sink, "held_checkpoints", None)
     protect = {saved} if saved is not None else set()
     return checkpoint.rotate(output_dir, keep, protect=protect | (held() if held is not None else set()))
+
+
+#: a header code of overlapped steps (:meth:`Trainer.stream_step`): ``[MICRO, 1, terms]``, one micro-batch (its rows
+#: follow; ``terms``: its loss terms summed over ranks); the step then ends with ``[ROW, n, terms…]`` and no rows
+MICRO = 16
+assert MICRO not in (ROW, STOP, RESYNC)
 
 
 def step_header(
@@ -201,6 +208,18 @@ class Trainer:
                 hints=hints,
                 # bounded where samples are trained; a file of samples is replayed whatever its versions
                 max_staleness=ro.max_staleness if tc.samples_path is None else None,
+            )
+        #: each micro-batch trained as soon as its rows are packed (``train.overlap_micro_batches``); an MoE policy
+        #: whose router loss is weighted by the step's micro-batch count keeps the whole-step path
+        self.overlap = tc.overlap_micro_batches and getattr(self.policy, "router_aux_loss_coef", 0.0) == 0
+        #: rank 0's order of events of overlapped steps, oldest first: the planner's (``("pull", samples)``,
+        #: ``("micro_batch", i)``) and ``("backward", i)`` when micro-batch ``i``'s backward starts (tests read it)
+        self.events: deque[tuple[str, int]] = self.planner.events if self.planner is not None else deque(maxlen=256)
+        if world.is_main:
+            logger.info(
+                "micro-batches %s (train.overlap_micro_batches=%s)",
+                "train as soon as packed" if self.overlap else "train once the whole step is pulled",
+                tc.overlap_micro_batches,
             )
         self.skipped_nonfinite_steps, self._nonfinite_in_a_row = 0, 0
         self._trained_log: JsonlAppender | None = None  # trained_prompts.jsonl (rank 0)
@@ -371,6 +390,90 @@ class Trainer:
             return [], [], None
         mbs = planned.micro_batches if planned else [None] * n[1]
         return [scatter_rows(self.world, mb) for mb in mbs], n[2 : 2 + n[1]], planned
+
+    def stream_step(self) -> tuple[list[dict], PlannedStep | None, float, dict] | None:
+        """Collect and train one step, each micro-batch as soon as rank 0's planner has packed it
+        (``train.overlap_micro_batches``; :meth:`~grpo_core.train.planner.Planner.stream_step`), while the step's
+        later rows are still pulled and packed.
+
+        The loss is that of :meth:`collect_step` then :meth:`forward_backward` with :meth:`loss_normalisers`: each
+        micro-batch is backpropagated with a provisional divisor
+        (:func:`~grpo_core.train.loss.provisional_normaliser`, known from its own and the step's first
+        micro-batch's loss terms), and once the step is complete (``[ROW, n, terms…]``, every rank the same terms)
+        the accumulated gradients are multiplied by provisional ÷ final (:func:`~grpo_core.train.loss.overlap_rescale`;
+        gradients are linear in the loss). FSDP2 reduce-scatters each micro-batch's gradients in its backward, so
+        the factor, the same on every rank, scales each rank's shard of the reduced gradient, before clipping and
+        the optimizer step; the micro-batches' ``loss`` statistics are rescaled alike. Replicas reported behind the
+        policy version are synced as in :meth:`collect_step` (mid-step: the weights are not stepped yet).
+
+        Returns:
+            None when there was nothing left to train; else per micro-batch statistics
+            (:meth:`forward_backward`), the planned step (rank 0; None elsewhere), the seconds spent collecting
+            (pulls, packing, hand-off, syncs of replicas behind) and the clock marks ``fb`` (before the first
+            forward) and ``fb_end`` (after the last backward).
+        """
+        tc = self.cfg.train
+        gas, ws = tc.gradient_accumulation_steps, self.world.world_size
+        stream = self.planner.stream_step(gas, self.policy_version) if self.world.is_main else None
+        local: list[dict] = []
+        provisional: list[float] = []
+        planned, collect_s, marks, first = None, 0.0, {}, 0
+        while True:
+            t0 = time.perf_counter()
+            header, mb = None, None
+            if stream is not None:
+                try:
+                    mb = next(stream)
+                except StopIteration as end:
+                    planned = end.value
+                    header = step_header(planned, [], self._resynced_version, self.policy_version)
+                else:
+                    if mb is not None:
+                        header = [MICRO, 1, sum(r.num_trained for r in mb)]
+                    else:  # replicas behind: push the weights again once per version, else pull on
+                        header = step_header(
+                            None, self.planner.servers_behind, self._resynced_version, self.policy_version
+                        )
+                        if header is None:
+                            collect_s += time.perf_counter() - t0
+                            continue
+            n = broadcast_header(self.world, header, size=2 + gas)
+            if n[0] == RESYNC:
+                self._resynced_version = self.policy_version
+                self.sync_servers(
+                    "replicas behind it: " + ", ".join(self.planner.servers_behind)
+                    if self.world.is_main
+                    else "replicas behind it"
+                )
+                collect_s += time.perf_counter() - t0
+                continue
+            if n[0] != MICRO:
+                collect_s += time.perf_counter() - t0
+                break
+            rt = self._tensors(scatter_rows(self.world, mb))
+            collect_s += time.perf_counter() - t0
+            if not local:
+                marks["fb"], first = self.clock.mark(), n[2]
+            divisor = provisional_normaliser(n[2], first, gas, ws, tc.loss_normalization)
+            provisional.append(divisor)
+            self.events.append(("backward", len(local)))
+            local.append(self.forward_backward(rt, divisor, gas))
+        if n[0] == STOP:
+            if local:
+                raise RuntimeError(f"rank 0 stopped a step after {len(local)} of its micro-batches were trained")
+            return None
+        marks["fb_end"] = self.clock.mark()
+        terms = n[2 : 2 + n[1]]
+        if len(terms) != len(local):
+            raise RuntimeError(f"rank 0 ended a step of {len(terms)} micro-batches after {len(local)} were trained")
+        scale = overlap_rescale(provisional, self.loss_normalisers(terms))
+        with torch.no_grad():
+            for p in self.policy.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        for d in local:
+            d["loss"] = d["loss"].detach() * scale
+        return local, planned, collect_s, marks
 
     def _tensors(self, row: PackedRow) -> RowTensors:
         """A row on the device, padded to its length bucket (the FlexAttention mask comes later:
@@ -550,16 +653,23 @@ class Trainer:
         """One optimizer step; False when there was nothing left to train."""
         t0 = time.perf_counter()
         start = self.last_end if self.last_end is not None else self.clock.mark()
-        rows, terms, planned = self.collect_step()
-        if not rows:
-            return False
-        tensors = [self._tensors(r) for r in rows]
-        collect_s = time.perf_counter() - t0
-        marks = {"start": start, "fb": self.clock.mark()}
-        local = [
-            self.forward_backward(rt, norm, len(tensors)) for rt, norm in zip(tensors, self.loss_normalisers(terms))
-        ]
-        marks["fb_end"] = self.clock.mark()
+        if self.overlap:
+            streamed = self.stream_step()
+            if streamed is None:
+                return False
+            local, planned, collect_s, fb_marks = streamed
+            marks = {"start": start, **fb_marks}
+        else:
+            rows, terms, planned = self.collect_step()
+            if not rows:
+                return False
+            tensors = [self._tensors(r) for r in rows]
+            collect_s = time.perf_counter() - t0
+            marks = {"start": start, "fb": self.clock.mark()}
+            local = [
+                self.forward_backward(rt, norm, len(tensors)) for rt, norm in zip(tensors, self.loss_normalisers(terms))
+            ]
+            marks["fb_end"] = self.clock.mark()
         marks["fwd"] = [d.pop("fwd_marks") for d in local]
         self.flush_log()  # the previous step's values are ready; this step's work is queued
         opt = self.optimizer_step()
