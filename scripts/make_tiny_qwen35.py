@@ -5,7 +5,9 @@ Usage: ``python scripts/make_tiny_qwen35.py OUT_DIR [--seed N]``
 The folder is what Qwen/Qwen3.5-* ship, scaled down: ``Qwen3_5ForConditionalGeneration`` (a Gated
 DeltaNet + full-attention hybrid language model, three linear-attention layers per attention layer,
 M-RoPE, and a small vision tower), bf16 safetensors, and a byte-level BPE tokenizer (1024 tokens)
-trained here on generated text. Random weights: for throughput and equivalence checks, not quality.
+trained here on generated text. Random weights: for throughput and equivalence checks, not quality. The model is
+built by the registry's Qwen3.5 builder (``grpo_core.models.qwen3_5_config``); run it from the repository root (or
+with the repository on ``PYTHONPATH``, as ``scripts/gpu_qwen35.sh`` does).
 """
 
 from __future__ import annotations
@@ -13,30 +15,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-TEXT = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=4096,
-    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10_000_000.0,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [2, 3, 3],
-        "mrope_interleaved": True,
-    },
-    tie_word_embeddings=True,
-)
+#: The language model: the registry's small GPU-sized Qwen3.5 shape (grpo_core.models.QWEN3_5_SMALL_TEXT) with this
+#: tokenizer's vocabulary.
+VOCAB_SIZE = 1024
 VISION = dict(
     depth=1,
     hidden_size=64,
@@ -65,7 +46,7 @@ def tokenizer(out: Path):
     tok.train_from_iterator(
         text,
         trainers.BpeTrainer(
-            vocab_size=TEXT["vocab_size"],
+            vocab_size=VOCAB_SIZE,
             special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         ),
@@ -86,15 +67,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from grpo_core.models import QWEN3_5_SMALL_TEXT, qwen3_5_config, random_model
 
     fast = tokenizer(args.out)
     ids = {"eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id}
-    config = AutoConfig.for_model(
-        "qwen3_5", text_config={**TEXT, **ids}, vision_config=VISION, tie_word_embeddings=True, **ids
-    )
-    torch.manual_seed(args.seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    config = qwen3_5_config({**QWEN3_5_SMALL_TEXT, "vocab_size": VOCAB_SIZE}, ids, VISION)
+    model = random_model(config, args.seed, init_dtype=torch.bfloat16)
     model.save_pretrained(args.out)
     print("wrote", args.out, sorted(f.name for f in args.out.iterdir()))
 

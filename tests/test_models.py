@@ -266,3 +266,51 @@ def test_hub_id_errors_name_the_field_and_the_fix(hub):
         )
     with pytest.raises(ConfigError, match="model.revision='v2' applies to Hub ids only"):
         resolve_model_dir(ModelConfig(name="tiny-qwen3.5", revision="v2"))
+
+
+def test_tiny_qwen35_is_built_as_transformers_builds_it_by_hand(tmp_path):
+    """The one Qwen3.5 builder (``qwen3_5_config`` + ``random_model``) gives the registry's ``tiny-qwen3.5`` the
+    weights transformers' own classes give it, spelled out here: the vision-language config of the released
+    checkpoint, drawn in fp32 from the seed."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from grpo_core.models import _TINY_QWEN3_5_TEXT, _TINY_VISION
+
+    cfg = ModelConfig(name="tiny-qwen3.5", seed=5, cache_dir=tmp_path)
+    folder = resolve_model_dir(cfg)
+    tokenizer = load_tokenizer(cfg)
+    ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    text = {**_TINY_QWEN3_5_TEXT, "vocab_size": len(tokenizer), **ids}
+    config = AutoConfig.for_model(
+        "qwen3_5", text_config=text, vision_config=_TINY_VISION, tie_word_embeddings=True, **ids
+    )
+    torch.manual_seed(5)
+    reference = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).state_dict()
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in saved
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+        assert len(keys) > 20  # the set-up: the folder holds the language model and the vision tower
+        for key in keys:
+            ref = reference[key]
+            assert torch.equal(f.get_tensor(key), ref), key
+
+
+def test_make_tiny_qwen35_writes_the_released_layout_with_the_small_shape(tmp_path):
+    """scripts/make_tiny_qwen35.py (the GPU checks' vLLM model) builds through the registry's Qwen3.5 builder: the
+    vision-language checkpoint with its own 1024-token tokenizer, bf16, the small GPU-sized text shape."""
+    from grpo_core.models import QWEN3_5_SMALL_TEXT
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tiny-qwen35"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    subprocess.run(
+        [sys.executable, "scripts/make_tiny_qwen35.py", str(out)], cwd=root, env=env, check=True, timeout=300
+    )
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    text = saved["text_config"]
+    assert text["vocab_size"] == 1024 and text["dtype"] == "bfloat16"
+    for key in ("hidden_size", "head_dim", "linear_key_head_dim", "layer_types", "num_hidden_layers"):
+        assert text[key] == QWEN3_5_SMALL_TEXT[key], key
+    assert text["layer_types"].count("full_attention") == 1 and len(text["layer_types"]) == 4  # 3 DeltaNet : 1

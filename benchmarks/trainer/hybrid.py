@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from grpo_core.models import qwen3_5_config, random_model
 from grpo_core.packing import Sample, get_packer
 from grpo_core.train.attention import TREE_ATTENTION, FlexTreeMasks, register_tree_attention
 from grpo_core.train.policy import Policy
@@ -76,11 +77,8 @@ TINY = dict(
 
 def model(shape: dict, dtype: torch.dtype) -> Policy:
     """A random Qwen3.5 language model with tree attention and tree recurrence, as the trainer's Policy."""
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-
     register_tree_attention()
-    torch.manual_seed(0)
-    lm = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**shape), attn_implementation=TREE_ATTENTION, dtype=dtype)
+    lm = random_model(qwen3_5_config(shape), seed=0, init_dtype=dtype, attn_implementation=TREE_ATTENTION)
     install_tree_recurrence(lm)
     return Policy(lm, chunk_size=2048).to(DEVICE)
 

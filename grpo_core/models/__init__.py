@@ -102,6 +102,88 @@ _TINY_VISION: dict[str, Any] = {
     "temporal_patch_size": 1,
     "num_position_embeddings": 16,
 }
+#: A small Qwen3.5 language model sized for GPU kernels (head sizes of 64, 4 layers: three Gated DeltaNet, one full
+#: attention) with the released M-RoPE: ``scripts/make_tiny_qwen35.py``'s model for the vLLM checks; the vocabulary is
+#: the caller's.
+QWEN3_5_SMALL_TEXT: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 4096,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+    "tie_word_embeddings": True,
+}
+
+
+def qwen3_5_config(
+    text: dict[str, Any], token_ids: dict[str, Any] | None = None, vision: dict[str, Any] | None = None
+) -> PretrainedConfig:
+    """The one builder of a random Qwen3.5's config (the registry's ``tiny-qwen3.5``, ``scripts/make_tiny_qwen35.py``
+    and ``benchmarks/trainer/hybrid.py``).
+
+    Args:
+        text: the language model's fields (``Qwen3_5TextConfig``: ``vocab_size``, sizes, ``layer_types``, ...).
+        token_ids: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of the tokenizer, set on both levels.
+        vision: the vision tower's fields: with them the vision-language checkpoint Qwen/Qwen3.5-* ship
+            (``Qwen3_5Config``, ``Qwen3_5ForConditionalGeneration``, tied embeddings); None = the language model
+            alone (``Qwen3_5TextConfig``, ``Qwen3_5ForCausalLM``).
+
+    Returns:
+        The transformers config; :func:`random_model` builds its weights.
+    """
+    from transformers import AutoConfig
+
+    ids = dict(token_ids or {})
+    if vision is None:
+        return AutoConfig.for_model("qwen3_5_text", **{**text, **ids})
+    return AutoConfig.for_model(
+        "qwen3_5", text_config={**text, **ids}, vision_config=vision, tie_word_embeddings=True, **ids
+    )
+
+
+def random_model(
+    config: PretrainedConfig,
+    seed: int,
+    dtype: torch.dtype | None = None,
+    *,
+    init_dtype: torch.dtype | None = None,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """Seeded random weights of ``config``: the image-text-to-text class for a config with a ``vision_config``, else
+    the causal LM.
+
+    Args:
+        config: e.g. :func:`qwen3_5_config`'s.
+        seed: ``torch.manual_seed`` before the weights are drawn (same seed, dtypes and config: same weights).
+        dtype: the weights' dtype after the draw; None = ``init_dtype``.
+        init_dtype: the dtype the weights are drawn in (default float32: the registry's folders are drawn in fp32
+            and saved in their dtype); drawing in bf16 gives other values than drawing in fp32 and casting.
+        kwargs: passed to ``from_config`` (e.g. ``attn_implementation``).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
+    model = cls.from_config(config, dtype=init_dtype or torch.float32, **kwargs)
+    return model if dtype is None else model.to(dtype)
+
+
 # Full-size shapes with random weights, for throughput work (bf16 folders). Qwen3-0.6B's config.json,
 # except the vocabulary: the SmolLM2 tokenizer's 49152 ids instead of 151936 (no Qwen tokenizer ships offline).
 RANDOM_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -284,8 +366,7 @@ def _random_config(arch: str, shape: dict[str, Any], tokenizer: PreTrainedTokeni
     }
     if arch != "qwen3_5":
         return AutoConfig.for_model(arch, vocab_size=len(tokenizer), **ids, **shape)
-    text = {**shape, "vocab_size": len(tokenizer), **ids}
-    return AutoConfig.for_model(arch, text_config=text, vision_config=_TINY_VISION, tie_word_embeddings=True, **ids)
+    return qwen3_5_config({**shape, "vocab_size": len(tokenizer)}, ids, _TINY_VISION)
 
 
 def _make_random(
@@ -293,14 +374,11 @@ def _make_random(
 ) -> Callable[[Path], None]:
     def build(out_dir: Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        config = _random_config(arch, shape, tokenizer)
-        torch.manual_seed(seed)
-        cls = AutoModelForImageTextToText if getattr(config, "vision_config", None) else AutoModelForCausalLM
-        model = cls.from_config(config, dtype=torch.float32)
-        _save_model(model.to(getattr(torch, save_dtype)), out_dir)
+        model = random_model(_random_config(arch, shape, tokenizer), seed, getattr(torch, save_dtype))
+        _save_model(model, out_dir)
         tokenizer.save_pretrained(out_dir)
 
     return build
