@@ -63,6 +63,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         first, chosen = items.index(users[0]), set(map(id, users))
         rest = [item for item in items if id(item) not in chosen]
         items[:] = rest[:first] + users + rest[first:]
+    if not config.pluginmanager.hasplugin("xdist"):  # pytest -p no:xdist: no groups to give (nor the marker)
+        return
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_shared(item) or item.nodeid.split("::")[0]))
         if getattr(config.option, "loadgroup", False) and hasattr(item, "_id"):  # an xdist worker, --dist loadgroup
