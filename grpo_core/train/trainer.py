@@ -410,7 +410,8 @@ class Trainer:
             None when there was nothing left to train; else per micro-batch statistics
             (:meth:`forward_backward`), the planned step (rank 0; None elsewhere), the seconds spent collecting
             (pulls, packing, hand-off, syncs of replicas behind) and the clock marks ``fb`` (before the first
-            forward) and ``fb_end`` (after the last backward).
+            forward), ``fb_end`` (after the gradients' rescale) and ``fb_spans`` (each micro-batch's forward and
+            backward, summed into ``perf/fwd_bwd_s``: the pulls between them are collection).
         """
         tc = self.cfg.train
         gas, ws = tc.gradient_accumulation_steps, self.world.world_size
@@ -457,12 +458,13 @@ class Trainer:
             divisor = provisional_normaliser(n[2], first, gas, ws, tc.loss_normalization)
             provisional.append(divisor)
             self.events.append(("backward", len(local)))
+            fb_start = marks["fb"] if not local else self.clock.mark()
             local.append(self.forward_backward(rt, divisor, gas))
+            marks.setdefault("fb_spans", []).append((fb_start, self.clock.mark()))
         if n[0] == STOP:
             if local:
                 raise RuntimeError(f"rank 0 stopped a step after {len(local)} of its micro-batches were trained")
             return None
-        marks["fb_end"] = self.clock.mark()
         terms = n[2 : 2 + n[1]]
         if len(terms) != len(local):
             raise RuntimeError(f"rank 0 ended a step of {len(terms)} micro-batches after {len(local)} were trained")
@@ -473,6 +475,7 @@ class Trainer:
                     p.grad.mul_(scale)
         for d in local:
             d["loss"] = d["loss"].detach() * scale
+        marks["fb_end"] = self.clock.mark()
         return local, planned, collect_s, marks
 
     def _tensors(self, row: PackedRow) -> RowTensors:
@@ -730,7 +733,10 @@ class Trainer:
             m = stats.marks
             times = {
                 "perf/step_s": self.clock.seconds(m["start"], m["end"]),
-                "perf/fwd_bwd_s": self.clock.seconds(m["fb"], m["fb_end"]),
+                # overlapped: the micro-batches' own spans, not the pulls between them
+                "perf/fwd_bwd_s": sum(self.clock.seconds(a, b) for a, b in m["fb_spans"])
+                if "fb_spans" in m
+                else self.clock.seconds(m["fb"], m["fb_end"]),
                 "perf/fwd_s": sum(self.clock.seconds(a, b) for a, b in m["fwd"]),
                 "perf/optimizer_s": self.clock.seconds(m["fb_end"], m["end"]),
                 "perf/collect_s": collect_s,
