@@ -384,10 +384,10 @@ def test_a_final_refusal_of_the_pause_ends_the_fan_out_at_once(monkeypatch, serv
         ControlFanOutError, match=rf"answered {status}.*not retried: a {status} does not change"
     ) as info:
         sync.sync(tiny_policy(), 1, rank=0)
+    assert list(info.value.failed) == [refusing.url] and refusing.url in str(info.value), "names the refusing replica"
     assert [p for p, _ in refusing.paths()].count("/pause") == 1, "a final refusal is asked once"
     assert not any(p == "/update_weights" for p, _ in first.paths() + refusing.paths())
 
-    assert list(info.value.failed) == [refusing.url] and refusing.url in str(info.value), "names the refusing replica"
 
 def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch, servers):
     import httpx

@@ -11,8 +11,8 @@ On resume (:func:`check_resume`) the fingerprint of the checkpoint is compared w
 * **safe** changes are applied and logged: optimizer settings (the trainer puts the config's learning
   rate, betas and weight decay into the restored optimizer, see ``Trainer._apply_optimizer_config``),
   schedule, clipping, the other loss settings (the masked range, the trust region, truncated IS, the sequence
-  masks, the KL coefficient, the advantages' ``rollout.scale_rewards``, ``rollout.mask_truncated_completions`` and the soft overlong punishment),
-  step counts.
+  masks, the KL coefficient, the advantages' ``rollout.scale_rewards``, ``rollout.mask_truncated_completions``
+  and the soft overlong punishment), step counts.
 
 A ``module:callable`` dataset is fingerprinted by its name and options only (its rows are built by the
 rollout process).
