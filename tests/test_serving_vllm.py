@@ -168,6 +168,37 @@ def test_kv_bytes_per_token_follows_the_model_shape_or_declines(tmp_path):
     assert kv_bytes_per_token(Path(_model_folder(tmp_path, hidden_size=8)), "bfloat16") is None
 
 
+def test_a_computed_kv_cache_is_held_to_the_replicas_share_of_its_gpu(monkeypatch, tmp_path):
+    """Every sequence at full length may not fit: 2 replicas on a GPU of 8 GiB with 0.45 of it each hold at most
+    0.45 x 8 GiB - weights - 2 GiB of headroom; a share without room for one sequence is refused naming the field."""
+    import grpo_core.serving.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "gpu_memory_bytes", lambda gpu: 8 * 2**30)
+    # 2 layers x 2 KV heads x 16 x 2 (K, V) x 2 bytes (bf16) = 256 bytes a token; weights: one file of 1 MiB
+    model = Path(
+        _model_folder(tmp_path, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    )
+    (model / "model.safetensors").write_bytes(b"\0" * 2**20)
+
+    def cfg(**server):
+        return RunConfig(
+            model={"name": str(model), "dtype": "bfloat16"},
+            server={"num_replicas": 2, "gpu_ids": [0, 0], "gpu_memory_utilization": 0.45, **server},
+        )
+
+    # 64 x 4096 tokens x 256 bytes = 64 MiB fits the share: all of it
+    assert flag(vllm_command(cfg(), 1).argv, "--kv-cache-memory-bytes") == str(64 * 4096 * 256)
+    # 1024 x 65536 tokens = 16 GiB does not: the share, 0.45 x 8 GiB - 1 MiB - 2 GiB, in whole blocks of 16 tokens
+    budget = int(0.45 * 8 * 2**30) - 2**20 - 2 * 2**30
+    capped = flag(vllm_command(cfg(max_num_seqs=1024, max_model_len=65536), 1).argv, "--kv-cache-memory-bytes")
+    assert int(capped) == budget // (16 * 256) * 16 * 256
+    # a size given in tokens is the user's: not held to the share
+    big = cfg(max_num_seqs=1024, max_model_len=65536, kv_cache_size_tokens=2**26)
+    assert flag(vllm_command(big, 1).argv, "--kv-cache-memory-bytes") == str(2**26 * 256)
+    with pytest.raises(ConfigError, match=r"server.gpu_memory_utilization=0.25.*server.max_model_len"):
+        vllm_command(cfg(gpu_memory_utilization=0.25, max_model_len=2**23), 1)
+
+
 def test_replicas_of_a_hybrid_model_on_one_gpu_start_in_turn(tmp_path):
     hybrid = _model_folder(
         tmp_path,

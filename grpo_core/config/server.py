@@ -160,7 +160,8 @@ class ServerConfig(_ServerKey):
     kv_cache_size_tokens: int | None = Field(default=None, ge=16)
     """KV-cache capacity of each replica in tokens. Embedded server: None = ``max_num_seqs * max_model_len``.
     vLLM: given, or None while replicas share a GPU, each replica gets ``--kv-cache-memory-bytes`` for this many
-    tokens (None = ``max_num_seqs * max_model_len``; bytes from the model's layers, KV heads and head size), so
+    tokens (None = ``max_num_seqs * max_model_len``, held to the replica's ``gpu_memory_utilization`` share of its
+    GPU less its weights; bytes from the model's layers, KV heads and head size), so
     replicas sharing a GPU start together instead of one after another (vLLM otherwise sizes its cache from the
     memory free while it profiles); None with one replica per GPU = vLLM's own sizing from
     ``gpu_memory_utilization``. A hybrid model (linear-attention layers) is left to vLLM's sizing."""

@@ -32,6 +32,7 @@ replica only when it reports its launch's nonce, so a run never adopts another s
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import logging
@@ -191,24 +192,86 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int | None:
     return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
 
 
+#: GPU memory a vLLM replica needs beyond its weights and KV cache (CUDA context, CUDA graphs, activations), in bytes,
+#: when the launch sizes its KV cache from ``gpu_memory_utilization`` (:func:`kv_cache_memory_bytes`).
+REPLICA_HEADROOM_BYTES = 2 * 2**30
+
+
+@functools.lru_cache(maxsize=64)
+def gpu_memory_bytes(gpu: int) -> int | None:
+    """Total memory of GPU ``gpu`` in bytes, from ``nvidia-smi`` (its index, as the replicas' ``server.gpu_ids``);
+    None where ``nvidia-smi`` is missing or fails."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", str(gpu)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        return int(float(out.strip().splitlines()[0])) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _weights_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
 def kv_cache_memory_bytes(config: RunConfig) -> int | None:
     """The ``--kv-cache-memory-bytes`` each vLLM replica is given: room for ``server.kv_cache_size_tokens`` tokens
     (None = ``max_num_seqs * max_model_len``, every sequence at full length), rounded up to whole blocks of
     :data:`VLLM_BLOCK_TOKENS`, at :func:`kv_bytes_per_token`. It is computed when ``kv_cache_size_tokens`` is set or
     replicas share a GPU (so they start together, each with its share, instead of one after another); None when
     neither holds, when ``server.extra_args`` gives the size itself, or when the model's KV size per token is not
-    known (a hybrid: vLLM sizes it from ``gpu_memory_utilization``, and replicas sharing a GPU start in turn)."""
+    known (a hybrid: vLLM sizes it from ``gpu_memory_utilization``, and replicas sharing a GPU start in turn).
+
+    With ``kv_cache_size_tokens`` unset, the size is also held to the replica's share of its GPU:
+    ``gpu_memory_utilization`` x the smallest of its GPUs (:func:`gpu_memory_bytes`; not capped where unknown) less
+    its weights and :data:`REPLICA_HEADROOM_BYTES`. Under tensor parallelism every figure is per GPU (vLLM's size is
+    per GPU; the KV heads and weights are split).
+
+    Raises:
+        ConfigError: that share cannot hold one sequence of ``server.max_model_len`` tokens (names the fields).
+    """
     from grpo_core.models import resolve_model_dir
 
     server = config.server
     if fixed_kv_cache(config) or (server.kv_cache_size_tokens is None and not gpu_shared(config)):
         return None
-    per_token = kv_bytes_per_token(resolve_model_dir(config.model), config.model.dtype)
+    model_dir = resolve_model_dir(config.model)
+    per_token = kv_bytes_per_token(model_dir, config.model.dtype)
     if per_token is None:
         return None
+    per_token = -(-per_token // server.tensor_parallel_size)  # vLLM's size is per GPU: TP splits the KV heads
     tokens = server.kv_cache_size_tokens or server.max_num_seqs * server.max_model_len
     blocks = -(-tokens // VLLM_BLOCK_TOKENS)
-    return blocks * VLLM_BLOCK_TOKENS * per_token
+    wanted = blocks * VLLM_BLOCK_TOKENS * per_token
+    if server.kv_cache_size_tokens is not None:
+        return wanted
+    totals = [gpu_memory_bytes(g) for r in range(server.num_replicas) for g in replica_gpus(config, r)]
+    if not totals or any(t is None for t in totals):
+        return wanted
+    share = int(server.gpu_memory_utilization * min(t for t in totals if t is not None))
+    budget = share - _weights_bytes(model_dir) // server.tensor_parallel_size - REPLICA_HEADROOM_BYTES
+    if budget < server.max_model_len * per_token:
+        raise ConfigError(
+            f"replicas sharing a GPU: server.gpu_memory_utilization={server.gpu_memory_utilization} of it "
+            f"({share / 2**30:.1f} GiB) leaves no room for the KV cache of one sequence of server.max_model_len="
+            f"{server.max_model_len} tokens beside the model's weights; raise gpu_memory_utilization, or set "
+            "server.kv_cache_size_tokens"
+        )
+    if wanted > budget:
+        logger.warning(
+            "the KV cache of every sequence at full length (%d tokens, %.1f GiB a GPU) exceeds a replica's share of "
+            "its GPU (server.gpu_memory_utilization): each replica gets %.1f GiB (%d tokens); vLLM preempts beyond it",
+            tokens,
+            wanted / 2**30,
+            budget / 2**30,
+            budget // per_token,
+        )
+        return budget // (VLLM_BLOCK_TOKENS * per_token) * VLLM_BLOCK_TOKENS * per_token
+    return wanted
 
 
 def vllm_available() -> bool:
@@ -720,9 +783,8 @@ def provision(config: RunConfig, token: str | None = None, control_key: str | No
     kv_bytes = kv_cache_memory_bytes(config) if backend == "vllm" else None
     if kv_bytes is not None:
         logger.info(
-            "each vLLM replica gets a KV cache of %.2f GiB (%d tokens); replicas sharing a GPU start together",
+            "each vLLM replica gets a KV cache of %.2f GiB a GPU; replicas sharing a GPU start together",
             kv_bytes / 2**30,
-            config.server.kv_cache_size_tokens or config.server.max_num_seqs * config.server.max_model_len,
         )
     handles: list[ServerHandle] = []
     ready: set[int] = set()
