@@ -134,8 +134,16 @@ def test_replicas_may_share_a_gpu_listed_once_per_replica():
         num_replicas=2, gpu_ids=[0, 0], gpu_memory_utilization=0.3, kv_cache_size_tokens=1000, model_dtype="bfloat16"
     )
     assert flag(vllm_command(sized, 1).argv, "--kv-cache-memory-bytes") == str(1008 * 256)
-    # one replica per GPU keeps vLLM's own sizing (gpu_memory_utilization) unless a size is given
-    assert "--kv-cache-memory-bytes" not in vllm_command(config(num_replicas=2, gpu_ids=[0, 1]), 1).argv
+    # a replica alone on its GPU keeps vLLM's own sizing (gpu_memory_utilization) unless a size is given; one beside
+    # a trainer rank (train.gpu_ids, default 0 .. num_ranks-1) gets a computed size: the trainer starts with the
+    # servers, and vLLM's profiling of free memory would count its allocations as its own
+    own_gpus = {"num_replicas": 2, "gpu_ids": [0, 1]}
+    kept = RunConfig(model={"name": "tiny-llama"}, server=own_gpus, train={"gpu_ids": [2]})
+    assert not any("--kv-cache-memory-bytes" in vllm_command(kept, i).argv for i in range(2))
+    on_cpu = RunConfig(model={"name": "tiny-llama"}, server=own_gpus, train={"device": "cpu"})
+    assert "--kv-cache-memory-bytes" not in vllm_command(on_cpu, 0).argv
+    beside = RunConfig(model={"name": "tiny-llama"}, server=own_gpus)
+    assert flag(vllm_command(beside, 0).argv, "--kv-cache-memory-bytes") == str(64 * 4096 * 512)
     alone = config(num_replicas=1, kv_cache_size_tokens=32)
     assert flag(vllm_command(alone).argv, "--kv-cache-memory-bytes") == str(32 * 512)
     tp = config(num_replicas=2, tensor_parallel_size=2, gpu_ids=[2, 3, 3, 2], gpu_memory_utilization=0.4)

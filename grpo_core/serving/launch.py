@@ -150,10 +150,20 @@ def fixed_kv_cache(config: RunConfig) -> bool:
     return any(str(a).split("=", 1)[0] == "--kv-cache-memory-bytes" for a in config.server.extra_args or [])
 
 
+def rank_gpus(config: RunConfig) -> set[int]:
+    """CUDA device indices of this host's trainer ranks (``train.gpu_ids``, else 0 .. num_ranks-1)."""
+    train = config.train
+    return set(train.gpu_ids[: train.num_ranks] if train.gpu_ids is not None else range(train.num_ranks))
+
+
 def gpu_shared(config: RunConfig) -> bool:
-    """Whether any GPU is listed for two replicas (``server.gpu_ids``)."""
+    """Whether a replica's GPU holds another replica (``server.gpu_ids``) or, when the servers start beside the
+    trainer on a GPU host, a trainer rank: vLLM's profiling of free memory would see their allocations as its own."""
     gpus = [g for r in range(config.server.num_replicas) for g in set(replica_gpus(config, r))]
-    return len(gpus) != len(set(gpus))
+    if len(gpus) != len(set(gpus)):
+        return True
+    beside_trainer = config.train.device != "cpu" and not config.server.deployment
+    return beside_trainer and bool(set(gpus) & rank_gpus(config))
 
 
 #: vLLM allocates its KV cache in blocks of this many tokens (``--block-size``'s default on CUDA).
@@ -222,7 +232,8 @@ def kv_cache_memory_bytes(config: RunConfig) -> int | None:
     """The ``--kv-cache-memory-bytes`` each vLLM replica is given: room for ``server.kv_cache_size_tokens`` tokens
     (None = ``max_num_seqs * max_model_len``, every sequence at full length), rounded up to whole blocks of
     :data:`VLLM_BLOCK_TOKENS`, at :func:`kv_bytes_per_token`. It is computed when ``kv_cache_size_tokens`` is set or
-    replicas share a GPU (so they start together, each with its share, instead of one after another); None when
+    a GPU is shared (:func:`gpu_shared`: replicas then start together, each with its share, instead of one after
+    another, and none profiles free memory while the trainer, started beside them, loads and compiles); None when
     neither holds, when ``server.extra_args`` gives the size itself, or when the model's KV size per token is not
     known (a hybrid: vLLM sizes it from ``gpu_memory_utilization``, and replicas sharing a GPU start in turn).
 
@@ -727,7 +738,7 @@ def check_gpu_layout(config: RunConfig) -> None:
     server, train = config.server, config.train
     if train.lora.enabled or server.weight_transfer_backend is None or server.deployment:
         return  # (server.deployment: the replicas' flow run may run on another host, whose GPUs are not the trainer's)
-    trainer = set(train.gpu_ids[: train.num_ranks] if train.gpu_ids is not None else range(train.num_ranks))
+    trainer = rank_gpus(config)
     replicas = {g for r in range(server.num_replicas) for g in replica_gpus(config, r)}
     if server.weight_transfer_backend == "nccl" and trainer & replicas:
         raise ConfigError(
