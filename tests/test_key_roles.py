@@ -258,3 +258,25 @@ def test_the_key_command_prints_each_roles_key_of_the_token_in_the_environment()
     env.pop(auth.TOKEN_ENV)
     refused = subprocess.run([sys.executable, "-m", "grpo_core.security.auth", "member"], env=env, capture_output=True)
     assert refused.returncode == 2 and refused.stdout == b""
+
+
+@pytest.mark.parametrize(
+    "argv, token, rc, says",
+    [
+        (["--help"], None, 0, ""),
+        (["admin"], "t" * 32, 2, "unknown role 'admin'"),
+        ([], "t" * 32, 2, "no ROLE given"),
+        (["control"], None, 2, "GRPO_RUN_TOKEN is not set"),
+        (["control"], "   ", 2, "empty or blank"),
+        (["control"], "abc", 2, "3 characters (fewer than 16)"),
+    ],
+)
+def test_the_key_command_refuses_what_would_print_a_useless_key(monkeypatch, capsys, argv, token, rc, says):
+    """A blank or short token (which `grpo validate` refuses for several trainer hosts) printed keys; an unknown role
+    got the usage line without naming it; --help exited 2."""
+    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    if token is not None:
+        monkeypatch.setenv(auth.TOKEN_ENV, token)
+    assert auth.main(argv) == rc
+    out, err = capsys.readouterr()
+    assert (out if rc == 0 else err).startswith("usage:") and says in err and "export GRPO" not in out

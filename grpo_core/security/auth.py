@@ -411,17 +411,37 @@ def check_port_free(host: str, port: int, field_name: str = "server.port") -> No
 def main(argv: list[str] | None = None) -> int:
     """``python -m grpo_core.security.auth ROLE...``: print ``export NAME=KEY`` for each role's key (``inference``,
     ``control``, ``member``) derived from ``$GRPO_RUN_TOKEN`` (read from the environment, never an argument), for the
-    hosts of a multi-host run; returns the exit status (2: no token, or an unknown role)."""
+    hosts of a multi-host run; returns the exit status (0 for ``--help``; 2: an unknown role, no token, or a token
+    :func:`token_problem` refuses or shorter than :data:`MIN_SHARED_TOKEN_CHARS`, each named)."""
     import sys
 
     roles = sys.argv[1:] if argv is None else argv
-    token = run_token()
-    if not roles or not token or any(role not in ROLE_KEY_ENV for role in roles):
-        sys.stderr.write(
-            f"usage: {TOKEN_ENV}=... python -m grpo_core.security.auth ROLE... (ROLE: {', '.join(ROLE_KEY_ENV)}); "
-            "prints each role's key of the run's token as an export line\n"
+    usage = (
+        f"usage: {TOKEN_ENV}=... python -m grpo_core.security.auth ROLE... (ROLE: {', '.join(ROLE_KEY_ENV)}); "
+        "prints each role's key of the run's token as an export line\n"
+    )
+    if roles and roles[0] in ("-h", "--help"):
+        sys.stdout.write(usage)
+        return 0
+    token, problem = run_token(), None
+    unknown = [role for role in roles if role not in ROLE_KEY_ENV]
+    if not roles:
+        problem = "no ROLE given"
+    elif unknown:
+        problem = f"unknown role {unknown[0]!r}"
+    elif not token:
+        problem = f"{TOKEN_ENV} is not set"
+    elif token_problem(token):
+        problem = f"{TOKEN_ENV}: {token_problem(token)}"
+    elif len(token) < MIN_SHARED_TOKEN_CHARS:
+        problem = (
+            f"{TOKEN_ENV} has {len(token)} characters (fewer than {MIN_SHARED_TOKEN_CHARS}): export a long random "
+            f"one, e.g. {TOKEN_ENV}=$(openssl rand -hex 32)"
         )
+    if problem is not None:
+        sys.stderr.write(usage + f"error: {problem}\n")
         return 2
+    assert token is not None
     sys.stdout.write("".join(f"export {name}={key}\n" for name, key in role_env(token, *roles).items()))
     return 0
 
