@@ -730,3 +730,22 @@ def test_external_urls_are_waited_for_and_a_dead_one_is_named(replicas):
     dead = "http://127.0.0.1:9"  # the discard port: nothing listens
     with pytest.raises(ServerStartError, match=r"server.urls: http://127.0.0.1:9 did not answer.*server.api_key"):
         wait_external(ServerConfig(urls=[urls[0], dead], startup_timeout_s=1))
+
+
+@pytest.mark.parametrize("port, says", [("70000", "70000 is outside 0..65535"), ("-5", "-5 is outside 0..65535")])
+def test_the_servers_command_lines_refuse_a_port_outside_the_tcp_range_in_one_line(capsys, port, says):
+    """--port 70000 reached bind() and ended in an OverflowError traceback (router, embedded server, simulator)."""
+    from grpo_core.serving.embedded.server import build_parser as embedded_parser
+    from grpo_core.serving.router.server import build_parser as router_parser
+    from grpo_core.serving.simulated.__main__ import parse_args as simulated_args
+
+    commands = [
+        (router_parser().parse_args, ["--url", "http://127.0.0.1:9"]),
+        (embedded_parser().parse_args, ["--model", "tiny-llama"]),
+        (simulated_args, []),
+    ]
+    for parse, args in commands:
+        with pytest.raises(SystemExit) as exit_:
+            parse([*args, "--port", port])
+        assert exit_.value.code == 2
+        assert f"argument --port: {says}" in capsys.readouterr().err

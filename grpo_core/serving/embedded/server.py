@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=None, help="folder for converted models")
     p.add_argument("--model-seed", type=int, default=0, help="seed of tiny-* random models")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback by default)")
-    p.add_argument("--port", type=int, default=8000, help="port; 0 = a free port")
+    p.add_argument("--port", type=port_number, default=8000, help="port; 0 = a free port")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
     p.add_argument("--device", default="auto", help="torch device; auto = cuda if available else cpu")
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch default")
@@ -85,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-keyfile", default=None, help="PEM key of --ssl-certfile (tls.key_file)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def port_number(text: str) -> int:
+    """An argparse ``type`` for a TCP port: an integer in 0..65535 (0 = a free one).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse prints it after the option's name and exits 2).
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535; 0 = a free one)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is outside 0..65535 (0 = a free one)")
+    return port
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

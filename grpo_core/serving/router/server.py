@@ -16,6 +16,7 @@ from typing import Any
 from grpo_core.config import SERVER_API_KEY_ENV
 from grpo_core.run.layout import ROUTER_LOG, ROUTER_PORT
 from grpo_core.security.auth import CONTROL_KEY_ENV, NONCE_ENV, ROLE_CONTROL, TOKEN_ENV, role_key
+from grpo_core.serving.embedded.server import port_number
 from grpo_core.serving.router.app import create_router_app
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m grpo_core.serving.router", description=__doc__.splitlines()[0])
     p.add_argument("--url", action="append", required=True, help="replica base URL (repeat per replica)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (loopback by default)")
-    p.add_argument("--port", type=int, default=8100, help="port; 0 = a free port")
+    p.add_argument("--port", type=port_number, default=8100, help="port; 0 = a free port")
     p.add_argument("--port-file", type=Path, default=None, help="write the bound port here")
     p.add_argument("--route-imbalance", type=int, default=8, help="server.route_imbalance")
     p.add_argument("--control-retry-s", type=float, default=0.5, help="server.control_retry_s")

@@ -11,6 +11,8 @@ import asyncio
 import json
 import sys
 
+from grpo_core.serving.embedded.server import port_number
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line (errors name the option and exit 2)."""
@@ -22,7 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--engines", type=int, default=1, help="engines in this process, one port each (default 1)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="first port; engine i listens on port + i (0: free ports)")
+    p.add_argument(
+        "--port", type=port_number, default=0, help="first port; engine i listens on port + i (0: free ports)"
+    )
     p.add_argument(
         "--calibration",
         choices=sorted(CALIBRATIONS),
