@@ -573,3 +573,15 @@ def test_user_paths_mean_the_same_to_validate_and_to_the_run(monkeypatch, tmp_pa
     assert overridden.train.output_dir == tmp_path / "home" / "elsewhere"
     unset = RunConfig.model_validate({"train": {"output_dir": "$GRPO_SURELY_UNSET_VAR/x"}})
     assert str(unset.train.output_dir) == "$GRPO_SURELY_UNSET_VAR/x"
+
+
+def test_an_empty_config_file_names_a_form_that_loads(tmp_path):
+    """It advised leaving out --config, which grpo train and grpo validate require; the one line it names now loads
+    the defaults."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"is empty \(or holds only comments\).*one line `model: \{\}`") as info:
+        load_config(empty, [])
+    assert "leave out --config" not in str(info.value)
+    (tmp_path / "one_line.yaml").write_text("model: {}\n")
+    assert load_config(tmp_path / "one_line.yaml", []) == RunConfig()

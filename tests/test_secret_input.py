@@ -119,6 +119,9 @@ def test_the_cli_warns_in_one_line_on_stderr(tmp_path):
         ("@env:GRPO_TEST_UNSET_VARIABLE", "the environment variable 'GRPO_TEST_UNSET_VARIABLE' is unset or empty"),
         ("@file:/nonexistent/grpo/key", "cannot read /nonexistent/grpo/key"),
         ("@vault:x", "must be @env:NAME, @file:PATH or @stdin"),
+        # no name at all: it looked up a variable named '' / read the working folder ("Is a directory")
+        ("@env:", "name the environment variable after @env: (@env:NAME)"),
+        ("@file:", "name the file after @file: (@file:PATH)"),
     ],
 )
 def test_an_unreadable_indirect_value_is_a_clear_error(value, says, monkeypatch):

@@ -98,8 +98,8 @@ def _read_config(path: str | Path) -> dict:
     data = _parse(p, text) if text.strip() else None
     if data is None:
         raise ConfigError(
-            f"config file {p} is empty (or holds only comments); give it the run's sections, e.g. "
-            "configs/tiny.yaml, or leave out --config to use the defaults"
+            f"config file {p} is empty (or holds only comments); give it the run's sections, e.g. copy "
+            "configs/tiny.yaml, or one line `model: {}` to train on the defaults"
         )
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(data).__name__}")
@@ -190,10 +190,14 @@ def _indirect_value(key: str, value: str) -> str | None:
         return None
     if value.startswith(ENV_VALUE):
         name = value[len(ENV_VALUE) :]
+        if not name:
+            raise ConfigError(f"--set {key}={value}: name the environment variable after {ENV_VALUE} ({ENV_VALUE}NAME)")
         if not os.environ.get(name):
             raise ConfigError(f"--set {key}={value}: the environment variable {name!r} is unset or empty; export it")
         return os.environ[name]
     if value.startswith(FILE_VALUE):
+        if not value[len(FILE_VALUE) :].strip():
+            raise ConfigError(f"--set {key}={value}: name the file after {FILE_VALUE} ({FILE_VALUE}PATH)")
         path = Path(os.path.expandvars(value[len(FILE_VALUE) :])).expanduser()
         try:
             text = path.read_text()
