@@ -162,7 +162,7 @@ def _returning(value, name="graded"):
 @pytest.mark.parametrize(
     "value",
     ["0.5", "1", b"1", bytearray(b"1"), object(), 1 + 0j, [1.0], {"score": 1.0}, np.array([1.0]), np.str_("1")],
-    ids=repr,
+    ids=lambda value: "object()" if type(value) is object else repr(value),  # the same id in every xdist worker
 )
 def test_a_non_numeric_reward_is_refused_naming_the_function(value):
     # float() reads "0.5", b"1", bytearray(b"1") and np.array([1.0]) as numbers; none of them is one.
