@@ -346,8 +346,10 @@ def test_rollout_task_runs_beside_train_for_the_whole_run(api, two_runs):
     tasks = _task_runs(api, run["id"])
     rollout, train = tasks["rollout"], tasks["train"]
     assert rollout["state_type"] == "COMPLETED" and train["state_type"] == "COMPLETED"
-    assert _parse_time(rollout["start_time"]) <= _parse_time(train["start_time"])
-    # The rollout process lives until the trainer, done training, shuts it down just before exiting.
+    # The train task starts first: the trainer loads and compiles while the servers start (issue 25, item 6); the
+    # rollout task starts once they are healthy, and its process lives until the trainer, done training, shuts it
+    # down just before exiting.
+    assert _parse_time(train["start_time"]) <= _parse_time(rollout["start_time"])
     metrics = Path(run["parameters"]["config"]["train"]["output_dir"]) / run["id"] / "metrics.jsonl"
     assert _parse_time(rollout["end_time"]) >= metrics.stat().st_mtime, "the rollout task ended before training did"
     assert _parse_time(rollout["end_time"]) <= _parse_time(train["end_time"]) + 5
