@@ -99,8 +99,12 @@ def test_vllm_replicas_keep_their_compile_cache_in_the_cache_folder_unless_the_u
     assert "VLLM_CACHE_ROOT" not in vllm_command(cfg, port=8000).env  # the child inherits the user's
 
 
-def test_the_trainer_is_launched_without_servers_and_told_where_its_inputs_will_be(tmp_path):
+def test_the_trainer_is_launched_without_servers_and_told_where_its_inputs_will_be(tmp_path, monkeypatch):
     from grpo_core.run.prepare import SECRETS
+
+    # torch's inductor sets TORCHINDUCTOR_CACHE_DIR in the process that compiled (another test of this worker did),
+    # and a variable set is the user's: kept, not replaced (the test of compile caches above)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
