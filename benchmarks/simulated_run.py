@@ -109,8 +109,8 @@ def _groups(batches: list[pa.RecordBatch]) -> list[_Held]:
 class Consumer:
     """The trainer's side (see the module docstring); counts what it trains and drops, and when it waited."""
 
-    def __init__(self, queue, allowance, clients, spec: Spec, step_tokens: int, max_staleness: int) -> None:
-        self.queue, self.allowance, self.clients, self.spec = queue, allowance, clients, spec
+    def __init__(self, queue, allowance, replicas, spec: Spec, step_tokens: int, max_staleness: int) -> None:
+        self.queue, self.allowance, self.replicas, self.spec = queue, allowance, replicas, spec
         self.step_tokens, self.max_staleness = step_tokens, max_staleness
         self.version = 0
         self.held: deque[_Held] = deque()
@@ -129,7 +129,7 @@ class Consumer:
             await asyncio.sleep(self.spec.train_s * scale)
             self.version += 1
             s0 = time.monotonic()
-            await asyncio.gather(*(self._sync(c) for c in self.clients))
+            await self.replicas.fan_out("weight sync", self._sync)  # the run's one control fan-out
             self.syncs.append((s0, time.monotonic()))
             held_raw = sum(g.raw for g in self.held)
             self.allowance.report(self.version, step["raw"], held_raw)
@@ -311,7 +311,7 @@ def run(spec: Spec) -> dict:
             allowance=allowance,
             reward_functions=[KeptShareReward(spec.kept, spec.seed)],
         )
-        consumer = Consumer(queue, allowance, control, spec, shape["step_tokens"], cfg.max_staleness)
+        consumer = Consumer(queue, allowance, ReplicaSet(control), spec, shape["step_tokens"], cfg.max_staleness)
         t_start = time.monotonic()
         tasks = [asyncio.create_task(drive(RolloutLoop(cfg, runtime))), asyncio.create_task(consumer.run())]
         await _sleep_watching(tasks, spec.warmup_s * scale)
