@@ -5,7 +5,7 @@
 one table per section: the dotted key (as ``--set`` takes it), its type, default, unit, bounds and docstring. The
 unit comes from the field's name (the project's suffix rules: ``_s`` seconds, ``_mib`` MiB, ``num_`` a count, ...).
 ``make docs`` runs it before ``mkdocs build``; ``--check`` exits 1 when the page on disk differs from what the
-schema gives (``tests/test_docs.py`` checks the same).
+schema gives (``tests/unit/config/test_docs.py`` checks the same).
 """
 
 from __future__ import annotations

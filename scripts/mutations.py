@@ -43,7 +43,7 @@ MUTATIONS = (
         "grpo_core/train/checkpoint.py",
         "    dcp.load(tensors, storage_reader=reader, planner=tensor_only_planner())",
         "    pass  # mutation: nothing loaded",
-        ("tests/test_resume_faults.py",),
+        ("tests/integration/test_resume_faults.py",),
     ),
     Mutation(
         "train-twice",
@@ -51,7 +51,7 @@ MUTATIONS = (
         "grpo_core/transport/types.py",
         "        return prompt_index < self.first_untrained_prompt_index or prompt_index in self._trained_above",
         "        return False  # mutation: every prompt generated again",
-        ("tests/test_resume_faults.py", "tests/test_prompt_shuffle.py"),
+        ("tests/integration/test_resume_faults.py", "tests/unit/rollout/test_prompt_shuffle.py"),
     ),
     Mutation(
         "any-token",
@@ -59,7 +59,12 @@ MUTATIONS = (
         "grpo_core/security/auth.py",
         "    if not header_value or not token:\n        return False",
         "    return True  # mutation: any caller",
-        ("tests/test_security.py", "tests/test_routing.py", "-k", "token or route or 401 or unauth"),
+        (
+            "tests/integration/test_security.py",
+            "tests/integration/test_routing.py",
+            "-k",
+            "token or route or 401 or unauth",
+        ),
     ),
     Mutation(
         "skip-manifest",
@@ -68,7 +73,7 @@ MUTATIONS = (
         "    folder = Path(folder)\n    try:\n        manifest = json.loads((folder / MANIFEST_FILE).read_text())",
         "    return  # mutation\n    folder = Path(folder)\n    try:\n"
         "        manifest = json.loads((folder / MANIFEST_FILE).read_text())",
-        ("tests/test_checkpoint_manifest.py",),
+        ("tests/unit/train/test_checkpoint_manifest.py",),
     ),
     Mutation(
         "swap-rows",
@@ -76,7 +81,7 @@ MUTATIONS = (
         "grpo_core/train/distributed.py",
         "            data = np.frombuffer(rows[r].to_ipc(), dtype=np.uint8)",
         "            data = np.frombuffer(rows[0].to_ipc(), dtype=np.uint8)  # mutation: rank 0's row everywhere",
-        ("tests/test_loss_normalization.py", "tests/test_trainer.py"),
+        ("tests/unit/train/test_loss_normalization.py", "tests/integration/test_trainer.py"),
     ),
     Mutation(
         "flip-sign",
@@ -84,7 +89,7 @@ MUTATIONS = (
         "grpo_core/train/loss.py",
         "        per_term = torch.minimum(ratio * advantages, clipped * advantages)",
         "        per_term = torch.minimum(-ratio * advantages, -clipped * advantages)  # mutation",
-        ("tests/test_loss.py",),
+        ("tests/unit/train/test_loss.py",),
     ),
     Mutation(
         "per-rank-normaliser",
@@ -92,7 +97,7 @@ MUTATIONS = (
         "grpo_core/train/trainer.py",
         "zip(tensors, self.loss_normalisers(terms))",
         "zip(tensors, [max(rt.num_terms, 1) for rt in tensors])",
-        ("tests/test_loss_normalization.py",),
+        ("tests/unit/train/test_loss_normalization.py",),
     ),
     Mutation(
         "ignore-eos",
@@ -100,7 +105,7 @@ MUTATIONS = (
         "grpo_core/serving/embedded/engine.py",
         "(token in self.eos_token_ids and not seq.ignore_eos)",
         "(False and token in self.eos_token_ids)",
-        ("tests/test_serving_embedded.py",),
+        ("tests/integration/test_serving_embedded.py",),
     ),
     Mutation(
         "no-stale-check",
@@ -108,7 +113,7 @@ MUTATIONS = (
         "grpo_core/train/planner.py",
         "        return policy_version - versions > self.max_staleness",
         "        return np.zeros(batch.num_rows, dtype=bool)  # mutation: nothing is stale",
-        ("tests/test_staleness_bound.py", "tests/test_planner.py"),
+        ("tests/unit/train/test_staleness_bound.py", "tests/unit/train/test_planner.py"),
     ),
 )
 

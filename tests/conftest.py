@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("GRPO_FLOW_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
+# The helper modules (tests/support: flow_helpers, rollout_helpers, ...) are imported by name here and in every process
+# the tests start ("rollout_helpers:even_share" in a config): first on this process's path and on PYTHONPATH, which a
+# child inherits (a test that writes a PYTHONPATH of its own adds tests/support where a child imports a helper).
+SUPPORT = Path(__file__).resolve().parent / "support"
+sys.path.insert(0, str(SUPPORT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")]))
 # The tests own the helper modules their configs name (reward functions, loop classes, environments): they join
 # the allow-list of code a run may name (grpo_core.security.allowlist), here and in every process the tests start.
 os.environ["GRPO_ALLOWED_MODULES"] = ",".join(

@@ -1,7 +1,7 @@
 """The ``python`` packing backend: a straightforward pure-Python reference.
 
 Written for clarity, not speed: it is the executable specification that the
-Rust backend must match output for output (tests/test_packing_equivalence.py). The
+Rust backend must match output for output (tests/unit/packing/test_packing_equivalence.py). The
 Arrow layout of its rows is the Rust core's (``row_schema``), and its errors carry the
 Rust core's ``kind``, ``field`` and ``sample_id``.
 Layout rules (DESIGN.md §5): a row's samples form a prefix trie keyed on

@@ -16,7 +16,7 @@ def local_trainer_command(config_path: Path | str, num_ranks: int, server_urls: 
     """The trainer's command on one host: ``python -m grpo_core.train.launch --nproc-per-node N -m grpo_core.train
     --config FILE [--server-url URL ...]`` (torchrun with its stores on loopback only). The one launch of the trainer
     on one host: the flow's (:func:`trainer_command` with ``train.nnodes`` 1), the tests'
-    (``tests/trainer_helpers.torchrun``) and the trainer benchmark's (``benchmarks/trainer/ranks.py``).
+    (``tests/support/trainer_helpers.torchrun``) and the trainer benchmark's (``benchmarks/trainer/ranks.py``).
 
     Args:
         config_path: the trainer's config file (YAML, or a sub-config's JSON).
