@@ -115,3 +115,13 @@ def _restore_environment():
     if dict(os.environ) != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def fake_generation():
+    """A started :class:`fake_generation.FakeGeneration` (tests/support/fake_generation.py): the one scriptable fake
+    of the generation servers' HTTP API; ``fake_generation.url`` is its address, stopped after the test."""
+    from fake_generation import FakeGeneration
+
+    with FakeGeneration() as fake:
+        yield fake
