@@ -4,14 +4,14 @@ fan-out over two servers, and the embedded server's disk sync (pause all, update
 NCCL needs two GPUs and IPC a CUDA device, which CI never has; both ran against a real vLLM
 0.25.1 on an H200 (benchmarks/vllm_weight_sync.py, scripts/gpu_main_job.sh). Here vLLM's
 trainer-side calls are replaced by stand-ins that behave as vLLM 0.25.1's source does
-(``nccl_common.trainer_init``, ``NCCLWeightTransferEngine.trainer_send_weights``,
-``IPCWeightTransferEngine.trainer_send_weights`` collecting one handle per parameter and calling
-the send callable once), and each vLLM server is a real HTTP server that records every request
-and can be told to fail one path. What is asserted comes from vLLM's API, not from this module:
-pause in keep mode (vLLM aborts in-flight requests without it), the init info of the NCCL group,
-the update bodies, and that every paused server is finished and resumed after a failure. Each server
-runs behind the run's guard (``grpo_core.serving.guard``), whose fence takes a replica whose update
-failed out of routing (a ``ReplicaSet`` over the servers shows it).
+(``nccl_common.trainer_init``, ``NCCLWeightTransferEngine.trainer_send_weights`` broadcasting each tensor it is
+given), the CUDA IPC handle of the packed buffer by one naming the buffer's address, and each vLLM server is a real
+HTTP server that records every request and can be told to fail one path. What is asserted comes from vLLM's API, not
+from this module: pause in keep mode (vLLM aborts in-flight requests without it), the init info of the NCCL group,
+the packed update bodies (``IPCWeightTransferUpdateInfo`` / ``NCCLWeightTransferUpdateInfo`` fields), and that every
+paused server is finished and resumed after a failure. Each server runs behind the run's guard
+(``grpo_core.serving.guard``), whose fence takes a replica whose update failed out of routing (a ``ReplicaSet`` over
+the servers shows it). tests/unit/train/test_sync_buffer.py checks the buffer's bytes as vLLM unpacks them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import pickle
 import sys
 import threading
 import types
-from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 import pytest
@@ -126,19 +125,9 @@ async def _next(replay: list, receive):
     return replay.pop() if replay else await receive()
 
 
-@dataclass
-class UpdateInfo:
-    """Shape of vLLM's ``IPCWeightTransferUpdateInfo`` (what the send callable receives)."""
-
-    names: list
-    dtype_names: list
-    shapes: list
-    ipc_handles: list
-    packed: bool = False
-
-
 def stub_vllm(monkeypatch, sent: list) -> None:
-    """Install stand-ins for the vLLM trainer-side modules the sync imports."""
+    """Install stand-ins for the vLLM trainer-side modules the NCCL sync imports, and for the CUDA IPC handle."""
+    from grpo_core.train.weight_sync import vllm as vllm_sync
 
     def trainer_init(info):
         sent.append(("trainer_init", info["world_size"], info["rank_offset"]))
@@ -146,27 +135,19 @@ def stub_vllm(monkeypatch, sent: list) -> None:
 
     class NcclEngine:
         @staticmethod
-        def trainer_send_weights(iterator, args):
-            sent.extend(("broadcast", name, args["group"]) for name, _ in iterator)
+        def trainer_send_weights(iterator, args):  # vLLM 0.25.1 (not packed): one broadcast per tensor given
+            sent.extend(("broadcast", name, tensor.numel(), args["group"]) for name, tensor in iterator)
 
-    class IpcEngine:
-        @staticmethod
-        def trainer_send_weights(iterator, args):
-            names, dtypes, shapes, handles = [], [], [], []
-            for name, tensor in iterator:  # vLLM: one {GPU UUID: rebuild args} per parameter, then one send
-                names.append(name)
-                dtypes.append(str(tensor.dtype).split(".")[-1])
-                shapes.append(list(tensor.shape))
-                handles.append({"GPU-test-uuid": ("handle", name, tuple(tensor.shape))})
-            sent.append(("ipc_send", tuple(names)))
-            args["send_mode"](UpdateInfo(names, dtypes, shapes, handles))
+    def ipc_handle(buffer: torch.Tensor) -> dict:
+        sent.append(("ipc_handle", buffer.numel()))
+        return {"GPU-test-uuid": ("handle", buffer.numel())}
 
+    monkeypatch.setattr(vllm_sync, "cuda_ipc_handle", ipc_handle)
     for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     modules = {
         "nccl_common": {"trainer_init": trainer_init},
         "nccl_engine": {"NCCLWeightTransferEngine": NcclEngine},
-        "ipc_engine": {"IPCWeightTransferEngine": IpcEngine},
     }
     for short, attrs in modules.items():
         module = types.ModuleType(f"vllm.distributed.weight_transfer.{short}")
@@ -210,8 +191,13 @@ def test_nccl_sync_bodies_on_two_servers(monkeypatch, servers):
     sync = VllmWeightTransferSync([a.url, b.url], "nccl", api_key=TOKEN)
     for version in (1, 2):
         stats = sync.sync(tiny_policy(), version, rank=0)
-        phases = [stats[f"perf/weight_sync_{p}_s"] for p in ("pause", "update", "settle")]
-        assert min(phases) >= 0 and sum(phases) == pytest.approx(stats["perf/weight_sync_transfer_s"], abs=1e-6)
+        assert min(v for k, v in stats.items() if k.startswith("perf/")) >= 0
+        # generation is paused only around the copy: the gather comes before, the update and settle inside
+        assert stats["perf/weight_sync_pause_s"] >= stats["perf/weight_sync_update_s"]
+        assert (
+            stats["perf/weight_sync_transfer_s"]
+            >= stats["perf/weight_sync_gather_s"] + stats["perf/weight_sync_pause_s"] - 1e-6
+        )
     for server in (a, b):
         assert [(m, p) for m, p, _, _ in server.calls][:2] == [
             ("GET", "/get_world_size"),
@@ -222,20 +208,23 @@ def test_nccl_sync_bodies_on_two_servers(monkeypatch, servers):
         assert init["master_address"] == "127.0.0.1" and init["rank_offset"] == 1 and init["world_size"] == 2
         assert 0 < init["master_port"] < 65536
         assert server.body("/start_weight_update") == {"is_checkpoint_format": True}
+        # vLLM's packed NCCL update: weight then bias (bf16, 12 + 4 bytes) in one buffer, one broadcast
         assert server.body("/update_weights") == {
             "update_info": {
                 "names": ["attn.q_proj.weight", "attn.q_proj.bias"],
                 "dtype_names": ["bfloat16", "bfloat16"],
                 "shapes": [[2, 3], [2]],
-                "packed": False,
+                "packed": True,
+                "packed_buffer_size_bytes": (6 + 2) * 2,
             }
         }
     ports = {s.body("/init_weight_transfer_engine")["init_info"]["master_port"] for s in (a, b)}
     assert len(ports) == 2, "each server needs its own NCCL group"
-    names = ("attn.q_proj.weight", "attn.q_proj.bias")
-    assert sent == [("trainer_init", 2, 1), ("trainer_init", 2, 1)] + [
-        ("broadcast", n, g) for _ in (1, 2) for g in ("group-1", "group-2") for n in names
-    ]
+    assert sent[:2] == [("trainer_init", 2, 1), ("trainer_init", 2, 1)]
+    # one broadcast of the whole buffer per replica and sync (the replicas' round trips run in parallel)
+    assert sorted(sent[2:]) == sorted(
+        ("broadcast", "packed-weights", 16, g) for _ in (1, 2) for g in ("group-1", "group-2")
+    )
 
 
 def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers):
@@ -246,20 +235,21 @@ def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers
     sync.sync(tiny_policy(), 1, rank=0)
     sync.sync(tiny_policy(), 2, rank=0)
     names = ["attn.q_proj.base_layer.weight", "attn.q_proj.base_layer.bias"]  # --enable-lora wraps the linear layers
-    assert sent == [("ipc_send", tuple(names))] * 2, "one gather per sync serves every server"
+    assert sent == [("ipc_handle", 16)], "one handle, for the packed buffer, made once and sent to every server"
     for server in (a, b):
         assert server.paths() == [("/init_weight_transfer_engine", {})] + per_sync(first=True) + per_sync()
         assert server.body("/init_weight_transfer_engine") == {"init_info": {}}
         info = server.body("/update_weights")["update_info"]
-        assert set(info) == {"names", "dtype_names", "shapes", "packed", "ipc_handles_pickled"}
-        assert (info["names"], info["dtype_names"], info["shapes"], info["packed"]) == (
+        assert set(info) == {"names", "dtype_names", "shapes", "packed", "tensor_sizes", "ipc_handles_pickled"}
+        assert (info["names"], info["dtype_names"], info["shapes"], info["packed"], info["tensor_sizes"]) == (
             names,
             ["bfloat16", "bfloat16"],
             [[2, 3], [2]],
-            False,
+            True,
+            [12, 4],
         )
         handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
-        assert handles == [{"GPU-test-uuid": ("handle", n, s)} for n, s in zip(names, [(2, 3), (2,)])]
+        assert handles == {"GPU-test-uuid": ("handle", 16)}  # packed: one {GPU UUID: handle} for the whole buffer
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])

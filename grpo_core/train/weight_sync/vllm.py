@@ -5,26 +5,37 @@ once; per sync ``/pause?mode=keep`` → ``/start_weight_update`` → the tensors
 (``/update_weights``) → ``/finish_weight_update`` →
 ``/reset_prefix_cache?reset_running_requests=true`` → ``/resume``.
 
+* Gather first, pause only around the copy: every rank copies its parameters' full tensors (FSDP2 ``full_tensor``,
+  collective) into a persistent packed buffer (:class:`.sync_buffer.PackedWeights`: one ``uint8`` tensor allocated on
+  the first sync and reused, one flat view per dtype, a view per parameter) while the servers still generate; only then
+  are they paused, sent the buffer, finished, reset and resumed. A failure before the pause (the gather, the set-up,
+  on any rank) fails the sync on every rank before any server is paused.
 * Pause in keep mode: ``/pause`` without a mode **aborts** every in-flight request
   (``finish_reason: "abort"``, seen on vLLM 0.25.1); keep freezes them and they continue on the
   new weights after ``/resume`` (vLLM recomputes their KV, so no cache of the old weights is
   reused). Whatever fails, every server that was paused gets finish and resume.
-* Several replicas: a fan-out. Every replica is paused and started at once, all or nothing (a refused
-  pause is retried every ``server.control_retry_s`` until ``server.control_timeout_s``; then the sync
-  fails before any weight moves, naming the replica, and the paused ones are resumed); the update goes
-  to every replica; a replica it failed on is fenced off before its resume (``POST /grpo/stale``, see
+* Several replicas: one pause→update→resume round trip per replica, all in parallel, with one rendezvous after the
+  pause: every replica is paused and started, all or nothing (a refused pause is retried every
+  ``server.control_retry_s`` until ``server.control_timeout_s``; then the sync fails before any weight moves, naming
+  the replica, and the paused ones are resumed); then each replica takes the update and is finished and resumed on
+  its own, without waiting for the others' updates (NCCL broadcasts go one replica at a time: they share rank 0's
+  GPU). A replica the update failed on is fenced off before its resume (``POST /grpo/stale``, see
   :mod:`grpo_core.serving.guard`: 503 on ``/health`` and generation requests, so every router routes
   around it and counts it) until a later sync reaches it, while the others serve the new version
   (``weight_sync/failed_replica_count``). The sync fails only when the update reached no replica.
   Full weights cannot be rolled back (the trainer holds only the new ones), unlike LoRA loads.
-* ``ipc`` (trainer and server on the same GPU): every rank calls vLLM's
-  ``IPCWeightTransferEngine.trainer_send_weights`` with full tensors on its own GPU and a
-  send callable; rank 0 frames the update as vLLM's HTTP transport does
-  (:func:`ipc_update_body`: names, dtypes, shapes and the base64 pickled CUDA IPC handles) and
-  posts it to every server, so one gather serves all of them.
+* vLLM's packed transfer (``vllm/distributed/weight_transfer/packed_tensor.py``): the update names every tensor with
+  its dtype, shape and byte size, and the bytes travel as one buffer in that order.
+* ``ipc`` (trainer and server on the same GPU): one CUDA IPC handle for the whole buffer (``packed: true``,
+  ``tensor_sizes``; the server's ``packed_ipc_consumer`` splits and clones it), made once on the first sync
+  (:func:`cuda_ipc_handle`, as vLLM's ``IPCWeightTransferEngine`` makes its handles: ``reduce_tensor``, keyed by the
+  GPU's UUID; with several ranks every rank's handle, merged, so each vLLM worker finds its own GPU). The update body
+  is framed once as vLLM's HTTP transport frames it (base64 pickled handles) and the same body goes to every server.
 * ``nccl`` (different GPUs): rank 0 joins each server's weight-transfer NCCL group as rank 0
-  (``trainer_init``) and broadcasts every tensor while the server's ``/update_weights``
-  (names, dtypes, shapes) receives them.
+  (``trainer_init``) and broadcasts the buffer as one tensor (``NCCLWeightTransferEngine.trainer_send_weights``)
+  while the server's ``/update_weights`` receives it with vLLM's packed consumer, told
+  ``packed_buffer_size_bytes`` = the buffer's size: its chunk closes only past that size, so it takes the
+  whole buffer in one broadcast.
 
 With ``--enable-lora`` vLLM's linear and embedding layers gain a ``.base_layer``
 segment; ``lora_names=True`` maps the trainer's names accordingly (a wrong name
@@ -39,7 +50,6 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +73,8 @@ from grpo_core.serving.protocol import (
     WORLD_SIZE_PATH,
 )
 
+from .sync_buffer import PackedWeights
+
 if TYPE_CHECKING:
     from ..policy import Policy
 
@@ -85,16 +97,6 @@ def vllm_name(name: str, lora_names: bool, name_map: dict[str, str] | None = Non
     name = name.removeprefix("lm.")
     name = name_map.get(name, name) if name_map else name
     return _LORA_WRAPPED.sub(r".\1.base_layer.\2", name) if lora_names else name
-
-
-def full_tensors(
-    policy: Policy, lora_names: bool, name_map: dict[str, str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(vLLM name, full tensor on this rank's GPU)``, one parameter at a time (collective)."""
-    for name, p in policy.named_parameters():
-        t = p.detach()
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        yield vllm_name(name, lora_names, name_map), t
 
 
 def ipc_update_body(update_info: Any) -> dict[str, Any]:
@@ -164,6 +166,9 @@ class VllmWeightTransferSync:
         # weights). Replicas without our guard (404: an external vLLM) are not asked again.
         self._unguarded: set[str] = set()
         self._failed: dict[str, str] = {}  # replicas whose update failed in the sync under way
+        self.weights: PackedWeights | None = None  # the persistent packed buffer, made on the first sync
+        self._body: dict[str, Any] | None = None  # the /update_weights body of every sync, made on the first
+        self._handle: dict[str, tuple] | None = None  # this rank's CUDA IPC handle of the buffer (ipc)
 
     def _post(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> dict:
         try:
@@ -199,67 +204,107 @@ class VllmWeightTransferSync:
     def sync(self, policy: Policy, version: int, rank: int) -> dict[str, float]:
         """Push the policy's weights to every server as version ``version`` (collective).
 
-        A fan-out over the replicas: every replica is paused (keep) and started (all or nothing: a replica that
-        still refuses after ``control_timeout_s`` of retries fails the sync before any weight moves), the update goes
-        to every replica, then every paused replica is finished, reset and resumed whatever happened. A replica whose
-        update failed is fenced off first (``POST /grpo/stale``, :mod:`grpo_core.serving.guard`: out of every
-        router's set until an update reaches it, or it restarts); the others serve the new version.
+        Every rank first gathers the full weights into the persistent packed buffer while the servers generate; the
+        ranks then agree that it worked (one ``all_gather_object``, which also carries the CUDA IPC handles on the first
+        sync), and only then does rank 0 run one round trip per replica, in parallel: pause (keep) and start, all or
+        nothing (a replica that still refuses after ``control_timeout_s`` of retries fails the sync before any weight
+        moves), the update, then finish, prefix-cache reset and resume whatever happened. A replica whose update
+        failed is fenced off before its resume (``POST /grpo/stale``, :mod:`grpo_core.serving.guard`: out of every
+        router's set until an update reaches it, or it restarts); the others serve the new version. The other ranks
+        wait at a barrier until the servers have read the buffers.
 
         Returns:
-            (rank 0) ``perf/weight_sync_transfer_s`` (seconds, split into ``perf/weight_sync_pause_s``: the name
-            map and transfer-engine set-up on first use, pause and start on every replica;
-            ``perf/weight_sync_update_s``: the barriers, gather and send; ``perf/weight_sync_settle_s``: finish,
-            prefix-cache reset and resume) and ``weight_sync/failed_replica_count`` (replicas the update
-            failed on, fenced off; the run's total is the metric's sum).
+            (rank 0) in seconds: ``perf/weight_sync_transfer_s`` (the whole sync), ``perf/weight_sync_gather_s`` (the
+            gather into the buffer and the ranks' agreement, plus the name map, buffer allocation and transfer-engine
+            set-up on first use; generation runs meanwhile), ``perf/weight_sync_pause_s`` (the time generation was
+            paused: the first ``/pause`` sent to the last ``/resume`` answered), and within it, over the replicas,
+            the longest ``perf/weight_sync_update_s`` (the update, after every replica paused) and
+            ``perf/weight_sync_settle_s`` (finish, prefix-cache reset and resume); and
+            ``weight_sync/failed_replica_count`` (replicas the update failed on, fenced off; the run's total is the
+            metric's sum).
 
         Raises:
             ControlFanOutError: a replica refused the pause or start (names it); every paused replica was resumed.
             ServingError: the update failed on every replica (nothing serves the new version), or the clean-up
-                failed; every paused server was still sent finish, prefix-cache reset and resume.
+                failed; every paused server was still sent finish, prefix-cache reset and resume. Any error of the
+                gather or set-up (on any rank) is raised on every rank before any server is paused.
         """
         t0 = time.perf_counter()
-        if self.name_map is None and self.model_dir is not None:
-            from grpo_core.models.text_model import checkpoint_name_map
-
-            self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
-        paused: list[str] = []
-        error: BaseException | None = None
-        self._failed = {}
-        try:
-            if rank == 0:
-                if not self.initialised:
-                    self._initialise()
-                self._pause_all(paused, version)
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the collective: the other ranks still meet us
-            error = exc
-        t_paused = time.perf_counter()
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        try:
-            # Gathering full tensors is collective, so every rank takes part even when rank 0 already failed.
-            self._send(policy, rank, skip_post=error is not None)
-        except BaseException as exc:  # noqa: BLE001 - re-raised after the barrier below
-            error = error or exc
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.barrier()
-            t_sent = time.perf_counter()
-            if rank == 0:
-                error = self._settle(paused, version, error)
+        error = self._gather(policy, rank)
         if error is not None:
             raise error
+        t_gathered = time.perf_counter()
         if rank != 0:
+            _barrier()  # the servers read this rank's buffer (IPC) until rank 0 is done
             return {}
-        end = time.perf_counter()
-        # the phases, to tell a slow keep-mode pause (requests finishing their engine step) from a slow transfer
-        # or a slow finish/reset/resume
+        self._failed = {}
+        try:
+            phases = self._round_trips(version)
+            t_resumed = time.perf_counter()
+        finally:
+            _barrier()
+        self._lift_fences(version)
         return {
-            "perf/weight_sync_transfer_s": end - t0,
-            "perf/weight_sync_pause_s": t_paused - t0,
-            "perf/weight_sync_update_s": t_sent - t_paused,
-            "perf/weight_sync_settle_s": end - t_sent,
+            "perf/weight_sync_transfer_s": time.perf_counter() - t0,
+            "perf/weight_sync_gather_s": t_gathered - t0,
+            "perf/weight_sync_pause_s": t_resumed - t_gathered,
+            "perf/weight_sync_update_s": max(p[0] for p in phases),
+            "perf/weight_sync_settle_s": max(p[1] for p in phases),
             "weight_sync/failed_replica_count": float(len(self._failed)),
         }
+
+    def _gather(self, policy: Policy, rank: int) -> BaseException | None:
+        """Set up on first use, gather into the buffer (collective), and agree across ranks; returns the error every
+        rank raises (the first rank's that failed), or None."""
+        error: BaseException | None = None
+        try:
+            if self.name_map is None and self.model_dir is not None:
+                from grpo_core.models.text_model import checkpoint_name_map
+
+                self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
+            if self.weights is None:
+                self.weights = PackedWeights.for_policy(
+                    policy, lambda name: vllm_name(name, self.lora_names, self.name_map)
+                )
+            if rank == 0 and not self.initialised:
+                self._initialise()
+        except BaseException as exc:  # noqa: BLE001 - every rank still gathers (collective), then all raise
+            error = exc
+        handle = None
+        try:
+            if self.weights is not None:
+                self.weights.gather(policy)
+                if error is None and self.backend == "ipc" and self._body is None:
+                    if self._handle is None:  # once per buffer, even when the first exchange failed
+                        self._handle = cuda_ipc_handle(self.weights.buffer)
+                    handle = self._handle
+        except BaseException as exc:  # noqa: BLE001 - shared with the other ranks below, then raised
+            error = error or exc
+        mine = (None if error is None else f"{type(error).__name__}: {error}", handle)
+        every = _all_gather(mine)
+        failed = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
+        if error is None and failed:
+            error = ServingError(
+                f"weight sync: rank {failed[0][0]} failed before the pause ({failed[0][1]}); no server was paused"
+            )
+        if error is None and self._body is None:
+            self._body = self._update_body([h for _, h in every])
+        return error
+
+    def _update_body(self, handles: list[dict[str, tuple] | None]) -> dict[str, Any]:
+        """The ``/update_weights`` body of every sync (the buffer, its layout and handle never change)."""
+        assert self.weights is not None
+        fields: dict[str, Any] = self.weights.update_fields()
+        if self.backend == "nccl":  # NCCLWeightTransferUpdateInfo has no tensor_sizes (its consumer computes them)
+            del fields["tensor_sizes"]
+            fields.update(packed=True, packed_buffer_size_bytes=int(self.weights.buffer.numel()))
+            return {"update_info": fields}
+        merged: dict[str, tuple] = {}
+        for h in handles:  # every rank's GPU: each vLLM worker finds its own UUID
+            merged.update(h or {})
+        fields.update(packed=True)
+        fields["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(merged)).decode("ascii")
+        return {"update_info": fields}
 
     def _retry(self, url: str, path: str, body: dict | None = None, params: dict | None = None) -> None:
         """``_post`` under the control calls' one retry policy (:func:`grpo_core.serving.replicas.retry_control`:
@@ -269,25 +314,43 @@ class VllmWeightTransferSync:
 
         retry_control(url, lambda: self._post(url, path, body, params), self.control_retry_s, self.control_timeout_s)
 
-    def _pause_all(self, paused: list[str], version: int) -> None:
-        """Pause (keep) and start the update on every replica at once, all or nothing.
+    def _round_trips(self, version: int) -> list[tuple[float, float]]:
+        """One pause→update→resume round trip per replica, in parallel (see :meth:`sync`).
+
+        Returns:
+            ``(update seconds, settle seconds)`` per replica.
 
         Raises:
-            ControlFanOutError: some replica refused (names it); the caller resumes every one in ``paused``.
+            ControlFanOutError: some replica refused the pause or start (names it); every paused one was resumed.
+            ServingError: the update reached no replica, or a clean-up call failed.
         """
         from grpo_core.serving.replicas import ControlFanOutError
 
-        def pause(url: str) -> str | None:
+        paused: list[str] = []
+        refused: dict[str, str] = {}
+        gate = threading.Barrier(len(self.urls))
+        send_lock = threading.Lock()  # NCCL: one broadcast at a time from rank 0's GPU
+
+        def round_trip(index: int, url: str) -> tuple[float, float, BaseException | None]:
             paused.append(url)  # from here on it gets finish and resume, whatever happens
             try:
                 self._retry(url, PAUSE_PATH, params=PAUSE_KEEP)
                 self._retry(url, START_WEIGHT_UPDATE_PATH, {"is_checkpoint_format": True})
-            except ServingError as exc:
-                return str(exc)
-            return None
+            except BaseException as exc:  # noqa: BLE001 - every replica must reach the gate
+                refused[url] = str(exc)
+            gate.wait()  # all or nothing: no weight moves until every replica is paused and started
+            t_go = time.perf_counter()
+            if not refused:
+                self._update_one(index, url, send_lock)
+                if url in self._failed:  # before its resume: it must not serve a version it does not hold
+                    self._fence(url, version)
+            t_sent = time.perf_counter()
+            failed = self._finish(url)
+            return t_sent - t_go, time.perf_counter() - t_sent, failed
 
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            refused = {u: e for u, e in zip(self.urls, pool.map(pause, self.urls)) if e is not None}
+            results = list(pool.map(round_trip, range(len(self.urls)), self.urls))
+        error = next((e for _, _, e in results if e is not None), None)
         if refused:
             raise ControlFanOutError(
                 f"weight sync v{version}: pause failed on {len(refused)} of {len(self.urls)} replicas after retrying "
@@ -296,35 +359,46 @@ class VllmWeightTransferSync:
                 + f"; no weights were sent, every paused replica is resumed ({', '.join(paused)})",
                 refused,
                 paused,
+            ) from error
+        if self._failed:
+            logger.error(
+                "weight sync v%d failed on %d of %d replicas; out of routing until an update reaches them: %s",
+                version,
+                len(self._failed),
+                len(self.urls),
+                "; ".join(f"{u}: {e}" for u, e in self._failed.items()),
             )
-
-    def _settle(self, paused: list[str], version: int, error: BaseException | None) -> BaseException | None:
-        """After the update: fence off the replicas it failed on, finish and resume every paused one, lift the fence
-        of those it reached; returns the error to raise (the first one), or None."""
-        if error is None:
-            for url, reason in self._failed.items():
-                self.stale[url] = f"weight update to policy version {version} failed: {reason}"
-                try:  # before its resume: it must not serve a version it does not hold
-                    self._post(url, STALE_PATH, {"stale": True, "reason": self.stale[url]})
-                except ServingError as exc:
-                    logger.error("could not fence off %s (is grpo_core.serving.guard installed?): %s", url, exc)
-            if self._failed:
-                logger.error(
-                    "weight sync v%d failed on %d of %d replicas; out of routing until an update reaches them: %s",
-                    version,
-                    len(self._failed),
-                    len(self.urls),
-                    "; ".join(f"{u}: {e}" for u, e in self._failed.items()),
-                )
-            if self._failed and len(self._failed) == len(self.urls):
-                error = ServingError(
-                    f"weight sync v{version} failed on every replica: "
-                    + "; ".join(f"{u}: {e}" for u, e in self._failed.items())
-                )
-        error = self._finish(paused, error)
+        if len(self._failed) == len(self.urls):
+            raise ServingError(
+                f"weight sync v{version} failed on every replica: "
+                + "; ".join(f"{u}: {e}" for u, e in self._failed.items())
+            ) from error
         if error is not None:
-            return error
-        for url in [u for u in paused if u not in self._failed and u not in self._unguarded]:
+            raise error
+        return [(u, s) for u, s, _ in results]
+
+    def _update_one(self, index: int, url: str, send_lock: threading.Lock) -> None:
+        """The update on one replica; a failure goes to ``_failed``."""
+        try:
+            if self.backend == "ipc":
+                self._post(url, UPDATE_WEIGHTS_PATH, self._body)
+            else:
+                with send_lock:
+                    self._send_nccl(index, url)
+        except Exception as exc:  # noqa: BLE001 - that replica's update failed (HTTP answer or its broadcast)
+            self._failed[url] = str(exc) if isinstance(exc, ServingError) else f"{type(exc).__name__}: {exc}"
+
+    def _fence(self, url: str, version: int) -> None:
+        """Take a replica whose update failed out of routing (``POST /grpo/stale``)."""
+        self.stale[url] = f"weight update to policy version {version} failed: {self._failed[url]}"
+        try:
+            self._post(url, STALE_PATH, {"stale": True, "reason": self.stale[url]})
+        except ServingError as exc:
+            logger.error("could not fence off %s (is grpo_core.serving.guard installed?): %s", url, exc)
+
+    def _lift_fences(self, version: int) -> None:
+        """A replica that took the update serves ``version``: its fence comes down (whoever raised it)."""
+        for url in [u for u in self.urls if u not in self._failed and u not in self._unguarded]:
             try:
                 self._post(url, STALE_PATH, {"stale": False, "version": version})
             except ServingError as exc:
@@ -339,78 +413,33 @@ class VllmWeightTransferSync:
                 continue
             if self.stale.pop(url, None) is not None:
                 logger.warning("replica %s holds policy version %d again; it rejoins the routing", url, version)
-        return None
 
-    def _finish(self, paused: list[str], error: BaseException | None) -> BaseException | None:
-        """Finish, reset and resume every paused server, even after a failure; returns the first error."""
-
-        def finish(url: str) -> BaseException | None:
-            first = None
-            for path, params in (
-                (FINISH_WEIGHT_UPDATE_PATH, None),
-                (RESET_PREFIX_CACHE_PATH, RESET_ALL),
-                (RESUME_PATH, None),
-            ):
-                try:
-                    self._post(url, path, params=params)
-                except ServingError as exc:
-                    logger.error("weight sync clean-up %s%s failed: %s", url, path, exc)
-                    first = first or exc
-            return first
-
-        if paused:
-            with ThreadPoolExecutor(len(paused)) as pool:
-                for failed in pool.map(finish, list(paused)):
-                    error = error or failed
-        return error
-
-    def _send(self, policy: Policy, rank: int, skip_post: bool = False) -> None:
-        if self.backend == "ipc":
-            from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
-
-            post = (lambda info: None) if skip_post else self._post_ipc_update
-            IPCWeightTransferEngine.trainer_send_weights(
-                full_tensors(policy, self.lora_names, self.name_map), {"send_mode": post}
-            )
-            return
-        tensors = list(
-            full_tensors(policy, self.lora_names, self.name_map)
-        )  # full_tensor is collective: every rank gathers
-        if rank != 0 or skip_post:
-            return
-        for index, url in enumerate(self.urls):  # one NCCL group per replica; a failure moves on to the next
+    def _finish(self, url: str) -> BaseException | None:
+        """Finish, reset and resume a paused server, each even after a failure; returns the first error."""
+        first = None
+        for path, params in (
+            (FINISH_WEIGHT_UPDATE_PATH, None),
+            (RESET_PREFIX_CACHE_PATH, RESET_ALL),
+            (RESUME_PATH, None),
+        ):
             try:
-                self._send_nccl(tensors, index, url)
-            except Exception as exc:  # noqa: BLE001 - that replica's update failed (HTTP answer or its broadcast)
-                self._failed[url] = f"{type(exc).__name__}: {exc}"
-
-    def _post_ipc_update(self, update_info: Any) -> None:
-        """Rank 0's send callable: the same framed update to every server at once (failures go to ``_failed``)."""
-        body = ipc_update_body(update_info)
-
-        def post(url: str) -> None:
-            try:
-                self._post(url, UPDATE_WEIGHTS_PATH, body)
+                self._post(url, path, params=params)
             except ServingError as exc:
-                self._failed[url] = str(exc)
+                logger.error("weight sync clean-up %s%s failed: %s", url, path, exc)
+                first = first or exc
+        return first
 
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            list(pool.map(post, self.urls))
-
-    def _send_nccl(self, tensors: list[tuple[str, torch.Tensor]], index: int, url: str) -> None:
+    def _send_nccl(self, index: int, url: str) -> None:
+        """Broadcast the packed buffer to one replica's NCCL group while its ``/update_weights`` receives it."""
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-        info = {
-            "names": [n for n, _ in tensors],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-            "shapes": [list(t.shape) for _, t in tensors],
-            "packed": False,
-        }
+        assert self.weights is not None
         failed: list[BaseException] = []
+        packed = [(PACKED_NAME, self.weights.buffer)]
 
         def broadcast() -> None:
             try:
-                NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), {"group": self.groups[index]})
+                NCCLWeightTransferEngine.trainer_send_weights(iter(packed), {"group": self.groups[index]})
             except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                 failed.append(exc)
 
@@ -418,7 +447,40 @@ class VllmWeightTransferSync:
         # server's receive stays here, so a server that refuses the update raises instead of hanging the trainer.
         sender = threading.Thread(target=broadcast, name="nccl-weight-broadcast", daemon=True)
         sender.start()
-        self._post(url, UPDATE_WEIGHTS_PATH, {"update_info": info})
+        self._post(url, UPDATE_WEIGHTS_PATH, self._body)
         sender.join()
         if failed:
             raise failed[0]
+
+
+#: The name the packed buffer's one broadcast goes under (vLLM's unpacked send ignores names).
+PACKED_NAME = "packed-weights"
+
+
+def cuda_ipc_handle(buffer: torch.Tensor) -> dict[str, tuple]:
+    """``{physical GPU UUID: rebuild_cuda_tensor args}`` of ``buffer``, made as vLLM 0.25.1's
+    ``IPCWeightTransferEngine`` makes its handles (``torch.multiprocessing.reductions.reduce_tensor``). Made once per
+    buffer: the buffer persists, so the handle stays valid for every sync.
+
+    Args:
+        buffer: the packed ``uint8`` buffer on a CUDA device.
+    """
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    uuid = str(torch.cuda.get_device_properties(buffer.device).uuid)
+    _, args = reduce_tensor(buffer)
+    return {uuid: args}
+
+
+def _all_gather(item: Any) -> list[Any]:
+    """Every rank's ``item`` (``all_gather_object``); ``[item]`` without a process group."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [item]
+    every: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, item)
+    return every
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

@@ -1,0 +1,325 @@
+"""The vLLM full-weight sync's persistent packed buffer (issue 25, item 5): gathered before any pause, allocated once,
+read back bit-exactly by vLLM's packed consumer rule, one round trip per replica in parallel.
+
+The servers are plain recording HTTP servers (every request with its arrival number); the gather is observed by
+wrapping ``PackedWeights.gather``, so the order of gather and pauses is the order events arrived. What a vLLM 0.25.1
+server does with the bytes is written out from its source (``vllm/distributed/weight_transfer/packed_tensor.py``,
+``unpack_tensor``: split the buffer by ``tensor_sizes`` in ``names`` order, read each piece as its dtype and shape),
+independently of the trainer's layout code. No CUDA here: the IPC handle is a stand-in naming the buffer's address.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import pickle
+import sys
+import threading
+import time
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import torch
+
+from grpo_core.errors import ServingError
+from grpo_core.train.weight_sync import vllm as vllm_sync
+from grpo_core.train.weight_sync.sync_buffer import PackedWeights
+from grpo_core.train.weight_sync.vllm import VllmWeightTransferSync
+
+ARRIVALS = itertools.count()
+CLEANUP = ["/finish_weight_update", "/reset_prefix_cache", "/resume"]
+
+
+class Recorder:
+    """A real HTTP server on a free port recording ``(arrival, path, query, body)`` of every POST; ``on[path]`` is
+    called (in the request's thread) before it answers 200."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str, dict, object]] = []
+        self.on: dict[str, object] = {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                parts = urlsplit(self.path)
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "POST":
+                    outer.calls.append((next(ARRIVALS), parts.path, parse_qs(parts.query), json.loads(raw or b"null")))
+                hook = outer.on.get(parts.path)
+                if callable(hook):
+                    hook()
+                data = json.dumps({"world_size": 1}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer  # noqa: N815 - http.server's handler names
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def paths(self) -> list[str]:
+        return [p for _, p, _, _ in self.calls]
+
+    def arrival(self, path: str) -> list[int]:
+        return [n for n, p, _, _ in self.calls if p == path]
+
+    def body(self, path: str) -> object:
+        return next(b for _, p, _, b in self.calls if p == path)
+
+
+@pytest.fixture
+def servers():
+    made: list[Recorder] = []
+
+    def make() -> Recorder:
+        made.append(Recorder())
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.http.shutdown()
+        s.http.server_close()
+
+
+class TiedPolicy(torch.nn.Module):
+    """bf16 and fp32 parameters of odd sizes (a bf16 piece before an fp32 one would misalign it), an output head
+    tied to the embedding (``named_parameters`` lists it once), under the trainer's ``lm.`` prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = torch.nn.Module()
+        self.lm.embed_tokens = torch.nn.Embedding(7, 3).to(torch.bfloat16)
+        self.lm.norm = torch.nn.LayerNorm(3)  # fp32: weight and bias of 3 elements (12 bytes)
+        self.lm.q_proj = torch.nn.Linear(3, 5).to(torch.bfloat16)  # bias: 5 elements, 10 bytes
+        self.lm.lm_head = torch.nn.Linear(3, 7, bias=False).to(torch.bfloat16)
+        self.lm.lm_head.weight = self.lm.embed_tokens.weight
+        self.lm.scale = torch.nn.Parameter(torch.randn(1, dtype=torch.float64))  # 8-byte elements
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, dtype=torch.float64).to(p.dtype))
+
+    def perturb(self, step: int) -> None:
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(torch.full_like(p, 0.5 * step))
+
+
+def vllm_unpack(buffer: torch.Tensor, info: dict) -> dict[str, torch.Tensor]:
+    """What a vLLM 0.25.1 server reads from a packed update (``packed_tensor.unpack_tensor``): the buffer split by
+    ``tensor_sizes`` in ``names`` order, each piece viewed as its dtype (which needs its offset to be a multiple of the
+    dtype's size, or ``view`` raises) and shape."""
+    pieces = buffer[: sum(info["tensor_sizes"])].split(info["tensor_sizes"])
+    return {
+        name: piece.contiguous().view(getattr(torch, dtype)).view(*shape)
+        for name, dtype, shape, piece in zip(info["names"], info["dtype_names"], info["shapes"], pieces)
+    }
+
+
+def fake_ipc(monkeypatch) -> list[torch.Tensor]:
+    """Stand-in for the CUDA IPC handle (no GPU here): names the buffer's address and size; returns the buffers it
+    was asked for."""
+    asked: list[torch.Tensor] = []
+
+    def handle(buffer: torch.Tensor) -> dict[str, tuple]:
+        asked.append(buffer)
+        return {"GPU-test-uuid": ("ipc", buffer.data_ptr(), buffer.numel())}
+
+    monkeypatch.setattr(vllm_sync, "cuda_ipc_handle", handle)
+    return asked
+
+
+def record_gathers(monkeypatch) -> list[int]:
+    """Arrival numbers of every gather into the packed buffer (the same counter as the servers' requests)."""
+    gathers: list[int] = []
+    original = PackedWeights.gather
+
+    def gather(self, policy) -> None:
+        gathers.append(next(ARRIVALS))
+        original(self, policy)
+
+    monkeypatch.setattr(PackedWeights, "gather", gather)
+    return gathers
+
+
+def test_the_buffer_reproduces_every_weight_bit_exactly_as_vllm_unpacks_it():
+    policy = TiedPolicy()
+    weights = PackedWeights.for_policy(policy, lambda name: name.removeprefix("lm."))
+    weights.gather(policy)
+    info = weights.update_fields()
+    # the buffer holds each distinct parameter once, no padding: its size is the sum the math gives
+    distinct = {p.data_ptr(): p for p in policy.parameters()}.values()
+    assert weights.buffer.dtype == torch.uint8
+    assert weights.buffer.numel() == sum(p.numel() * p.element_size() for p in distinct) == sum(info["tensor_sizes"])
+    assert {str(p.dtype) for p in distinct} == {"torch.bfloat16", "torch.float32", "torch.float64"}  # the set-up
+    served = vllm_unpack(weights.buffer, info)
+    state = policy.state_dict()
+    assert "lm.lm_head.weight" in state and "lm_head.weight" not in served  # tied: sent once, re-tied by the server
+    for key, tensor in state.items():
+        name = key.removeprefix("lm.")
+        if name == "lm_head.weight":
+            name = "embed_tokens.weight"
+        assert served[name].dtype == tensor.dtype and torch.equal(served[name], tensor), key
+    # the trainer's own views and per-dtype flat tensors are the same bytes
+    for name, view in weights.views():
+        assert torch.equal(view, served[name]) and view.data_ptr() == served[name].data_ptr()
+    assert set(weights.flat) == {torch.bfloat16, torch.float32, torch.float64}
+    for dtype, flat in weights.flat.items():
+        assert flat.dtype == dtype and flat.dim() == 1
+        assert torch.equal(
+            flat,
+            torch.cat(
+                [
+                    served[n].reshape(-1)
+                    for n, d in zip(info["names"], info["dtype_names"])
+                    if getattr(torch, d) == dtype
+                ]
+            ),
+        )
+
+
+def test_ipc_sync_gathers_before_the_first_pause_into_one_buffer_and_sends_one_handle(monkeypatch, servers):
+    asked = fake_ipc(monkeypatch)
+    gathers = record_gathers(monkeypatch)
+    a, b = servers(), servers()
+    sync = VllmWeightTransferSync([a.url, b.url], "ipc", api_key="test-token")
+    policy = TiedPolicy()
+    buffers = []
+    for version in (1, 2, 3):
+        policy.perturb(version)
+        a.calls.clear(), b.calls.clear()
+        stats = sync.sync(policy, version, rank=0)
+        assert sync.weights is not None
+        buffers.append((sync.weights.buffer.data_ptr(), sync.weights.buffer.untyped_storage().data_ptr()))
+        for server in (a, b):
+            assert server.paths()[-7:] == [
+                "/pause",
+                "/start_weight_update",
+                "/update_weights",
+                *CLEANUP,
+                "/grpo/stale",
+            ]
+            assert gathers[-1] < min(server.arrival("/pause")), "the gather ends before any replica is paused"
+            info = server.body("/update_weights")["update_info"]
+            assert info["packed"] is True and set(info) == {
+                "names",
+                "dtype_names",
+                "shapes",
+                "tensor_sizes",
+                "packed",
+                "ipc_handles_pickled",
+            }
+            handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+            assert handles == {"GPU-test-uuid": ("ipc", buffers[-1][0], sum(info["tensor_sizes"]))}  # one handle
+            served = vllm_unpack(sync.weights.buffer, info)  # what the server reads through the handle
+            for key, tensor in policy.state_dict().items():
+                name = key.removeprefix("lm.").replace("lm_head.weight", "embed_tokens.weight")
+                assert torch.equal(served[name], tensor), (version, key)
+        assert stats["perf/weight_sync_pause_s"] >= max(stats["perf/weight_sync_update_s"], 0.0)
+        assert stats["weight_sync/failed_replica_count"] == 0
+    assert len(gathers) == 3 and len(set(buffers)) == 1, "one buffer, allocated on the first sync, reused"
+    assert len(asked) == 1, "the CUDA IPC handle is made once, for the persistent buffer"
+
+
+def test_nccl_sync_broadcasts_the_packed_buffer_once_per_replica(monkeypatch, servers):
+    sent: list = []
+    groups = itertools.count(1)
+    gathers = record_gathers(monkeypatch)
+
+    class NcclEngine:  # vLLM 0.25.1: trainer_send_weights(iterator, {"group": ...}) broadcasts each tensor
+        @staticmethod
+        def trainer_send_weights(iterator, args):
+            sent.extend(
+                (name, tensor.data_ptr(), tensor.numel(), args["group"], next(ARRIVALS)) for name, tensor in iterator
+            )
+
+    stub = {
+        "vllm.distributed.weight_transfer.nccl_common": {"trainer_init": lambda info: f"group-{next(groups)}"},
+        "vllm.distributed.weight_transfer.nccl_engine": {"NCCLWeightTransferEngine": NcclEngine},
+    }
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for name, attrs in stub.items():
+        module = types.ModuleType(name)
+        for key, value in attrs.items():
+            setattr(module, key, value)
+        monkeypatch.setitem(sys.modules, name, module)
+    a, b = servers(), servers()
+    sync = VllmWeightTransferSync([a.url, b.url], "nccl", api_key="test-token")
+    policy = TiedPolicy()
+    for version in (1, 2):
+        sync.sync(policy, version, rank=0)
+    assert sync.weights is not None
+    size = sync.weights.buffer.numel()
+    ptr = sync.weights.buffer.data_ptr()
+    assert sorted(s[:4] for s in sent) == sorted(
+        (vllm_sync.PACKED_NAME, ptr, size, g) for g in ("group-1", "group-2") for _ in (1, 2)
+    ), "one broadcast of the whole buffer per replica and sync"
+    for server in (a, b):
+        info = server.body("/update_weights")["update_info"]
+        # NCCLWeightTransferUpdateInfo's fields: a consumer told this buffer size takes the buffer in one broadcast
+        assert info == {
+            "names": [n for n, _ in sync.weights.views()],
+            "dtype_names": [str(v.dtype).removeprefix("torch.") for _, v in sync.weights.views()],
+            "shapes": [list(v.shape) for _, v in sync.weights.views()],
+            "packed": True,
+            "packed_buffer_size_bytes": size,
+        }
+        pauses = server.arrival("/pause")
+        assert gathers[0] < pauses[0] < gathers[1] < pauses[1], "each sync gathers before it pauses a replica"
+
+
+def test_a_replica_resumes_without_waiting_for_another_replicas_update(monkeypatch, servers):
+    """One round trip per replica: the slow replica's update is still running when the other one is resumed (the
+    slow one waits for that resume; were the phases joined, it would wait out its deadline instead)."""
+    fake_ipc(monkeypatch)
+    slow, quick = servers(), servers()
+    saw_resume: list[bool] = []
+
+    def wait_for_quick_resume() -> None:
+        deadline = time.monotonic() + 30
+        while "/resume" not in quick.paths() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        saw_resume.append("/resume" in quick.paths())
+
+    slow.on["/update_weights"] = wait_for_quick_resume
+    sync = VllmWeightTransferSync([slow.url, quick.url], "ipc", api_key="test-token")
+    sync.sync(TiedPolicy(), 1, rank=0)
+    assert saw_resume == [True]
+    assert max(quick.arrival("/resume")) < min(slow.arrival("/finish_weight_update"))
+    # still all or nothing: both were paused and started before either update
+    starts = slow.arrival("/start_weight_update") + quick.arrival("/start_weight_update")
+    assert max(starts) < min(slow.arrival("/update_weights") + quick.arrival("/update_weights"))
+
+
+def test_a_failed_gather_raises_before_any_pause(monkeypatch, servers):
+    fake_ipc(monkeypatch)
+    server = servers()
+    sync = VllmWeightTransferSync([server.url], "ipc", api_key="test-token")
+
+    def boom(self, policy) -> None:
+        raise RuntimeError("out of memory in full_tensor")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PackedWeights, "gather", boom)
+        with pytest.raises(RuntimeError, match="out of memory in full_tensor"):
+            sync.sync(TiedPolicy(), 1, rank=0)
+    assert server.paths() == ["/init_weight_transfer_engine"], "nothing paused, so nothing resumed"
+
+    policy = TiedPolicy()
+    sync.sync(policy, 1, rank=0)  # the next sync works
+    assert server.paths()[-7:-4] == ["/pause", "/start_weight_update", "/update_weights"]
+    server.calls.clear()
+    policy.lm.extra = torch.nn.Linear(2, 2)  # the layout the buffer was made for no longer holds
+    with pytest.raises(ServingError, match="parameters changed since the first sync"):
+        sync.sync(policy, 2, rank=0)
+    assert server.calls == []
