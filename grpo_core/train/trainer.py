@@ -15,6 +15,7 @@ host plans, hands off rows and logs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -256,10 +257,12 @@ class Trainer:
     # -- resume --------------------------------------------------------------------------
     def _resume(self) -> tuple[checkpoint.PromptTracker, object]:
         path = checkpoint.latest_checkpoint(self.output_dir)
+        self.num_tokens = 0  # the run's forwarded tokens so far (``num_tokens``; rank 0 counts, a resume continues)
         if path is None:
             return checkpoint.PromptTracker(), None
         state, pending = checkpoint.load(path, self.policy, self.optimizer, self.scheduler, self.world.rank)
         self.step, self.policy_version, self._saved = state.step, state.policy_version, path
+        self.num_tokens = state.num_tokens
         self._apply_optimizer_config()
         return checkpoint.PromptTracker(state), pending
 
@@ -293,8 +296,10 @@ class Trainer:
             )
 
     def resume_state(self) -> ResumeState:
-        """Where the rollout side should start (rank 0)."""
-        return self.planner.tracker.state(self.step, self.policy_version)
+        """Where the rollout side should start, and the run's ``num_tokens`` so far (rank 0)."""
+        return dataclasses.replace(
+            self.planner.tracker.state(self.step, self.policy_version), num_tokens=int(self.num_tokens)
+        )
 
     def _mark(self, event: str) -> None:
         """Record a start-up event (rank 0 of a trainer the flow started; ``grpo_core.run.startup``)."""
@@ -791,6 +796,7 @@ class Trainer:
             planned.stats["batch/forwarded_tokens_per_step"],
             planned.stats["batch/trained_tokens_per_step"],
         )
+        self.num_tokens += int(forwarded)  # the manual's running total: every token sent, a shared prefix once
         w.rate("perf/tokens_per_s", forwarded, step_s)
         w.rate("perf/trained_tokens_per_s", trained, step_s)
         w.rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)  # the manual's names of the two above
@@ -807,6 +813,7 @@ class Trainer:
             # stale at step assembly; the source adds those it dropped when pulled (the same name, summed)
             w.add("sample/dropped_stale_count", self.planner.take_dropped_stale_count())
             w.add("train/skipped_nonfinite_steps", self.skipped_nonfinite_steps)  # running total of the run
+            w.add("num_tokens", self.num_tokens)  # running total, the checkpoint's count included after a resume
             w.update(self.eval_log.split(self.source.metrics()))  # evaluations are logged at their own step
             metrics = w.flush()
             logger.info(

@@ -206,6 +206,8 @@ class ResumeState:
             as a pending sample in the checkpoint).
         trained_above: prompts above the watermark that are already trained.
         epoch: dataset epoch of the watermark.
+        num_tokens: tokens forwarded by the run's optimizer steps so far, every rank's, a prefix that the packing
+            shares between samples counted once (the ``num_tokens`` metric, continued by a resume).
     """
 
     policy_version: int = 0
@@ -213,6 +215,7 @@ class ResumeState:
     first_untrained_prompt_index: int = 0
     trained_above: list[int] = field(default_factory=list)
     epoch: int = 0
+    num_tokens: int = 0
 
     @functools.cached_property
     def _trained_above(self) -> frozenset[int]:

@@ -7,7 +7,7 @@ rollout, sample, batch and performance metrics), each with the window rule the m
 a name whose last part holds ``count`` is summed, ``max``/``min`` keep the extreme, a rate ``…tokens_per_s`` is total
 tokens over total seconds, anything else is the mean of the values recorded). Left out, and why (:data:`NOT_LOGGED`):
 names the manual logs only under conditions a plain run does not meet; :data:`ABSENT_HERE`: names of the list
-this short run does not log (one of them, ``num_tokens``, is not logged by grpo-flow at all).
+this short run does not log.
 """
 
 from __future__ import annotations
@@ -110,7 +110,6 @@ ABSENT_HERE = {
     "completions/mean_terminated_length": "no completion ends with a stop: a random model's 16 tokens never hit EOS",
     "completions/min_terminated_length": "as above",
     "completions/max_terminated_length": "as above",
-    "num_tokens": "not logged by grpo-flow (a gap: a running total over the run, kept across resumes)",
 }
 
 #: The manual's names a plain run does not log, and why.

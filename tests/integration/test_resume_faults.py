@@ -104,6 +104,11 @@ def test_killed_run_resumes_from_a_mid_run_checkpoint_with_the_uninterrupted_los
     for m in metrics:  # the steps replayed after k have the uninterrupted run's values
         for key in ("loss", "grad_norm", "batch/samples_per_step"):
             assert m[key] == pytest.approx(expected[m["step"]][key], rel=1e-5, abs=1e-7), (m["step"], key)
+    # num_tokens: the running total of forwarded tokens, continued from the checkpoint (summed here from the
+    # uninterrupted run's per-step counts, not read from its num_tokens)
+    for m in metrics:
+        total = sum(expected[s]["batch/forwarded_tokens_per_step"] for s in range(1, m["step"] + 1))
+        assert m["num_tokens"] == total, (m["step"], m["num_tokens"], total)
     trained = [p for r in read_jsonl(out / "trained_prompts.jsonl") for p in r["prompt_indices"]]
     assert [p for p, n in collections.Counter(trained).items() if n > 1] == []
     reference_trained = [p for r in read_jsonl(reference_out / "trained_prompts.jsonl") for p in r["prompt_indices"]]
