@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -26,6 +24,7 @@ from grpo_core.models import resolve_model_dir
 from grpo_core.security.auth import ensure_run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.launch import check_server, embedded_command, launch, vllm_command, wait_healthy
+from grpo_core.serving.protocol import COMPLETIONS_PATH
 from grpo_core.serving.sampling_defaults import probe_problems, sampling_problems, server_default_sampling
 
 
@@ -39,31 +38,15 @@ def test_both_command_lines_use_neutral_generation_config_and_ipc_allows_handles
     assert embedded.argv[embedded.argv.index("--generation-config") + 1] == "vllm"
 
 
-def test_every_request_carries_every_sampling_field():
-    bodies: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
-            data = json.dumps({"choices": [{"index": 0, "token_ids": [1], "finish_reason": "stop"}]}).encode()
-            self.send_response(200)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-
+def test_every_request_carries_every_sampling_field(fake_generation):
     async def go():
-        async with GenerationClient(f"http://127.0.0.1:{httpd.server_port}") as c:
+        async with GenerationClient(fake_generation.url) as c:
             await c.complete([1, 2], model="m", max_tokens=5)
             await c.complete([1, 2], model="m", max_tokens=5, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=3)
 
     run(go())
-    httpd.shutdown()
+    bodies = [r.body for r in fake_generation.calls(COMPLETIONS_PATH)]
+    assert len(bodies) == 2 and [r.route for r in fake_generation.requests] == [COMPLETIONS_PATH] * 2
     neutral, tuned = bodies
     assert {
         k: neutral[k]
