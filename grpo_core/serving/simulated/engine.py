@@ -283,8 +283,10 @@ class SimEngine:
         running = len(self.running)
         model_s = self.cost.step_s(running, prefill_tokens)
         if self._state != "busy":  # no catching up across idle or paused time
-            self._step_clock = asyncio.get_running_loop().time()
-        self._mark("busy")
+            self._mark("busy")
+            # the schedule starts at the busy interval's own start (one clock reading): a busy interval then lasts
+            # at least the modelled time of its steps, however late the host runs between two readings
+            self._step_clock = self._since
         # Steps run on a schedule (each ends model_s after the previous one's end), not sleep after sleep: a
         # late wake-up of a busy host shortens the next sleep, so the rate stays the model's on average.
         self._step_clock += model_s * self.cost.time_scale

@@ -80,8 +80,11 @@ def test_step_cost_is_a_plus_b_times_running():
         assert model_s == pytest.approx(A + B * running + C * prefill)
     assert stats["modeled_busy_s"] == pytest.approx(6 * A + 12 * B + 12 * C)
     assert stats["generated_tokens"] == stats["sum_running"] == 12
-    # the engine's clock: a busy interval lasts at least its modelled steps (never less), states partition time
-    assert stats["busy_s"] >= stats["modeled_busy_s"] - 1e-9
+    # the engine's clock: a busy interval lasts at least its modelled steps (never less), states partition time.
+    # The slack is not the host's lateness (that only adds busy time): asyncio fires a timer up to the clock's
+    # resolution (1 ns) early, and the schedule adds the steps' costs to an absolute clock reading (an ulp of the
+    # machine's uptime, ~1e-10 s per step); 1 us covers both with a thousandfold margin.
+    assert stats["busy_s"] >= stats["modeled_busy_s"] - 1e-6
     assert engine.time_s["busy"] + engine.time_s["idle"] + engine.time_s["paused"] > 0
 
 
@@ -265,10 +268,19 @@ def test_entry_point_refuses_bad_arguments(capsys):
     assert (cost.a_s, cost.b_s, settings.kv_budget_tokens) == (1.5e-3, 90e-6, 256 * 512)
 
 
+# Slow tier (a benchmark smoke, ~35 s on the loaded 2-core CI box): the engine accounting it reads is proven in the
+# default tier by test_step_cost_is_a_plus_b_times_running (modelled time = a + b x running per step, busy time at
+# least the modelled time) and test_http_weight_update_round_trip_and_metrics (an update runs while paused).
+@pytest.mark.slow
 def test_duty_cycle_of_a_short_benchmark_run():
     """benchmarks/simulated_run.py's run on the gpu-1xh200 shape, two engines in this process, briefly: each engine's
     busy, paused and idle shares partition its clock; the modelled busy share is what a + b x running gives for the
-    steps it counted (by hand from its counters); syncs paused the engines; nothing trained past max_staleness."""
+    steps it counted (by hand from its counters); syncs paused the engines; nothing trained past max_staleness.
+
+    Busy time is not compared with modelled time here: that holds over a busy interval (the test above), not over a
+    window that opens while the step schedule catches up on a late wake-up (the window then holds the steps' modelled
+    time but not the lag before it opened, which a loaded box makes as long as it likes: CI failed by 11 ms once).
+    """
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import simulated_run
 
@@ -286,9 +298,8 @@ def test_duty_cycle_of_a_short_benchmark_run():
             cost.a_s * counters["num_steps"] + cost.b_s * counters["sum_running"] + 2e-6 * counters["prompt_tokens"]
         )
         assert counters["modeled_busy_s"] == pytest.approx(modeled, rel=1e-6)
-        # Steps run on a schedule that catches up after a late wake-up, so a window that opens while the schedule is
-        # behind counts up to that lag (one wake-up latency of a loaded box) less busy time than the steps it holds.
-        assert counters["busy_s"] >= counters["modeled_busy_s"] - 0.25
+        # the engines stepped, within the window's clock (which the states partition; 1 ns for the float sums)
+        assert 0 < counters["busy_s"] <= counters["clock_s"] + 1e-9
     expected_share = sum(c["modeled_busy_s"] / c["clock_s"] for c in row["engine_counters"]) / 2
     assert row["engine_busy_model_frac"] == pytest.approx(expected_share, rel=1e-6)
     assert row["steps"] >= 2 and row["engine_paused_frac"] > 0
