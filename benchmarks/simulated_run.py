@@ -8,7 +8,9 @@ as the planner's pulls do), drops samples more than ``max_staleness`` versions b
 assembles the step (the trained-time rule, DESIGN.md §5), "trains" for ``--train-s``, then syncs the weights with
 the real round trip on every engine in parallel (``/pause?mode=keep`` → ``/start_weight_update`` →
 ``/update_weights``, which the engine holds ``--sync-s`` → ``/finish_weight_update`` → ``/reset_prefix_cache`` →
-``/resume``) and reports the step to the allowance.
+``/resume``) and reports the step to the allowance. ``--gather-s`` models the trainer's gather of the full weights,
+which the vLLM sync does before it pauses any engine (the engines keep generating): the step takes it, the engines do
+not stand still for it; ``--sync-s`` is then the paused copy alone.
 
 Printed per row, over the steady state (after ``--warmup-s``): engine busy / paused / idle share of wall (mean over
 engines, measured on the engines' clock; ``busy model`` is the share the cost model accounts for, the rest of busy is
@@ -58,6 +60,7 @@ class Spec:
     kept: float = 1 / 3
     train_s: float = 0.35
     sync_s: float = 0.90
+    gather_s: float = 0.0  # the trainer's gather before the pause (generation goes on); 0: inside sync_s
     seconds: float = 60.0
     warmup_s: float = 15.0
     time_scale: float = 4.0
@@ -129,6 +132,9 @@ class Consumer:
             await asyncio.sleep(self.spec.train_s * scale)
             self.version += 1
             s0 = time.monotonic()
+            # the full weights are gathered into the packed buffer before any engine is paused (the vLLM sync since
+            # issue 25 item 5); the engines go on generating meanwhile
+            await asyncio.sleep(self.spec.gather_s * scale)
             await self.replicas.fan_out("weight sync", self._sync)  # the run's one control fan-out
             self.syncs.append((s0, time.monotonic()))
             held_raw = sum(g.raw for g in self.held)
@@ -433,6 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kept", type=float, default=1 / 3, help="share of groups whose rewards differ")
     p.add_argument("--train-s", type=float, default=0.35, help="simulated seconds of a step's training")
     p.add_argument("--sync-s", type=float, default=0.90, help="simulated seconds of one engine's weight update")
+    p.add_argument(
+        "--gather-s",
+        type=float,
+        default=0.0,
+        help="simulated seconds of the trainer's gather before the pause (engines keep generating); 0: in --sync-s",
+    )
     p.add_argument("--seconds", type=float, default=60.0, help="simulated seconds of steady state measured")
     p.add_argument("--warmup-s", type=float, default=15.0, help="simulated seconds before measuring")
     p.add_argument("--time-scale", type=float, default=4.0, help="wall seconds per simulated second")
@@ -458,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             kept=args.kept,
             train_s=args.train_s,
             sync_s=args.sync_s,
+            gather_s=args.gather_s,
             seconds=args.seconds,
             warmup_s=args.warmup_s,
             time_scale=args.time_scale,

@@ -19,6 +19,9 @@
 #                  affinity routing as configured vs route_imbalance 0 (every imbalance spills: least-loaded routing),
 #                  vLLM's own prefix-cache hit rate per replica
 #   long           benchmarks/long_generation_sync.py: a 1500-token generation across a weight sync (real vLLM)
+#   sync           benchmarks/gpu_sync_timing.py on configs/gpu-1xh200.yaml: perf/weight_sync_* of 8 full-weight syncs
+#                  (gather before the pause, packed CUDA IPC) to every vLLM replica while 32 generations each run,
+#                  and a greedy check on every replica that the weights arrived (sync_timing.json)
 #   e2e=RUNS       benchmarks/gpu_e2e.py --runs RUNS (comma-separated: 1xh200,1xh200-lora,2xh200,qwen3-0.6b-random)
 #   trl[=GPUS]     benchmarks/trl_async_grpo.py on the gpu-1xh200 config (GPUS 1 or 2) against e2e's summary
 #   benches        start, detached (it outlives the call while the machine stays warm), the trainer benchmarks that
@@ -111,6 +114,7 @@ for step in "$@"; do
                     --set server.num_replicas=2 --set "server.gpu_ids=[0, 0]" --set server.gpu_memory_utilization=0.15 \
                     --set server.enforce_eager=true --variant "" --variant server.route_imbalance=0 \
                     --out "$RES/rollout_probe_2replicas.json" || rc=1 ;;
+        sync) timeout 500 "$PY" benchmarks/gpu_sync_timing.py --config configs/gpu-1xh200.yaml --out "$RES" || rc=1 ;;
         long) timeout 300 "$PY" benchmarks/long_generation_sync.py --config configs/gpu-1xh200.yaml --out "$RES" || rc=1 ;;
         e2e=*) [ "${DUMP:-0}" = 1 ] && export GRPO_DEBUG_ROLLOUT_DUMP=$RES/rollout_dump.jsonl
                timeout -k 45 550 "$PY" benchmarks/gpu_e2e.py --runs "${step#e2e=}" --steps "$STEPS" --out "$RES" \
