@@ -1,4 +1,5 @@
-"""How many requests the rollout keeps in flight, counted by a real HTTP server (DESIGN.md §5, token allowance).
+"""How many requests the rollout keeps in flight, counted by the fake generation server, a real HTTP server
+(DESIGN.md §5, token allowance).
 
 The server answers the first groups at once and holds every later request, so the loop ends
 blocked with its admission rule alone deciding how many requests sit at the server. A dropped
@@ -9,12 +10,11 @@ limit; a group waiting only for its slowest rollout holds no concurrency slot fo
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from fake_generation import FakeGeneration
 from transformers import AutoTokenizer
 
 from grpo_core.config import ModelConfig, RolloutConfig
@@ -24,69 +24,16 @@ from grpo_core.rollout.loop import LoopRuntime, RolloutLoop, request_seed
 from grpo_core.rollout.pace import TokenAllowance
 from grpo_core.rollout.queue import SampleQueue
 from grpo_core.serving.client import GenerationClient
+from grpo_core.serving.protocol import COMPLETIONS_PATH, METRICS_PATH
 from grpo_core.serving.replicas import ReplicaSet
 
 G = 2
 COMPLETION = 8  # tokens of every completion (finish "length")
 
 
-class HoldingServer(ThreadingHTTPServer):
-    """``/v1/completions`` over real HTTP: answers requests whose seed is in ``answer_now`` at once, holds the
-    others until ``release`` is set; counts the requests it holds. ``/metrics`` is 404 (cap = its ceiling)."""
-
-    daemon_threads = True
-
-    def __init__(self, answer_now: set[int]) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.answer_now = answer_now
-        self.release = threading.Event()
-        self.lock = threading.Lock()
-        self.held = 0
-        self.prompt_lengths: set[int] = set()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: HoldingServer
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def do_GET(self):
-        self.send_response(404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        srv = self.server
-        with srv.lock:
-            srv.prompt_lengths.add(len(body["prompt"]))
-        if body["seed"] not in srv.answer_now:
-            with srv.lock:
-                srv.held += 1
-            srv.release.wait(timeout=120)
-        ids = [7] * body["max_tokens"]
-        choice = {
-            "index": 0,
-            "text": "x" * len(ids),
-            "token_ids": ids,
-            "prompt_token_ids": body["prompt"],
-            "logprobs": {"token_logprobs": [-1.0] * len(ids)},
-            "finish_reason": "length",
-        }
-        data = json.dumps({"choices": [choice]}).encode()
-        try:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the client is gone (the test ended the loop)
-            pass
+def _sevens(request, prompt, choice):
+    """Every completion: token 7 up to ``max_tokens``, log-prob -1.0, finish ``length``."""
+    return [7] * request.max_tokens, [-1.0] * request.max_tokens, "length"
 
 
 def keep_pattern(completion_ids, keep, **_):
@@ -102,9 +49,10 @@ def tokenizer():
 def run_until_blocked(
     tokenizer, rows, step_groups: float, answered_groups: int = 2, first_rollout_answered: bool = False, **rollout
 ) -> tuple[int, RolloutLoop, int]:
-    """Drive a real loop against a :class:`HoldingServer` until it admits nothing more; returns the requests
-    held, the loop, and the tokens of one group. The first ``answered_groups`` groups are answered at once,
-    and with ``first_rollout_answered`` the first rollout of every group too."""
+    """Drive a real loop against the fake generation server until it admits nothing more; returns the requests
+    held, the loop, and the tokens of one group. The fake answers the requests whose seed picks the first
+    ``answered_groups`` groups (and with ``first_rollout_answered`` the first rollout of every group) at once and
+    holds every other until released; its ``/metrics`` answers 404 (the cap stays at its ceiling)."""
     cfg = RolloutConfig(  # in the dataset's order: the server answers groups by their position
         num_generations=G,
         max_completion_length=COMPLETION,
@@ -116,8 +64,11 @@ def run_until_blocked(
     answer_now = {request_seed(cfg.seed, group, i, 0) for group in range(answered_groups) for i in range(G)}
     if first_rollout_answered:
         answer_now |= {request_seed(cfg.seed, group, 0, 0) for group in range(len(rows))}
-    server = HoldingServer(answer_now)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    release = threading.Event()
+    server = FakeGeneration().start()
+    server.script(METRICS_PATH, status=404)
+    server.script(COMPLETIONS_PATH, hold_until=release, hold_when=lambda r: r.body["seed"] not in answer_now)
+    server.complete_with(_sevens)
 
     async def go():
         client = GenerationClient(server.url, max_connections=cfg.max_concurrent_rollouts, timeout_s=300, max_retries=0)
@@ -164,7 +115,7 @@ def run_until_blocked(
         for _ in range(20):  # nothing else arrives while it stays blocked
             await asyncio.sleep(0.01)
         held = server.held
-        server.release.set()
+        release.set()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
@@ -173,9 +124,9 @@ def run_until_blocked(
     try:
         held, loop, group_tokens, prompt_tokens = asyncio.run(go())
     finally:
-        server.release.set()
-        server.shutdown()
-    assert server.prompt_lengths == {prompt_tokens}, "every request carried the rendered prompt"
+        server.stop()
+    prompt_lengths = {len(r.body["prompt"]) for r in server.calls(COMPLETIONS_PATH)}
+    assert prompt_lengths == {prompt_tokens}, "every request carried the rendered prompt"
     return held, loop, group_tokens
 
 
