@@ -35,7 +35,11 @@ def test_prefect_home_is_created_with_its_parents_and_its_database_opened(tmp_pa
     assert home.is_dir() and (home / "prefect.db").is_file()
 
 
-def _grpo_train(tmp_path: Path, env: dict[str, str], timeout_s: float = 120.0) -> tuple[int, str, float]:
+FAIL_FAST_S = 150.0
+"""A grpo train that cannot reach or open Prefect's store ends within this many seconds (the fault took 240 s)."""
+
+
+def _grpo_train(tmp_path: Path, env: dict[str, str], timeout_s: float = 200.0) -> tuple[int, str, float]:
     cmd = [
         sys.executable,
         "-m",
@@ -74,7 +78,10 @@ def test_unusable_prefect_home_or_database_ends_grpo_train_within_seconds(tmp_pa
     flat = " ".join(output.split())
     assert code == 1, output[-3000:]
     assert str(bad) in flat and "Not a directory" in flat
-    assert seconds < 60
+    # the fault: Prefect's temporary server retried the database for its 240 s start-up timeout; a fixed run ends in
+    # ~10-20 s (imports and the config checks), so 150 s is a margin of several times on a loaded box and still
+    # below the fault's 240 s
+    assert seconds < FAIL_FAST_S
     # The config checks that run first may make train.output_dir itself (a writability check), never a run folder.
     assert not [p for p in (tmp_path / "runs").glob("*")], "the run started although Prefect's API could not"
 
@@ -86,7 +93,7 @@ def test_unreachable_prefect_api_url_ends_grpo_train_naming_it(tmp_path):
         port = s.getsockname()[1]  # closed again: nothing listens there
     code, output, seconds = _grpo_train(tmp_path, {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
     assert code == 1, output[-3000:]
-    assert f"127.0.0.1:{port}" in " ".join(output.split()) and seconds < 60
+    assert f"127.0.0.1:{port}" in " ".join(output.split()) and seconds < FAIL_FAST_S
 
 
 def test_unusable_mlflow_store_or_run_folder_is_refused_before_a_server_starts(tmp_path):
@@ -116,7 +123,9 @@ def test_unreachable_mlflow_server_is_refused_within_seconds(tmp_path):
     start = time.monotonic()
     with pytest.raises(ConfigError, match=f"tracking.tracking_uri=http://127.0.0.1:{port}"):
         check_tracking(cfg)
-    assert time.monotonic() - start < 15
+    # a refused connection answers at once; the fault is the MLflow client's own retries (7, backing off up to
+    # minutes), so 60 s has a wide margin on a loaded box and still catches it
+    assert time.monotonic() - start < 60
 
 
 def test_server_log_folder_that_cannot_be_created_names_it(tmp_path):
