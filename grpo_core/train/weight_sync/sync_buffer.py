@@ -97,8 +97,10 @@ class PackedWeights:
 
     def gather(self, policy: torch.nn.Module) -> None:
         """Copy every parameter's full tensor into its view (collective under FSDP2: ``full_tensor`` all-gathers, so
-        every rank calls it, in ``named_parameters`` order). On CUDA, waits until the copies are done, so a reader of
-        the buffer (a vLLM server through CUDA IPC, an NCCL broadcast) sees the whole update.
+        every rank calls it, in ``named_parameters`` order). A copy that fails does not stop the gathers: this rank
+        still takes part in every later one (the ranks' collectives stay in step) and raises at the end. On CUDA,
+        waits until the copies are done, so a reader of the buffer (a vLLM server through CUDA IPC, an NCCL
+        broadcast) sees the whole update.
 
         Raises:
             ServingError: the policy's parameters are not those of the first sync (names, dtypes or shapes).
@@ -109,18 +111,27 @@ class PackedWeights:
                 "weight sync: the policy's parameters changed since the first sync "
                 f"({len(params)} now, {len(self._order)} then); the packed buffer's layout is fixed"
             )
+        first: Exception | None = None
         with torch.no_grad():
             for name in self._order:
-                view = self._views[name]
                 t = params[name].detach()
-                if t.dtype != view.dtype or tuple(t.shape) != tuple(view.shape):
-                    raise ServingError(
-                        f"weight sync: parameter {name} is {t.dtype} {tuple(t.shape)} now, "
-                        f"{view.dtype} {tuple(view.shape)} at the first sync; the packed buffer's layout is fixed"
-                    )
-                view.copy_(t.full_tensor() if hasattr(t, "full_tensor") else t)
+                full = t.full_tensor() if hasattr(t, "full_tensor") else t  # collective: every rank, every time
+                if first is not None:
+                    continue
+                view = self._views[name]
+                try:
+                    if full.dtype != view.dtype or tuple(full.shape) != tuple(view.shape):
+                        raise ServingError(
+                            f"weight sync: parameter {name} is {full.dtype} {tuple(full.shape)} now, "
+                            f"{view.dtype} {tuple(view.shape)} at the first sync; the packed buffer's layout is fixed"
+                        )
+                    view.copy_(full)
+                except Exception as exc:  # noqa: BLE001 - raised below, once every collective was taken part in
+                    first = exc
         if self.buffer.is_cuda:
             torch.cuda.current_stream(self.buffer.device).synchronize()
+        if first is not None:
+            raise first
 
     def views(self) -> list[tuple[str, torch.Tensor]]:
         """``(server name, view of the buffer with the parameter's shape)`` in buffer order."""

@@ -323,3 +323,86 @@ def test_a_failed_gather_raises_before_any_pause(monkeypatch, servers):
     with pytest.raises(ServingError, match="parameters changed since the first sync"):
         sync.sync(policy, 2, rank=0)
     assert server.calls == []
+
+
+RANK_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from grpo_core.train.weight_sync import vllm as vllm_sync
+from grpo_core.train.weight_sync.sync_buffer import PackedWeights
+
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+torch.manual_seed(0)
+policy = torch.nn.Module()
+policy.lm = lm = torch.nn.Module()
+lm.embed_tokens = torch.nn.Embedding(7, 3).to(torch.bfloat16)
+lm.q_proj = torch.nn.Linear(3, 5).to(torch.bfloat16)
+lm.lm_head = torch.nn.Linear(3, 7, bias=False).to(torch.bfloat16)
+lm.lm_head.weight = lm.embed_tokens.weight
+lm.norm = torch.nn.LayerNorm(3)
+lm.extra = torch.nn.Linear(3, 1, dtype=torch.float64)
+for part in (lm.norm, lm.extra):  # FSDP2 gathers one dtype per group
+    fully_shard(part)
+fully_shard(policy)
+assert type(policy.lm.q_proj.weight).__name__ == "DTensor"  # the gather is FSDP2's collective
+full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+weights = PackedWeights.for_policy(policy, lambda name: name.removeprefix("lm."))
+weights.gather(policy)
+info = weights.update_fields()
+pieces = weights.buffer.split(info["tensor_sizes"])
+served = {n: p.view(getattr(torch, d)).view(*s) for n, d, s, p in
+          zip(info["names"], info["dtype_names"], info["shapes"], pieces)}
+for key, tensor in full.items():
+    name = key.removeprefix("lm.").replace("lm_head.weight", "embed_tokens.weight")
+    assert torch.equal(served[name], tensor), key
+print("BIT-EXACT", len(full), flush=True)
+
+vllm_sync.cuda_ipc_handle = lambda buffer: {f"GPU-{rank}": ("handle", buffer.numel())}
+sync = vllm_sync.VllmWeightTransferSync(["http://127.0.0.1:9"], "ipc", api_key="test-token")
+sync.initialised = True  # no server: any pause would fail on the refused connection instead
+if rank == 1:  # its copy of the second parameter fails mid-gather (after that parameter's all-gather)
+    original = PackedWeights.gather
+    def failing(self, policy):
+        self._views[self._order[1]] = torch.empty(0, dtype=torch.bfloat16)
+        original(self, policy)
+    PackedWeights.gather = failing
+try:
+    sync.sync(policy, 1, rank)
+except Exception as exc:
+    print("RAISED", type(exc).__name__, exc, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_fsdp2_ranks_gather_bit_exactly_and_a_failure_on_one_raises_on_both_before_any_pause(tmp_path):
+    """Two gloo ranks with FSDP2 (DTensor parameters): each rank's buffer, read as vLLM unpacks it, equals the full
+    state dict bit for bit (bf16, fp32 and fp64 groups, tied embedding); a copy failing on rank 1 in the middle of the
+    gather fails the sync on both ranks without a collective out of step, and rank 0 pauses nothing (its only server
+    does not exist: a pause would have raised a ControlFanOutError naming it)."""
+    import os
+    import subprocess
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(tmp_path / "store")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out in outs:
+        assert "BIT-EXACT 8" in out, out  # embed, lm_head (tied), q_proj, norm and extra weight + bias
+    assert (
+        "RAISED ServingError weight sync: rank 1 failed before the pause (ServingError: weight sync: parameter"
+        in outs[0]
+    )
+    assert "RAISED ServingError weight sync: parameter lm.q_proj.weight is torch.bfloat16 (5, 3) now" in outs[1]
+    assert "ControlFanOutError" not in outs[0] and "127.0.0.1:9" not in outs[0]
