@@ -1,7 +1,7 @@
 """Listeners a run starts serve only that run: bearer token, launch nonce, adapter folder, pause limit, taken ports.
 
-Real processes throughout: one tiny embedded server (module fixture, pause limit 2 s), plain
-``http.server`` servers standing in for "another run's server", and real sockets holding ports.
+Real processes throughout: one tiny embedded server (module fixture, pause limit 2 s), the fake generation server
+(tests/support/fake_generation.py) standing in for "another run's server", and real sockets holding ports.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from fake_generation import ANY_ROUTE
 from serving_helpers import (
     BAD_AUTH,
     OPEN_ROUTES,
@@ -33,10 +32,11 @@ from serving_helpers import (
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import PortInUseError, ServerRequestError, ServerStartError
+from grpo_core.run.children import free_port
 from grpo_core.security.auth import bearer_headers, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.launch import LaunchSpec, ServerHandle, provision, wait_healthy
-from grpo_core.serving.protocol import NONCE_PATH, STALE_PATH
+from grpo_core.serving.protocol import HEALTH_PATH, IDENTITY_PATH, NONCE_PATH, PAUSE_PATH, STALE_PATH
 
 # A body for each route that would change state if a request got through the guard.
 BODIES = {
@@ -199,54 +199,29 @@ def test_a_pause_ends_after_the_limit_and_says_so(server):
     assert "without a resume: resuming it" in server.spec.log_path.read_text(errors="replace")
 
 
-class _Foreign(BaseHTTPRequestHandler):
-    """Another run's server: answers 200 to everything and records what it was sent."""
-
-    seen: list[str] = []
-    received: list[str] = []  # every request line and header as sent
-
-    def _answer(self) -> None:
-        self.seen.append(f"{self.command} {self.path}")
-        self.received.append(f"{self.requestline}\n{self.headers}")
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"status": "ok"}')
-
-    do_GET = do_POST = _answer  # noqa: N815 - http.server's method names
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
-def foreign():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Foreign)
-    _Foreign.seen, _Foreign.received = [], []
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
+def foreign(fake_generation):
+    """Another run's server: the fake generation server answering 200 ``{"status": "ok"}`` on every path and
+    recording what it was sent."""
+    fake_generation.script(ANY_ROUTE, status=200, body={"status": "ok"})
+    return fake_generation
 
 
 def test_a_fixed_port_taken_by_another_server_is_a_clear_error_and_nothing_is_sent(foreign, tmp_path):
-    port = foreign.server_address[1]
+    port = foreign.port
     config = RunConfig(
         model={"name": TINY}, server={"backend": "embedded", "port": port, "log_dir": tmp_path, "startup_timeout_s": 60}
     )
     with pytest.raises(PortInUseError, match=rf"127.0.0.1:{port} is already in use.*server.port"):
         provision(config)
-    assert _Foreign.seen == []  # not even probed: no weights, no pause, nothing
+    assert foreign.requests == []  # not even probed: no weights, no pause, nothing
     assert not (tmp_path / "embedded-replica0.log").exists()  # no server was started
 
 
 def _taken_after_a_free_port() -> tuple[socket.socket, int]:
     """A listening socket on port p + 1 where p is free now: ``(socket, p)``."""
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            free = probe.getsockname()[1]
+        free = free_port()
         taken = socket.socket()
         try:
             taken.bind(("127.0.0.1", free + 1))
@@ -307,7 +282,7 @@ def _sleeper(port: int, tmp_path: Path, nonce: str = "ours") -> ServerHandle:
 
 @pytest.mark.parametrize("who", ["no guard", "another run", "another launch"])
 def test_a_server_answering_on_our_port_is_never_adopted(who, foreign, server, tmp_path):
-    port = foreign.server_address[1] if who == "no guard" else int(server.url.rsplit(":", 1)[1])
+    port = foreign.port if who == "no guard" else int(server.url.rsplit(":", 1)[1])
     token = "another-run-token" if who == "another run" else run_token()
     handle = _sleeper(port, tmp_path)
     reason = {
@@ -317,12 +292,16 @@ def test_a_server_answering_on_our_port_is_never_adopted(who, foreign, server, t
     }[who]
     with pytest.raises(PortInUseError) as info:
         wait_healthy(handle, 60, token)
+    received = [f"{r.method} {r.route} {r.query} {r.body} {r.headers}" for r in foreign.requests]
     if who == "no guard":  # it was asked (so the check ran), and never sent the token
-        assert _Foreign.received and not any(token in r or "authorization" in r.lower() for r in _Foreign.received)
-        assert any(s.startswith("GET /grpo/identity?challenge=") for s in _Foreign.seen), _Foreign.seen
+        assert received and not any(token in r or "authorization" in r.lower() for r in received), received
+        asked = [
+            r for r in foreign.requests if r.method == "GET" and r.route == IDENTITY_PATH and "challenge" in r.query
+        ]
+        assert asked, received
     assert f"did not start (it {reason})" in str(info.value), str(info.value)
     assert handle.process.poll() is not None  # our replica was stopped
-    assert not any(s.startswith("POST") for s in _Foreign.seen)  # nothing pushed
+    assert not any(r.method == "POST" for r in foreign.requests), received  # nothing pushed
 
 
 def test_the_identity_answer_proves_the_token_without_revealing_it(server):
@@ -394,12 +373,13 @@ def test_a_prefect_server_that_needs_no_auth_string_is_not_ours_and_is_never_sen
     ours = _sleeper(0, tmp_path).process  # alive, but another server answers on the port
     try:
         with pytest.raises(PrefectApiError) as info:
-            verify_own_server(f"http://127.0.0.1:{foreign.server_address[1]}/api", "grpo:secret", ours, "test")
+            verify_own_server(f"{foreign.url}/api", "grpo:secret", ours, "test")
     finally:
         ours.kill()
         ours.wait()
     basic = "Z3JwbzpzZWNyZXQ="  # base64 of grpo:secret
-    assert not any("secret" in r or basic in r or "authorization" in r.lower() for r in _Foreign.received)
+    sent = [f"{r.method} {r.route} {r.query} {r.body} {r.headers}" for r in foreign.requests]
+    assert not any("secret" in r or basic in r or "authorization" in r.lower() for r in sent), sent
     assert "is not served by the Prefect server test started" in str(info.value), str(info.value)
     assert "belong to another process" in str(info.value)
 
@@ -476,25 +456,30 @@ def test_the_guard_loads_into_a_vllm_style_app_from_the_environment(monkeypatch)
     """vLLM adds a --middleware class with app.add_middleware(cls) and no arguments: the environment carries all."""
     import importlib
 
-    from fastapi import FastAPI
-
     from grpo_core.serving.launch import GUARD_MIDDLEWARE
+    from grpo_core.serving.simulated.app import create_app
+    from grpo_core.serving.simulated.cost import CostModel
+    from grpo_core.serving.simulated.engine import EngineSettings, SimEngine
 
     monkeypatch.setenv("GRPO_RUN_TOKEN", "tok-123")
     monkeypatch.setenv("GRPO_RUN_NONCE", "n-1")
-    app, paused = FastAPI(), []
-    app.post("/pause")(lambda: paused.append(True) or {"status": "paused"})
-    app.get("/health")(lambda: {})
+    engine = SimEngine(CostModel(), EngineSettings())
+    app = create_app(engine)  # the engine simulator's app: vLLM's routes, no guard of its own
     module, name = GUARD_MIDDLEWARE.rsplit(".", 1)
     app.add_middleware(getattr(importlib.import_module(module), name))  # as vllm's build_app does
     ours = {"Authorization": "Bearer tok-123"}
 
     async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vllm") as http:
-            refused, health = await http.post("/pause"), await http.get("/health")
-            assert refused.status_code == 401 and paused == [] and health.status_code == 200
-            assert (await http.get(NONCE_PATH, headers=ours)).json() == {"nonce": "n-1"}
-            assert (await http.post("/pause", headers=ours)).status_code == 200 and paused == [True]
+        task = engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://vllm") as http:
+                refused, health = await http.post(PAUSE_PATH), await http.get(HEALTH_PATH)
+                assert refused.status_code == 401 and health.status_code == 200
+                assert engine.pause_mode is None and not engine.paused, "the refused pause reached the engine"
+                assert (await http.get(NONCE_PATH, headers=ours)).json() == {"nonce": "n-1"}
+                assert (await http.post(PAUSE_PATH, headers=ours)).status_code == 200 and engine.paused
+        finally:
+            task.cancel()
 
     run(go())
 
