@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from flow_helpers import ROOT, assert_mlflow_steps_once, mlflow_run, tiny_overrides
+from flow_helpers import ROOT, assert_mlflow_steps_once, grpo_env, mlflow_run, tiny_overrides
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree, torchrun
 
 from grpo_core.run.durable import read_jsonl
@@ -88,12 +88,7 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
         str(len(plan)),
         *(a for o in overrides for a in ("--set", o)),
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support")]),
-        "OMP_NUM_THREADS": "1",
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-    }
+    env = grpo_env(tmp_path)
     kills, seen, every = [], set(), []
     with log.open("w") as out:
         flow_proc = subprocess.Popen(
@@ -219,10 +214,11 @@ def test_a_server_that_dies_and_comes_back_costs_no_step_and_no_prompt(tmp_path)
     rollout's requests wait (``rollout.max_retries``), the trainer's weight update waits
     (``server.control_timeout_s``), and the same trainer and rollout process finish the run: each step once, no
     prompt twice, none lost. (``test_rollout_server_restart`` holds the rollout process alone.)"""
-    from serving_helpers import embedded_server, free_port
+    from serving_helpers import embedded_server
 
     from grpo_core.config import load_config
     from grpo_core.rollout.process import start_rollout_process
+    from grpo_core.run.children import free_port
 
     seed = int(os.environ.get("GRPO_CHAOS_SEED", random.randrange(2**31)))
     print(f"chaos seed {seed} (GRPO_CHAOS_SEED={seed} replays it)")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ import yaml
 
 from grpo_core import tracking
 from grpo_core.config import RunConfig
+from grpo_core.run.children import free_port
 from grpo_core.tracking.metrics import JsonlSink
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _chromium() -> str:
@@ -72,7 +66,7 @@ def test_mlflow_ui_serves_the_run_metrics_and_stops_with_nothing_left(tmp_path):
 
     chromium = _chromium()
     config, experiment, run_id = _tracked_run(tmp_path)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (tmp_path / "ui.log").open("wb")
     grpo = subprocess.Popen(

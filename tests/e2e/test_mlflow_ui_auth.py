@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -21,15 +20,10 @@ import yaml
 
 from grpo_core import tracking
 from grpo_core.config import RunConfig
+from grpo_core.run.children import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _store(tmp: Path) -> tuple[Path, str]:
@@ -47,7 +41,7 @@ def ui(tmp_path):
     """``grpo ui --mlflow`` started in ``tmp_path`` (its password file lands under it); yields
     ``(url, process, password file, run id)`` once ``/health`` answers."""
     config, run_id = _store(tmp_path)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "GRPO_UI_PASSWORD"}
     log = (tmp_path / "ui.log").open("wb")
     grpo = subprocess.Popen(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -16,9 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from flow_helpers import grpo_env
 
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
+from grpo_core.run.children import free_port
 from grpo_core.run.layout import run_folders
 from grpo_core.security.redact import MASK, SECRETS_ENV, RedactFilter, redact_argv, reveal, secret_values, write_private
 
@@ -118,18 +119,12 @@ def test_redact_filter_masks_forwarded_lines(caplog):
     assert _no_secret(caplog.text) and MASK in caplog.text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real MLflow tracking server on loopback (it accepts any basic-auth credentials). Without MLflow's job
     runner (``MLFLOW_SERVER_ENABLE_JOB_EXECUTION``: 8 more processes, huey consumers, that a tracking server does
     not need and that slow its start and stop on 2 cores)."""
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "mlflow-server.log").open("wb")
     process = subprocess.Popen(
         [
@@ -201,14 +196,7 @@ def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow
         str(ROOT / "configs" / "tiny.yaml"),
         *(a for s in sets for a in ("--set", s)),
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "COLUMNS": "400",
-        "OMP_NUM_THREADS": "1",
-        "PREFECT_LOGGING_LEVEL": "DEBUG",
-    }
+    env = grpo_env(tmp_path, PREFECT_LOGGING_LEVEL="DEBUG")
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

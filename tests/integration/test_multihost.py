@@ -156,9 +156,9 @@ def test_trainer_hosts_prove_the_run_token_before_anything_is_trained(node1, tmp
     import os
     import subprocess
 
-    from serving_helpers import free_port
     from trainer_helpers import ROOT, read_jsonl, trainer_config, write_samples
 
+    from grpo_core.run.children import free_port
     from grpo_core.security.auth import TOKEN_ENV
 
     config = trainer_config(

@@ -7,11 +7,12 @@ import time
 from pathlib import Path
 
 import pytest
-from serving_helpers import TINY, embedded_server, free_port
+from serving_helpers import TINY, embedded_server
 
 from grpo_core.config import RunConfig
 from grpo_core.packing import samples_from_arrow
 from grpo_core.rollout import start_rollout_process
+from grpo_core.run.children import free_port
 from grpo_core.transport.flight_client import FlightSource
 
 pytestmark = pytest.mark.slow

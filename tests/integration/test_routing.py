@@ -24,6 +24,7 @@ from waiting import async_wait_until
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import ServerRequestError
+from grpo_core.run.children import free_port
 from grpo_core.security.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.launch import ServerHandle, embedded_command, launch, teardown, wait_healthy
@@ -494,17 +495,13 @@ def test_router_with_a_token_the_replicas_refuse_does_not_start(replicas):
 
 
 def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
-    import socket
-
     from fastapi.testclient import TestClient
 
     from grpo_core.serving.router.app import create_router_app
 
     dead = []
     for _ in range(2):  # ports nothing listens on: connections are refused
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            dead.append(f"http://127.0.0.1:{s.getsockname()[1]}")
+        dead.append(f"http://127.0.0.1:{free_port()}")
     replicas = ReplicaSet(dead, api_key="k", max_retries=1, backoff_s=0.01, max_backoff_s=0.01)
     auth = {"Authorization": "Bearer k"}
     with TestClient(create_router_app(replicas, api_key="k")) as client:
@@ -530,8 +527,6 @@ def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkey
     """Every route and method of the router's app (read from ``app.routes``, so a route added later is covered)
     answers 401 without the servers' key or the run's token, with a wrong one or another scheme; only ``/health``
     answers (503 here: its replicas are down). Either token opens a route."""
-    import socket
-
     from serving_helpers import BAD_AUTH, OPEN_ROUTES, answers_without_token, app_routes
 
     from grpo_core.security.auth import TOKEN_ENV
@@ -541,9 +536,7 @@ def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkey
     monkeypatch.setenv(TOKEN_ENV, "the-runs-token-0123")
     dead = []
     for _ in range(2):  # ports nothing listens on: connections are refused
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            dead.append(f"http://127.0.0.1:{s.getsockname()[1]}")
+        dead.append(f"http://127.0.0.1:{free_port()}")
     replicas = ReplicaSet(dead, api_key="servers-key-0123", max_retries=1, backoff_s=0.01, max_backoff_s=0.01)
     app = create_router_app(replicas, api_key="servers-key-0123")
     routes = app_routes(app)

@@ -19,15 +19,6 @@ from grpo_core.serving.launch import ServerHandle, provision, teardown
 TINY = "tiny-qwen3"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a server that must come back on the same port)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def embedded_server(
     log_dir: Path, model: str = TINY, output_dir: Path | None = None, lora_r: int | None = None, **server: object

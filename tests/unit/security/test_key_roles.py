@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import httpx
 import pytest
 from serving_helpers import OPEN_ROUTES, TINY, app_routes, run
 
+from grpo_core.run.children import free_port
 from grpo_core.security import auth
 from grpo_core.serving.protocol import (
     COMPLETIONS_PATH,
@@ -123,9 +123,7 @@ def test_each_key_opens_only_its_routes_on_the_router(monkeypatch):
     from grpo_core.serving.replicas import ReplicaSet
     from grpo_core.serving.router.app import create_router_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     monkeypatch.setenv(auth.CONTROL_KEY_ENV, CONTROL)
 
