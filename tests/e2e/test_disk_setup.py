@@ -3,7 +3,6 @@ cannot be used ends the command within seconds naming the path and the cause (is
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from flow_helpers import grpo_env
 
 from flows.local_api import prepare_home
 from grpo_core.config import RunConfig
@@ -55,7 +55,7 @@ def _grpo_train(tmp_path: Path, env: dict[str, str], timeout_s: float = 200.0) -
     start = time.monotonic()
     done = subprocess.run(
         cmd,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400", **env},
+        env=grpo_env(tmp_path, **env),
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -6,13 +6,13 @@ checkpoint's names, and the exported model keeps the original vision tower."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from flow_helpers import grpo_env
 from transformers import AutoModelForImageTextToText
 
 from grpo_core.config import ModelConfig
@@ -40,13 +40,7 @@ def test_grpo_train_trains_tiny_qwen35_on_the_embedded_server(tmp_path):
         str(ROOT / "configs" / "tiny.yaml"),
         *(a for s in sets for a in ("--set", s)),
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'support'}",
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "COLUMNS": "400",
-        "OMP_NUM_THREADS": "1",
-    }
+    env = grpo_env(tmp_path)
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]

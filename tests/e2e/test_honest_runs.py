@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import yaml
+from flow_helpers import grpo_env
 
 from grpo_core.errors import NothingToTrainError
 from grpo_core.packing import Sample, samples_to_arrow, write_samples_ipc
@@ -188,14 +189,7 @@ def _grpo_train(tmp_path: Path, prefect_api, *overrides: str) -> subprocess.Comp
         "train.flush_partial_after_s=1",
         *(a for o in overrides for a in ("--set", o)),
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "COLUMNS": "400",
-        "OMP_NUM_THREADS": "1",
-        **prefect_api.client_env(),
-    }
+    env = grpo_env(tmp_path, **prefect_api.client_env())
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
 

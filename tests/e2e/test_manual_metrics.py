@@ -13,12 +13,12 @@ this short run does not log.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from flow_helpers import grpo_env
 
 from grpo_core.tracking.metrics import aggregation
 
@@ -158,14 +158,7 @@ def test_a_short_demo_run_logs_every_name_of_the_manual_to_the_file_and_mlflow(t
         *("--set", f"train.max_steps={steps}"),
         *("--set", "rollout.concurrency_poll_s=0.5"),  # the server's load is polled within a short step
     ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "COLUMNS": "400",
-        "OMP_NUM_THREADS": "1",
-        **prefect_api.client_env(),
-    }
+    env = grpo_env(tmp_path, **prefect_api.client_env())
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     files = list((tmp_path / "runs").rglob("metrics.jsonl"))

@@ -12,6 +12,7 @@ otherwise start for itself; a run gets it through ``prefect_api.client_env()`` i
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -145,6 +146,33 @@ def tiny_overrides(tmp: Path) -> list[str]:
         "rollout.reward_functions=[flow_helpers:varied_reward]",
         "rollout.dataset_size=256",
     ]
+
+
+def grpo_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a ``grpo train`` (``python -m flows.cli train``) that a test starts as a subprocess.
+
+    The test process's environment, plus: the repository and ``tests/support`` on ``PYTHONPATH`` (the flow and the
+    processes it starts import ``grpo_core``, ``flows`` and the helpers a config names, e.g.
+    ``flow_helpers:varied_reward``), a Prefect home of the test's own under ``tmp_path`` (``PREFECT_HOME``; the
+    checkout's ``runs/prefect`` is shared by every worker), ``COLUMNS=400`` (the console does not wrap the summary and
+    errors a test reads) and ``OMP_NUM_THREADS=1`` (one thread per process on the 2-core box).
+
+    Args:
+        tmp_path: the test's folder; the Prefect home is ``tmp_path / "prefect"``.
+        **extra: variables set after the ones above, which they override (``**prefect_api.client_env()``, a
+            ``PREFECT_HOME`` under test, ``PREFECT_LOGGING_LEVEL``...).
+
+    Returns:
+        A new dict of variable name to value, for ``subprocess.run(..., env=...)``.
+    """
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "support")]),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "COLUMNS": "400",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 @config_entry("reward")
