@@ -87,7 +87,9 @@ def test_the_config_is_off_by_default_and_the_dapo_preset_turns_it_on(caplog):
 
 def test_a_rollout_process_adds_the_penalty_to_the_logged_reward(tmp_path):
     """The rollout process as the flow starts it (embedded tiny server, completions of up to 8 tokens, a buffer of
-    4): ``reward`` is the mean of each recorded reward plus eq. 13 of its recorded completion length."""
+    4, the one reward function weighted 3): ``reward`` is the mean of 3 x each recorded reward plus eq. 13 of its
+    recorded completion length; ``rewards/recording_reward/mean`` the recorded values themselves, unweighted. The
+    weights' half is also test_reward_weights' process test, which is in the slow tier for this one."""
     import json
 
     import rollout_helpers as h
@@ -97,12 +99,20 @@ def test_a_rollout_process_adds_the_penalty_to_the_logged_reward(tmp_path):
     log = tmp_path / "rewards.jsonl"
     with embedded_server(tmp_path / "server", max_model_len=512) as server:
         config = _config(
-            num_generations=4, **rows(3), reward_functions=["rollout_helpers:recording_reward"], overlong_buffer_len=4
+            num_generations=4,
+            **rows(3),
+            reward_functions=["rollout_helpers:recording_reward"],
+            reward_weights=[3.0],
+            overlong_buffer_len=4,
         )
         with rollout(server, tmp_path, config, env={**HELPERS_ENV, h.REWARD_LOG_ENV: str(log)}) as source:
             _, _, metrics = drain(source)
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == 12
+    recorded = [r["reward"] for r in records]
+    assert len(set(recorded)) > 1 and abs(np.mean(recorded)) > 1e-6  # scored, spread: a weight of 3 shows
     penalties = [_eq13(len(r["completion_ids"]), 8, 4) for r in records]
     assert min(penalties) < 0  # some completions reached the buffer
-    assert metrics["reward"] == pytest.approx(np.mean([r["reward"] + p for r, p in zip(records, penalties)]))
+    assert metrics["rewards/recording_reward/mean"] == pytest.approx(np.mean(recorded))  # logged unweighted
+    # the penalty is added to the weighted sum, unweighted (DAPO's term is the completion's, not a function's)
+    assert metrics["reward"] == pytest.approx(np.mean([3.0 * r + p for r, p in zip(recorded, penalties)]))

@@ -91,6 +91,10 @@ def test_a_resume_with_other_weights_is_applied_and_logged(tmp_path):
     assert check_resume(weighted, folder) == ["rollout.reward_weights: None -> [2.0]"]
 
 
+# Slow tier (an embedded server and a rollout process, ~18 s on the loaded CI box): the default tier's
+# test_overlong_penalty.py::test_a_rollout_process_adds_the_penalty_to_the_logged_reward runs the same process with
+# reward_weights [3.0] and checks both the weighted reward and the unweighted per-function mean.
+@pytest.mark.slow
 def test_a_rollout_process_sums_the_weighted_rewards_and_logs_each_function_as_returned(tmp_path):
     """The rollout process as the flow starts it (embedded tiny server): ``reward`` is 3 × the one function's
     recorded values, ``rewards/recording_reward/mean`` the values themselves."""

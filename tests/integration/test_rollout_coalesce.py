@@ -29,6 +29,14 @@ from grpo_core.serving.replicas import ReplicaSet
 G = 4
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One embedded server for the module's tests (each paid ~10 s for its own on the loaded CI box): they only sample
+    from the base weights, which none of them changes, and each request carries its own seed or none."""
+    with embedded_server(tmp_path_factory.mktemp("server")) as handle:
+        yield handle
+
+
 def test_consecutive_runs():
     assert consecutive_runs([]) == []
     assert consecutive_runs([5, 0, 2, 1, 6]) == [[0, 1, 2], [5, 6]]
@@ -75,21 +83,20 @@ def test_a_failed_request_fails_each_of_its_rollouts_and_a_cancelled_one_is_not_
     assert sorted(sent) == [(0, 1), (2, 1)], "rollout 1 was cancelled before the request: not asked for"
 
 
-def test_a_request_with_n_choices_samples_each_as_its_seed_plus_index_would(tmp_path):
+def test_a_request_with_n_choices_samples_each_as_its_seed_plus_index_would(server):
     """The seed contract the batching rests on, against the real embedded server (vLLM documents the same:
     ``ParentRequest.get_child_info`` seeds child j with seed + j)."""
     prompt = [1, 9038, 2684, 28, 253, 1046]
     sampling = {"model": "tiny-qwen3", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
-    with embedded_server(tmp_path) as handle:
 
-        async def go():
-            async with GenerationClient(handle.url) as c:
-                together = await c.complete(prompt, n=G, seed=1234, **sampling)
-                alone = [(await c.complete(prompt, seed=1234 + j, **sampling))[0] for j in range(G)]
-                other = (await c.complete(prompt, seed=99, **sampling))[0]
-                return together, alone, other
+    async def go():
+        async with GenerationClient(server.url) as c:
+            together = await c.complete(prompt, n=G, seed=1234, **sampling)
+            alone = [(await c.complete(prompt, seed=1234 + j, **sampling))[0] for j in range(G)]
+            other = (await c.complete(prompt, seed=99, **sampling))[0]
+            return together, alone, other
 
-        together, alone, other = asyncio.run(go())
+    together, alone, other = asyncio.run(go())
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     assert len({tuple(c.token_ids) for c in together}) > 1, "the choices differ from each other"
     assert other.token_ids not in [c.token_ids for c in together], "a different seed samples otherwise"
@@ -108,7 +115,7 @@ class CountingClient(GenerationClient):
 
 
 @pytest.mark.parametrize(("batched", "seed"), [(True, 0), (False, 0), (True, None), (False, None)])
-def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(tmp_path, batched, seed):
+def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(server, batched, seed):
     """Seeded (``rollout.seed`` an int): each request carries its rollouts' seed; unseeded (None, the GPU configs'
     choice): no request carries one, batched or not."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig(name="tiny-qwen3")))
@@ -122,28 +129,27 @@ def test_the_loop_sends_one_request_per_group_with_each_rollouts_seed(tmp_path, 
         num_epochs=1,
         seed=seed,
     )
-    with embedded_server(tmp_path) as handle:
 
-        async def go():
-            client = CountingClient(handle.url, max_retries=0)
-            allowance = TokenAllowance(cfg.max_staleness, 1 << 20)
-            queue = SampleQueue(allowance, with_topk=False)
-            runtime = LoopRuntime(
-                tokenizer=tokenizer,
-                server=ReplicaSet([client]),
-                model_name="tiny-qwen3",
-                max_model_len=256,
-                dataset=rows,
-                queue=queue,
-                allowance=allowance,
-                reward_functions=[position_reward],
-            )
-            loop = RolloutLoop(cfg, runtime)
-            await asyncio.wait_for(drive(loop), timeout=300)
-            await client.aclose()
-            return client.sent, allowance.completed_groups
+    async def go():
+        client = CountingClient(server.url, max_retries=0)
+        allowance = TokenAllowance(cfg.max_staleness, 1 << 20)
+        queue = SampleQueue(allowance, with_topk=False)
+        runtime = LoopRuntime(
+            tokenizer=tokenizer,
+            server=ReplicaSet([client]),
+            model_name="tiny-qwen3",
+            max_model_len=256,
+            dataset=rows,
+            queue=queue,
+            allowance=allowance,
+            reward_functions=[position_reward],
+        )
+        loop = RolloutLoop(cfg, runtime)
+        await asyncio.wait_for(drive(loop), timeout=300)
+        await client.aclose()
+        return client.sent, allowance.completed_groups
 
-        sent, groups = asyncio.run(go())
+    sent, groups = asyncio.run(go())
     assert groups == len(rows)
     if seed is None:
         assert {s for _, s, _ in sent} == {None}, "an unseeded run sends no seed"
