@@ -75,8 +75,29 @@ def _warn_unused(unused: dict[str, str]) -> None:
         logger.warning("%s: no effect (%s); delete %s", ", ".join(paths), why, "it" if len(paths) == 1 else "them")
 
 
+def check_gpu_ids(ids: list[int] | None, field: str) -> list[int] | None:
+    """``ids`` (a ``gpu_ids`` setting named ``field``) unless an index is negative.
+
+    Raises:
+        ValueError: a negative CUDA device index (names the field and the fix).
+    """
+    negative = [i for i in ids or [] if i < 0]
+    if negative:
+        raise ValueError(
+            f"{field}={ids} holds {negative}: CUDA device indices start at 0 (as nvidia-smi numbers the GPUs); "
+            "list indices >= 0"
+        )
+    return ids
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    """Base of every config model: unknown keys refused, assignments validated, and every float field finite
+    (``allow_inf_nan=False``: a NaN or infinite learning rate, temperature, timeout or weight is refused in every
+    section, lists and tuples of floats included, instead of one field at a time)."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     @field_validator("*", mode="before")
     @classmethod

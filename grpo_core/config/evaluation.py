@@ -42,14 +42,16 @@ class EvalConfig(_Strict):
     num_samples: int = Field(default=1, ge=1)
     """Samples per prompt (n of the pass@k estimator); 1 with ``greedy``."""
     pass_at_k: list[int] | None = None
-    """The k of each ``eval/pass_at_k`` metric, each at most ``num_samples``; None = ``[num_samples]``."""
+    """The k of each ``eval/pass_at_k`` metric, each at most ``num_samples`` and listed once; None =
+    ``[num_samples]``."""
     reward_functions: list[str] | None = None
-    """Reward functions ``module:function`` scoring the eval samples; None = the training ones
-    (``rollout.reward_functions``, plus the eval dataset's own verifier for ``reasoning_gym:``)."""
+    """Reward functions ``module:function`` scoring the eval samples (an empty list is refused); None = the
+    training ones (``rollout.reward_functions``, plus the eval dataset's own verifier for ``reasoning_gym:``)."""
     correct_above: float = 0.0
     """A sample is correct when its reward is above this value (reward > 0 by default)."""
     max_completion_length: int | None = Field(default=None, ge=1)
-    """Most tokens generated per eval sample; None = ``rollout.max_completion_length``."""
+    """Most tokens generated per eval sample, below ``server.max_model_len`` (room for the prompt); None =
+    ``rollout.max_completion_length``."""
     max_concurrent_requests: int = Field(default=8, ge=1)
     """Eval requests in flight at once (each asks for ``num_samples`` completions), beside the training rollouts."""
     final_timeout_s: float = Field(default=600.0, gt=0)
@@ -68,6 +70,18 @@ class EvalConfig(_Strict):
             raise ConfigError(
                 f"eval.greedy samples one completion per prompt, but eval.num_samples={self.num_samples}; "
                 "set eval.num_samples: 1, or eval.greedy: false for pass@k over sampled completions"
+            )
+        if self.reward_functions == []:
+            raise ConfigError(
+                "eval.reward_functions is an empty list: no function would score the eval samples (every "
+                "eval/accuracy and eval/pass_at_k would be 0); list 'module:function' reward functions, or unset "
+                "eval.reward_functions (null) to score them with the training ones"
+            )
+        repeated = sorted({k for k in self.pass_at_k or [] if (self.pass_at_k or []).count(k) > 1})
+        if repeated:
+            raise ConfigError(
+                f"eval.pass_at_k={self.pass_at_k} lists {repeated} more than once (each k is one eval/pass_at_k "
+                "metric); list each k once"
             )
         too_big = [k for k in self.pass_at_k or [] if not 1 <= k <= self.num_samples]
         if too_big:

@@ -144,6 +144,8 @@ def _error_lines(kind: type[BaseModel], errors: Sequence[Mapping[str, Any]]) -> 
             if path and msg.startswith(path):  # the validator's message names the field already
                 lines.setdefault(msg, [])
                 continue
+        elif err["type"] == "finite_number":  # every float field of the config (_Strict: allow_inf_nan=False)
+            msg = f"must be finite (got {err.get('input')}); write a finite number (nan and inf are refused)"
         elif err["type"] == "list_type" and isinstance(err.get("input"), str | int | float):  # one value, no list
             msg = f"{err['msg']}; write [{err['input']}] for one item"
         else:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 from typing import Any, Literal
 
 from pydantic import (
     Field,
-    field_validator,
     model_validator,
 )
 
@@ -46,10 +44,43 @@ def dataset_form(spec: str) -> tuple[str, str]:
     return "module", spec
 
 
-def _check_column_types(types: dict[str, str], field: str) -> None:
+def reads_csv(spec: str) -> bool:
+    """Whether a dataset spec names CSV/TSV rows (``csv:PATH``, or a path ending in ``.csv``/``.tsv``, compressed or
+    not): the only form whose cells ``column_types`` converts (the others carry their own types)."""
+    form, rest = dataset_form(spec)
+    name = rest.lower()
+    for compressed in (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip"):
+        name = name.removesuffix(compressed)
+    return form == "csv" or (form == "path" and name.endswith((".csv", ".tsv")))
+
+
+#: A leading ``word:`` of a dataset spec that may be a mistyped prefix (two characters at least: ``C:`` is a drive).
+_PREFIX_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]+):")
+
+
+def unknown_prefix_hint(spec: str) -> str:
+    """For a dataset spec that named nothing (no such file, no such module): if it starts with a ``word:`` that is
+    not one of :data:`DATA_PREFIXES` (``hf2:owner/name``, ``jsonl:data.jsonl``), a sentence naming the known
+    prefixes; else ``""``."""
+    match = _PREFIX_LIKE.match(spec)
+    if match is None or f"{match.group(1)}:" in DATA_PREFIXES:
+        return ""
+    return (
+        f"; {match.group(1) + ':'!r} is not a dataset prefix (known: {', '.join(DATA_PREFIXES)}; "
+        "or 'module:callable', a path or a file with a data suffix)"
+    )
+
+
+def _check_column_types(types: dict[str, str], field: str, spec: str | None) -> None:
     bad = {k: v for k, v in types.items() if v not in COLUMN_TYPES}
     if bad:
         raise ConfigError(f"{field}: {bad} are not column types; use one of {', '.join(COLUMN_TYPES)}")
+    if types and spec is not None and not reads_csv(spec):
+        raise ConfigError(
+            f"{field}: {spec!r} is not read as CSV, and column_types converts CSV cells only (JSON lines, Parquet, "
+            "Arrow, saved and Hub datasets keep their own types; a generated or module:callable dataset makes its "
+            "rows); delete column_types, or give the CSV file as 'csv:PATH' or a .csv/.tsv path"
+        )
 
 
 class DatasetSource(_Strict):
@@ -69,16 +100,10 @@ class DatasetSource(_Strict):
     system_prompt: str | None = None
     """System message put before each prompt that has none (a string prompt becomes a user message after it)."""
     column_types: dict[str, str] = Field(default_factory=dict)
-    """Types of CSV columns (``str``, ``int``, ``float``, ``bool``, ``json``); other columns are strings."""
+    """Types of CSV columns (``str``, ``int``, ``float``, ``bool``, ``json``); other columns are strings. CSV sources
+    only (refused with another form)."""
     dataset_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``module:callable`` source, or the task config of a ``reasoning_gym:`` one."""
-
-    @field_validator("weight")
-    @classmethod
-    def _finite_weight(cls, weight: float) -> float:
-        if not math.isfinite(weight):
-            raise ValueError(f"must be finite (got {weight}); weights are relative shares, e.g. 1 and 3")
-        return weight
 
     def source_name(self) -> str:
         """``name``, else a name from the path: the task, the dataset's or the file's stem (metric-safe)."""
@@ -92,7 +117,7 @@ class DatasetSource(_Strict):
 
     @model_validator(mode="after")
     def _check_source(self) -> DatasetSource:
-        _check_column_types(self.column_types, f"rollout.datasets ({self.path}).column_types")
+        _check_column_types(self.column_types, f"rollout.datasets ({self.path}).column_types", self.path)
         return self
 
 
@@ -198,7 +223,8 @@ class RolloutConfig(_CandidateFilter):
     """System message put before each prompt that has none; None = none added."""
     column_types: dict[str, str] = Field(default_factory=dict)
     """Types of CSV columns (``str``, ``int``, ``float``, ``bool``, ``json``); every other CSV column is read as
-    strings, as written. JSON lines, Parquet and Arrow keep their own types."""
+    strings, as written. JSON lines, Parquet and Arrow keep their own types: set with a dataset not read as CSV
+    (``csv:PATH``, a ``.csv``/``.tsv`` path), it is refused."""
     datasets: list[DatasetSource] = Field(default_factory=list)
     """A weighted mixture instead of ``dataset``: a list of sources, each with ``path`` (any form of ``dataset``) and
     ``weight``, and optionally ``name``, ``split``, ``prompt_column``, ``system_prompt``, ``column_types`` and
@@ -312,18 +338,15 @@ class RolloutConfig(_CandidateFilter):
             for name in ("dataset_split", "prompt_column", "system_prompt", "column_types"):
                 if name in changed:
                     logger.warning("rollout.%s has no effect with rollout.datasets: each source sets its own", name)
-        _check_column_types(self.column_types, "rollout.column_types")
+        _check_column_types(self.column_types, "rollout.column_types", self.dataset)
         if isinstance(self.environment_factory, dict) and not self.environment_factory:
             raise ConfigError("rollout.environment_factory is an empty dict; name at least one environment or set None")
-        if self.reward_weights is not None:
-            if len(self.reward_weights) != len(self.reward_functions):
-                raise ConfigError(
-                    f"rollout.reward_weights has {len(self.reward_weights)} weight(s) for "
-                    f"{len(self.reward_functions)} rollout.reward_functions; give one weight per function, in their "
-                    "order, or unset it (every weight 1)"
-                )
-            if not all(math.isfinite(w) for w in self.reward_weights):
-                raise ConfigError(f"rollout.reward_weights must be finite numbers, got {self.reward_weights}")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_functions):
+            raise ConfigError(
+                f"rollout.reward_weights has {len(self.reward_weights)} weight(s) for "
+                f"{len(self.reward_functions)} rollout.reward_functions; give one weight per function, in their "
+                "order, or unset it (every weight 1)"
+            )
         buffer = self.overlong_buffer_len
         if isinstance(buffer, int) and not 1 <= buffer <= self.max_completion_length:
             raise ConfigError(

@@ -113,6 +113,51 @@ ALGORITHM_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def _check_eval_fields(cfg: RunConfig) -> None:
+    """Cross-section checks of ``eval`` (its own fields: :class:`EvalConfig`): an eval completion leaves room for a
+    prompt; an ``every_steps`` no step reaches, and an eval dataset that is the training one, are warned about.
+
+    Raises:
+        ConfigError: ``eval.max_completion_length`` >= ``server.max_model_len`` (names both and the largest value).
+    """
+    ev, rollout, max_len = cfg.eval, cfg.rollout, cfg.server.max_model_len
+    if not ev.enabled:
+        return
+    if ev.max_completion_length is not None and ev.max_completion_length >= max_len:
+        raise ConfigError(
+            f"eval.max_completion_length ({ev.max_completion_length}) must be below server.max_model_len ({max_len}) "
+            f"to leave room for the prompt: set eval.max_completion_length to at most {max_len - 1} (a one-token "
+            "prompt; `grpo validate` measures the eval prompts and names the largest value that fits them), or "
+            "raise server.max_model_len"
+        )
+    if ev.at_end and ev.every_steps is not None and ev.every_steps > cfg.train.max_steps:
+        logger.warning(
+            f"eval.every_steps ({ev.every_steps}) is above train.max_steps ({cfg.train.max_steps}): no step "
+            "reaches it, so the run evaluates once, at the end (eval.at_end); lower eval.every_steps to evaluate "
+            "during training, or unset it"
+        )
+    training = [(rollout.dataset, "rollout.dataset")] + [
+        (d.path, f"rollout.datasets[{i}].path") for i, d in enumerate(rollout.datasets)
+    ]
+    for spec, field in training:
+        if spec is None or spec != ev.dataset:
+            continue
+        generated = spec.startswith("reasoning_gym:")
+        if generated and ev.dataset_seed != rollout.dataset_seed:
+            continue  # another seed draws other problems
+        if generated:
+            same, fix = (
+                f"eval.dataset_seed equals rollout.dataset_seed ({ev.dataset_seed}) on the same task {ev.dataset!r}",
+                "give eval.dataset_seed another value",
+            )
+        else:
+            same, fix = f"eval.dataset is {field} ({ev.dataset!r})", "point eval.dataset at held-out prompts"
+        logger.warning(
+            f"{same}: the held-out set is not held out (its prompts are training prompts, so eval/* measures "
+            f"recall of trained prompts); {fix}"
+        )
+
+
 def apply_algorithm_preset(data: Any) -> Any:
     """A run config's input with its ``algorithm`` preset's fields filled in where the input leaves them unset.
 
@@ -257,6 +302,7 @@ class RunConfig(_Strict):
                 "eval.at_end is false: the run would never evaluate eval.dataset; lower eval.every_steps or set "
                 "eval.at_end: true"
             )
+        _check_eval_fields(self)
         if server.gpu_ids is not None:
             tp = server.tensor_parallel_size
             for replica in range(server.num_replicas):

@@ -21,6 +21,7 @@ from grpo_core.config.base import (
     _ServerKey,
     _Strict,
     _warn_unused,
+    check_gpu_ids,
     default_cache_dir,
     url_port,
 )
@@ -293,6 +294,11 @@ class ServerConfig(_ServerKey):
         """Whether the flow's host starts the replicas itself (neither ``urls`` nor ``deployment`` is set): only then
         does this host need what the launch settings (``backend``, ``num_replicas``, ``gpu_ids``, ...) ask for."""
         return not self.urls and not self.deployment
+
+    @field_validator("gpu_ids")
+    @classmethod
+    def _gpu_ids_not_negative(cls, ids: list[int] | None) -> list[int] | None:
+        return check_gpu_ids(ids, "server.gpu_ids")
 
     @field_validator("urls")
     @classmethod

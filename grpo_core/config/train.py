@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -13,8 +15,10 @@ from pydantic import (
     model_validator,
 )
 
-from grpo_core.config.base import _Strict
+from grpo_core.config.base import _Strict, check_gpu_ids
 from grpo_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class PackingConfig(_Strict):
@@ -92,6 +96,38 @@ class TrainConfig(_Strict):
             )
         return v
 
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):  # torch.optim.AdamW refuses them only when the trainer starts
+            raise ValueError(
+                f"train.adam_betas={list(betas)}: each AdamW beta must lie in [0, 1) (the decay of the gradient's "
+                "running mean and of its square); write e.g. [0.9, 0.999]"
+            )
+        return betas
+
+    @field_validator("gpu_ids")
+    @classmethod
+    def _gpu_ids_not_negative(cls, ids: list[int] | None) -> list[int] | None:
+        return check_gpu_ids(ids, "train.gpu_ids")
+
+    @model_validator(mode="after")
+    def _check_step_counts(self) -> TrainConfig:
+        for name in ("weight_sync_steps", "warmup_steps"):
+            value = getattr(self, name)
+            if value > self.max_steps:
+                logger.warning(
+                    f"train.{name} ({value}) is above train.max_steps ({self.max_steps}): "
+                    + (
+                        "the run ends before its first weight sync, so the servers sample the initial weights "
+                        "throughout"
+                        if name == "weight_sync_steps"
+                        else "the learning rate never reaches train.learning_rate (the warmup outlasts the run)"
+                    )
+                    + f"; lower train.{name} to at most {self.max_steps} or raise train.max_steps"
+                )
+        return self
+
     @model_validator(mode="after")
     def _check_sequence_mask(self) -> TrainConfig:
         if self.sequence_mask_min >= self.sequence_mask_max:
@@ -133,8 +169,9 @@ class TrainConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto`` = CUDA when available (NCCL), else CPU (gloo)."""
     gpu_ids: list[int] | None = None
-    """CUDA device indices of the trainer's ranks (rank r on gpu_ids[r], set as ``CUDA_VISIBLE_DEVICES``);
-    None = the first num_ranks visible devices. Disjoint from server.gpu_ids for NCCL weight transfer."""
+    """CUDA device indices of the trainer's ranks (rank r on gpu_ids[r], set as ``CUDA_VISIBLE_DEVICES``), one per
+    rank of ``num_ranks`` (a shorter or longer list is refused), each >= 0; None = the first num_ranks visible
+    devices. Disjoint from server.gpu_ids for NCCL weight transfer."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Master weight dtype."""
     mixed_precision: bool | None = None
@@ -172,7 +209,7 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
+    """AdamW betas (β1, β2), each in [0, 1)."""
     max_grad_norm: float = Field(default=1.0, ge=0)
     """Gradient clipping by global norm; 0 = off."""
     max_nonfinite_steps: int = Field(default=10, ge=1)
@@ -273,12 +310,39 @@ class TrainConfig(_Strict):
     the trainer earlier when a server fails to start."""
 
 
+#: Units of ``export.max_shard_size`` and their bytes, as huggingface_hub's ``parse_size_to_int`` (which
+#: ``save_pretrained`` and ``save_torch_state_dict`` call) takes them: decimal, case-insensitive, no ``GiB``.
+SHARD_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def shard_size_bytes(size: str) -> int:
+    """The bytes of an ``export.max_shard_size`` such as ``"5GB"`` or ``"500 mb"``, read as huggingface_hub's
+    ``parse_size_to_int`` reads it (a number, then one of :data:`SHARD_SIZE_UNITS`).
+
+    Raises:
+        ValueError: not a positive finite number followed by TB, GB, MB or KB (names the field and an example).
+    """
+    text = size.strip()
+    unit = text[-2:].upper()
+    try:
+        value = float(text[:-2].strip()) if unit in SHARD_SIZE_UNITS else None
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or int(value * SHARD_SIZE_UNITS[unit]) <= 0:
+        raise ValueError(
+            f"export.max_shard_size={size!r} is not a size: write a positive number and one of the units "
+            f"{', '.join(SHARD_SIZE_UNITS)} (decimal; e.g. '5GB' or '500MB')"
+        )
+    return int(value * SHARD_SIZE_UNITS[unit])
+
+
 class ExportConfig(_Strict):
     """The trained model at the end of a run: a ``from_pretrained`` folder, its model card, and a Hub push."""
 
     max_shard_size: str = "5GB"
-    """Largest safetensors shard of the exported model (``save_pretrained(max_shard_size=…)``); larger models get
-    several shards and a ``model.safetensors.index.json``."""
+    """Largest safetensors shard of the exported model (``save_pretrained(max_shard_size=…)``): a number and a
+    decimal unit, ``TB``, ``GB``, ``MB`` or ``KB`` (``5GB``, ``500MB``); larger models get several shards and a
+    ``model.safetensors.index.json``."""
     push_to_hub: bool = False
     """Upload the exported folder and its model card to the Hugging Face Hub at the end of the run
     (needs ``export.hub_model_id`` and a token: ``HF_TOKEN`` or ``hf auth login``)."""
@@ -288,6 +352,12 @@ class ExportConfig(_Strict):
     """Create the Hub repository private; None = the Hub's default (public unless the org says otherwise)."""
     hub_revision: str | None = None
     """Branch of the Hub repository to commit to; None = ``main``."""
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _check_shard_size(cls, size: str) -> str:
+        shard_size_bytes(size)
+        return size
 
     @model_validator(mode="after")
     def _check_hub(self) -> ExportConfig:

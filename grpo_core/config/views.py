@@ -111,6 +111,12 @@ def _check_trainer_fields(config: Any) -> None:
             f"train.gpu_ids lists {len(set(train.gpu_ids))} distinct GPUs but train.num_ranks is "
             f"{train.num_ranks}; list one GPU per rank or lower train.num_ranks"
         )
+    if train.gpu_ids is not None and len(train.gpu_ids) > train.num_ranks:
+        raise ConfigError(
+            f"train.gpu_ids lists {len(train.gpu_ids)} GPUs but train.num_ranks is {train.num_ranks}: the last "
+            f"{len(train.gpu_ids) - train.num_ranks} would feed no rank; list {train.num_ranks}, or raise "
+            "train.num_ranks to use them"
+        )
 
 
 #: What the trainer reads of sections it does not own, under the owners' field names (see ``TrainerProcessConfig``).

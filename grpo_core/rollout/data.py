@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.config import RolloutConfig, dataset_form
+from grpo_core.config.rollout import unknown_prefix_hint
 from grpo_core.entries import config_entry
 from grpo_core.errors import ConfigError, did_you_mean
 from grpo_core.security.allowlist import import_object
@@ -165,6 +166,7 @@ def open_dataset(
             raise
         raise ConfigError(
             f"{exc}; or, for data, name a local file or folder: no file or folder {spec!r} exists here"
+            f"{unknown_prefix_hint(spec)}"
         ) from exc
     data = factory(**kwargs) if callable(factory) else factory
     if not isinstance(data, Iterable):

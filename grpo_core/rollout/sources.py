@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.config import dataset_form, user_path
+from grpo_core.config.rollout import unknown_prefix_hint
 from grpo_core.errors import ConfigError
 
 #: Compressed files the readers open (fsspec's compression by suffix).
@@ -385,6 +386,9 @@ def read_source(spec: str, where: str, split: str = "train", column_types: dict[
         return hub_dataset(target, where, split)
     if form == "path":
         path = user_path(target)
+        hint = "" if path.exists() or glob.glob(str(path)) else unknown_prefix_hint(spec)
+        if hint:  # 'hf2:owner/name', 'jsonl:data.jsonl': a mistyped prefix, not a missing file
+            raise ConfigError(f"{where}: no such file or folder {path.resolve()}{hint}")
         if path.is_dir():
             return folder_dataset(path, where, split)
         if not path.exists() and not glob.has_magic(target) and not data_form(path):

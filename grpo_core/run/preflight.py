@@ -31,29 +31,98 @@ logger = logging.getLogger(__name__)
 
 def check_model(cfg: RunConfig) -> None:
     """Resolve ``model.name`` (find a folder or download a Hub id; registry names need nothing) and
-    check that every layer of it can run on packed tree rows (built on the meta device, no weights read), and that
-    ``train.router_aux_loss_coef`` fits it (a nonzero value needs a mixture-of-experts model).
+    check that every layer of it can run on packed tree rows (built on the meta device, no weights read), that
+    ``train.router_aux_loss_coef`` fits it (a nonzero value needs a mixture-of-experts model), and that each
+    ``train.lora.target_modules`` name is a module of it (:func:`check_lora_targets`). A router loss that turns
+    ``train.overlap_micro_batches`` off is warned about (:func:`warn_overlap_off`).
 
     Raises:
-        ConfigError: the name does not resolve, a layer cannot be packed (the layer type named), or a nonzero
-            ``train.router_aux_loss_coef`` is set for a dense model.
+        ConfigError: the name does not resolve, a layer cannot be packed (the layer type named), a nonzero
+            ``train.router_aux_loss_coef`` is set for a dense model, or a LoRA target names no module.
     """
     from types import SimpleNamespace
 
-    from grpo_core.models import registry_names, registry_shape, resolve_model_dir
+    from grpo_core.models import registry_config, registry_names, registry_shape, resolve_model_dir
     from grpo_core.train.moe import resolve_router_aux_loss_coef
-    from grpo_core.train.packable import check_model_folder
+    from grpo_core.train.packable import check_model_folder, meta_text_model
 
     name, coef = cfg.model.name, cfg.train.router_aux_loss_coef
     if name in registry_names() and cfg.model.revision is None:
         # packable architectures of a known shape, built (seconds to a minute) by the first process that needs them
-        resolve_router_aux_loss_coef(coef, SimpleNamespace(**registry_shape(name)), name)
-        return
-    path = resolve_model_dir(cfg.model)
-    check_model_folder(path, name, cfg.token_budget())
-    from transformers import AutoConfig
+        used = resolve_router_aux_loss_coef(coef, SimpleNamespace(**registry_shape(name)), name)
+        if cfg.train.lora.enabled:  # the modules of the architecture, on the meta device (nothing built)
+            check_lora_targets(cfg, meta_text_model(registry_config(name), name))
+    else:
+        path = resolve_model_dir(cfg.model)
+        model = check_model_folder(path, name, cfg.token_budget())
+        from transformers import AutoConfig
 
-    resolve_router_aux_loss_coef(coef, AutoConfig.from_pretrained(path), name)
+        used = resolve_router_aux_loss_coef(coef, AutoConfig.from_pretrained(path), name)
+        check_lora_targets(cfg, model)
+    warn_overlap_off(cfg, used)
+
+
+def check_lora_targets(cfg: RunConfig, model: Any) -> None:
+    """Each name of ``train.lora.target_modules`` matches a module of the model as PEFT matches it (the module's
+    full name, or its last dotted parts: ``q_proj`` matches ``model.layers.0.self_attn.q_proj``). PEFT refuses a
+    list only when no name matches, when the trainer starts, and silently leaves out the names that match nothing.
+
+    Args:
+        cfg: the run config (``train.lora``; nothing to check unless it is enabled with a list of names).
+        model: the policy's language model (``torch.nn.Module``; the meta device will do).
+
+    Raises:
+        ConfigError: names the targets that match no module and the model's linear layers' names.
+    """
+    import torch
+
+    lora = cfg.train.lora
+    if not lora.enabled or lora.target_modules == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    missing = [t for t in lora.target_modules if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        linear = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, torch.nn.Linear)}
+        )
+        raise ConfigError(
+            f"train.lora.target_modules: {missing} name no module of model.name={cfg.model.name!r}, so no adapter "
+            f"would be trained there; its linear layers are named {', '.join(linear)}: list some of those, or write "
+            "train.lora.target_modules: all-linear"
+        )
+
+
+def warn_overlap_off(cfg: RunConfig, router_aux_loss_coef: float) -> None:
+    """Warn when ``train.overlap_micro_batches`` is asked for but a mixture-of-experts router loss turns it off.
+
+    Args:
+        cfg: the run config.
+        router_aux_loss_coef: the router loss weight the trainer will use (``train.router_aux_loss_coef`` resolved
+            against the model's config; 0 for a dense model or when off).
+    """
+    if cfg.train.overlap_micro_batches and router_aux_loss_coef > 0:
+        logger.warning(
+            "train.overlap_micro_batches has no effect: model.name=%r is a mixture-of-experts model with a router "
+            "load-balancing loss (train.router_aux_loss_coef resolves to %g), which is weighted by the step's "
+            "micro-batch count, so the trainer pulls each whole step before training it; set "
+            "train.overlap_micro_batches: false to say so, or train.router_aux_loss_coef: 0 to train without the "
+            "router loss and keep the overlap",
+            cfg.model.name,
+            router_aux_loss_coef,
+        )
+
+
+def check_packing(cfg: RunConfig) -> None:
+    """``packing.backend`` names an installed packer (``rust``, ``python`` or a ``grpo_core.packers`` entry point)
+    that loads and follows the :class:`~grpo_core.packing.Packer` protocol (:func:`grpo_core.packing.get_packer`);
+    the trainer would otherwise fail only when it starts.
+
+    Raises:
+        ConfigError: no such backend (names the installed ones), or it does not implement ``Packer``.
+    """
+    from grpo_core.packing import get_packer
+
+    get_packer(cfg.packing.backend)
 
 
 #: Rows of a prompt dataset checked before the run (all of a smaller one; the scan says when it stopped short).
@@ -366,20 +435,27 @@ def check_eval_prompt_lengths(cfg: RunConfig) -> None:
             cfg.rollout.max_completion_length,
             "rollout.max_completion_length (eval.max_completion_length unset)",
         )
-    limit, over = cfg.server.max_model_len - budget, 0
+    limit, over, first, longest = cfg.server.max_model_len - budget, 0, None, 0
     for index, row in enumerate(eval_rows(ev, cfg.rollout)[:MAX_CHECKED_ROWS]):
         length = measure(row["prompt"], None, limit)
         if length is None:
             continue
-        over += 1
-        if not cfg.rollout.skip_overlong_prompts:
-            raise ConfigError(
-                f"eval.dataset={ev.dataset!r} row {index}: its prompt is {length} tokens (chat template applied), more "
-                f"than server.max_model_len ({cfg.server.max_model_len}) - {field} ({budget}) = {limit}, so its "
-                "completions would be cut short; raise server.max_model_len, lower eval.max_completion_length, shorten "
-                "or drop the row, or set rollout.skip_overlong_prompts: true to evaluate such prompts with what room "
-                "is left"
-            )
+        over, first, longest = over + 1, first or (index, length), max(longest, length)
+    if first is not None and not cfg.rollout.skip_overlong_prompts:  # every row measured: the longest is known
+        index, length = first
+        fits = cfg.server.max_model_len - longest
+        fix = (
+            f"set {field.split()[0]} to at most {fits} (fits the longest eval prompt, {longest} tokens) or raise "
+            "server.max_model_len"
+        )
+        if fits < 1:
+            fix = f"raise server.max_model_len above {longest} (the longest eval prompt's tokens)"
+        raise ConfigError(
+            f"eval.dataset={ev.dataset!r} row {index}: its prompt is {length} tokens (chat template applied), more "
+            f"than server.max_model_len ({cfg.server.max_model_len}) - {field} ({budget}) = {limit}, so its "
+            f"completions would be cut short; {fix}, shorten or drop the row, or set "
+            "rollout.skip_overlong_prompts: true to evaluate such prompts with what room is left"
+        )
     if over:
         logger.warning(
             "%d eval prompts are longer than server.max_model_len - %s = %d tokens: they are evaluated with a "
@@ -637,3 +713,4 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     check_push(cfg)
     data = cfg.rollout.dataset or ", ".join(f"{d.path} ({d.weight:g})" for d in cfg.rollout.datasets) or None
     logger.info("run config checked: model %s, dataset %s", cfg.model.name, data)
+    check_packing(cfg)

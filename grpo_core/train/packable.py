@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from torch import nn
 from grpo_core.errors import ConfigError
 
 from .recurrent import SUPPORTED_RECURRENT
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: ``layer_types`` entries that are not token mixers or that tree rows support.
 _FINE_LAYER_TYPES = {"full_attention", "linear_attention", "mlp", "moe", "dense"}
@@ -86,15 +90,33 @@ def check_packable(model: nn.Module, model_name: str, max_len: int) -> None:
         )
 
 
-def check_model_folder(path: str | Path, model_name: str, max_len: int) -> None:
+def meta_text_model(config: PretrainedConfig, where: str | Path) -> nn.Module:
+    """The language model of ``config`` as the trainer builds it (a VLM's vision tower dropped), on the meta device
+    (no memory for weights, none read): for checks of its layers and module names.
+
+    Raises:
+        ConfigError: the architecture has no text-generation class (names ``where``).
+    """
+    from grpo_core.models.text_model import drop_non_language_parts, is_vision_language, text_model_class
+
+    cls = text_model_class(config, where)
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    if is_vision_language(model.config) and hasattr(model.model, "language_model"):
+        drop_non_language_parts(model)
+    return model
+
+
+def check_model_folder(path: str | Path, model_name: str, max_len: int) -> nn.Module:
     """:func:`check_packable` on the model of a folder, built on the meta device (no weights read).
+
+    Returns:
+        The model built on the meta device (:func:`meta_text_model`), for further checks of its modules.
 
     Raises:
         ConfigError: as :func:`check_packable`, or the folder holds no text-generation model.
     """
     from transformers import AutoConfig
-
-    from grpo_core.models.text_model import drop_non_language_parts, is_vision_language, text_model_class
 
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(
@@ -102,10 +124,6 @@ def check_model_folder(path: str | Path, model_name: str, max_len: int) -> None:
             "holds config.json, the weights (*.safetensors) and the tokenizer files (save one "
             "with save_pretrained, or name a Hub id)"
         )
-    config = AutoConfig.from_pretrained(path)
-    cls = text_model_class(config, path)
-    with torch.device("meta"):
-        model = cls.from_config(config)
-    if is_vision_language(model.config) and hasattr(model.model, "language_model"):
-        drop_non_language_parts(model)
+    model = meta_text_model(AutoConfig.from_pretrained(path), path)
     check_packable(model, model_name, max_len)
+    return model

@@ -216,7 +216,14 @@ class Trainer:
         #: rank 0's order of events of overlapped steps, oldest first: the planner's (``("pull", samples)``,
         #: ``("micro_batch", i)``) and ``("backward", i)`` when micro-batch ``i``'s backward starts (tests read it)
         self.events: deque[tuple[str, int]] = self.planner.events if self.planner is not None else deque(maxlen=256)
-        if world.is_main:
+        if world.is_main and tc.overlap_micro_batches and not self.overlap:  # asked for, turned off: say so
+            logger.warning(
+                "train.overlap_micro_batches has no effect: the mixture-of-experts router loss "
+                "(train.router_aux_loss_coef %g) is weighted by the step's micro-batch count, so each step is pulled "
+                "whole before it trains; set train.overlap_micro_batches: false, or train.router_aux_loss_coef: 0",
+                getattr(self.policy, "router_aux_loss_coef", 0.0),
+            )
+        elif world.is_main:
             logger.info(
                 "micro-batches %s (train.overlap_micro_batches=%s)",
                 "train as soon as packed" if self.overlap else "train once the whole step is pulled",
