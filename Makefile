@@ -6,7 +6,12 @@ PIP    := $(PY) -m pip
 STAMPS := .stamps
 RUST_SOURCES := Cargo.toml packer_rs/Cargo.toml $(wildcard packer_rs/src/*.rs)
 
-.PHONY: demo demo-smoke serve lint fmt test test-rust test-python test-slow models bench-packing wheelhouse-h200 clean
+.PHONY: install demo demo-smoke serve lint fmt test test-rust test-python test-slow models bench-packing wheelhouse-h200 clean
+
+# .venv with the pinned dependencies and this checkout installed editable, packer_rs built in place (what every target
+# below does first; packer_rs/__init__.py names it when the extension is missing).
+install: $(STAMPS)/install
+	@ls packer_rs/_native*.so >/dev/null 2>&1 || { rm -f $(STAMPS)/install && $(MAKE) --no-print-directory $(STAMPS)/install; }
 
 # The main job: the grpo-train flow on SmolLM2-135M-Instruct (Prefect's embedded API, MLflow on SQLite).
 # `make demo STEPS=2` trains that many optimizer steps instead of the config's train.max_steps.

@@ -1,0 +1,84 @@
+"""Small faults a new user meets first: a checkout whose Rust extension was not built in place."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import packer_rs
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+#: The Sample schema's columns (DESIGN.md §6, the rollout-trainer contract), an independent list to check against.
+SAMPLE_COLUMNS = {"sample_id", "group_id", "prompt_index", "input_ids", "completion_mask", "sampler_logprobs"}
+
+
+def _checkout_without_extension(tmp_path: Path) -> Path:
+    """A folder laid out as a checkout whose ``packer_rs/`` holds the package's source but no built extension."""
+    checkout = tmp_path / "checkout"
+    (checkout / "packer_rs").mkdir(parents=True)
+    shutil.copy(ROOT / "packer_rs" / "__init__.py", checkout / "packer_rs" / "__init__.py")
+    assert not list((checkout / "packer_rs").glob("_native*"))
+    return checkout
+
+
+def _installed_copy(tmp_path: Path) -> tuple[Path, Path]:
+    """A site folder holding packer_rs as a wheel installs it (the package and its built extension); returns the
+    folder and the extension's path there."""
+    built = Path(packer_rs._native.__file__)  # the extension this test process loaded
+    site = tmp_path / "site"
+    (site / "packer_rs").mkdir(parents=True)
+    shutil.copy(ROOT / "packer_rs" / "__init__.py", site / "packer_rs" / "__init__.py")
+    shutil.copy(built, site / "packer_rs" / built.name)
+    return site, site / "packer_rs" / built.name
+
+
+def _run(args: list[str], cwd: Path, drop: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
+    """``args`` run in ``cwd`` with this checkout's packages on the path (not another copy an editable install or
+    a .pth file names), ``env`` set and the variables ``drop`` unset."""
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env}
+    env = {k: v for k, v in {**os.environ, **env}.items() if k not in drop}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_a_checkout_without_a_built_extension_takes_the_installed_one(tmp_path):
+    checkout = _checkout_without_extension(tmp_path)
+    site, extension = _installed_copy(tmp_path)
+    code = (
+        "import packer_rs, packer_rs._native as n; print(packer_rs.__file__); print(n.__file__); "
+        "print(','.join(packer_rs.sample_schema().names))"
+    )
+    # python -c puts the working folder (the checkout) first, as every grpo process does; the wheel's folder after
+    done = _run([sys.executable, "-c", code], cwd=checkout, PYTHONPATH=f"{site}{os.pathsep}{ROOT}")
+    assert done.returncode == 0, done.stderr
+    package, native, columns = done.stdout.split()
+    assert Path(package) == checkout / "packer_rs" / "__init__.py"  # the checkout's source folder did shadow it
+    assert Path(native) == extension  # and the installed wheel's extension was found
+    assert set(columns.split(",")) >= SAMPLE_COLUMNS  # the extension works
+
+
+def test_no_extension_anywhere_names_the_command_that_builds_it(tmp_path):
+    checkout = _checkout_without_extension(tmp_path)
+    # -S: no site-packages, so no installed (or editable) packer_rs is on the path
+    done = _run([sys.executable, "-S", "-c", "import packer_rs"], cwd=checkout, PYTHONPATH="")
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: packer_rs: the Rust extension packer_rs._native is not built in "), last
+    assert str(checkout / "packer_rs") in last and "`make install`" in last and "pip install ." in last
+
+
+def test_grpo_validate_runs_in_a_checkout_whose_extension_is_not_built_in_place(tmp_path):
+    checkout = _checkout_without_extension(tmp_path)
+    site, _ = _installed_copy(tmp_path)
+    args = ["--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={tmp_path / 'mlflow'}"]
+    done = _run(
+        [sys.executable, "-m", "flows.cli", "validate", "--config", str(TINY), *args],
+        cwd=checkout,
+        PYTHONPATH=f"{site}{os.pathsep}{ROOT}",
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{TINY}: valid" in done.stderr.replace("\n", " ")
+    assert "packer_rs" not in done.stderr
