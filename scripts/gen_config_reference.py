@@ -109,10 +109,11 @@ def unit_of(key: str) -> str:
 
 
 def _rst_to_md(text: str) -> str:
-    """A docstring as one Markdown table cell: RST ````code```` to `code`, one line, ``|`` escaped."""
+    """A docstring as one Markdown table cell: one line (first, so that a ````code```` span broken across lines of
+    the docstring is one span too), RST ````code```` to `code`, ``|`` escaped."""
+    text = " ".join(text.split())
     text = re.sub(r"``(.+?)``", r"`\1`", text)
     text = re.sub(r":(?:func|class|data|meth|mod):`~?([^`]+)`", r"`\1`", text)
-    text = " ".join(text.split())
     return text.replace("|", "\\|")
 
 

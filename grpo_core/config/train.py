@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class PackingConfig(_Strict):
-    """How samples become token-budget rows (DESIGN.md §5, token-budget batcher)."""
+    """How samples become token-budget rows (docs/algorithms.md, Token-budget batcher)."""
 
     backend: str = "rust"
     """Packer backend name: ``rust`` (packer_rs), ``python`` (reference) or a ``grpo_core.packers`` entry point."""
@@ -41,7 +41,7 @@ class LoraConfig(_Strict):
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Ignored: the trainer turns every dropout off, the adapter's included, so its log-probs are the sampler's
-    (DESIGN.md §5); a value above 0 is warned about."""
+    (docs/algorithms.md, Loss); a value above 0 is warned about."""
     target_modules: list[str] | Literal["all-linear"] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )

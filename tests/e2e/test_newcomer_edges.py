@@ -1,4 +1,5 @@
-"""Small faults a new user meets first: a checkout whose Rust extension was not built in place."""
+"""Small faults a new user meets first: a checkout whose Rust extension was not built in place, and docs that cite a
+file the repository does not hold."""
 
 from __future__ import annotations
 
@@ -82,3 +83,36 @@ def test_grpo_validate_runs_in_a_checkout_whose_extension_is_not_built_in_place(
     assert done.returncode == 0, done.stderr
     assert f"{TINY}: valid" in done.stderr.replace("\n", " ")
     assert "packer_rs" not in done.stderr
+
+
+def test_the_docs_cite_no_file_outside_the_repository():
+    """DESIGN.md and STYLE.md are the team's guides, kept outside the repository: a page citing them sends the
+    reader nowhere (docs/algorithms.md and docs/metrics.md hold the same content)."""
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) > 10
+    for name in ("DESIGN.md", "STYLE.md"):
+        assert not (ROOT / name).exists()
+        citing = [p.name for p in pages if name in p.read_text()]
+        assert citing == [], f"{name} is cited by {citing}"
+
+
+def test_the_configuration_reference_has_no_broken_inline_code():
+    """Every RST ````code```` span of a field's docstring is one Markdown code span, even when the docstring breaks
+    it across lines (``flow.concurrency_limit`` did: ````grpo\\n deploy````)."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    assert "``" not in text
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            assert line.replace("\\|", "").count("`") % 2 == 0, line  # every span closed on its row
+    row = next(line for line in text.splitlines() if line.startswith("| `flow.concurrency_limit`"))
+    assert "(`grpo deploy` creates `gpu` with one slot per GPU)" in row, row
+
+
+def test_the_generator_joins_a_code_span_broken_across_lines():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_config_reference
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    cell = gen_config_reference._rst_to_md("limit (``grpo\n    deploy`` creates ``gpu``); None = none.")
+    assert cell == "limit (`grpo deploy` creates `gpu`); None = none."
