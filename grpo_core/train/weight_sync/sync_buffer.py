@@ -146,3 +146,13 @@ class PackedWeights:
             "shapes": [list(s.shape) for s in self.slots],
             "tensor_sizes": [s.nbytes for s in self.slots],
         }
+
+
+def take_part_in_gather(policy: torch.nn.Module) -> None:
+    """Take part in :meth:`PackedWeights.gather`'s collectives without keeping anything (a rank that sends nothing:
+    every rank but 0 under NCCL, or a rank whose set-up failed and must not leave the others waiting)."""
+    with torch.no_grad():
+        for _, p in policy.named_parameters():
+            t = p.detach()
+            if hasattr(t, "full_tensor"):
+                t.full_tensor()

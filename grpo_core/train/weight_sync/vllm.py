@@ -7,7 +7,8 @@ once; per sync ``/pause?mode=keep`` → ``/start_weight_update`` → the tensors
 
 * Gather first, pause only around the copy: every rank copies its parameters' full tensors (FSDP2 ``full_tensor``,
   collective) into a persistent packed buffer (:class:`.sync_buffer.PackedWeights`: one ``uint8`` tensor allocated on
-  the first sync and reused, one flat view per dtype, a view per parameter) while the servers still generate; only then
+  the first sync and reused, one flat view per dtype, a view per parameter; under NCCL rank 0 alone keeps one, the
+  others only take part in the all-gathers) while the servers still generate; only then
   are they paused, sent the buffer, finished, reset and resumed. A failure before the pause (the gather, the set-up,
   on any rank) fails the sync on every rank before any server is paused.
 * Pause in keep mode: ``/pause`` without a mode **aborts** every in-flight request
@@ -73,7 +74,7 @@ from grpo_core.serving.protocol import (
     WORLD_SIZE_PATH,
 )
 
-from .sync_buffer import PackedWeights
+from .sync_buffer import PackedWeights, take_part_in_gather
 
 if TYPE_CHECKING:
     from ..policy import Policy
@@ -262,7 +263,7 @@ class VllmWeightTransferSync:
                 from grpo_core.models.text_model import checkpoint_name_map
 
                 self.name_map = checkpoint_name_map(policy.base(), self.model_dir)
-            if self.weights is None:
+            if self.weights is None and (self.backend == "ipc" or rank == 0):  # NCCL: rank 0 alone sends
                 self.weights = PackedWeights.for_policy(
                     policy, lambda name: vllm_name(name, self.lora_names, self.name_map)
                 )
@@ -272,7 +273,9 @@ class VllmWeightTransferSync:
             error = exc
         handle = None
         try:
-            if self.weights is not None:
+            if self.weights is None:
+                take_part_in_gather(policy)  # the all-gathers need every rank; nothing kept here
+            else:
                 self.weights.gather(policy)
                 if error is None and self.backend == "ipc" and self._body is None:
                     if self._handle is None:  # once per buffer, even when the first exchange failed
@@ -287,7 +290,7 @@ class VllmWeightTransferSync:
             error = ServingError(
                 f"weight sync: rank {failed[0][0]} failed before the pause ({failed[0][1]}); no server was paused"
             )
-        if error is None and self._body is None:
+        if error is None and self._body is None and rank == 0:  # rank 0 alone talks to the servers
             self._body = self._update_body([h for _, h in every])
         return error
 

@@ -325,6 +325,13 @@ def test_a_failed_gather_raises_before_any_pause(monkeypatch, servers):
     assert server.calls == []
 
 
+def test_under_nccl_a_rank_other_than_0_keeps_no_buffer_and_talks_to_no_server(servers):
+    server = servers()
+    sync = VllmWeightTransferSync([server.url], "nccl", api_key="test-token")
+    assert sync.sync(TiedPolicy(), 1, rank=1) == {}
+    assert sync.weights is None and server.calls == []  # rank 0 alone broadcasts: its buffer is the only one
+
+
 RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
