@@ -18,13 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import refusing_ports
 from serving_helpers import TINY, run
 from serving_helpers import generated_tokens as generated
 from waiting import async_wait_until
 
 from grpo_core.config import ModelConfig, RunConfig
 from grpo_core.errors import ServerRequestError
-from grpo_core.run.children import free_port
 from grpo_core.security.auth import bearer_headers, ensure_run_token, run_token
 from grpo_core.serving.client import GenerationClient
 from grpo_core.serving.launch import ServerHandle, embedded_command, launch, teardown, wait_healthy
@@ -494,14 +494,20 @@ def test_router_with_a_token_the_replicas_refuse_does_not_start(replicas):
     ), out.stderr
 
 
-def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
+@pytest.fixture
+def dead_urls():
+    """Two replica URLs whose ports the test holds, bound but not listening: a connection is refused, and no other
+    process (another xdist worker's server) can take a port meanwhile, as one given up by ``free_port`` could."""
+    with refusing_ports(2) as ports:
+        yield [f"http://127.0.0.1:{port}" for port in ports]
+
+
+def test_router_answers_503_naming_the_cause_when_every_replica_is_down(dead_urls):
     from fastapi.testclient import TestClient
 
     from grpo_core.serving.router.app import create_router_app
 
-    dead = []
-    for _ in range(2):  # ports nothing listens on: connections are refused
-        dead.append(f"http://127.0.0.1:{free_port()}")
+    dead = dead_urls  # ports this test holds without listening: connections are refused
     replicas = ReplicaSet(dead, api_key="k", max_retries=1, backoff_s=0.01, max_backoff_s=0.01)
     auth = {"Authorization": "Bearer k"}
     with TestClient(create_router_app(replicas, api_key="k")) as client:
@@ -523,7 +529,7 @@ def test_router_answers_503_naming_the_cause_when_every_replica_is_down():
         client.portal.call(replicas.aclose)
 
 
-def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkeypatch):
+def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkeypatch, dead_urls):
     """Every route and method of the router's app (read from ``app.routes``, so a route added later is covered)
     answers 401 without the servers' key or the run's token, with a wrong one or another scheme; only ``/health``
     answers (503 here: its replicas are down). Either token opens a route."""
@@ -534,9 +540,7 @@ def test_every_route_of_the_router_but_health_is_closed_without_the_token(monkey
     from grpo_core.serving.router.app import create_router_app
 
     monkeypatch.setenv(TOKEN_ENV, "the-runs-token-0123")
-    dead = []
-    for _ in range(2):  # ports nothing listens on: connections are refused
-        dead.append(f"http://127.0.0.1:{free_port()}")
+    dead = dead_urls  # ports this test holds without listening: connections are refused
     replicas = ReplicaSet(dead, api_key="servers-key-0123", max_retries=1, backoff_s=0.01, max_backoff_s=0.01)
     app = create_router_app(replicas, api_key="servers-key-0123")
     routes = app_routes(app)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ports import refusing_ports
 from serving_helpers import OPEN_ROUTES, TINY, app_routes, run
 
-from grpo_core.run.children import free_port
 from grpo_core.security import auth
 from grpo_core.serving.protocol import (
     COMPLETIONS_PATH,
@@ -117,13 +117,22 @@ def test_each_key_opens_only_its_routes_on_the_embedded_server(given):
     assert {status[("inference", "POST", p)] for p in CONTROL_PATHS} == {403}
 
 
-def test_each_key_opens_only_its_routes_on_the_router(monkeypatch):
+@pytest.fixture
+def ports():
+    """One port that refuses connections for the test (tests/support/ports.py)."""
+    with refusing_ports(1) as held:
+        yield held
+
+
+def test_each_key_opens_only_its_routes_on_the_router(monkeypatch, ports):
     """The router started with the control key in its environment (as ``start_router`` starts it): the same split;
     its replicas are down, so a request it lets through answers 502/503 from the replicas, never 401/403."""
     from grpo_core.serving.replicas import ReplicaSet
     from grpo_core.serving.router.app import create_router_app
 
-    dead = f"http://127.0.0.1:{free_port()}"
+    # a port the test holds, bound but not listening: refused, and no other worker's server can take it meanwhile
+    (port,) = ports
+    dead = f"http://127.0.0.1:{port}"
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
     monkeypatch.setenv(auth.CONTROL_KEY_ENV, CONTROL)
 

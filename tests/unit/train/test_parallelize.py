@@ -11,7 +11,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from grpo_core.packing import Sample, get_packer
-from grpo_core.run.children import free_port
 from grpo_core.train.attention import TREE_ATTENTION, register_tree_attention
 from grpo_core.train.loss import LossSettings
 from grpo_core.train.parallelize import apply_layer_wrappers, checkpointed_layers, decoder_layers
@@ -117,7 +116,7 @@ def test_layer_plan_and_names_unchanged(base_and_row):
     assert len(decoder_layers(policy)) == LAYERS
 
 
-def test_mixed_precision_keeps_the_sampler_logprobs_fp32(base_and_row):
+def test_mixed_precision_keeps_the_sampler_logprobs_fp32(base_and_row, tmp_path):
     """Under FSDP2 mixed precision (bf16 compute, the trainer's CUDA default) the fused head must see the
     sampler's log μ as given: the per-term ratio equals exp(log π − log μ) with the fp32 μ, not a bf16-rounded
     one (FSDP2 casts float inputs of a module's forward, dataclass fields included, unless told not to)."""
@@ -129,10 +128,9 @@ def test_mixed_precision_keeps_the_sampler_logprobs_fp32(base_and_row):
     base, rt = base_and_row
     mu = rt.sampler_logprob.clone()
     assert not torch.equal(mu.to(torch.bfloat16).float(), mu)  # bf16 would round these log-probs
-    port = free_port()
     owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if owned:  # a file store: a port given up by free_port could be taken by another worker before the store binds it
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         policy = shard(Policy(copy.deepcopy(base)), mixed_precision=True)
         res = policy.grpo_loss(rt, LossSettings(score_centering=False), float(rt.num_terms))
