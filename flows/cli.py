@@ -369,7 +369,8 @@ def _check_servers_deployment(cfg: RunConfig, online: bool = False) -> None:
 def _checked(cfg: RunConfig, runs_here: bool = True) -> RunConfig:
     """``cfg`` after every check of the flow's ``prepare`` task (``preflight.check_run``); ``runs_here``: also that a
     run of it can start from this command (``server.deployment`` needs ``PREFECT_API_URL``), and its folders and
-    MLflow store are created (not for ``grpo validate``, which creates nothing).
+    MLflow store are created (not for ``grpo validate``, which creates nothing, and prints as a ``note:`` line what
+    only the run's own hosts must have: vLLM, a multi-node run's shared token).
 
     Raises:
         typer.Exit: code 2 after a one-line error naming the field, before any flow run, server, process or MLflow
@@ -381,10 +382,14 @@ def _checked(cfg: RunConfig, runs_here: bool = True) -> RunConfig:
     if runs_here:
         _check_servers_deployment(cfg)
     try:
-        preflight.check_run(cfg, create=runs_here)
+        notes = preflight.check_run(cfg, create=runs_here)
     except (ConfigError, OSError, ImportError) as exc:  # bad config, missing files, unimportable code
         config_error(exc)
         raise typer.Exit(2) from None
+    from rich.text import Text
+
+    for note in notes:  # verbatim and unwrapped, as config_error prints
+        console.print(Text.assemble(("note", "yellow"), ": ", note), soft_wrap=True)
     return cfg
 
 

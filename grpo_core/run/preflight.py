@@ -542,7 +542,7 @@ def check_adapter_store(cfg: RunConfig) -> None:
         raise ConfigError(f"{what}: the folder is not writable; point the setting at a writable shared folder")
 
 
-def check_tokens(cfg: RunConfig) -> None:
+def check_tokens(cfg: RunConfig, runs_here: bool = True) -> str | None:
     """The bearer tokens this environment gives the run are usable, and several trainer hosts can share one.
 
     ``GRPO_RUN_TOKEN`` and ``GRPO_SERVER_API_KEY`` travel in HTTP ``Authorization`` headers (printable ASCII, not
@@ -550,9 +550,17 @@ def check_tokens(cfg: RunConfig) -> None:
     environment: every trainer rank proves it holds it (:func:`grpo_core.train.distributed.check_members`), a token
     the flow drew at random no other trainer host could know, and a short one would be guessable.
 
+    Args:
+        cfg: the run config.
+        runs_here: False (``grpo validate``, which may run ahead of deployment on another host than trainer-0): a
+            missing or short shared ``GRPO_RUN_TOKEN`` is returned as a note instead of raised.
+
+    Returns:
+        The note (``runs_here=False`` only), or None.
+
     Raises:
-        ConfigError: a token that cannot travel in a header, or ``train.nnodes`` > 1 without a ``GRPO_RUN_TOKEN`` of
-            at least :data:`~grpo_core.security.auth.MIN_SHARED_TOKEN_CHARS` characters here.
+        ConfigError: a token that cannot travel in a header, or (``runs_here``) ``train.nnodes`` > 1 without a
+            ``GRPO_RUN_TOKEN`` of at least :data:`~grpo_core.security.auth.MIN_SHARED_TOKEN_CHARS` characters here.
     """
     from grpo_core.config import SERVER_API_KEY_ENV
     from grpo_core.security.auth import MIN_SHARED_TOKEN_CHARS, TOKEN_ENV, token_problem
@@ -565,13 +573,17 @@ def check_tokens(cfg: RunConfig) -> None:
     token = os.environ.get(TOKEN_ENV) or ""
     if cfg.train.nnodes > 1 and len(token) < MIN_SHARED_TOKEN_CHARS:
         given = "is not set" if not token else f"has {len(token)} characters (fewer than {MIN_SHARED_TOKEN_CHARS})"
-        raise ConfigError(
+        problem = (
             f"train.nnodes={cfg.train.nnodes} needs {TOKEN_ENV} in this environment (the worker's, or "
             f"the shell of `grpo train`) and the same value on every trainer host; it {given}. Each "
             "trainer rank proves it holds the run's token before anything is trained, since torchrun's "
             f"rendezvous has no authentication. Export e.g. {TOKEN_ENV}=$(openssl rand -hex 32) on "
             "each host"
         )
+        if runs_here:
+            raise ConfigError(problem)
+        return f"{problem} (needed where the run starts, not by `grpo validate`)"
+    return None
 
 
 def check_rendezvous_host(cfg: RunConfig) -> None:
@@ -674,12 +686,18 @@ def check_tls(cfg: RunConfig) -> None:
             ) from None
 
 
-def check_run(cfg: RunConfig, create: bool = True) -> None:
+def check_run(cfg: RunConfig, create: bool = True) -> list[str]:
     """Every check that can run before a server starts.
 
     Args:
         cfg: the run config.
-        create: False (``grpo validate``): create no folder and no MLflow store; check that the run could.
+        create: False (``grpo validate``, which may run ahead of deployment, on another host than the run's): create
+            no folder and no MLflow store, check that the run could; and what only the run's own hosts must have
+            (vLLM where the flow starts vLLM replicas, trainer-0's shared ``GRPO_RUN_TOKEN`` of a multi-node run) is
+            a note when this host lacks it, not an error.
+
+    Returns:
+        The notes (``create=False`` only): each says what this host lacks and where the run needs it.
 
     Raises:
         ConfigError: the first problem found, naming the field and the fix.
@@ -690,16 +708,22 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
 
     check_code_references(cfg)  # before anything is imported or called
     check_adapter_store(cfg)  # before any folder is made
-    check_tokens(cfg)
+    notes = [note for note in [check_tokens(cfg, runs_here=create)] if note]
     check_tls(cfg)
     ensure_dir(cfg.train.output_dir, "train.output_dir (the run folders)", create)
     check_tracking(cfg, create)
     check_resume_from(cfg, create)
     check_model(cfg)
+    check_packing(cfg)
     if cfg.server.backend == "vllm" and cfg.server.starts_here():
         from grpo_core.serving.launch import choose_backend
 
-        choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for server.urls / deployment)
+        try:
+            choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for server.urls / deployment)
+        except ConfigError as exc:
+            if create:
+                raise
+            notes.append(f"{exc} (needed where `grpo train` runs, not by `grpo validate`)")
     loop_class_and_config(cfg.rollout)
     for name in cfg.rollout.tools:
         import_object(name, "rollout.tools")
@@ -713,4 +737,4 @@ def check_run(cfg: RunConfig, create: bool = True) -> None:
     check_push(cfg)
     data = cfg.rollout.dataset or ", ".join(f"{d.path} ({d.weight:g})" for d in cfg.rollout.datasets) or None
     logger.info("run config checked: model %s, dataset %s", cfg.model.name, data)
-    check_packing(cfg)
+    return notes

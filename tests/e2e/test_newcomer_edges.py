@@ -1,5 +1,5 @@
-"""Small faults a new user meets first: a checkout whose Rust extension was not built in place, and docs that cite a
-file the repository does not hold."""
+"""Small faults a new user meets first: a checkout whose Rust extension was not built in place, docs that cite a file
+the repository does not hold, and ``grpo validate`` asking for what only the run's own hosts need."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import packer_rs
 
@@ -116,3 +118,33 @@ def test_the_generator_joins_a_code_span_broken_across_lines():
         sys.path.remove(str(ROOT / "scripts"))
     cell = gen_config_reference._rst_to_md("limit (``grpo\n    deploy`` creates ``gpu``); None = none.")
     assert cell == "limit (`grpo deploy` creates `gpu`); None = none."
+
+
+def test_grpo_validate_notes_what_only_the_runs_own_hosts_need(tmp_path):
+    """vLLM where the flow starts vLLM replicas, and a multi-node run's shared token on trainer-0: ``grpo validate``
+    (which may run ahead of deployment, elsewhere) notes their absence and passes; ``grpo train`` refuses."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: nothing to note")
+    where = ["--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={tmp_path / 'mlflow'}"]
+    cases = {
+        "vllm": ["--set", "server.backend=vllm"],
+        "token": ["--set", "train.nnodes=2", "--set", "train.rdzv_endpoint=trainer-0:29400"],
+    }
+    for what, sets in cases.items():
+        args = [sys.executable, "-m", "flows.cli", "validate", "--config", str(TINY), *where, *sets]
+        done = _run(args, cwd=tmp_path, drop=("GRPO_RUN_TOKEN",))
+        assert done.returncode == 0, (what, done.stderr)
+        notes = [line for line in done.stderr.splitlines() if line.startswith("note: ")]
+        assert len(notes) == 1, (what, done.stderr)
+        if what == "vllm":
+            assert "vllm is not installed here" in notes[0] and "pip install vllm" in notes[0], notes
+        else:
+            assert "train.nnodes=2 needs GRPO_RUN_TOKEN" in notes[0] and "it is not set" in notes[0], notes
+        assert "config error" not in done.stderr and "valid" in done.stderr
+    train = [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY), *where, *cases["vllm"]]
+    done = _run(train, cwd=tmp_path, drop=("GRPO_RUN_TOKEN",))
+    assert done.returncode == 2, done.stderr  # a config error: refused before any flow or server starts
+    assert "config error: server.backend is 'vllm'" in done.stderr and "pip install vllm" in done.stderr
+    assert "note: " not in done.stderr and "Traceback" not in done.stderr
