@@ -240,6 +240,10 @@ def evaluated_run(tmp_path_factory, prefect_api) -> tuple[Path, str]:
     return tmp, out
 
 
+# Slow tier (a whole `grpo train`, ~50 s on the loaded CI box; the default tier's one is test_honest_runs): the steps
+# it evaluates at and logs under are the default tier's test_board_asks_for_every_nth_step_and_the_final_one and
+# test_trainer_logs_evaluations_at_their_step_and_waits_for_the_missing_ones_at_the_end, in process.
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_grpo_train_evaluates_at_every_nth_step_and_at_the_end_logging_each_at_its_step(evaluated_run, prefect_api):
     tmp, out = evaluated_run

@@ -125,6 +125,10 @@ def short_reward(completion_ids, **_):
 '''
 
 
+# Slow tier (a whole `grpo train`, ~42 s on the loaded CI box; the default tier's one is test_honest_runs): the
+# default tier keeps its pieces, test_a_project_failure_is_one_line_on_the_console_and_whole_elsewhere (one console
+# line, the traceback in the log file) and test_cli's test_a_failed_run_ends_with_what_failed_and_its_root_cause.
+@pytest.mark.slow
 def test_a_failed_run_ends_with_its_cause_and_prints_no_engine_traceback(tmp_path, prefect_api):
     """A real ``grpo train`` whose reward returns 3 values for 4 rollouts (its flow run on the session's Prefect
     API)."""
