@@ -6,7 +6,8 @@ NCCL needs two GPUs and IPC a CUDA device, which CI never has; both ran against 
 trainer-side calls are replaced by stand-ins that behave as vLLM 0.25.1's source does
 (``nccl_common.trainer_init``, ``NCCLWeightTransferEngine.trainer_send_weights`` broadcasting each tensor it is
 given), the CUDA IPC handle of the packed buffer by one naming the buffer's address, and each vLLM server is a real
-HTTP server that records every request and can be told to fail one path. What is asserted comes from vLLM's API, not
+HTTP server that records every request and can be told to fail one path (the fake generation server,
+tests/support/fake_generation.py). What is asserted comes from vLLM's API, not
 from this module: pause in keep mode (vLLM aborts in-flight requests without it), the init info of the NCCL group,
 the packed update bodies (``IPCWeightTransferUpdateInfo`` / ``NCCLWeightTransferUpdateInfo`` fields), and that every
 paused server is finished and resumed after a failure. Each server runs behind the run's guard
@@ -18,19 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
-import json
 import pickle
 import sys
 import threading
 import types
-from urllib.parse import parse_qs
 
 import pytest
 import torch
+from fake_generation import FakeGeneration
 from waiting import wait_until
 
 from grpo_core.errors import ServingError
+from grpo_core.serving.guard import RunGuardMiddleware
+from grpo_core.serving.protocol import COMPLETIONS_PATH, PAUSE_PATH, START_WEIGHT_UPDATE_PATH, UPDATE_WEIGHTS_PATH
 from grpo_core.train.weight_sync.vllm import VllmWeightTransferSync
 
 CLEANUP = [
@@ -41,88 +42,6 @@ CLEANUP = [
 
 
 TOKEN = "test-run-token"
-ARRIVALS = itertools.count()
-
-
-class RecordingServer:
-    """A real HTTP server (uvicorn, on a free port) behind the run's guard (``RunGuardMiddleware``, as every server the
-    run starts has), recording every request ``(method, path, query, body)`` as it arrives; ``fail`` maps a path to the
-    status the server answers it with, ``hold`` keeps ``/v1/completions`` answers back until it is set."""
-
-    def __init__(self, fail: dict[str, int] | None = None, weights_dir=None):
-        import uvicorn
-
-        from grpo_core.serving.embedded.server import bind_socket
-        from grpo_core.serving.guard import RunGuardMiddleware
-
-        self.calls: list[tuple[str, str, dict, object]] = []
-        self.order: list[int] = []  # arrival number of each call across every server
-        self.fail = fail or {}
-        self.hold = threading.Event()
-        self.hold.set()
-
-        async def answer(send, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            await send(
-                {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
-            )
-            await send({"type": "http.response.body", "body": data})
-
-        async def server(scope, receive, send):  # what vLLM answers: 200, or the status of ``fail``
-            if scope["type"] == "lifespan":
-                while (await receive())["type"] != "lifespan.shutdown":
-                    await send({"type": "lifespan.startup.complete"})
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-            while not self.hold.is_set():
-                await asyncio.sleep(0.01)
-            status = self.fail.get(scope["path"], 200)
-            await answer(send, status, {"world_size": 1} if status == 200 else {"error": "boom on " + scope["path"]})
-
-        self.guard = RunGuardMiddleware(server, token=TOKEN, max_pause_s=0, weights_dir=weights_dir)
-
-        async def recorder(scope, receive, send):
-            if scope["type"] != "http":
-                return await self.guard(scope, receive, send)
-            chunks, more = [], True
-            while more:
-                message = await receive()
-                chunks.append(message.get("body", b""))
-                more = message.get("more_body", False)
-            raw = b"".join(chunks)
-            self.calls.append(
-                (
-                    scope["method"],
-                    scope["path"],
-                    parse_qs(scope["query_string"].decode()),
-                    json.loads(raw) if raw else None,
-                )
-            )
-            self.order.append(next(ARRIVALS))
-            replay = [{"type": "http.request", "body": raw, "more_body": False}]
-            await self.guard(scope, lambda: _next(replay, receive), send)
-
-        sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(recorder, log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.uvicorn.started, "the recording server to start", 30, 0.01)
-
-    def paths(self) -> list[tuple[str, dict]]:
-        return [(p, q) for m, p, q, _ in self.calls if m == "POST"]
-
-    def body(self, path: str) -> object:
-        return next(b for _, p, _, b in self.calls if p == path)
-
-    def close(self) -> None:
-        self.hold.set()
-        self.uvicorn.should_exit = True
-        self.thread.join(timeout=10)
-
-
-async def _next(replay: list, receive):
-    return replay.pop() if replay else await receive()
 
 
 def stub_vllm(monkeypatch, sent: list) -> None:
@@ -173,15 +92,22 @@ def per_sync(update: bool = True, first: bool = False) -> list[tuple[str, dict]]
 
 @pytest.fixture
 def servers():
-    made: list[RecordingServer] = []
+    """Makes vLLM servers: the fake generation server behind the run's guard (``RunGuardMiddleware``, as every server
+    the run starts has), recording every request as it arrives; ``fail`` maps a route to the status it answers."""
+    made: list[FakeGeneration] = []
 
-    def make(**kw) -> RecordingServer:
-        made.append(RecordingServer(**kw))
-        return made[-1]
+    def make(fail: dict[str, int] | None = None, weights_dir=None) -> FakeGeneration:
+        fake = FakeGeneration(
+            middleware=lambda app: RunGuardMiddleware(app, token=TOKEN, max_pause_s=0, weights_dir=weights_dir)
+        )
+        for route, status in (fail or {}).items():
+            fake.script(route, status=status)
+        made.append(fake.start())
+        return fake
 
     yield make
     for s in made:
-        s.close()
+        s.stop()
 
 
 def test_nccl_sync_bodies_on_two_servers(monkeypatch, servers):
@@ -199,11 +125,11 @@ def test_nccl_sync_bodies_on_two_servers(monkeypatch, servers):
             >= stats["perf/weight_sync_gather_s"] + stats["perf/weight_sync_pause_s"] - 1e-6
         )
     for server in (a, b):
-        assert [(m, p) for m, p, _, _ in server.calls][:2] == [
+        assert [(r.method, r.route) for r in server.requests][:2] == [
             ("GET", "/get_world_size"),
             ("POST", "/init_weight_transfer_engine"),
         ]
-        assert server.paths()[1:] == per_sync(first=True) + per_sync()
+        assert server.posts()[1:] == per_sync(first=True) + per_sync()
         init = server.body("/init_weight_transfer_engine")["init_info"]
         assert init["master_address"] == "127.0.0.1" and init["rank_offset"] == 1 and init["world_size"] == 2
         assert 0 < init["master_port"] < 65536
@@ -237,7 +163,7 @@ def test_ipc_sync_frames_the_handles_as_vllm_http_transport(monkeypatch, servers
     names = ["attn.q_proj.base_layer.weight", "attn.q_proj.base_layer.bias"]  # --enable-lora wraps the linear layers
     assert sent == [("ipc_handle", 16)], "one handle, for the packed buffer, made once and sent to every server"
     for server in (a, b):
-        assert server.paths() == [("/init_weight_transfer_engine", {})] + per_sync(first=True) + per_sync()
+        assert server.posts() == [("/init_weight_transfer_engine", {})] + per_sync(first=True) + per_sync()
         assert server.body("/init_weight_transfer_engine") == {"init_info": {}}
         info = server.body("/update_weights")["update_info"]
         assert set(info) == {"names", "dtype_names", "shapes", "packed", "tensor_sizes", "ipc_handles_pickled"}
@@ -261,12 +187,12 @@ def test_update_failing_on_one_replica_fences_it_off_until_an_update_reaches_it(
     sync = VllmWeightTransferSync([bad.url, good.url], backend, api_key=TOKEN)
     out = sync.sync(tiny_policy(), 1, rank=0)  # the good replica serves version 1: the run goes on
     assert out["weight_sync/failed_replica_count"] == 1 and list(sync.stale) == [bad.url]
-    assert good.paths()[-len(per_sync(first=True)) :] == per_sync(first=True)
+    assert good.posts()[-len(per_sync(first=True)) :] == per_sync(first=True)
     # the failed replica is fenced off before it is resumed, and still finished and resumed (never left paused)
     fenced = per_sync()[:3] + [("/grpo/stale", {})] + CLEANUP  # and no fence lifted after the clean-up
-    assert bad.paths()[-len(fenced) :] == fenced
+    assert bad.posts()[-len(fenced) :] == fenced
     assert bad.body("/grpo/stale")["stale"] is True and "policy version 1" in bad.body("/grpo/stale")["reason"]
-    assert [p for p, _ in bad.paths()].count("/resume") == 1 and bad.guard.stale and not good.guard.stale
+    assert [p for p, _ in bad.posts()].count("/resume") == 1 and bad.guard.stale and not good.guard.stale
 
     async def route(n: int) -> tuple[bool, list[str], int]:
         async with ReplicaSet([bad.url, good.url], api_key=TOKEN, max_retries=2) as rs:
@@ -278,11 +204,11 @@ def test_update_failing_on_one_replica_fences_it_off_until_an_update_reaches_it(
     assert not healthy, "/health of the set is healthy only when every replica is"
     assert served == [good.url] * 6 and down == 1  # routed around, counted once
 
-    bad.fail = {}  # the next sync reaches it: the fence comes down after its clean-up
+    bad.script(UPDATE_WEIGHTS_PATH)  # no failure: the next sync reaches it, the fence comes down after its clean-up
     out = sync.sync(tiny_policy(), 2, rank=0)
     assert out["weight_sync/failed_replica_count"] == 0 and not sync.stale and bad.guard.stale is None
-    assert bad.paths()[-len(per_sync()) :] == per_sync()  # ending with the fence lifted
-    assert bad.calls[-1][3] == {"stale": False, "version": 2}  # the fence comes down naming the version it holds
+    assert bad.posts()[-len(per_sync()) :] == per_sync()  # ending with the fence lifted
+    assert bad.requests[-1].body == {"stale": False, "version": 2}  # the fence comes down naming the version it holds
     healthy, served, down = asyncio.run(route(8))
     assert healthy and set(served) == {bad.url, good.url} and down == 0
 
@@ -298,14 +224,15 @@ def test_update_failing_on_the_only_replica_fails_the_sync_and_resumes_it(monkey
     sync = VllmWeightTransferSync([bad.url], "ipc", api_key=TOKEN)
     with pytest.raises(ServingError, match=r"failed on every replica.*/update_weights answered 500"):
         sync.sync(tiny_policy(), 1, rank=0)
-    assert bad.paths()[-len(CLEANUP) :] == CLEANUP and bad.guard.stale
+    assert bad.posts()[-len(CLEANUP) :] == CLEANUP and bad.guard.stale
 
 
 def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
     import httpx
 
     server = servers()
-    server.hold.clear()  # the completion is being generated
+    hold = threading.Event()  # the completion is being generated
+    server.script(COMPLETIONS_PATH, hold_until=hold)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(headers=auth, timeout=30) as http:
         result: list = []
@@ -314,7 +241,7 @@ def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
         )
         worker.start()
         wait_until(
-            lambda: any(p == "/v1/completions" for _, p, _, _ in server.calls),
+            lambda: server.calls(COMPLETIONS_PATH),
             "the held completion to reach the server",
             30,
             0.01,
@@ -322,7 +249,7 @@ def test_generation_in_flight_when_the_fence_goes_up_answers_503(servers):
         assert (
             http.post(server.url + "/grpo/stale", json={"stale": True, "reason": "update v3 failed"}).status_code == 200
         )
-        server.hold.set()
+        hold.set()
         worker.join(timeout=30)
         assert result[0].status_code == 503 and "update v3 failed" in result[0].text  # not old-weights tokens
         assert http.get(server.url + "/health").status_code == 503
@@ -349,14 +276,14 @@ def test_failed_pause_resumes_the_replicas_paused_and_names_the_refusing_one(mon
         sync.sync(tiny_policy(), 1, rank=0)
     assert list(err.value.failed) == [refusing.url]
     assert (
-        first.paths()
+        first.posts()
         == [("/init_weight_transfer_engine", {}), ("/pause", {"mode": ["keep"]}), ("/start_weight_update", {})]
         + CLEANUP
     )
-    pauses = [p for p, _ in refusing.paths()].count("/pause")
+    pauses = [p for p, _ in refusing.posts()].count("/pause")
     assert pauses >= 2, "a refused pause is retried (server.control_retry_s) before the fan-out fails"
-    assert refusing.paths()[-4:] == [("/pause", {"mode": ["keep"]})] + CLEANUP
-    assert not any(p in ("/update_weights", "/grpo/stale") for p, _ in first.paths() + refusing.paths())
+    assert refusing.posts()[-4:] == [("/pause", {"mode": ["keep"]})] + CLEANUP
+    assert not any(p in ("/update_weights", "/grpo/stale") for p, _ in first.posts() + refusing.posts())
 
 
 @pytest.mark.parametrize("status", [401, 404])
@@ -375,8 +302,8 @@ def test_a_final_refusal_of_the_pause_ends_the_fan_out_at_once(monkeypatch, serv
     ) as info:
         sync.sync(tiny_policy(), 1, rank=0)
     assert list(info.value.failed) == [refusing.url] and refusing.url in str(info.value), "names the refusing replica"
-    assert [p for p, _ in refusing.paths()].count("/pause") == 1, "a final refusal is asked once"
-    assert not any(p == "/update_weights" for p, _ in first.paths() + refusing.paths())
+    assert [p for p, _ in refusing.posts()].count("/pause") == 1, "a final refusal is asked once"
+    assert not any(p == "/update_weights" for p, _ in first.posts() + refusing.posts())
 
 
 def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch, servers):
@@ -392,7 +319,7 @@ def test_a_restarted_trainer_lowers_the_fence_an_earlier_one_raised(monkeypatch,
     assert fenced.guard.stale == "update v4 failed"
     sync = VllmWeightTransferSync([fenced.url], "ipc", api_key=TOKEN)  # the resumed trainer re-syncs its version
     assert sync.sync(tiny_policy(), 4, rank=0)["weight_sync/failed_replica_count"] == 0
-    assert fenced.guard.stale is None and fenced.paths()[-1] == ("/grpo/stale", {})
+    assert fenced.guard.stale is None and fenced.posts()[-1] == ("/grpo/stale", {})
 
 
 @pytest.mark.serial  # two attempts must fit server.control_timeout_s=0.3: alone on the machine
@@ -417,27 +344,27 @@ def test_embedded_disk_sync_pauses_every_replica_first_and_rolls_back_a_refused_
         ("/resume", {}),
     ]  # every replica holds v1: any fence comes down
     for server in (good, bad):
-        assert server.paths() == phase and server.body("/update_weights") == {
+        assert server.posts() == phase and server.body("/update_weights") == {
             "update_info": {"path": str(weights / "v1")}
         }
-    pauses = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/pause"]
-    starts = [n for s in (good, bad) for (_, p, _, _), n in zip(s.calls, s.order) if p == "/start_weight_update"]
+    pauses = [r.number for s in (good, bad) for r in s.calls(PAUSE_PATH)]
+    starts = [r.number for s in (good, bad) for r in s.calls(START_WEIGHT_UPDATE_PATH)]
     assert max(pauses) < min(starts), "every replica is paused before any update starts"
 
-    bad.fail = {"/update_weights": 500}
-    good.calls.clear(), bad.calls.clear()
+    bad.script(UPDATE_WEIGHTS_PATH, status=500)
+    good.requests.clear(), bad.requests.clear()
     with pytest.raises(
         ControlFanOutError,
         match=rf"weight sync v2 failed on 1 of 2 replicas.*{bad.url}.*rolled back "
         rf"on {good.url}",
     ):
         sync.sync(tiny_policy(), 2, rank=0)
-    bodies = [b["update_info"]["path"] for _, p, _, b in good.calls if p == "/update_weights"]
+    bodies = [r.body["update_info"]["path"] for r in good.calls(UPDATE_WEIGHTS_PATH)]
     assert bodies == [str(weights / "v2"), str(weights / "v1")], "the replica that took v2 is restored to v1"
     for server in (good, bad):  # paused once, resumed once: none left paused
-        names = [p for p, _ in server.paths()]
+        names = [p for p, _ in server.posts()]
         assert names.count("/pause") == 1 and names[-1] == "/resume" and names.count("/resume") == 1
-    assert [p for p, _ in bad.paths()].count("/update_weights") >= 2  # retried before the fan-out gave up
+    assert [p for p, _ in bad.posts()].count("/update_weights") >= 2  # retried before the fan-out gave up
 
 
 # --- a replica that restarted holds the base weights: it refuses later policy versions until a sync reaches it ---
@@ -502,7 +429,7 @@ def test_routing_sends_a_refused_version_to_a_replica_that_holds_it_and_reports_
 
     served, seen_behind = asyncio.run(route())
     assert served == synced.url and seen_behind == {0}
-    model_calls = [c for c in behind.calls if c[1] == "/v1/completions"]
+    model_calls = behind.calls(COMPLETIONS_PATH)
     assert model_calls and behind.guard.stale is not None and "policy version 2" in behind.guard.stale
 
 

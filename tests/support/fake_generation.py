@@ -27,12 +27,14 @@ fixture of ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -47,6 +49,9 @@ ANY_ROUTE = "*"
 paths the protocol does not name: another server that answers everything)."""
 
 
+_ARRIVALS = itertools.count()
+
+
 @dataclass(frozen=True)
 class Recorded:
     """One request as the fake received it.
@@ -57,7 +62,9 @@ class Recorded:
         query: the query's values by name (``{"mode": ["keep"]}``).
         body: the JSON body (None without one or when it is not JSON).
         headers: header values by lower-case name.
-        at: ``time.monotonic()`` when the request line arrived, in seconds.
+        at: ``time.monotonic()`` when it arrived, in seconds.
+        number: its arrival number across every fake of this process (orders requests to several servers).
+        call: the how-manieth call of its route's script it is (0 without a script).
     """
 
     method: str
@@ -66,6 +73,8 @@ class Recorded:
     body: Any
     headers: dict[str, str]
     at: float
+    number: int
+    call: int = 0
 
 
 @dataclass
@@ -115,20 +124,35 @@ class FakeGeneration:
         upstream: a server (e.g. :func:`simulated_generation`'s engine) that answers every unscripted completion
             instead of the fake's rule; the fake still records and scripts the request.
         nonce: what ``NONCE_PATH`` answers.
+        middleware: wraps the fake's ASGI app (e.g. ``lambda app: RunGuardMiddleware(app, token=...)``, the guard
+            every server of a run has): the fake then serves through uvicorn, records every request before the
+            middleware sees it (one the middleware answers itself too) and answers what it lets through; the
+            wrapped app is :attr:`guard`. A dropped connection answers 500 there.
 
     Attributes:
         requests: every request received, in arrival order (:class:`Recorded`).
         paused: whether ``PAUSE_PATH`` (or ``START_WEIGHT_UPDATE_PATH``) paused it and nothing resumed it since.
         version: the served policy version (``UPDATE_WEIGHTS_PATH`` adds 1; ``STALE_PATH`` with a version sets it).
         adapters: loaded LoRA adapters, name -> path.
+        guard: the ``middleware``'s instance (None without one).
         held: requests held right now (:meth:`script`'s ``hold_until``/``hold_s``).
         active, peak: requests being answered right now, and the most at once since the start.
     """
 
     def __init__(
-        self, model: str = "m", max_model_len: int = 256, upstream: str | None = None, nonce: str = "fake-nonce"
+        self,
+        model: str = "m",
+        max_model_len: int = 256,
+        upstream: str | None = None,
+        nonce: str = "fake-nonce",
+        middleware: Callable[[Any], Any] | None = None,
     ) -> None:
         self.model, self.max_model_len, self.upstream, self.nonce = model, max_model_len, upstream, nonce
+        self._middleware = middleware
+        self.guard: Any = None
+        self._uvicorn: Any = None
+        self._thread: threading.Thread | None = None
+        self._port = 0
         self.requests: list[Recorded] = []
         self.paused = False
         self.version = 0
@@ -186,14 +210,30 @@ class FakeGeneration:
     @property
     def url(self) -> str:
         """``http://127.0.0.1:PORT`` (after :meth:`start`)."""
-        if self._httpd is None:
+        if not self._port:
             raise RuntimeError("FakeGeneration.url before start(): use `with FakeGeneration() as fake`")
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"http://127.0.0.1:{self._port}"
 
     @property
     def port(self) -> int:
         """The port it listens on (after :meth:`start`)."""
         return urlsplit(self.url).port or 0
+
+    def posts(self) -> list[tuple[str, dict[str, list[str]]]]:
+        """``(route, query)`` of every POST received, in order."""
+        with self.lock:
+            return [(r.route, r.query) for r in self.requests if r.method == "POST"]
+
+    def body(self, route: str) -> Any:
+        """The JSON body of the first request on ``route``.
+
+        Raises:
+            LookupError: no request reached ``route``.
+        """
+        found = self.calls(route)
+        if not found:
+            raise LookupError(f"no request on {route}; received {[r.route for r in self.requests]}")
+        return found[0].body
 
     def calls(self, route: str) -> list[Recorded]:
         """The requests received on ``route``, in order."""
@@ -201,10 +241,28 @@ class FakeGeneration:
             return [r for r in self.requests if r.route == route]
 
     def start(self) -> FakeGeneration:
-        """Listen on 127.0.0.1, port 0, and serve in a daemon thread."""
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._httpd.daemon_threads = True
-        threading.Thread(target=self._httpd.serve_forever, name="fake-generation", daemon=True).start()
+        """Listen on 127.0.0.1, port 0, and serve in a daemon thread (uvicorn's, with ``middleware``).
+
+        Raises:
+            AssertionError: uvicorn did not start within 30 s.
+        """
+        if self._middleware is None:
+            self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+            self._httpd.daemon_threads = True
+            self._port = self._httpd.server_address[1]
+            threading.Thread(target=self._httpd.serve_forever, name="fake-generation", daemon=True).start()
+            return self
+        import uvicorn
+        from waiting import wait_until
+
+        from grpo_core.serving.embedded.server import bind_socket
+
+        sock = bind_socket("127.0.0.1", 0)
+        self._port = sock.getsockname()[1]
+        self._uvicorn = uvicorn.Server(uvicorn.Config(self._asgi(), log_level="warning"))
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        wait_until(lambda: self._uvicorn.started, "the fake generation server (uvicorn) to start", 30, 0.01)
         return self
 
     def stop(self) -> None:
@@ -215,6 +273,9 @@ class FakeGeneration:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
+        if self._uvicorn is not None and self._thread is not None:
+            self._uvicorn.should_exit = True
+            self._thread.join(timeout=10)
         if self._upstream_http is not None:
             self._upstream_http.close()
 
@@ -303,6 +364,56 @@ class FakeGeneration:
 
     # --- the HTTP side ------------------------------------------------------------------------------------------
 
+    def _record(self, method: str, target: str, headers: dict[str, str], raw: bytes) -> tuple[Recorded, Script | None]:
+        """Record one arriving request and count a call of its route's script."""
+        parts = urlsplit(target)
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        req = Recorded(method, parts.path, parse_qs(parts.query), body, headers, time.monotonic(), next(_ARRIVALS))
+        with self.lock:
+            self.requests.append(req)
+            script = self._scripts.get(req.route) or self._scripts.get(ANY_ROUTE)
+            if script is not None:
+                script.calls += 1
+                req = replace(req, call=script.calls)
+        return req, script
+
+    def _respond(self, req: Recorded, script: Script | None) -> tuple[int, Any] | None:
+        """The answer to a recorded request, (status, JSON body or bytes), after any hold; None = drop it."""
+        with self.lock:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            return self._scripted(req, script) if script is not None else self._normal(req)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def _scripted(self, req: Recorded, script: Script) -> tuple[int, Any] | None:
+        if req.call <= script.drop_first:
+            return None
+        picked = script.hold_when is None or script.hold_when(req)
+        if picked and (script.hold_until is not None or script.hold_s > 0):
+            with self.lock:
+                self.held += 1
+            try:
+                if script.hold_until is not None:
+                    script.hold_until.wait(timeout=120)
+                else:
+                    threading.Event().wait(script.hold_s)  # the server's latency, not a wait for a state
+            finally:
+                with self.lock:
+                    self.held -= 1
+        with self.lock:
+            status = script.statuses.pop(0) if script.statuses else script.status
+        if status is None or (status == 200 and script.body is None):
+            return self._normal(req)
+        if script.body is not None:
+            return status, script.body
+        return status, p.error_body(f"scripted {status} on {req.route}", status, _kind(status))
+
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
 
@@ -312,9 +423,16 @@ class FakeGeneration:
             def log_message(self, *args: object) -> None:  # quiet
                 pass
 
-            def _send(self, status: int, payload: Any) -> None:
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                kind = "application/json" if not isinstance(payload, bytes) else "text/plain"
+            def _serve(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                answer = fake._respond(*fake._record(self.command, self.path, headers, raw))
+                if answer is None:
+                    self.close_connection = True  # no status line: the client sees the connection dropped
+                    return
+                status, payload = answer
+                data, kind = _encode(payload)
                 try:
                     self.send_response(status)
                     self.send_header("content-type", kind)
@@ -324,69 +442,63 @@ class FakeGeneration:
                 except OSError:  # the client is gone
                     self.close_connection = True
 
-            def _serve(self) -> None:
-                at = time.monotonic()
-                parts = urlsplit(self.path)
-                length = int(self.headers.get("content-length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                try:
-                    body = json.loads(raw) if raw else None
-                except ValueError:
-                    body = None
-                req = Recorded(
-                    self.command,
-                    parts.path,
-                    parse_qs(parts.query),
-                    body,
-                    {k.lower(): v for k, v in self.headers.items()},
-                    at,
-                )
-                with fake.lock:
-                    fake.requests.append(req)
-                    script = fake._scripts.get(req.route) or fake._scripts.get(ANY_ROUTE)
-                    call = 0
-                    if script is not None:
-                        script.calls += 1
-                        call = script.calls
-                    fake.active += 1
-                    fake.peak = max(fake.peak, fake.active)
-                try:
-                    self._answer(req, script, call)
-                finally:
-                    with fake.lock:
-                        fake.active -= 1
-
-            def _answer(self, req: Recorded, script: Script | None, call: int) -> None:
-                if script is None:
-                    self._send(*fake._normal(req))
-                    return
-                if call <= script.drop_first:
-                    self.close_connection = True  # no status line: the client sees the connection dropped
-                    return
-                picked = script.hold_when is None or script.hold_when(req)
-                if picked and (script.hold_until is not None or script.hold_s > 0):
-                    with fake.lock:
-                        fake.held += 1
-                    try:
-                        if script.hold_until is not None:
-                            script.hold_until.wait(timeout=120)
-                        else:
-                            threading.Event().wait(script.hold_s)  # the server's latency, not a wait for a state
-                    finally:
-                        with fake.lock:
-                            fake.held -= 1
-                with fake.lock:
-                    status = script.statuses.pop(0) if script.statuses else script.status
-                if status is None or (status == 200 and script.body is None):
-                    self._send(*fake._normal(req))
-                elif script.body is not None:
-                    self._send(status, script.body)
-                else:
-                    self._send(status, p.error_body(f"scripted {status} on {req.route}", status, _kind(status)))
-
             do_GET = do_POST = do_PUT = do_DELETE = _serve  # noqa: N815 - http.server's method names
 
         return Handler
+
+    def _asgi(self) -> Any:
+        """The fake as an ASGI app (with ``middleware``): the recorder records a request as it arrives and passes it
+        on (through ``middleware``) to the answerer, which answers it in a worker thread (holds block only it)."""
+        fake = self
+        pending: dict[int, tuple[Recorded, Script | None]] = {}
+
+        async def answerer(scope: dict, receive: Any, send: Any) -> None:
+            if scope["type"] == "lifespan":
+                while (await receive())["type"] != "lifespan.shutdown":
+                    await send({"type": "lifespan.startup.complete"})
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+            req, script = pending.pop(scope["fake_arrival"])
+            answer = await asyncio.to_thread(fake._respond, req, script)
+            status, payload = answer if answer is not None else (500, p.error_body("dropped", 500, "Dropped"))
+            data, kind = _encode(payload)
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", kind.encode())]})
+            await send({"type": "http.response.body", "body": data})
+
+        inner = self._middleware(answerer) if self._middleware is not None else answerer
+        self.guard = inner if self._middleware is not None else None
+
+        async def recorder(scope: dict, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                await inner(scope, receive, send)
+                return
+            chunks, more = [], True
+            while more:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+            raw = b"".join(chunks)
+            target = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
+            headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+            req, script = fake._record(scope["method"], target, headers, raw)
+            pending[req.number] = (req, script)
+            replay = [{"type": "http.request", "body": raw, "more_body": False}]
+
+            async def again() -> dict:
+                return replay.pop() if replay else await receive()
+
+            try:
+                await inner({**scope, "fake_arrival": req.number}, again, send)
+            finally:
+                pending.pop(req.number, None)  # a request the middleware answered itself
+
+        return recorder
+
+
+def _encode(payload: Any) -> tuple[bytes, str]:
+    if isinstance(payload, bytes):
+        return payload, "text/plain"
+    return json.dumps(payload).encode(), "application/json"
 
 
 def _kind(status: int) -> str:
