@@ -148,7 +148,9 @@ def test_with_reward_workers_0_the_thread_path_still_refuses_signals():
 
 def test_a_hung_reward_is_killed_at_its_timeout_and_only_its_group_fails(tmp_path):
     pid_file = str(tmp_path / "pid")
-    loop = _loop([hangs_on_flag], reward_timeout_s=1.0, reward_workers=1)
+    # 5 s: the groups that do not hang must score within it (a round trip to the worker process, which a loaded box
+    # can hold up for a second); the hung one sleeps 120 s
+    loop = _loop([hangs_on_flag], reward_timeout_s=5.0, reward_workers=1)
     rows = [{"prompt": "", "hang": flag, "pid_file": pid_file} for flag in (False, True, False)]
     metrics = _run(loop, rows)
     assert metrics["rollout/failed_group_count"] == 1
