@@ -49,7 +49,9 @@ ANY_ROUTE = "*"
 paths the protocol does not name: another server that answers everything)."""
 
 
-_ARRIVALS = itertools.count()
+ARRIVALS = itertools.count()
+"""Arrival numbers of every fake's requests (:attr:`Recorded.number`); a test may number its own events from it too, to
+order them against the requests."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Script:
     hold_until: threading.Event | None = None
     hold_when: Callable[[Recorded], bool] | None = None
     hold_s: float = 0.0
+    before: Callable[[Recorded], object] | None = None
     calls: int = 0
 
 
@@ -177,6 +180,7 @@ class FakeGeneration:
         hold_until: threading.Event | None = None,
         hold_when: Callable[[Recorded], bool] | None = None,
         hold_s: float = 0.0,
+        before: Callable[[Recorded], object] | None = None,
     ) -> Script:
         """Script ``route`` (a protocol name such as ``protocol.COMPLETIONS_PATH``, or :data:`ANY_ROUTE`).
 
@@ -191,6 +195,8 @@ class FakeGeneration:
             hold_until: hold each request (those ``hold_when`` picks) until this event is set, 120 s at most.
             hold_when: which requests ``hold_until``/``hold_s`` hold (default every one).
             hold_s: hold each (picked) request this many seconds before answering (server-side latency).
+            before: called with each request, in its thread, after any hold and before the answer (a test's hook:
+                e.g. wait there for another server's state).
 
         Returns:
             The :class:`Script` (its ``calls`` counts the route's calls).
@@ -200,7 +206,7 @@ class FakeGeneration:
         """
         if route != ANY_ROUTE and not route.startswith("/"):
             raise ValueError(f"route {route!r}: name a path of grpo_core.serving.protocol or ANY_ROUTE")
-        self._scripts[route] = Script(status, list(statuses), body, drop_first, hold_until, hold_when, hold_s)
+        self._scripts[route] = Script(status, list(statuses), body, drop_first, hold_until, hold_when, hold_s, before)
         return self._scripts[route]
 
     def complete_with(self, rule: Completer) -> None:
@@ -371,7 +377,7 @@ class FakeGeneration:
             body = json.loads(raw) if raw else None
         except ValueError:
             body = None
-        req = Recorded(method, parts.path, parse_qs(parts.query), body, headers, time.monotonic(), next(_ARRIVALS))
+        req = Recorded(method, parts.path, parse_qs(parts.query), body, headers, time.monotonic(), next(ARRIVALS))
         with self.lock:
             self.requests.append(req)
             script = self._scripts.get(req.route) or self._scripts.get(ANY_ROUTE)
@@ -406,6 +412,8 @@ class FakeGeneration:
             finally:
                 with self.lock:
                     self.held -= 1
+        if script.before is not None:
+            script.before(req)
         with self.lock:
             status = script.statuses.pop(0) if script.statuses else script.status
         if status is None or (status == 200 and script.body is None):

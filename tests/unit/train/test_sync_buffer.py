@@ -1,8 +1,9 @@
 """The vLLM full-weight sync's persistent packed buffer (issue 25, item 5): gathered before any pause, allocated once,
 read back bit-exactly by vLLM's packed consumer rule, one round trip per replica in parallel.
 
-The servers are plain recording HTTP servers (every request with its arrival number); the gather is observed by
-wrapping ``PackedWeights.gather``, so the order of gather and pauses is the order events arrived. What a vLLM 0.25.1
+The servers are the fake generation server (tests/support/fake_generation.py: every request with its arrival
+number); the gather is observed by wrapping ``PackedWeights.gather``, so the order of gather and pauses is the order
+events arrived. What a vLLM 0.25.1
 server does with the bytes is written out from its source (``vllm/distributed/weight_transfer/packed_tensor.py``,
 ``unpack_tensor``: split the buffer by ``tensor_sizes`` in ``names`` order, read each piece as its dtype and shape),
 independently of the trainer's layout code. No CUDA here: the IPC handle is a stand-in naming the buffer's address.
@@ -12,83 +13,46 @@ from __future__ import annotations
 
 import base64
 import itertools
-import json
 import pickle
 import sys
-import threading
 import time
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import torch
+from fake_generation import ARRIVALS, FakeGeneration
 
 from grpo_core.errors import ServingError
+from grpo_core.serving.protocol import UPDATE_WEIGHTS_PATH
 from grpo_core.train.weight_sync import vllm as vllm_sync
 from grpo_core.train.weight_sync.sync_buffer import PackedWeights
 from grpo_core.train.weight_sync.vllm import VllmWeightTransferSync
 
-ARRIVALS = itertools.count()
 CLEANUP = ["/finish_weight_update", "/reset_prefix_cache", "/resume"]
 
 
-class Recorder:
-    """A real HTTP server on a free port recording ``(arrival, path, query, body)`` of every POST; ``on[path]`` is
-    called (in the request's thread) before it answers 200."""
+def paths(server: FakeGeneration) -> list[str]:
+    """The routes of every POST ``server`` received, in order."""
+    return [route for route, _ in server.posts()]
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, str, dict, object]] = []
-        self.on: dict[str, object] = {}
-        outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                parts = urlsplit(self.path)
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.command == "POST":
-                    outer.calls.append((next(ARRIVALS), parts.path, parse_qs(parts.query), json.loads(raw or b"null")))
-                hook = outer.on.get(parts.path)
-                if callable(hook):
-                    hook()
-                data = json.dumps({"world_size": 1}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = _answer  # noqa: N815 - http.server's handler names
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def paths(self) -> list[str]:
-        return [p for _, p, _, _ in self.calls]
-
-    def arrival(self, path: str) -> list[int]:
-        return [n for n, p, _, _ in self.calls if p == path]
-
-    def body(self, path: str) -> object:
-        return next(b for _, p, _, b in self.calls if p == path)
+def arrival(server: FakeGeneration, route: str) -> list[int]:
+    """Arrival numbers (:data:`fake_generation.ARRIVALS`) of the requests ``server`` received on ``route``."""
+    return [r.number for r in server.calls(route)]
 
 
 @pytest.fixture
 def servers():
-    made: list[Recorder] = []
+    """Makes recording vLLM servers: the fake generation server (tests/support/fake_generation.py)."""
+    made: list[FakeGeneration] = []
 
-    def make() -> Recorder:
-        made.append(Recorder())
+    def make() -> FakeGeneration:
+        made.append(FakeGeneration().start())
         return made[-1]
 
     yield make
     for s in made:
-        s.http.shutdown()
-        s.http.server_close()
+        s.stop()
 
 
 class TiedPolicy(torch.nn.Module):
@@ -196,19 +160,19 @@ def test_ipc_sync_gathers_before_the_first_pause_into_one_buffer_and_sends_one_h
     buffers = []
     for version in (1, 2, 3):
         policy.perturb(version)
-        a.calls.clear(), b.calls.clear()
+        a.requests.clear(), b.requests.clear()
         stats = sync.sync(policy, version, rank=0)
         assert sync.weights is not None
         buffers.append((sync.weights.buffer.data_ptr(), sync.weights.buffer.untyped_storage().data_ptr()))
         for server in (a, b):
-            assert server.paths()[-7:] == [
+            assert paths(server)[-7:] == [
                 "/pause",
                 "/start_weight_update",
                 "/update_weights",
                 *CLEANUP,
                 "/grpo/stale",
             ]
-            assert gathers[-1] < min(server.arrival("/pause")), "the gather ends before any replica is paused"
+            assert gathers[-1] < min(arrival(server, "/pause")), "the gather ends before any replica is paused"
             info = server.body("/update_weights")["update_info"]
             assert info["packed"] is True and set(info) == {
                 "names",
@@ -274,7 +238,7 @@ def test_nccl_sync_broadcasts_the_packed_buffer_once_per_replica(monkeypatch, se
             "packed": True,
             "packed_buffer_size_bytes": size,
         }
-        pauses = server.arrival("/pause")
+        pauses = arrival(server, "/pause")
         assert gathers[0] < pauses[0] < gathers[1] < pauses[1], "each sync gathers before it pauses a replica"
 
 
@@ -287,18 +251,18 @@ def test_a_replica_resumes_without_waiting_for_another_replicas_update(monkeypat
 
     def wait_for_quick_resume() -> None:
         deadline = time.monotonic() + 30
-        while "/resume" not in quick.paths() and time.monotonic() < deadline:
+        while "/resume" not in paths(quick) and time.monotonic() < deadline:
             time.sleep(0.01)
-        saw_resume.append("/resume" in quick.paths())
+        saw_resume.append("/resume" in paths(quick))
 
-    slow.on["/update_weights"] = wait_for_quick_resume
+    slow.script(UPDATE_WEIGHTS_PATH, before=lambda _request: wait_for_quick_resume())
     sync = VllmWeightTransferSync([slow.url, quick.url], "ipc", api_key="test-token")
     sync.sync(TiedPolicy(), 1, rank=0)
     assert saw_resume == [True]
-    assert max(quick.arrival("/resume")) < min(slow.arrival("/finish_weight_update"))
+    assert max(arrival(quick, "/resume")) < min(arrival(slow, "/finish_weight_update"))
     # still all or nothing: both were paused and started before either update
-    starts = slow.arrival("/start_weight_update") + quick.arrival("/start_weight_update")
-    assert max(starts) < min(slow.arrival("/update_weights") + quick.arrival("/update_weights"))
+    starts = arrival(slow, "/start_weight_update") + arrival(quick, "/start_weight_update")
+    assert max(starts) < min(arrival(slow, "/update_weights") + arrival(quick, "/update_weights"))
 
 
 def test_a_failed_gather_raises_before_any_pause(monkeypatch, servers):
@@ -313,23 +277,23 @@ def test_a_failed_gather_raises_before_any_pause(monkeypatch, servers):
         patch.setattr(PackedWeights, "gather", boom)
         with pytest.raises(RuntimeError, match="out of memory in full_tensor"):
             sync.sync(TiedPolicy(), 1, rank=0)
-    assert server.paths() == ["/init_weight_transfer_engine"], "nothing paused, so nothing resumed"
+    assert paths(server) == ["/init_weight_transfer_engine"], "nothing paused, so nothing resumed"
 
     policy = TiedPolicy()
     sync.sync(policy, 1, rank=0)  # the next sync works
-    assert server.paths()[-7:-4] == ["/pause", "/start_weight_update", "/update_weights"]
-    server.calls.clear()
+    assert paths(server)[-7:-4] == ["/pause", "/start_weight_update", "/update_weights"]
+    server.requests.clear()
     policy.lm.extra = torch.nn.Linear(2, 2)  # the layout the buffer was made for no longer holds
     with pytest.raises(ServingError, match="parameters changed since the first sync"):
         sync.sync(policy, 2, rank=0)
-    assert server.calls == []
+    assert server.posts() == []
 
 
 def test_under_nccl_a_rank_other_than_0_keeps_no_buffer_and_talks_to_no_server(servers):
     server = servers()
     sync = VllmWeightTransferSync([server.url], "nccl", api_key="test-token")
     assert sync.sync(TiedPolicy(), 1, rank=1) == {}
-    assert sync.weights is None and server.calls == []  # rank 0 alone broadcasts: its buffer is the only one
+    assert sync.weights is None and server.posts() == []  # rank 0 alone broadcasts: its buffer is the only one
 
 
 RANK_SCRIPT = """
