@@ -1,11 +1,12 @@
 """Rollout pacing against a server of known speed: does the token allowance keep the server busy?
 
-On the H200 (``configs/gpu-1xh200.yaml``, real vLLM with CUDA graphs) the rollout kept on average 38 requests
-running (polled per step; 11 over the whole run, 143 at most) out of ``server.max_num_seqs: 256``, KV usage stayed
-below 0.3%, and the trainer waited 30 of every 32 s for samples. This benchmark runs the real rollout loop
-(:func:`grpo_core.rollout.driver.drive` with its :class:`~grpo_core.rollout.pace.TokenAllowance`) against a
-real HTTP server whose speed is a parameter, with a consumer that acts like the trainer (it takes a step's raw
-tokens, "trains" for ``--train-s`` and reports the step), so the pacing alone decides the load:
+On the H200 (``configs/gpu-1xh200.yaml``, real vLLM with CUDA graphs) the rollout kept on average 38 requests running
+(polled per step; 11 over the whole run, 143 at most) out of ``server.max_num_seqs: 256``, KV usage stayed below 0.3%,
+and the trainer waited 30 of every 32 s for samples. This benchmark runs the real rollout loop
+(:func:`grpo_core.rollout.driver.drive` with its :class:`~grpo_core.rollout.pace.TokenAllowance`) against a real HTTP
+server whose speed is a parameter (the tests' fake generation server, ``tests/support/fake_generation.py``), with a
+consumer that acts like the trainer (it takes a step's raw tokens, "trains" for ``--train-s`` and reports the step), so
+the pacing alone decides the load:
 
 * the server answers each completion after ``length / --decode-tok-s`` seconds (lengths uniform in
   ``[--min-tokens, --max-tokens]``, from the request's seed), as a decode-bound server with room for every
@@ -32,11 +33,12 @@ import statistics
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
+from fake_generation import FakeGeneration  # noqa: E402 - the tests' fake generation server
+
 from grpo_core.config import ModelConfig, RolloutConfig  # noqa: E402
 from grpo_core.models import resolve_model_dir  # noqa: E402
 from grpo_core.rollout.driver import drive  # noqa: E402
@@ -44,67 +46,34 @@ from grpo_core.rollout.loop import LoopRuntime, RolloutLoop  # noqa: E402
 from grpo_core.rollout.pace import TokenAllowance  # noqa: E402
 from grpo_core.rollout.queue import SampleQueue  # noqa: E402
 from grpo_core.serving.client import GenerationClient  # noqa: E402
+from grpo_core.serving.protocol import COMPLETIONS_PATH, METRICS_PATH, CompletionRequest  # noqa: E402
 from grpo_core.serving.replicas import ReplicaSet  # noqa: E402
 
 
-class TimedServer(ThreadingHTTPServer):
-    """``/v1/completions`` answering after ``length / decode_tok_s`` seconds; counts requests in flight."""
+def timed_server(decode_tok_s: float, min_tokens: int) -> tuple[FakeGeneration, list[int]]:
+    """The fake generation server (tests/support/fake_generation.py) answering each completion after
+    ``length / decode_tok_s`` seconds, the length drawn from the request's seed; ``/metrics`` answers 404 (the
+    concurrency cap stays at its ceiling). Returns it (``held``: requests in flight) and a one-item list of the
+    tokens it generated so far."""
+    generated, lock = [0], threading.Lock()
 
-    daemon_threads = True
-    request_queue_size = 1024
+    def length(request) -> int:
+        return random.Random(request.seed).randint(min(min_tokens, request.max_tokens), request.max_tokens)
 
-    def __init__(self, decode_tok_s: float, min_tokens: int) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.decode_tok_s, self.min_tokens = decode_tok_s, min_tokens
-        self.lock = threading.Lock()
-        self.in_flight = 0
-        self.generated = 0
+    def complete(request, prompt, choice):
+        n = length(request)
+        with lock:
+            generated[0] += n
+        return [7] * n, [-1.0] * n, "length"
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: TimedServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def do_GET(self):
-        self._answer(404, b"")  # no /metrics: the concurrency cap stays at its ceiling
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        srv = self.server
-        length = random.Random(body["seed"]).randint(min(srv.min_tokens, body["max_tokens"]), body["max_tokens"])
-        with srv.lock:
-            srv.in_flight += 1
-        time.sleep(length / srv.decode_tok_s)
-        with srv.lock:
-            srv.in_flight -= 1
-            srv.generated += length
-        ids = [7] * length
-        choice = {
-            "index": 0,
-            "text": "x" * length,
-            "token_ids": ids,
-            "prompt_token_ids": body["prompt"],
-            "logprobs": {"token_logprobs": [-1.0] * length},
-            "finish_reason": "length",
-        }
-        self._answer(200, json.dumps({"choices": [choice]}).encode())
-
-    def _answer(self, status: int, data: bytes) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the loop ended
-            pass
+    server = FakeGeneration().start()
+    server.script(METRICS_PATH, status=404)
+    server.script(
+        COMPLETIONS_PATH,
+        hold_s=lambda r: length(CompletionRequest.model_validate(r.body)) / decode_tok_s,
+    )
+    server.complete_with(complete)
+    return server, generated
 
 
 def keep_pattern(completion_ids, keep, **_):
@@ -149,8 +118,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(ModelConfig(name="tiny-qwen3")))
-    server = TimedServer(args.decode_tok_s, args.min_tokens)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server, generated = timed_server(args.decode_tok_s, args.min_tokens)
     rng = random.Random(0)
     rows = [{"prompt": f"What is {i} + {i + 1}?", "keep": rng.random() < args.kept} for i in range(100_000)]
     cfg = RolloutConfig(
@@ -184,16 +152,16 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         while time.monotonic() - t0 < args.seconds:
             assert not task.done(), task.exception()
-            series.append((time.monotonic() - t0, server.in_flight, allowance.limit))
+            series.append((time.monotonic() - t0, server.held, allowance.limit))
             await asyncio.sleep(0.05)
         stop.set()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
 
-    generated0 = server.generated
+    generated0 = generated[0]
     asyncio.run(go())
-    server.shutdown()
+    server.stop()
     steady = [n for t, n, _ in series if t >= args.seconds / 4]
     return {
         "decode_tok_s_per_request": args.decode_tok_s,
@@ -206,7 +174,7 @@ def run(args: argparse.Namespace) -> dict:
         "steps": len(waits),
         "in_flight_mean": statistics.fmean(steady),
         "in_flight_max": max(n for _, n, _ in series),
-        "generated_tok_s": (server.generated - generated0) / args.seconds,
+        "generated_tok_s": (generated[0] - generated0) / args.seconds,
         "consumer_wait_s_median": statistics.median(waits) if waits else float("nan"),
         "allowance_limit_last": series[-1][2],
     }

@@ -89,7 +89,7 @@ class Script:
     drop_first: int = 0
     hold_until: threading.Event | None = None
     hold_when: Callable[[Recorded], bool] | None = None
-    hold_s: float = 0.0
+    hold_s: float | Callable[[Recorded], float] = 0.0
     before: Callable[[Recorded], object] | None = None
     calls: int = 0
 
@@ -179,7 +179,7 @@ class FakeGeneration:
         drop_first: int = 0,
         hold_until: threading.Event | None = None,
         hold_when: Callable[[Recorded], bool] | None = None,
-        hold_s: float = 0.0,
+        hold_s: float | Callable[[Recorded], float] = 0.0,
         before: Callable[[Recorded], object] | None = None,
     ) -> Script:
         """Script ``route`` (a protocol name such as ``protocol.COMPLETIONS_PATH``, or :data:`ANY_ROUTE`).
@@ -194,7 +194,8 @@ class FakeGeneration:
             drop_first: the first ``drop_first`` calls lose their connection without a status line.
             hold_until: hold each request (those ``hold_when`` picks) until this event is set, 120 s at most.
             hold_when: which requests ``hold_until``/``hold_s`` hold (default every one).
-            hold_s: hold each (picked) request this many seconds before answering (server-side latency).
+            hold_s: hold each (picked) request this many seconds before answering (server-side latency), or a rule
+                giving each request's seconds (a decode-bound server: its length over a speed).
             before: called with each request, in its thread, after any hold and before the answer (a test's hook:
                 e.g. wait there for another server's state).
 
@@ -253,8 +254,7 @@ class FakeGeneration:
             AssertionError: uvicorn did not start within 30 s.
         """
         if self._middleware is None:
-            self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-            self._httpd.daemon_threads = True
+            self._httpd = _Server(("127.0.0.1", 0), self._handler())
             self._port = self._httpd.server_address[1]
             threading.Thread(target=self._httpd.serve_forever, name="fake-generation", daemon=True).start()
             return self
@@ -401,14 +401,15 @@ class FakeGeneration:
         if req.call <= script.drop_first:
             return None
         picked = script.hold_when is None or script.hold_when(req)
-        if picked and (script.hold_until is not None or script.hold_s > 0):
+        hold_s = script.hold_s(req) if callable(script.hold_s) else script.hold_s
+        if picked and (script.hold_until is not None or hold_s > 0):
             with self.lock:
                 self.held += 1
             try:
                 if script.hold_until is not None:
                     script.hold_until.wait(timeout=120)
                 else:
-                    threading.Event().wait(script.hold_s)  # the server's latency, not a wait for a state
+                    threading.Event().wait(hold_s)  # the server's latency, not a wait for a state
             finally:
                 with self.lock:
                     self.held -= 1
@@ -501,6 +502,18 @@ class FakeGeneration:
                 pending.pop(req.number, None)  # a request the middleware answered itself
 
         return recorder
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # hundreds of rollouts connect at once
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away (the test or benchmark ended its loop) is no error; anything else is printed."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 def _encode(payload: Any) -> tuple[bytes, str]:
