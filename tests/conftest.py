@@ -117,6 +117,15 @@ def _restore_environment():
         os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _config_warnings_afresh():
+    """Every test starts with no config warning shown yet, as a fresh process does: each is logged once per process
+    (``grpo_core.config.shown_once``), so a test that checks a warning sees it whatever ran before it on its worker."""
+    from grpo_core.config import forget_shown
+
+    forget_shown()
+
+
 @pytest.fixture
 def fake_generation():
     """A started :class:`fake_generation.FakeGeneration` (tests/support/fake_generation.py): the one scriptable fake

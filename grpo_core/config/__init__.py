@@ -65,6 +65,7 @@ from grpo_core.config.server import (  # noqa: F401 - the package's names, as on
     ServerConfig,
     check_server_urls,
 )
+from grpo_core.config.shown_once import forget_shown, show_package_once  # noqa: F401 - forget_shown: the package's
 from grpo_core.config.tracking import (  # noqa: F401 - the package's names, as one module had them
     FlowConfig,
     TrackingConfig,
@@ -90,3 +91,6 @@ from grpo_core.config.views import (  # noqa: F401 - the package's names, as one
     _refuse_masked,
 )
 from grpo_core.run.layout import ADAPTER_DIR, WEIGHTS_DIR  # noqa: F401 - re-exported as before
+
+# Each config warning once per process, from every module of the package (grpo_core/config/shown_once.py).
+show_package_once(__name__, __path__)

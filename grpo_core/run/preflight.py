@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.config import RunConfig
+from grpo_core.config.shown_once import show_once
 from grpo_core.errors import ConfigError
 from grpo_core.models.hub import check_push
 from grpo_core.run.stores import ensure_dir
 from grpo_core.tracking.checks import check_resume_from, check_tracking
 
-logger = logging.getLogger(__name__)
+logger = show_once(logging.getLogger(__name__))  # its warnings once per process, as the config's
 
 
 def check_model(cfg: RunConfig) -> None:

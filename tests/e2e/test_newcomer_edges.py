@@ -1,8 +1,10 @@
-"""Small faults a new user meets first: a checkout whose Rust extension was not built in place, docs that cite a file
-the repository does not hold, and ``grpo validate`` asking for what only the run's own hosts need."""
+"""Small faults a new user meets first: a checkout whose Rust extension was not built in place, config warnings
+printed several times, ``grpo validate`` asking for what only the run's own hosts need, and docs that cite a file
+the repository does not hold."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -10,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import packer_rs
+from grpo_core.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -148,3 +152,64 @@ def test_grpo_validate_notes_what_only_the_runs_own_hosts_need(tmp_path):
     assert done.returncode == 2, done.stderr  # a config error: refused before any flow or server starts
     assert "config error: server.backend is 'vllm'" in done.stderr and "pip install vllm" in done.stderr
     assert "note: " not in done.stderr and "Traceback" not in done.stderr
+
+
+WARNED = {
+    "temperature": "rollout.temperature=0 makes the 4 rollouts of a group identical",
+    "mixture": "rollout.mixture_epoch_size has no effect without rollout.datasets",
+    "overlong": "rollout.overlong_penalty_factor has no effect without rollout.overlong_buffer_len",
+    "unused": "server.max_num_seqs: no effect",
+}
+
+
+def _warned_config(tmp_path: Path) -> Path:
+    """tiny.yaml with settings that each draw a config warning: three of the rollout section's validator and one of
+    the run's unused settings (a launch setting of servers this host does not start)."""
+    data = yaml.safe_load(TINY.read_text())
+    data["rollout"].update(temperature=0, mixture_epoch_size=10, overlong_penalty_factor=0.5)
+    data["server"] = {"urls": ["http://127.0.0.1:9"], "max_num_seqs": 8, "max_model_len": 256}
+    data["train"]["output_dir"] = str(tmp_path / "runs")
+    data["tracking"] = {"dir": str(tmp_path / "mlflow")}
+    path = tmp_path / "warned.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_grpo_validate_prints_each_config_warning_once(tmp_path):
+    config = _warned_config(tmp_path)
+    done = _run([sys.executable, "-m", "flows.cli", "validate", "--config", str(config)], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for what, text in WARNED.items():
+        assert done.stderr.count(text) == 1, (what, done.stderr)
+
+
+def test_a_config_warning_is_logged_once_per_process_however_often_the_config_is_validated(tmp_path, caplog):
+    from grpo_core.config import forget_shown
+    from grpo_core.rollout.build import loop_class_and_config
+
+    forget_shown()  # as in a fresh process
+    config = _warned_config(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="grpo_core"):
+        cfg = load_config(config)
+        load_config(config)  # grpo resume loads a config twice
+        RunConfig.model_validate(cfg.model_dump())  # a saved config read back
+        loop_class_and_config(cfg.rollout)  # the preflight re-validates the rollout section as the loop's config
+        cfg.rollout.max_completion_length = 16  # an assignment re-runs the section's validators
+    messages = [r.getMessage() for r in caplog.records]
+    for what, text in WARNED.items():
+        assert sum(text in m for m in messages) == 1, (what, messages)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_core"):
+        load_config(config, ["rollout.num_generations=2"])  # another message: shown
+        load_config(config)  # the same messages as before: not shown again
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "rollouts of a group identical" in m] == [
+        "rollout.temperature=0 makes the 2 rollouts of a group identical: every group has zero reward std and is "
+        "dropped; raise rollout.temperature"
+    ], messages
+    forget_shown()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo_core"):
+        load_config(config)
+    assert sum(WARNED["mixture"] in r.getMessage() for r in caplog.records) == 1  # shown again after forget_shown
+    forget_shown()  # leave nothing shown for the next test of this process
