@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 #: Prefixes of an override value read off the command line (see the module docstring).
 ENV_VALUE, FILE_VALUE, STDIN_VALUE = "@env:", "@file:", "@stdin"
-_warned: set[str] = set()  # override keys warned about in this process (grpo resume loads its overrides twice)
 
 
 def _unique_json_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -244,8 +243,7 @@ def _warn_secrets_on_command_line(config: BaseModel, keys: list[str]) -> None:
     for key in keys:
         dotted = re.sub(r"\[(\d+)\]", r".\1", key)  # ``extra_args[1]`` is the secret path ``extra_args.1``
         inside = [path for path in secret if path == dotted or path.startswith(dotted + ".")]
-        if inside and key not in _warned:
-            _warned.add(key)
+        if inside:  # once per process (grpo resume loads its overrides twice): grpo_core/config/shown_once.py
             # the field holding the secret alone, when a path can name it (not an item of a list: extra_args)
             target = next((p for p in inside if not any(part.isdigit() for part in p.split("."))), key)
             logger.warning(

@@ -193,18 +193,13 @@ def apply_algorithm_preset(data: Any) -> Any:
     return data
 
 
-_preset_warned: set[str] = set()  # preset fields warned about in this process (a config is validated more than once)
-
-
 def _warn_preset_override(preset: str, path: str, preset_value: Any, value: Any) -> None:
-    """Log once per process that the config sets ``path``, a field the ``algorithm`` preset sets, to another value."""
-    line = (
+    """Log that the config sets ``path``, a field the ``algorithm`` preset sets, to another value (once per process,
+    as every config warning: grpo_core/config/shown_once.py)."""
+    logger.warning(
         f"algorithm: {preset} sets {path}: {preset_value!r}, but the config sets {value!r}; the config's value is "
         f"used (drop {path} to keep the preset's)"
     )
-    if line not in _preset_warned:
-        _preset_warned.add(line)
-        logger.warning(line)
 
 
 class RunConfig(_Strict):

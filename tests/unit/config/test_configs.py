@@ -390,10 +390,7 @@ def test_eval_settings_that_never_evaluate_are_refused_naming_both_fields(overri
     assert not load_config(overrides=["eval.at_end=false"]).eval.enabled
 
 
-def test_a_field_set_over_the_algorithm_preset_is_warned_about_once_naming_both_values(caplog, monkeypatch):
-    from grpo_core.config import run as config_run
-
-    monkeypatch.setattr(config_run, "_preset_warned", set())
+def test_a_field_set_over_the_algorithm_preset_is_warned_about_once_naming_both_values(caplog):
     with caplog.at_level("WARNING", logger="grpo_core.config"):
         config = load_config(None, ["algorithm=dapo", "train.epsilon_high=0.4", "train.epsilon=0.2"])
         load_config(None, ["algorithm=dapo", "train.epsilon_high=0.4"])  # grpo resume validates twice: one line

@@ -68,10 +68,7 @@ def test_secrets_read_from_the_environment_a_file_and_stdin_stay_off_the_command
         ("tracking.tracking_uri=https://me:pw@mlflow.example", "--set tracking.tracking_uri=@env:NAME"),
     ],
 )
-def test_a_secret_given_on_the_command_line_is_warned_about_once_naming_the_safer_forms(
-    override, names, caplog, monkeypatch
-):
-    monkeypatch.setattr(config_loading, "_warned", set())
+def test_a_secret_given_on_the_command_line_is_warned_about_once_naming_the_safer_forms(override, names, caplog):
     with caplog.at_level(logging.WARNING, logger="grpo_core.config.loading"):
         load_config(None, [override, "train.max_steps=3"])
         load_config(None, [override])  # grpo resume loads its overrides twice: one warning
@@ -91,7 +88,6 @@ def test_a_secret_given_on_the_command_line_is_warned_about_once_naming_the_safe
     ],
 )
 def test_no_warning_without_a_secret_on_the_command_line(override, caplog, monkeypatch):
-    monkeypatch.setattr(config_loading, "_warned", set())
     monkeypatch.setenv("MY_SERVER_KEY", "sk-env")
     with caplog.at_level(logging.WARNING, logger="grpo_core.config.loading"):
         load_config(None, [override])
@@ -159,7 +155,6 @@ def test_one_override_read_from_stdin_beside_an_env_one_still_loads(monkeypatch)
 def test_a_list_field_read_from_the_environment_is_parsed_as_a_yaml_list(monkeypatch, caplog):
     # the form the command-line warning recommends for server.extra_args; it was refused as "not a valid list"
     monkeypatch.setenv("VLLM_ARGS", "[--max-num-seqs, '8', --api-key, sk-env-list-secret]")
-    monkeypatch.setattr(config_loading, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="grpo_core.config.loading"):
         config = load_config(None, ["server.extra_args=@env:VLLM_ARGS"])
     shown = [a if isinstance(a, str) else a.get_secret_value() for a in config.server.extra_args]
@@ -210,7 +205,6 @@ def test_an_error_about_a_value_read_off_the_command_line_never_shows_it(overrid
 
 
 def test_an_indexed_override_of_a_secret_list_item_is_warned_about(monkeypatch, caplog):
-    monkeypatch.setattr(config_loading, "_warned", set())
     monkeypatch.setenv("VLLM_ARGS", "[--api-key, placeholder]")
     with caplog.at_level(logging.WARNING, logger="grpo_core.config.loading"):
         config = load_config(None, ["server.extra_args=@env:VLLM_ARGS", "server.extra_args[1]=sk-plain-item"])
