@@ -44,6 +44,23 @@ def dataset_form(spec: str) -> tuple[str, str]:
     return "module", spec
 
 
+#: Forms of a dataset spec that read a local file or folder (:func:`dataset_form`).
+FILE_FORMS = ("path", "json", "parquet", "csv", "arrow", "disk")
+#: Forms whose rows ``dataset_kwargs`` reaches (a generated task's config, a callable's arguments).
+KWARGS_FORMS = ("reasoning_gym", "module")
+
+
+def dataset_identity(spec: str) -> str:
+    """What a dataset spec reads, one string per data source however the spec is written: a local file or folder as
+    ``file:`` and its real absolute path (``json:data.jsonl``, ``data.jsonl`` and ``./data.jsonl`` are one file;
+    ``~`` and ``$VAR`` expanded, relative paths from the working folder, as the run reads them); any other spec
+    (``reasoning_gym:TASK``, ``hf:owner/name``, ``module:callable``) as written."""
+    form, rest = dataset_form(spec)
+    if form not in FILE_FORMS:
+        return spec
+    return "file:" + os.path.realpath(os.path.expanduser(os.path.expandvars(rest)))
+
+
 def reads_csv(spec: str) -> bool:
     """Whether a dataset spec names CSV/TSV rows (``csv:PATH``, or a path ending in ``.csv``/``.tsv``, compressed or
     not): the only form whose cells ``column_types`` converts (the others carry their own types)."""

@@ -16,7 +16,7 @@ from pydantic import (
 
 from grpo_core.config.base import LOOPBACK_HOSTS, _changed, _Strict, _warn_unused, url_port
 from grpo_core.config.evaluation import EvalConfig
-from grpo_core.config.rollout import RolloutConfig
+from grpo_core.config.rollout import KWARGS_FORMS, RolloutConfig, dataset_form, dataset_identity
 from grpo_core.config.security import TLSConfig
 from grpo_core.config.server import ModelConfig, ServerConfig
 from grpo_core.config.tracking import FlowConfig, TrackingConfig
@@ -139,8 +139,9 @@ def _check_eval_fields(cfg: RunConfig) -> None:
     training = [(rollout.dataset, "rollout.dataset")] + [
         (d.path, f"rollout.datasets[{i}].path") for i, d in enumerate(rollout.datasets)
     ]
+    held_out = None if ev.dataset is None else dataset_identity(ev.dataset)
     for spec, field in training:
-        if spec is None or spec != ev.dataset:
+        if spec is None or dataset_identity(spec) != held_out:
             continue
         generated = spec.startswith("reasoning_gym:")
         if generated and ev.dataset_seed != rollout.dataset_seed:
@@ -151,7 +152,8 @@ def _check_eval_fields(cfg: RunConfig) -> None:
                 "give eval.dataset_seed another value",
             )
         else:
-            same, fix = f"eval.dataset is {field} ({ev.dataset!r})", "point eval.dataset at held-out prompts"
+            spelled = "" if spec == ev.dataset else f" and {ev.dataset!r} read the same file"
+            same, fix = f"eval.dataset is {field} ({spec!r}{spelled})", "point eval.dataset at held-out prompts"
         logger.warning(
             f"{same}: the held-out set is not held out (its prompts are training prompts, so eval/* measures "
             f"recall of trained prompts); {fix}"
@@ -325,11 +327,19 @@ class RunConfig(_Strict):
         if not generated and "dataset_seed" in _changed(rollout):
             unused["rollout.dataset_seed"] = "reasoning_gym: datasets only"
         if rollout.dataset is not None and not generated and "dataset_size" in _changed(rollout):
-            unused["rollout.dataset_size"] = "reasoning_gym: datasets, or an environment's epoch without a dataset"
+            unused["rollout.dataset_size"] = (
+                "read by reasoning_gym: datasets and by an environment's epoch without a dataset only"
+            )
         if not rollout.shuffle and "shuffle_seed" in _changed(rollout):
             unused["rollout.shuffle_seed"] = "rollout.shuffle is false"
-        if (rollout.dataset or "").startswith("json:") and rollout.dataset_kwargs:
-            unused["rollout.dataset_kwargs"] = "reasoning_gym: and module:callable datasets only"
+        kwargs_only = "read by reasoning_gym: and module:callable datasets only"
+        if rollout.dataset and rollout.dataset_kwargs and dataset_form(rollout.dataset)[0] not in KWARGS_FORMS:
+            unused["rollout.dataset_kwargs"] = kwargs_only
+        for i, source in enumerate(rollout.datasets):
+            if source.dataset_kwargs and dataset_form(source.path)[0] not in KWARGS_FORMS:
+                unused[f"rollout.datasets[{i}].dataset_kwargs"] = kwargs_only
+        if self.eval.dataset and self.eval.dataset_kwargs and dataset_form(self.eval.dataset)[0] not in KWARGS_FORMS:
+            unused["eval.dataset_kwargs"] = kwargs_only
         if train.gradient_checkpointing != "selective" and "selective_checkpointing" in _changed(train):
             unused["train.selective_checkpointing"] = "with train.gradient_checkpointing: selective only"
         if train.nnodes == 1 and train.rdzv_endpoint:

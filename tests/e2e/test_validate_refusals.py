@@ -208,6 +208,75 @@ def test_the_same_held_out_file_as_the_training_file_is_warned_about(tmp_path, c
     assert not any("held-out set is not held out" in w for w in _warnings(caplog)), caplog.text
 
 
+@pytest.mark.parametrize(
+    "training, held_out",
+    [
+        ("rows.jsonl", "json:rows.jsonl"),  # the prefix or the suffix tells the form: one file
+        ("json:rows.jsonl", "./rows.jsonl"),
+        ("{tmp}/rows.jsonl", "rows.jsonl"),  # absolute and relative to the working folder
+        ("{tmp}/sub/../rows.jsonl", "json:{tmp}/rows.jsonl"),
+        ("link.jsonl", "rows.jsonl"),  # a symbolic link to the file
+    ],
+    ids=["prefix", "dot-slash", "absolute", "dot-dot", "symlink"],
+)
+def test_the_training_file_written_another_way_is_still_not_held_out(tmp_path, caplog, training, held_out):
+    """One file is one file however the two fields spell it (new-user tryout: ``json:rows.jsonl`` beside
+    ``rows.jsonl`` passed unwarned); a neighbour file with the same rows is held out."""
+    _data(tmp_path, "rows.jsonl", ROWS)
+    _data(tmp_path, "neighbour.jsonl", ROWS)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "rows.jsonl")
+    training, held_out = training.format(tmp=tmp_path), held_out.format(tmp=tmp_path)
+    assert Path(training.removeprefix("json:")).resolve() == Path(held_out.removeprefix("json:")).resolve()  # set-up
+    with caplog.at_level(logging.WARNING):
+        result, output = _validate(tmp_path, f"rollout.dataset={training}", f"eval.dataset={held_out}")
+    assert result.exit_code == 0, output
+    said = [w for w in _warnings(caplog) if "held-out set is not held out" in w]
+    assert len(said) == 1, _warnings(caplog)
+    assert said[0].startswith(f"eval.dataset is rollout.dataset ('{training}' and '{held_out}' read the same file)")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        result, output = _validate(tmp_path, f"rollout.dataset={training}", "eval.dataset=json:neighbour.jsonl")
+    assert result.exit_code == 0, output
+    assert not any("held-out set is not held out" in w for w in _warnings(caplog)), caplog.text
+
+
+@pytest.mark.parametrize(
+    "where, dataset",
+    [
+        ("rollout", "rows.jsonl"),  # a plain path passed unwarned while json:rows.jsonl was warned about
+        ("rollout", "csv:rows.csv"),
+        ("eval", "rows.jsonl"),
+        ("rollout.datasets[0]", "rows.jsonl"),
+    ],
+)
+def test_dataset_kwargs_on_a_data_file_are_warned_about(tmp_path, caplog, where, dataset):
+    """``dataset_kwargs`` reach a ``reasoning_gym:`` task or a ``module:callable`` only (open_dataset passes them to
+    no file reader), so on any file form, and in every section that has them, they are named as having no effect;
+    beside a ``reasoning_gym:`` task they are not."""
+    _data(tmp_path, "rows.jsonl", ROWS)
+    _data(tmp_path, "rows.csv", "prompt,answer\n1+1?,2\n")
+    if where == "rollout.datasets[0]":
+        sets = [f"rollout.datasets=[{{path: {dataset}, dataset_kwargs: {{size: 3}}}}]", "rollout.dataset=null"]
+        generated = [
+            "rollout.datasets=[{path: 'reasoning_gym:chain_sum', dataset_kwargs: {min_terms: 2}}]",
+            "rollout.dataset=null",
+        ]
+    else:
+        sets = [f"{where}.dataset={dataset}", f"{where}.dataset_kwargs={{size: 3}}"]
+        generated = [f"{where}.dataset=reasoning_gym:chain_sum", f"{where}.dataset_kwargs={{min_terms: 2}}"]
+    with caplog.at_level(logging.WARNING):
+        result, output = _validate(tmp_path, *sets)
+    assert result.exit_code == 0, output
+    said = [w for w in _warnings(caplog) if w.startswith(f"{where}.dataset_kwargs: no effect")]
+    assert len(said) == 1 and "reasoning_gym: and module:callable datasets only" in said[0], _warnings(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        result, output = _validate(tmp_path, *generated)
+    assert result.exit_code == 0, output
+    assert not any("dataset_kwargs: no effect" in w for w in _warnings(caplog)), _warnings(caplog)
+
+
 def test_an_eval_prompt_too_long_names_the_largest_completion_length_that_fits(tmp_path):
     """The advice is possible: the largest ``eval.max_completion_length`` that leaves room for the longest eval
     prompt, measured here with the model's chat template, independently of preflight."""

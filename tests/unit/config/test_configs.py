@@ -525,6 +525,11 @@ def test_a_yaml_merge_key_may_be_overridden_by_an_explicit_key(tmp_path):
             "module:callable datasets only",
         ),
         ({"rollout": {"dataset": "json:rows.jsonl", "dataset_seed": 3}}, "rollout.dataset_seed", "reasoning_gym:"),
+        (  # says where it is read, not the opposite (it read 'no effect (reasoning_gym: datasets, ...)')
+            {"rollout": {"dataset": "rows.jsonl", "dataset_size": 5}},
+            "rollout.dataset_size",
+            "read by reasoning_gym: datasets and by an environment's epoch without a dataset only",
+        ),
         ({"train": {"selective_checkpointing": 2}}, "train.selective_checkpointing", "selective only"),
         ({"train": {"rdzv_endpoint": "trainer-0:29400"}}, "train.rdzv_endpoint", "train.nnodes > 1 only"),
         ({"train": {"lora": {"r": 8}}}, "train.lora.r", "train.lora.enabled is false"),
