@@ -113,6 +113,35 @@ def warn_overlap_off(cfg: RunConfig, router_aux_loss_coef: float) -> None:
         )
 
 
+def check_trainer_device(cfg: RunConfig, gpu_count: Callable[[], int] | None = None) -> str | None:
+    """Whether this host can run the trainer's ranks on the device ``train.device`` names: the flow's torchrun
+    (node 0 of a multi-node run too) starts them here, and ``cuda`` on a host torch sees no GPU on failed only once
+    the servers were up, in the trainer's ``torch.cuda.set_device``.
+
+    Args:
+        cfg: the run config.
+        gpu_count: the CUDA devices torch can use here (``CUDA_VISIBLE_DEVICES`` applied); None =
+            ``torch.cuda.device_count``.
+
+    Returns:
+        What this host lacks, naming the field and the fix; None when it has it (or ``train.device`` is not
+        ``cuda``).
+    """
+    if cfg.train.device != "cuda":
+        return None
+    if gpu_count is None:
+        import torch
+
+        gpu_count = torch.cuda.device_count
+    if gpu_count() > 0:
+        return None
+    return (
+        "train.device is 'cuda' but torch sees no CUDA GPU on this host (torch.cuda.device_count() is 0), where the "
+        "flow starts the trainer's ranks: run on a GPU host (a CUDA build of torch, CUDA_VISIBLE_DEVICES not empty), "
+        "or set train.device to 'auto' (CUDA where there is one, else CPU) or 'cpu'"
+    )
+
+
 def check_packing(cfg: RunConfig) -> None:
     """``packing.backend`` names an installed packer (``rust``, ``python`` or a ``grpo_core.packers`` entry point)
     that loads and follows the :class:`~grpo_core.packing.Packer` protocol (:func:`grpo_core.packing.get_packer`);
@@ -694,7 +723,8 @@ def check_run(cfg: RunConfig, create: bool = True) -> list[str]:
         cfg: the run config.
         create: False (``grpo validate``, which may run ahead of deployment, on another host than the run's): create
             no folder and no MLflow store, check that the run could; and what only the run's own hosts must have
-            (vLLM where the flow starts vLLM replicas, trainer-0's shared ``GRPO_RUN_TOKEN`` of a multi-node run) is
+            (vLLM where the flow starts vLLM replicas, a CUDA GPU for ``train.device: cuda``, trainer-0's shared
+            ``GRPO_RUN_TOKEN`` of a multi-node run) is
             a note when this host lacks it, not an error.
 
     Returns:
@@ -716,6 +746,11 @@ def check_run(cfg: RunConfig, create: bool = True) -> list[str]:
     check_resume_from(cfg, create)
     check_model(cfg)
     check_packing(cfg)
+    lacking = check_trainer_device(cfg)
+    if lacking is not None:
+        if create:
+            raise ConfigError(lacking)
+        notes.append(f"{lacking} (needed where `grpo train` runs, not by `grpo validate`)")
     if cfg.server.backend == "vllm" and cfg.server.starts_here():
         from grpo_core.serving.launch import choose_backend
 

@@ -303,9 +303,14 @@ def test_every_shipped_config_validates_here_or_names_the_host_it_needs(path, tm
             "exist on this host; mount the shared store there"
         ), result.output
     elif needs_vllm_here and importlib.util.find_spec("vllm") is None:
+        import torch
+
         assert result.exit_code == 0, result.output
         notes = [line for line in result.output.splitlines() if line.startswith("note: ")]
-        assert len(notes) == 1 and "server.backend is 'vllm' and this host starts the replicas" in notes[0], notes
+        vllm = [n for n in notes if "server.backend is 'vllm' and this host starts the replicas" in n]
+        no_gpu = [n for n in notes if n.startswith("note: train.device is 'cuda' but torch sees no CUDA GPU")]
+        lacks_gpu = train.get("device") == "cuda" and torch.cuda.device_count() == 0  # noted too (preflight)
+        assert len(vllm) == 1 and len(no_gpu) == int(lacks_gpu) and len(notes) == 1 + int(lacks_gpu), notes
         assert "GPU host with vLLM" in result.output and "valid" in result.output
     else:
         assert result.exit_code == 0, result.output

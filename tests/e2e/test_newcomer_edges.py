@@ -154,6 +154,39 @@ def test_grpo_validate_notes_what_only_the_runs_own_hosts_need(tmp_path):
     assert "note: " not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_a_cuda_trainer_on_a_host_without_a_gpu_is_noted_by_validate_and_refused_by_train(tmp_path, monkeypatch, gpus):
+    """``train.device: cuda`` where torch sees no GPU: ``grpo validate`` notes it (it may run ahead of deployment) and
+    the run's own check refuses it, naming the field and the fix, before any server starts (it used to pass, and
+    the trainer failed in ``torch.cuda.set_device`` once the servers were up); one GPU seen: nothing to say."""
+    import torch
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from grpo_core.errors import ConfigError
+    from grpo_core.run.preflight import check_run
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)  # the host's GPUs, whatever this box has
+    monkeypatch.chdir(tmp_path)
+    sets = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}", "train.device=cuda"]
+    result = CliRunner().invoke(app, ["validate", "--config", str(TINY), *sum((["--set", w] for w in sets), [])])
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())  # rich wraps long lines
+    notes = [n for n in output.split("note: ")[1:] if n.startswith("train.device")]
+    cfg = load_config(TINY, [*sets[:2], "train.device=cuda"])
+    if gpus:
+        assert notes == [], output
+        assert check_run(cfg, create=True) == []
+        return
+    assert len(notes) == 1, output
+    assert "train.device is 'cuda' but torch sees no CUDA GPU on this host" in notes[0], notes
+    assert "set train.device to 'auto'" in notes[0] and "not by `grpo validate`" in notes[0], notes
+    with pytest.raises(ConfigError, match=r"train\.device is 'cuda'.*set train\.device to 'auto'") as refused:
+        check_run(cfg, create=True)
+    assert "grpo validate" not in str(refused.value)
+    assert check_run(load_config(TINY, [*sets[:2], "train.device=auto"]), create=True) == []
+
+
 WARNED = {
     "temperature": "rollout.temperature=0 makes the 4 rollouts of a group identical",
     "mixture": "rollout.mixture_epoch_size has no effect without rollout.datasets",
