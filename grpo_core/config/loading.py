@@ -145,6 +145,10 @@ def _error_lines(kind: type[BaseModel], errors: Sequence[Mapping[str, Any]]) -> 
                 continue
         elif err["type"] == "finite_number":  # every float field of the config (_Strict: allow_inf_nan=False)
             msg = f"must be finite (got {err.get('input')}); write a finite number (nan and inf are refused)"
+        elif err["type"] == "model_type" and (section := _section_model(kind, loc)) is not None:
+            msg = _section_given_a_value(path, section, err.get("input"))
+        elif err["type"] == "dict_type":  # a mapping field (dataset_kwargs, column_types, ...) given one value
+            msg = f"{err['msg']} (got {err.get('input')!r}); write a mapping, e.g. {path}={{name: value}}"
         elif err["type"] == "list_type" and isinstance(err.get("input"), str | int | float):  # one value, no list
             msg = f"{err['msg']}; write [{err['input']}] for one item"
         else:
@@ -159,6 +163,19 @@ def _error_lines(kind: type[BaseModel], errors: Sequence[Mapping[str, Any]]) -> 
         else path
         for path, msgs in lines.items()
     ]
+
+
+def _section_given_a_value(path: str, section: type[BaseModel], given: Any) -> str:
+    """The message for a section (``train.lora``, ``rollout.datasets[0]``) given one value (``train.lora=true``)
+    instead of its keys: an example key (``enabled`` for a yes/no), and the section's keys."""
+    names = list(section.model_fields)
+    switch = isinstance(given, bool) and "enabled" in names
+    example = f"{path}.enabled={str(given).lower()}" if switch else f"{path}.{names[0]}=VALUE"
+    listed = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+    return (
+        f"a section, not one value (got {given!r}): set its keys, e.g. --set {example} (in a file, a mapping "
+        f"under it); its keys: {listed}"
+    )
 
 
 def _shown(errors: Sequence[Mapping[str, Any]], path: str, kind: type[BaseModel]) -> str:

@@ -207,3 +207,38 @@ def test_an_adapter_store_this_host_cannot_use_is_refused_before_anything_starts
         preflight.check_adapter_store(
             cfg.model_copy(update={"train": cfg.train.model_copy(update={"adapter_store": good})})
         )
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        (
+            "train.lora=true",
+            "train.lora: a section, not one value (got True): set its keys, e.g. --set train.lora.enabled=true",
+        ),
+        ("eval=false", "eval: a section, not one value (got False): set its keys, e.g. --set eval.dataset=VALUE"),
+        ("train=3", "train: a section, not one value (got 3): set its keys, e.g. --set train.output_dir=VALUE"),
+        (
+            "rollout.datasets=[rows.jsonl]",
+            "rollout.datasets[0]: a section, not one value (got 'rows.jsonl'): set its "
+            "keys, e.g. --set rollout.datasets[0].path=VALUE",
+        ),
+        (
+            "rollout.dataset_kwargs=3",
+            "rollout.dataset_kwargs: Input should be a valid dictionary (got 3); write a "
+            "mapping, e.g. rollout.dataset_kwargs={name: value}",
+        ),
+    ],
+)
+def test_a_section_given_one_value_says_to_set_its_keys(override, says):
+    """A section written as one value (new-user tryout: ``--set train.lora=true`` said only 'Input should be a valid
+    dictionary or instance of LoraConfig') names an example key and the section's keys, read from the model."""
+    from grpo_core.config import LoraConfig
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [override])
+    message = str(refused.value)
+    assert says in message, message
+    if override == "train.lora=true":  # every key of the section is listed (it has fewer than ten)
+        assert message.endswith(f"its keys: {', '.join(LoraConfig.model_fields)}"), message
+    assert "instance of" not in message, message
