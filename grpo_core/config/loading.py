@@ -19,7 +19,7 @@ import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 from pydantic import (
     BaseModel,
@@ -137,7 +137,11 @@ def _error_lines(kind: type[BaseModel], errors: Sequence[Mapping[str, Any]]) -> 
             names = section.model_fields if section is not None else ()
             prefix = f"{_field_path(kind, loc[:-1])}." if loc[:-1] else ""
             path = f"{prefix}{loc[-1]}"
-            msg = "unknown key" + did_you_mean(str(loc[-1]), names, prefix)
+            # the key of another section first (rollout.temperature for train.temperature), then close spellings
+            elsewhere = _keys_elsewhere(kind, str(loc[-1]), _field_path(kind, loc[:-1]))
+            close = did_you_mean(str(loc[-1]), names, prefix).removeprefix("; did you mean ").removesuffix("?")
+            guesses = [*elsewhere, close] if close else elsewhere
+            msg = "unknown key" + (f"; did you mean {' or '.join(guesses)}?" if guesses else "")
         elif err["type"] == "value_error" and cause is not None:
             msg = str(cause)
             if path and msg.startswith(path):  # the validator's message names the field already
@@ -163,6 +167,26 @@ def _error_lines(kind: type[BaseModel], errors: Sequence[Mapping[str, Any]]) -> 
         else path
         for path, msgs in lines.items()
     ]
+
+
+def _keys_elsewhere(kind: type[BaseModel], name: str, here: str) -> list[str]:
+    """The dotted paths of ``name`` in the sections of ``kind`` other than ``here`` (and at the root): a key written
+    in the wrong section (``train.temperature``, ``max_steps``) is found where it lives. Sections inside lists
+    (``rollout.datasets``) are not searched: their items have no path of their own."""
+    found = [name] if here and name in kind.model_fields else []
+
+    def walk(model: type[BaseModel], path: str) -> None:
+        for field, info in model.model_fields.items():
+            section = _section_model(model, (field,))
+            if section is None or get_origin(info.annotation) in (list, tuple):
+                continue
+            where = f"{path}.{field}" if path else field
+            if name in section.model_fields and where != here:
+                found.append(f"{where}.{name}")
+            walk(section, where)
+
+    walk(kind, "")
+    return found
 
 
 def _section_given_a_value(path: str, section: type[BaseModel], given: Any) -> str:

@@ -276,6 +276,29 @@ def test_an_unknown_key_names_the_closest_fields_of_its_section(override, says):
 @pytest.mark.parametrize(
     "override, says",
     [
+        ("train.temperature=0.5", "train.temperature: unknown key; did you mean rollout.temperature?"),
+        ("rollout.learning_rate=0.1", "rollout.learning_rate: unknown key; did you mean train.learning_rate?"),
+        ("max_steps=3", "max_steps: unknown key; did you mean train.max_steps?"),
+        ("rollout.max_model_len=300", "rollout.max_model_len: unknown key; did you mean server.max_model_len?"),
+        ("server.lora.enabled=true", "server.lora: unknown key; did you mean train.lora or server.max_loras?"),
+        ("foo.bar=1", "foo: unknown key\n"),  # nowhere: no guess
+    ],
+)
+def test_a_key_written_in_the_wrong_section_names_the_section_that_has_it(override, says):
+    """New-user tryout: ``--set train.temperature=0.5`` said only 'unknown key' (no spelling is close). The section
+    that has the key, as the field lists of the config's models say, comes first, before close spellings."""
+    from grpo_core.config import RolloutConfig, ServerConfig, TrainConfig
+
+    assert "temperature" in RolloutConfig.model_fields and "temperature" not in TrainConfig.model_fields  # set-up
+    assert "max_model_len" in ServerConfig.model_fields and "max_model_len" not in RolloutConfig.model_fields
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert says in f"{info.value}\n", str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
         ("=5", "the key before '=' is empty"),
         (" =5", "the key before '=' is empty"),
         ("train..max_steps=5", "has an empty part"),
