@@ -27,11 +27,13 @@ from pydantic import (
 
 from grpo_core.config.base import _Strict
 from grpo_core.config.overrides import (
+    _field_annotation,
     _hidden_texts,
     _indirect_structure,
     _masked,
     _section_model,
     _set_dotted,
+    _union_members,
     _yaml_load,
     _yaml_where,
 )
@@ -295,6 +297,23 @@ def _warn_secrets_on_command_line(config: BaseModel, keys: list[str]) -> None:
             )
 
 
+#: How YAML writes null: an override of a text field spelt so still unsets it (``rollout.system_prompt=null``).
+_NULL_TEXTS = ("", "~", "null", "Null", "NULL")
+
+
+def _text_as_written(kind: type[BaseModel], key: str, value: str, parsed: Any) -> Any:
+    """An override's value for a field that takes text only (``str`` or ``str | None``): the text as written when
+    YAML read it as something else, a mapping (``rollout.system_prompt=Answer: briefly``), a list (``[x]``), a
+    number or yes/no (``tracking.experiment_name=2024``), or null through a comment (``# hi``); an explicit null
+    spelling stays null. Any other field keeps the YAML value (numbers, lists, yes/no)."""
+    members = [m for m in _union_members(_field_annotation(kind, key)) if m is not type(None)]
+    if not members or any(m is not str for m in members) or isinstance(parsed, str):
+        return parsed
+    if parsed is None and value.strip() in _NULL_TEXTS:
+        return parsed
+    return value
+
+
 def _validate(
     kind: type[_Strict], data: dict, overrides: list[str] | None, secrets: dict[str, str] | None, hint: str = ""
 ) -> Any:
@@ -335,6 +354,7 @@ def _validate(
                     f"override {item!r}: the value is not a YAML scalar or list ({_yaml_where(e)}); "
                     "quote it, e.g. key='text: with colon'"
                 ) from None
+            parsed = _text_as_written(kind, key.strip(), value, parsed)
         else:
             hidden |= _hidden_texts(indirect)
             parsed = _indirect_structure(kind, key.strip(), value, indirect)
@@ -356,7 +376,9 @@ def load_config(
 ) -> RunConfig:
     """Read a run config from YAML, JSON or TOML, apply ``key.sub=value`` overrides, validate.
 
-    Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``).
+    Override values are parsed as YAML scalars (``train.max_steps=5``, ``train.lora.enabled=true``); a field that
+    takes text only gets the text as written (``rollout.system_prompt=Answer: briefly``, ``tracking.experiment_name=
+    2024``), unless it is a null spelling (``null``, ``~``).
     ``secrets`` (``{field path: value}``, what a run's processes get in ``GRPO_RUN_SECRETS``) replace the
     redacted secrets of a config file grpo-flow wrote, before the overrides.
 

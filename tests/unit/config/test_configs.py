@@ -297,6 +297,32 @@ def test_a_key_written_in_the_wrong_section_names_the_section_that_has_it(overri
 
 
 @pytest.mark.parametrize(
+    "override, field, value",
+    [
+        ("rollout.system_prompt=Answer: briefly", "rollout.system_prompt", "Answer: briefly"),  # YAML: a mapping
+        ("rollout.system_prompt=- be brief", "rollout.system_prompt", "- be brief"),  # a list
+        ("rollout.system_prompt=[x]", "rollout.system_prompt", "[x]"),
+        ("rollout.system_prompt=# brief", "rollout.system_prompt", "# brief"),  # a comment: null
+        ("tracking.experiment_name=2024", "tracking.experiment_name", "2024"),  # a number
+        ("tracking.experiment_name=yes", "tracking.experiment_name", "yes"),  # YAML 1.1's true
+        ("rollout.dataset=reasoning_gym:", "rollout.dataset", "reasoning_gym:"),  # then refused as no task, by name
+        ("rollout.system_prompt=null", "rollout.system_prompt", None),  # null spelt out still unsets it
+        ("rollout.system_prompt='Answer: x'", "rollout.system_prompt", "Answer: x"),  # quoted as before
+        ("train.max_steps=7", "train.max_steps", 7),  # other fields keep their YAML value
+        ("rollout.reward_functions=[a:b]", "rollout.reward_functions", ["a:b"]),
+    ],
+)
+def test_a_text_field_takes_an_override_as_written(override, field, value):
+    """New-user tryout: ``--set rollout.system_prompt=Answer: briefly`` was refused with 'Input should be a valid
+    string' (YAML reads a mapping), and ``# brief`` silently unset the field. A field whose type is text only takes
+    the text as written; the expected values are the command lines' own text."""
+    section, name = field.split(".")
+    before = [f"{field}=something else"] if value is None else []  # null unsets what an earlier override set
+    assert getattr(getattr(load_config(overrides=before), section), name) != value  # set-up: not the value already
+    assert getattr(getattr(load_config(overrides=[*before, override]), section), name) == value
+
+
+@pytest.mark.parametrize(
     "override, says",
     [
         ("=5", "the key before '=' is empty"),
