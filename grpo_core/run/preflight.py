@@ -752,8 +752,9 @@ def check_run(cfg: RunConfig, create: bool = True) -> list[str]:
             raise ConfigError(lacking)
         notes.append(f"{lacking} (needed where `grpo train` runs, not by `grpo validate`)")
     if cfg.server.backend == "vllm" and cfg.server.starts_here():
-        from grpo_core.serving.launch import choose_backend
+        from grpo_core.serving.launch import check_gpu_layout, choose_backend
 
+        check_gpu_layout(cfg)  # the config's own GPU layout: refused here, not once the flow provisions the servers
         try:
             choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for server.urls / deployment)
         except ConfigError as exc:
