@@ -62,6 +62,16 @@ class LoraConfig(_Strict):
             )
         return name
 
+    @field_validator("target_modules")
+    @classmethod
+    def _check_target_modules(cls, targets: list[str] | str) -> list[str] | str:
+        if isinstance(targets, list) and not targets:  # PEFT: NoMatchingPeftModuleError, once the trainer starts
+            raise ValueError(
+                "train.lora.target_modules is an empty list: no module would get an adapter (PEFT refuses it when "
+                "the trainer starts); list module names, e.g. [q_proj, k_proj, v_proj, o_proj], or write all-linear"
+            )
+        return targets
+
 
 class TrainConfig(_Strict):
     """The FSDP2 trainer (torchrun, one process per rank)."""

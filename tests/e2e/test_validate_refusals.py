@@ -95,6 +95,12 @@ REFUSED = [
         ["model.name=tiny-qwen3-moe", LORA, "train.lora.target_modules=[q_proj, o_proj]"],
         ["train.lora.target_modules", "['up_proj']", "o_proj"],
     ),
+    (  # new-user tryout: passed, and PEFT refused it (NoMatchingPeftModuleError) once the trainer started
+        "lora-target-empty",
+        [LORA, "train.lora.target_modules=[]"],
+        [LORA, "train.lora.target_modules=all-linear"],
+        ["train.lora.target_modules is an empty list", "all-linear"],
+    ),
 ]
 
 
