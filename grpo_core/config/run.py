@@ -340,6 +340,14 @@ class RunConfig(_Strict):
                 unused[f"rollout.datasets[{i}].dataset_kwargs"] = kwargs_only
         if self.eval.dataset and self.eval.dataset_kwargs and dataset_form(self.eval.dataset)[0] not in KWARGS_FORMS:
             unused["eval.dataset_kwargs"] = kwargs_only
+        if self.eval.dataset and not self.eval.dataset.startswith("reasoning_gym:"):
+            unused.update(
+                {
+                    f"eval.{name}": "read by reasoning_gym: eval datasets only"
+                    for name in ("dataset_size", "dataset_seed")
+                    if name in _changed(self.eval)
+                }
+            )
         if train.gradient_checkpointing != "selective" and "selective_checkpointing" in _changed(train):
             unused["train.selective_checkpointing"] = "with train.gradient_checkpointing: selective only"
         if train.nnodes == 1 and train.rdzv_endpoint:

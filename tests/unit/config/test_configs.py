@@ -574,6 +574,13 @@ def test_a_yaml_merge_key_may_be_overridden_by_an_explicit_key(tmp_path):
             "module:callable datasets only",
         ),
         ({"rollout": {"dataset": "json:rows.jsonl", "dataset_seed": 3}}, "rollout.dataset_seed", "reasoning_gym:"),
+        (  # eval's generated-dataset settings beside a file (new-user tryout: passed silently)
+            {"eval": {"dataset": "held_out.jsonl", "dataset_size": 10}},
+            "eval.dataset_size",
+            "read by reasoning_gym: eval datasets only",
+        ),
+        ({"eval": {"dataset": "hf:owner/name", "dataset_seed": 3}}, "eval.dataset_seed", "reasoning_gym: eval"),
+        ({"eval": {"dataset": "held_out.jsonl", "dataset_kwargs": {"a": 1}}}, "eval.dataset_kwargs", "module:callable"),
         (  # says where it is read, not the opposite (it read 'no effect (reasoning_gym: datasets, ...)')
             {"rollout": {"dataset": "rows.jsonl", "dataset_size": 5}},
             "rollout.dataset_size",
