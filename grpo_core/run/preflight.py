@@ -754,13 +754,13 @@ def check_run(cfg: RunConfig, create: bool = True) -> list[str]:
     if cfg.server.backend == "vllm" and cfg.server.starts_here():
         from grpo_core.serving.launch import check_gpu_layout, choose_backend
 
-        check_gpu_layout(cfg)  # the config's own GPU layout: refused here, not once the flow provisions the servers
         try:
             choose_backend(cfg)  # vLLM must be installed where the flow starts it (not for server.urls / deployment)
         except ConfigError as exc:
             if create:
                 raise
             notes.append(f"{exc} (needed where `grpo train` runs, not by `grpo validate`)")
+        check_gpu_layout(cfg)  # the config's own GPU layout (as provision checks it), refused before anything starts
     loop_class_and_config(cfg.rollout)
     for name in cfg.rollout.tools:
         import_object(name, "rollout.tools")

@@ -133,7 +133,8 @@ def test_grpo_validate_notes_what_only_the_runs_own_hosts_need(tmp_path):
         pytest.skip("vllm is installed here: nothing to note")
     where = ["--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={tmp_path / 'mlflow'}"]
     cases = {
-        "vllm": ["--set", "server.backend=vllm"],
+        # vLLM on GPU 1 beside the trainer's GPU 0: a layout the NCCL weight transfer can use (preflight checks it)
+        "vllm": ["--set", "server.backend=vllm", "--set", "server.gpu_ids=[1]"],
         "token": ["--set", "train.nnodes=2", "--set", "train.rdzv_endpoint=trainer-0:29400"],
     }
     for what, sets in cases.items():
