@@ -124,30 +124,37 @@ def test_the_generator_joins_a_code_span_broken_across_lines():
     assert cell == "limit (`grpo deploy` creates `gpu`); None = none."
 
 
-def test_grpo_validate_notes_what_only_the_runs_own_hosts_need(tmp_path):
+def test_grpo_validate_notes_what_only_the_runs_own_hosts_need(tmp_path, monkeypatch):
     """vLLM where the flow starts vLLM replicas, and a multi-node run's shared token on trainer-0: ``grpo validate``
     (which may run ahead of deployment, elsewhere) notes their absence and passes; ``grpo train`` refuses."""
     import importlib.util
 
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here: nothing to note")
+    monkeypatch.delenv("GRPO_RUN_TOKEN", raising=False)
+    monkeypatch.chdir(tmp_path)
     where = ["--set", f"train.output_dir={tmp_path / 'runs'}", "--set", f"tracking.dir={tmp_path / 'mlflow'}"]
     cases = {
         # vLLM on GPU 1 beside the trainer's GPU 0: a layout the NCCL weight transfer can use (preflight checks it)
         "vllm": ["--set", "server.backend=vllm", "--set", "server.gpu_ids=[1]"],
         "token": ["--set", "train.nnodes=2", "--set", "train.rdzv_endpoint=trainer-0:29400"],
     }
-    for what, sets in cases.items():
-        args = [sys.executable, "-m", "flows.cli", "validate", "--config", str(TINY), *where, *sets]
-        done = _run(args, cwd=tmp_path, drop=("GRPO_RUN_TOKEN",))
-        assert done.returncode == 0, (what, done.stderr)
-        notes = [line for line in done.stderr.splitlines() if line.startswith("note: ")]
-        assert len(notes) == 1, (what, done.stderr)
+    for what, sets in cases.items():  # in this process (the command's own code path; a subprocess costs ~15 s each)
+        done = CliRunner().invoke(app, ["validate", "--config", str(TINY), *where, *sets])
+        output = " ".join(done.output.split())  # rich wraps long lines
+        assert done.exit_code == 0, (what, done.output)
+        notes = output.split("note: ")[1:]
+        assert len(notes) == 1, (what, done.output)
         if what == "vllm":
             assert "vllm is not installed here" in notes[0] and "pip install vllm" in notes[0], notes
         else:
             assert "train.nnodes=2 needs GRPO_RUN_TOKEN" in notes[0] and "it is not set" in notes[0], notes
-        assert "config error" not in done.stderr and "valid" in done.stderr
+        assert "config error" not in output and "valid" in output
+    # grpo train as a user runs it: its own process, refused before any flow or server starts
     train = [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY), *where, *cases["vllm"]]
     done = _run(train, cwd=tmp_path, drop=("GRPO_RUN_TOKEN",))
     assert done.returncode == 2, done.stderr  # a config error: refused before any flow or server starts
