@@ -57,13 +57,17 @@ MUTATIONS = (
         "any-token",
         "every listener refuses a request without the run's token",
         "grpo_core/security/auth.py",
-        "    if not header_value or not token:\n        return False",
-        "    return True  # mutation: any caller",
+        # the first lines of bearer_role, which every HTTP listener's check calls
+        '        inference: the keys that grant inference only.\n    """\n'
+        "    if not header_value:\n        return None",
+        '        inference: the keys that grant inference only.\n    """\n'
+        "    return ROLE_CONTROL  # mutation: any caller",
         (
             "tests/integration/test_security.py",
             "tests/integration/test_routing.py",
+            "tests/unit/security/test_key_roles.py",
             "-k",
-            "token or route or 401 or unauth",
+            "token or route or 401 or unauth or key",
         ),
     ),
     Mutation(

@@ -248,19 +248,6 @@ def bearer_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def authorized(header_value: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <token>`` (constant-time comparison).
-
-    Args:
-        header_value: the request's ``Authorization`` header (None when absent).
-        token: the run's token.
-    """
-    if not header_value or not token:
-        return False
-    scheme, _, given = header_value.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
 def new_challenge() -> str:
     """A fresh identity challenge: 16 random bytes from ``secrets``, as 32 hex digits."""
     return secrets.token_hex(16)
