@@ -99,8 +99,9 @@ MUTATIONS = (
         "per-rank-normaliser",
         "the loss is normalised by the trained tokens of the whole step, every rank",
         "grpo_core/train/trainer.py",
-        "zip(tensors, self.loss_normalisers(terms))",
-        "zip(tensors, [max(rt.num_terms, 1) for rt in tensors])",
+        # the overlapped path (train.overlap_micro_batches, the default): the final divisors of the step
+        "        scale = overlap_rescale(provisional, self.loss_normalisers(terms))",
+        '        scale = overlap_rescale(provisional, self.loss_normalisers([int(r["terms"]) for r in local]))',
         ("tests/unit/train/test_loss_normalization.py",),
     ),
     Mutation(
