@@ -240,7 +240,13 @@ def figures(records: list[dict], warmup: int) -> dict:
         "step_s_median": statistics.median(col("perf/step_s")) if col("perf/step_s") else float("nan"),
         "rollout_wait_s_mean": _mean(col("perf/rollout_wait_s")),
         "weight_sync_s_mean": _mean(col("perf/weight_sync_s")),
-        **{f"weight_sync_{p}_s_mean": _mean(col(f"perf/weight_sync_{p}_s")) for p in ("pause", "update", "settle")},
+        **{
+            f"weight_sync_{p}_s_mean": _mean(col(f"perf/weight_sync_{p}_s"))
+            for p in ("gather", "pause", "update", "settle")
+        },
+        # logged once per start (the first step): start-up figures of the run
+        "time_to_first_step_s": _mean(col("perf/time_to_first_step_s", records)),
+        "compile_warmup_s": _mean(col("perf/compile_warmup_s", records)),
         "is_ratio_mean": _mean(col("sampling/importance_sampling_ratio/mean", records)),
         # every staleness-0 token weighs the same (a step with few fresh tokens is a noisy mean, not a vote)
         "is_ratio_staleness0_mean": sum(m * n for m, n in fresh) / fresh_tokens if fresh_tokens else float("nan"),
