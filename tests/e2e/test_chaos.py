@@ -19,13 +19,20 @@ import os
 import random
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from flow_helpers import ROOT, assert_mlflow_steps_once, grpo_env, mlflow_run, tiny_overrides
+from flow_helpers import (
+    ROOT,
+    VARIED,
+    assert_mlflow_steps_once,
+    grpo_env,
+    grpo_train_command,
+    mlflow_run,
+    tiny_overrides,
+)
 from trainer_helpers import assert_each_step_and_prompt_once, kill_all, process_tree, torchrun
 
 from grpo_core.run.durable import read_jsonl
@@ -69,25 +76,16 @@ def test_seeded_kills_of_the_flow_lose_no_step_and_no_prompt(tmp_path):
     rng = random.Random(seed)
     plan = rng.sample(list(ROLES), len(ROLES))
     runs, log = tmp_path / "runs", tmp_path / "flow.log"
-    overrides = [
-        *tiny_overrides(tmp_path),
+    cmd = grpo_train_command(
+        tmp_path,
+        *VARIED,
         f"train.max_steps={FLOW_STEPS}",
         f"train.save_steps={FLOW_SAVE_STEPS}",
         f"train.num_ranks={FLOW_RANKS}",
         "train.save_total_limit=2",
-        "rollout.max_staleness=10",
-    ]  # none dropped as stale: each trained or pending
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--retries",
-        str(len(plan)),
-        *(a for o in overrides for a in ("--set", o)),
-    ]
+        "rollout.max_staleness=10",  # none dropped as stale: each trained or pending
+        options=("--retries", str(len(plan))),
+    )
     env = grpo_env(tmp_path)
     kills, seen, every = [], set(), []
     with log.open("w") as out:

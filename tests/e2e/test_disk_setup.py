@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from flow_helpers import grpo_env
+from flow_helpers import grpo_env, grpo_train_command
 
 from flows.local_api import prepare_home
 from grpo_core.config import RunConfig
@@ -40,18 +39,7 @@ FAIL_FAST_S = 150.0
 
 
 def _grpo_train(tmp_path: Path, env: dict[str, str], timeout_s: float = 200.0) -> tuple[int, str, float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--set",
-        f"train.output_dir={tmp_path / 'runs'}",
-        "--set",
-        f"tracking.dir={tmp_path / 'mlflow'}",
-    ]
+    cmd = grpo_train_command(tmp_path)
     start = time.monotonic()
     done = subprocess.run(
         cmd,

@@ -8,12 +8,12 @@ import itertools
 import json
 import os
 import subprocess
-import sys
 from math import comb
 from pathlib import Path
 
 import numpy as np
 import pytest
+from flow_helpers import grpo_train_command
 
 from grpo_core.config import RunConfig
 from grpo_core.rollout.evaluate import EvalBoard, eval_metrics, pass_at_k
@@ -191,17 +191,14 @@ def test_eval_prompts_too_long_for_the_context_are_left_out_with_a_warning(tmp_p
 def _grpo_train(tmp: Path, prefect_api, *overrides: str) -> subprocess.CompletedProcess:
     """``grpo train`` of configs/tiny.yaml (the flow, its embedded server, rollout and trainer processes), its flow
     run on the session's ``prefect_api``."""
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
-    for o in (
-        f"train.output_dir={tmp / 'runs'}",
-        f"tracking.dir={tmp / 'mlflow'}",
+    cmd = grpo_train_command(
+        tmp,
         "train.flush_partial_after_s=1",
         "rollout.reward_functions=[flow_helpers:varied_reward]",  # varies within every group: every prompt trains
         "rollout.max_concurrent_rollouts=4",  # one group of 4 at a time: groups finish in the order they start
         "train.max_steps=5",
         *overrides,
-    ):
-        cmd += ["--set", o]
+    )
     env = {
         **os.environ,
         "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests' / 'support'}",

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from flow_helpers import grpo_env
+from flow_helpers import grpo_env, grpo_train_command
 from transformers import AutoModelForImageTextToText
 
 from grpo_core.config import ModelConfig
@@ -24,22 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow  # a whole `grpo train`
 @pytest.mark.timeout(1500)
 def test_grpo_train_trains_tiny_qwen35_on_the_embedded_server(tmp_path):
-    sets = [
-        f"train.output_dir={tmp_path / 'runs'}",
-        f"tracking.dir={tmp_path / 'mlflow'}",
+    cmd = grpo_train_command(
+        tmp_path,
         "model.name=tiny-qwen3.5",
         "train.max_steps=2",
         "rollout.reward_functions=[flow_helpers:varied_reward]",
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        *(a for s in sets for a in ("--set", s)),
-    ]
+    )
     env = grpo_env(tmp_path)
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     output = done.stdout + done.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 import yaml
-from flow_helpers import grpo_env
+from flow_helpers import grpo_env, grpo_train_command
 
 from grpo_core.errors import NothingToTrainError
 from grpo_core.packing import Sample, samples_to_arrow, write_samples_ipc
@@ -174,21 +174,7 @@ def test_trainer_that_runs_out_of_samples_records_fewer_steps_and_why(tmp_path):
 
 def _grpo_train(tmp_path: Path, prefect_api, *overrides: str) -> subprocess.CompletedProcess:
     """``grpo train`` of configs/tiny.yaml with ``overrides``, its flow run on the session's ``prefect_api``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--set",
-        f"train.output_dir={tmp_path / 'runs'}",
-        "--set",
-        f"tracking.dir={tmp_path / 'mlflow'}",
-        "--set",
-        "train.flush_partial_after_s=1",
-        *(a for o in overrides for a in ("--set", o)),
-    ]
+    cmd = grpo_train_command(tmp_path, "train.flush_partial_after_s=1", *overrides)
     env = grpo_env(tmp_path, **prefect_api.client_env())
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from flow_helpers import grpo_env
+from flow_helpers import grpo_env, grpo_train_command
 
 from grpo_core.tracking.metrics import aggregation
 
@@ -189,19 +188,12 @@ def test_a_short_demo_run_logs_every_name_of_the_manual_to_the_file_and_mlflow(t
     from grpo_core.tracking import MetricNames
 
     steps = 2
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        *("--set", f"train.output_dir={tmp_path / 'runs'}"),
-        *("--set", f"tracking.dir={tmp_path / 'mlflow'}"),
-        *("--set", "train.flush_partial_after_s=1"),
-        *("--set", f"train.max_steps={steps}"),
-        *("--set", "rollout.concurrency_poll_s=0.5"),  # the server's load is polled within a short step
-    ]
+    cmd = grpo_train_command(
+        tmp_path,
+        "train.flush_partial_after_s=1",
+        f"train.max_steps={steps}",
+        "rollout.concurrency_poll_s=0.5",  # the server's load is polled within a short step
+    )
     env = grpo_env(tmp_path, **prefect_api.client_env())
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from flow_helpers import grpo_train_command
 
 import packer_rs
 from grpo_core.config import RunConfig, load_config
@@ -155,7 +156,7 @@ def test_grpo_validate_notes_what_only_the_runs_own_hosts_need(tmp_path, monkeyp
             assert "train.nnodes=2 needs GRPO_RUN_TOKEN" in notes[0] and "it is not set" in notes[0], notes
         assert "config error" not in output and "valid" in output
     # grpo train as a user runs it: its own process, refused before any flow or server starts
-    train = [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY), *where, *cases["vllm"]]
+    train = grpo_train_command(tmp_path, *(s for s in cases["vllm"] if s != "--set"))
     done = _run(train, cwd=tmp_path, drop=("GRPO_RUN_TOKEN",))
     assert done.returncode == 2, done.stderr  # a config error: refused before any flow or server starts
     assert "config error: server.backend is 'vllm'" in done.stderr and "pip install vllm" in done.stderr

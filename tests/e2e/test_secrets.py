@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from flow_helpers import grpo_env
+from flow_helpers import grpo_env, grpo_train_command
 
 from grpo_core.config import RunConfig, load_config
 from grpo_core.errors import ConfigError
@@ -177,25 +177,15 @@ def test_a_run_with_secrets_leaves_them_in_no_param_log_or_file(tmp_path, mlflow
     from mlflow.tracking import MlflowClient
 
     uri = f"http://grpo:{PASSWORD}@127.0.0.1:{mlflow_server}"
-    sets = [
-        f"train.output_dir={tmp_path / 'runs'}",
-        f"tracking.dir={tmp_path / 'mlflow'}",
+    cmd = grpo_train_command(
+        tmp_path,
         f"tracking.tracking_uri={uri}",
         f"server.extra_args=[--api-key, {API_KEY}, --hf-token={HF_TOKEN}]",
         "train.max_steps=1",
         "train.flush_partial_after_s=1",
         "rollout.dataset_size=4",
         f"rollout.chat_template_kwargs={{enable_thinking: false, hf_token: {DICT_SECRETS[1]}}}",
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        *(a for s in sets for a in ("--set", s)),
-    ]
+    )
     env = grpo_env(tmp_path, PREFECT_LOGGING_LEVEL="DEBUG")
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
     output = done.stdout + done.stderr

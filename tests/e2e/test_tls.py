@@ -21,6 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from flow_helpers import grpo_train_command
 from serving_helpers import TINY
 
 from grpo_core.config import RunConfig, TLSConfig
@@ -310,19 +311,14 @@ def test_a_grpo_train_runs_over_tls(pki, tmp_path):
     import json
     import os
     import subprocess
-    import sys
 
-    root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(root / "configs" / "tiny.yaml")]
-    for override in (
-        f"train.output_dir={tmp_path / 'runs'}",
-        f"tracking.dir={tmp_path / 'mlflow'}",
+    cmd = grpo_train_command(
+        tmp_path,
         "train.max_steps=2",
         f"tls.cert_file={pki['cert']}",
         f"tls.key_file={pki['key']}",
         f"tls.ca_file={pki['ca']}",
-    ):
-        cmd += ["--set", override]
+    )
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
     env.pop(TLS_CA_ENV, None)
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)

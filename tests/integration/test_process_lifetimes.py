@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from flow_helpers import grpo_train_command
 from trainer_helpers import ROOT, trainer_config, write_samples
 from waiting import wait_until
 
@@ -198,22 +199,7 @@ def test_ctrl_c_of_grpo_train_records_the_crash_and_ends_every_process(tmp_path)
     # was in that group, died first, and the flow retried its final state on the dead API for minutes (seen on
     # the H200: a stopped run needed SIGKILL, 60 s after SIGTERM to the group).
     out = tmp_path / "runs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "flows.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs" / "tiny.yaml"),
-        "--set",
-        f"train.output_dir={out}",
-        "--set",
-        f"tracking.dir={tmp_path / 'mlflow'}",
-        "--set",
-        "train.max_steps=10000",
-        "--set",
-        "rollout.num_epochs=null",
-    ]
+    cmd = grpo_train_command(tmp_path, "train.max_steps=10000", "rollout.num_epochs=null")  # its runs: `out`
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),

@@ -13,8 +13,9 @@ otherwise start for itself; a run gets it through ``prefect_api.client_env()`` i
 from __future__ import annotations
 
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -135,16 +136,48 @@ def stop_shared_api() -> None:
         server.stop()
 
 
-def tiny_overrides(tmp: Path) -> list[str]:
-    """``--set`` overrides turning configs/tiny.yaml into the tests' run (own folders, a reward with variance).
+VARIED = ("rollout.reward_functions=[flow_helpers:varied_reward]", "rollout.dataset_size=256")
+"""Overrides of configs/tiny.yaml: a reward with variance in every group (every prompt trains), 256 prompts.
 
-    The reward is imported by name in the flow and rollout processes: the tests put ``tests/support/`` on PYTHONPATH.
+The reward is imported by name in the flow and rollout processes: the tests put ``tests/support/`` on PYTHONPATH."""
+
+
+def tiny_overrides(tmp: Path) -> list[str]:
+    """``--set`` overrides turning configs/tiny.yaml into the tests' run: own folders under ``tmp`` (``runs``,
+    ``mlflow``, as :func:`grpo_train_command` writes them) and :data:`VARIED`."""
+    return [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}", *VARIED]
+
+
+TINY = ROOT / "configs" / "tiny.yaml"
+"""The config of the tests' whole runs."""
+
+
+def grpo_train_command(tmp_path: Path, *overrides: str, config: Path = TINY, options: Sequence[str] = ()) -> list[str]:
+    """The command line of a ``grpo train`` that a test starts as a subprocess (``python -m flows.cli train``).
+
+    The run's output and MLflow store go under the test's folder (``--set train.output_dir=<tmp_path>/runs``,
+    ``--set tracking.dir=<tmp_path>/mlflow``), then each of ``overrides`` as a ``--set`` of its own, in order (a later
+    one of the same key wins, as on the command line). Run it with ``env=grpo_env(tmp_path, ...)``.
+
+    Args:
+        tmp_path: the test's folder; the run writes ``tmp_path / "runs"`` and ``tmp_path / "mlflow"``.
+        *overrides: ``key=value`` overrides of the config (``"train.max_steps=2"``), without ``--set``.
+        config: the run's config file; configs/tiny.yaml unless given.
+        options: other options of ``grpo train`` (``("--retries", "3")``), placed before the ``--set``s.
+
+    Returns:
+        A new list of arguments for ``subprocess.run``/``Popen``, starting with this interpreter.
     """
+    sets = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}", *overrides]
     return [
-        f"train.output_dir={tmp / 'runs'}",
-        f"tracking.dir={tmp / 'mlflow'}",
-        "rollout.reward_functions=[flow_helpers:varied_reward]",
-        "rollout.dataset_size=256",
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(config),
+        *options,
+        *(arg for override in sets for arg in ("--set", override)),
     ]
 
 
