@@ -189,7 +189,7 @@ def run_flow(name: str, args: argparse.Namespace) -> dict:
 #: Log lines that mark a start-up phase or a step (flow, server, rollout and trainer logs).
 TIMELINE = re.compile(
     r"Beginning flow run|Finished in state|healthy|Application startup complete|started the rollout"
-    r"|Flight server listening|compiled \d+ length buckets|step \d+:|checkpoint step|Traceback"
+    r"|Flight server listening|compiled length bucket|step \d+:|checkpoint step|Traceback"
     r"|Error|rank \d+.*(loaded|ready)|Starting vLLM|torch.compile|CUDA graph|init engine|KV cache"
 )
 

@@ -287,7 +287,9 @@ class TrainConfig(_Strict):
     None = 4096 on CUDA, 1024 on CPU."""
     length_buckets: int = Field(default=4, ge=1)
     """With compiled layers (and on CUDA): rows are padded to one of this many lengths up to the token budget
-    (static shapes); each length is compiled before the first step."""
+    (static shapes). The top length (every full row) is compiled before the first step, a smaller one when a row
+    first needs it (a step's last, partial row; logged with its seconds, ``perf/compile_s``); more lengths pad
+    less and compile more often."""
     weight_sync_steps: int = Field(default=1, ge=1)
     """Optimizer steps between weight syncs to the servers (each sync = one policy version)."""
     save_steps: int = Field(default=50, ge=1)

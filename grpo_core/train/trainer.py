@@ -2,8 +2,9 @@
 
 Every rank runs :class:`Trainer`; rank 0 also owns the :class:`Planner` (data),
 the metrics sink, weight-sync traffic and checkpoint metadata. Before the first
-step (also after a resume) every length bucket is compiled (:meth:`Trainer.warmup`); a trainer the flow starts
-before the servers are healthy compiles before its sample source and weight sync are up (``grpo_core.run.startup``).
+step (also after a resume) the top length bucket is compiled (:meth:`Trainer.warmup`), a smaller one when a row first
+needs it; a trainer the flow starts before the servers are healthy compiles before its sample source and weight sync
+are up (``grpo_core.run.startup``).
 One step: ``collect_step`` (rank 0 plans, every rank receives its rows over the CPU
 control group) → ``forward_backward`` per micro-batch (the fused log-prob head) →
 ``optimizer_step`` → ``sync_weights`` (every ``weight_sync_steps``) → ``save`` (every
@@ -178,7 +179,9 @@ class Trainer:
         self.pending: tuple | None = None  # (stats, planned, host-side values) of the step not yet logged
         self.last_end = None  # clock mark at the end of the previous step
         self.warmup_s: float | None = None
-        self._warm = False  # every bucket compiled (warmup ran)
+        self._warm = False  # the warm-up ran (the top bucket compiled)
+        self._compiled_lengths: set[int] = set()  # the length buckets compiled in this process
+        self.compile_s = 0.0  # seconds compiling buckets on their first use during the current step
         self.first_step_s: float | None = None  # command start → this process's first optimizer step (logged once)
         self.graphs = 0  # compiled graphs seen so far (see compiled_graphs)
         self.step, self.policy_version = 0, 0
@@ -329,22 +332,51 @@ class Trainer:
 
     # -- warm-up -------------------------------------------------------------------------
     def warmup(self) -> float:
-        """Compile every length bucket before the first step (also after a resume); returns seconds.
+        """Compile the top length bucket before the first step (also after a resume); returns seconds.
 
-        Each bucket gets one forward/backward of a synthetic row of that length
-        (:func:`~grpo_core.train.rows.synthetic_row`) on every rank; the smallest one
-        also with a single loss term (compilers specialise sizes 0 and 1). The gradients
-        are discarded; parameters, optimizer and RNG state are untouched.
+        Rows are packed up to the token budget, so every full row pads to the top bucket; a smaller bucket is met
+        only by a step's last, partial row, and some never are (a run whose samples are all long, a budget that
+        a few samples fill). Those are compiled when a row first needs one (:meth:`_compile_on_first_use`), so a
+        run compiles the shapes it uses and no other. With the log-prob head compiled (CUDA) the top bucket's
+        forward also runs with a second number of loss terms and with one (compilers specialise sizes 0 and 1,
+        then make the terms dimension dynamic), so the head is warm for every row. Each shape gets one
+        forward/backward of a synthetic row (:func:`~grpo_core.train.rows.synthetic_row`) on every rank; the
+        gradients are discarded; parameters, optimizer and RNG state are untouched.
         """
         if self._warm:  # done already (a trainer started before its servers compiles while they start)
             return 0.0
         self._warm = True
         if not self.compiled or not self.buckets:
             return 0.0
+        top = self.buckets[-1]
+        shapes = [(top, top - 1)]
+        if self.policy.compile_head and top > 4:
+            shapes += [(top, top // 2), (top, 1)]
+        self.warmup_s = self._compile_shapes(shapes)
+        self._compiled_lengths.add(top)
+        self.graphs = compiled_graphs()
+        later = [b for b in self.buckets if b != top]
+        logger.info(
+            "compiled length bucket %d (the top: full rows) in %.1f s; %s compile when a row first needs them",
+            top,
+            self.warmup_s,
+            f"buckets {later}" if later else "no other bucket",
+        )
+        self._mark("compiled")
+        return self.warmup_s
+
+    def _compile_shapes(self, shapes: list[tuple[int, int]]) -> float:
+        """One forward/backward of a synthetic row per ``(length, loss terms)`` (collective: every rank runs the
+        same shapes in the same order, FSDP2 gathering and reducing inside them); returns seconds.
+
+        Safe between the micro-batches of a step: the synthetic loss is multiplied by 0 (the gradients it adds are
+        zeros) and a parameter that had no gradient before has none after, so the step's update is unchanged.
+        """
         t0 = time.perf_counter()
         rollout = self.cfg.rollout
         vocab = self.policy.base().get_output_embeddings().weight.shape[0]
-        shapes = [(length, length - 1) for length in self.buckets] + [(self.buckets[0], 1)]
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        had_grad = [p.grad is not None for p in params]
         for length, num_terms in shapes:
             rt = synthetic_row(
                 length,
@@ -356,15 +388,40 @@ class Trainer:
             )
             if self.flex is not None:
                 rt.tree_mask = self.flex.build(rt.tree_mask.subtree_end, length)
-            self.policy.grpo_loss(rt, self.loss_settings, float(num_terms), self.reference_logprobs(rt)).loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
+            loss = self.policy.grpo_loss(rt, self.loss_settings, float(num_terms), self.reference_logprobs(rt)).loss
+            (loss * 0.0).backward()
+        for p, had in zip(params, had_grad):
+            if not had:
+                p.grad = None
         if self.world.device.type == "cuda":
             torch.cuda.synchronize(self.world.device)
-        self.warmup_s = time.perf_counter() - t0
-        self.graphs = compiled_graphs()
-        logger.info("compiled %d length buckets %s in %.1f s", len(self.buckets), list(self.buckets), self.warmup_s)
-        self._mark("compiled")
-        return self.warmup_s
+        return time.perf_counter() - t0
+
+    def _compile_on_first_use(self, length: int) -> None:
+        """Compile the length buckets that this micro-batch's rows meet for the first time, on every rank.
+
+        Ranks' rows differ in length, yet a compile runs a forward/backward (FSDP2 collectives): the ranks agree
+        on the buckets first (the maximum over ranks of each bucket's "needed" flag, over the CPU control group,
+        while some bucket is not compiled yet), then every rank compiles the same buckets in ascending order.
+        Every rank calls this once per micro-batch (:meth:`_tensors`), so the agreement itself stays in step.
+        Each bucket is compiled once per process and logged with its seconds; they add up in
+        ``perf/compile_s`` of the step, and their graphs are not counted in ``perf/recompile_count``.
+        """
+        if not self.compiled or self.buckets is None or len(self._compiled_lengths) == len(self.buckets):
+            return
+        need = torch.tensor([b == length and b not in self._compiled_lengths for b in self.buckets], dtype=torch.int64)
+        if self.world.world_size > 1:
+            torch.distributed.all_reduce(need, torch.distributed.ReduceOp.MAX, group=self.world.control)
+        graphs = compiled_graphs()
+        for b, needed in zip(self.buckets, need.tolist()):
+            if needed:
+                seconds = self._compile_shapes([(b, b - 1)])
+                self._compiled_lengths.add(b)
+                self.compile_s += seconds
+                logger.info(
+                    "compiled length bucket %d on its first use, at step %d, in %.1f s", b, self.step + 1, seconds
+                )
+        self.graphs += compiled_graphs() - graphs
 
     # -- one step ------------------------------------------------------------------------
     def sync_servers(self, why: str) -> None:
@@ -495,7 +552,9 @@ class Trainer:
         :meth:`forward_backward`)."""
         if self.buckets is None:
             return to_tensors(row, self.world.device)
-        return to_tensors(row, self.world.device, bucket_length(max(row.num_forwarded, 1), self.buckets))
+        length = bucket_length(max(row.num_forwarded, 1), self.buckets)
+        self._compile_on_first_use(length)
+        return to_tensors(row, self.world.device, length)
 
     def loss_normalisers(self, terms: list[int]) -> list[float]:
         """Each micro-batch's loss divisor on this rank from the step's loss terms per micro-batch summed over ranks
@@ -706,9 +765,11 @@ class Trainer:
             )
         stats = reduce_step(local, opt.pop("grad_norm"), self.world.device)
         stats.marks = marks
-        if self.compiled:  # graphs compiled during this step (0 once every bucket is warm)
+        if self.compiled:  # graphs compiled during this step other than buckets met for the first time (0)
             graphs, self.graphs = self.graphs, compiled_graphs()
             opt["perf/recompile_count"] = self.graphs - graphs
+            if self.compile_s > 0:
+                opt["perf/compile_s"], self.compile_s = self.compile_s, 0.0
         self.pending = (self.step, stats, planned, {**opt, **sync}, collect_s, self._pad_frac(planned))
         if self.step % self.cfg.train.save_steps == 0 and not skipped:
             self.flush_log()
