@@ -1,7 +1,7 @@
 """A run's start-up, overlapped: the trainer loads and compiles while the servers start (issue 25, item 6).
 
 The flow starts the trainer right after the run is prepared, before the generation servers are healthy; the
-trainer builds its model and compiles every length bucket, then waits for the run's inputs — the servers' URLs and
+trainer builds its model and compiles the top length bucket, then waits for the run's inputs — the servers' URLs and
 the rollout process's Arrow Flight location — which the flow writes to ``<run_dir>/trainer_inputs.json``
 (:data:`~grpo_core.run.layout.TRAINER_INPUTS`, :func:`write_inputs`) once the servers are healthy and the rollout
 serves. A server that never becomes healthy fails the flow as before (``provision_servers``), and the flow stops
