@@ -45,9 +45,10 @@ fmt: $(STAMPS)/lint
 # Tests in two tiers (CONTRIBUTING.md, Test tiers): `make test` is the default tier (Rust, then every Python test
 # not marked slow); `make test-slow` runs the tests marked slow (full flow runs, seeded chaos, multi-node, network
 # namespaces, the browser, compile, benchmark smokes). CI runs both.
-# The default tier's Python tests run on TEST_WORKERS pytest-xdist workers (--dist loadgroup: the tests of one shared
-# server stay on one worker, tests/conftest.py), then those marked serial (wall-clock bounds, a port given up and
-# taken again) alone in a second, short pass; TEST_WORKERS=0 runs it all in one process.
+# Each tier's Python tests run on TEST_WORKERS pytest-xdist workers (--dist loadgroup: the tests of one shared
+# server stay on one worker, and a file's tests on one, tests/conftest.py), then those marked serial (wall-clock
+# bounds, a port given up and taken again) alone in a second, short pass (a tier with none passes: pytest's exit 5,
+# no test collected); TEST_WORKERS=0 runs it all in one process.
 TEST_WORKERS ?= 2
 test: test-rust test-python
 
@@ -59,7 +60,8 @@ test-python: $(STAMPS)/install models
 	$(PY) -m pytest -q -m "not slow and serial" --durations=10
 
 test-slow: $(STAMPS)/install $(STAMPS)/chromium models
-	$(PY) -m pytest -q -m slow --durations=25
+	$(PY) -m pytest -q -m "slow and not serial" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) --durations=25
+	$(PY) -m pytest -q -m "slow and serial" --durations=10 || [ $$? = 5 ]
 
 # The registry models the tests load, built once into the tests' cache (.cache, tests/conftest.py) before any test
 # runs, so that no test's time or timeout includes a conversion or a random build (each is reused afterwards).

@@ -14,7 +14,9 @@ from trainer_helpers import ROOT
 from grpo_core.config import load_config
 from grpo_core.models import resolve_model_dir
 
-pytestmark = pytest.mark.slow
+# serial: the /pause case asserts a race's outcome (the pause, sent once 8 tokens are out, reaches the server before
+# the other ~190 of the 200 are): alone on the box, not beside the other worker's whole run.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 def test_long_generation_sync_runs_on_cpu_with_the_trainers_policy(tmp_path):
