@@ -86,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         "train.lora.enabled=false",
     ]
     cfg = load_config(args.config, (CPU_SMOKE if args.cpu_smoke else []) + overrides + args.set)
+    if cfg.server.backend == "vllm" and cfg.server.weight_transfer_backend is None:
+        p.error(
+            f"{args.config}: server.weight_transfer_backend is null (a LoRA config: only the adapter travels, "
+            "through files); this benchmark times full-weight syncs: use a config with 'ipc' or 'nccl', and "
+            "`scripts/gpu_main_job.sh e2e=1xh200-lora` for the adapter's sync"
+        )
     handles = provision(cfg)
     rows: list[dict[str, float]] = []
     try:
