@@ -61,6 +61,7 @@ SERVER_LAUNCH_FIELDS = (
     "api_server_count",
     "gpu_memory_utilization",
     "enforce_eager",
+    "log_engine_stats",
     "embedded_num_threads",
     "max_pause_s",
     "extra_args",
@@ -71,7 +72,14 @@ SERVER_LAUNCH_FIELDS = (
 EMBEDDED_ONLY_FIELDS = ("embedded_num_threads",)
 
 
-VLLM_ONLY_FIELDS = ("tensor_parallel_size", "api_server_count", "gpu_memory_utilization", "enforce_eager", "extra_args")
+VLLM_ONLY_FIELDS = (
+    "tensor_parallel_size",
+    "api_server_count",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "log_engine_stats",
+    "extra_args",
+)
 
 
 DEPLOYMENT_ONLY_FIELDS = ("advertise_host", "lifeline_timeout_s")
@@ -177,6 +185,11 @@ class ServerConfig(_ServerKey):
     """Fraction of GPU memory vLLM may use (``--gpu-memory-utilization``)."""
     enforce_eager: bool = False
     """vLLM ``--enforce-eager`` (no CUDA graphs; faster start, slower decode)."""
+    log_engine_stats: bool = False
+    """vLLM's periodic stats line in each replica's log ("Engine 000: Avg prompt throughput ...", every
+    ``VLLM_LOG_STATS_INTERVAL`` seconds, 10 by default). False = not logged (``VLLM_LOG_STATS_INTERVAL`` set to a
+    day, unless the environment sets it): the counters behind it still run, since ``/metrics``, which the rollout
+    reads for KV-cache use and running requests, needs them (``--disable-log-stats`` would empty it)."""
     weight_transfer_backend: Literal["nccl", "ipc"] | None = "nccl"
     """vLLM ``--weight-transfer-config`` backend for full-weight sync; None = no weight transfer."""
     max_loras: int | None = Field(default=None, ge=1)

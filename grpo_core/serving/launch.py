@@ -318,6 +318,11 @@ def choose_backend(config: RunConfig) -> str:
     return "embedded"
 
 
+#: ``VLLM_LOG_STATS_INTERVAL`` when ``server.log_engine_stats`` is off: a day between vLLM's stats lines (0 or less
+#: means vLLM's default of 10 s, so "never" is written as a long interval).
+ENGINE_STATS_QUIET_S = 86_400
+
+
 def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -> LaunchSpec:
     """The ``vllm serve`` command line and environment of one replica.
 
@@ -376,6 +381,8 @@ def vllm_command(config: RunConfig, replica: int = 0, port: int | None = None) -
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "60",
         **guard_env(config),
     }
+    if not server.log_engine_stats and not os.environ.get("VLLM_LOG_STATS_INTERVAL"):
+        env["VLLM_LOG_STATS_INTERVAL"] = str(ENGINE_STATS_QUIET_S)  # no stats line; /metrics still counts
     if not os.environ.get("VLLM_CACHE_ROOT"):  # vLLM's compile cache, kept between runs (a value the user set wins)
         env["VLLM_CACHE_ROOT"] = str(config.model.resolved_cache_dir() / "vllm")
     if server.tensor_parallel_size > 1:

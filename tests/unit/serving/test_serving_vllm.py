@@ -57,6 +57,20 @@ def test_base_command_line_and_env():
     assert "--enable-lora" not in argv and "--return-sampling-mask" not in argv
 
 
+def test_engine_stats_lines_are_off_unless_asked_and_metrics_stay(monkeypatch):
+    """vLLM 0.25.1 logs its stats line every VLLM_LOG_STATS_INTERVAL seconds (a value <= 0 means its default, 10 s;
+    vllm/envs.py) and --disable-log-stats would also drop the Prometheus logger behind /metrics
+    (vllm/v1/engine/async_llm.py: no StatLoggerManager), which the rollout reads: only the interval may change."""
+    monkeypatch.delenv("VLLM_LOG_STATS_INTERVAL", raising=False)
+    quiet = vllm_command(config(port=8100))
+    assert float(quiet.env["VLLM_LOG_STATS_INTERVAL"]) >= 86_400  # at most one line a day
+    assert "--disable-log-stats" not in quiet.argv
+    asked = vllm_command(config(port=8100, log_engine_stats=True))
+    assert "VLLM_LOG_STATS_INTERVAL" not in asked.env and "--disable-log-stats" not in asked.argv  # vLLM's 10 s
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "30")  # the user's own interval wins: the child inherits it
+    assert "VLLM_LOG_STATS_INTERVAL" not in vllm_command(config(port=8100)).env
+
+
 @pytest.mark.parametrize("rank, expected", [(1, 1), (4, 8), (8, 8), (17, 32), (300, 320), (512, 512)])
 def test_lora_rank_is_next_allowed_value(rank, expected):
     assert max_lora_rank_for(rank) == expected
