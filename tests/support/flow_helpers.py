@@ -145,7 +145,12 @@ The reward is imported by name in the flow and rollout processes: the tests put 
 def tiny_overrides(tmp: Path) -> list[str]:
     """``--set`` overrides turning configs/tiny.yaml into the tests' run: own folders under ``tmp`` (``runs``,
     ``mlflow``, as :func:`grpo_train_command` writes them) and :data:`VARIED`."""
-    return [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}", *VARIED]
+    return [*run_folders(tmp), *VARIED]
+
+
+def run_folders(tmp: Path) -> list[str]:
+    """The overrides that put a test run's output (``<tmp>/runs``) and MLflow store (``<tmp>/mlflow``) under ``tmp``."""
+    return [f"train.output_dir={tmp / 'runs'}", f"tracking.dir={tmp / 'mlflow'}"]
 
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -168,7 +173,7 @@ def grpo_train_command(tmp_path: Path, *overrides: str, config: Path = TINY, opt
     Returns:
         A new list of arguments for ``subprocess.run``/``Popen``, starting with this interpreter.
     """
-    sets = [f"train.output_dir={tmp_path / 'runs'}", f"tracking.dir={tmp_path / 'mlflow'}", *overrides]
+    sets = [*run_folders(tmp_path), *overrides]
     return [
         sys.executable,
         "-m",
